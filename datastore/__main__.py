@@ -1,0 +1,5 @@
+import sys
+
+from datastore.cli import main
+
+sys.exit(main())

@@ -1,0 +1,50 @@
+"""The ``datastore`` command: one entry point, a subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from staging import cli as stage_cli
+
+__all__ = ["main"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="datastore",
+        description="Stage datasets to node-local storage and feed them to distributed trainers.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    stage_cli.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("datastore: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # the last line of defence: one line, and no rank left hanging
+        if os.environ.get("DATASTORE_DEBUG"):
+            traceback.print_exc()
+        print(f"datastore {args.command}: internal error: {type(exc).__name__}: {exc} "
+              "(set DATASTORE_DEBUG=1 for the traceback)", file=sys.stderr)
+        _abort_peers()
+        return 1
+
+
+def _abort_peers() -> None:
+    """Under MPI, take every other rank down with this one rather than leave them waiting."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

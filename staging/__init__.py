@@ -1,0 +1,1 @@
+"""Verified, resumable, MPI-parallel staging from a parallel filesystem to node-local storage."""

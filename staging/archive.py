@@ -1,0 +1,230 @@
+"""Tar archives as staging sources: kinds, member listing, and the safety check.
+
+Every member list is validated as a whole (``check_members``, a pure function) before any byte
+of the archive is written, so an archive with one hostile member is rejected entirely.
+Uncompressed tars are indexed by seeking over headers: each member is a byte range of the
+archive that the copy engine reads in parallel. Compressed tars (gzip, zstd) are scanned once
+to validate, then extracted in one sequential pass.
+"""
+
+from __future__ import annotations
+
+import gzip
+import posixpath
+import tarfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import zstandard
+
+__all__ = [
+    "ArchiveError",
+    "Member",
+    "archive_kind",
+    "check_members",
+    "list_members",
+    "normalize_name",
+    "open_stream",
+]
+
+RESERVED = ".datastore"
+_SUFFIXES = {".tar": "tar", ".tar.gz": "gz", ".tgz": "gz", ".tar.zst": "zst", ".tzst": "zst"}
+_MAGIC = {"gz": b"\x1f\x8b", "zst": b"\x28\xb5\x2f\xfd"}
+
+
+class ArchiveError(Exception):
+    """An archive that must not be (or cannot be) unpacked; names the archive and member."""
+
+    def __init__(self, archive: str, reason: str, member: str | None = None):
+        self.archive, self.reason, self.member = archive, reason, member
+        where = f"member {member!r}: " if member is not None else ""
+        super().__init__(f"{archive}: {where}{reason}")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One tar member, its name already normalized.
+
+    ``kind`` is ``"file"``, ``"dir"``, ``"symlink"``, ``"hardlink"`` or ``"special"``.
+    ``offset`` is where its data starts in an uncompressed archive (``None`` when compressed).
+    """
+
+    name: str
+    kind: str
+    size: int = 0
+    mtime: int = 0
+    mode: int = 0o644
+    link: str = ""
+    offset: int | None = None
+    sparse: bool = False
+
+
+def archive_kind(path: str) -> str | None:
+    """``"tar"``, ``"gz"`` or ``"zst"`` from the file name; ``None`` if not an archive."""
+    low = path.lower()
+    for suffix, kind in _SUFFIXES.items():
+        if low.endswith(suffix):
+            return kind
+    return None
+
+
+def normalize_name(raw: str) -> str:
+    """Strip ``./`` and repeated slashes; keep ``..`` and a leading ``/`` for the check to see."""
+    lead = "/" if raw.startswith("/") else ""
+    parts = [p for p in raw.split("/") if p not in ("", ".")]
+    return lead + "/".join(parts)
+
+
+def _resolve(path: str, symlinks: dict[str, str], depth: int = 0) -> str | None:
+    """Resolve ``path`` inside DEST, following symlink members; ``None`` if it leaves DEST."""
+    if depth > 40:
+        return None
+    out: list[str] = []
+    parts = path.split("/")
+    for i, part in enumerate(parts):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not out:
+                return None
+            out.pop()
+            continue
+        out.append(part)
+        here = "/".join(out)
+        if here in symlinks:
+            target = symlinks[here]
+            if target.startswith("/"):
+                return None
+            base = posixpath.dirname(here)
+            rest = "/".join(parts[i + 1 :])
+            joined = posixpath.join(base, target, rest) if rest else posixpath.join(base, target)
+            return _resolve(joined, symlinks, depth + 1)
+    return "/".join(out)
+
+
+def check_members(archive: str, members: list[Member]) -> None:
+    """Raise ``ArchiveError`` naming the first member that could write outside DEST or clobber.
+
+    Rejected: absolute names, ``..`` components, the reserved ``.datastore`` directory, device
+    and FIFO nodes, symlinks resolving outside DEST, hardlinks to anything but an earlier regular
+    member, members whose path runs through a symlink member, and a non-directory member whose
+    name is another member's directory.
+    """
+    symlinks: dict[str, str] = {}
+    files_seen: set[str] = set()
+    for m in members:
+        name = m.name
+        if name.startswith("/"):
+            raise ArchiveError(archive, "absolute path", name)
+        parts = name.split("/")
+        if ".." in parts:
+            raise ArchiveError(archive, "'..' path component", name)
+        if parts[0] == RESERVED:
+            raise ArchiveError(archive, f"writes into the reserved {RESERVED}/ directory", name)
+        if m.kind == "special":
+            raise ArchiveError(archive, "device or FIFO node", name)
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent in symlinks:
+                raise ArchiveError(archive, f"path runs through symlink member {parent!r}", name)
+        if m.kind == "symlink":
+            if m.link.startswith("/"):
+                raise ArchiveError(archive, f"symlink to absolute path {m.link!r}", name)
+            target = posixpath.join(posixpath.dirname(name), m.link)
+            if _resolve(target, symlinks) is None:
+                raise ArchiveError(archive, f"symlink {m.link!r} points outside DEST", name)
+            symlinks[name] = m.link
+        elif m.kind == "hardlink":
+            link = normalize_name(m.link)
+            if link not in files_seen:
+                raise ArchiveError(
+                    archive, f"hardlink to {m.link!r}, not an earlier file of this archive", name
+                )
+        if m.kind in ("file", "hardlink"):
+            files_seen.add(name)
+    dirs = {m.name for m in members if m.kind == "dir"}
+    for m in members:
+        parts = m.name.split("/")
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    for m in members:
+        if m.kind != "dir" and m.name in dirs:
+            raise ArchiveError(archive, "would overwrite a directory of another member", m.name)
+
+
+def _member(info: tarfile.TarInfo, offsets: bool) -> Member | None:
+    name = normalize_name(info.name)
+    if not name:
+        return None  # the archive's "./" root entry
+    if info.isdir():
+        kind = "dir"
+    elif info.issym():
+        kind = "symlink"
+    elif info.islnk():
+        kind = "hardlink"
+    elif info.isreg():
+        kind = "file"
+    else:
+        kind = "special"
+    return Member(
+        name=name,
+        kind=kind,
+        size=info.size if kind == "file" else 0,
+        mtime=int(info.mtime),
+        mode=info.mode & 0o7777,
+        link=info.linkname,
+        offset=info.offset_data if offsets and kind == "file" else None,
+        sparse=info.issparse(),
+    )
+
+
+@contextmanager
+def open_stream(path: str, kind: str) -> Iterator[BinaryIO]:
+    """The decompressed byte stream of a ``"gz"`` or ``"zst"`` archive."""
+    with open(path, "rb") as raw:
+        magic = raw.read(4)
+        raw.seek(0)
+        if not magic.startswith(_MAGIC[kind]):
+            raise ArchiveError(path, f"not a {kind} file (bad magic bytes)")
+        if kind == "gz":
+            with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+                yield stream
+        else:
+            dctx = zstandard.ZstdDecompressor()
+            with dctx.stream_reader(raw, read_across_frames=True, closefd=False) as stream:
+                yield stream
+
+
+DECODE_ERRORS = (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile)
+
+
+def list_members(path: str, kind: str, size: int) -> list[Member]:
+    """Every member of the archive at ``path`` (``size`` bytes), validated by ``check_members``.
+
+    Raises ``ArchiveError`` for truncated or corrupt archives as well as unsafe ones.
+    """
+    members: list[Member] = []
+    try:
+        if kind == "tar":
+            with tarfile.open(path, mode="r:") as tf:
+                for info in tf:
+                    m = _member(info, offsets=True)
+                    if m is None:
+                        continue
+                    if m.kind == "file" and m.offset + m.size > size:
+                        raise ArchiveError(path, "truncated: data runs past end of file", m.name)
+                    members.append(m)
+        else:
+            with open_stream(path, kind) as stream, tarfile.open(fileobj=stream, mode="r|") as tf:
+                for info in tf:
+                    m = _member(info, offsets=False)
+                    if m is not None:
+                        members.append(m)
+    except DECODE_ERRORS as exc:
+        raise ArchiveError(path, f"corrupt or truncated archive ({exc or type(exc).__name__})") from exc
+    if not members:
+        raise ArchiveError(path, "no members: empty, corrupt or not a tar archive")
+    check_members(path, members)
+    return members

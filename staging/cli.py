@@ -1,0 +1,93 @@
+"""The ``datastore stage`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from staging.config import MODES, StageConfig, default_streams
+from staging.stage import EXIT
+
+__all__ = ["add_parser", "run"]
+
+EPILOG = """\
+exit codes:
+  0  everything staged (or verified) as asked
+  1  staging failed: an I/O error, a destination locked by another run, or a failed rank
+  2  bad input: usage error, a missing or unreadable source, an unsafe or corrupt archive
+     (the other sources are still staged)
+  3  not enough free space in DEST (checked before anything is copied)
+  4  --verify found missing or changed files
+
+examples:
+  datastore stage /lustre/proj/cosmo.tar.zst /lustre/proj/labels --to /l/ssd/cosmo
+  mpiexec -n 8 datastore stage /gpfs/ds --to /l/ssd/ds --mode shard
+  datastore stage --verify --to /l/ssd/cosmo
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "stage",
+        help="copy and unpack datasets to node-local storage: parallel, atomic, verified, resumable",
+        description="Copy files, directories and tar archives (.tar, .tar.gz/.tgz, .tar.zst) "
+        "from a parallel filesystem to node-local storage. Archives are unpacked into DEST. "
+        "Under mpiexec or srun the ranks of a node share the work, and every node gets the "
+        "dataset (--mode replicate) or a byte-balanced share of it (--mode shard).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("sources", nargs="*", metavar="SRC", help="files, directories or tar archives")
+    p.add_argument("--to", dest="dest", required=True, metavar="DEST",
+                   help="destination directory; '{node}' in it becomes the node index")
+    p.add_argument("--streams", type=int, default=0, metavar="N",
+                   help=f"parallel I/O streams per rank (default here: {default_streams()})")
+    p.add_argument("--no-unpack", action="store_true", help="copy archives as they are")
+    p.add_argument("--mode", choices=MODES, default="replicate",
+                   help="replicate: every node gets everything (default); shard: node k of K "
+                   "gets a byte-balanced k-th share, recorded in the manifest")
+    p.add_argument("--checksum", choices=("xxh3", "blake2b", "none"), default="xxh3",
+                   help="hash computed while copying (default xxh3); 'none' lets the kernel "
+                   "copy (copy_file_range) and --verify then checks sizes only")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list what would be copied, the bytes, and an estimated time")
+    p.add_argument("--verify", action="store_true",
+                   help="re-hash DEST against its manifest (with SRC: after staging)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                   help="group ranks into nodes by rank // N instead of by shared memory")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = StageConfig(
+            dest=args.dest, sources=tuple(args.sources), streams=args.streams,
+            unpack=not args.no_unpack, mode=args.mode, checksum=args.checksum,
+            dry_run=args.dry_run, verify=args.verify, json=args.json, quiet=args.quiet,
+            ranks_per_node=args.ranks_per_node,
+        )
+    except ValueError as exc:
+        print(f"datastore stage: error: {exc}", file=sys.stderr)
+        return EXIT["bad_input"]
+    from staging.cluster import world
+
+    comm = world()
+    if cfg.dry_run:
+        if comm.Get_rank() != 0:
+            return EXIT["ok"]
+        from staging.dryrun import dry_run
+
+        return dry_run(cfg)
+    code = EXIT["ok"]
+    if cfg.sources:
+        from staging.stage import stage
+
+        code = stage(cfg, comm)
+    if cfg.verify and code == EXIT["ok"]:
+        from staging.verify import verify_command
+
+        code = verify_command(cfg, comm)
+    return code

@@ -1,0 +1,96 @@
+"""Where this process stands in the job: ranks, nodes, and the node's I/O leader.
+
+Without an MPI launcher nothing imports MPI and a single-process ``SoloComm`` stands in, so one
+rank needs no MPI at all. Under ``mpiexec``/``srun`` the nodes are found with an MPI
+shared-memory split (``COMM_TYPE_SHARED``); ``ranks_per_node`` overrides that (tests, or
+launchers whose shared-memory split misreports).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Layout", "SoloComm", "launched_by_mpi", "layout", "world"]
+
+_LAUNCHER_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
+
+
+def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
+    """True when an MPI launcher (mpiexec, srun with PMI/PMIx) started this process."""
+    env = os.environ if env is None else env
+    if any(v in env for v in _LAUNCHER_VARS):
+        return True
+    return int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env
+
+
+class SoloComm:
+    """The subset of an mpi4py communicator used here, for a job of one process."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any]:
+        return [obj]
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def allreduce(self, obj: Any, op: Any = None) -> Any:
+        return obj
+
+    def Barrier(self) -> None:
+        return None
+
+    def Abort(self, code: int = 1) -> None:
+        os._exit(code)
+
+
+def world() -> Any:
+    """``MPI.COMM_WORLD`` under an MPI launcher, else a ``SoloComm``."""
+    if not launched_by_mpi():
+        return SoloComm()
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place: ``node`` of ``nodes``, ``local_rank`` of ``local_size`` on it."""
+
+    rank: int
+    size: int
+    node: int
+    nodes: int
+    local_rank: int
+    local_size: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.local_rank == 0
+
+
+def layout(comm: Any, ranks_per_node: int | None = None) -> tuple[Layout, Any]:
+    """This rank's ``Layout`` and the communicator of the ranks on its node."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return Layout(0, 1, 0, 1, 0, 1), comm
+    from mpi4py import MPI
+
+    if ranks_per_node:
+        node_comm = comm.Split(rank // ranks_per_node, rank)
+    else:
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
+    local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
+    leaders = comm.allgather(rank if local_rank == 0 else None)
+    leaders = [r for r in leaders if r is not None]
+    node = node_comm.bcast(leaders.index(rank) if local_rank == 0 else None, root=0)
+    return Layout(rank, size, node, len(leaders), local_rank, local_size), node_comm

@@ -1,0 +1,463 @@
+"""The copy engine: parallel, checksummed, atomic and resumable.
+
+Every file is written under ``DEST/.datastore/tmp/`` while its bytes are hashed, leaf by leaf
+(``staging.checksum``). Files larger than one leaf are copied leaf-parallel with ``pread`` /
+``pwrite``; each finished leaf is recorded in a side journal so that a copy killed half-way
+keeps the leaves that still hash right. A committer thread makes finished files durable in
+batches (one ``syncfs`` for many files, writeback started as each file closes), then renames
+them to their final names and journals them in the manifest: nothing appears under its final
+name before it is complete, on disk and checksummed.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import queue
+import tarfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from staging.archive import DECODE_ERRORS, normalize_name, open_stream
+from staging.checksum import LEAF_BYTES, combine, leaf_ranges, new_hasher
+from staging.durable import start_writeback, syncfs
+from staging.manifest import Journal, meta_dir
+from staging.plan import Group, Item
+
+__all__ = ["Engine", "Stats", "tmp_dir"]
+
+BUF_BYTES = 8 * 1024 * 1024
+_local = threading.local()
+
+
+def tmp_dir(dest: str) -> str:
+    return os.path.join(meta_dir(dest), "tmp")
+
+
+def _buffer() -> memoryview:
+    """This thread's reusable copy buffer (fresh memory is far dearer than reused memory)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(BUF_BYTES))
+    return buf
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def copy_range(src: int, dst: int, src_off: int, dst_off: int, length: int, algo: str) -> bytes:
+    """Copy ``length`` bytes between file descriptors and return their digest (``b""`` if none).
+
+    With ``algo == "none"`` the kernel copies (``os.copy_file_range``); otherwise the bytes pass
+    once through a reused buffer and are hashed on the way.
+    """
+    if algo == "none" and _kernel_copy(src, dst, src_off, dst_off, length):
+        return b""
+    h = new_hasher(algo) if algo != "none" else None
+    buf = _buffer()
+    done = 0
+    while done < length:
+        n = os.preadv(src, [buf[: min(BUF_BYTES, length - done)]], src_off + done)
+        if n == 0:
+            raise OSError(errno.EIO, f"source ended {length - done} bytes early (changed while staging?)")
+        if h is not None:
+            h.update(buf[:n])
+        _pwrite_all(dst, buf[:n], dst_off + done)
+        done += n
+    return h.digest() if h is not None else b""
+
+
+_kernel_ok = hasattr(os, "copy_file_range")
+
+
+def _kernel_copy(src: int, dst: int, src_off: int, dst_off: int, length: int) -> bool:
+    """``copy_file_range`` the whole range; ``False`` (and never again) if the kernel refuses."""
+    global _kernel_ok
+    if not _kernel_ok:
+        return False
+    done = 0
+    try:
+        while done < length:
+            n = os.copy_file_range(src, dst, length - done, src_off + done, dst_off + done)
+            if n == 0:
+                raise OSError(errno.EIO, "source ended early (changed while staging?)")
+            done += n
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP) or done:
+            raise
+        _kernel_ok = False
+        return False
+    return True
+
+
+@dataclass
+class Stats:
+    """What one rank did; summed over ranks for the summary."""
+
+    files: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    skipped_bytes: int = 0
+    resumed_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: Stats) -> None:
+        self.files += other.files
+        self.bytes += other.bytes
+        self.skipped += other.skipped
+        self.skipped_bytes += other.skipped_bytes
+        self.resumed_bytes += other.resumed_bytes
+        self.errors.extend(other.errors)
+
+
+class Committer:
+    """Makes finished temp files durable in batches, renames them, and journals them."""
+
+    def __init__(self, dest: str, journal: Journal, batch_bytes: int = 256 << 20, batch_files: int = 1024):
+        self.dest, self.journal = dest, journal
+        self.batch_bytes, self.batch_files = batch_bytes, batch_files
+        self._q: queue.Queue[tuple[str, str, dict[str, Any], int] | None] = queue.Queue()
+        self._done = threading.Event()
+        self._made: set[str] = set()
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._loop, name="committer", daemon=True)
+        self._thread.start()
+
+    def add(self, tmp: str, dest_rel: str, record: dict[str, Any], nbytes: int) -> None:
+        self._q.put((tmp, dest_rel, record, nbytes))
+
+    def drain(self) -> None:
+        """Block until everything added so far is durable under its final name."""
+        ev = threading.Event()
+        self._q.put(("", "", {"_drain": ev}, 0))
+        ev.wait()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        batch: list[tuple[str, str, dict[str, Any], int]] = []
+        pending = 0
+        while True:
+            try:
+                job = self._q.get(timeout=1.0)
+            except queue.Empty:
+                job = ("", "", {}, 0) if batch else None
+                if job is None:
+                    continue
+            if job is None:
+                self._flush(batch)
+                return
+            tmp, rel, rec, nbytes = job
+            if tmp:
+                batch.append(job)
+                pending += nbytes
+            if not tmp or pending >= self.batch_bytes or len(batch) >= self.batch_files:
+                self._flush(batch)
+                batch, pending = [], 0
+                if "_drain" in rec:
+                    rec["_drain"].set()
+
+    def _flush(self, batch: list[tuple[str, str, dict[str, Any], int]]) -> None:
+        if not batch:
+            return
+        syncfs(self.dest)  # every temp file of the batch is now on disk
+        for tmp, rel, rec, _ in batch:
+            final = os.path.join(self.dest, rel)
+            parent = os.path.dirname(final)
+            try:
+                if parent not in self._made:
+                    os.makedirs(parent, exist_ok=True)
+                    self._made.add(parent)
+                os.replace(tmp, final)
+            except OSError as exc:
+                self.errors.append(f"{rec['source']}: cannot place at {rel}: {exc.strerror}")
+                _unlink(tmp)
+                continue
+            self.journal.write(rec)
+        self.journal.flush()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class _LeafLog:
+    """Side journal of the leaves of one large temp file: ``ident`` line, then ``index digest``."""
+
+    def __init__(self, path: str, ident: str):
+        self.path, self.ident = path, ident
+        self.known: dict[int, bytes] = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                lines = f.read().splitlines()
+            if lines and lines[0] == ident:
+                for line in lines[1:]:
+                    parts = line.split()
+                    if len(parts) == 2 and parts[0].isdigit():
+                        self.known[int(parts[0])] = bytes.fromhex(parts[1])
+        self._lock = threading.Lock()
+        self._f = open(path, "w")  # noqa: SIM115 - closed in close()
+        self._f.write(ident + "\n")
+        for i, d in self.known.items():
+            self._f.write(f"{i} {d.hex()}\n")
+        self._f.flush()
+
+    def record(self, index: int, digest: bytes) -> None:
+        with self._lock:
+            self._f.write(f"{index} {digest.hex()}\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Engine:
+    """Copies the groups of one rank into DEST with ``streams`` parallel I/O streams."""
+
+    def __init__(self, dest: str, rank: int, algo: str, streams: int,
+                 on_bytes: Callable[[int], None] = lambda n: None):
+        self.dest, self.algo, self.streams = dest, algo, streams
+        self.on_bytes = on_bytes
+        self.tmp = tmp_dir(dest)
+        os.makedirs(self.tmp, exist_ok=True)
+        self.journal = Journal(dest, rank)
+        self.stats = Stats()
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _src_fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
+    def _fail(self, item: Item, exc: BaseException) -> None:
+        msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        with self._lock:
+            self.stats.errors.append(f"{item.source}: {msg}")
+
+    def _tmp_path(self, item: Item) -> str:
+        key = hashlib.sha1(item.dest.encode()).hexdigest()[:20]
+        return os.path.join(self.tmp, key + ".part")
+
+    def _record(self, item: Item, digest: str | None, size: int) -> dict[str, Any]:
+        return {"entry": item.dest, "kind": item.kind if item.kind != "hardlink" else "file",
+                "source": item.source, "ident": item.ident, "size": size, "hash": digest,
+                "link": item.link if item.kind == "symlink" else None}
+
+    def _finish(self, item: Item, fd: int, tmp: str, digest: str | None) -> None:
+        os.fchmod(fd, (item.mode & 0o7777) | 0o600)
+        if item.mtime_ns:
+            os.utime(fd, ns=(item.mtime_ns, item.mtime_ns))
+        start_writeback(fd)
+        os.close(fd)
+        self.committer.add(tmp, item.dest, self._record(item, digest, item.size), item.size)
+        with self._lock:
+            self.stats.files += 1
+            self.stats.bytes += item.size
+
+    # -- range copies ------------------------------------------------------------------------
+    def _copy_small(self, item: Item, src_path: str, src_off: int) -> None:
+        tmp = self._tmp_path(item)
+        try:
+            src = self._src_fd(src_path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                d = copy_range(src, fd, src_off, 0, item.size, self.algo)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.on_bytes(item.size)
+            digest = combine(self.algo, [d]) if self.algo != "none" else None
+            self._finish(item, fd, tmp, digest)
+        except (OSError, ValueError) as exc:
+            _unlink(tmp)
+            self._fail(item, exc)
+
+    def _copy_large(self, pool: ThreadPoolExecutor, item: Item, src_path: str, src_off: int) -> list[Future]:
+        """Submit one job per leaf; the last leaf to finish commits the file."""
+        tmp = self._tmp_path(item)
+        leaves = leaf_ranges(item.size)
+        log = _LeafLog(tmp[: -len(".part")] + ".leaves", f"{item.source} {item.ident} {self.algo}")
+        if not log.known:
+            _unlink(tmp)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, item.size)
+        digests: list[bytes] = [b""] * len(leaves)
+        state = {"left": len(leaves), "failed": False}
+        guard = threading.Lock()
+
+        def leaf(i: int, off: int, length: int) -> None:
+            try:
+                src = self._src_fd(src_path)
+                kept = log.known.get(i)
+                if kept is not None and self.algo != "none" and hash_range(fd, off, length, self.algo) == kept:
+                    digests[i] = kept
+                    with self._lock:
+                        self.stats.resumed_bytes += length
+                else:
+                    digests[i] = copy_range(src, fd, src_off + off, off, length, self.algo)
+                    log.record(i, digests[i])
+                self.on_bytes(length)
+            except (OSError, ValueError) as exc:
+                with guard:
+                    first = not state["failed"]
+                    state["failed"] = True
+                if first:
+                    self._fail(item, exc)
+            with guard:
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
+                log.close()
+                if state["failed"]:
+                    os.close(fd)
+                    return  # the temp file and its leaf log stay: a re-run resumes them
+                digest = combine(self.algo, digests) if self.algo != "none" else None
+                self._finish(item, fd, tmp, digest)
+                _unlink(log.path)
+
+        return [pool.submit(leaf, i, off, n) for i, (off, n) in enumerate(leaves)]
+
+    def _copy_file(self, pool: ThreadPoolExecutor, item: Item, src_path: str, src_off: int) -> list[Future]:
+        if item.size > LEAF_BYTES:
+            return self._copy_large(pool, item, src_path, src_off)
+        return [pool.submit(self._copy_small, item, src_path, src_off)]
+
+    def _symlink(self, item: Item) -> None:
+        tmp = self._tmp_path(item)
+        _unlink(tmp)
+        try:
+            os.symlink(item.link, tmp)
+        except OSError as exc:
+            self._fail(item, exc)
+            return
+        self.committer.add(tmp, item.dest, self._record(item, None, 0), 0)
+        with self._lock:
+            self.stats.files += 1
+
+    # -- streams (compressed archives) ---------------------------------------------------------
+    def _extract_stream(self, group: Group, todo: dict[str, Item]) -> list[Item]:
+        """One sequential pass over a compressed archive; returns hardlinks left to copy."""
+        later: list[Item] = []
+        try:
+            with _raw_stream(group) as stream, tarfile.open(fileobj=stream, mode="r|") as tf:
+                for info in tf:
+                    item = todo.get(normalize_name(info.name))
+                    if item is None:
+                        continue
+                    if item.kind == "hardlink":
+                        later.append(item)
+                    elif item.kind == "symlink":
+                        self._symlink(item)
+                    elif info.isreg():
+                        self._write_member(item, tf.extractfile(info))
+        except DECODE_ERRORS as exc:
+            self.stats.errors.append(f"{group.source}: corrupt or truncated archive ({exc})")
+        return later
+
+    def _write_member(self, item: Item, f: Any) -> None:
+        tmp = self._tmp_path(item)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                digests = []
+                buf = _buffer()
+                for off, length in leaf_ranges(item.size):
+                    h = new_hasher(self.algo) if self.algo != "none" else None
+                    done = 0
+                    while done < length:
+                        n = f.readinto(buf[: min(BUF_BYTES, length - done)])
+                        if not n:
+                            raise OSError(errno.EIO, "archive member ended early")
+                        if h is not None:
+                            h.update(buf[:n])
+                        _pwrite_all(fd, buf[:n], off + done)
+                        done += n
+                    self.on_bytes(length)
+                    if h is not None:
+                        digests.append(h.digest())
+            except BaseException:
+                os.close(fd)
+                raise
+            self._finish(item, fd, tmp, combine(self.algo, digests) if h is not None else None)
+        except OSError as exc:
+            _unlink(tmp)
+            self._fail(item, exc)
+
+    # -- driver ------------------------------------------------------------------------------
+    def run(self, groups: list[Group]) -> Stats:
+        """Stage ``groups`` (already filtered to what this rank must write)."""
+        self.committer = Committer(self.dest, self.journal)
+        futures: list[Future] = []
+        try:
+            with ThreadPoolExecutor(self.streams, thread_name_prefix="stream") as pool:
+                streams = [g for g in groups if g.stream]
+                stream_job = pool.submit(self._run_streams, pool, streams) if streams else None
+                files = []
+                for item in (i for g in groups if not g.stream for i in g.items):
+                    if item.kind == "symlink":
+                        self._symlink(item)
+                    else:
+                        files.append(item)
+                for item in sorted(files, key=lambda i: -i.size):
+                    futures.extend(self._copy_file(pool, item, item.path, item.offset))
+                if stream_job is not None:
+                    futures.extend(stream_job.result())
+                for fut in futures:
+                    fut.result()
+        finally:
+            self.committer.close()
+            self.journal.close()
+            for fd in self._fds.values():
+                os.close(fd)
+        self.stats.errors.extend(self.committer.errors)
+        return self.stats
+
+    def _run_streams(self, pool: ThreadPoolExecutor, groups: list[Group]) -> list[Future]:
+        futures: list[Future] = []
+        for g in groups:
+            todo = {i.dest: i for i in g.items if i.kind != "dir"}
+            later = self._extract_stream(g, todo)
+            if later:
+                self.committer.drain()
+                for item in later:
+                    target = os.path.join(self.dest, item.link)
+                    copy = replace(item, kind="file", size=os.path.getsize(target))
+                    futures.extend(self._copy_file(pool, copy, target, 0))
+        return futures
+
+
+def _raw_stream(group: Group) -> Any:
+    """The tar byte stream of a stream group: decompressed, or the plain (sparse) tar itself."""
+    if group.stream == "tar":
+        return open(group.source, "rb")
+    return open_stream(group.source, group.stream or "")
+
+
+def hash_range(fd: int, off: int, length: int, algo: str) -> bytes:
+    h = new_hasher(algo)
+    buf = _buffer()
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [buf[: min(BUF_BYTES, length - done)]], off + done)
+        if n == 0:
+            break
+        h.update(buf[:n])
+        done += n
+    return h.digest()
+

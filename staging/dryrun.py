@@ -1,0 +1,53 @@
+"""``datastore stage --dry-run``: what would be copied, how many bytes, and how long it would take."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from staging.config import StageConfig
+from staging.manifest import Manifest, meta_dir
+from staging.plan import assign, build_plan
+from staging.probe import measure
+from staging.progress import human_bytes
+from staging.stage import EXIT, up_to_date
+
+__all__ = ["dry_run"]
+
+
+def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
+    """Print the plan of ``node`` (of ``nodes``) against its DEST; writes nothing there."""
+    dest = cfg.dest_for(node)
+    manifest = Manifest.load(dest) if os.path.isdir(meta_dir(dest)) else Manifest()
+    plan = build_plan(list(cfg.sources), cfg.unpack, manifest.archives)
+    groups = assign(plan, nodes)[node] if cfg.mode == "shard" else plan.groups
+    copy, skipped = [], 0
+    for item in (i for g in groups for i in g.items if i.kind != "dir"):
+        if up_to_date(item, manifest.entries.get(item.dest), dest):
+            skipped += 1
+        else:
+            copy.append(item)
+    nbytes = sum(i.size for i in copy)
+    sources = [i.path for i in copy if i.kind == "file" and i.path]
+    largest = max(sources, key=os.path.getsize, default=None)
+    probe = measure(largest, dest)
+    seconds = probe.estimate(nbytes, len(copy), cfg.streams)
+    if cfg.json:
+        print(json.dumps({
+            "dest": dest, "files": len(copy), "bytes": nbytes, "skipped": skipped,
+            "estimate_s": round(seconds, 2), "read_mb_per_s": round(probe.read_bps / 1e6, 1),
+            "write_mb_per_s": round(probe.write_bps / 1e6, 1),
+            "items": [{"dest": i.dest, "source": i.source, "bytes": i.size} for i in copy],
+            "errors": plan.errors,
+        }))
+    else:
+        for i in copy:
+            print(f"copy {human_bytes(i.size):>10}  {i.dest}  <-  {i.source}")
+        print(f"would stage {len(copy)} files, {human_bytes(nbytes)} ({nbytes} bytes) into {dest}; "
+              f"{skipped} unchanged would be skipped")
+        print(f"estimated time: {seconds:.1f} s (probed read {probe.read_bps / 1e6:.0f} MB/s, "
+              f"write {probe.write_bps / 1e6:.0f} MB/s, {probe.per_file_s * 1e3:.2f} ms per file)")
+        for e in plan.errors:
+            print(f"datastore stage: error: {e}", file=sys.stderr)
+    return EXIT["bad_input"] if plan.errors else EXIT["ok"]

@@ -1,0 +1,259 @@
+"""The staging plan: what each source becomes under DEST, and which node owns which item.
+
+``build_plan`` walks the sources (I/O, run once on rank 0); ``assign`` and ``split_by_bytes``
+are pure functions deciding placement.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field, replace
+
+from staging.archive import (
+    RESERVED,
+    ArchiveError,
+    Member,
+    archive_kind,
+    list_members,
+    normalize_name,
+)
+
+__all__ = ["Group", "Item", "Plan", "archive_record", "assign", "build_plan", "split_by_bytes"]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One thing to create under DEST.
+
+    ``kind``: ``"file"``, ``"dir"``, ``"symlink"`` or ``"hardlink"`` (a copy of the earlier item
+    ``link`` of the same archive). File bytes are ``path[offset:offset+size]``; for a compressed
+    archive they come from its stream (``offset`` is then meaningless).
+    """
+
+    dest: str
+    kind: str
+    source: str
+    ident: str
+    size: int = 0
+    mtime_ns: int = 0
+    mode: int = 0o644
+    path: str = ""
+    offset: int = 0
+    link: str = ""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The items of one source. ``stream`` groups (compressed archives) are read in one pass."""
+
+    source: str
+    items: tuple[Item, ...]
+    stream: str | None = None  # archive kind "gz"/"zst" when read as one sequential stream
+    ident: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.size for i in self.items)
+
+
+@dataclass
+class Plan:
+    groups: list[Group] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def items(self) -> list[Item]:
+        return [i for g in self.groups for i in g.items]
+
+
+def _ident(st: os.stat_result) -> str:
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _walk_dir(root: str, prefix: str, errors: list[str]) -> list[Item]:
+    """Items for a directory tree; symlinks are followed (a staged copy stands on its own)."""
+    items: list[Item] = [Item(dest=prefix, kind="dir", source=root, ident="dir")]
+    stack = [(root, prefix)]
+    while stack:
+        src_dir, dst_dir = stack.pop()
+        try:
+            entries = sorted(os.scandir(src_dir), key=lambda e: e.name)
+        except OSError as exc:
+            errors.append(f"{src_dir}: cannot list directory: {exc.strerror}")
+            continue
+        for e in entries:
+            dest = f"{dst_dir}/{e.name}"
+            try:
+                st = e.stat(follow_symlinks=True)
+            except OSError:
+                errors.append(f"{e.path}: broken symlink or unreadable entry, skipped")
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                items.append(Item(dest=dest, kind="dir", source=e.path, ident="dir"))
+                stack.append((e.path, dest))
+            elif stat.S_ISREG(st.st_mode):
+                items.append(_file_item(e.path, dest, st))
+            else:
+                errors.append(f"{e.path}: not a regular file or directory, skipped")
+    return items
+
+
+def _file_item(path: str, dest: str, st: os.stat_result) -> Item:
+    return Item(
+        dest=dest,
+        kind="file",
+        source=path,
+        ident=_ident(st),
+        size=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        mode=stat.S_IMODE(st.st_mode),
+        path=path,
+    )
+
+
+def _archive_group(path: str, kind: str, st: os.stat_result) -> Group:
+    members = list_members(path, kind, st.st_size)
+    stream = None if kind == "tar" else kind
+    if kind == "tar" and any(m.sparse for m in members):
+        stream = "tar"  # sparse members are not one byte range: extract sequentially
+    last = {m.name: i for i, m in enumerate(members)}  # tar semantics: the last duplicate wins
+    arch_ident = _ident(st)
+    seen: dict[str, Member] = {}
+    items = []
+    for i, m in enumerate(members):
+        if m.kind == "hardlink" and stream is None:
+            # in an uncompressed tar a hardlink is a copy of its target's byte range
+            target = seen[normalize_name(m.link)]
+            m = replace(m, kind="file", size=target.size, offset=target.offset, link="")
+        seen[m.name] = m
+        if last[m.name] != i:
+            continue
+        items.append(
+            Item(
+                dest=m.name,
+                kind=m.kind,
+                source=f"{path}::{m.name}",
+                ident=f"{m.size}:{m.mtime}@{arch_ident}",
+                size=m.size,
+                mtime_ns=m.mtime * 1_000_000_000,
+                mode=m.mode,
+                path=path,
+                offset=m.offset or 0,
+                link=normalize_name(m.link) if m.kind == "hardlink" else m.link,
+            )
+        )
+    return Group(source=path, items=tuple(items), stream=stream, ident=arch_ident)
+
+
+_FIELDS = ("dest", "kind", "size", "mtime_ns", "mode", "offset", "link", "ident")
+
+
+def archive_record(group: Group) -> dict:
+    """What the manifest keeps of an archive so a re-run needs not decompress it to plan."""
+    return {
+        "ident": group.ident,
+        "stream": group.stream,
+        "items": [[getattr(i, f) for f in _FIELDS] for i in group.items],
+    }
+
+
+def _group_from_record(path: str, rec: dict) -> Group:
+    items = tuple(
+        Item(**dict(zip(_FIELDS, row)), source=f"{path}::{row[0]}", path=path) for row in rec["items"]
+    )
+    return Group(source=path, items=items, stream=rec["stream"], ident=rec["ident"])
+
+
+def build_plan(sources: list[str], unpack: bool = True, known: dict | None = None) -> Plan:
+    """Walk ``sources`` into groups of items; a bad source becomes an error, not an exception.
+
+    Destinations follow ``cp -r SRC... DEST``: a file or directory lands under its base name;
+    an archive is unpacked into DEST itself (``unpack=False`` copies it as a file). Two sources
+    that would write the same path are an error for the later one. ``known`` maps archive paths
+    to their manifest records: an unchanged archive is not read again.
+    """
+    known = known or {}
+    plan = Plan()
+    owner: dict[str, str] = {}
+    for src in sources:
+        path = os.path.abspath(src)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            plan.errors.append(f"{src}: source not found or unreadable ({exc.strerror})")
+            continue
+        name = os.path.basename(path.rstrip("/"))
+        if name == RESERVED:
+            plan.errors.append(f"{src}: the name {RESERVED} is reserved for staging metadata")
+            continue
+        kind = archive_kind(path) if unpack and stat.S_ISREG(st.st_mode) else None
+        try:
+            if kind and known.get(path, {}).get("ident") == _ident(st):
+                group = _group_from_record(path, known[path])
+            elif kind:
+                group = _archive_group(path, kind, st)
+            elif stat.S_ISDIR(st.st_mode):
+                group = Group(source=path, items=tuple(_walk_dir(path, name, plan.errors)))
+            elif stat.S_ISREG(st.st_mode):
+                group = Group(source=path, items=(_file_item(path, name, st),))
+            else:
+                plan.errors.append(f"{src}: not a regular file, directory or archive")
+                continue
+        except ArchiveError as exc:
+            plan.errors.append(str(exc))
+            continue
+        clash = next(
+            (i.dest for i in group.items if i.kind != "dir" and owner.get(i.dest, path) != path),
+            None,
+        )
+        if clash is not None:
+            plan.errors.append(f"{src}: would overwrite {clash!r}, already staged from {owner[clash]}")
+            continue
+        for i in group.items:
+            if i.kind != "dir":
+                owner[i.dest] = path
+        plan.groups.append(group)
+    return plan
+
+
+def split_by_bytes(sizes: list[int], parts: int) -> list[int]:
+    """Assign each of ``sizes`` to one of ``parts`` bins, balancing bytes (largest first).
+
+    Deterministic: ties go to the lowest bin, equal sizes keep their input order.
+    Returns the bin of every input.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    loads = [0] * parts
+    out = [0] * len(sizes)
+    for idx in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        b = min(range(parts), key=lambda p: (loads[p], p))
+        out[idx] = b
+        loads[b] += max(sizes[idx], 1)
+    return out
+
+
+def assign(plan: Plan, nodes: int) -> list[list[Group]]:
+    """Shard the plan over ``nodes``: each non-directory item goes to one node, by bytes.
+
+    Directories go everywhere. A compressed archive's members may land on several nodes; each
+    node then reads the stream and writes only its own members.
+    """
+    items = [i for g in plan.groups for i in g.items if i.kind != "dir"]
+    where = dict(zip((i.source for i in items), split_by_bytes([i.size for i in items], nodes)))
+    shards: list[list[Group]] = [[] for _ in range(nodes)]
+    for g in plan.groups:
+        for n in range(nodes):
+            mine = []
+            for i in g.items:
+                if i.kind == "dir":
+                    mine.append(i)
+                elif i.kind == "hardlink":  # lives where its target lives
+                    if where[f"{g.source}::{i.link}"] == n:
+                        mine.append(i)
+                elif where[i.source] == n:
+                    mine.append(i)
+            if any(i.kind != "dir" for i in mine) or all(i.kind == "dir" for i in g.items):
+                shards[n].append(Group(g.source, tuple(mine), g.stream, g.ident))
+    return shards

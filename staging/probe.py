@@ -1,0 +1,62 @@
+"""``--dry-run``'s time estimate from a short measured read and write probe."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+from staging.durable import syncfs
+
+__all__ = ["Probe", "measure"]
+
+PROBE_BYTES = 64 * 1024 * 1024
+PROBE_FILES = 64
+
+
+class Probe:
+    """Measured read and write bandwidth (bytes/s) and the cost of creating one small file."""
+
+    def __init__(self, read_bps: float, write_bps: float, per_file_s: float):
+        self.read_bps, self.write_bps, self.per_file_s = read_bps, write_bps, per_file_s
+
+    def estimate(self, nbytes: int, nfiles: int, streams: int) -> float:
+        """Seconds to stage ``nbytes`` in ``nfiles`` files: the slower side, plus file costs."""
+        return max(nbytes / self.read_bps, nbytes / self.write_bps) + nfiles * self.per_file_s / streams
+
+
+def _existing_ancestor(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def measure(largest_source: str | None, dest: str) -> Probe:
+    """Probe reading ``largest_source`` and writing next to ``dest``; leaves nothing behind."""
+    read_bps = float("inf")
+    if largest_source:
+        n = min(PROBE_BYTES, os.path.getsize(largest_source))
+        t0 = time.perf_counter()
+        with open(largest_source, "rb", buffering=0) as f:
+            got = len(f.read(n))
+        read_bps = got / max(time.perf_counter() - t0, 1e-6) if got else float("inf")
+    where = _existing_ancestor(dest)
+    block = os.urandom(1 << 20)
+    with tempfile.TemporaryDirectory(prefix=".datastore-probe-", dir=where) as tmp:
+        t0 = time.perf_counter()
+        fd = os.open(os.path.join(tmp, "probe"), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            for _ in range(PROBE_BYTES >> 20):
+                os.write(fd, block)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        write_bps = PROBE_BYTES / max(time.perf_counter() - t0, 1e-6)
+        t0 = time.perf_counter()
+        for i in range(PROBE_FILES):
+            with open(os.path.join(tmp, f"f{i}"), "wb") as f:
+                f.write(b"x")
+        syncfs(tmp)
+        per_file_s = (time.perf_counter() - t0) / PROBE_FILES
+    return Probe(read_bps, write_bps, per_file_s)

@@ -1,0 +1,242 @@
+"""One ``datastore stage`` run across all ranks: prepare, plan, skip, pre-flight, copy, record.
+
+Every collective below is reached by every rank in the same order whatever happens locally:
+local failures travel as values (``allgather`` of errors, an exit code reduction), never as a
+rank that leaves early, so one failing rank cannot hang the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from staging.cluster import Layout, layout
+from staging.config import StageConfig
+from staging.copy import Engine, Stats, tmp_dir
+from staging.manifest import Manifest, lock_dest, meta_dir
+from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, split_by_bytes
+from staging.progress import Progress, human_bytes
+
+__all__ = ["EXIT", "stage"]
+
+EXIT = {"ok": 0, "failed": 1, "bad_input": 2, "no_space": 3, "mismatch": 4}
+
+
+@dataclass
+class NodeWork:
+    """What the leader of a node decided, sent to every rank of the node."""
+
+    per_rank: list[list[Group]] = field(default_factory=list)
+    skipped: int = 0
+    skipped_bytes: int = 0
+    todo_bytes: int = 0
+    todo_files: int = 0
+    error: str | None = None
+    code: int = 0
+
+
+def up_to_date(item: Item, entry: dict[str, Any] | None, dest: str) -> bool:
+    """True when the manifest says ``item`` was staged from the same source state and it is there."""
+    if entry is None or entry["source"] != item.source or entry["ident"] != item.ident:
+        return False
+    try:
+        st = os.lstat(os.path.join(dest, item.dest))
+    except OSError:
+        return False
+    if item.kind == "symlink":
+        return stat.S_ISLNK(st.st_mode) and os.readlink(os.path.join(dest, item.dest)) == item.link
+    return stat.S_ISREG(st.st_mode) and st.st_size == entry["size"]
+
+
+def clean_tmp(dest: str) -> None:
+    """Remove temp debris, keeping large partial files whose leaf log allows a resume."""
+    tmp = tmp_dir(dest)
+    if not os.path.isdir(tmp):
+        return
+    names = set(os.listdir(tmp))
+    for name in names:
+        stem, ext = os.path.splitext(name)
+        keep = (ext == ".part" and stem + ".leaves" in names) or (
+            ext == ".leaves" and stem + ".part" in names
+        )
+        if not keep:
+            os.unlink(os.path.join(tmp, name))
+    if not os.listdir(tmp):
+        os.rmdir(tmp)
+
+
+def _node_work(groups: list[Group], manifest: Manifest, dest: str, local_size: int) -> NodeWork:
+    """Skip what is up to date, make directories, and split the rest over the node's ranks."""
+    work = NodeWork()
+    todo: list[Group] = []
+    for g in groups:
+        keep = []
+        for item in g.items:
+            if item.kind == "dir":
+                os.makedirs(os.path.join(dest, item.dest), exist_ok=True)
+            elif up_to_date(item, manifest.entries.get(item.dest), dest):
+                work.skipped += 1
+                work.skipped_bytes += item.size
+            else:
+                keep.append(item)
+                work.todo_bytes += item.size
+                work.todo_files += 1
+        if keep:
+            todo.append(Group(g.source, tuple(keep), g.stream, g.ident))
+    # units: every item of a range group alone, a stream group whole
+    units: list[tuple[Group, Item | None]] = []
+    for g in todo:
+        units.extend([(g, None)] if g.stream else [(g, i) for i in g.items])
+    sizes = [g.nbytes if i is None else i.size for g, i in units]
+    owners = split_by_bytes(sizes, local_size)
+    per_rank: list[dict[str, list[Item]]] = [{} for _ in range(local_size)]
+    for (g, i), r in zip(units, owners):
+        per_rank[r].setdefault(g.source, []).extend(g.items if i is None else [i])
+    by_src = {g.source: g for g in todo}
+    work.per_rank = [
+        [Group(src, tuple(items), by_src[src].stream, by_src[src].ident) for src, items in d.items()]
+        for d in per_rank
+    ]
+    return work
+
+
+def stage(cfg: StageConfig, comm: Any) -> int:
+    """Run the stage on this rank; returns the exit code (the same on every rank)."""
+    t0 = time.perf_counter()
+    lay, node_comm = layout(comm, cfg.ranks_per_node)
+    dest = cfg.dest_for(lay.node)
+    log = _Log(cfg, lay)
+
+    # 1. every node's leader prepares its DEST and takes the lock
+    lock_fd, manifest, err = None, Manifest(), None
+    if lay.is_leader:
+        try:
+            os.makedirs(meta_dir(dest), exist_ok=True)
+            lock_fd = lock_dest(dest)
+            manifest = Manifest.load(dest)
+            clean_tmp(dest)
+        except BlockingIOError:
+            err = f"{dest}: another 'datastore stage' is writing to this destination"
+        except (OSError, ValueError) as exc:
+            err = f"{dest}: cannot prepare destination ({getattr(exc, 'strerror', None) or exc})"
+    errors = [e for e in comm.allgather(err) if e]
+    if errors:
+        log.errors(errors)
+        return EXIT["failed"]
+
+    # 2. rank 0 plans (the sources are shared), everyone gets the plan
+    plan = build_plan(list(cfg.sources), cfg.unpack, manifest.archives) if lay.rank == 0 else None
+    plan = comm.bcast(plan, root=0)
+    groups = assign(plan, lay.nodes)[lay.node] if cfg.mode == "shard" else plan.groups
+
+    # 3. the leader decides what to copy and checks the space; the node's ranks share the work
+    work = NodeWork()
+    if lay.is_leader:
+        try:
+            work = _node_work(groups, manifest, dest, lay.local_size)
+            free = shutil.disk_usage(dest).free
+            if work.todo_bytes > free:
+                work.code = EXIT["no_space"]
+                work.error = (f"{dest}: not enough space: need {human_bytes(work.todo_bytes)}, "
+                              f"{human_bytes(free)} available")
+        except OSError as exc:
+            work.code, work.error = EXIT["failed"], f"{dest}: {exc.strerror}: {exc.filename}"
+    work = node_comm.bcast(work, root=0)
+    status = comm.allgather((work.code, work.error))
+    if any(code for code, _ in status):
+        log.errors([e for _, e in status if e])
+        return max(code for code, _ in status)
+
+    # 4. copy
+    mine = work.per_rank[lay.local_rank]
+    total = sum(g.nbytes for g in mine)
+    with Progress(total, enabled=log.progress) as bar:
+        stats = Engine(dest, lay.rank, cfg.checksum, cfg.streams, bar.advance).run(mine) if mine else Stats()
+
+    # 5. the leader folds the node's journals into the manifest and clears the temp space
+    node_comm.Barrier()
+    if lay.is_leader:
+        stats.skipped, stats.skipped_bytes = work.skipped, work.skipped_bytes
+        node_errors = node_comm.allreduce(len(stats.errors)) if lay.local_size > 1 else len(stats.errors)
+        final = Manifest.load(dest)
+        final.shard = {"mode": cfg.mode, "node": lay.node, "nodes": lay.nodes}
+        if not node_errors:
+            for g in plan.groups:
+                if g.ident:
+                    final.archives[g.source] = archive_record(g)
+        final.save(dest)
+        clean_tmp(dest)
+        os.close(lock_fd)
+    elif lay.local_size > 1:
+        node_comm.allreduce(len(stats.errors))
+    elapsed = time.perf_counter() - t0
+
+    # 6. summary on rank 0
+    every = comm.gather(stats, root=0)
+    code = EXIT["failed"] if stats.errors else (EXIT["bad_input"] if plan.errors else EXIT["ok"])
+    code = comm.allreduce(code, op=_max_op(comm))
+    if lay.rank == 0:
+        log.summary(plan, every, elapsed, lay)
+    return code
+
+
+def _max_op(comm: Any) -> Any:
+    if comm.Get_size() == 1:
+        return None
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+class _Log:
+    """Messages to stderr (rank 0, unless ``--quiet``), the summary to stdout."""
+
+    def __init__(self, cfg: StageConfig, lay: Layout):
+        self.cfg, self.lay = cfg, lay
+        self.progress = (lay.rank == 0 and not cfg.quiet and not cfg.json and sys.stderr.isatty())
+
+    def errors(self, errors: list[str]) -> None:
+        if self.lay.rank == 0:
+            for e in errors:
+                print(f"datastore stage: error: {e}", file=sys.stderr)
+
+    def summary(self, plan: Plan, every: list[Stats], elapsed: float, lay: Layout) -> None:
+        total = Stats()
+        for s in every:
+            total.add(s)
+        errors = plan.errors + total.errors
+        doc = {
+            "files": total.files,
+            "bytes": total.bytes,
+            "seconds": round(elapsed, 3),
+            "mb_per_s": round(total.bytes / elapsed / 1e6, 1) if elapsed > 0 else 0.0,
+            "skipped": total.skipped,
+            "skipped_bytes": total.skipped_bytes,
+            "resumed_bytes": total.resumed_bytes,
+            "ranks": lay.size,
+            "nodes": lay.nodes,
+            "mode": self.cfg.mode,
+            "errors": errors,
+        }
+        if self.cfg.json:
+            print(json.dumps(doc))
+            return
+        for e in errors:
+            print(f"datastore stage: error: {e}", file=sys.stderr)
+        if self.cfg.quiet:
+            return
+        line = (f"staged {total.files} files, {human_bytes(total.bytes)} in {elapsed:.2f} s "
+                f"({doc['mb_per_s']:.0f} MB/s) on {lay.nodes} node(s), {lay.size} rank(s); "
+                f"skipped {total.skipped} unchanged ({human_bytes(total.skipped_bytes)})")
+        if total.resumed_bytes:
+            line += f"; resumed {human_bytes(total.resumed_bytes)} of partial copies"
+        if errors:
+            line += f"; {len(errors)} error(s)"
+        print(line)
+

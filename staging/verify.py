@@ -1,0 +1,84 @@
+"""``datastore stage --verify``: re-hash DEST against its manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from staging.checksum import combine, leaf_ranges
+from staging.copy import hash_range
+from staging.manifest import Manifest
+
+__all__ = ["verify_dest"]
+
+
+def _check(dest: str, rel: str, entry: dict[str, Any], leaf: int) -> str | None:
+    """A problem with one entry, or ``None`` when it matches the manifest."""
+    path = os.path.join(dest, rel)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"missing: {rel}"
+    if entry["kind"] == "symlink":
+        if not stat.S_ISLNK(st.st_mode) or os.readlink(path) != entry["link"]:
+            return f"changed symlink: {rel}"
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file: {rel}"
+    if st.st_size != entry["size"]:
+        return f"size mismatch: {rel} ({st.st_size} bytes, manifest says {entry['size']})"
+    if entry["hash"] is None:
+        return None  # staged with --checksum none: size is all there is to check
+    algo = entry["hash"].split(":", 1)[0]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        digests = [hash_range(fd, off, n, algo) for off, n in leaf_ranges(st.st_size, leaf)]
+    finally:
+        os.close(fd)
+    if combine(algo, digests) != entry["hash"]:
+        return f"checksum mismatch: {rel}"
+    return None
+
+
+def verify_dest(dest: str, streams: int) -> tuple[int, list[str]]:
+    """``(entries checked, problems)`` for the manifest of ``dest``."""
+    manifest = Manifest.load(dest)
+    entries = sorted(manifest.entries.items())
+    with ThreadPoolExecutor(streams) as pool:
+        found = pool.map(lambda kv: _check(dest, kv[0], kv[1], manifest.leaf_bytes), entries)
+        problems = [p for p in found if p]
+    return len(entries), problems
+
+
+def verify_command(cfg: Any, comm: Any) -> int:
+    """Verify every node's DEST (its leader does it); print problems; exit 4 on any."""
+    from staging.cluster import layout
+    from staging.stage import EXIT
+
+    lay, _ = layout(comm, cfg.ranks_per_node)
+    checked, problems, err = 0, [], None
+    if lay.is_leader:
+        dest = cfg.dest_for(lay.node)
+        if not os.path.exists(os.path.join(dest, ".datastore", "manifest.json")):
+            err = f"{dest}: no manifest (nothing was staged here with datastore stage)"
+        else:
+            checked, problems = verify_dest(dest, cfg.streams)
+            problems = [f"{dest}: {p}" for p in problems]
+    results = comm.gather((checked, problems, err), root=0)
+    code = EXIT["ok"]
+    if lay.rank == 0:
+        total = sum(c for c, _, _ in results)
+        bad = [p for _, ps, _ in results for p in ps]
+        errs = [e for _, _, e in results if e]
+        for line in errs + bad:
+            print(f"datastore stage: verify: {line}", file=sys.stderr)
+        if cfg.json:
+            print(json.dumps({"verified": total, "problems": bad, "errors": errs}))
+        elif not cfg.quiet:
+            print(f"verified {total} entries: {len(bad)} problem(s)")
+        code = EXIT["failed"] if errs else (EXIT["mismatch"] if bad else EXIT["ok"])
+    return comm.bcast(code, root=0)
