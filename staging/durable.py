@@ -7,12 +7,11 @@ reached through libc and fall back to ``os.sync`` / a no-op where missing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 __all__ = ["fsync_dir", "start_writeback", "syncfs"]
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the running process already has libc loaded
 _SYNC_FILE_RANGE_WRITE = 2
 
 try:

@@ -1,0 +1,397 @@
+"""Benchmark ``datastore stage`` against the standard tools on the same input.
+
+What is measured
+----------------
+Three cases, each timed for ours and for the peer on the same input and filesystem:
+
+  a. a tree of 2,000 files x 512 KiB in 20 subdirectories
+     ``datastore stage DIR --to OUT --quiet``  vs  ``cp -r DIR OUT``         target >= 1.5x
+  b. one 2 GiB file
+     ``datastore stage FILE --to OUT --quiet`` vs  ``cp FILE OUT/``          target >= 0.95x
+     (ours checksums every byte while copying; cp does not)
+  c. a plain ``.tar`` of (a), made with ``tar -cf``
+     ``datastore stage X.tar --to OUT --quiet`` vs ``mkdir OUT && tar -xf X.tar -C OUT``
+                                                                              target >= 1.3x
+
+The ratio is peer_time / ours_time, so > 1 means we are faster.
+
+How
+---
+* Every command is timed as ``sh -c 'CMD && sync'``: staged data must be durable, so the
+  time includes writing it back to the device.
+* Before each timed command (untimed): the previous output dir is removed, ``sync`` runs, and
+  the page cache is dropped (``echo 3 > /proc/sys/vm/drop_caches``) so that ours and the peer
+  both start cold. Where that is not permitted (not root, read-only /proc) the script says so
+  once and runs warm; ``--warm`` skips dropping on purpose.
+* Each repetition runs ours and the peer back to back, swapping which goes first every other
+  repetition; medians, min and max over ``--reps`` are reported.
+* After each run (untimed) the output is checked: exit code 0, and the number of regular files
+  and their total bytes equal the input's (``DEST/.datastore`` is not counted).
+* The device's raw sequential write bandwidth (``dd ... oflag=direct conv=fdatasync``) is
+  printed as the physical limit. MB/s are 10^6 bytes per second of payload.
+* Inputs are generated once under ``--dir`` (default ``./bench-data``) and reused while they
+  have the right size; outputs go to the same directory, hence the same filesystem.
+
+Usage::
+
+    python benchmarks/stage.py                       # full size, 5 reps, cold cache
+    python benchmarks/stage.py --scale 0.05 --reps 2 # quick smoke run
+    python benchmarks/stage.py --cases a,c --streams 16 --out /tmp/bench.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+SMALL_FILES, SMALL_SIZE, SUBDIRS = 2000, 512 * KIB, 20
+BIG_SIZE = 2 * GIB
+DD_BYTES = 1 * GIB
+DD_BS = 4 * MIB
+META = ".datastore"  # datastore's bookkeeping inside DEST, not part of the payload
+TARGETS = {"a": (1.5, "cp -r"), "b": (0.95, "cp"), "c": (1.3, "tar -xf")}
+TITLES = {"a": "tree of small files", "b": "one big file", "c": "plain .tar of (a)"}
+
+
+@dataclass
+class Case:
+    """One benchmark case: the input, its payload, and the two shell commands to compare."""
+
+    key: str
+    title: str
+    ours: str
+    peer: str
+    files: int
+    nbytes: int
+    pre_peer: str = ""  # untimed setup before the peer (e.g. creating OUT for ``cp FILE OUT/``)
+    times: dict[str, list[float]] = field(default_factory=lambda: {"ours": [], "peer": []})
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default="./bench-data", help="work dir for inputs and outputs")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="scale file counts and the big file size (e.g. 0.05 for a smoke run)")
+    p.add_argument("--reps", type=int, default=5, help="repetitions per case (default 5)")
+    p.add_argument("--cases", default="a,b,c", help="cases to run, comma separated (a,b,c)")
+    p.add_argument("--streams", type=int, default=None, metavar="N",
+                   help="passed through to datastore stage --streams")
+    p.add_argument("--warm", action="store_true", help="do not drop the page cache")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
+    args = p.parse_args(argv)
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    bad = [c for c in args.cases if c not in TARGETS]
+    if bad or not args.cases:
+        p.error(f"--cases: unknown case(s) {bad}; pick from a,b,c")
+    if args.scale <= 0 or args.reps < 1:
+        p.error("--scale must be > 0 and --reps >= 1")
+    return args
+
+
+def datastore_exe() -> str:
+    """The ``datastore`` next to this interpreter (the venv's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "datastore")
+    exe = here if os.access(here, os.X_OK) else shutil.which("datastore")
+    if not exe:
+        sys.exit("datastore executable not found (run with the project venv's python)")
+    return exe
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def sizes_for(scale: float) -> tuple[int, int]:
+    """(number of small files, big file bytes) at ``scale``; the big file is whole MiBs."""
+    n = max(1, round(SMALL_FILES * scale))
+    big = max(1, round(BIG_SIZE * scale / MIB)) * MIB
+    return n, big
+
+
+def small_paths(root: str, n: int) -> list[str]:
+    return [os.path.join(root, f"d{i % SUBDIRS:02d}", f"f{i:05d}.bin") for i in range(n)]
+
+
+def tree_stats(root: str) -> tuple[int, int]:
+    """(regular files, total bytes) under ``root``, skipping datastore's metadata dir."""
+    files = nbytes = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        if META in dirnames:
+            dirnames.remove(META)
+        for name in filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            files += 1
+            nbytes += st.st_size
+    return files, nbytes
+
+
+def write_random(path: str, size: int, chunk: int = 4 * MIB) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(chunk, left)
+            f.write(os.urandom(n))
+            left -= n
+
+
+def ensure_tree(root: str, n: int) -> bool:
+    """Make the small-file tree unless it is there with the right sizes; True if (re)made."""
+    paths = small_paths(root, n)
+    if os.path.isdir(root) and tree_stats(root) == (n, n * SMALL_SIZE) and all(
+        os.path.isfile(p) and os.path.getsize(p) == SMALL_SIZE for p in paths
+    ):
+        return False
+    print(f"generating {n} x {SMALL_SIZE // KIB} KiB files in {root} ...", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    for p in paths:
+        write_random(p, SMALL_SIZE)
+    return True
+
+
+def ensure_big(path: str, size: int) -> None:
+    if os.path.exists(path) and os.path.getsize(path) == size:
+        return
+    print(f"generating {size / MIB:.0f} MiB file {path} ...", flush=True)
+    write_random(path, size)
+
+
+def ensure_tar(tar: str, work: str, tree: str, remade_tree: bool) -> None:
+    """``tar -cf`` the tree; reuse the archive if a stamp says it matches the current tree."""
+    stamp = tar + ".stamp"
+    want = f"{tree_stats(tree)}"
+    if not remade_tree and os.path.exists(tar) and os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read() == f"{want} {os.path.getsize(tar)}":
+                return
+    print(f"creating {tar} with tar -cf ...", flush=True)
+    subprocess.run(["tar", "-cf", tar, "-C", work, os.path.basename(tree)], check=True)
+    with open(stamp, "w") as f:
+        f.write(f"{want} {os.path.getsize(tar)}")
+
+
+def check_space(work: str, n: int, big: int) -> None:
+    """Exit early when the work dir's filesystem cannot hold inputs, one output and dd's file."""
+    need = n * SMALL_SIZE * 2 + big + max(n * SMALL_SIZE, big) + 256 * MIB
+    have = shutil.disk_usage(work).free
+    if have < need:
+        sys.exit(f"{work}: {have / GIB:.1f} GiB free, the benchmark needs about "
+                 f"{need / GIB:.1f} GiB (lower --scale)")
+
+
+# ----------------------------------------------------------------------------- cache, timing
+
+
+class Cache:
+    """Drops the page cache before each timed run, or remembers that it cannot."""
+
+    def __init__(self, warm: bool) -> None:
+        self.warm = warm
+        self.note = "warm (--warm: page cache not dropped)" if warm else ""
+
+    def settle(self) -> None:
+        os.sync()
+        if self.warm:
+            return
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            self.note = "cold (page cache dropped before every timed command)"
+        except OSError as exc:
+            self.warm = True
+            self.note = f"warm (dropping the page cache is not permitted: {exc.strerror})"
+            print(f"NOTE: cannot drop the page cache ({exc}); continuing with a warm cache",
+                  flush=True)
+
+
+def remove(path: str) -> None:
+    if os.path.lexists(path):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def timed(cmd: str) -> tuple[float, subprocess.CompletedProcess]:
+    """Wall time of ``sh -c 'CMD && sync'``."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(["sh", "-c", f"{cmd} && sync"], capture_output=True, text=True)
+    return time.perf_counter() - t0, proc
+
+
+def verify(case: Case, side: str, out: str, proc: subprocess.CompletedProcess) -> None:
+    """Exit code 0 and the same file count and bytes as the input; exits on a mismatch."""
+    got = tree_stats(out) if os.path.isdir(out) else (0, 0)
+    if proc.returncode == 0 and got == (case.files, case.nbytes):
+        return
+    cmd = case.ours if side == "ours" else case.peer
+    sys.exit(f"case {case.key} ({side}) produced a wrong result: exit {proc.returncode}, "
+             f"{got[0]} files / {got[1]} bytes, want {case.files} / {case.nbytes}\n"
+             f"command: {cmd}\nstdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-2000:]}")
+
+
+def run_one(case: Case, side: str, out: str, cache: Cache) -> float:
+    remove(out)
+    if side == "peer" and case.pre_peer:
+        subprocess.run(["sh", "-c", case.pre_peer], check=True)
+    cache.settle()
+    secs, proc = timed(case.ours if side == "ours" else case.peer)
+    verify(case, side, out, proc)
+    return secs
+
+
+def run_case(case: Case, out: str, reps: int, cache: Cache) -> None:
+    print(f"\n[{case.key}] {case.title}: {plural(case.files)}, {case.nbytes / MIB:.0f} MiB")
+    print(f"  ours: {case.ours}\n  peer: {case.peer}", flush=True)
+    for rep in range(reps):
+        order = ("ours", "peer") if rep % 2 == 0 else ("peer", "ours")
+        for side in order:
+            case.times[side].append(run_one(case, side, out, cache))
+        print(f"  rep {rep + 1}/{reps}: ours {case.times['ours'][-1]:.3f} s, "
+              f"peer {case.times['peer'][-1]:.3f} s", flush=True)
+    remove(out)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def build_cases(args: argparse.Namespace, work: str, out: str) -> list[Case]:
+    n, big = sizes_for(args.scale)
+    tree, big_file, tar = (os.path.join(work, x) for x in ("files", "big.bin", "files.tar"))
+    remade = False
+    if {"a", "c"} & set(args.cases):
+        remade = ensure_tree(tree, n)
+    if "b" in args.cases:
+        ensure_big(big_file, big)
+    if "c" in args.cases:
+        ensure_tar(tar, work, tree, remade)
+    ds = shlex.quote(datastore_exe())
+    streams = f" --streams {args.streams}" if args.streams else ""
+    q = shlex.quote
+    o = q(out)
+    specs = {
+        "a": (f"{ds} stage {q(tree)} --to {o} --quiet{streams}", f"cp -r {q(tree)} {o}",
+              n, n * SMALL_SIZE, ""),
+        "b": (f"{ds} stage {q(big_file)} --to {o} --quiet{streams}", f"cp {q(big_file)} {o}/",
+              1, big, f"mkdir {o}"),
+        "c": (f"{ds} stage {q(tar)} --to {o} --quiet{streams}",
+              f"mkdir {o} && tar -xf {q(tar)} -C {o}", n, n * SMALL_SIZE, ""),
+    }
+    return [Case(k, TITLES[k], *specs[k]) for k in args.cases]
+
+
+# ----------------------------------------------------------------------------- raw disk
+
+
+def disk_bandwidth(work: str, scale: float) -> str:
+    """Raw sequential write bandwidth of the work dir's device, by ``dd`` with O_DIRECT."""
+    count = max(1, round(DD_BYTES * scale / DD_BS))
+    path = os.path.join(work, "dd.tmp")
+    cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={DD_BS // MIB}M", f"count={count}",
+           "oflag=direct", "conv=fdatasync"]
+    os.sync()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    secs = time.perf_counter() - t0
+    remove(path)
+    if proc.returncode != 0:
+        return f"dd failed ({proc.stderr.strip().splitlines()[-1:]}); raw bandwidth unknown"
+    mbs = count * DD_BS / secs / 1e6
+    shown = " ".join(cmd).replace(path, "FILE")
+    return f"{mbs:.0f} MB/s raw sequential write ({count * DD_BS / MIB:.0f} MiB, `{shown}`)"
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(case: Case) -> dict[str, float | str]:
+    ours, peer = statistics.median(case.times["ours"]), statistics.median(case.times["peer"])
+    target, name = TARGETS[case.key]
+    ratio = peer / ours
+    return {
+        "ours": ours, "peer": peer, "ratio": ratio,
+        "ours_mbs": case.nbytes / ours / 1e6, "peer_mbs": case.nbytes / peer / 1e6,
+        "target": f">= {target:g}x vs {name}", "verdict": "PASS" if ratio >= target else "MISS",
+    }
+
+
+def plural(files: int) -> str:
+    return f"{files} file" + ("" if files == 1 else "s")
+
+
+def machine_info() -> list[str]:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return [f"nproc {os.cpu_count()}", f"CPU {cpu}", f"kernel {platform.release()}",
+            f"Python {platform.python_version()}", time.strftime("date %Y-%m-%d %H:%M:%S %Z")]
+
+
+def report(cases: list[Case], args: argparse.Namespace, work: str, cache: Cache,
+           disk: str) -> str:
+    lines = [
+        "| case | ours median s | peer median s | ours MB/s | peer MB/s | ratio | target | |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    spread = []
+    for c in cases:
+        s = summarize(c)
+        lines.append(
+            f"| {c.key}: {c.title} ({plural(c.files)}, {c.nbytes / MIB:.0f} MiB) "
+            f"| {s['ours']:.3f} | {s['peer']:.3f} | {s['ours_mbs']:.0f} | {s['peer_mbs']:.0f} "
+            f"| {s['ratio']:.2f}x | {s['target']} | {s['verdict']} |"
+        )
+        t = c.times
+        spread.append(f"- {c.key}: ours min/max {min(t['ours']):.3f}/{max(t['ours']):.3f} s, "
+                      f"peer min/max {min(t['peer']):.3f}/{max(t['peer']):.3f} s")
+    streams = args.streams or "default"
+    return "\n".join([
+        *lines, "",
+        "ratio = peer time / ours time (> 1: datastore is faster); times include a final `sync`.",
+        *spread, "",
+        f"- disk: {disk}",
+        f"- page cache: {cache.note}",
+        f"- reps {args.reps}, scale {args.scale:g}, streams {streams}, work dir {work}",
+        f"- machine: {', '.join(machine_info())}",
+    ]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = os.path.abspath(args.dir)
+    os.makedirs(work, exist_ok=True)
+    n, big = sizes_for(args.scale)
+    check_space(work, n, big)
+    out = os.path.join(work, "out")
+    remove(out)
+    cases = build_cases(args, work, out)
+    cache = Cache(args.warm)
+    disk = disk_bandwidth(work, args.scale)
+    print(f"disk: {disk}", flush=True)
+    for case in cases:
+        run_case(case, out, args.reps, cache)
+    text = report(cases, args, work, cache, disk)
+    print("\n" + text, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

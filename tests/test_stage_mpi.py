@@ -1,0 +1,155 @@
+"""``datastore stage`` under real ``mpiexec``: replicate, shard, and a failing rank."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+
+
+def files_of(root: str) -> dict[str, bytes]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".datastore"]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """A tree of 40 files of uneven sizes (1 KiB .. 600 KiB) in 4 directories."""
+    rng = __import__("random").Random(7)
+    src = tmp_path / "src"
+    for d in range(4):
+        (src / f"d{d}").mkdir(parents=True)
+        for i in range(10):
+            (src / f"d{d}" / f"s{i}.bin").write_bytes(rng.randbytes(rng.randint(1, 600) * 1024))
+    return src
+
+
+@pytest.fixture(autouse=True)
+def no_stale_shm():
+    """Crashed MPICH jobs leave /dev/shm segments; remove the ones a test created."""
+    before = set(glob.glob("/dev/shm/mpich*"))
+    yield
+    for path in set(glob.glob("/dev/shm/mpich*")) - before:
+        with __import__("contextlib").suppress(OSError):
+            os.unlink(path)
+
+
+def mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    assert MPIEXEC, "mpiexec not found next to the interpreter (pip install mpich)"
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "datastore", "stage", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def summary(proc: subprocess.CompletedProcess) -> dict:
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    return json.loads(lines[0])
+
+
+def manifest(dest) -> dict:
+    with open(os.path.join(dest, ".datastore", "manifest.json")) as f:
+        return json.load(f)
+
+
+def test_replicate_two_ranks_one_node(dataset, tmp_path):
+    dest = tmp_path / "dest"
+    proc = mpirun(2, str(dataset), "--to", str(dest), "--json")
+    assert proc.returncode == 0, proc.stderr
+    s = summary(proc)
+    assert (s["ranks"], s["nodes"], s["files"]) == (2, 1, 40)
+    assert files_of(dest / "src") == files_of(dataset)
+    assert manifest(dest)["shard"] == {"mode": "replicate", "node": 0, "nodes": 1}
+    again = summary(mpirun(2, str(dataset), "--to", str(dest), "--json"))
+    assert (again["files"], again["skipped"]) == (0, 40)
+
+
+def test_replicate_every_node_gets_everything(dataset, tmp_path):
+    proc = mpirun(2, str(dataset), "--to", str(tmp_path / "node{node}"), "--ranks-per-node", "1",
+                  "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert summary(proc)["nodes"] == 2
+    for node in (0, 1):
+        assert files_of(tmp_path / f"node{node}" / "src") == files_of(dataset)
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_shard_partitions_by_bytes(dataset, tmp_path, nodes):
+    proc = mpirun(nodes, str(dataset), "--to", str(tmp_path / "node{node}"), "--mode", "shard",
+                  "--ranks-per-node", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    source = {os.path.join("src", k): v for k, v in files_of(dataset).items()}
+    shares = [files_of(tmp_path / f"node{k}") for k in range(nodes)]
+    union: dict[str, bytes] = {}
+    for share in shares:
+        assert not set(share) & set(union), "a file landed on two nodes"
+        union.update(share)
+    assert union == source
+    loads = [sum(len(v) for v in share.values()) for share in shares]
+    assert max(loads) - min(loads) <= max(len(v) for v in source.values())
+    for k in range(nodes):
+        m = manifest(tmp_path / f"node{k}")
+        assert m["shard"] == {"mode": "shard", "node": k, "nodes": nodes}
+        files = {p for p, e in m["entries"].items() if e["kind"] == "file"}
+        assert files == set(shares[k])
+
+
+def test_failing_rank_ends_all_ranks_quickly(dataset, tmp_path):
+    (tmp_path / "node1").write_text("a file where node 1's DEST should be")
+    t0 = time.monotonic()
+    proc = mpirun(2, str(dataset), "--to", str(tmp_path / "node{node}" / "dest"),
+                  "--ranks-per-node", "1", timeout=60)
+    assert proc.returncode == 1
+    assert time.monotonic() - t0 < 30
+    assert "node1/dest: cannot prepare destination (Not a directory)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_killed_rank_ends_the_job(tmp_path):
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.write(os.urandom(1 << 20) * 400)
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "datastore", "stage", str(big), "--to",
+           str(tmp_path / "node{node}"), "--ranks-per-node", "1", "--streams", "1",
+           "--checksum", "blake2b", "--quiet"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not glob.glob(str(tmp_path / "node1" / ".datastore" / "tmp" / "*.part")):
+        assert time.monotonic() < deadline and job.poll() is None, "rank 1 never started copying"
+        time.sleep(0.01)
+    ranks = rank_pids(str(big))
+    assert len(ranks) == 2
+    os.kill(max(ranks), 9)
+    job.communicate(timeout=60)
+    assert job.returncode != 0
+    time.sleep(0.5)
+    assert rank_pids(str(big)) == [], "ranks left running after one was killed"
+
+
+def rank_pids(marker: str) -> list[int]:
+    """Pids of the Python ranks (not the launcher) whose command line holds ``marker``."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[0] == sys.executable.encode() and marker.encode() in argv:
+            pids.append(int(pid))
+    return pids
