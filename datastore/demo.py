@@ -1,0 +1,73 @@
+"""``make demo``: generate a small dataset on a stand-in parallel filesystem, then stage it.
+
+Writes under ``./demo-data`` (``DATASTORE_DEMO_DIR`` overrides): ``pfs/`` plays the parallel
+filesystem (a tree of CosmoFlow-like ``.npy`` volumes, one HDF5 file of labels, and a
+``.tar.zst`` shard of more volumes), ``ssd/`` plays node-local storage.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import h5py
+import numpy as np
+import zstandard
+
+__all__ = ["main"]
+
+SAMPLES, SIDE, CHANNELS = 24, 32, 4
+
+
+def generate(pfs: str, seed: int = 0) -> None:
+    """Volumes as ``.npy`` in a tree, labels in HDF5, and a zstd tar shard of more volumes."""
+    rng = np.random.default_rng(seed)
+    vol_dir = os.path.join(pfs, "cosmo", "train")
+    os.makedirs(vol_dir, exist_ok=True)
+    labels = rng.uniform(-1, 1, size=(SAMPLES, 4)).astype(np.float32)
+    for i in range(SAMPLES):
+        vol = rng.standard_normal((CHANNELS, SIDE, SIDE, SIDE), dtype=np.float32)
+        np.save(os.path.join(vol_dir, f"sample_{i:04d}.npy"), vol)
+    with h5py.File(os.path.join(pfs, "cosmo", "labels.h5"), "w") as f:
+        f.create_dataset("y", data=labels)
+    shard = os.path.join(pfs, "cosmo-val.tar.zst")
+    with open(shard, "wb") as raw, zstandard.ZstdCompressor(level=3).stream_writer(raw) as z, \
+            tarfile.open(fileobj=z, mode="w|") as tf:
+        for i in range(SAMPLES // 2):
+            path = os.path.join(pfs, f"val_{i:04d}.npy")
+            np.save(path, rng.standard_normal((CHANNELS, SIDE, SIDE, SIDE), dtype=np.float32))
+            tf.add(path, arcname=f"cosmo/val/sample_{i:04d}.npy")
+            os.unlink(path)
+
+
+def sh(*cmd: str) -> None:
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    rc = subprocess.run(cmd).returncode
+    if rc != 0:
+        sys.exit(f"demo: command failed with exit code {rc}")
+
+
+def main() -> None:
+    root = os.path.abspath(os.environ.get("DATASTORE_DEMO_DIR", "demo-data"))
+    pfs, ssd = os.path.join(root, "pfs"), os.path.join(root, "ssd")
+    shutil.rmtree(root, ignore_errors=True)
+    generate(pfs)
+    print(f"generated a dataset on the stand-in parallel filesystem {pfs}")
+    ds = [sys.executable, "-m", "datastore"]
+    srcs = [os.path.join(pfs, "cosmo"), os.path.join(pfs, "cosmo-val.tar.zst")]
+    sh(*ds, "stage", *srcs, "--to", ssd, "--dry-run")
+    sh(*ds, "stage", *srcs, "--to", ssd)
+    sh(*ds, "stage", *srcs, "--to", ssd)  # a re-run skips what is unchanged
+    sh(*ds, "stage", "--verify", "--to", ssd)
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec:
+        sh(mpiexec, "-n", "2", *ds, "stage", *srcs, "--to", os.path.join(root, "node{node}"),
+           "--mode", "shard", "--ranks-per-node", "1")
+    print(f"\ndemo done: staged copy in {ssd}, shards in {root}/node0 and {root}/node1")
+
+
+if __name__ == "__main__":
+    main()

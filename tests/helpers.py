@@ -1,0 +1,174 @@
+"""Shared helpers for the ``datastore stage`` tests: source trees, archives, DEST snapshots."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import zstandard
+
+META = ".datastore"
+
+# Launcher variables that would make the CLI believe it runs under MPI.
+_MPI_VARS = (
+    "PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID",
+    "SLURM_STEP_NUM_TASKS", "SLURM_PROCID",
+)
+
+# (relative path, size in bytes, mode) of the regular files of ``make_tree``.
+TREE_FILES = (
+    ("empty.txt", 0, 0o644),
+    ("one.bin", 1, 0o600),
+    ("a/small.txt", 100, 0o640),
+    ("a/page.bin", 4096, 0o644),
+    ("a/b/odd.bin", 65_537, 0o755),
+    ("a/b/c/deep.bin", 300_001, 0o604),
+    ("z/last.bin", 12_345, 0o644),
+)
+TREE_EMPTY_DIRS = ("emptydir", "a/b/hollow")
+# A fixed, distinctive mtime so that "preserved" cannot mean "it happens to be now".
+BASE_MTIME_NS = 1_600_000_000_123_456_789
+
+
+def run_stage(*args: str | os.PathLike, env: dict[str, str] | None = None,
+              check: int | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m datastore stage ARGS`` as a single process (no MPI launcher variables).
+
+    ``check``: the exit code the run must have; the assertion shows both output streams.
+    """
+    full_env = {k: v for k, v in os.environ.items() if k not in _MPI_VARS}
+    full_env.pop("DATASTORE_DEBUG", None)
+    if env:
+        full_env.update(env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "datastore", "stage", *map(str, args)],
+        capture_output=True, text=True, env=full_env, timeout=120,
+    )
+    if check is not None:
+        assert proc.returncode == check, (
+            f"exit {proc.returncode}, expected {check}\nstdout:\n{proc.stdout}\n"
+            f"stderr:\n{proc.stderr}"
+        )
+    return proc
+
+
+def random_bytes(n: int, seed: int) -> bytes:
+    """``n`` reproducible pseudo-random bytes."""
+    import numpy as np
+
+    return np.random.default_rng(seed).bytes(n)
+
+
+def make_tree(root: Path, seed: int = 0) -> Path:
+    """A small source tree: nested directories, an empty file, empty directories, and files of
+    several sizes (random bytes) with distinct modes and mtimes. Returns ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i, (rel, size, mode) in enumerate(TREE_FILES):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(random_bytes(size, seed * 1000 + i))
+        p.chmod(mode)
+        t = BASE_MTIME_NS + i * 1_000_000_007
+        os.utime(p, ns=(t, t))
+    for rel in TREE_EMPTY_DIRS:
+        (root / rel).mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """``{relative path: content}`` of every regular file under ``root``, ignoring the
+    ``.datastore`` metadata directory (symlinks are not followed and not listed)."""
+    return {rel: v[1] for rel, v in snapshot(root).items() if v[0] == "file"}
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Everything under ``root`` except ``.datastore``: ``("dir",)``, ``("file", bytes)`` or
+    ``("symlink", target)`` by relative path. Symlinks are recorded, never followed."""
+    out: dict[str, tuple] = {}
+    root = Path(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        if rel_dir == ".":
+            dirnames[:] = [d for d in dirnames if d != META]
+            filenames = [f for f in filenames if f != META]
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("symlink", os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir",)
+            elif stat.S_ISREG(st.st_mode):
+                out[rel] = ("file", Path(path).read_bytes())
+            else:
+                out[rel] = ("other", stat.S_IFMT(st.st_mode))
+    return out
+
+
+def meta_listing(dest: Path) -> set[str]:
+    """Names directly inside ``DEST/.datastore``."""
+    return set(os.listdir(Path(dest) / META))
+
+
+def tar_bytes(members: list[tuple[tarfile.TarInfo, bytes | None]],
+              fmt: int = tarfile.GNU_FORMAT) -> bytes:
+    """An uncompressed tar of hand-made members (``data`` is the content of regular files)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+            else:
+                tf.addfile(info)
+    return buf.getvalue()
+
+
+def write_archive(path: Path, raw_tar: bytes) -> Path:
+    """Write uncompressed tar bytes to ``path``, compressed as its suffix says."""
+    name = path.name
+    if name.endswith((".tar.gz", ".tgz")):
+        import gzip
+
+        path.write_bytes(gzip.compress(raw_tar, mtime=0))
+    elif name.endswith(".tar.zst"):
+        path.write_bytes(zstandard.ZstdCompressor(level=3).compress(raw_tar))
+    elif name.endswith(".tar"):
+        path.write_bytes(raw_tar)
+    else:
+        raise ValueError(f"not an archive name: {name}")
+    return path
+
+
+def file_info(name: str, mtime: int = 1_600_000_000, mode: int = 0o644) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.REGTYPE
+    info.mtime, info.mode = mtime, mode
+    return info
+
+
+def dir_info(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 1_600_000_000
+    return info
+
+
+def link_info(name: str, target: str, hard: bool = False) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.LNKTYPE if hard else tarfile.SYMTYPE
+    info.linkname, info.mode, info.mtime = target, 0o777, 1_600_000_000
+    return info
+
+
+def special_info(name: str, kind: bytes) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode, info.mtime = kind, 0o644, 1_600_000_000
+    if kind in (tarfile.CHRTYPE, tarfile.BLKTYPE):
+        info.devmajor, info.devminor = (1, 3) if kind == tarfile.CHRTYPE else (7, 0)
+    return info

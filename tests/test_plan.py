@@ -1,0 +1,90 @@
+"""Pure functions of staging: byte-balanced splits, shard assignment, leaves, launcher detection."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from staging.checksum import LEAF_BYTES, leaf_ranges
+from staging.cluster import launched_by_mpi
+from staging.manifest import Manifest, meta_dir
+from staging.plan import Group, Item, Plan, assign, split_by_bytes
+
+sizes_st = st.lists(st.integers(min_value=0, max_value=10**9), max_size=200)
+
+
+@settings(deadline=None)
+@given(sizes_st, st.integers(min_value=1, max_value=16))
+def test_split_by_bytes_is_balanced_and_total(sizes, parts):
+    owners = split_by_bytes(sizes, parts)
+    assert len(owners) == len(sizes)
+    assert all(0 <= o < parts for o in owners)
+    loads = [sum(max(s, 1) for s, o in zip(sizes, owners, strict=True) if o == p)
+             for p in range(parts)]
+    # greedy largest-first: no bin exceeds another by more than the largest item
+    assert max(loads) - min(loads) <= max([max(s, 1) for s in sizes], default=0)
+    assert split_by_bytes(sizes, parts) == owners  # deterministic
+
+
+def test_split_by_bytes_example():
+    assert split_by_bytes([10, 1, 7, 3, 3], 2) == [0, 1, 1, 1, 0]
+
+
+@given(st.integers(min_value=0, max_value=5 * LEAF_BYTES), st.integers(min_value=1 << 16, max_value=1 << 26))
+def test_leaf_ranges_tile_the_file(size, leaf):
+    ranges = leaf_ranges(size, leaf)
+    assert ranges[0][0] == 0
+    assert sum(n for _, n in ranges) == size
+    for (o1, n1), (o2, _) in zip(ranges, ranges[1:], strict=False):
+        assert o1 + n1 == o2 and n1 == leaf
+    assert size == 0 or all(0 < n <= leaf for _, n in ranges)
+
+
+def _item(dest, size, kind="file", link="", source=None):
+    return Item(dest=dest, kind=kind, source=source or f"/src::{dest}", ident="x", size=size,
+                link=link)
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=50),
+       st.integers(min_value=1, max_value=6))
+def test_assign_partitions_every_item_once(sizes, nodes):
+    items = [_item(f"f{i}", s) for i, s in enumerate(sizes)]
+    plan = Plan(groups=[Group("/src", (_item("d", 0, "dir"), *items))])
+    shards = assign(plan, nodes)
+    seen = [i.dest for shard in shards for g in shard for i in g.items if i.kind == "file"]
+    assert sorted(seen) == sorted(i.dest for i in items)
+    for shard in shards:  # the directory comes with every share that has files
+        for g in shard:
+            assert g.items[0].kind == "dir"
+
+
+def test_assign_keeps_hardlinks_with_their_target():
+    big, small = _item("big", 1000), _item("small", 10)
+    link = _item("link", 0, "hardlink", link="big")
+    plan = Plan(groups=[Group("/src", (big, small, link), stream="gz")])
+    shards = assign(plan, 2)
+    where = {i.dest: n for n, shard in enumerate(shards) for g in shard for i in g.items}
+    assert where["link"] == where["big"] != where["small"]
+
+
+def test_launcher_detection():
+    assert not launched_by_mpi({})
+    assert launched_by_mpi({"PMI_RANK": "0"})
+    assert launched_by_mpi({"OMPI_COMM_WORLD_RANK": "3"})
+    assert launched_by_mpi({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"})
+    assert not launched_by_mpi({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"})
+
+
+def test_manifest_ignores_a_torn_journal_line(tmp_path):
+    (tmp_path / ".datastore").mkdir()
+    rec = {"entry": "a", "kind": "file", "source": "/s/a", "ident": "1:2", "size": 1, "hash": "h"}
+    journal = tmp_path / ".datastore" / "journal-0.jsonl"
+    journal.write_text(json.dumps(rec) + "\n" + '{"entry": "b", "ki')
+    m = Manifest.load(str(tmp_path))
+    assert list(m.entries) == ["a"]
+    m.save(str(tmp_path))
+    assert not journal.exists()
+    assert Manifest.load(meta_dir(str(tmp_path))[: -len("/.datastore")]).entries["a"]["size"] == 1
