@@ -82,12 +82,21 @@ class Case:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="./bench-data", help="work dir for inputs and outputs")
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="scale file counts and the big file size (e.g. 0.05 for a smoke run)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="scale file counts and the big file size (e.g. 0.05 for a smoke run)",
+    )
     p.add_argument("--reps", type=int, default=5, help="repetitions per case (default 5)")
     p.add_argument("--cases", default="a,b,c", help="cases to run, comma separated (a,b,c)")
-    p.add_argument("--streams", type=int, default=None, metavar="N",
-                   help="passed through to datastore stage --streams")
+    p.add_argument(
+        "--streams",
+        type=int,
+        default=None,
+        metavar="N",
+        help="passed through to datastore stage --streams",
+    )
     p.add_argument("--warm", action="store_true", help="do not drop the page cache")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
     args = p.parse_args(argv)
@@ -149,8 +158,10 @@ def write_random(path: str, size: int, chunk: int = 4 * MIB) -> None:
 def ensure_tree(root: str, n: int) -> bool:
     """Make the small-file tree unless it is there with the right sizes; True if (re)made."""
     paths = small_paths(root, n)
-    if os.path.isdir(root) and tree_stats(root) == (n, n * SMALL_SIZE) and all(
-        os.path.isfile(p) and os.path.getsize(p) == SMALL_SIZE for p in paths
+    if (
+        os.path.isdir(root)
+        and tree_stats(root) == (n, n * SMALL_SIZE)
+        and all(os.path.isfile(p) and os.path.getsize(p) == SMALL_SIZE for p in paths)
     ):
         return False
     print(f"generating {n} x {SMALL_SIZE // KIB} KiB files in {root} ...", flush=True)
@@ -186,8 +197,10 @@ def check_space(work: str, n: int, big: int) -> None:
     need = n * SMALL_SIZE * 2 + big + max(n * SMALL_SIZE, big) + 256 * MIB
     have = shutil.disk_usage(work).free
     if have < need:
-        sys.exit(f"{work}: {have / GIB:.1f} GiB free, the benchmark needs about "
-                 f"{need / GIB:.1f} GiB (lower --scale)")
+        sys.exit(
+            f"{work}: {have / GIB:.1f} GiB free, the benchmark needs about "
+            f"{need / GIB:.1f} GiB (lower --scale)"
+        )
 
 
 # ----------------------------------------------------------------------------- cache, timing
@@ -211,8 +224,10 @@ class Cache:
         except OSError as exc:
             self.warm = True
             self.note = f"warm (dropping the page cache is not permitted: {exc.strerror})"
-            print(f"NOTE: cannot drop the page cache ({exc}); continuing with a warm cache",
-                  flush=True)
+            print(
+                f"NOTE: cannot drop the page cache ({exc}); continuing with a warm cache",
+                flush=True,
+            )
 
 
 def remove(path: str) -> None:
@@ -236,9 +251,11 @@ def verify(case: Case, side: str, out: str, proc: subprocess.CompletedProcess) -
     if proc.returncode == 0 and got == (case.files, case.nbytes):
         return
     cmd = case.ours if side == "ours" else case.peer
-    sys.exit(f"case {case.key} ({side}) produced a wrong result: exit {proc.returncode}, "
-             f"{got[0]} files / {got[1]} bytes, want {case.files} / {case.nbytes}\n"
-             f"command: {cmd}\nstdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-2000:]}")
+    sys.exit(
+        f"case {case.key} ({side}) produced a wrong result: exit {proc.returncode}, "
+        f"{got[0]} files / {got[1]} bytes, want {case.files} / {case.nbytes}\n"
+        f"command: {cmd}\nstdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-2000:]}"
+    )
 
 
 def run_one(case: Case, side: str, out: str, cache: Cache) -> float:
@@ -258,8 +275,11 @@ def run_case(case: Case, out: str, reps: int, cache: Cache) -> None:
         order = ("ours", "peer") if rep % 2 == 0 else ("peer", "ours")
         for side in order:
             case.times[side].append(run_one(case, side, out, cache))
-        print(f"  rep {rep + 1}/{reps}: ours {case.times['ours'][-1]:.3f} s, "
-              f"peer {case.times['peer'][-1]:.3f} s", flush=True)
+        print(
+            f"  rep {rep + 1}/{reps}: ours {case.times['ours'][-1]:.3f} s, "
+            f"peer {case.times['peer'][-1]:.3f} s",
+            flush=True,
+        )
     remove(out)
 
 
@@ -281,12 +301,27 @@ def build_cases(args: argparse.Namespace, work: str, out: str) -> list[Case]:
     q = shlex.quote
     o = q(out)
     specs = {
-        "a": (f"{ds} stage {q(tree)} --to {o} --quiet{streams}", f"cp -r {q(tree)} {o}",
-              n, n * SMALL_SIZE, ""),
-        "b": (f"{ds} stage {q(big_file)} --to {o} --quiet{streams}", f"cp {q(big_file)} {o}/",
-              1, big, f"mkdir {o}"),
-        "c": (f"{ds} stage {q(tar)} --to {o} --quiet{streams}",
-              f"mkdir {o} && tar -xf {q(tar)} -C {o}", n, n * SMALL_SIZE, ""),
+        "a": (
+            f"{ds} stage {q(tree)} --to {o} --quiet{streams}",
+            f"cp -r {q(tree)} {o}",
+            n,
+            n * SMALL_SIZE,
+            "",
+        ),
+        "b": (
+            f"{ds} stage {q(big_file)} --to {o} --quiet{streams}",
+            f"cp {q(big_file)} {o}/",
+            1,
+            big,
+            f"mkdir {o}",
+        ),
+        "c": (
+            f"{ds} stage {q(tar)} --to {o} --quiet{streams}",
+            f"mkdir {o} && tar -xf {q(tar)} -C {o}",
+            n,
+            n * SMALL_SIZE,
+            "",
+        ),
     }
     return [Case(k, TITLES[k], *specs[k]) for k in args.cases]
 
@@ -298,8 +333,15 @@ def disk_bandwidth(work: str, scale: float) -> str:
     """Raw sequential write bandwidth of the work dir's device, by ``dd`` with O_DIRECT."""
     count = max(1, round(DD_BYTES * scale / DD_BS))
     path = os.path.join(work, "dd.tmp")
-    cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={DD_BS // MIB}M", f"count={count}",
-           "oflag=direct", "conv=fdatasync"]
+    cmd = [
+        "dd",
+        "if=/dev/zero",
+        f"of={path}",
+        f"bs={DD_BS // MIB}M",
+        f"count={count}",
+        "oflag=direct",
+        "conv=fdatasync",
+    ]
     os.sync()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -320,9 +362,13 @@ def summarize(case: Case) -> dict[str, float | str]:
     target, name = TARGETS[case.key]
     ratio = peer / ours
     return {
-        "ours": ours, "peer": peer, "ratio": ratio,
-        "ours_mbs": case.nbytes / ours / 1e6, "peer_mbs": case.nbytes / peer / 1e6,
-        "target": f">= {target:g}x vs {name}", "verdict": "PASS" if ratio >= target else "MISS",
+        "ours": ours,
+        "peer": peer,
+        "ratio": ratio,
+        "ours_mbs": case.nbytes / ours / 1e6,
+        "peer_mbs": case.nbytes / peer / 1e6,
+        "target": f">= {target:g}x vs {name}",
+        "verdict": "PASS" if ratio >= target else "MISS",
     }
 
 
@@ -334,16 +380,21 @@ def machine_info() -> list[str]:
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
     except OSError:
         pass
-    return [f"nproc {os.cpu_count()}", f"CPU {cpu}", f"kernel {platform.release()}",
-            f"Python {platform.python_version()}", time.strftime("date %Y-%m-%d %H:%M:%S %Z")]
+    return [
+        f"nproc {os.cpu_count()}",
+        f"CPU {cpu}",
+        f"kernel {platform.release()}",
+        f"Python {platform.python_version()}",
+        time.strftime("date %Y-%m-%d %H:%M:%S %Z"),
+    ]
 
 
-def report(cases: list[Case], args: argparse.Namespace, work: str, cache: Cache,
-           disk: str) -> str:
+def report(cases: list[Case], args: argparse.Namespace, work: str, cache: Cache, disk: str) -> str:
     lines = [
         "| case | ours median s | peer median s | ours MB/s | peer MB/s | ratio | target | |",
         "|---|---:|---:|---:|---:|---:|---|---|",
@@ -357,18 +408,27 @@ def report(cases: list[Case], args: argparse.Namespace, work: str, cache: Cache,
             f"| {s['ratio']:.2f}x | {s['target']} | {s['verdict']} |"
         )
         t = c.times
-        spread.append(f"- {c.key}: ours min/max {min(t['ours']):.3f}/{max(t['ours']):.3f} s, "
-                      f"peer min/max {min(t['peer']):.3f}/{max(t['peer']):.3f} s")
+        spread.append(
+            f"- {c.key}: ours min/max {min(t['ours']):.3f}/{max(t['ours']):.3f} s, "
+            f"peer min/max {min(t['peer']):.3f}/{max(t['peer']):.3f} s"
+        )
     streams = args.streams or "default"
-    return "\n".join([
-        *lines, "",
-        "ratio = peer time / ours time (> 1: datastore is faster); times include a final `sync`.",
-        *spread, "",
-        f"- disk: {disk}",
-        f"- page cache: {cache.note}",
-        f"- reps {args.reps}, scale {args.scale:g}, streams {streams}, work dir {work}",
-        f"- machine: {', '.join(machine_info())}",
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                *lines,
+                "",
+                "ratio = peer time / ours time (> 1: we are faster); times include a final sync.",
+                *spread,
+                "",
+                f"- disk: {disk}",
+                f"- page cache: {cache.note}",
+                f"- reps {args.reps}, scale {args.scale:g}, streams {streams}, work dir {work}",
+                f"- machine: {', '.join(machine_info())}",
+            ]
+        )
+        + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the last line of defence: one line, and no rank left hanging
         if os.environ.get("DATASTORE_DEBUG"):
             traceback.print_exc()
-        print(f"datastore {args.command}: internal error: {type(exc).__name__}: {exc} "
-              "(set DATASTORE_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(
+            f"datastore {args.command}: internal error: {type(exc).__name__}: {exc} "
+            "(set DATASTORE_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
         _abort_peers()
         return 1
 

@@ -34,8 +34,11 @@ def generate(pfs: str, seed: int = 0) -> None:
     with h5py.File(os.path.join(pfs, "cosmo", "labels.h5"), "w") as f:
         f.create_dataset("y", data=labels)
     shard = os.path.join(pfs, "cosmo-val.tar.zst")
-    with open(shard, "wb") as raw, zstandard.ZstdCompressor(level=3).stream_writer(raw) as z, \
-            tarfile.open(fileobj=z, mode="w|") as tf:
+    with (
+        open(shard, "wb") as raw,
+        zstandard.ZstdCompressor(level=3).stream_writer(raw) as z,
+        tarfile.open(fileobj=z, mode="w|") as tf,
+    ):
         for i in range(SAMPLES // 2):
             path = os.path.join(pfs, f"val_{i:04d}.npy")
             np.save(path, rng.standard_normal((CHANNELS, SIDE, SIDE, SIDE), dtype=np.float32))
@@ -64,8 +67,20 @@ def main() -> None:
     sh(*ds, "stage", "--verify", "--to", ssd)
     mpiexec = shutil.which("mpiexec")
     if mpiexec:
-        sh(mpiexec, "-n", "2", *ds, "stage", *srcs, "--to", os.path.join(root, "node{node}"),
-           "--mode", "shard", "--ranks-per-node", "1")
+        sh(
+            mpiexec,
+            "-n",
+            "2",
+            *ds,
+            "stage",
+            *srcs,
+            "--to",
+            os.path.join(root, "node{node}"),
+            "--mode",
+            "shard",
+            "--ranks-per-node",
+            "1",
+        )
     print(f"\ndemo done: staged copy in {ssd}, shards in {root}/node0 and {root}/node1")
 
 

@@ -145,6 +145,9 @@ def check_members(archive: str, members: list[Member]) -> None:
                 )
         if m.kind in ("file", "hardlink"):
             files_seen.add(name)
+    for name, link in symlinks.items():  # a later symlink member can redirect an earlier one
+        if _resolve(posixpath.join(posixpath.dirname(name), link), symlinks) is None:
+            raise ArchiveError(archive, f"symlink {link!r} points outside DEST", name)
     dirs = {m.name for m in members if m.kind == "dir"}
     for m in members:
         parts = m.name.split("/")
@@ -187,7 +190,7 @@ def open_stream(path: str, kind: str) -> Iterator[BinaryIO]:
         magic = raw.read(4)
         raw.seek(0)
         if not magic.startswith(_MAGIC[kind]):
-            raise ArchiveError(path, f"not a {kind} file (bad magic bytes)")
+            raise ArchiveError(path, f"corrupt or truncated archive (not a {kind} file: bad magic)")
         if kind == "gz":
             with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
                 yield stream
@@ -214,7 +217,9 @@ def list_members(path: str, kind: str, size: int) -> list[Member]:
                     if m is None:
                         continue
                     if m.kind == "file" and m.offset + m.size > size:
-                        raise ArchiveError(path, "truncated: data runs past end of file", m.name)
+                        raise ArchiveError(
+                            path, "corrupt or truncated archive: data runs past end of file", m.name
+                        )
                     members.append(m)
         else:
             with open_stream(path, kind) as stream, tarfile.open(fileobj=stream, mode="r|") as tf:
@@ -223,7 +228,9 @@ def list_members(path: str, kind: str, size: int) -> list[Member]:
                     if m is not None:
                         members.append(m)
     except DECODE_ERRORS as exc:
-        raise ArchiveError(path, f"corrupt or truncated archive ({exc or type(exc).__name__})") from exc
+        raise ArchiveError(
+            path, f"corrupt or truncated archive ({exc or type(exc).__name__})"
+        ) from exc
     if not members:
         raise ArchiveError(path, "no members: empty, corrupt or not a tar archive")
     check_members(path, members)

@@ -27,10 +27,21 @@ examples:
 """
 
 
+def _positive(text: str) -> int:
+    """An explicit ``--streams``: 0 is not "the default", it is an error."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "stage",
-        help="copy and unpack datasets to node-local storage: parallel, atomic, verified, resumable",
+        help="copy and unpack datasets to node-local storage: parallel, verified, resumable",
         description="Copy files, directories and tar archives (.tar, .tar.gz/.tgz, .tar.zst) "
         "from a parallel filesystem to node-local storage. Archives are unpacked into DEST. "
         "Under mpiexec or srun the ranks of a node share the work, and every node gets the "
@@ -39,23 +50,52 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sources", nargs="*", metavar="SRC", help="files, directories or tar archives")
-    p.add_argument("--to", dest="dest", required=True, metavar="DEST",
-                   help="destination directory; '{node}' in it becomes the node index")
-    p.add_argument("--streams", type=int, default=0, metavar="N",
-                   help=f"parallel I/O streams per rank (default here: {default_streams()})")
+    p.add_argument(
+        "--to",
+        dest="dest",
+        required=True,
+        metavar="DEST",
+        help="destination directory; '{node}' in it becomes the node index",
+    )
+    p.add_argument(
+        "--streams",
+        type=_positive,
+        default=0,
+        metavar="N",
+        help=f"parallel I/O streams per rank (default here: {default_streams()})",
+    )
     p.add_argument("--no-unpack", action="store_true", help="copy archives as they are")
-    p.add_argument("--mode", choices=MODES, default="replicate",
-                   help="replicate: every node gets everything (default); shard: node k of K "
-                   "gets a byte-balanced k-th share, recorded in the manifest")
-    p.add_argument("--checksum", choices=("xxh3", "blake2b", "none"), default="xxh3",
-                   help="hash computed while copying (default xxh3); 'none' lets the kernel "
-                   "copy (copy_file_range) and --verify then checks sizes only")
-    p.add_argument("--dry-run", action="store_true",
-                   help="list what would be copied, the bytes, and an estimated time")
-    p.add_argument("--verify", action="store_true",
-                   help="re-hash DEST against its manifest (with SRC: after staging)")
-    p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
-                   help="group ranks into nodes by rank // N instead of by shared memory")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="replicate",
+        help="replicate: every node gets everything (default); shard: node k of K "
+        "gets a byte-balanced k-th share, recorded in the manifest",
+    )
+    p.add_argument(
+        "--checksum",
+        choices=("xxh3", "blake2b", "none"),
+        default="xxh3",
+        help="hash computed while copying (default xxh3); 'none' lets the kernel "
+        "copy (copy_file_range) and --verify then checks sizes only",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list what would be copied, the bytes, and an estimated time",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-hash DEST against its manifest (with SRC: after staging)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="group ranks into nodes by rank // N instead of by shared memory",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     p.set_defaults(func=run)
@@ -64,9 +104,16 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = StageConfig(
-            dest=args.dest, sources=tuple(args.sources), streams=args.streams,
-            unpack=not args.no_unpack, mode=args.mode, checksum=args.checksum,
-            dry_run=args.dry_run, verify=args.verify, json=args.json, quiet=args.quiet,
+            dest=args.dest,
+            sources=tuple(args.sources),
+            streams=args.streams,
+            unpack=not args.no_unpack,
+            mode=args.mode,
+            checksum=args.checksum,
+            dry_run=args.dry_run,
+            verify=args.verify,
+            json=args.json,
+            quiet=args.quiet,
             ranks_per_node=args.ranks_per_node,
         )
     except ValueError as exc:

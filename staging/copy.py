@@ -11,6 +11,7 @@ name before it is complete, on disk and checksummed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -28,7 +29,7 @@ from staging.durable import start_writeback, syncfs
 from staging.manifest import Journal, meta_dir
 from staging.plan import Group, Item
 
-__all__ = ["Engine", "Stats", "tmp_dir"]
+__all__ = ["Engine", "Stats", "hash_range", "tmp_dir", "within"]
 
 BUF_BYTES = 8 * 1024 * 1024
 _local = threading.local()
@@ -44,6 +45,17 @@ def _buffer() -> memoryview:
     if buf is None:
         buf = _local.buf = memoryview(bytearray(BUF_BYTES))
     return buf
+
+
+def within(dest: str, path: str) -> bool:
+    """True when ``path`` resolves (following every symlink already there) inside ``dest``.
+
+    Archives are checked one by one; this check at placement time also stops a write that a
+    symlink staged by another source (or an earlier run) would send out of DEST.
+    """
+    root = os.path.realpath(dest)
+    real = os.path.realpath(path)
+    return real == root or real.startswith(root + os.sep)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -66,7 +78,9 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, length: int, algo
     while done < length:
         n = os.preadv(src, [buf[: min(BUF_BYTES, length - done)]], src_off + done)
         if n == 0:
-            raise OSError(errno.EIO, f"source ended {length - done} bytes early (changed while staging?)")
+            raise OSError(
+                errno.EIO, f"source ended {length - done} bytes early (changed while staging?)"
+            )
         if h is not None:
             h.update(buf[:n])
         _pwrite_all(dst, buf[:n], dst_off + done)
@@ -120,7 +134,9 @@ class Stats:
 class Committer:
     """Makes finished temp files durable in batches, renames them, and journals them."""
 
-    def __init__(self, dest: str, journal: Journal, batch_bytes: int = 256 << 20, batch_files: int = 1024):
+    def __init__(
+        self, dest: str, journal: Journal, batch_bytes: int = 256 << 20, batch_files: int = 1024
+    ):
         self.dest, self.journal = dest, journal
         self.batch_bytes, self.batch_files = batch_bytes, batch_files
         self._q: queue.Queue[tuple[str, str, dict[str, Any], int] | None] = queue.Queue()
@@ -156,7 +172,7 @@ class Committer:
             if job is None:
                 self._flush(batch)
                 return
-            tmp, rel, rec, nbytes = job
+            tmp, _rel, rec, nbytes = job
             if tmp:
                 batch.append(job)
                 pending += nbytes
@@ -175,6 +191,10 @@ class Committer:
             parent = os.path.dirname(final)
             try:
                 if parent not in self._made:
+                    if not within(self.dest, parent):
+                        raise OSError(
+                            errno.EPERM, "refusing to write through a symlink out of DEST"
+                        )
                     os.makedirs(parent, exist_ok=True)
                     self._made.add(parent)
                 os.replace(tmp, final)
@@ -187,10 +207,8 @@ class Committer:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class _LeafLog:
@@ -226,8 +244,14 @@ class _LeafLog:
 class Engine:
     """Copies the groups of one rank into DEST with ``streams`` parallel I/O streams."""
 
-    def __init__(self, dest: str, rank: int, algo: str, streams: int,
-                 on_bytes: Callable[[int], None] = lambda n: None):
+    def __init__(
+        self,
+        dest: str,
+        rank: int,
+        algo: str,
+        streams: int,
+        on_bytes: Callable[[int], None] = lambda n: None,
+    ):
         self.dest, self.algo, self.streams = dest, algo, streams
         self.on_bytes = on_bytes
         self.tmp = tmp_dir(dest)
@@ -255,12 +279,18 @@ class Engine:
         return os.path.join(self.tmp, key + ".part")
 
     def _record(self, item: Item, digest: str | None, size: int) -> dict[str, Any]:
-        return {"entry": item.dest, "kind": item.kind if item.kind != "hardlink" else "file",
-                "source": item.source, "ident": item.ident, "size": size, "hash": digest,
-                "link": item.link if item.kind == "symlink" else None}
+        return {
+            "entry": item.dest,
+            "kind": item.kind if item.kind != "hardlink" else "file",
+            "source": item.source,
+            "ident": item.ident,
+            "size": size,
+            "hash": digest,
+            "link": item.link if item.kind == "symlink" else None,
+        }
 
     def _finish(self, item: Item, fd: int, tmp: str, digest: str | None) -> None:
-        os.fchmod(fd, (item.mode & 0o7777) | 0o600)
+        os.fchmod(fd, item.mode & 0o7777)
         if item.mtime_ns:
             os.utime(fd, ns=(item.mtime_ns, item.mtime_ns))
         start_writeback(fd)
@@ -288,7 +318,9 @@ class Engine:
             _unlink(tmp)
             self._fail(item, exc)
 
-    def _copy_large(self, pool: ThreadPoolExecutor, item: Item, src_path: str, src_off: int) -> list[Future]:
+    def _copy_large(
+        self, pool: ThreadPoolExecutor, item: Item, src_path: str, src_off: int
+    ) -> list[Future]:
         """Submit one job per leaf; the last leaf to finish commits the file."""
         tmp = self._tmp_path(item)
         leaves = leaf_ranges(item.size)
@@ -305,7 +337,11 @@ class Engine:
             try:
                 src = self._src_fd(src_path)
                 kept = log.known.get(i)
-                if kept is not None and self.algo != "none" and hash_range(fd, off, length, self.algo) == kept:
+                if (
+                    kept is not None
+                    and self.algo != "none"
+                    and hash_range(fd, off, length, self.algo) == kept
+                ):
                     digests[i] = kept
                     with self._lock:
                         self.stats.resumed_bytes += length
@@ -333,7 +369,9 @@ class Engine:
 
         return [pool.submit(leaf, i, off, n) for i, (off, n) in enumerate(leaves)]
 
-    def _copy_file(self, pool: ThreadPoolExecutor, item: Item, src_path: str, src_off: int) -> list[Future]:
+    def _copy_file(
+        self, pool: ThreadPoolExecutor, item: Item, src_path: str, src_off: int
+    ) -> list[Future]:
         if item.size > LEAF_BYTES:
             return self._copy_large(pool, item, src_path, src_off)
         return [pool.submit(self._copy_small, item, src_path, src_off)]
@@ -356,10 +394,13 @@ class Engine:
         later: list[Item] = []
         try:
             with _raw_stream(group) as stream, tarfile.open(fileobj=stream, mode="r|") as tf:
+                index = -1  # counted as list_members counts: the "./" root entry is no member
                 for info in tf:
-                    item = todo.get(normalize_name(info.name))
-                    if item is None:
-                        continue
+                    name = normalize_name(info.name)
+                    index += bool(name)
+                    item = todo.get(name)
+                    if item is None or item.offset != index:
+                        continue  # not ours, or an earlier duplicate of a later member
                     if item.kind == "hardlink":
                         later.append(item)
                     elif item.kind == "symlink":
@@ -437,6 +478,9 @@ class Engine:
                 self.committer.drain()
                 for item in later:
                     target = os.path.join(self.dest, item.link)
+                    if not within(self.dest, target):
+                        self._fail(item, OSError(errno.EPERM, "hardlink target leaves DEST"))
+                        continue
                     copy = replace(item, kind="file", size=os.path.getsize(target))
                     futures.extend(self._copy_file(pool, copy, target, 0))
         return futures
@@ -460,4 +504,3 @@ def hash_range(fd: int, off: int, length: int, algo: str) -> bytes:
         h.update(buf[:n])
         done += n
     return h.digest()
-

@@ -1,4 +1,4 @@
-"""``datastore stage --dry-run``: what would be copied, how many bytes, and how long it would take."""
+"""``datastore stage --dry-run``: what would be copied, how many bytes, and how long."""
 
 from __future__ import annotations
 
@@ -34,20 +34,32 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
     probe = measure(largest, dest)
     seconds = probe.estimate(nbytes, len(copy), cfg.streams)
     if cfg.json:
-        print(json.dumps({
-            "dest": dest, "files": len(copy), "bytes": nbytes, "skipped": skipped,
-            "estimate_s": round(seconds, 2), "read_mb_per_s": round(probe.read_bps / 1e6, 1),
-            "write_mb_per_s": round(probe.write_bps / 1e6, 1),
-            "items": [{"dest": i.dest, "source": i.source, "bytes": i.size} for i in copy],
-            "errors": plan.errors,
-        }))
+        print(
+            json.dumps(
+                {
+                    "dest": dest,
+                    "files": len(copy),
+                    "bytes": nbytes,
+                    "skipped": skipped,
+                    "estimate_s": round(seconds, 2),
+                    "read_mb_per_s": round(probe.read_bps / 1e6, 1),
+                    "write_mb_per_s": round(probe.write_bps / 1e6, 1),
+                    "items": [{"dest": i.dest, "source": i.source, "bytes": i.size} for i in copy],
+                    "errors": plan.errors,
+                }
+            )
+        )
     else:
         for i in copy:
             print(f"copy {human_bytes(i.size):>10}  {i.dest}  <-  {i.source}")
-        print(f"would stage {len(copy)} files, {human_bytes(nbytes)} ({nbytes} bytes) into {dest}; "
-              f"{skipped} unchanged would be skipped")
-        print(f"estimated time: {seconds:.1f} s (probed read {probe.read_bps / 1e6:.0f} MB/s, "
-              f"write {probe.write_bps / 1e6:.0f} MB/s, {probe.per_file_s * 1e3:.2f} ms per file)")
+        print(
+            f"would stage {len(copy)} files, {human_bytes(nbytes)} ({nbytes} bytes) into {dest}; "
+            f"{skipped} unchanged would be skipped"
+        )
+        print(
+            f"estimated time: {seconds:.1f} s (probed read {probe.read_bps / 1e6:.0f} MB/s, "
+            f"write {probe.write_bps / 1e6:.0f} MB/s, {probe.per_file_s * 1e3:.2f} ms per file)"
+        )
         for e in plan.errors:
             print(f"datastore stage: error: {e}", file=sys.stderr)
     return EXIT["bad_input"] if plan.errors else EXIT["ok"]

@@ -115,7 +115,7 @@ class Journal:
 
 
 def lock_dest(dest: str) -> int:
-    """Take the exclusive staging lock of DEST; raise ``BlockingIOError`` if another run holds it."""
+    """Take DEST's exclusive staging lock; ``BlockingIOError`` if another run holds it."""
     fd = os.open(os.path.join(meta_dir(dest), "lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

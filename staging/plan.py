@@ -28,7 +28,8 @@ class Item:
 
     ``kind``: ``"file"``, ``"dir"``, ``"symlink"`` or ``"hardlink"`` (a copy of the earlier item
     ``link`` of the same archive). File bytes are ``path[offset:offset+size]``; for a compressed
-    archive they come from its stream (``offset`` is then meaningless).
+    archive they come from its stream (``offset`` is then the member's index in the archive, so
+    that of duplicate names only the last member is extracted).
     """
 
     dest: str
@@ -139,7 +140,7 @@ def _archive_group(path: str, kind: str, st: os.stat_result) -> Group:
                 mtime_ns=m.mtime * 1_000_000_000,
                 mode=m.mode,
                 path=path,
-                offset=m.offset or 0,
+                offset=(m.offset or 0) if stream is None else i,
                 link=normalize_name(m.link) if m.kind == "hardlink" else m.link,
             )
         )
@@ -160,7 +161,8 @@ def archive_record(group: Group) -> dict:
 
 def _group_from_record(path: str, rec: dict) -> Group:
     items = tuple(
-        Item(**dict(zip(_FIELDS, row)), source=f"{path}::{row[0]}", path=path) for row in rec["items"]
+        Item(**dict(zip(_FIELDS, row, strict=False)), source=f"{path}::{row[0]}", path=path)
+        for row in rec["items"]
     )
     return Group(source=path, items=items, stream=rec["stream"], ident=rec["ident"])
 
@@ -175,7 +177,8 @@ def build_plan(sources: list[str], unpack: bool = True, known: dict | None = Non
     """
     known = known or {}
     plan = Plan()
-    owner: dict[str, str] = {}
+    files: dict[str, str] = {}  # dest path -> the source that writes it
+    dirs: dict[str, str] = {}  # directory dest path -> the first source that needs it
     for src in sources:
         path = os.path.abspath(src)
         try:
@@ -203,18 +206,37 @@ def build_plan(sources: list[str], unpack: bool = True, known: dict | None = Non
         except ArchiveError as exc:
             plan.errors.append(str(exc))
             continue
-        clash = next(
-            (i.dest for i in group.items if i.kind != "dir" and owner.get(i.dest, path) != path),
-            None,
-        )
+        clash = _clash(group, path, files, dirs)
         if clash is not None:
-            plan.errors.append(f"{src}: would overwrite {clash!r}, already staged from {owner[clash]}")
+            plan.errors.append(f"{src}: {clash}")
             continue
         for i in group.items:
-            if i.kind != "dir":
-                owner[i.dest] = path
+            if i.kind == "dir":
+                dirs.setdefault(i.dest, path)
+            else:
+                files[i.dest] = path
+            for parent in _parents(i.dest):
+                dirs.setdefault(parent, path)
         plan.groups.append(group)
     return plan
+
+
+def _parents(dest: str) -> list[str]:
+    parts = dest.split("/")
+    return ["/".join(parts[:k]) for k in range(1, len(parts))]
+
+
+def _clash(group: Group, path: str, files: dict[str, str], dirs: dict[str, str]) -> str | None:
+    """Why ``group`` cannot be staged beside the groups already planned, or ``None``."""
+    for i in group.items:
+        if i.kind != "dir" and files.get(i.dest, path) != path:
+            return f"would overwrite {i.dest!r}, already staged from {files[i.dest]}"
+        if i.kind != "dir" and dirs.get(i.dest, path) != path:
+            return f"would replace directory {i.dest!r} of {dirs[i.dest]} with a file"
+        for d in ([i.dest] if i.kind == "dir" else []) + _parents(i.dest):
+            if files.get(d, path) != path:
+                return f"needs {d!r} as a directory, but {files[d]} stages it as a file"
+    return None
 
 
 def split_by_bytes(sizes: list[int], parts: int) -> list[int]:
@@ -241,7 +263,9 @@ def assign(plan: Plan, nodes: int) -> list[list[Group]]:
     node then reads the stream and writes only its own members.
     """
     items = [i for g in plan.groups for i in g.items if i.kind != "dir"]
-    where = dict(zip((i.source for i in items), split_by_bytes([i.size for i in items], nodes)))
+    where = dict(
+        zip((i.source for i in items), split_by_bytes([i.size for i in items], nodes), strict=False)
+    )
     shards: list[list[Group]] = [[] for _ in range(nodes)]
     for g in plan.groups:
         for n in range(nodes):

@@ -22,7 +22,10 @@ class Probe:
 
     def estimate(self, nbytes: int, nfiles: int, streams: int) -> float:
         """Seconds to stage ``nbytes`` in ``nfiles`` files: the slower side, plus file costs."""
-        return max(nbytes / self.read_bps, nbytes / self.write_bps) + nfiles * self.per_file_s / streams
+        return (
+            max(nbytes / self.read_bps, nbytes / self.write_bps)
+            + nfiles * self.per_file_s / streams
+        )
 
 
 def _existing_ancestor(path: str) -> str:

@@ -36,8 +36,14 @@ class Progress:
             )
             from rich.progress import Progress as Bar
 
-            self._bar = Bar("staging", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                            TimeRemainingColumn(), transient=True)
+            self._bar = Bar(
+                "staging",
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                transient=True,
+            )
             self._bar.start()
             self._task = self._bar.add_task("staging", total=self.total)
         return self

@@ -7,6 +7,7 @@ rank that leaves early, so one failing rank cannot hang the others.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from typing import Any
 
 from staging.cluster import Layout, layout
 from staging.config import StageConfig
-from staging.copy import Engine, Stats, tmp_dir
+from staging.copy import Engine, Stats, tmp_dir, within
 from staging.manifest import Manifest, lock_dest, meta_dir
 from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, split_by_bytes
 from staging.progress import Progress, human_bytes
@@ -42,7 +43,7 @@ class NodeWork:
 
 
 def up_to_date(item: Item, entry: dict[str, Any] | None, dest: str) -> bool:
-    """True when the manifest says ``item`` was staged from the same source state and it is there."""
+    """True when ``item`` was staged from the same source state and is still in place."""
     if entry is None or entry["source"] != item.source or entry["ident"] != item.ident:
         return False
     try:
@@ -72,15 +73,15 @@ def clean_tmp(dest: str) -> None:
 
 
 def _node_work(groups: list[Group], manifest: Manifest, dest: str, local_size: int) -> NodeWork:
-    """Skip what is up to date, make directories, and split the rest over the node's ranks."""
+    """Skip what is up to date and split the rest over the node's ranks."""
     work = NodeWork()
     todo: list[Group] = []
     for g in groups:
         keep = []
         for item in g.items:
             if item.kind == "dir":
-                os.makedirs(os.path.join(dest, item.dest), exist_ok=True)
-            elif up_to_date(item, manifest.entries.get(item.dest), dest):
+                continue  # made by the caller once the space check has passed
+            if up_to_date(item, manifest.entries.get(item.dest), dest):
                 work.skipped += 1
                 work.skipped_bytes += item.size
             else:
@@ -96,11 +97,14 @@ def _node_work(groups: list[Group], manifest: Manifest, dest: str, local_size: i
     sizes = [g.nbytes if i is None else i.size for g, i in units]
     owners = split_by_bytes(sizes, local_size)
     per_rank: list[dict[str, list[Item]]] = [{} for _ in range(local_size)]
-    for (g, i), r in zip(units, owners):
+    for (g, i), r in zip(units, owners, strict=False):
         per_rank[r].setdefault(g.source, []).extend(g.items if i is None else [i])
     by_src = {g.source: g for g in todo}
     work.per_rank = [
-        [Group(src, tuple(items), by_src[src].stream, by_src[src].ident) for src, items in d.items()]
+        [
+            Group(src, tuple(items), by_src[src].stream, by_src[src].ident)
+            for src, items in d.items()
+        ]
         for d in per_rank
     ]
     return work
@@ -143,8 +147,16 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             free = shutil.disk_usage(dest).free
             if work.todo_bytes > free:
                 work.code = EXIT["no_space"]
-                work.error = (f"{dest}: not enough space: need {human_bytes(work.todo_bytes)}, "
-                              f"{human_bytes(free)} available")
+                work.error = (
+                    f"{dest}: not enough space: need {human_bytes(work.todo_bytes)}, "
+                    f"{human_bytes(free)} available"
+                )
+            else:
+                for item in (i for g in groups for i in g.items if i.kind == "dir"):
+                    path = os.path.join(dest, item.dest)
+                    if not within(dest, path):
+                        raise OSError(errno.EPERM, "refusing to write through a symlink", path)
+                    os.makedirs(path, exist_ok=True)
         except OSError as exc:
             work.code, work.error = EXIT["failed"], f"{dest}: {exc.strerror}: {exc.filename}"
     work = node_comm.bcast(work, root=0)
@@ -157,13 +169,19 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     mine = work.per_rank[lay.local_rank]
     total = sum(g.nbytes for g in mine)
     with Progress(total, enabled=log.progress) as bar:
-        stats = Engine(dest, lay.rank, cfg.checksum, cfg.streams, bar.advance).run(mine) if mine else Stats()
+        stats = (
+            Engine(dest, lay.rank, cfg.checksum, cfg.streams, bar.advance).run(mine)
+            if mine
+            else Stats()
+        )
 
     # 5. the leader folds the node's journals into the manifest and clears the temp space
     node_comm.Barrier()
     if lay.is_leader:
         stats.skipped, stats.skipped_bytes = work.skipped, work.skipped_bytes
-        node_errors = node_comm.allreduce(len(stats.errors)) if lay.local_size > 1 else len(stats.errors)
+        node_errors = (
+            node_comm.allreduce(len(stats.errors)) if lay.local_size > 1 else len(stats.errors)
+        )
         final = Manifest.load(dest)
         final.shard = {"mode": cfg.mode, "node": lay.node, "nodes": lay.nodes}
         if not node_errors:
@@ -199,7 +217,7 @@ class _Log:
 
     def __init__(self, cfg: StageConfig, lay: Layout):
         self.cfg, self.lay = cfg, lay
-        self.progress = (lay.rank == 0 and not cfg.quiet and not cfg.json and sys.stderr.isatty())
+        self.progress = lay.rank == 0 and not cfg.quiet and not cfg.json and sys.stderr.isatty()
 
     def errors(self, errors: list[str]) -> None:
         if self.lay.rank == 0:
@@ -231,12 +249,13 @@ class _Log:
             print(f"datastore stage: error: {e}", file=sys.stderr)
         if self.cfg.quiet:
             return
-        line = (f"staged {total.files} files, {human_bytes(total.bytes)} in {elapsed:.2f} s "
-                f"({doc['mb_per_s']:.0f} MB/s) on {lay.nodes} node(s), {lay.size} rank(s); "
-                f"skipped {total.skipped} unchanged ({human_bytes(total.skipped_bytes)})")
+        line = (
+            f"staged {total.files} files, {human_bytes(total.bytes)} in {elapsed:.2f} s "
+            f"({doc['mb_per_s']:.0f} MB/s) on {lay.nodes} node(s), {lay.size} rank(s); "
+            f"skipped {total.skipped} unchanged ({human_bytes(total.skipped_bytes)})"
+        )
         if total.resumed_bytes:
             line += f"; resumed {human_bytes(total.resumed_bytes)} of partial copies"
         if errors:
             line += f"; {len(errors)} error(s)"
         print(line)
-

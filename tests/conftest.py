@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import helpers  # noqa: E402
+import helpers
 
 
 @pytest.fixture

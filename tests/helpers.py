@@ -16,8 +16,12 @@ META = ".datastore"
 
 # Launcher variables that would make the CLI believe it runs under MPI.
 _MPI_VARS = (
-    "PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID",
-    "SLURM_STEP_NUM_TASKS", "SLURM_PROCID",
+    "PMI_RANK",
+    "PMIX_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "MPI_LOCALRANKID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_PROCID",
 )
 
 # (relative path, size in bytes, mode) of the regular files of ``make_tree``.
@@ -35,8 +39,9 @@ TREE_EMPTY_DIRS = ("emptydir", "a/b/hollow")
 BASE_MTIME_NS = 1_600_000_000_123_456_789
 
 
-def run_stage(*args: str | os.PathLike, env: dict[str, str] | None = None,
-              check: int | None = None) -> subprocess.CompletedProcess[str]:
+def run_stage(
+    *args: str | os.PathLike, env: dict[str, str] | None = None, check: int | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m datastore stage ARGS`` as a single process (no MPI launcher variables).
 
     ``check``: the exit code the run must have; the assertion shows both output streams.
@@ -47,7 +52,10 @@ def run_stage(*args: str | os.PathLike, env: dict[str, str] | None = None,
         full_env.update(env)
     proc = subprocess.run(
         [sys.executable, "-m", "datastore", "stage", *map(str, args)],
-        capture_output=True, text=True, env=full_env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
     )
     if check is not None:
         assert proc.returncode == check, (
@@ -116,8 +124,9 @@ def meta_listing(dest: Path) -> set[str]:
     return set(os.listdir(Path(dest) / META))
 
 
-def tar_bytes(members: list[tuple[tarfile.TarInfo, bytes | None]],
-              fmt: int = tarfile.GNU_FORMAT) -> bytes:
+def tar_bytes(
+    members: list[tuple[tarfile.TarInfo, bytes | None]], fmt: int = tarfile.GNU_FORMAT
+) -> bytes:
     """An uncompressed tar of hand-made members (``data`` is the content of regular files)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from hypothesis import given, settings
@@ -21,8 +22,9 @@ def test_split_by_bytes_is_balanced_and_total(sizes, parts):
     owners = split_by_bytes(sizes, parts)
     assert len(owners) == len(sizes)
     assert all(0 <= o < parts for o in owners)
-    loads = [sum(max(s, 1) for s, o in zip(sizes, owners, strict=True) if o == p)
-             for p in range(parts)]
+    loads = [
+        sum(max(s, 1) for s, o in zip(sizes, owners, strict=True) if o == p) for p in range(parts)
+    ]
     # greedy largest-first: no bin exceeds another by more than the largest item
     assert max(loads) - min(loads) <= max([max(s, 1) for s in sizes], default=0)
     assert split_by_bytes(sizes, parts) == owners  # deterministic
@@ -32,24 +34,30 @@ def test_split_by_bytes_example():
     assert split_by_bytes([10, 1, 7, 3, 3], 2) == [0, 1, 1, 1, 0]
 
 
-@given(st.integers(min_value=0, max_value=5 * LEAF_BYTES), st.integers(min_value=1 << 16, max_value=1 << 26))
+@given(
+    st.integers(min_value=0, max_value=5 * LEAF_BYTES),
+    st.integers(min_value=1 << 16, max_value=1 << 26),
+)
 def test_leaf_ranges_tile_the_file(size, leaf):
     ranges = leaf_ranges(size, leaf)
     assert ranges[0][0] == 0
     assert sum(n for _, n in ranges) == size
-    for (o1, n1), (o2, _) in zip(ranges, ranges[1:], strict=False):
+    for (o1, n1), (o2, _) in itertools.pairwise(ranges):
         assert o1 + n1 == o2 and n1 == leaf
     assert size == 0 or all(0 < n <= leaf for _, n in ranges)
 
 
 def _item(dest, size, kind="file", link="", source=None):
-    return Item(dest=dest, kind=kind, source=source or f"/src::{dest}", ident="x", size=size,
-                link=link)
+    return Item(
+        dest=dest, kind=kind, source=source or f"/src::{dest}", ident="x", size=size, link=link
+    )
 
 
 @settings(deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=50),
-       st.integers(min_value=1, max_value=6))
+@given(
+    st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=50),
+    st.integers(min_value=1, max_value=6),
+)
 def test_assign_partitions_every_item_once(sizes, nodes):
     items = [_item(f"f{i}", s) for i, s in enumerate(sizes)]
     plan = Plan(groups=[Group("/src", (_item("d", 0, "dir"), *items))])

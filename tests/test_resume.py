@@ -24,8 +24,21 @@ def big(tmp_path_factory):
 
 
 def stage_cmd(src, dest, *more):
-    return [sys.executable, "-m", "datastore", "stage", str(src), *map(str, more), "--to", str(dest),
-            "--json", "--streams", "1", "--checksum", "blake2b"]
+    return [
+        sys.executable,
+        "-m",
+        "datastore",
+        "stage",
+        str(src),
+        *map(str, more),
+        "--to",
+        str(dest),
+        "--json",
+        "--streams",
+        "1",
+        "--checksum",
+        "blake2b",
+    ]
 
 
 def leaves_done(dest) -> int:

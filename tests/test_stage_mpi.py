@@ -80,8 +80,9 @@ def test_replicate_two_ranks_one_node(dataset, tmp_path):
 
 
 def test_replicate_every_node_gets_everything(dataset, tmp_path):
-    proc = mpirun(2, str(dataset), "--to", str(tmp_path / "node{node}"), "--ranks-per-node", "1",
-                  "--json")
+    proc = mpirun(
+        2, str(dataset), "--to", str(tmp_path / "node{node}"), "--ranks-per-node", "1", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     assert summary(proc)["nodes"] == 2
     for node in (0, 1):
@@ -90,8 +91,17 @@ def test_replicate_every_node_gets_everything(dataset, tmp_path):
 
 @pytest.mark.parametrize("nodes", [2, 4])
 def test_shard_partitions_by_bytes(dataset, tmp_path, nodes):
-    proc = mpirun(nodes, str(dataset), "--to", str(tmp_path / "node{node}"), "--mode", "shard",
-                  "--ranks-per-node", "1", "--json")
+    proc = mpirun(
+        nodes,
+        str(dataset),
+        "--to",
+        str(tmp_path / "node{node}"),
+        "--mode",
+        "shard",
+        "--ranks-per-node",
+        "1",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     source = {os.path.join("src", k): v for k, v in files_of(dataset).items()}
     shares = [files_of(tmp_path / f"node{k}") for k in range(nodes)]
@@ -112,8 +122,15 @@ def test_shard_partitions_by_bytes(dataset, tmp_path, nodes):
 def test_failing_rank_ends_all_ranks_quickly(dataset, tmp_path):
     (tmp_path / "node1").write_text("a file where node 1's DEST should be")
     t0 = time.monotonic()
-    proc = mpirun(2, str(dataset), "--to", str(tmp_path / "node{node}" / "dest"),
-                  "--ranks-per-node", "1", timeout=60)
+    proc = mpirun(
+        2,
+        str(dataset),
+        "--to",
+        str(tmp_path / "node{node}" / "dest"),
+        "--ranks-per-node",
+        "1",
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert time.monotonic() - t0 < 30
     assert "node1/dest: cannot prepare destination (Not a directory)" in proc.stderr
@@ -124,9 +141,25 @@ def test_killed_rank_ends_the_job(tmp_path):
     big = tmp_path / "big.bin"
     with open(big, "wb") as f:
         f.write(os.urandom(1 << 20) * 400)
-    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "datastore", "stage", str(big), "--to",
-           str(tmp_path / "node{node}"), "--ranks-per-node", "1", "--streams", "1",
-           "--checksum", "blake2b", "--quiet"]
+    cmd = [
+        MPIEXEC,
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "datastore",
+        "stage",
+        str(big),
+        "--to",
+        str(tmp_path / "node{node}"),
+        "--ranks-per-node",
+        "1",
+        "--streams",
+        "1",
+        "--checksum",
+        "blake2b",
+        "--quiet",
+    ]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not glob.glob(str(tmp_path / "node1" / ".datastore" / "tmp" / "*.part")):

@@ -1,1 +1,1 @@
-"""Hybrid data x spatial parallel 3D CNN trainer fed by ``DataStoreLoader`` (see the trainer issue)."""
+"""Hybrid data x spatial parallel 3D CNN trainer fed by ``DataStoreLoader`` (trainer issue)."""

@@ -1,0 +1,637 @@
+"""End-to-end tests of ``datastore stage``: the real CLI in a subprocess, real files, no mocks."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+import stat
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import xxhash
+import zstandard
+from helpers import (
+    META,
+    TREE_EMPTY_DIRS,
+    TREE_FILES,
+    file_info,
+    meta_listing,
+    random_bytes,
+    snapshot,
+    tar_bytes,
+    tree_bytes,
+    write_archive,
+)
+
+LEAF = 32 * 1024 * 1024  # the leaf size documented in staging/checksum.py
+N_TREE = len(TREE_FILES)
+TREE_TOTAL = sum(size for _, size, _ in TREE_FILES)
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst")
+
+
+# -- helpers local to this module -------------------------------------------------------------
+def expected_digest(data: bytes, algo: str = "xxh3") -> str:
+    """The chunk-tree digest, computed independently of ``staging.checksum``: one digest per
+    32 MiB leaf (an empty file has one empty leaf), then the hash of the concatenated digests."""
+
+    def new():
+        return xxhash.xxh3_128() if algo == "xxh3" else hashlib.blake2b(digest_size=16)
+
+    view = memoryview(data)
+    leaves = [view[o : o + LEAF] for o in range(0, len(data), LEAF)] or [view[:0]]
+    top = new()
+    for leaf in leaves:
+        h = new()
+        h.update(leaf)
+        top.update(h.digest())
+    return f"{algo}:{top.hexdigest()}"
+
+
+def manifest(dest: Path) -> dict:
+    return json.loads((dest / META / "manifest.json").read_text())
+
+
+def summary(proc: subprocess.CompletedProcess[str]) -> dict:
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    return json.loads(lines[0])
+
+
+def assert_clean_meta(dest: Path) -> None:
+    """After a successful run only the manifest and the lock file remain in DEST/.datastore."""
+    assert meta_listing(dest) == {"manifest.json", "lock"}
+
+
+def assert_clean_stderr(proc: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in proc.stderr
+    assert "internal error" not in proc.stderr
+
+
+def prefixed(snap: dict[str, tuple], prefix: str) -> dict[str, tuple]:
+    """A source snapshot as it should appear under DEST/prefix (the prefix itself a dir)."""
+    return {prefix: ("dir",), **{f"{prefix}/{rel}": v for rel, v in snap.items()}}
+
+
+def archive_tree(root: Path, make_tree) -> Path:
+    """The standard tree plus a relative symlink inside it and a hardlink to one of its files."""
+    make_tree(root, seed=7)
+    (root / "links").mkdir()
+    os.symlink("../a/small.txt", root / "links" / "rel")
+    os.link(root / "a" / "page.bin", root / "zz_hard.bin")  # after a/ in tar order
+    return root
+
+
+def make_archive(tree: Path, out: Path) -> Path:
+    """Pack ``tree`` with ``tarfile`` (members named ``./...``), compressed per ``out``'s name."""
+    raw = out.with_name(out.name + ".raw.tar")
+    with tarfile.open(raw, "w") as tf:
+        tf.add(tree, arcname=".")
+    write_archive(out, raw.read_bytes())
+    raw.unlink()
+    return out
+
+
+# -- round trips ------------------------------------------------------------------------------
+def test_directory_round_trip(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    dest = tmp_path / "dest"
+    proc = run_stage(src, "--to", dest, "--json", check=0)
+    assert_clean_stderr(proc)
+    doc = summary(proc)
+    assert (doc["files"], doc["bytes"], doc["skipped"], doc["errors"]) == (
+        N_TREE,
+        TREE_TOTAL,
+        0,
+        [],
+    )
+    assert snapshot(dest) == prefixed(snapshot(src), "src")
+    for rel in TREE_EMPTY_DIRS:
+        assert (dest / "src" / rel).is_dir()
+        assert os.listdir(dest / "src" / rel) == []
+    assert (dest / "src" / "empty.txt").stat().st_size == 0
+    assert_clean_meta(dest)
+
+
+def test_single_file_source(tmp_path, run_stage):
+    data = random_bytes(123_457, seed=11)
+    src = tmp_path / "blob.bin"
+    src.write_bytes(data)
+    dest = tmp_path / "dest"
+    proc = run_stage(src, "--to", dest, "--json", check=0)
+    assert summary(proc)["files"] == 1
+    assert snapshot(dest) == {"blob.bin": ("file", data)}
+    assert_clean_meta(dest)
+
+
+def test_multiple_sources(tmp_path, run_stage, make_tree):
+    one = make_tree(tmp_path / "in" / "one", seed=1)
+    two = make_tree(tmp_path / "in" / "two", seed=2)
+    single = tmp_path / "in" / "single.dat"
+    single.write_bytes(random_bytes(5000, seed=3))
+    dest = tmp_path / "dest"
+    proc = run_stage(one, two, single, "--to", dest, "--json", check=0)
+    assert summary(proc)["files"] == 2 * N_TREE + 1
+    expected = {
+        **prefixed(snapshot(one), "one"),
+        **prefixed(snapshot(two), "two"),
+        "single.dat": ("file", single.read_bytes()),
+    }
+    assert snapshot(dest) == expected
+    assert tree_bytes(dest)["one/a/small.txt"] != tree_bytes(dest)["two/a/small.txt"]
+
+
+def test_modes_and_mtimes_preserved(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    single = tmp_path / "single.sh"
+    single.write_bytes(b"#!/bin/sh\necho hi\n")
+    single.chmod(0o750)
+    os.utime(single, ns=(1_500_000_000_987_654_321, 1_500_000_000_987_654_321))
+    dest = tmp_path / "dest"
+    run_stage(src, single, "--to", dest, "-q", check=0)
+    pairs = [(src / rel, dest / "src" / rel) for rel, _, _ in TREE_FILES]
+    pairs.append((single, dest / "single.sh"))
+    for s, d in pairs:
+        ss, ds = s.stat(), d.stat()
+        assert stat.S_IMODE(ds.st_mode) == stat.S_IMODE(ss.st_mode), d
+        assert ds.st_mtime_ns == ss.st_mtime_ns, d
+    modes = {stat.S_IMODE((dest / "src" / rel).stat().st_mode) for rel, _, _ in TREE_FILES}
+    assert modes == {mode for _, _, mode in TREE_FILES}
+
+
+# -- archives ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("suffix", ARCHIVE_SUFFIXES)
+def test_archive_unpacked_byte_for_byte(tmp_path, run_stage, make_tree, suffix):
+    tree = archive_tree(tmp_path / "tree", make_tree)
+    arc = make_archive(tree, tmp_path / f"data{suffix}")
+    # the archive really holds the member kinds this test is about
+    raw = tar_of(arc)
+    with tarfile.open(fileobj=raw) as tf:
+        infos = {i.name: i for i in tf.getmembers()}
+    assert infos["./links/rel"].issym() and infos["./links/rel"].linkname == "../a/small.txt"
+    assert infos["./zz_hard.bin"].islnk() and infos["./zz_hard.bin"].linkname == "./a/page.bin"
+    assert infos["./emptydir"].isdir()
+
+    dest = tmp_path / "dest"
+    proc = run_stage(arc, "--to", dest, "--json", check=0)
+    assert_clean_stderr(proc)
+    doc = summary(proc)
+    # regular files, the hardlink (a copy) and the symlink
+    assert doc["files"] == N_TREE + 2
+    assert doc["bytes"] == TREE_TOTAL + 4096
+    assert snapshot(dest) == snapshot(tree)
+    assert os.readlink(dest / "links" / "rel") == "../a/small.txt"
+    assert (dest / "links" / "rel").read_bytes() == (tree / "a" / "small.txt").read_bytes()
+    assert (dest / "zz_hard.bin").read_bytes() == (tree / "a" / "page.bin").read_bytes()
+    assert not (dest / "zz_hard.bin").is_symlink()
+    for rel, _, _ in TREE_FILES:  # tar keeps whole seconds
+        assert (dest / rel).stat().st_mtime_ns // 10**9 == (tree / rel).stat().st_mtime_ns // 10**9
+
+    entries = manifest(dest)["entries"]
+    files = {rel for rel, _, _ in TREE_FILES} | {"zz_hard.bin"}
+    assert set(entries) == files | {"links/rel"}
+    for rel in files:
+        e = entries[rel]
+        data = (tree / rel).read_bytes()
+        assert (e["kind"], e["size"], e["hash"]) == ("file", len(data), expected_digest(data))
+        assert e["source"] == f"{arc}::{rel}"
+    assert entries["links/rel"]["kind"] == "symlink"
+    assert entries["links/rel"]["link"] == "../a/small.txt"
+    assert_clean_meta(dest)
+
+
+def tar_of(arc: Path) -> io.BytesIO:
+    """The uncompressed tar stream of an archive file, as a seekable file object."""
+    data = arc.read_bytes()
+    if arc.name.endswith((".gz", ".tgz")):
+        data = gzip.decompress(data)
+    elif arc.name.endswith(".zst"):
+        data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+    return io.BytesIO(data)
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz", ".tar.zst"])
+def test_archive_duplicate_member_last_wins(tmp_path, run_stage, suffix):
+    """Tar semantics: of two members with one name, the later one is what extraction leaves."""
+    first = random_bytes(50_000, seed=21)
+    last = b"the second, shorter version\n"
+    raw = tar_bytes(
+        [
+            (file_info("dup.bin"), first),
+            (file_info("other.txt"), b"other\n"),
+            (file_info("dup.bin", mtime=1_600_000_100), last),
+        ]
+    )
+    arc = write_archive(tmp_path / f"dups{suffix}", raw)
+    dest = tmp_path / "dest"
+    proc = run_stage(arc, "--to", dest, "--json", check=0)
+    assert_clean_stderr(proc)
+    doc = summary(proc)
+    assert (doc["files"], doc["bytes"], doc["errors"]) == (2, len(last) + 6, [])
+    assert snapshot(dest) == {"dup.bin": ("file", last), "other.txt": ("file", b"other\n")}
+    assert manifest(dest)["entries"]["dup.bin"]["hash"] == expected_digest(last)
+    assert_clean_meta(dest)
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.zst"])
+def test_no_unpack_copies_archive_itself(tmp_path, run_stage, make_tree, suffix):
+    tree = archive_tree(tmp_path / "tree", make_tree)
+    arc = make_archive(tree, tmp_path / f"data{suffix}")
+    dest = tmp_path / "dest"
+    proc = run_stage(arc, "--to", dest, "--no-unpack", "--json", check=0)
+    assert summary(proc)["files"] == 1
+    assert snapshot(dest) == {arc.name: ("file", arc.read_bytes())}
+    e = manifest(dest)["entries"][arc.name]
+    assert (e["source"], e["size"]) == (str(arc), arc.stat().st_size)
+    assert e["hash"] == expected_digest(arc.read_bytes())
+
+
+# -- manifest and checksums -------------------------------------------------------------------
+def test_manifest_entries_and_hashes(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    dest = tmp_path / "dest"
+    run_stage(src, "--to", dest, "-q", check=0)
+    doc = manifest(dest)
+    assert doc["leaf_bytes"] == LEAF
+    assert set(doc["entries"]) == {f"src/{rel}" for rel, _, _ in TREE_FILES}
+    for rel, size, _ in TREE_FILES:
+        e = doc["entries"][f"src/{rel}"]
+        data = (src / rel).read_bytes()
+        assert e["kind"] == "file"
+        assert e["size"] == size
+        assert e["source"] == str(src / rel)
+        assert re.fullmatch(r"xxh3:[0-9a-f]{32}", e["hash"]), e["hash"]
+        assert e["hash"] == expected_digest(data), rel
+
+
+def test_large_file_leaves_and_verify(tmp_path, run_stage):
+    """One file over a 32 MiB leaf: copied leaf-parallel, digest of leaf digests, verified."""
+    size = 70 * 1024 * 1024 + 12_345  # three leaves: 32 MiB, 32 MiB, the rest
+    data = random_bytes(size, seed=99)
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    dest = tmp_path / "dest"
+    proc = run_stage(src, "--to", dest, "--json", check=0)
+    assert summary(proc)["bytes"] == size
+    staged = dest / "big.bin"
+    assert staged.stat().st_size == size
+    assert staged.read_bytes() == data
+    entry = manifest(dest)["entries"]["big.bin"]
+    assert entry["size"] == size
+    want = expected_digest(data)
+    assert want != f"xxh3:{xxhash.xxh3_128(data).hexdigest()}"  # the leaves matter
+    assert entry["hash"] == want
+    assert_clean_meta(dest)  # no .part or .leaves left in tmp/
+
+    run_stage("--verify", "--to", dest, check=0)
+    with open(staged, "r+b") as f:  # one byte in the last leaf
+        f.seek(2 * LEAF + 77)
+        b = f.read(1)
+        f.seek(2 * LEAF + 77)
+        f.write(bytes([b[0] ^ 0x01]))
+    proc = run_stage("--verify", "--to", dest, check=4)
+    assert proc.stderr.splitlines() == [
+        f"datastore stage: verify: {dest}: checksum mismatch: big.bin"
+    ]
+
+
+def test_blake2b_checksum(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    dest = tmp_path / "dest"
+    run_stage(src, "--to", dest, "--checksum", "blake2b", "-q", check=0)
+    entries = manifest(dest)["entries"]
+    assert len(entries) == N_TREE
+    for rel, _, _ in TREE_FILES:
+        h = entries[f"src/{rel}"]["hash"]
+        assert re.fullmatch(r"blake2b:[0-9a-f]{32}", h), h
+        assert h == expected_digest((src / rel).read_bytes(), "blake2b")
+    run_stage("--verify", "--to", dest, check=0)
+    (dest / "src" / "a" / "small.txt").write_bytes(b"x" * 100)  # same size, other bytes
+    proc = run_stage("--verify", "--to", dest, check=4)
+    assert "checksum mismatch: src/a/small.txt" in proc.stderr
+
+
+# -- re-runs ----------------------------------------------------------------------------------
+def test_rerun_skips_and_recopies_changed(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    dest = tmp_path / "dest"
+    assert summary(run_stage(src, "--to", dest, "--json", check=0))["files"] == N_TREE
+
+    doc = summary(run_stage(src, "--to", dest, "--json", check=0))
+    assert (doc["files"], doc["bytes"], doc["skipped"], doc["skipped_bytes"]) == (
+        0,
+        0,
+        N_TREE,
+        TREE_TOTAL,
+    )
+    assert_clean_meta(dest)
+
+    touched = src / "a" / "page.bin"  # same bytes, new mtime
+    st = touched.stat()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    doc = summary(run_stage(src, "--to", dest, "--json", check=0))
+    assert (doc["files"], doc["bytes"], doc["skipped"]) == (1, 4096, N_TREE - 1)
+    assert (dest / "src" / "a" / "page.bin").stat().st_mtime_ns == touched.stat().st_mtime_ns
+
+    rewritten = src / "z" / "last.bin"
+    new = random_bytes(777, seed=1234)
+    rewritten.write_bytes(new)
+    doc = summary(run_stage(src, "--to", dest, "--json", check=0))
+    assert (doc["files"], doc["bytes"], doc["skipped"]) == (1, 777, N_TREE - 1)
+    assert (dest / "src" / "z" / "last.bin").read_bytes() == new
+    assert manifest(dest)["entries"]["src/z/last.bin"]["hash"] == expected_digest(new)
+    assert snapshot(dest) == prefixed(snapshot(src), "src")
+    assert_clean_meta(dest)
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.zst"])
+def test_rerun_of_archive_skips(tmp_path, run_stage, make_tree, suffix):
+    tree = archive_tree(tmp_path / "tree", make_tree)
+    arc = make_archive(tree, tmp_path / f"data{suffix}")
+    dest = tmp_path / "dest"
+    run_stage(arc, "--to", dest, "-q", check=0)
+    doc = summary(run_stage(arc, "--to", dest, "--json", check=0))
+    assert (doc["files"], doc["skipped"]) == (0, N_TREE + 2)
+    (dest / "a" / "small.txt").unlink()  # a deleted staged file comes back on the next run
+    doc = summary(run_stage(arc, "--to", dest, "--json", check=0))
+    assert (doc["files"], doc["skipped"]) == (1, N_TREE + 1)
+    assert snapshot(dest) == snapshot(tree)
+    assert_clean_meta(dest)
+
+
+# -- verify -----------------------------------------------------------------------------------
+def test_verify_clean_flipped_and_missing(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    dest = tmp_path / "dest"
+    run_stage(src, "--to", dest, "-q", check=0)
+    proc = run_stage("--verify", "--to", dest, check=0)
+    assert proc.stdout.strip() == f"verified {N_TREE} entries: 0 problem(s)"
+    assert proc.stderr == ""
+
+    victim = dest / "src" / "a" / "b" / "odd.bin"
+    data = bytearray(victim.read_bytes())
+    data[40_000] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    proc = run_stage("--verify", "--to", dest, check=4)
+    assert proc.stderr.splitlines() == [
+        f"datastore stage: verify: {dest}: checksum mismatch: src/a/b/odd.bin"
+    ]
+    assert proc.stdout.strip() == f"verified {N_TREE} entries: 1 problem(s)"
+
+    (dest / "src" / "a" / "small.txt").unlink()
+    proc = run_stage("--verify", "--to", dest, "--json", check=4)
+    assert sorted(proc.stderr.splitlines()) == sorted(
+        [
+            f"datastore stage: verify: {dest}: checksum mismatch: src/a/b/odd.bin",
+            f"datastore stage: verify: {dest}: missing: src/a/small.txt",
+        ]
+    )
+    doc = summary(proc)
+    assert doc["verified"] == N_TREE
+    assert sorted(doc["problems"]) == [
+        f"{dest}: checksum mismatch: src/a/b/odd.bin",
+        f"{dest}: missing: src/a/small.txt",
+    ]
+
+
+def test_verify_without_manifest(tmp_path, run_stage):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "f").write_bytes(b"not staged")
+    proc = run_stage("--verify", "--to", plain, check=1)
+    assert proc.stderr.splitlines() == [
+        f"datastore stage: verify: {plain}: no manifest (nothing was staged here with "
+        "datastore stage)"
+    ]
+    assert_clean_stderr(proc)
+    assert os.listdir(plain) == ["f"]
+
+
+def test_stage_then_verify_in_one_run(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    dest = tmp_path / "dest"
+    proc = run_stage(src, "--to", dest, "--verify", check=0)
+    assert f"verified {N_TREE} entries: 0 problem(s)" in proc.stdout.splitlines()
+    assert proc.stdout.startswith(f"staged {N_TREE} files")
+
+
+# -- debris -----------------------------------------------------------------------------------
+def test_no_temporary_debris(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    tree = archive_tree(tmp_path / "tree", make_tree)
+    arc = make_archive(tree, tmp_path / "data.tar.zst")  # hardlink copied after the stream
+    dest = tmp_path / "dest"
+    for _ in range(2):
+        run_stage(src, arc, "--to", dest, "-q", check=0)
+        assert_clean_meta(dest)
+        assert not (dest / META / "tmp").exists()
+        assert not [n for n in meta_listing(dest) if n.startswith("journal-")]
+    run_stage("--verify", "--to", dest, check=0)
+    assert_clean_meta(dest)
+
+
+# -- dry run ----------------------------------------------------------------------------------
+def test_dry_run_writes_nothing_and_lists_items(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    dest = tmp_path / "dest"
+    before = sorted(os.listdir(tmp_path))
+    proc = run_stage(src, "--to", dest, "--dry-run", check=0)
+    assert_clean_stderr(proc)
+    assert not dest.exists()
+    assert sorted(os.listdir(tmp_path)) == before  # the probe left nothing behind
+    lines = proc.stdout.splitlines()
+    copy_lines = [ln for ln in lines if ln.startswith("copy ")]
+    assert len(copy_lines) == N_TREE
+    for rel, _, _ in TREE_FILES:
+        pat = (
+            rf"copy +\d+(\.\d)? (B|KiB|MiB)  {re.escape(f'src/{rel}')}  <-  "
+            rf"{re.escape(str(src / rel))}"
+        )
+        assert sum(bool(re.fullmatch(pat, ln)) for ln in copy_lines) == 1, rel
+    assert any(
+        ln.startswith(f"would stage {N_TREE} files, ")
+        and f"({TREE_TOTAL} bytes) into {dest}; 0 unchanged would be skipped" in ln
+        for ln in lines
+    ), proc.stdout
+
+
+def test_dry_run_json(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    dest = tmp_path / "dest"
+    doc = summary(run_stage(src, "--to", dest, "--dry-run", "--json", check=0))
+    assert not dest.exists()
+    assert (doc["files"], doc["bytes"], doc["skipped"]) == (N_TREE, TREE_TOTAL, 0)
+    assert isinstance(doc["estimate_s"], (int, float)) and doc["estimate_s"] >= 0
+    assert {i["dest"] for i in doc["items"]} == {f"src/{rel}" for rel, _, _ in TREE_FILES}
+    # against a staged DEST: nothing left to do, and the dry run still writes nothing
+    run_stage(src, "--to", dest, "-q", check=0)
+    before = snapshot(dest), meta_listing(dest)
+    doc = summary(run_stage(src, "--to", dest, "--dry-run", "--json", check=0))
+    assert (doc["files"], doc["bytes"], doc["skipped"]) == (0, 0, N_TREE)
+    assert (snapshot(dest), meta_listing(dest)) == before
+
+
+# -- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["SRC"], "the following arguments are required: --to"),
+        (["SRC", "--to", "DEST", "--streams", "0"], "argument --streams: must be >= 1, got 0"),
+        (["SRC", "--to", "DEST", "--mode", "bogus"], "argument --mode: invalid choice: 'bogus'"),
+        (["SRC", "--to", "DEST", "--checksum", "md5"], "argument --checksum: invalid choice"),
+        (["SRC", "--to", "DEST", "--ranks-per-node", "0"], "--ranks-per-node must be >= 1"),
+        (["--to", "DEST"], "give at least one SRC to stage (or --verify to check DEST)"),
+    ],
+    ids=["missing-to", "streams-0", "unknown-mode", "unknown-checksum", "rpn-0", "no-src"],
+)
+def test_usage_errors(tmp_path, run_stage, args, fragment):
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"data")
+    dest = tmp_path / "dest"
+    argv = [str(src) if a == "SRC" else str(dest) if a == "DEST" else a for a in args]
+    proc = run_stage(*argv, check=2)
+    assert_clean_stderr(proc)
+    assert proc.stdout == ""
+    err_lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(err_lines) == 1, proc.stderr
+    assert err_lines[0] == proc.stderr.rstrip("\n").splitlines()[-1]
+    assert err_lines[0].startswith("datastore stage: error: ")
+    assert fragment in err_lines[0]
+    assert not dest.exists()
+
+
+def test_missing_source_others_still_staged(tmp_path, run_stage, make_tree):
+    good = make_tree(tmp_path / "good")
+    single = tmp_path / "single.bin"
+    single.write_bytes(random_bytes(999, seed=5))
+    missing = tmp_path / "no-such-dir"
+    dest = tmp_path / "dest"
+    proc = run_stage(good, missing, single, "--to", dest, check=2)
+    assert_clean_stderr(proc)
+    assert f"datastore stage: error: {missing}: source not found or unreadable" in proc.stderr
+    assert snapshot(dest) == {
+        **prefixed(snapshot(good), "good"),
+        "single.bin": ("file", single.read_bytes()),
+    }
+    assert_clean_meta(dest)
+
+
+def test_two_sources_same_destination(tmp_path, run_stage):
+    first = tmp_path / "a" / "data"
+    second = tmp_path / "b" / "data"
+    first.mkdir(parents=True)
+    second.mkdir(parents=True)
+    (first / "x.bin").write_bytes(b"from a\n")
+    (second / "x.bin").write_bytes(b"from b\n")
+    (second / "y.bin").write_bytes(b"only in b\n")
+    dest = tmp_path / "dest"
+    proc = run_stage(first, second, "--to", dest, check=2)
+    assert_clean_stderr(proc)
+    assert (
+        f"datastore stage: error: {second}: would overwrite 'data/x.bin', already staged "
+        f"from {first}"
+    ) in proc.stderr.splitlines()
+    assert snapshot(dest) == {"data": ("dir",), "data/x.bin": ("file", b"from a\n")}
+
+
+# -- space ------------------------------------------------------------------------------------
+def _mount_tmpfs(where: Path, size: str) -> None:
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except FileNotFoundError as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if proc.returncode != 0:
+        msg = (proc.stderr + proc.stdout).strip()
+        low = msg.lower()
+        if any(k in low for k in ("permission denied", "not permitted", "superuser", "only root")):
+            pytest.skip(f"cannot mount a tmpfs here: {msg}")
+        pytest.fail(f"mount failed (exit {proc.returncode}): {msg}")
+
+
+def test_not_enough_space(tmp_path, run_stage):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "a.bin").write_bytes(random_bytes(4 << 20, seed=1))
+    (src / "b.bin").write_bytes(random_bytes(4 << 20, seed=2))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    _mount_tmpfs(mnt, "4M")
+    try:
+        dest = mnt / "dest"
+        proc = run_stage(src, "--to", dest, check=3)
+        assert_clean_stderr(proc)
+        m = re.search(
+            rf"datastore stage: error: {re.escape(str(dest))}: not enough space: "
+            r"need 8\.0 MiB, (\d+\.\d) (KiB|MiB) available",
+            proc.stderr,
+        )
+        assert m, proc.stderr
+        avail = float(m.group(1)) * (1024 if m.group(2) == "KiB" else 1024 * 1024)
+        assert avail <= 4 << 20
+        assert os.listdir(mnt) == ["dest"]
+        assert os.listdir(dest) == [META]
+        assert meta_listing(dest) <= {"lock", "manifest.json"}
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True, timeout=30)
+
+
+# -- corrupt archives -------------------------------------------------------------------------
+def _three_member_tar() -> bytes:
+    return tar_bytes(
+        [
+            (file_info("a.bin"), random_bytes(5000, seed=1)),
+            (file_info("b.bin"), random_bytes(200_000, seed=2)),
+            (file_info("c.bin"), random_bytes(3000, seed=3)),
+        ]
+    )
+
+
+def _truncated(kind: str) -> bytes:
+    raw = _three_member_tar()
+    if kind == ".tar":
+        with tarfile.open(fileobj=io.BytesIO(raw)) as tf:
+            b = tf.getmember("b.bin")
+        return raw[: b.offset_data + b.size // 2]  # cut in the middle of b.bin's data
+    comp = gzip.compress(raw) if kind == ".tar.gz" else zstandard.ZstdCompressor().compress(raw)
+    return comp[: len(comp) // 2]
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "member"),
+    [
+        ("x.tar.gz", lambda: random_bytes(20_000, seed=66), None),
+        ("x.tar.zst", lambda: random_bytes(20_000, seed=67), None),
+        ("x.tar", lambda: random_bytes(20_000, seed=68), None),
+        ("t.tar", lambda: _truncated(".tar"), "b.bin"),
+        ("t.tar.gz", lambda: _truncated(".tar.gz"), None),
+        ("t.tar.zst", lambda: _truncated(".tar.zst"), None),
+    ],
+    ids=["random-gz", "random-zst", "random-tar", "truncated-tar", "truncated-gz", "truncated-zst"],
+)
+def test_corrupt_archive(tmp_path, run_stage, name, make, member):
+    arc = tmp_path / name
+    arc.write_bytes(make())
+    good = tmp_path / "good.bin"
+    good.write_bytes(b"staged anyway\n")
+    dest = tmp_path / "dest"
+    proc = run_stage(arc, good, "--to", dest, check=2)
+    assert_clean_stderr(proc)
+    head = f"datastore stage: error: {arc}: "
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(head)]
+    assert len(lines) == 1, proc.stderr
+    assert "corrupt or truncated" in lines[0]
+    if member is not None:
+        assert f"member {member!r}" in lines[0]
+    assert snapshot(dest) == {"good.bin": ("file", b"staged anyway\n")}
+    assert str(arc) not in json.dumps(manifest(dest))
+    assert_clean_meta(dest)
