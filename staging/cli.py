@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from staging.config import MODES, StageConfig, default_streams
+from staging.directio import IO_MODES
 from staging.stage import EXIT
 
 __all__ = ["add_parser", "run"]
@@ -80,6 +81,14 @@ def add_parser(sub: Any) -> None:
         "copy (copy_file_range) and --verify then checks sizes only",
     )
     p.add_argument(
+        "--io",
+        choices=IO_MODES,
+        default="auto",
+        help="auto (default): direct I/O (O_DIRECT, no page cache) for DEST and for sources on "
+        "local disks, buffered reads from network and parallel filesystems; direct or "
+        "buffered: force one for all",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="list what would be copied, the bytes, and an estimated time",
@@ -110,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             unpack=not args.no_unpack,
             mode=args.mode,
             checksum=args.checksum,
+            io=args.io,
             dry_run=args.dry_run,
             verify=args.verify,
             json=args.json,

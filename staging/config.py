@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from staging.checksum import ALGORITHMS
+from staging.directio import IO_MODES
 
 __all__ = ["MODES", "StageConfig", "default_streams"]
 
@@ -34,6 +35,7 @@ class StageConfig:
     unpack: bool = True
     mode: str = "replicate"
     checksum: str = "xxh3"
+    io: str = "auto"
     dry_run: bool = False
     verify: bool = False
     json: bool = False
@@ -49,6 +51,8 @@ class StageConfig:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.checksum not in (*ALGORITHMS, "none"):
             raise ValueError(f"--checksum must be one of {', '.join((*ALGORITHMS, 'none'))}")
+        if self.io not in IO_MODES:
+            raise ValueError(f"--io must be one of {', '.join(IO_MODES)}, got {self.io!r}")
         if not self.dest:
             raise ValueError("--to DEST is required")
         if not self.sources and not self.verify:

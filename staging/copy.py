@@ -1,9 +1,10 @@
 """The copy engine: parallel, checksummed, atomic and resumable.
 
 Every file is written under ``DEST/.datastore/tmp/`` while its bytes are hashed, leaf by leaf
-(``staging.checksum``). Files larger than one leaf are copied leaf-parallel with ``pread`` /
-``pwrite``; each finished leaf is recorded in a side journal so that a copy killed half-way
-keeps the leaves that still hash right. A committer thread makes finished files durable in
+(``staging.checksum``). Bytes move through one reused buffer per thread, with direct I/O where
+``staging.directio`` allows it. Files larger than one leaf are copied leaf-parallel with
+``pread`` / ``pwrite``; each finished leaf is recorded in a side journal so that a copy killed
+half-way keeps the leaves that still hash right. A committer thread makes finished files durable in
 batches (one ``syncfs`` for many files, writeback started as each file closes), then renames
 them to their final names and journals them in the manifest: nothing appears under its final
 name before it is complete, on disk and checksummed.
@@ -25,6 +26,7 @@ from typing import Any
 
 from staging.archive import DECODE_ERRORS, normalize_name, open_stream
 from staging.checksum import LEAF_BYTES, combine, leaf_ranges, new_hasher
+from staging.directio import ALIGN, IoPolicy, aligned_buffer, read_at, write_at
 from staging.durable import start_writeback, syncfs
 from staging.manifest import Journal, meta_dir
 from staging.plan import Group, Item
@@ -43,7 +45,7 @@ def _buffer() -> memoryview:
     """This thread's reusable copy buffer (fresh memory is far dearer than reused memory)."""
     buf = getattr(_local, "buf", None)
     if buf is None:
-        buf = _local.buf = memoryview(bytearray(BUF_BYTES))
+        buf = _local.buf = aligned_buffer(BUF_BYTES + ALIGN)
     return buf
 
 
@@ -58,33 +60,38 @@ def within(dest: str, path: str) -> bool:
     return real == root or real.startswith(root + os.sep)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
+@dataclass(frozen=True)
+class Fd:
+    """An open file and whether it was opened with ``O_DIRECT``."""
+
+    fd: int
+    direct: bool = False
 
 
-def copy_range(src: int, dst: int, src_off: int, dst_off: int, length: int, algo: str) -> bytes:
-    """Copy ``length`` bytes between file descriptors and return their digest (``b""`` if none).
+def copy_range(src: Fd, dst: Fd, src_off: int, dst_off: int, length: int, algo: str) -> bytes:
+    """Copy ``length`` bytes between files and return their digest (``b""`` if none).
 
     With ``algo == "none"`` the kernel copies (``os.copy_file_range``); otherwise the bytes pass
-    once through a reused buffer and are hashed on the way.
+    once through this thread's buffer and are hashed on the way. ``dst_off`` must be
+    ``ALIGN``-aligned when ``dst`` is direct.
     """
-    if algo == "none" and _kernel_copy(src, dst, src_off, dst_off, length):
+    if algo == "none" and _kernel_copy(src.fd, dst.fd, src_off, dst_off, length):
         return b""
     h = new_hasher(algo) if algo != "none" else None
     buf = _buffer()
     done = 0
     while done < length:
-        n = os.preadv(src, [buf[: min(BUF_BYTES, length - done)]], src_off + done)
-        if n == 0:
+        want = min(BUF_BYTES, length - done)
+        data = read_at(src.fd, buf, src_off + done, want, src.direct)
+        if len(data) < want:
             raise OSError(
-                errno.EIO, f"source ended {length - done} bytes early (changed while staging?)"
+                errno.EIO,
+                f"source ended {length - done - len(data)} bytes early (changed while staging?)",
             )
         if h is not None:
-            h.update(buf[:n])
-        _pwrite_all(dst, buf[:n], dst_off + done)
-        done += n
+            h.update(data)
+        write_at(dst.fd, buf, want, dst_off + done, dst.direct)
+        done += want
     return h.digest() if h is not None else b""
 
 
@@ -250,24 +257,32 @@ class Engine:
         rank: int,
         algo: str,
         streams: int,
+        policy: IoPolicy,
         on_bytes: Callable[[int], None] = lambda n: None,
     ):
-        self.dest, self.algo, self.streams = dest, algo, streams
+        self.dest, self.algo, self.streams, self.policy = dest, algo, streams, policy
         self.on_bytes = on_bytes
         self.tmp = tmp_dir(dest)
         os.makedirs(self.tmp, exist_ok=True)
         self.journal = Journal(dest, rank)
         self.stats = Stats()
         self._lock = threading.Lock()
-        self._fds: dict[str, int] = {}
+        self._fds: dict[str, Fd] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _src_fd(self, path: str) -> int:
+    def _src_fd(self, path: str) -> Fd:
+        """The shared read descriptor of a source (``pread`` is safe from many threads)."""
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                direct = self.algo != "none" and self.policy.read_direct(path)
+                flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+                fd = self._fds[path] = Fd(os.open(path, flags), direct)
             return fd
+
+    def _open_tmp(self, path: str, flags: int) -> Fd:
+        direct = self.algo != "none" and self.policy.write_direct
+        return Fd(os.open(path, flags | (os.O_DIRECT if direct else 0), 0o600), direct)
 
     def _fail(self, item: Item, exc: BaseException) -> None:
         msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -289,11 +304,15 @@ class Engine:
             "link": item.link if item.kind == "symlink" else None,
         }
 
-    def _finish(self, item: Item, fd: int, tmp: str, digest: str | None) -> None:
+    def _finish(self, item: Item, out: Fd, tmp: str, digest: str | None) -> None:
+        fd = out.fd
+        if out.direct and item.size % ALIGN:
+            os.ftruncate(fd, item.size)  # drop the padding of the last direct write
         os.fchmod(fd, item.mode & 0o7777)
         if item.mtime_ns:
             os.utime(fd, ns=(item.mtime_ns, item.mtime_ns))
-        start_writeback(fd)
+        if not out.direct:
+            start_writeback(fd)
         os.close(fd)
         self.committer.add(tmp, item.dest, self._record(item, digest, item.size), item.size)
         with self._lock:
@@ -305,11 +324,11 @@ class Engine:
         tmp = self._tmp_path(item)
         try:
             src = self._src_fd(src_path)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 d = copy_range(src, fd, src_off, 0, item.size, self.algo)
             except BaseException:
-                os.close(fd)
+                os.close(fd.fd)
                 raise
             self.on_bytes(item.size)
             digest = combine(self.algo, [d]) if self.algo != "none" else None
@@ -327,8 +346,8 @@ class Engine:
         log = _LeafLog(tmp[: -len(".part")] + ".leaves", f"{item.source} {item.ident} {self.algo}")
         if not log.known:
             _unlink(tmp)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, item.size)
+        fd = self._open_tmp(tmp, os.O_RDWR | os.O_CREAT)
+        os.ftruncate(fd.fd, item.size)
         digests: list[bytes] = [b""] * len(leaves)
         state = {"left": len(leaves), "failed": False}
         guard = threading.Lock()
@@ -340,7 +359,7 @@ class Engine:
                 if (
                     kept is not None
                     and self.algo != "none"
-                    and hash_range(fd, off, length, self.algo) == kept
+                    and hash_range(fd.fd, off, length, self.algo, fd.direct) == kept
                 ):
                     digests[i] = kept
                     with self._lock:
@@ -361,7 +380,7 @@ class Engine:
             if last:
                 log.close()
                 if state["failed"]:
-                    os.close(fd)
+                    os.close(fd.fd)
                     return  # the temp file and its leaf log stay: a re-run resumes them
                 digest = combine(self.algo, digests) if self.algo != "none" else None
                 self._finish(item, fd, tmp, digest)
@@ -414,7 +433,7 @@ class Engine:
     def _write_member(self, item: Item, f: Any) -> None:
         tmp = self._tmp_path(item)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 digests = []
                 buf = _buffer()
@@ -422,18 +441,17 @@ class Engine:
                     h = new_hasher(self.algo) if self.algo != "none" else None
                     done = 0
                     while done < length:
-                        n = f.readinto(buf[: min(BUF_BYTES, length - done)])
-                        if not n:
-                            raise OSError(errno.EIO, "archive member ended early")
+                        want = min(BUF_BYTES, length - done)
+                        _fill(f, buf[:want])
                         if h is not None:
-                            h.update(buf[:n])
-                        _pwrite_all(fd, buf[:n], off + done)
-                        done += n
+                            h.update(buf[:want])
+                        write_at(fd.fd, buf, want, off + done, fd.direct)
+                        done += want
                     self.on_bytes(length)
                     if h is not None:
                         digests.append(h.digest())
             except BaseException:
-                os.close(fd)
+                os.close(fd.fd)
                 raise
             self._finish(item, fd, tmp, combine(self.algo, digests) if h is not None else None)
         except OSError as exc:
@@ -465,7 +483,7 @@ class Engine:
             self.committer.close()
             self.journal.close()
             for fd in self._fds.values():
-                os.close(fd)
+                os.close(fd.fd)
         self.stats.errors.extend(self.committer.errors)
         return self.stats
 
@@ -493,14 +511,25 @@ def _raw_stream(group: Group) -> Any:
     return open_stream(group.source, group.stream or "")
 
 
-def hash_range(fd: int, off: int, length: int, algo: str) -> bytes:
+def _fill(f: Any, view: memoryview) -> None:
+    """Fill ``view`` from the file object ``f`` (whose reads may come back short)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise OSError(errno.EIO, "archive member ended early")
+        got += n
+
+
+def hash_range(fd: int, off: int, length: int, algo: str, direct: bool = False) -> bytes:
+    """The digest of ``length`` bytes at ``off`` (fewer if the file ends first)."""
     h = new_hasher(algo)
     buf = _buffer()
     done = 0
     while done < length:
-        n = os.preadv(fd, [buf[: min(BUF_BYTES, length - done)]], off + done)
-        if n == 0:
+        data = read_at(fd, buf, off + done, min(BUF_BYTES, length - done), direct)
+        if not data:
             break
-        h.update(buf[:n])
-        done += n
+        h.update(data)
+        done += len(data)
     return h.digest()

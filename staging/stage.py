@@ -20,6 +20,7 @@ from typing import Any
 from staging.cluster import Layout, layout
 from staging.config import StageConfig
 from staging.copy import Engine, Stats, tmp_dir, within
+from staging.directio import IoPolicy
 from staging.manifest import Manifest, lock_dest, meta_dir
 from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, split_by_bytes
 from staging.progress import Progress, human_bytes
@@ -168,9 +169,10 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     # 4. copy
     mine = work.per_rank[lay.local_rank]
     total = sum(g.nbytes for g in mine)
+    policy = IoPolicy(cfg.io, meta_dir(dest), log=lay.is_leader and not cfg.quiet)
     with Progress(total, enabled=log.progress) as bar:
         stats = (
-            Engine(dest, lay.rank, cfg.checksum, cfg.streams, bar.advance).run(mine)
+            Engine(dest, lay.rank, cfg.checksum, cfg.streams, policy, bar.advance).run(mine)
             if mine
             else Stats()
         )
