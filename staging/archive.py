@@ -20,6 +20,8 @@ from typing import BinaryIO
 
 import zstandard
 
+from staging.directio import DirectReader
+
 __all__ = [
     "ArchiveError",
     "Member",
@@ -203,15 +205,18 @@ def open_stream(path: str, kind: str) -> Iterator[BinaryIO]:
 DECODE_ERRORS = (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile)
 
 
-def list_members(path: str, kind: str, size: int) -> list[Member]:
+def list_members(path: str, kind: str, size: int, direct: bool = False) -> list[Member]:
     """Every member of the archive at ``path`` (``size`` bytes), validated by ``check_members``.
+
+    ``direct``: walk the headers of an uncompressed tar with ``O_DIRECT`` reads.
 
     Raises ``ArchiveError`` for truncated or corrupt archives as well as unsafe ones.
     """
     members: list[Member] = []
     try:
         if kind == "tar":
-            with tarfile.open(path, mode="r:") as tf:
+            raw = DirectReader(path) if direct else open(path, "rb")  # noqa: SIM115
+            with raw, tarfile.open(fileobj=raw, mode="r:") as tf:
                 for info in tf:
                     m = _member(info, offsets=True)
                     if m is None:

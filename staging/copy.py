@@ -34,6 +34,7 @@ from staging.plan import Group, Item
 __all__ = ["Engine", "Stats", "hash_range", "tmp_dir", "within"]
 
 BUF_BYTES = 8 * 1024 * 1024
+EXTENT_GAP = 64 * 1024  # tar members closer than this are read together
 _local = threading.local()
 
 
@@ -47,6 +48,34 @@ def _buffer() -> memoryview:
     if buf is None:
         buf = _local.buf = aligned_buffer(BUF_BYTES + ALIGN)
     return buf
+
+
+def _tail_buffer() -> memoryview:
+    """This thread's second buffer, for bytes that must be moved to an aligned address."""
+    buf = getattr(_local, "tail", None)
+    if buf is None:
+        buf = _local.tail = aligned_buffer(BUF_BYTES)
+    return buf
+
+
+def extents(items: list[Item], limit: int = BUF_BYTES) -> list[list[Item]]:
+    """Runs of items of one source file, by offset, close enough to be read as one extent.
+
+    A run spans at most ``limit`` bytes (first byte to last) and its items are at most
+    ``EXTENT_GAP`` apart: the members of an uncompressed tar, read with one large I/O.
+    """
+    runs: list[list[Item]] = []
+    for item in sorted(items, key=lambda i: i.offset):
+        run = runs[-1] if runs else None
+        if (
+            run is not None
+            and item.offset - (run[-1].offset + run[-1].size) <= EXTENT_GAP
+            and item.offset + item.size - run[0].offset <= limit
+        ):
+            run.append(item)
+        else:
+            runs.append([item])
+    return runs
 
 
 def within(dest: str, path: str) -> bool:
@@ -268,6 +297,7 @@ class Engine:
         self.stats = Stats()
         self._lock = threading.Lock()
         self._fds: dict[str, Fd] = {}
+        self._direct_from_512 = True  # direct writes from 512-aligned addresses (tar data)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _src_fd(self, path: str) -> Fd:
@@ -336,6 +366,64 @@ class Engine:
         except (OSError, ValueError) as exc:
             _unlink(tmp)
             self._fail(item, exc)
+
+    def _copy_extent(self, items: list[Item]) -> None:
+        """Copy neighbouring members of one archive with a single read of their whole span."""
+        base = items[0].offset
+        span = items[-1].offset + items[-1].size - base
+        try:
+            src = self._src_fd(items[0].path)
+            buf = _buffer()
+            if len(read_at(src.fd, buf, base, span, src.direct)) < span:
+                raise OSError(errno.EIO, "archive ended early (changed while staging?)")
+        except OSError as exc:
+            for item in items:
+                self._fail(item, exc)
+            return
+        for item in items:
+            rel = item.offset - base
+            view = buf[rel : rel + item.size]
+            tmp = self._tmp_path(item)
+            try:
+                out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                try:
+                    digest = None
+                    if self.algo != "none":
+                        h = new_hasher(self.algo)
+                        h.update(view)
+                        digest = combine(self.algo, [h.digest()])
+                    self._write_view(out, view)
+                except BaseException:
+                    os.close(out.fd)
+                    raise
+                self.on_bytes(item.size)
+                self._finish(item, out, tmp, digest)
+            except OSError as exc:
+                _unlink(tmp)
+                self._fail(item, exc)
+
+    def _write_view(self, out: Fd, view: memoryview) -> None:
+        """Write ``view`` at offset 0 without touching the bytes around it in its buffer."""
+        n = len(view)
+        if not out.direct:
+            write_at(out.fd, view, n, 0, False)
+            return
+        whole = n & ~(ALIGN - 1)
+        if whole and self._direct_from_512:
+            try:
+                write_at(out.fd, view, whole, 0, True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_from_512 = False  # this filesystem wants aligned memory
+                whole = 0
+        else:
+            whole = 0
+        rest = n - whole
+        if rest:
+            tail = _tail_buffer()
+            tail[:rest] = view[whole:]
+            write_at(out.fd, tail, rest, whole, True)
 
     def _copy_large(
         self, pool: ThreadPoolExecutor, item: Item, src_path: str, src_off: int
@@ -467,14 +555,19 @@ class Engine:
             with ThreadPoolExecutor(self.streams, thread_name_prefix="stream") as pool:
                 streams = [g for g in groups if g.stream]
                 stream_job = pool.submit(self._run_streams, pool, streams) if streams else None
-                files = []
-                for item in (i for g in groups if not g.stream for i in g.items):
-                    if item.kind == "symlink":
+                for g in groups:
+                    if g.stream:
+                        continue
+                    for item in (i for i in g.items if i.kind == "symlink"):
                         self._symlink(item)
-                    else:
-                        files.append(item)
-                for item in sorted(files, key=lambda i: -i.size):
-                    futures.extend(self._copy_file(pool, item, item.path, item.offset))
+                    files = [i for i in g.items if i.kind != "symlink"]
+                    if g.ident:  # an uncompressed tar: small members in extents
+                        small = [i for i in files if i.size <= BUF_BYTES - ALIGN]
+                        for run in extents(small):
+                            futures.append(pool.submit(self._copy_extent, run))
+                        files = [i for i in files if i.size > BUF_BYTES - ALIGN]
+                    for item in sorted(files, key=lambda i: -i.size):
+                        futures.extend(self._copy_file(pool, item, item.path, item.offset))
                 if stream_job is not None:
                     futures.extend(stream_job.result())
                 for fut in futures:

@@ -18,6 +18,7 @@ from staging.archive import (
     list_members,
     normalize_name,
 )
+from staging.directio import reads_direct
 
 __all__ = ["Group", "Item", "Plan", "archive_record", "assign", "build_plan", "split_by_bytes"]
 
@@ -113,8 +114,9 @@ def _file_item(path: str, dest: str, st: os.stat_result) -> Item:
     )
 
 
-def _archive_group(path: str, kind: str, st: os.stat_result) -> Group:
-    members = list_members(path, kind, st.st_size)
+def _archive_group(path: str, kind: str, st: os.stat_result, io: str) -> Group:
+    direct = kind == "tar" and reads_direct(path, io)
+    members = list_members(path, kind, st.st_size, direct)
     stream = None if kind == "tar" else kind
     if kind == "tar" and any(m.sparse for m in members):
         stream = "tar"  # sparse members are not one byte range: extract sequentially
@@ -167,13 +169,16 @@ def _group_from_record(path: str, rec: dict) -> Group:
     return Group(source=path, items=items, stream=rec["stream"], ident=rec["ident"])
 
 
-def build_plan(sources: list[str], unpack: bool = True, known: dict | None = None) -> Plan:
+def build_plan(
+    sources: list[str], unpack: bool = True, known: dict | None = None, io: str = "auto"
+) -> Plan:
     """Walk ``sources`` into groups of items; a bad source becomes an error, not an exception.
 
     Destinations follow ``cp -r SRC... DEST``: a file or directory lands under its base name;
     an archive is unpacked into DEST itself (``unpack=False`` copies it as a file). Two sources
     that would write the same path are an error for the later one. ``known`` maps archive paths
-    to their manifest records: an unchanged archive is not read again.
+    to their manifest records: an unchanged archive is not read again. ``io`` is the I/O
+    policy (``staging.directio``) for reading tar headers.
     """
     known = known or {}
     plan = Plan()
@@ -195,7 +200,7 @@ def build_plan(sources: list[str], unpack: bool = True, known: dict | None = Non
             if kind and known.get(path, {}).get("ident") == _ident(st):
                 group = _group_from_record(path, known[path])
             elif kind:
-                group = _archive_group(path, kind, st)
+                group = _archive_group(path, kind, st, io)
             elif stat.S_ISDIR(st.st_mode):
                 group = Group(source=path, items=tuple(_walk_dir(path, name, plan.errors)))
             elif stat.S_ISREG(st.st_mode):

@@ -136,7 +136,11 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         return EXIT["failed"]
 
     # 2. rank 0 plans (the sources are shared), everyone gets the plan
-    plan = build_plan(list(cfg.sources), cfg.unpack, manifest.archives) if lay.rank == 0 else None
+    plan = (
+        build_plan(list(cfg.sources), cfg.unpack, manifest.archives, cfg.io)
+        if lay.rank == 0
+        else None
+    )
     plan = comm.bcast(plan, root=0)
     groups = assign(plan, lay.nodes)[lay.node] if cfg.mode == "shard" else plan.groups
 
@@ -145,12 +149,18 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.is_leader:
         try:
             work = _node_work(groups, manifest, dest, lay.local_size)
-            free = shutil.disk_usage(dest).free
-            if work.todo_bytes > free:
+            usage = shutil.disk_usage(dest)
+            if usage.total == 0 and not cfg.quiet:  # ramfs and the like report no capacity
+                print(
+                    f"datastore stage: note: {dest}: filesystem reports no capacity; "
+                    "skipping the free-space check",
+                    file=sys.stderr,
+                )
+            if usage.total and work.todo_bytes > usage.free:
                 work.code = EXIT["no_space"]
                 work.error = (
                     f"{dest}: not enough space: need {human_bytes(work.todo_bytes)}, "
-                    f"{human_bytes(free)} available"
+                    f"{human_bytes(usage.free)} available"
                 )
             else:
                 for item in (i for g in groups for i in g.items if i.kind == "dir"):
