@@ -19,7 +19,7 @@ import os
 import queue
 import tarfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -296,19 +296,30 @@ class Engine:
         self.journal = Journal(dest, rank)
         self.stats = Stats()
         self._lock = threading.Lock()
-        self._fds: dict[str, Fd] = {}
+        self._sources: dict[str, list] = {}  # path -> [Fd, users]
         self._direct_from_512 = True  # direct writes from 512-aligned addresses (tar data)
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _src_fd(self, path: str) -> Fd:
-        """The shared read descriptor of a source (``pread`` is safe from many threads)."""
+    @contextlib.contextmanager
+    def _source(self, path: str) -> Iterator[Fd]:
+        """A read descriptor of ``path``, shared by the jobs reading it at the same time
+        (``pread`` is thread-safe) and closed by the last: open files stay bounded by the
+        streams, not by the size of the tree."""
         with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
+            entry = self._sources.get(path)
+            if entry is None:
                 direct = self.algo != "none" and self.policy.read_direct(path)
                 flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-                fd = self._fds[path] = Fd(os.open(path, flags), direct)
-            return fd
+                entry = self._sources[path] = [Fd(os.open(path, flags), direct), 0]
+            entry[1] += 1
+        try:
+            yield entry[0]
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._sources[path]
+                    os.close(entry[0].fd)
 
     def _open_tmp(self, path: str, flags: int) -> Fd:
         direct = self.algo != "none" and self.policy.write_direct
@@ -353,10 +364,10 @@ class Engine:
     def _copy_small(self, item: Item, src_path: str, src_off: int) -> None:
         tmp = self._tmp_path(item)
         try:
-            src = self._src_fd(src_path)
             fd = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                d = copy_range(src, fd, src_off, 0, item.size, self.algo)
+                with self._source(src_path) as src:
+                    d = copy_range(src, fd, src_off, 0, item.size, self.algo)
             except BaseException:
                 os.close(fd.fd)
                 raise
@@ -372,9 +383,10 @@ class Engine:
         base = items[0].offset
         span = items[-1].offset + items[-1].size - base
         try:
-            src = self._src_fd(items[0].path)
             buf = _buffer()
-            if len(read_at(src.fd, buf, base, span, src.direct)) < span:
+            with self._source(items[0].path) as src:
+                got = len(read_at(src.fd, buf, base, span, src.direct))
+            if got < span:
                 raise OSError(errno.EIO, "archive ended early (changed while staging?)")
         except OSError as exc:
             for item in items:
@@ -442,7 +454,6 @@ class Engine:
 
         def leaf(i: int, off: int, length: int) -> None:
             try:
-                src = self._src_fd(src_path)
                 kept = log.known.get(i)
                 if (
                     kept is not None
@@ -453,7 +464,8 @@ class Engine:
                     with self._lock:
                         self.stats.resumed_bytes += length
                 else:
-                    digests[i] = copy_range(src, fd, src_off + off, off, length, self.algo)
+                    with self._source(src_path) as src:
+                        digests[i] = copy_range(src, fd, src_off + off, off, length, self.algo)
                     log.record(i, digests[i])
                 self.on_bytes(length)
             except (OSError, ValueError) as exc:
@@ -575,8 +587,6 @@ class Engine:
         finally:
             self.committer.close()
             self.journal.close()
-            for fd in self._fds.values():
-                os.close(fd.fd)
         self.stats.errors.extend(self.committer.errors)
         return self.stats
 
