@@ -73,7 +73,10 @@ class Case:
     files: int
     nbytes: int
     pre_peer: str = ""  # untimed setup before the peer (e.g. creating OUT for ``cp FILE OUT/``)
-    times: dict[str, list[float]] = field(default_factory=lambda: {"ours": [], "peer": []})
+    floor: str = ""  # benchmarks/floor.py on the same input: what the device allows
+    times: dict[str, list[float]] = field(
+        default_factory=lambda: {"ours": [], "peer": [], "floor": []}
+    )
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -250,7 +253,7 @@ def verify(case: Case, side: str, out: str, proc: subprocess.CompletedProcess) -
     got = tree_stats(out) if os.path.isdir(out) else (0, 0)
     if proc.returncode == 0 and got == (case.files, case.nbytes):
         return
-    cmd = case.ours if side == "ours" else case.peer
+    cmd = {"ours": case.ours, "peer": case.peer, "floor": case.floor}[side]
     sys.exit(
         f"case {case.key} ({side}) produced a wrong result: exit {proc.returncode}, "
         f"{got[0]} files / {got[1]} bytes, want {case.files} / {case.nbytes}\n"
@@ -268,6 +271,15 @@ def run_one(case: Case, side: str, out: str, cache: Cache) -> float:
     return secs
 
 
+def run_floor(case: Case, out: str, cache: Cache) -> float:
+    """The device floor for the case's input (benchmarks/floor.py), as it times itself."""
+    remove(out)
+    cache.settle()
+    proc = subprocess.run(["sh", "-c", case.floor], capture_output=True, text=True)
+    verify(case, "floor", out, proc)
+    return float(proc.stdout.strip().rsplit("=", 1)[1])
+
+
 def run_case(case: Case, out: str, reps: int, cache: Cache) -> None:
     print(f"\n[{case.key}] {case.title}: {plural(case.files)}, {case.nbytes / MIB:.0f} MiB")
     print(f"  ours: {case.ours}\n  peer: {case.peer}", flush=True)
@@ -275,9 +287,13 @@ def run_case(case: Case, out: str, reps: int, cache: Cache) -> None:
         order = ("ours", "peer") if rep % 2 == 0 else ("peer", "ours")
         for side in order:
             case.times[side].append(run_one(case, side, out, cache))
+        floor = ""
+        if case.floor:
+            case.times["floor"].append(run_floor(case, out, cache))
+            floor = f", floor {case.times['floor'][-1]:.3f} s"
         print(
             f"  rep {rep + 1}/{reps}: ours {case.times['ours'][-1]:.3f} s, "
-            f"peer {case.times['peer'][-1]:.3f} s",
+            f"peer {case.times['peer'][-1]:.3f} s{floor}",
             flush=True,
         )
     remove(out)
@@ -323,7 +339,11 @@ def build_cases(args: argparse.Namespace, work: str, out: str) -> list[Case]:
             "",
         ),
     }
-    return [Case(k, TITLES[k], *specs[k]) for k in args.cases]
+    floor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "floor.py")
+    floors = {
+        k: f"{q(sys.executable)} {q(floor)} {q(src)} {o}" for k, src in (("a", tree), ("c", tar))
+    }
+    return [Case(k, TITLES[k], *specs[k], floor=floors.get(k, "")) for k in args.cases]
 
 
 # ----------------------------------------------------------------------------- raw disk
@@ -412,6 +432,13 @@ def report(cases: list[Case], args: argparse.Namespace, work: str, cache: Cache,
             f"- {c.key}: ours min/max {min(t['ours']):.3f}/{max(t['ours']):.3f} s, "
             f"peer min/max {min(t['peer']):.3f}/{max(t['peer']):.3f} s"
         )
+        if t["floor"]:
+            floor = statistics.median(t["floor"])
+            spread.append(
+                f"  - device floor (benchmarks/floor.py: bare parallel direct copy, no checksum, "
+                f"no manifest, index untimed): median {floor:.3f} s, so at best "
+                f"{s['peer'] / floor:.2f}x vs the peer; ours is {s['ours'] / floor:.2f}x the floor"
+            )
     streams = args.streams or "default"
     return (
         "\n".join(

@@ -42,20 +42,29 @@ def tmp_dir(dest: str) -> str:
     return os.path.join(meta_dir(dest), "tmp")
 
 
-def _buffer() -> memoryview:
-    """This thread's reusable copy buffer (fresh memory is far dearer than reused memory)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = aligned_buffer(BUF_BYTES + ALIGN)
+def _grown(name: str, need: int) -> memoryview:
+    """This thread's reusable buffer ``name`` with room for ``need`` bytes.
+
+    Buffers grow (doubling, up to one I/O of ``BUF_BYTES`` plus alignment slack) to what the
+    copies need: fresh memory is far dearer than reused memory, so a tree of small files
+    never pays for touching a large buffer in every stream.
+    """
+    buf = getattr(_local, name, None)
+    if buf is None or len(buf) < need:
+        size = min(max(need, 2 * len(buf) if buf is not None else 0), BUF_BYTES + 2 * ALIGN)
+        buf = aligned_buffer((max(size, need) + ALIGN - 1) & ~(ALIGN - 1))
+        setattr(_local, name, buf)
     return buf
 
 
-def _tail_buffer() -> memoryview:
-    """This thread's second buffer, for bytes that must be moved to an aligned address."""
-    buf = getattr(_local, "tail", None)
-    if buf is None:
-        buf = _local.tail = aligned_buffer(BUF_BYTES)
-    return buf
+def _buffer(nbytes: int = BUF_BYTES) -> memoryview:
+    """The copy buffer, with room for an I/O of ``nbytes`` at an unaligned offset."""
+    return _grown("buf", min(nbytes, BUF_BYTES) + 2 * ALIGN)
+
+
+def _tail_buffer(nbytes: int) -> memoryview:
+    """The second buffer, for bytes that must move to an aligned address."""
+    return _grown("tail", nbytes + ALIGN)
 
 
 def extents(items: list[Item], limit: int = BUF_BYTES) -> list[list[Item]]:
@@ -107,7 +116,7 @@ def copy_range(src: Fd, dst: Fd, src_off: int, dst_off: int, length: int, algo: 
     if algo == "none" and _kernel_copy(src.fd, dst.fd, src_off, dst_off, length):
         return b""
     h = new_hasher(algo) if algo != "none" else None
-    buf = _buffer()
+    buf = _buffer(length)
     done = 0
     while done < length:
         want = min(BUF_BYTES, length - done)
@@ -383,7 +392,7 @@ class Engine:
         base = items[0].offset
         span = items[-1].offset + items[-1].size - base
         try:
-            buf = _buffer()
+            buf = _buffer(span)
             with self._source(items[0].path) as src:
                 got = len(read_at(src.fd, buf, base, span, src.direct))
             if got < span:
@@ -433,7 +442,7 @@ class Engine:
             whole = 0
         rest = n - whole
         if rest:
-            tail = _tail_buffer()
+            tail = _tail_buffer(rest)
             tail[:rest] = view[whole:]
             write_at(out.fd, tail, rest, whole, True)
 
@@ -536,7 +545,7 @@ class Engine:
             fd = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 digests = []
-                buf = _buffer()
+                buf = _buffer(item.size)
                 for off, length in leaf_ranges(item.size):
                     h = new_hasher(self.algo) if self.algo != "none" else None
                     done = 0
@@ -627,7 +636,7 @@ def _fill(f: Any, view: memoryview) -> None:
 def hash_range(fd: int, off: int, length: int, algo: str, direct: bool = False) -> bytes:
     """The digest of ``length`` bytes at ``off`` (fewer if the file ends first)."""
     h = new_hasher(algo)
-    buf = _buffer()
+    buf = _buffer(length)
     done = 0
     while done < length:
         data = read_at(fd, buf, off + done, min(BUF_BYTES, length - done), direct)
