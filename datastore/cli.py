@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 
+from datastore.readers import inspect_cmd
 from staging import cli as stage_cli
 
 __all__ = ["main"]
@@ -19,6 +20,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     stage_cli.add_parser(sub)
+    inspect_cmd.add_parser(sub)
     return p
 
 

@@ -1,8 +1,10 @@
-"""``make demo``: generate a small dataset on a stand-in parallel filesystem, then stage it.
+"""``make demo``: generate a small dataset on a stand-in parallel filesystem, stage it, read it.
 
 Writes under ``./demo-data`` (``DATASTORE_DEMO_DIR`` overrides): ``pfs/`` plays the parallel
-filesystem (a tree of CosmoFlow-like ``.npy`` volumes, one HDF5 file of labels, and a
-``.tar.zst`` shard of more volumes), ``ssd/`` plays node-local storage.
+filesystem (CosmoFlow-like volumes and labels in one HDF5 file, a tree of ``.npy`` volumes, and
+a ``.tar.zst`` shard of more volumes), ``ssd/`` plays node-local storage. The staged HDF5 is
+then read through ``DataStoreLoader``: one rank, then four MPI ranks as a 2 x 2 data x spatial
+grid, each receiving only its half of every volume plus a one-voxel halo.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ SAMPLES, SIDE, CHANNELS = 24, 32, 4
 def generate(pfs: str, seed: int = 0) -> None:
     """Volumes as ``.npy`` in a tree, labels in HDF5, and a zstd tar shard of more volumes."""
     rng = np.random.default_rng(seed)
-    vol_dir = os.path.join(pfs, "cosmo", "train")
+    vol_dir = os.path.join(pfs, "cosmo", "extra")
     os.makedirs(vol_dir, exist_ok=True)
     labels = rng.uniform(-1, 1, size=(SAMPLES, 4)).astype(np.float32)
-    for i in range(SAMPLES):
+    volumes = rng.standard_normal((SAMPLES, CHANNELS, SIDE, SIDE, SIDE), dtype=np.float32)
+    with h5py.File(os.path.join(pfs, "cosmo", "train.h5"), "w") as f:
+        f.create_dataset("x", data=volumes, chunks=(1, CHANNELS, SIDE, SIDE, SIDE))
+        f.create_dataset("y", data=labels)
+    for i in range(SAMPLES // 2):
         vol = rng.standard_normal((CHANNELS, SIDE, SIDE, SIDE), dtype=np.float32)
         np.save(os.path.join(vol_dir, f"sample_{i:04d}.npy"), vol)
-    with h5py.File(os.path.join(pfs, "cosmo", "labels.h5"), "w") as f:
-        f.create_dataset("y", data=labels)
     shard = os.path.join(pfs, "cosmo-val.tar.zst")
     with (
         open(shard, "wb") as raw,

@@ -1,0 +1,123 @@
+"""One MPI job of ``benchmarks/loader.py`` (case 3): how much of a training step the exchange costs.
+
+Run as ``mpiexec -n R python -m mpi4py benchmarks/exchange_job.py DATASET [options]``. Every
+rank builds ``DataStoreLoader(DATASET, global_batch_size=BATCH * data_ranks, seed=0)`` (under
+MPI it owns 1/R of the samples, preloaded, and receives the rest of each batch from their
+owners), waits for every rank, then iterates ``--epochs`` epochs with a simulated compute step
+per batch (``time.sleep(--compute-ms)``). Each rank reports the wall time of the iteration and
+the loader's counters (``exchange_seconds``, ``wait_seconds``, ``bytes_exchanged``); rank 0
+prints them as one line ``EXCHANGE_JSON {...}`` for the parent to parse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from datastore import DataStoreLoader
+from datastore.readers.spec import DatasetSpec, FieldSpec
+
+MARK = "EXCHANGE_JSON "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dataset", help="an HDF5 file or a directory of per-sample .npy files")
+    p.add_argument("--batch", type=int, default=8, help="samples per step per data rank")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--compute-ms", type=float, default=50.0, help="simulated compute per batch")
+    p.add_argument("--parts", default="", help="spatial blocks, e.g. 2,1,1 (default: none)")
+    p.add_argument("--halo", default="0,0,0", help="halo per spatial axis with --parts")
+    return p.parse_args(argv)
+
+
+def dataset_arg(path: str) -> str | DatasetSpec:
+    """A directory of ``.npy`` files holds field ``x`` (C, D, H, W); anything else auto-detects."""
+    if os.path.isdir(path) and any(n.endswith(".npy") for n in os.listdir(path)):
+        return DatasetSpec("npy", (path,), (FieldSpec("x", (1, 2, 3)),))
+    return path
+
+
+def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        k: after[k] - before[k] for k in ("exchange_seconds", "wait_seconds", "bytes_exchanged")
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    spatial = None
+    blocks = 1
+    if args.parts:
+        parts = tuple(int(v) for v in args.parts.split(","))
+        halo = tuple(int(v) for v in args.halo.split(","))
+        spatial = {"parts": parts, "halo": halo, "boundary": "zero"}
+        blocks = math.prod(parts)
+    data_ranks = size // blocks
+    t0 = time.perf_counter()
+    loader = DataStoreLoader(
+        dataset_arg(args.dataset),
+        global_batch_size=args.batch * data_ranks,
+        seed=0,
+        spatial=spatial,
+    )
+    construct = time.perf_counter() - t0
+    before = loader.counters.as_dict()
+    compute = args.compute_ms / 1000.0
+    comm.Barrier()
+    steps = 0
+    check = 0.0
+    epochs = []  # per epoch: steps, seconds and counter deltas
+    t0 = time.perf_counter()
+    for _ in range(args.epochs):
+        e0, c0, s0 = time.perf_counter(), loader.counters.as_dict(), steps
+        for batch in loader:
+            check += float(batch["x"][0, 0, 0, 0, 0])  # touch the batch: data was delivered
+            time.sleep(compute)
+            steps += 1
+        c1 = loader.counters.as_dict()
+        epochs.append({"steps": steps - s0, "total_s": time.perf_counter() - e0, **deltas(c0, c1)})
+    total = time.perf_counter() - t0
+    after = loader.counters.as_dict()
+    delta = deltas(before, after)
+    batch_bytes = sum(
+        int(np.prod((loader.batch_size, *f.shape))) * f.dtype.itemsize for f in loader.fields
+    )
+    mine = {
+        "rank": rank,
+        "steps": steps,
+        "total_s": total,
+        "construct_s": construct,
+        "batch_bytes": batch_bytes,
+        "bytes_resident": after["bytes_resident"],
+        "exchanging": bool(loader.exchanging),
+        "epochs": epochs,
+        **delta,
+    }
+    everyone = comm.gather(mine, root=0)
+    loader.close()
+    if rank == 0:
+        out = {
+            "ranks": size,
+            "data_ranks": data_ranks,
+            "blocks": blocks,
+            "global_batch": args.batch * data_ranks,
+            "compute_ms": args.compute_ms,
+            "epochs": args.epochs,
+            "per_rank": everyone,
+        }
+        print(MARK + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""HDF5 readers: ``hdf5`` (datasets with a sample axis, in one or more shard files) and
+``hdf5-per-sample`` (one file per sample).
+
+Regions are read as HDF5 hyperslabs straight into the caller's buffer (``read_direct``), so
+only the chunks (or, for contiguous datasets, the byte runs) that meet the region are read.
+h5py serializes every call behind its own global lock, so one lock per reader costs no
+parallelism; it also keeps a handle from being closed (by the bounded cache of open files)
+while another thread reads through it. Files are opened with h5py's default access properties:
+HDF5 refuses a second open of a file in one process with different ones (file locking), so
+the reader must not differ from other code that opens the same file. On filesystems without
+``flock`` set ``HDF5_USE_FILE_LOCKING=FALSE``, as for any HDF5 program.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from typing import Any
+
+import h5py
+import numpy as np
+
+from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
+from datastore.readers.spec import DatasetSpec, resolve_paths
+
+__all__ = ["Hdf5PerSampleReader", "Hdf5Reader"]
+
+MAX_OPEN_FILES = 64  # per reader and process; hdf5-per-sample datasets have one file per sample
+
+
+def _open_file(path: str) -> h5py.File:
+    try:
+        return h5py.File(path, "r")
+    except (OSError, ValueError) as exc:
+        raise DatasetError(path, f"not a readable HDF5 file: {exc}") from None
+
+
+def _datasets(f: h5py.File, path: str, names: list[str] | None) -> dict[str, h5py.Dataset]:
+    """``{name: dataset}``: the ``names`` asked for, or every dataset in the file (by path)."""
+    if names is None:
+        found: dict[str, h5py.Dataset] = {}
+
+        def visit(name: str, obj: Any) -> None:
+            if isinstance(obj, h5py.Dataset):
+                found[name] = obj
+
+        f.visititems(visit)
+        return found
+    out = {}
+    for name in names:
+        obj = f.get(name)
+        if obj is None:
+            has = ", ".join(_datasets(f, path, None)) or "no datasets"
+            raise DatasetError(path, f"not in the data (it has: {has})", name)
+        if not isinstance(obj, h5py.Dataset):
+            raise DatasetError(path, "a group, not a dataset", name)
+        out[name] = obj
+    return out
+
+
+def _chunks(ds: h5py.Dataset, drop: int) -> tuple[int, ...] | None:
+    return None if ds.chunks is None else tuple(ds.chunks[drop:])
+
+
+class _FileCache:
+    """A bounded LRU of open ``h5py.File`` s; used under the reader's lock only."""
+
+    def __init__(self, limit: int):
+        self.limit, self.files = limit, OrderedDict()
+
+    def get(self, path: str) -> h5py.File:
+        f = self.files.get(path)
+        if f is not None:
+            self.files.move_to_end(path)
+            return f
+        f = _open_file(path)
+        self.files[path] = f
+        while len(self.files) > self.limit:
+            self.files.popitem(last=False)[1].close()
+        return f
+
+    def close(self) -> None:
+        while self.files:
+            self.files.popitem()[1].close()
+
+
+class _Hdf5Base(Reader):
+    def _open(self) -> _FileCache:
+        return _FileCache(MAX_OPEN_FILES)
+
+    def _close(self, handles: _FileCache) -> None:
+        handles.close()
+
+    def _dataset(self, files: _FileCache, path: str, info: FieldInfo) -> h5py.Dataset:
+        """``info``'s dataset in ``path``; only under ``self._lock``."""
+        obj = files.get(path).get(info.name)
+        if not isinstance(obj, h5py.Dataset):
+            raise DatasetError(path, "no such dataset in the file", info.name)
+        return obj
+
+    def _names_asked(self) -> list[str] | None:
+        return [f.name for f in self.spec.fields] or None
+
+
+class Hdf5Reader(_Hdf5Base):
+    """``hdf5``: fields are datasets with a leading sample axis; several files are shards whose
+    samples follow each other in path order. Every field of a file has the same sample count."""
+
+    def __init__(self, spec: DatasetSpec):
+        super().__init__(spec)
+        self.files = resolve_paths(spec)
+        counts = []
+        for k, path in enumerate(self.files):
+            with _open_file(path) as f:
+                found = _datasets(f, path, self._names_asked() if k == 0 else list(self.fields))
+                if k == 0:
+                    available = self._first_file(path, found)
+                    self._select_fields(available, path)
+                counts.append(self._check_file(path, found))
+        self._starts = [0]
+        for n in counts:
+            self._starts.append(self._starts[-1] + n)
+        self._length = self._starts[-1]
+
+    def _first_file(self, path: str, found: dict[str, h5py.Dataset]) -> dict[str, FieldInfo]:
+        available = {}
+        for name, ds in found.items():
+            if ds.ndim == 0:
+                if self.spec.fields:
+                    raise DatasetError(path, "a scalar dataset has no sample axis", name)
+                continue  # a file-level constant, not a field
+            shape = tuple(ds.shape[1:])
+            available[name] = FieldInfo(
+                name, ds.dtype, shape, default_spatial_axes(len(shape)), _chunks(ds, 1)
+            )
+        return available
+
+    def _check_file(self, path: str, found: dict[str, h5py.Dataset]) -> int:
+        """The file's sample count; every selected field must be there, alike, with it."""
+        count: tuple[str, int] | None = None
+        for name, info in self.fields.items():
+            ds = found.get(name)
+            if ds is None:
+                raise DatasetError(path, "no such dataset in this shard", name)
+            if ds.dtype != info.dtype or tuple(ds.shape[1:]) != info.shape or ds.ndim == 0:
+                raise DatasetError(
+                    path,
+                    f"dataset {ds.dtype.str} {ds.shape} differs from the first file's "
+                    f"{info.dtype.str} (N, {', '.join(map(str, info.shape))})",
+                    name,
+                )
+            if count is None:
+                count = (name, ds.shape[0])
+            elif ds.shape[0] != count[1]:
+                raise DatasetError(
+                    path,
+                    f"has {ds.shape[0]} samples but field {count[0]!r} has {count[1]}; "
+                    "name the fields to read in a spec",
+                    name,
+                )
+        return 0 if count is None else count[1]
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        k = bisect.bisect_right(self._starts, index) - 1
+        return k, index - self._starts[k]
+
+    def _path_of(self, index: int) -> str:
+        return self.files[self._locate(index)[0]]
+
+    def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
+        k, local = self._locate(index)
+        files = self._handles()
+        with self._lock:
+            ds = self._dataset(files, self.files[k], info)
+            ds.read_direct(out, source_sel=(local, *sel))
+
+
+class Hdf5PerSampleReader(_Hdf5Base):
+    """``hdf5-per-sample``: file ``k`` (in path order) is sample ``k`` and holds every field as
+    a dataset without a sample axis. Files after the first are checked as they are read."""
+
+    def __init__(self, spec: DatasetSpec):
+        super().__init__(spec)
+        self.files = resolve_paths(spec)
+        first = self.files[0]
+        with _open_file(first) as f:
+            found = _datasets(f, first, self._names_asked())
+            available = {
+                name: FieldInfo(
+                    name, ds.dtype, ds.shape, default_spatial_axes(ds.ndim), _chunks(ds, 0)
+                )
+                for name, ds in found.items()
+            }
+        self._select_fields(available, first)
+        self._length = len(self.files)
+
+    def _path_of(self, index: int) -> str:
+        return self.files[index]
+
+    def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
+        path = self.files[index]
+        files = self._handles()
+        with self._lock:
+            ds = self._dataset(files, path, info)
+            if ds.dtype != info.dtype or ds.shape != info.shape:
+                raise DatasetError(
+                    path,
+                    f"dataset {ds.dtype.str} {ds.shape} differs from the first file's "
+                    f"{info.dtype.str} {info.shape}",
+                    info.name,
+                )
+            ds.read_direct(out, source_sel=sel if sel else None)

@@ -1,0 +1,141 @@
+"""The ``lmdb`` reader, for datasets in the encoding of ``lmdb_format``.
+
+Each read is one read-only transaction with ``buffers=True``: the record is a view of LMDB's
+memory map, copied (the region of it) into the caller's buffer before the transaction ends. An
+uncompressed record is therefore read only where the region touches it (page granularity); a
+record encoded by a codec is decoded whole, since a record is one value, and its region copied
+out. The environment is opened read-only without LMDB's lock
+file, once per process and shared by the readers of that process (py-lmdb allows one open
+per process); LMDB transactions are safe from several threads. A forked child closes the
+environments it inherited and reopens its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import lmdb
+import numcodecs
+import numpy as np
+from numcodecs.compat import ensure_ndarray
+
+from datastore.readers.base import DatasetError, FieldInfo, Reader
+from datastore.readers.lmdb_format import META_KEY, parse_meta, sample_key
+from datastore.readers.spec import DatasetSpec, resolve_paths
+
+__all__ = ["LmdbReader"]
+
+
+# py-lmdb opens an environment once per process: readers of the same one share it, counted.
+_envs: dict[str, list[Any]] = {}  # real path -> [Environment, users]
+_envs_lock = threading.Lock()
+
+
+def _acquire_env(path: str) -> lmdb.Environment:
+    key = os.path.realpath(path)
+    with _envs_lock:
+        entry = _envs.get(key)
+        if entry is None:
+            try:
+                env = lmdb.open(
+                    path, readonly=True, lock=False, readahead=False, subdir=True, max_readers=1024
+                )
+            except lmdb.Error as exc:
+                raise DatasetError(path, f"not a readable LMDB environment: {exc}") from None
+            entry = _envs[key] = [env, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_env(path: str) -> None:
+    key = os.path.realpath(path)
+    with _envs_lock:
+        entry = _envs.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _envs[key]
+                entry[0].close()
+
+
+def _after_fork_in_child() -> None:
+    """LMDB environments must not be used across fork: the child closes what it inherited
+    (its own copies of the maps and descriptors), and its readers reopen on first use."""
+    global _envs_lock
+    _envs_lock = threading.Lock()
+    inherited = list(_envs.values())
+    _envs.clear()
+    for env, _ in inherited:
+        env.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class LmdbReader(Reader):
+    """``lmdb``: fields, dtypes, shapes, spatial axes and codecs come from ``__meta__``."""
+
+    def __init__(self, spec: DatasetSpec):
+        super().__init__(spec)
+        self.files = resolve_paths(spec)
+        root = self.files[0]
+        env = _acquire_env(root)
+        try:
+            with env.begin() as txn:
+                n, metas = parse_meta(txn.get(META_KEY), root)
+        except lmdb.Error as exc:
+            raise DatasetError(root, f"cannot read the __meta__ record: {exc}") from None
+        finally:
+            _release_env(root)
+        available = {
+            name: FieldInfo(name, m.dtype, m.shape, m.spatial_axes, None)
+            for name, m in metas.items()
+        }
+        self._select_fields(available, root)
+        self._codecs = {name: metas[name].codec for name in self.fields}
+        self._length = n
+
+    @property
+    def codecs(self) -> dict[str, dict[str, Any] | None]:
+        """``{field: numcodecs config or None}``."""
+        return dict(self._codecs)
+
+    def _open(self) -> tuple[lmdb.Environment, dict[str, Any]]:
+        codecs = {
+            k: None if c is None else numcodecs.get_codec(dict(c)) for k, c in self._codecs.items()
+        }
+        return _acquire_env(self.files[0]), codecs
+
+    def _close(self, handles: tuple[lmdb.Environment, dict[str, Any]]) -> None:
+        _release_env(self.files[0])
+
+    def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
+        env, codecs = self._handles()
+        root, codec = self.files[0], codecs[info.name]
+        with env.begin(buffers=True) as txn:
+            buf = txn.get(sample_key(index, info.name))
+            if buf is None:
+                raise DatasetError(root, f"no record for sample {index}", info.name)
+            if codec is None:  # a view of the memory map: only the region's pages are read
+                np.copyto(out, self._as_array(buf, info, root, index)[sel])
+                return
+            try:
+                raw = ensure_ndarray(codec.decode(buf))
+            except (ValueError, RuntimeError, TypeError) as exc:
+                raise DatasetError(
+                    root, f"sample {index}: cannot decode the record: {exc}", info.name
+                ) from None
+        np.copyto(out, self._as_array(raw, info, root, index)[sel])
+
+    @staticmethod
+    def _as_array(buf: Any, info: FieldInfo, root: str, index: int) -> np.ndarray:
+        data = np.frombuffer(buf, dtype=np.uint8)
+        if data.size != info.nbytes:
+            raise DatasetError(
+                root,
+                f"sample {index}: record holds {data.size} bytes, the field needs {info.nbytes}",
+                info.name,
+            )
+        return data.view(info.dtype).reshape(info.shape)

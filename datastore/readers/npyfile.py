@@ -1,0 +1,178 @@
+"""Where the arrays of a ``.npy`` or ``.npz`` file lie, so that a region is read from a memory map.
+
+A file here may start at an offset inside another file (a member of an uncompressed tar), so
+every function takes ``(path, base, size)``: the bytes ``[base, base + size)`` of ``path``.
+
+- ``.npy``: the header (format 1.0 or 2.0) is parsed with ``numpy.lib.format``; the data is a
+  ``RawArray`` at ``base + header length``.
+- ``.npz`` written by ``np.savez`` (members stored): each member's data lies uncompressed at a
+  fixed offset (the zip local header, then the ``.npy`` header), also a ``RawArray``.
+- ``.npz`` written by ``np.savez_compressed`` (members deflated): a ``ZippedArray``, which must
+  decode the whole member to read any region of it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+__all__ = ["RawArray", "ZippedArray", "locate_npy", "locate_npz"]
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra length
+
+
+@dataclass(frozen=True)
+class RawArray:
+    """An array stored raw at byte ``offset`` of ``path``."""
+
+    path: str
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran: bool
+
+    def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
+        """Copy the box ``sel`` into ``out``, touching only the pages of the memory map it
+        covers."""
+        mm = np.memmap(
+            self.path,
+            dtype=self.dtype,
+            mode="r",
+            offset=self.offset,
+            shape=self.shape,
+            order="F" if self.fortran else "C",
+        )
+        np.copyto(out, mm[sel])
+        del mm  # the last reference: unmapped now
+
+
+@dataclass(frozen=True)
+class ZippedArray:
+    """A deflated ``.npz`` member: ``member`` of the zip at ``[base, base + size)`` of ``path``."""
+
+    path: str
+    base: int
+    size: int
+    member: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran: bool
+
+    def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
+        """Decode the whole member, then copy the box ``sel`` into ``out``."""
+        with (
+            open(self.path, "rb") as fh,
+            zipfile.ZipFile(_Window(fh, self.base, self.size)) as zf,
+            zf.open(self.member) as m,
+        ):
+            arr = np.lib.format.read_array(m, allow_pickle=False)
+        if arr.shape != self.shape or arr.dtype != self.dtype:
+            raise ValueError(f"member {self.member} changed since it was indexed")
+        np.copyto(out, arr[sel])
+
+
+class _Window(io.RawIOBase):
+    """The bytes ``[base, base + size)`` of an open file, as a seekable read-only file."""
+
+    def __init__(self, fh: BinaryIO, base: int, size: int):
+        self.fh, self.base, self.size, self.pos = fh, base, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        start = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence]
+        self.pos = max(0, start + pos)
+        return self.pos
+
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+        n = max(0, min(len(b), self.size - self.pos))
+        if n == 0:
+            return 0
+        data = os.pread(self.fh.fileno(), n, self.base + self.pos)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """The ``.npy`` header at ``f``'s position; ``f`` is left at the start of the data."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    else:
+        raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
+    if dtype.hasobject:
+        raise ValueError("the array holds Python objects (pickled), which are not read")
+    return tuple(shape), bool(fortran), dtype
+
+
+def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+def _size(path: str, size: int | None) -> int:
+    return os.stat(path).st_size if size is None else size
+
+
+def locate_npy(path: str, base: int = 0, size: int | None = None) -> RawArray:
+    """The array of the ``.npy`` file at ``[base, base + size)`` of ``path`` (``size=None``:
+    to the end of the file). Raises ``ValueError`` (the reason) for a malformed or truncated
+    file, ``OSError`` for one that cannot be read."""
+    size = _size(path, size)
+    with open(path, "rb") as fh:
+        win = _Window(fh, base, size)
+        shape, fortran, dtype = _header(win)
+        start = win.tell()
+    need = start + _nbytes(shape, dtype)
+    if need > size:
+        raise ValueError(f"truncated: the header promises {need} bytes, there are {size}")
+    return RawArray(path, base + start, dtype, shape, fortran)
+
+
+def locate_npz(
+    path: str, base: int = 0, size: int | None = None
+) -> dict[str, RawArray | ZippedArray]:
+    """``{key: array}`` of the ``.npz`` file at ``[base, base + size)`` of ``path``; keys are
+    member names without ``.npy``, as ``np.load`` gives them. Raises ``ValueError`` or
+    ``zipfile.BadZipFile`` for a malformed file, ``OSError`` for one that cannot be read."""
+    size = _size(path, size)
+    out: dict[str, RawArray | ZippedArray] = {}
+    with open(path, "rb") as fh:
+        win = _Window(fh, base, size)
+        with zipfile.ZipFile(win) as zf:
+            for info in zf.infolist():
+                if info.is_dir():
+                    continue
+                key = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                if info.compress_type != zipfile.ZIP_STORED:
+                    with zf.open(info) as m:
+                        shape, fortran, dtype = _header(m)
+                    out[key] = ZippedArray(path, base, size, info.filename, dtype, shape, fortran)
+                    continue
+                win.seek(info.header_offset)
+                sig, name_len, extra_len = _LOCAL_HEADER.unpack(win.read(_LOCAL_HEADER.size))
+                if sig != b"PK\x03\x04":
+                    raise ValueError(f"member {info.filename}: bad zip local header")
+                data = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+                win.seek(data)
+                shape, fortran, dtype = _header(win)
+                start = win.tell()
+                if start - data + _nbytes(shape, dtype) > info.file_size:
+                    raise ValueError(f"member {info.filename}: truncated array data")
+                out[key] = RawArray(path, base + start, dtype, shape, fortran)
+    return out

@@ -1,0 +1,45 @@
+"""``open_dataset``: a reader for a spec, a spec file, or a path to detect."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from datastore.readers.base import DatasetError, Reader
+from datastore.readers.spec import SPEC_SUFFIXES, DatasetSpec, detect
+
+__all__ = ["READERS", "open_dataset", "reader_class"]
+
+# format -> (module, class); a backend's library (h5py, zarr, lmdb) loads when first opened
+READERS: dict[str, tuple[str, str]] = {
+    "hdf5": ("datastore.readers.hdf5_reader", "Hdf5Reader"),
+    "hdf5-per-sample": ("datastore.readers.hdf5_reader", "Hdf5PerSampleReader"),
+    "zarr": ("datastore.readers.zarr_reader", "ZarrReader"),
+    "lmdb": ("datastore.readers.lmdb_reader", "LmdbReader"),
+    "npy": ("datastore.readers.npy_reader", "NpyReader"),
+    "tar": ("datastore.readers.npy_reader", "TarReader"),
+}
+
+
+def reader_class(fmt: str) -> type[Reader]:
+    """The ``Reader`` subclass for format ``fmt`` (one of ``spec.FORMATS``)."""
+    module, name = READERS[fmt]
+    return getattr(importlib.import_module(module), name)
+
+
+def open_dataset(spec_or_path: DatasetSpec | str | os.PathLike) -> Reader:
+    """A reader for a ``DatasetSpec``; for a path: a spec file (``.json``/``.toml``) is loaded,
+    anything else is detected (``detect``).
+
+    Raises:
+        DatasetError: naming the file (and field) for any input that cannot be read as asked.
+    """
+    if isinstance(spec_or_path, DatasetSpec):
+        spec = spec_or_path
+    elif isinstance(spec_or_path, str | os.PathLike):
+        path = os.fspath(spec_or_path)
+        is_spec_file = path.lower().endswith(SPEC_SUFFIXES)
+        spec = DatasetSpec.load(path) if is_spec_file else detect(path)
+    else:
+        raise DatasetError(None, f"expected a DatasetSpec or a path, got {spec_or_path!r}")
+    return reader_class(spec.format)(spec)

@@ -1,0 +1,329 @@
+"""What a dataset is: its format, where it lies, which fields to read; and auto-detection.
+
+Formats (every field has the same dtype and per-sample shape in every sample):
+
+- ``hdf5``: one or more HDF5 files (shards, concatenated in path order), one dataset per field
+  with a leading sample axis. Nested datasets are fields named by their path (``"grp/x"``).
+- ``hdf5-per-sample``: one HDF5 file per sample (CosmoFlow style); each file holds every field
+  as a dataset without a sample axis.
+- ``zarr``: a zarr group (format 2 or 3), one array per field with a leading sample axis.
+- ``lmdb``: an LMDB environment written by ``write_lmdb`` (``lmdb_format`` documents records).
+- ``npy``: ``.npy`` files, one per sample, holding the one field the spec names (``"data"`` when
+  it names none); or ``.npz`` files, one per sample, whose keys are the fields.
+- ``tar``: uncompressed tar shards whose members are ``.npy`` or ``.npz`` files, one per sample
+  (fields as for ``npy``), read at their offsets in the tar without extracting.
+
+Paths may be files, directories (their files with the format's suffixes, sorted by name; names
+starting with ``.`` skipped) or globs (matches sorted by name). A spec with no fields selects
+every field in the data, with the default spatial axes (the last three of a per-sample array of
+three or more axes); a ``FieldSpec`` is taken literally: ``FieldSpec("x")`` is not spatial.
+
+A spec file (``DatasetSpec.load``) is JSON or TOML::
+
+    format = "hdf5-per-sample"
+    paths = ["cosmo/train"]          # relative to the spec file
+    label = "unitPar"
+    [[fields]]
+    name = "full"
+    spatial_axes = [0, 1, 2]         # channels-last (D, H, W, C)
+    [[fields]]
+    name = "unitPar"
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import operator
+import os
+import tomllib
+from dataclasses import dataclass
+from typing import Any
+
+from datastore.readers.base import DatasetError
+
+__all__ = [
+    "FORMATS",
+    "SPEC_SUFFIXES",
+    "DatasetSpec",
+    "FieldSpec",
+    "detect",
+    "resolve_paths",
+]
+
+FORMATS = ("hdf5", "hdf5-per-sample", "zarr", "lmdb", "npy", "tar")
+SPEC_SUFFIXES = (".json", ".toml")
+# File suffixes a directory is listed for, by format; zarr and lmdb are directories themselves.
+SUFFIXES = {
+    "hdf5": (".h5", ".hdf5"),
+    "hdf5-per-sample": (".h5", ".hdf5"),
+    "npy": (".npy", ".npz"),
+    "tar": (".tar",),
+}
+_COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.zst", ".tzst", ".tar.bz2", ".tar.xz")
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """A field to read and the axes of its per-sample array that are spatial.
+
+    Args:
+        name: the field's name in the data.
+        spatial_axes: increasing, non-negative axes of the per-sample array, e.g. ``(1, 2, 3)``
+            for a ``(C, D, H, W)`` volume. Default: ``()``, not spatial (a label).
+    """
+
+    name: str
+    spatial_axes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise DatasetError(None, f"field name must be a non-empty string, got {self.name!r}")
+        axes = self.spatial_axes
+        if isinstance(axes, str | bytes) or not hasattr(axes, "__iter__"):
+            raise DatasetError(None, f"spatial_axes must be ints, got {axes!r}", self.name)
+        axes = tuple(axes)
+        try:
+            if any(isinstance(a, bool) for a in axes):
+                raise TypeError
+            axes = tuple(operator.index(a) for a in axes)
+        except TypeError:
+            raise DatasetError(
+                None, f"spatial_axes must be ints, got {axes!r}", self.name
+            ) from None
+        if any(a < 0 for a in axes) or any(b <= a for a, b in itertools.pairwise(axes)):
+            raise DatasetError(
+                None, f"spatial_axes must be increasing and non-negative, got {axes}", self.name
+            )
+        object.__setattr__(self, "spatial_axes", axes)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset: its format, its paths, and the fields to read.
+
+    Args:
+        format: one of ``FORMATS``.
+        paths: files, directories or globs (a single string is one path).
+        fields: ``FieldSpec`` s (or bare names) to read. Default: ``()``, every field in the data
+            with default spatial axes.
+        label: the field that is the training target, if any. Default: ``None``.
+    """
+
+    format: str
+    paths: tuple[str, ...]
+    fields: tuple[FieldSpec, ...] = ()
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        paths = self.paths
+        if isinstance(paths, str | os.PathLike):
+            paths = (paths,)
+        try:
+            paths = tuple(os.fspath(p) for p in paths)
+        except TypeError:
+            raise DatasetError(None, f"paths must be strings, got {self.paths!r}") from None
+        where = paths[0] if paths else None
+        if not paths or any(not p for p in paths):
+            raise DatasetError(where, "a dataset spec needs at least one non-empty path")
+        if self.format not in FORMATS:
+            raise DatasetError(
+                where, f"unknown format {self.format!r} (one of: {', '.join(FORMATS)})"
+            )
+        fields = tuple(FieldSpec(f) if isinstance(f, str) else f for f in self.fields)
+        for f in fields:
+            if not isinstance(f, FieldSpec):
+                raise DatasetError(where, f"fields must be FieldSpec or names, got {f!r}")
+        names = [f.name for f in fields]
+        for name in names:
+            if names.count(name) > 1:
+                raise DatasetError(where, "named twice in the spec", name)
+        if self.label is not None:
+            if not isinstance(self.label, str):
+                raise DatasetError(where, f"label must be a field name, got {self.label!r}")
+            if fields and self.label not in names:
+                raise DatasetError(where, f"label is not among the fields {names}", self.label)
+        object.__setattr__(self, "paths", paths)
+        object.__setattr__(self, "fields", fields)
+
+    @classmethod
+    def from_dict(
+        cls, d: Any, base_dir: str | None = None, where: str | None = None
+    ) -> DatasetSpec:
+        """A spec from a plain dict (a parsed spec file); relative paths join ``base_dir``."""
+        if not isinstance(d, dict):
+            raise DatasetError(where, "a dataset spec must be a table/object")
+        unknown = sorted(set(d) - {"format", "paths", "fields", "label"})
+        if unknown:
+            raise DatasetError(where, f"unknown key(s) {unknown} (format, paths, fields, label)")
+        if "format" not in d or "paths" not in d:
+            raise DatasetError(where, "a dataset spec needs 'format' and 'paths'")
+        paths = d["paths"]
+        if isinstance(paths, str):
+            paths = [paths]
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise DatasetError(where, f"'paths' must be a string or a list of strings: {paths!r}")
+        if base_dir is not None:
+            paths = [p if os.path.isabs(p) else os.path.join(base_dir, p) for p in paths]
+        fields = []
+        raw_fields = d.get("fields", [])
+        if not isinstance(raw_fields, list):
+            raise DatasetError(where, "'fields' must be a list")
+        for f in raw_fields:
+            if isinstance(f, str):
+                fields.append(FieldSpec(f))
+                continue
+            if not isinstance(f, dict) or "name" not in f or set(f) - {"name", "spatial_axes"}:
+                raise DatasetError(where, f"a field is a name or {{name, spatial_axes}}, got {f!r}")
+            fields.append(FieldSpec(f["name"], tuple(f.get("spatial_axes", ()))))
+        try:
+            return cls(d["format"], tuple(paths), tuple(fields), d.get("label"))
+        except DatasetError as exc:
+            raise DatasetError(where, exc.reason, exc.field) from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> DatasetSpec:
+        """Read a spec file: ``.json`` or ``.toml`` (see the module docstring)."""
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+        except OSError as exc:
+            raise DatasetError(path, f"cannot read spec file: {exc.strerror or exc}") from None
+        try:
+            if path.lower().endswith(".toml"):
+                d = tomllib.loads(raw.decode("utf-8"))
+            else:
+                d = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise DatasetError(path, f"not a valid spec file: {exc}") from None
+        return cls.from_dict(d, os.path.dirname(os.path.abspath(path)), path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as plain data (``json.dumps`` it to write a spec file)."""
+        return {
+            "format": self.format,
+            "paths": list(self.paths),
+            "fields": [{"name": f.name, "spatial_axes": list(f.spatial_axes)} for f in self.fields],
+            "label": self.label,
+        }
+
+
+def _is_glob(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def _matches(path: str) -> list[str]:
+    """The existing paths ``path`` names: itself, or a glob's matches sorted by name."""
+    if _is_glob(path):
+        found = sorted(glob.glob(path))
+        if not found:
+            raise DatasetError(path, "the glob matches nothing")
+        return found
+    if not os.path.exists(path):
+        raise DatasetError(path, "no such file or directory")
+    return [path]
+
+
+def _listdir(path: str, suffixes: tuple[str, ...]) -> list[str]:
+    """Files in directory ``path`` ending in one of ``suffixes``, sorted by name."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        raise DatasetError(path, f"cannot list directory: {exc.strerror or exc}") from None
+    return [
+        os.path.join(path, n)
+        for n in names
+        if not n.startswith(".")
+        and n.lower().endswith(suffixes)
+        and os.path.isfile(os.path.join(path, n))
+    ]
+
+
+def resolve_paths(spec: DatasetSpec) -> list[str]:
+    """The files a spec reads, in order (for ``zarr`` and ``lmdb``: the one directory)."""
+    out: list[str] = []
+    for path in spec.paths:
+        for m in _matches(path):
+            if spec.format in ("zarr", "lmdb"):
+                if not os.path.isdir(m):
+                    raise DatasetError(m, f"a {spec.format} dataset is a directory")
+                out.append(m)
+            elif os.path.isdir(m):
+                found = _listdir(m, SUFFIXES[spec.format])
+                if not found:
+                    raise DatasetError(
+                        m, f"no {'/'.join(SUFFIXES[spec.format])} files in the directory"
+                    )
+                out.extend(found)
+            else:
+                out.append(m)
+    if spec.format in ("zarr", "lmdb") and len(out) != 1:
+        raise DatasetError(
+            spec.paths[0], f"a {spec.format} dataset is one directory; the paths name {len(out)}"
+        )
+    return out
+
+
+def detect_format(path: str) -> str:
+    """The format of the dataset at ``path`` (a file, a directory or a glob), from names only."""
+    found = _matches(path)
+    if len(found) == 1 and os.path.isdir(found[0]):
+        d = found[0]
+        if os.path.exists(os.path.join(d, "zarr.json")) or os.path.exists(
+            os.path.join(d, ".zgroup")
+        ):
+            return "zarr"
+        if os.path.exists(os.path.join(d, ".zarray")):
+            raise DatasetError(d, "a zarr array, not a group; write the fields into a group")
+        if os.path.exists(os.path.join(d, "data.mdb")):
+            return "lmdb"
+        files = _listdir(d, (".h5", ".hdf5", ".npy", ".npz", ".tar", *_COMPRESSED_TAR))
+        if not files:
+            raise DatasetError(
+                d, "no dataset here: no .h5/.npy/.npz/.tar files, no zarr or lmdb markers"
+            )
+        return _format_of_files(d, files, per_sample_h5=True)
+    if any(os.path.isdir(f) for f in found):
+        raise DatasetError(path, f"names {len(found)} paths, some directories; name one dataset")
+    return _format_of_files(path, found, per_sample_h5=len(found) > 1)
+
+
+def _format_of_files(where: str, files: list[str], per_sample_h5: bool) -> str:
+    kinds = set()
+    for f in files:
+        low = f.lower()
+        if low.endswith(_COMPRESSED_TAR):
+            raise DatasetError(
+                f, "a compressed tar cannot be read by offset; unpack it (datastore stage) first"
+            )
+        if low.endswith((".h5", ".hdf5")):
+            kinds.add("hdf5-per-sample" if per_sample_h5 else "hdf5")
+        elif low.endswith((".npy", ".npz")):
+            kinds.add("npy")
+        elif low.endswith(".tar"):
+            kinds.add("tar")
+        else:
+            raise DatasetError(f, "not a dataset file (.h5, .hdf5, .npy, .npz, .tar)")
+    if len(kinds) != 1:
+        raise DatasetError(where, f"mixes dataset kinds {sorted(kinds)}; write a spec")
+    return kinds.pop()
+
+
+def detect(path: str | os.PathLike) -> DatasetSpec:
+    """The spec of the dataset at ``path``, every field with its default spatial axes.
+
+    ``.h5``/``.hdf5`` file: ``hdf5``. A directory (or glob) of several ``.h5`` files:
+    ``hdf5-per-sample`` (shards with a sample axis need a spec with ``format = "hdf5"``).
+    A directory with ``zarr.json`` or ``.zgroup``: ``zarr``; with ``data.mdb``: ``lmdb``
+    (fields from its metadata record). ``.npy``/``.npz`` files: ``npy``. ``.tar`` files: ``tar``.
+    The data is opened to list the fields, so a malformed dataset raises ``DatasetError`` here.
+    """
+    path = os.fspath(path)
+    fmt = detect_format(path)
+    from datastore.readers.registry import open_dataset
+
+    with open_dataset(DatasetSpec(fmt, (path,))) as reader:
+        fields = tuple(FieldSpec(f.name, f.spatial_axes) for f in reader.fields.values())
+    return DatasetSpec(fmt, (path,), fields)

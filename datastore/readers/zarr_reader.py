@@ -1,0 +1,97 @@
+"""The ``zarr`` reader: a group (zarr format 2 or 3), one array per field with a sample axis.
+
+A region is a basic selection, so zarr fetches and decodes only the chunks (of a sharded array:
+the inner chunks) that meet it, and writes the result into the caller's buffer. Nested arrays
+are fields named by their path in the group (``"grp/x"``). zarr arrays are safe to read from
+several threads; each process opens the group once (zarr resets its I/O loop after a fork).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.core.buffer.cpu import NDBuffer
+from zarr.errors import ContainsArrayError
+
+from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
+from datastore.readers.spec import DatasetSpec, resolve_paths
+
+__all__ = ["ZarrReader"]
+
+
+class ZarrReader(Reader):
+    """``zarr``: every array of the group with at least one axis is a field (0-D ones are
+    skipped); all fields share the length of the sample axis."""
+
+    def __init__(self, spec: DatasetSpec):
+        super().__init__(spec)
+        self.files = resolve_paths(spec)
+        root = self.files[0]
+        group = _open_group(root)
+        self.zarr_format: int = group.metadata.zarr_format
+        arrays = _arrays(root, group)
+        available = {}
+        for name, arr in arrays.items():
+            if arr.ndim == 0:
+                continue
+            shape = tuple(arr.shape[1:])
+            chunks = _chunks(arr)
+            available[name] = FieldInfo(
+                name, arr.dtype, shape, default_spatial_axes(len(shape)), chunks
+            )
+        self._select_fields(available, root)
+        count: tuple[str, int] | None = None
+        for name in self.fields:
+            n = arrays[name].shape[0]
+            if count is None:
+                count = (name, n)
+            elif n != count[1]:
+                raise DatasetError(
+                    root,
+                    f"has {n} samples but field {count[0]!r} has {count[1]}; "
+                    "name the fields to read in a spec",
+                    name,
+                )
+        self._length = 0 if count is None else count[1]
+
+    def _open(self) -> dict[str, Any]:
+        root = self.files[0]
+        return _arrays(root, _open_group(root))
+
+    def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
+        arr = self._handles().get(info.name)
+        if arr is None:
+            raise DatasetError(self.files[0], "the array is gone from the group", info.name)
+        arr.get_basic_selection((index, *sel), out=NDBuffer.from_numpy_array(out))
+
+
+def _chunks(arr: Any) -> tuple[int, ...] | None:
+    try:
+        return tuple(arr.chunks[1:])
+    except (AttributeError, NotImplementedError, TypeError):  # e.g. a variable chunk grid
+        return None
+
+
+def _open_group(root: str) -> Any:
+    try:
+        return zarr.open_group(root, mode="r")
+    except ContainsArrayError:
+        raise DatasetError(
+            root, "a zarr array, not a group; write the fields into a group"
+        ) from None
+    except Exception as exc:  # zarr raises many kinds for a missing or broken group
+        reason = f"not a readable zarr group: {type(exc).__name__}: {exc}"
+        raise DatasetError(root, reason) from None
+
+
+def _arrays(root: str, group: Any) -> dict[str, Any]:
+    """Every array under ``group``, by path."""
+    try:
+        members = group.members(max_depth=None)
+    except Exception as exc:
+        raise DatasetError(root, f"cannot list the group: {type(exc).__name__}: {exc}") from None
+    return {
+        name: m for name, m in sorted(members, key=lambda nm: nm[0]) if isinstance(m, zarr.Array)
+    }

@@ -1,0 +1,155 @@
+"""The in-memory store of one rank: fixed-shape slots for the samples (or blocks) it keeps.
+
+Each field has one arena of ``(slots, *shape)``: touched once, then reused for the whole run
+(on many nodes touching fresh memory costs more than copying into memory already touched).
+Slots fill on first read (``get``) or all at once (``preload``).
+
+Memory policy, in order: the first ``budget // bytes_per_slot`` slots live in RAM; the rest
+spill to a file in ``spill_dir`` (mapped, and unlinked as soon as it is mapped, so not even a
+``kill -9`` leaves it behind); without a ``spill_dir`` they are not kept and are read again from
+the dataset on every use (they can always be re-read: the store never holds the only copy).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["Counters", "SlotSpec", "Store"]
+
+
+@dataclass
+class Counters:
+    """What the store did; the exchange and the loader add their own counts."""
+
+    bytes_resident: int = 0
+    bytes_spilled: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_exchanged: int = 0
+    exchange_seconds: float = 0.0
+    wait_seconds: float = 0.0  # time the consumer waited for a batch
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """The shape and dtype a field has in every slot."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+Fill = Callable[[int, str, np.ndarray], None]  # fill(key, field, out): read into out
+
+
+class Store:
+    """Slots for ``keys`` (e.g. sample indices), one arena per field.
+
+    Args:
+        keys: the keys this store may hold, in slot order.
+        fields: ``{field: SlotSpec}``.
+        fill: reads ``(key, field)`` into a given array of the slot's shape.
+        budget: bytes of RAM for slots; ``None`` keeps every slot in RAM. Default: ``None``.
+        spill_dir: where slots beyond the budget go; ``None`` re-reads them. Default: ``None``.
+    """
+
+    def __init__(
+        self,
+        keys: np.ndarray,
+        fields: dict[str, SlotSpec],
+        fill: Fill,
+        budget: int | None = None,
+        spill_dir: str | None = None,
+    ):
+        self.keys = np.asarray(keys, dtype=np.int64)
+        self._slot = {int(k): i for i, k in enumerate(self.keys)}
+        self.fields, self._fill = fields, fill
+        self.counters = Counters()
+        per_slot = sum(s.nbytes for s in fields.values())
+        n = len(self.keys)
+        self.ram_slots = n if budget is None or per_slot == 0 else min(n, budget // per_slot)
+        self.spill_slots = n - self.ram_slots if spill_dir else 0
+        self._ram = {f: np.empty((self.ram_slots, *s.shape), s.dtype) for f, s in fields.items()}
+        self._spill = self._map_spill(spill_dir, per_slot) if self.spill_slots else {}
+        self._scratch = threading.local()
+        self._filled = {f: np.zeros(n, dtype=bool) for f in fields}
+        self._lock = threading.Lock()
+        self.counters.bytes_resident = self.ram_slots * per_slot
+        self.counters.bytes_spilled = self.spill_slots * per_slot
+
+    def _map_spill(self, spill_dir: str, per_slot: int) -> dict[str, np.ndarray]:
+        os.makedirs(spill_dir, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix="datastore-spill-", dir=spill_dir)
+        try:
+            os.ftruncate(fd, max(1, self.spill_slots * per_slot))
+            buf = mmap.mmap(fd, max(1, self.spill_slots * per_slot))
+        finally:
+            os.close(fd)
+            os.unlink(path)  # the mapping keeps the space; nothing is left after exit
+        out, off = {}, 0
+        for f, s in self.fields.items():
+            size = self.spill_slots * s.nbytes
+            out[f] = np.frombuffer(
+                buf, dtype=s.dtype, count=size // s.dtype.itemsize, offset=off
+            ).reshape(self.spill_slots, *s.shape)
+            off += size
+        return out
+
+    def __contains__(self, key: int) -> bool:
+        return int(key) in self._slot
+
+    def _place(self, field: str, slot: int) -> np.ndarray | None:
+        if slot < self.ram_slots:  # [slot, ...]: a view even for 0-d fields
+            return self._ram[field][slot, ...]
+        if slot - self.ram_slots < self.spill_slots:
+            return self._spill[field][slot - self.ram_slots, ...]
+        return None
+
+    def get(self, key: int, field: str) -> np.ndarray:
+        """The stored array of ``(key, field)``, read on first use. Valid until the next ``get``
+        on this thread when the slot is neither in RAM nor spilled."""
+        slot = self._slot[int(key)]
+        place = self._place(field, slot)
+        spec = self.fields[field]
+        if place is not None and self._filled[field][slot]:
+            self.counters.hits += 1
+            return place
+        if place is None:
+            place = self._scratch_for(field, spec)
+        self._fill(int(key), field, place)
+        self.counters.misses += 1
+        self.counters.bytes_read += spec.nbytes
+        if place is not self._scratch_for(field, spec):
+            self._filled[field][slot] = True
+        return place
+
+    def _scratch_for(self, field: str, spec: SlotSpec) -> np.ndarray:
+        bufs = self._scratch.__dict__.setdefault("bufs", {})
+        if field not in bufs:
+            bufs[field] = np.empty(spec.shape, spec.dtype)
+        return bufs[field]
+
+    def preload(self) -> None:
+        """Read every slot that is kept (RAM and spill) now."""
+        kept = self.ram_slots + self.spill_slots
+        for key in self.keys[:kept]:
+            for field in self.fields:
+                self.get(int(key), field)
+
+    def close(self) -> None:
+        self._ram.clear()
+        self._spill.clear()

@@ -1,0 +1,186 @@
+"""DataStoreLoader: order, contents, blocks, resume, memory budget; real mpiexec ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from datastore import DataStoreLoader
+from datastore.order import Schedule
+from datastore.partition import Grid, extract_block
+
+N, C, D = 24, 2, 8
+JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "loader_job.py")
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+
+
+@pytest.fixture(scope="module")
+def h5(tmp_path_factory):
+    """``x``: (N, C, D, D, D) float32 volumes; ``y``: (N, 4) labels; ``idx``: the sample index."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("data") / "train.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = rng.standard_normal((N, C, D, D, D), dtype=np.float32)
+        f["y"] = rng.standard_normal((N, 4), dtype=np.float32)
+        f["idx"] = np.arange(N, dtype=np.int64)
+    with h5py.File(path, "r") as f:
+        return path, f["x"][...], f["y"][...]
+
+
+def sequence(loader, epochs=1):
+    return [b["idx"].tolist() for _ in range(epochs) for b in loader]
+
+
+def test_batches_follow_the_schedule_and_hold_the_right_data(h5):
+    path, x, y = h5
+    loader = DataStoreLoader(str(path), batch_size=5, seed=3)
+    assert len(loader) == N // 5
+    order = Schedule(N, 5, seed=3).order(0)
+    for step, batch in enumerate(loader):
+        ids = order[step * 5 : (step + 1) * 5]
+        assert batch["idx"].tolist() == ids.tolist()
+        assert batch["x"].dtype == torch.float32 and batch["x"].shape == (5, C, D, D, D)
+        assert np.array_equal(batch["x"].numpy(), x[ids])
+        assert np.array_equal(batch["y"].numpy(), y[ids])
+    assert loader.epoch == 1  # a finished epoch advances
+    assert sequence(loader) == Schedule(N, 5, seed=3).order(1)[:20].reshape(4, 5).tolist()
+
+
+def test_second_epoch_comes_from_memory(h5):
+    loader = DataStoreLoader(str(h5[0]), batch_size=4, fields=["x", "idx"])
+    after_preload = loader.counters.misses
+    assert after_preload == 2 * N
+    sequence(loader, epochs=2)
+    assert loader.counters.misses == after_preload and loader.counters.hits == 2 * 2 * N
+
+
+def test_resume_mid_epoch_equals_uninterrupted(h5):
+    path = str(h5[0])
+    full = sequence(DataStoreLoader(path, batch_size=3, seed=9), epochs=2)
+    first = DataStoreLoader(path, batch_size=3, seed=9)
+    seen = []
+    for i, b in enumerate(first):
+        seen.append(b["idx"].tolist())
+        if i == 4:
+            break
+    saved = first.state_dict()
+    assert (saved["epoch"], saved["step"]) == (0, 5)
+    second = DataStoreLoader(path, batch_size=3, seed=9)
+    second.load_state_dict(saved)
+    seen += sequence(second, epochs=2)[: len(full) - len(seen)]
+    assert seen == full
+
+
+def test_set_epoch_and_pad_tail(h5):
+    loader = DataStoreLoader(str(h5[0]), batch_size=7, drop_last=False, seed=1)
+    assert len(loader) == 4
+    loader.set_epoch(5)
+    seq = sequence(loader)
+    assert [i for b in seq for i in b] == Schedule(N, 7, 1, True, "pad").order(5).tolist()
+    with pytest.raises(ValueError, match="cannot resume: saved seed=1"):
+        DataStoreLoader(str(h5[0]), batch_size=7, drop_last=False, seed=2).load_state_dict(
+            loader.state_dict()
+        )
+
+
+@pytest.mark.parametrize(
+    ("parts", "halo"), [((2, 1, 1), (1, 1, 1)), ((2, 2, 1), (2, 1, 0)), ((1, 2, 2), (1, 1, 1))]
+)
+def test_each_spatial_rank_gets_its_block_with_halo(h5, parts, halo):
+    path, x, _ = h5
+    grid = Grid((D, D, D), parts, halo, "zero")
+    for rank in range(grid.nblocks):
+        loader = DataStoreLoader(
+            str(path),
+            batch_size=4,
+            rank=rank,
+            world=grid.nblocks,
+            spatial={"parts": parts, "halo": halo},
+            fields=["x", "idx"],
+        )
+        for batch in loader:
+            for j, i in enumerate(batch["idx"].tolist()):
+                assert np.array_equal(
+                    batch["x"][j].numpy(), extract_block(x[i], grid, rank, (1, 2, 3))
+                )
+
+
+def test_memory_budget_spills_or_rereads_with_the_same_batches(h5, tmp_path):
+    path = str(h5[0])
+    want = sequence(DataStoreLoader(path, batch_size=4), epochs=2)
+    per_sample = C * D**3 * 4 + 4 * 4 + 8
+    for spill in (str(tmp_path / "spill"), None):
+        loader = DataStoreLoader(path, batch_size=4, memory_budget=5 * per_sample, spill_dir=spill)
+        assert loader.store.ram_slots == 5
+        assert sequence(loader, epochs=2) == want
+    assert os.listdir(tmp_path / "spill") == []  # the spill file is unlinked at once
+
+
+def test_bad_arguments_are_named(h5):
+    path = str(h5[0])
+    with pytest.raises(ValueError, match="no field 'z'"):
+        DataStoreLoader(path, batch_size=4, fields=["z"])
+    with pytest.raises(ValueError, match="exactly one of batch_size"):
+        DataStoreLoader(path)
+    with pytest.raises(ValueError, match="not a multiple of 2 spatial blocks"):
+        DataStoreLoader(path, batch_size=2, rank=0, world=3, spatial={"parts": (2, 1, 1)})
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_global_order_is_the_same_at_1_2_4_ranks(h5, tmp_path, ranks):
+    out = tmp_path / f"seq{ranks}.json"
+    cmd = [
+        MPIEXEC,
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "mpi4py",
+        JOB,
+        str(h5[0]),
+        str(out),
+        "8",
+        "2",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = json.loads(out.read_text())["steps"]
+    sched = Schedule(N, 8, seed=11)
+    want = [sched.order(e)[s * 8 : (s + 1) * 8].tolist() for e in range(2) for s in range(3)]
+    assert steps == want
+    if ranks > 1:
+        assert json.loads(out.read_text())["bytes_exchanged"] > 0
+
+
+@pytest.mark.mpi
+def test_spatial_blocks_over_mpi_exchange(h5, tmp_path):
+    out = tmp_path / "spatial.json"
+    cmd = [
+        MPIEXEC,
+        "-n",
+        "4",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        JOB,
+        str(h5[0]),
+        str(out),
+        "8",
+        "1",
+        "2,1,1",
+        "1,1,1",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sched = Schedule(N, 8, seed=11)
+    want = [sched.order(0)[s * 8 : (s + 1) * 8].tolist() for s in range(3)]
+    assert json.loads(out.read_text())["steps"] == want
