@@ -70,6 +70,7 @@ def main() -> None:
     sh(*ds, "stage", *srcs, "--to", ssd)  # a re-run skips what is unchanged
     sh(*ds, "stage", "--verify", "--to", ssd)
     mpiexec = shutil.which("mpiexec")
+    shards = os.path.join(root, "node{node}")
     if mpiexec:
         sh(
             mpiexec,
@@ -79,12 +80,18 @@ def main() -> None:
             "stage",
             *srcs,
             "--to",
-            os.path.join(root, "node{node}"),
+            shards,
             "--mode",
             "shard",
             "--ranks-per-node",
             "1",
         )
+    train = os.path.join(ssd, "cosmo", "train.h5")
+    sh(*ds, "inspect", train)
+    read = [sys.executable, "-m", "mpi4py", "-m", "datastore.demo_read", train, "--epochs", "2"]
+    sh(*read)
+    if mpiexec:  # 2 data-parallel ranks x 2 spatial blocks, one-voxel halo
+        sh(mpiexec, "-n", "4", *read, "--parts", "2,1,1", "--halo", "1,1,1")
     print(f"\ndemo done: staged copy in {ssd}, shards in {root}/node0 and {root}/node1")
 
 
