@@ -4,11 +4,14 @@ Every rank owns some samples (``owner[i]``). At each step, the consumer of ``(da
 block k)`` needs block ``k`` of each sample in ``d``'s share of the global batch. ``plan`` (a
 pure function) lists every message ``(src, dst, sample, block, position)`` of a step; each rank
 filters its sends and receives from the same list, in the same order, so sender and receiver
-agree on the layout of every byte without talking about it.
+agree on every message without talking about it.
 
-``Exchange.step`` sends all of a step in one ``Alltoallv`` over reused byte buffers (buffer
-calls, not pickles), copies what it owns itself directly, and unpacks what arrives straight
-into the batch arrays. A consumer of block ``k`` receives only block ``k``.
+``Exchange.step`` moves them with non-blocking point-to-point calls (buffer-based, no pickles)
+and no staging copies of ours: a block is described to MPI as a subarray of the stored sample
+(``Create_subarray``), so it is sent straight from the store, and it is received straight into
+its place in the batch buffer (the zero halo of a block at the volume's edge is never written,
+so it stays zero). A consumer of block ``k`` receives only block ``k``. What a rank owns and
+consumes itself is copied directly.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Exchange", "Message", "plan"]
+__all__ = ["Exchange", "Message", "Part", "plan"]
 
 
 @dataclass(frozen=True)
@@ -43,86 +47,96 @@ def plan(batch: np.ndarray, owner: np.ndarray, data_world: int, spatial_size: in
     return out
 
 
-# ``block_bytes(k)``: bytes of one sample's block k, all fields together, in field order.
-# ``pack(sample, k, out)``: write that block's bytes into ``out`` (a uint8 view).
-# ``unpack(pos, data)``: place one received block (uint8 view) at ``pos`` of the batch.
-BlockBytes = Callable[[int], int]
-Pack = Callable[[int, int, np.ndarray], None]
-Unpack = Callable[[int, np.ndarray], None]
+@dataclass(frozen=True)
+class Part:
+    """A box inside a C-ordered array: ``array[starts[i]:starts[i]+sizes[i], ...]``."""
+
+    array: np.ndarray
+    starts: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.sizes, dtype=np.int64)) * self.array.itemsize
+
+
+# ``sources(sample, k)``: for each field, the Part of the stored sample that block k is made of.
+# ``targets(pos)``: for each field, the Part of the batch buffer that receives it.
+# ``local(sample, k, pos)``: copy block k of an owned sample into position pos directly.
+Sources = Callable[[int, int], list[Part]]
+Targets = Callable[[int], list[Part]]
+Local = Callable[[int, int, int], None]
 
 
 class Exchange:
-    """One ``Alltoallv`` per step over a private duplicate of ``comm``."""
+    """Non-blocking sends and receives per step over a private duplicate of ``comm``."""
 
     def __init__(
         self,
-        comm,
+        comm: Any,
         owner: np.ndarray,
         data_world: int,
         spatial_size: int,
-        block_bytes: BlockBytes,
-        pack: Pack,
-        unpack: Unpack,
+        sources: Sources,
+        targets: Targets,
+        local: Local,
     ):
         from mpi4py import MPI
 
         self._mpi = MPI
-        self.comm = comm.Dup()  # our collectives never interleave with the caller's
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.comm = comm.Dup()  # our messages never mix with the caller's
+        self.rank = self.comm.Get_rank()
         self.owner, self.data_world, self.spatial_size = owner, data_world, spatial_size
-        self.block_bytes, self.pack, self.unpack = block_bytes, pack, unpack
-        self._send = np.empty(0, np.uint8)
-        self._recv = np.empty(0, np.uint8)
+        self.sources, self.targets, self.local = sources, targets, local
+        self._types: dict[tuple, Any] = {}
         self.bytes_sent = 0
-        self.seconds = 0.0  # time spent in step(): packing, Alltoallv, unpacking
+        self.seconds = 0.0  # time spent in step()
 
-    @staticmethod
-    def _grow(buf: np.ndarray, n: int) -> np.ndarray:
-        return buf if len(buf) >= n else np.empty(max(n, 2 * len(buf)), np.uint8)
+    def _type(self, part: Part) -> Any:
+        """A committed MPI subarray type for ``part`` (bytes on the last axis), cached."""
+        shape, item = part.array.shape, part.array.itemsize
+        key = (shape, part.starts, part.sizes, item)
+        t = self._types.get(key)
+        if t is None:
+            if not shape:  # a 0-d field: just its bytes
+                t = self._mpi.BYTE.Create_contiguous(item)
+            else:
+                full = [*shape[:-1], shape[-1] * item]
+                sub = [*part.sizes[:-1], part.sizes[-1] * item]
+                starts = [*part.starts[:-1], part.starts[-1] * item]
+                t = self._mpi.BYTE.Create_subarray(full, sub, starts)
+            t.Commit()
+            self._types[key] = t
+        return t
 
     def agree_to_stop(self, stop: bool) -> bool:
         """True when any rank wants to stop: every rank then stops at the same step."""
         return bool(self.comm.allreduce(int(stop), op=self._mpi.MAX))
 
     def step(self, batch: np.ndarray) -> None:
-        """Deliver this rank's share of ``batch`` (a global batch) through ``unpack``."""
+        """Deliver this rank's share of ``batch`` (a global batch) into its batch buffers."""
         t0 = time.perf_counter()
-        msgs = plan(batch, self.owner, self.data_world, self.spatial_size)
         me = self.rank
-        sends = [m for m in msgs if m.src == me and m.dst != me]
-        recvs = [m for m in msgs if m.dst == me and m.src != me]
-        for m in msgs:  # what this rank owns and consumes itself: no MPI
+        requests, keep = [], []
+        msgs = plan(batch, self.owner, self.data_world, self.spatial_size)
+        for m in msgs:  # receives first, in plan order (MPI matches same-pair messages in order)
+            if m.dst == me and m.src != me:
+                for part in self.targets(m.pos):
+                    requests.append(self.comm.Irecv([part.array, 1, self._type(part)], m.src))
+        for m in msgs:
+            if m.src == me and m.dst != me:
+                for part in self.sources(m.sample, m.block):
+                    keep.append(part.array)
+                    requests.append(self.comm.Isend([part.array, 1, self._type(part)], m.dst))
+                    self.bytes_sent += part.nbytes
+        for m in msgs:
             if m.src == me and m.dst == me:
-                n = self.block_bytes(m.block)
-                self._send = self._grow(self._send, n)
-                self.pack(m.sample, m.block, self._send[:n])
-                self.unpack(m.pos, self._send[:n])
-        scount = np.zeros(self.size, np.int64)
-        rcount = np.zeros(self.size, np.int64)
-        for m in sends:
-            scount[m.dst] += self.block_bytes(m.block)
-        for m in recvs:
-            rcount[m.src] += self.block_bytes(m.block)
-        sdispl = np.concatenate([[0], np.cumsum(scount)[:-1]])
-        rdispl = np.concatenate([[0], np.cumsum(rcount)[:-1]])
-        self._send = self._grow(self._send, int(scount.sum()))
-        self._recv = self._grow(self._recv, int(rcount.sum()))
-        off = sdispl.copy()
-        for m in sends:  # sorted by (dst, pos): the receiver expects this order
-            n = self.block_bytes(m.block)
-            self.pack(m.sample, m.block, self._send[off[m.dst] : off[m.dst] + n])
-            off[m.dst] += n
-        byte = self._mpi.BYTE
-        self.comm.Alltoallv(
-            [self._send, (scount, sdispl), byte], [self._recv, (rcount, rdispl), byte]
-        )
-        off = rdispl.copy()
-        for m in recvs:
-            n = self.block_bytes(m.block)
-            self.unpack(m.pos, self._recv[off[m.src] : off[m.src] + n])
-            off[m.src] += n
-        self.bytes_sent += int(scount.sum())
+                self.local(m.sample, m.block, m.pos)
+        self._mpi.Request.Waitall(requests)
         self.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
+        for t in self._types.values():
+            t.Free()
+        self._types.clear()
         self.comm.Free()

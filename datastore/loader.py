@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datastore.exchange import Exchange
+from datastore.exchange import Exchange, Part
 from datastore.order import Schedule, check_state, contiguous_owners, rank_layout, state
 from datastore.partition import Grid, extract_block, full_region
 from datastore.readers import open_dataset
@@ -129,7 +129,7 @@ class DataStoreLoader:
             specs = {f.name: SlotSpec(f.sample_shape, f.dtype) for f in self.fields}
             self.store = Store(keys, specs, self._read_sample, memory_budget, spill_dir)
             self._exchange = Exchange(
-                self.world.comm, owner, dw, nblocks, self._block_bytes, self._pack, self._unpack
+                self.world.comm, owner, dw, nblocks, self._sources, self._targets, self._local
             )
         else:
             keys = np.arange(len(self.reader))
@@ -203,30 +203,34 @@ class DataStoreLoader:
         out[inner] = self.reader.read(index, name, region=f.region)
 
     # -- exchange callbacks --------------------------------------------------------------------
-    def _block_bytes(self, k: int) -> int:
-        return sum(
-            int(np.prod(self._for_block(f, k).shape)) * f.dtype.itemsize for f in self.fields
-        )
-
-    def _pack(self, sample: int, k: int, out: np.ndarray) -> None:
-        off = 0
+    def _sources(self, sample: int, k: int) -> list[Part]:
+        parts = []
         for f in self.fields:
-            fk = self._for_block(f, k)
-            n = int(np.prod(fk.shape)) * f.dtype.itemsize
-            view = out[off : off + n].view(f.dtype).reshape(fk.shape)
             vol = self.store.get(sample, f.name)
-            if self._grid is not None and f.spatial_axes:
-                extract_block(vol, self._grid, k, f.spatial_axes, out=view)
-            else:
-                view[...] = vol
-            off += n
+            if not self.store.resident(sample):
+                vol = vol.copy()  # a re-read scratch array must outlive the non-blocking send
+            fk = self._for_block(f, k)
+            starts = tuple(r.start for r in fk.region)
+            parts.append(Part(vol, starts, tuple(r.stop - r.start for r in fk.region)))
+        return parts
 
-    def _unpack(self, pos: int, data: np.ndarray) -> None:
-        off = 0
+    def _targets(self, pos: int) -> list[Part]:
+        return [
+            Part(
+                self._filling[f.name][pos, ...],
+                tuple(a for a, _ in f.pad),
+                tuple(r.stop - r.start for r in f.region),
+            )
+            for f in self.fields
+        ]
+
+    def _local(self, sample: int, k: int, pos: int) -> None:
         for f in self.fields:
-            n = int(np.prod(f.shape)) * f.dtype.itemsize
-            self._filling[f.name][pos] = data[off : off + n].view(f.dtype).reshape(f.shape)
-            off += n
+            vol, dst = self.store.get(sample, f.name), self._filling[f.name][pos, ...]
+            if self._grid is not None and f.spatial_axes:
+                extract_block(vol, self._grid, k, f.spatial_axes, out=dst)
+            else:
+                dst[...] = vol
 
     # -- batches -------------------------------------------------------------------------------
     def _batch_buffers(self, pin: bool) -> dict[str, np.ndarray]:
@@ -235,7 +239,7 @@ class DataStoreLoader:
             pin = False
         out = {}
         for f in self.fields:
-            t = torch.empty(
+            t = torch.zeros(  # zeroed once: halo outside the volume is never written again
                 (self.batch_size, *f.shape),
                 dtype=torch.from_numpy(np.empty(0, f.dtype)).dtype,
                 pin_memory=pin,

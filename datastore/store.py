@@ -112,6 +112,10 @@ class Store:
     def __contains__(self, key: int) -> bool:
         return int(key) in self._slot
 
+    def resident(self, key: int) -> bool:
+        """Whether ``key`` has a slot of its own (RAM or spill), rather than a re-read scratch."""
+        return self._slot[int(key)] < self.ram_slots + self.spill_slots
+
     def _place(self, field: str, slot: int) -> np.ndarray | None:
         if slot < self.ram_slots:  # [slot, ...]: a view even for 0-d fields
             return self._ram[field][slot, ...]
