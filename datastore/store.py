@@ -16,6 +16,7 @@ import mmap
 import os
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -130,13 +131,15 @@ class Store:
         place = self._place(field, slot)
         spec = self.fields[field]
         if place is not None and self._filled[field][slot]:
-            self.counters.hits += 1
+            with self._lock:
+                self.counters.hits += 1
             return place
         if place is None:
             place = self._scratch_for(field, spec)
         self._fill(int(key), field, place)
-        self.counters.misses += 1
-        self.counters.bytes_read += spec.nbytes
+        with self._lock:
+            self.counters.misses += 1
+            self.counters.bytes_read += spec.nbytes
         if place is not self._scratch_for(field, spec):
             self._filled[field][slot] = True
         return place
@@ -147,12 +150,18 @@ class Store:
             bufs[field] = np.empty(spec.shape, spec.dtype)
         return bufs[field]
 
-    def preload(self) -> None:
-        """Read every slot that is kept (RAM and spill) now."""
-        kept = self.ram_slots + self.spill_slots
-        for key in self.keys[:kept]:
+    def preload(self, threads: int = 4) -> None:
+        """Read every slot that is kept (RAM and spill) now, ``threads`` reads at a time
+        (readers are thread-safe; those that release the GIL, like npy, read in parallel)."""
+        kept = [int(k) for k in self.keys[: self.ram_slots + self.spill_slots]]
+
+        def fill(key: int) -> None:
             for field in self.fields:
-                self.get(int(key), field)
+                self.get(key, field)
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for _ in pool.map(fill, kept):
+                pass
 
     def close(self) -> None:
         self._ram.clear()

@@ -38,8 +38,29 @@ class RawArray:
     fortran: bool
 
     def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
-        """Copy the box ``sel`` into ``out``, touching only the pages of the memory map it
-        covers."""
+        """Copy the box ``sel`` into ``out`` (C-contiguous), reading only the bytes it covers.
+
+        A C-ordered array is read with one ``preadv`` per contiguous run of the box (a whole
+        sample is one read, a depth slab one read per channel) straight into ``out``; a box
+        that would need more than ``MAX_RUNS`` reads (e.g. blocks split along the last axis),
+        or a Fortran-ordered array, is copied out of a memory map instead.
+        """
+        runs = None if self.fortran else _c_runs(self.shape, sel, self.dtype.itemsize)
+        if runs is None or not out.flags.c_contiguous:
+            self._mapped_into(out, sel)
+            return
+        offsets, run = runs
+        flat = out.reshape(-1).view(np.uint8)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for i, off in enumerate(offsets):
+                got = os.preadv(fd, [flat[i * run : (i + 1) * run]], self.offset + off)
+                if got != run:
+                    raise ValueError(f"{self.path}: file ends before the array its header declares")
+        finally:
+            os.close(fd)
+
+    def _mapped_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         mm = np.memmap(
             self.path,
             dtype=self.dtype,
@@ -50,6 +71,33 @@ class RawArray:
         )
         np.copyto(out, mm[sel])
         del mm  # the last reference: unmapped now
+
+
+MAX_RUNS = 1024
+
+
+def _c_runs(
+    shape: tuple[int, ...], sel: tuple[slice, ...], item: int
+) -> tuple[list[int], int] | None:
+    """Byte offsets and length of the contiguous runs of box ``sel`` in a C-ordered array of
+    ``shape``, in C order; ``None`` if there would be more than ``MAX_RUNS`` of them."""
+    if not shape:
+        return [0], item
+    bounds = [s.indices(n)[:2] for s, n in zip(sel, shape, strict=True)]
+    sizes = [hi - lo for lo, hi in bounds]
+    if min(sizes) <= 0:
+        return [], 0
+    k = len(shape) - 1  # axes after k are taken whole: each run spans them
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    strides = [int(np.prod(shape[j + 1 :], dtype=np.int64)) for j in range(len(shape))]
+    count = int(np.prod(sizes[:k], dtype=np.int64))
+    if count > MAX_RUNS:
+        return None
+    base = sum(lo * st for (lo, _), st in zip(bounds, strides, strict=True))
+    idx = np.indices(sizes[:k]).reshape(k, -1).T if k else np.zeros((1, 0), np.int64)
+    offsets = [(base + int(np.dot(i, strides[:k]))) * item for i in idx]
+    return offsets, sizes[k] * strides[k] * item
 
 
 @dataclass(frozen=True)
