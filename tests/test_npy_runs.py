@@ -36,8 +36,34 @@ def test_box_read_equals_slicing(folder, case, max_runs):
     arr = npyfile.locate_npy(str(path))
     out = np.empty(data[box].shape, np.float32)
     old, npyfile.MAX_RUNS = npyfile.MAX_RUNS, max_runs  # 1: the memory-map path, else preadv
+    npyfile._c_runs.cache_clear()
     try:
         arr.read_into(out, box)
     finally:
         npyfile.MAX_RUNS = old
+        npyfile._c_runs.cache_clear()
     assert np.array_equal(out, data[box])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "chunked", "big-endian"])
+def test_hdf5_plain_bytes_path_equals_h5py(tmp_path, layout):
+    import h5py
+
+    from datastore.readers import open_dataset
+
+    data = np.random.default_rng(1).standard_normal((5, 3, 8, 8), dtype=np.float32)
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        if layout == "contiguous":
+            f["x"] = data
+        elif layout == "chunked":
+            f.create_dataset("x", data=data, chunks=(1, 3, 8, 8))
+        else:
+            f.create_dataset("x", data=data.astype(">f4"))
+    reader = open_dataset(str(path))
+    box = (slice(1, 3), slice(2, 7), slice(0, 8))
+    for i in range(5):
+        assert np.array_equal(reader.read(i, "x", region=box), data[i][box])
+        assert np.array_equal(reader.read(i, "x"), data[i])
+    raw = reader._raw(0, 0, reader.fields["x"])
+    assert (raw is None) == (layout == "big-endian")

@@ -1,8 +1,11 @@
 """HDF5 readers: ``hdf5`` (datasets with a sample axis, in one or more shard files) and
 ``hdf5-per-sample`` (one file per sample).
 
-Regions are read as HDF5 hyperslabs straight into the caller's buffer (``read_direct``), so
-only the chunks (or, for contiguous datasets, the byte runs) that meet the region are read.
+Datasets stored as plain bytes (no filters; contiguous, or chunked one sample per chunk) are
+read without HDF5: the sample's byte offset is looked up once, and a region is read with one
+``preadv`` per contiguous run straight into the caller's buffer (h5py's per-call overhead
+otherwise dominates small region reads). Other datasets are read as HDF5 hyperslabs
+(``read_direct``), so only the chunks or byte runs that meet the region are read.
 h5py serializes every call behind its own global lock, so one lock per reader costs no
 parallelism; it also keeps a handle from being closed (by the bounded cache of open files)
 while another thread reads through it. The chunk cache is off (``rdcc_nbytes=0``): every
@@ -23,6 +26,7 @@ import h5py
 import numpy as np
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
+from datastore.readers.npyfile import RawArray
 from datastore.readers.spec import DatasetSpec, resolve_paths
 
 __all__ = ["Hdf5PerSampleReader", "Hdf5Reader"]
@@ -171,10 +175,63 @@ class Hdf5Reader(_Hdf5Base):
 
     def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
         k, local = self._locate(index)
+        raw = self._raw(k, local, info)
+        if raw is not None:  # plain bytes in the file: read them directly, no HDF5 call
+            raw.read_into(out, sel)
+            return
         files = self._handles()
         with self._lock:
             ds = self._dataset(files, self.files[k], info)
             ds.read_direct(out, source_sel=(local, *sel))
+
+    def _raw(self, k: int, local: int, info: FieldInfo) -> RawArray | None:
+        """Where sample ``local`` of ``info`` lies in file ``k`` as plain C-ordered bytes, when
+        the dataset has no filters and is contiguous or chunked one sample per chunk."""
+        cache = self.__dict__.setdefault("_raw_layouts", {})
+        key = (k, info.name)
+        if key not in cache:
+            with self._lock:
+                cache[key] = _plain_layout(self._dataset(self._handles(), self.files[k], info))
+        layout = cache[key]
+        if layout is None:
+            return None
+        kind, where = layout
+        if kind == "contiguous":
+            offset = where + local * info.nbytes
+        else:
+            offsets = where
+            if local not in offsets:
+                with self._lock:
+                    ds = self._dataset(self._handles(), self.files[k], info)
+                    chunk = ds.id.get_chunk_info_by_coord((local,) + (0,) * len(info.shape))
+                offsets[local] = chunk.byte_offset if chunk.filter_mask == 0 else None
+            offset = offsets[local]
+            if offset is None:
+                return None
+        return RawArray(self.files[k], offset, info.dtype, info.shape, False)
+
+
+def _plain_layout(ds: h5py.Dataset) -> tuple[str, Any] | None:
+    """``("contiguous", data offset)`` or ``("chunked", {sample: offset})`` for a dataset whose
+    samples are stored as plain bytes, else ``None`` (filters, odd chunks, external storage,
+    unallocated or non-numeric data: h5py reads those)."""
+    plain = (
+        ds.compression is None
+        and not ds.shuffle
+        and not ds.fletcher32
+        and ds.scaleoffset is None
+        and ds.dtype.kind in "biuf"
+        and ds.dtype.isnative
+        and not ds.external
+    )
+    if not plain:
+        return None
+    if ds.chunks is None:
+        offset = ds.id.get_offset()
+        return None if offset is None else ("contiguous", offset)
+    if ds.chunks == (1, *ds.shape[1:]):
+        return ("chunked", {})
+    return None
 
 
 class Hdf5PerSampleReader(_Hdf5Base):

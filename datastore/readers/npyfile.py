@@ -13,6 +13,7 @@ every function takes ``(path, base, size)``: the bytes ``[base, base + size)`` o
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import struct
@@ -45,7 +46,8 @@ class RawArray:
         that would need more than ``MAX_RUNS`` reads (e.g. blocks split along the last axis),
         or a Fortran-ordered array, is copied out of a memory map instead.
         """
-        runs = None if self.fortran else _c_runs(self.shape, sel, self.dtype.itemsize)
+        bounds = tuple(x.indices(n)[:2] for x, n in zip(sel, self.shape, strict=True))
+        runs = None if self.fortran else _c_runs(self.shape, bounds, self.dtype.itemsize)
         if runs is None or not out.flags.c_contiguous:
             self._mapped_into(out, sel)
             return
@@ -76,17 +78,18 @@ class RawArray:
 MAX_RUNS = 1024
 
 
+@functools.lru_cache(maxsize=256)
 def _c_runs(
-    shape: tuple[int, ...], sel: tuple[slice, ...], item: int
-) -> tuple[list[int], int] | None:
-    """Byte offsets and length of the contiguous runs of box ``sel`` in a C-ordered array of
-    ``shape``, in C order; ``None`` if there would be more than ``MAX_RUNS`` of them."""
+    shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...], item: int
+) -> tuple[tuple[int, ...], int] | None:
+    """Byte offsets and length of the contiguous runs of the box ``bounds`` (``(start, stop)``
+    per axis) in a C-ordered array of ``shape``, in C order; ``None`` if there would be more
+    than ``MAX_RUNS`` of them. Cached: a loader reads the same box of every sample."""
     if not shape:
-        return [0], item
-    bounds = [s.indices(n)[:2] for s, n in zip(sel, shape, strict=True)]
+        return (0,), item
     sizes = [hi - lo for lo, hi in bounds]
     if min(sizes) <= 0:
-        return [], 0
+        return (), 0
     k = len(shape) - 1  # axes after k are taken whole: each run spans them
     while k > 0 and sizes[k] == shape[k]:
         k -= 1
@@ -96,7 +99,7 @@ def _c_runs(
         return None
     base = sum(lo * st for (lo, _), st in zip(bounds, strides, strict=True))
     idx = np.indices(sizes[:k]).reshape(k, -1).T if k else np.zeros((1, 0), np.int64)
-    offsets = [(base + int(np.dot(i, strides[:k]))) * item for i in idx]
+    offsets = tuple((base + int(np.dot(i, strides[:k]))) * item for i in idx)
     return offsets, sizes[k] * strides[k] * item
 
 
