@@ -52,7 +52,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -65,6 +64,7 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
+from common import PageCache, machine_info, venv_tool
 from torch.utils.data import DataLoader, Dataset
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -231,26 +231,6 @@ class NpySamples(Dataset):
 # ----------------------------------------------------------------------------- cache, timing
 
 
-class Cache:
-    """Drops the page cache before cold runs, or remembers that it cannot."""
-
-    def __init__(self, warm: bool) -> None:
-        self.can_drop = not warm
-        self.note = "never dropped (--warm)" if warm else "dropped before every cold run"
-
-    def drop(self) -> None:
-        os.sync()
-        if not self.can_drop:
-            return
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-        except OSError as exc:
-            self.can_drop = False
-            self.note = f"NOT dropped (not permitted: {exc.strerror}); 'cold' figures are warm"
-            print(f"NOTE: cannot drop the page cache ({exc}); cold runs are warm", flush=True)
-
-
 def consume(batches: Iterable[dict[str, torch.Tensor]]) -> int:
     """Iterate, touching one element of each batch; the number of samples delivered."""
     n = 0
@@ -295,7 +275,7 @@ class LoaderRuns:
 def epochs_of(
     make: Callable[[], Iterable[dict[str, torch.Tensor]]],
     epochs: int,
-    cache: Cache,
+    cache: PageCache,
     want: int,
     side: str,
 ) -> dict[str, Any]:
@@ -330,7 +310,7 @@ def epochs_of(
     return out
 
 
-def run_case1(args: argparse.Namespace, paths: Paths, cache: Cache) -> list[LoaderRuns]:
+def run_case1(args: argparse.Namespace, paths: Paths, cache: PageCache) -> list[LoaderRuns]:
     from datastore import DataStoreLoader
 
     n = args.samples
@@ -471,14 +451,6 @@ def run_case2(args: argparse.Namespace, paths: Paths) -> list[BlockRuns]:
 # ----------------------------------------------------------------------------- case 3
 
 
-def mpiexec() -> str:
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    exe = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
-    if not exe:
-        sys.exit("mpiexec not found (install mpich into the venv, or put it on PATH)")
-    return exe
-
-
 def run_case3(args: argparse.Namespace, paths: Paths) -> list[dict[str, Any]]:
     job = os.path.join(HERE, "exchange_job.py")
     print(
@@ -489,7 +461,7 @@ def run_case3(args: argparse.Namespace, paths: Paths) -> list[dict[str, Any]]:
     results = []
     for r in RANKS:
         cmd = [
-            mpiexec(), "-n", str(r), sys.executable, "-m", "mpi4py", job, paths.h5,
+            venv_tool("mpiexec"), "-n", str(r), sys.executable, "-m", "mpi4py", job, paths.h5,
             "--batch", str(BATCH), "--epochs", "2", "--compute-ms", str(args.compute_ms),
         ]  # fmt: skip
         t0 = time.perf_counter()
@@ -608,22 +580,6 @@ def gbs(nbytes: float, secs: float) -> str:
     return f"{nbytes / secs / 1e9:.2f} GB/s" if secs > 0 else "-"
 
 
-def machine_info() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    return (
-        f"nproc {os.cpu_count()}, CPU {cpu}, kernel {platform.release()}, Python "
-        f"{platform.python_version()}, torch {torch.__version__}, h5py {h5py.__version__}, "
-        + time.strftime("date %Y-%m-%d %H:%M:%S %Z")
-    )
-
-
 PHASES = {
     "epoch1": "epoch 1, cold (ours: creation + preload + epoch)",
     "cold": "epochs >= 2, cache dropped",
@@ -634,7 +590,7 @@ PHASES = {
 def report(
     args: argparse.Namespace,
     ceiling: float,
-    cache: Cache,
+    cache: PageCache,
     c1: list[LoaderRuns],
     c2: list[BlockRuns],
     c3: list[dict[str, Any]],
@@ -740,7 +696,8 @@ def report(
                 f"num_workers={WORKERS}), default collate; npy peer also loads labels, ours "
                 "delivers x only for npy",
                 f"- page cache: {cache.note}",
-                f"- machine: {machine_info()}",
+                "- machine: "
+                + machine_info(f"torch {torch.__version__}", f"h5py {h5py.__version__}"),
             ]
         )
         + "\n"
@@ -755,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     work = os.path.abspath(args.dir)
     os.makedirs(work, exist_ok=True)
     paths = ensure_data(work, args.samples)
-    cache = Cache(args.warm)
+    cache = PageCache(args.warm)
     ceiling = memcpy_ceiling()
     print(f"ceiling: memcpy into a reused buffer {ceiling:.2f} GB/s", flush=True)
     c1 = run_case1(args, paths, cache) if "1" in args.cases else []

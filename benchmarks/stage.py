@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -51,6 +50,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from common import PageCache, machine_info, venv_tool
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 SMALL_FILES, SMALL_SIZE, SUBDIRS = 2000, 512 * KIB, 20
@@ -110,15 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.scale <= 0 or args.reps < 1:
         p.error("--scale must be > 0 and --reps >= 1")
     return args
-
-
-def datastore_exe() -> str:
-    """The ``datastore`` next to this interpreter (the venv's), else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "datastore")
-    exe = here if os.access(here, os.X_OK) else shutil.which("datastore")
-    if not exe:
-        sys.exit("datastore executable not found (run with the project venv's python)")
-    return exe
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -209,30 +201,6 @@ def check_space(work: str, n: int, big: int) -> None:
 # ----------------------------------------------------------------------------- cache, timing
 
 
-class Cache:
-    """Drops the page cache before each timed run, or remembers that it cannot."""
-
-    def __init__(self, warm: bool) -> None:
-        self.warm = warm
-        self.note = "warm (--warm: page cache not dropped)" if warm else ""
-
-    def settle(self) -> None:
-        os.sync()
-        if self.warm:
-            return
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            self.note = "cold (page cache dropped before every timed command)"
-        except OSError as exc:
-            self.warm = True
-            self.note = f"warm (dropping the page cache is not permitted: {exc.strerror})"
-            print(
-                f"NOTE: cannot drop the page cache ({exc}); continuing with a warm cache",
-                flush=True,
-            )
-
-
 def remove(path: str) -> None:
     if os.path.lexists(path):
         if os.path.isdir(path) and not os.path.islink(path):
@@ -261,26 +229,26 @@ def verify(case: Case, side: str, out: str, proc: subprocess.CompletedProcess) -
     )
 
 
-def run_one(case: Case, side: str, out: str, cache: Cache) -> float:
+def run_one(case: Case, side: str, out: str, cache: PageCache) -> float:
     remove(out)
     if side == "peer" and case.pre_peer:
         subprocess.run(["sh", "-c", case.pre_peer], check=True)
-    cache.settle()
+    cache.drop()
     secs, proc = timed(case.ours if side == "ours" else case.peer)
     verify(case, side, out, proc)
     return secs
 
 
-def run_floor(case: Case, out: str, cache: Cache) -> float:
+def run_floor(case: Case, out: str, cache: PageCache) -> float:
     """The device floor for the case's input (benchmarks/floor.py), as it times itself."""
     remove(out)
-    cache.settle()
+    cache.drop()
     proc = subprocess.run(["sh", "-c", case.floor], capture_output=True, text=True)
     verify(case, "floor", out, proc)
     return float(proc.stdout.strip().rsplit("=", 1)[1])
 
 
-def run_case(case: Case, out: str, reps: int, cache: Cache) -> None:
+def run_case(case: Case, out: str, reps: int, cache: PageCache) -> None:
     print(f"\n[{case.key}] {case.title}: {plural(case.files)}, {case.nbytes / MIB:.0f} MiB")
     print(f"  ours: {case.ours}\n  peer: {case.peer}", flush=True)
     for rep in range(reps):
@@ -312,7 +280,7 @@ def build_cases(args: argparse.Namespace, work: str, out: str) -> list[Case]:
         ensure_big(big_file, big)
     if "c" in args.cases:
         ensure_tar(tar, work, tree, remade)
-    ds = shlex.quote(datastore_exe())
+    ds = shlex.quote(venv_tool("datastore"))
     streams = f" --streams {args.streams}" if args.streams else ""
     q = shlex.quote
     o = q(out)
@@ -396,25 +364,9 @@ def plural(files: int) -> str:
     return f"{files} file" + ("" if files == 1 else "s")
 
 
-def machine_info() -> list[str]:
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    return [
-        f"nproc {os.cpu_count()}",
-        f"CPU {cpu}",
-        f"kernel {platform.release()}",
-        f"Python {platform.python_version()}",
-        time.strftime("date %Y-%m-%d %H:%M:%S %Z"),
-    ]
-
-
-def report(cases: list[Case], args: argparse.Namespace, work: str, cache: Cache, disk: str) -> str:
+def report(
+    cases: list[Case], args: argparse.Namespace, work: str, cache: PageCache, disk: str
+) -> str:
     lines = [
         "| case | ours median s | peer median s | ours MB/s | peer MB/s | ratio | target | |",
         "|---|---:|---:|---:|---:|---:|---|---|",
@@ -451,7 +403,7 @@ def report(cases: list[Case], args: argparse.Namespace, work: str, cache: Cache,
                 f"- disk: {disk}",
                 f"- page cache: {cache.note}",
                 f"- reps {args.reps}, scale {args.scale:g}, streams {streams}, work dir {work}",
-                f"- machine: {', '.join(machine_info())}",
+                f"- machine: {machine_info()}",
             ]
         )
         + "\n"
@@ -467,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.join(work, "out")
     remove(out)
     cases = build_cases(args, work, out)
-    cache = Cache(args.warm)
+    cache = PageCache(args.warm)
     disk = disk_bandwidth(work, args.scale)
     print(f"disk: {disk}", flush=True)
     for case in cases:
