@@ -19,6 +19,7 @@ batch's tensors stay valid until ``prefetch + 1`` further batches have been draw
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -33,6 +34,7 @@ from datastore.exchange import Exchange, Part
 from datastore.order import Schedule, check_state, contiguous_owners, rank_layout, state
 from datastore.partition import Grid, extract_block, full_region
 from datastore.readers import open_dataset
+from datastore.shards import shard_layout
 from datastore.store import Counters, SlotSpec, Store
 from datastore.world import detect_world
 
@@ -50,6 +52,12 @@ class _Field:
     shape: tuple[int, ...]  # per sample, as delivered to this rank
     region: tuple[slice, ...]  # what to read of a sample for this rank's block
     pad: tuple[tuple[int, int], ...]  # zero padding around what was read
+
+
+def _root(dataset: Any) -> str:
+    """The directory that sample file names are taken relative to."""
+    path = dataset if isinstance(dataset, str) else dataset.paths[0]
+    return path if os.path.isdir(path) else os.path.dirname(path)
 
 
 class DataStoreLoader:
@@ -105,6 +113,16 @@ class DataStoreLoader:
     ):
         self.reader = open_dataset(dataset)
         self.world = detect_world(rank, world, comm)
+        multi = self.world.comm is not None and self.world.size > 1
+        if exchange and not multi:
+            raise ValueError("exchange=True needs an MPI communicator with more than one rank")
+        self.exchanging = multi if exchange is None else exchange
+        owner = None
+        if self.exchanging:
+            owner = contiguous_owners(len(self.reader), self.world.size)
+            sharded = shard_layout(self.reader, _root(dataset), self.world.comm)
+            if sharded is not None:  # each node holds its share (datastore stage --mode shard)
+                self.reader, owner = sharded
         self.fields = self._fields(fields, spatial)
         nblocks = self._grid.nblocks if self._grid is not None else 1
         self.layout = rank_layout(self.world.rank, self.world.size, nblocks)
@@ -112,19 +130,13 @@ class DataStoreLoader:
         if (batch_size is None) == (global_batch_size is None):
             raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
         gb = global_batch_size if global_batch_size is not None else batch_size * dw
-        self.schedule = Schedule(
-            len(self.reader), gb, seed, shuffle, "drop" if drop_last else "pad"
-        )
+        tail = "drop" if drop_last else "pad"
+        self.schedule = Schedule(len(self.reader), gb, seed, shuffle, tail)
         self.batch_size = self.schedule.local_batch(dw)
         self.prefetch, self.timeout = max(1, prefetch), timeout
         self.epoch, self._step = 0, 0
-        multi = self.world.comm is not None and self.world.size > 1
-        if exchange and not multi:
-            raise ValueError("exchange=True needs an MPI communicator with more than one rank")
-        self.exchanging = multi if exchange is None else exchange
         self._exchange: Exchange | None = None
-        if self.exchanging:
-            owner = contiguous_owners(len(self.reader), self.world.size)
+        if owner is not None:
             keys = np.flatnonzero(owner == self.world.rank)
             specs = {f.name: SlotSpec(f.sample_shape, f.dtype) for f in self.fields}
             self.store = Store(keys, specs, self._read_sample, memory_budget, spill_dir)
