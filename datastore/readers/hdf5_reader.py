@@ -1,11 +1,12 @@
 """HDF5 readers: ``hdf5`` (datasets with a sample axis, in one or more shard files) and
 ``hdf5-per-sample`` (one file per sample).
 
-Datasets stored as plain bytes (no filters; contiguous, or chunked one sample per chunk) are
-read without HDF5: the sample's byte offset is looked up once, and a region is read with one
-``preadv`` per contiguous run straight into the caller's buffer (h5py's per-call overhead
-otherwise dominates small region reads). Other datasets are read as HDF5 hyperslabs
-(``read_direct``), so only the chunks or byte runs that meet the region are read.
+Datasets stored as plain bytes (no filters, native byte order; contiguous or chunked) are
+read without HDF5: each chunk's byte offset is looked up once, and a region is read with one
+``preadv`` per contiguous run of each chunk it meets, straight into the caller's buffer
+(h5py's per-call overhead otherwise dominates small region reads). Other datasets are read
+as HDF5 hyperslabs (``read_direct``), so only the chunks or byte runs that meet the region
+are read.
 h5py serializes every call behind its own global lock, so one lock per reader costs no
 parallelism; it also keeps a handle from being closed (by the bounded cache of open files)
 while another thread reads through it. The chunk cache is off (``rdcc_nbytes=0``): every
@@ -19,6 +20,7 @@ refuses a second open of a file in one process with a different locking flag. On
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import OrderedDict
 from typing import Any
 
@@ -175,46 +177,82 @@ class Hdf5Reader(_Hdf5Base):
 
     def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
         k, local = self._locate(index)
-        raw = self._raw(k, local, info)
-        if raw is not None:  # plain bytes in the file: read them directly, no HDF5 call
-            raw.read_into(out, sel)
+        if self._read_raw(k, local, info, sel, out):  # plain bytes: no HDF5 call
             return
         files = self._handles()
         with self._lock:
             ds = self._dataset(files, self.files[k], info)
             ds.read_direct(out, source_sel=(local, *sel))
 
-    def _raw(self, k: int, local: int, info: FieldInfo) -> RawArray | None:
-        """Where sample ``local`` of ``info`` lies in file ``k`` as plain C-ordered bytes, when
-        the dataset has no filters and is contiguous or chunked one sample per chunk."""
+    def _layout(self, k: int, info: FieldInfo) -> tuple[str, Any] | None:
         cache = self.__dict__.setdefault("_raw_layouts", {})
         key = (k, info.name)
         if key not in cache:
             with self._lock:
                 cache[key] = _plain_layout(self._dataset(self._handles(), self.files[k], info))
-        layout = cache[key]
+        return cache[key]
+
+    def _chunk_offset(self, k: int, info: FieldInfo, origin: tuple[int, ...]) -> int | None:
+        """File offset of the chunk at ``origin``; ``None`` if unallocated or filtered."""
+        cache = self.__dict__.setdefault("_chunk_offsets", {})
+        key = (k, info.name, origin)
+        if key not in cache:
+            with self._lock:
+                ds = self._dataset(self._handles(), self.files[k], info)
+                chunk = ds.id.get_chunk_info_by_coord(origin)
+            plain = chunk.byte_offset is not None and chunk.filter_mask == 0
+            cache[key] = chunk.byte_offset if plain else None
+        return cache[key]
+
+    def _read_raw(
+        self, k: int, local: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray
+    ) -> bool:
+        """Read the box of sample ``local`` from the file's bytes when the dataset is stored
+        plain (no filters, native byte order): a contiguous dataset at its data offset, a
+        chunked one chunk by chunk (each chunk is a full-size C-ordered array on disk, edge
+        chunks included). ``False``: h5py must read it."""
+        layout = self._layout(k, info)
         if layout is None:
-            return None
+            return False
         kind, where = layout
+        path = self.files[k]
         if kind == "contiguous":
-            offset = where + local * info.nbytes
-        else:
-            offsets = where
-            if local not in offsets:
-                with self._lock:
-                    ds = self._dataset(self._handles(), self.files[k], info)
-                    chunk = ds.id.get_chunk_info_by_coord((local,) + (0,) * len(info.shape))
-                offsets[local] = chunk.byte_offset if chunk.filter_mask == 0 else None
-            offset = offsets[local]
+            RawArray(path, where + local * info.nbytes, info.dtype, info.shape, False).read_into(
+                out, sel
+            )
+            return True
+        chunks = where
+        box = [(local, local + 1)] + [(s.start, s.stop) for s in sel]
+        spans = [range(lo // c, (hi - 1) // c + 1) for (lo, hi), c in zip(box, chunks, strict=True)]
+        whole = out.reshape((1, *out.shape))
+        for coords in itertools.product(*spans):
+            origin = tuple(i * c for i, c in zip(coords, chunks, strict=True))
+            offset = self._chunk_offset(k, info, origin)
             if offset is None:
-                return None
-        return RawArray(self.files[k], offset, info.dtype, info.shape, False)
+                return False
+            inter = [
+                (max(lo, o), min(hi, o + c))
+                for (lo, hi), o, c in zip(box, origin, chunks, strict=True)
+            ]
+            in_chunk = tuple(slice(a - o, b - o) for (a, b), o in zip(inter, origin, strict=True))
+            in_out = tuple(
+                slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, box, strict=True)
+            )
+            target = whole[in_out]
+            raw = RawArray(path, offset, info.dtype, tuple(chunks), False)
+            if target.flags.c_contiguous:
+                raw.read_into(target, in_chunk)
+            else:
+                part = np.empty(target.shape, info.dtype)
+                raw.read_into(part, in_chunk)
+                target[...] = part
+        return True
 
 
 def _plain_layout(ds: h5py.Dataset) -> tuple[str, Any] | None:
-    """``("contiguous", data offset)`` or ``("chunked", {sample: offset})`` for a dataset whose
-    samples are stored as plain bytes, else ``None`` (filters, odd chunks, external storage,
-    unallocated or non-numeric data: h5py reads those)."""
+    """``("contiguous", data offset)`` or ``("chunked", chunk shape)`` for a dataset stored as
+    plain bytes, else ``None`` (filters, external storage, unallocated, non-numeric or
+    non-native data: h5py reads those)."""
     plain = (
         ds.compression is None
         and not ds.shuffle
@@ -229,9 +267,7 @@ def _plain_layout(ds: h5py.Dataset) -> tuple[str, Any] | None:
     if ds.chunks is None:
         offset = ds.id.get_offset()
         return None if offset is None else ("contiguous", offset)
-    if ds.chunks == (1, *ds.shape[1:]):
-        return ("chunked", {})
-    return None
+    return ("chunked", tuple(ds.chunks))
 
 
 class Hdf5PerSampleReader(_Hdf5Base):
