@@ -1,1 +1,7 @@
-"""Hybrid data x spatial parallel 3D CNN trainer fed by ``DataStoreLoader`` (trainer issue)."""
+"""Hybrid data x spatial parallel 3D CNN trainer fed by ``DataStoreLoader`` (trainer issue).
+
+- ``trainer.grid``: :class:`~trainer.grid.ProcessGrid` (data x spatial layout, spatial-fastest,
+  spatial and data process groups, neighbours) and :func:`~trainer.grid.init_distributed`.
+- ``trainer.halo``: :func:`~trainer.halo.halo_exchange`, differentiable with the exact adjoint.
+- ``trainer.layers``: :class:`~trainer.layers.DistConv3d` and gradient helpers.
+"""

@@ -1,0 +1,125 @@
+"""Halo exchange and DistConv3d under real ``mpiexec`` ranks on gloo, against single-process
+references: the dot-product adjoint test, forward halos vs ``extract_block``, conv outputs and
+every gradient vs ``torch.nn.Conv3d``; and a failing or stalled rank ends the job quickly."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+JOBS = Path(__file__).parent / "trainer_jobs"
+ROOT = Path(__file__).parent.parent
+
+sys.path.insert(0, str(JOBS))
+import spatial_job  # noqa: E402  (the case list, to parametrize over)
+
+# No launcher variables leak in from an outer job: each test picks its launcher itself.
+_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
+ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def mpirun(n: int, job: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    assert MPIEXEC, "mpiexec not found next to the interpreter (pip install mpich)"
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(JOBS / job), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_stale_shm():
+    """Aborted MPICH jobs leave /dev/shm segments; remove the ones these tests created."""
+    before = set(glob.glob("/dev/shm/mpich*"))
+    yield
+    for path in set(glob.glob("/dev/shm/mpich*")) - before:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+_results: dict[int, dict] = {}
+
+
+def results(n: int, tmp_path_factory) -> dict:
+    """Run the spatial job on ``n`` ranks once per module; ``{case: {check: worst error}}``.
+
+    One rank runs as a plain process (init_distributed's single-process path), more under
+    ``mpiexec``.
+    """
+    if n not in _results:
+        out = tmp_path_factory.mktemp(f"spatial{n}") / "out.json"
+        if n == 1:
+            cmd = [sys.executable, str(JOBS / "spatial_job.py"), str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+        else:
+            proc = mpirun(n, "spatial_job.py", str(out))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        _results[n] = json.loads(out.read_text())
+    return _results[n]
+
+
+def cases(kind: str) -> list:
+    out = []
+    for n, rows in spatial_job.CASES.items():
+        for parts, halos, kernels in rows:
+            data = n // (parts[0] * parts[1] * parts[2])
+            name = f"parts={tuple(parts)}, data={data}"
+            marks = [pytest.mark.slow] if n > 4 else []
+            for arg in halos if kind == "halo" else kernels:
+                key = f"halo {tuple(arg)}, {name}" if kind == "halo" else f"conv k={arg}, {name}"
+                out.append(pytest.param(n, key, id=f"{n}ranks-{key}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("n", "key"), cases("halo"))
+def test_halo_adjoint_and_forward(n, key, tmp_path_factory):
+    r = results(n, tmp_path_factory)[key]
+    # <H x, y> == <x, H^T y> summed over the spatial group (float64, random x and y per rank).
+    assert r["adjoint_rel"] < 1e-12, r
+    # The halo holds exactly the neighbours' voxels, corners included, zero outside the volume.
+    assert r["forward_abs"] == 0.0, r
+
+
+@pytest.mark.parametrize(("n", "key"), cases("conv"))
+def test_dist_conv3d_matches_conv3d(n, key, tmp_path_factory):
+    r = results(n, tmp_path_factory)[key]
+    assert r["same_weights"] == 0.0, r  # broadcast from rank 0 despite different seeds
+    for check in ("output_rel", "input_grad_rel", "weight_grad_rel", "bias_grad_rel"):
+        assert r[check] < 1e-5, (check, r)  # float32; weight/bias summed over the spatial group
+    assert r["data_sum_rel"] < 1e-5, r  # then summed over the data group: both samples' grads
+
+
+@pytest.mark.parametrize("mode", ["raise", "stall"])
+def test_failing_rank_ends_the_job(mode):
+    start = time.monotonic()
+    proc = mpirun(2, "fail_job.py", mode, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert elapsed < 60
+    assert "got a halo from a failed rank" not in proc.stdout
+    want = "fails on purpose" if mode == "raise" else "Timed out"
+    assert want in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_torchrun_launch_passes_the_same_checks(tmp_path, tmp_path_factory):
+    """init_distributed's torchrun path (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the env)."""
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(JOBS / "spatial_job.py"), str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(out.read_text())
+    assert got.keys() == results(2, tmp_path_factory).keys()
+    for key, r in got.items():
+        for check, err in r.items():
+            assert err < (1e-12 if check == "adjoint_rel" else 1e-5), (key, check, err)

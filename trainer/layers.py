@@ -1,0 +1,112 @@
+"""Spatially parallel layers: a 3-D convolution over blocks of a volume split by a ProcessGrid.
+
+``DistConv3d`` computes, on every rank, its owned block of ``Conv3d(padding=k // 2)`` applied to
+the whole volume ("same" convolution with zero padding at the global boundary): a halo exchange
+of ``k // 2`` voxels per side (``trainer.halo``), then a local "valid" convolution. Its forward
+and every gradient equal the single-process layer's (tests/test_trainer_layers.py):
+
+- the input gradient comes back through the halo exchange's adjoint (halo gradients are added
+  into their owners);
+- a weight or bias gradient on one rank is the contribution of its block only; the gradient of
+  the whole sample is their sum over the spatial group (:func:`sum_spatial_grads`), to be
+  averaged over the data group afterwards as in plain data parallelism.
+
+Weights are equal on every rank: broadcast from global rank 0 when the layer is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.grid import ProcessGrid
+from trainer.halo import halo_exchange
+
+__all__ = ["DistConv3d", "broadcast_parameters", "sum_spatial_grads"]
+
+
+def _triple(k: int | Sequence[int]) -> tuple[int, int, int]:
+    ks = (int(k),) * 3 if isinstance(k, int) else tuple(int(v) for v in k)
+    if len(ks) != 3 or any(v < 1 or v % 2 == 0 for v in ks):
+        raise ValueError(f"kernel_size must be one odd size or three, got {k!r}")
+    return ks  # type: ignore[return-value]
+
+
+def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
+    """Copy every parameter and buffer of ``module`` from global rank ``src`` to all ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=src)
+
+
+def sum_spatial_grads(params: Iterable[nn.Parameter], grid: ProcessGrid) -> None:
+    """Sum the gradients of ``params`` over ``grid.spatial_group`` (in place).
+
+    After it every rank of a sample holds the whole sample's gradient of a spatially split layer.
+    Parameters without a gradient are skipped (every rank must skip the same ones).
+    """
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grid.spatial_group)
+
+
+class DistConv3d(nn.Module):
+    """``Conv3d`` with global "same" zero padding over a spatially split ``(N, C, D, H, W)``.
+
+    Stride 1, dilation 1 and one group for now.
+
+    Args:
+        in_channels: input channels.
+        out_channels: output channels.
+        kernel_size: one odd size or three.
+        grid: this rank's process grid (3 spatial axes).
+        bias: learn a bias. Default: ``True``.
+        broadcast: copy the weights from global rank 0 at construction (collective over the
+            default group). Default: ``True``; pass ``False`` when weights are loaded afterwards
+            on every rank, or were seeded identically.
+        device, dtype: of the parameters. Default: torch's defaults.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        grid: ProcessGrid,
+        *,
+        bias: bool = True,
+        broadcast: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if grid.ndim != 3:
+            raise ValueError(f"DistConv3d needs a grid with 3 spatial axes, got parts {grid.parts}")
+        ks = _triple(kernel_size)
+        self.grid = grid
+        self.halo = tuple(k // 2 for k in ks)
+        self.conv = nn.Conv3d(
+            in_channels, out_channels, ks, padding=0, bias=bias, device=device, dtype=dtype
+        )
+        if broadcast:
+            broadcast_parameters(self.conv)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.conv.weight
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return self.conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(N, C_in, *owned)`` to ``(N, C_out, *owned)``: this rank's block of the output."""
+        return self.conv(halo_exchange(x, self.grid, self.halo))
+
+    def extra_repr(self) -> str:
+        return f"parts={self.grid.parts}, spatial_rank={self.grid.spatial_rank}, halo={self.halo}"
