@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean protos
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,17 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/stage.py
+
+# The generated code of protos/datastore/v1/*.proto, into datastore/service/_pb/v1/ (committed).
+# The include path maps protos/datastore/v1 to the package datastore.service._pb.v1, so the
+# generated imports are absolute within this package; tests/test_service_basic.py regenerates
+# into a temporary PROTO_OUT and fails if the committed files differ.
+PROTO_OUT ?= .
+protos:
+	$(BIN)/python -m grpc_tools.protoc \
+	    --proto_path=datastore/service/_pb/v1=protos/datastore/v1 \
+	    --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+	    protos/datastore/v1/datastore.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,6 +8,7 @@ import sys
 import traceback
 
 from datastore.readers import inspect_cmd
+from datastore.service import cli as service_cli
 from staging import cli as stage_cli
 
 __all__ = ["main"]
@@ -21,6 +22,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     stage_cli.add_parser(sub)
     inspect_cmd.add_parser(sub)
+    service_cli.add_parser(sub)
     return p
 
 

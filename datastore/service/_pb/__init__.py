@@ -1,0 +1,1 @@
+"""Code generated from protos/ by `make protos`: do not edit."""

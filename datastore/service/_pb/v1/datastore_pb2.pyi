@@ -1,0 +1,231 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_INLINE: _ClassVar[Transport]
+    TRANSPORT_SHARED_MEMORY: _ClassVar[Transport]
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_INLINE: Transport
+TRANSPORT_SHARED_MEMORY: Transport
+
+class SpatialLayout(_message.Message):
+    __slots__ = ("parts", "halo", "boundary")
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    HALO_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedScalarFieldContainer[int]
+    halo: _containers.RepeatedScalarFieldContainer[int]
+    boundary: str
+    def __init__(self, parts: _Optional[_Iterable[int]] = ..., halo: _Optional[_Iterable[int]] = ..., boundary: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("dataset_path", "seed", "global_batch", "world_size", "spatial", "shuffle", "drop_last", "job_id")
+    DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    dataset_path: str
+    seed: int
+    global_batch: int
+    world_size: int
+    spatial: SpatialLayout
+    shuffle: bool
+    drop_last: bool
+    job_id: str
+    def __init__(self, dataset_path: _Optional[str] = ..., seed: _Optional[int] = ..., global_batch: _Optional[int] = ..., world_size: _Optional[int] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., shuffle: _Optional[bool] = ..., drop_last: _Optional[bool] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class FieldInfo(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "spatial_axes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_AXES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    spatial_axes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., spatial_axes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "num_samples", "steps_per_epoch", "fields")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_samples: int
+    steps_per_epoch: int
+    fields: _containers.RepeatedCompositeFieldContainer[FieldInfo]
+    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldInfo, _Mapping]]] = ...) -> None: ...
+
+class StreamBatchesRequest(_message.Message):
+    __slots__ = ("session_id", "rank", "epoch", "start_step", "max_batches", "transport", "prefetch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    rank: int
+    epoch: int
+    start_step: int
+    max_batches: int
+    transport: Transport
+    prefetch: int
+    def __init__(self, session_id: _Optional[str] = ..., rank: _Optional[int] = ..., epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., max_batches: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ...) -> None: ...
+
+class SharedMemoryRegion(_message.Message):
+    __slots__ = ("path", "offset", "length", "generation")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    length: int
+    generation: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "origin", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    origin: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., origin: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("meta", "data", "shm")
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    meta: TensorMeta
+    data: bytes
+    shm: SharedMemoryRegion
+    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRegion, _Mapping]] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("epoch", "step", "rank", "sample_indices", "tensors", "last_in_epoch")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LAST_IN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    rank: int
+    sample_indices: _containers.RepeatedScalarFieldContainer[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    last_in_epoch: bool
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., sample_indices: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., last_in_epoch: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DatasetStatus(_message.Message):
+    __slots__ = ("path", "format", "num_samples", "bytes_total", "bytes_resident", "sessions")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    format: str
+    num_samples: int
+    bytes_total: int
+    bytes_resident: int
+    sessions: int
+    def __init__(self, path: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_resident: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class SessionStatus(_message.Message):
+    __slots__ = ("session_id", "dataset_path", "job_id", "world_size", "global_batch", "clients", "batches_served", "bytes_served", "opened_unix_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    OPENED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    dataset_path: str
+    job_id: str
+    world_size: int
+    global_batch: int
+    clients: int
+    batches_served: int
+    bytes_served: int
+    opened_unix_s: float
+    def __init__(self, session_id: _Optional[str] = ..., dataset_path: _Optional[str] = ..., job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., global_batch: _Optional[int] = ..., clients: _Optional[int] = ..., batches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., opened_unix_s: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("version", "pid", "uptime_s", "listen", "datasets", "sessions", "clients", "batches_served", "bytes_served", "calls_served")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    CALLS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    pid: int
+    uptime_s: float
+    listen: _containers.RepeatedScalarFieldContainer[str]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetStatus]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
+    clients: int
+    batches_served: int
+    bytes_served: int
+    calls_served: int
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., clients: _Optional[int] = ..., batches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., calls_served: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("grace_s", "reason")
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    grace_s: float
+    reason: str
+    def __init__(self, grace_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,185 @@
+"""Where the service's Unix socket lives, and how a path is claimed and given back.
+
+The default socket is ``$XDG_RUNTIME_DIR/datastore/datastore.sock`` or, without a runtime
+directory, ``/tmp/datastore-$UID/datastore.sock``. The directory is private (0700, owned by
+this user; anything else is refused) and the socket is 0600, so only its user reaches it.
+
+A path is claimed with an ``flock`` on ``<socket>.lock`` held for the server's life: a second
+server on the same path fails at once, and a socket left by a dead server (``kill -9``) is
+found stale (the lock is free and nothing answers on it) and removed on the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "SOCKET_NAME",
+    "AddressInUse",
+    "Claim",
+    "UnsafeDirectory",
+    "claim_socket",
+    "default_socket",
+    "socket_answers",
+    "unix_target",
+]
+
+SOCKET_NAME = "datastore.sock"
+MAX_UNIX_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
+
+
+class AddressInUse(RuntimeError):
+    """Another live server holds the socket path."""
+
+
+class UnsafeDirectory(RuntimeError):
+    """The socket's directory is not private to this user."""
+
+
+def default_socket(env: dict[str, str] | None = None) -> Path:
+    """The default socket path: under ``$XDG_RUNTIME_DIR`` or ``/tmp/datastore-$UID``.
+
+    Args:
+        env: the environment to read. Default: ``os.environ``.
+    """
+    env = os.environ if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_dir():
+        return Path(runtime) / "datastore" / SOCKET_NAME
+    return Path(f"/tmp/datastore-{os.getuid()}") / SOCKET_NAME
+
+
+def unix_target(path: Path | str) -> str:
+    """The gRPC address of a Unix socket path (absolute)."""
+    return "unix://" + os.path.abspath(path)
+
+
+def socket_answers(path: Path | str, timeout: float = 1.0) -> bool:
+    """Whether something accepts connections on the Unix socket ``path``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(os.fspath(path))
+    except OSError:
+        return False
+    else:
+        return True
+    finally:
+        s.close()
+
+
+@dataclass
+class Claim:
+    """A socket path held by this process: the lock, and what to remove when done."""
+
+    socket: Path
+    lock_path: Path
+    lock_fd: int
+    created_dir: Path | None = None
+    removed_stale: bool = False
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        """Remove the socket, the lock file and (if this claim created it, and it is empty)
+        the directory. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        for p in (self.socket, self.lock_path):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        os.close(self.lock_fd)
+        if self.created_dir is not None:
+            with contextlib.suppress(OSError):  # not empty: someone else's files; leave it
+                self.created_dir.rmdir()
+
+
+def _private_dir(directory: Path) -> Path | None:
+    """Create ``directory`` 0700 if missing (returning it), else check it is safe (None)."""
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(directory, 0o700)  # mkdir's mode is subject to the umask
+        return directory
+    st = directory.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(f"{directory} is not a directory")
+    if st.st_uid != os.getuid():
+        raise UnsafeDirectory(f"{directory} belongs to uid {st.st_uid}, not to this user")
+    return None
+
+
+def claim_socket(path: Path | str, *, private: bool) -> Claim:
+    """Claim ``path`` for a server: make its directory, lock it, clear a stale socket.
+
+    Args:
+        path: the socket path.
+        private: the directory is the default one: it must be 0700 and this user's (a
+            directory the user named with ``--socket`` is only created, 0700, if missing).
+
+    Raises:
+        AddressInUse: a live server holds ``path``.
+        UnsafeDirectory: the default directory is not private.
+        ValueError: the path is too long for a Unix socket.
+    """
+    sock = Path(os.path.abspath(path))
+    if len(os.fsencode(sock)) > MAX_UNIX_PATH:
+        raise ValueError(
+            f"socket path is {len(os.fsencode(sock))} bytes, over the "
+            f"{MAX_UNIX_PATH}-byte limit of a Unix socket: {sock}"
+        )
+    created = _private_dir(sock.parent) if not sock.parent.exists() or private else None
+    if private and created is None:
+        mode = stat.S_IMODE(sock.parent.stat().st_mode)
+        if mode & 0o077:
+            raise UnsafeDirectory(
+                f"{sock.parent} is mode {mode:04o}; it must be 0700 (chmod 700 {sock.parent})"
+            )
+    lock_path = sock.with_name(sock.name + ".lock")
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise AddressInUse(
+                    f"{sock} is served by a live server (its lock {lock_path} is held)"
+                ) from None
+            raise
+        # the holder may have unlinked the lock file between our open and our flock
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    claim = Claim(socket=sock, lock_path=lock_path, lock_fd=fd, created_dir=created)
+    if sock.exists() or sock.is_symlink():
+        if socket_answers(sock):  # not one of ours (it would hold the lock), but alive
+            _give_up(claim)
+            raise AddressInUse(f"{sock} answers connections: another server listens there")
+        if not stat.S_ISSOCK(sock.lstat().st_mode):
+            _give_up(claim)
+            raise AddressInUse(f"{sock} exists and is not a socket; refusing to remove it")
+        sock.unlink()
+        claim.removed_stale = True
+    return claim
+
+
+def _give_up(claim: Claim) -> None:
+    """Drop a claim without touching the socket: unlock, remove the lock file."""
+    with contextlib.suppress(FileNotFoundError):
+        claim.lock_path.unlink()
+    os.close(claim.lock_fd)
+    claim._released = True

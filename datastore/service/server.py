@@ -1,0 +1,292 @@
+"""The ``datastore serve`` process: a gRPC server on a private Unix socket (and optional TCP).
+
+What runs: the ``datastore.v1.DataStore`` servicer, standard health checking
+(``grpc.health.v1``) and server reflection, on a Unix socket claimed through
+:mod:`datastore.service.paths`; with ``tcp`` also on a TCP address whose every call must carry
+the shared secret (:mod:`datastore.service.auth`). SIGTERM, SIGINT and the ``Shutdown`` call
+stop accepting calls, drain those in flight (up to ``grace_s``), remove the socket (and its
+directory if this server created it) and return 0.
+
+In this increment ``Status`` and ``Shutdown`` work; ``OpenSession``, ``StreamBatches`` and
+``CloseSession`` answer ``UNIMPLEMENTED`` with a message saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from datastore import __version__
+from datastore.service import SERVICE_NAME
+from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+from datastore.service.auth import TokenInterceptor, read_token
+from datastore.service.logs import JsonLog
+from datastore.service.paths import AddressInUse, UnsafeDirectory, claim_socket, unix_target
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "ServeConfig", "Servicer", "serve"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+NOT_YET = "not implemented yet: `datastore serve` streams batches in a later increment"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``datastore serve`` was asked for.
+
+    Args:
+        socket: the Unix socket path.
+        private: ``socket`` is the default path, whose directory must be private.
+        tcp: ``HOST:PORT`` to listen on as well (port 0: any free port). Default: none.
+        token_file: the shared secret for ``tcp``; required with it. Default: none.
+        grace_s: seconds to let calls in flight finish on shutdown. Default: ``5.0``.
+        workers: threads serving calls. Default: ``8``.
+    """
+
+    socket: Path
+    private: bool = False
+    tcp: str | None = None
+    token_file: Path | None = None
+    grace_s: float = 5.0
+    workers: int = 8
+
+    def __post_init__(self) -> None:
+        if self.tcp is not None and self.token_file is None:
+            raise ValueError("--tcp needs --token-file: TCP is never served without a secret")
+        if self.tcp is not None and ":" not in self.tcp:
+            raise ValueError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
+        if self.grace_s < 0 or self.workers < 1:
+            raise ValueError("grace_s must be >= 0 and workers >= 1")
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.batches = 0
+        self.bytes = 0
+
+
+class _CountCalls(grpc.ServerInterceptor):
+    def __init__(self, counters: _Counters) -> None:
+        self._counters = counters
+
+    def intercept_service(self, continuation, handler_call_details):
+        with self._counters.lock:
+            self._counters.calls += 1
+        return continuation(handler_call_details)
+
+
+class Servicer(pb_grpc.DataStoreServicer):
+    """``datastore.v1.DataStore``: ``Status`` and ``Shutdown`` in this increment."""
+
+    def __init__(
+        self, *, listen: list[str], stop: _Stop, counters: _Counters, log: JsonLog
+    ) -> None:
+        self._started = time.monotonic()
+        self._listen = listen
+        self._stop = stop
+        self._counters = counters
+        self._log = log
+
+    def OpenSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"OpenSession: {NOT_YET}")
+
+    def StreamBatches(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"StreamBatches: {NOT_YET}")
+
+    def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"CloseSession: {NOT_YET}")
+
+    def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
+        with self._counters.lock:
+            calls, batches, nbytes = (
+                self._counters.calls,
+                self._counters.batches,
+                self._counters.bytes,
+            )
+        return pb.StatusResponse(
+            version=__version__,
+            pid=os.getpid(),
+            uptime_s=time.monotonic() - self._started,
+            listen=self._listen,
+            datasets=[],
+            sessions=[],
+            clients=0,
+            batches_served=batches,
+            bytes_served=nbytes,
+            calls_served=calls,
+        )
+
+    def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
+        grace = request.grace_s if request.grace_s > 0 else None
+        self._log.info(
+            "shutdown_requested", peer=context.peer(), reason=request.reason, grace_s=grace
+        )
+        self._stop.request("Shutdown", grace)
+        return pb.ShutdownResponse(accepted=True)
+
+
+class _Stop:
+    """Why and when to stop: set by a signal handler or by the ``Shutdown`` call."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.why = ""
+        self.grace_s: float | None = None
+
+    def request(self, why: str, grace_s: float | None = None) -> None:
+        if not self.event.is_set():
+            self.why, self.grace_s = why, grace_s
+            self.event.set()
+
+
+def _new_server(workers: int, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
+    # so_reuseport off: a second server must never share a TCP port with a live one
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datastore-rpc"),
+        interceptors=interceptors,
+        options=[("grpc.so_reuseport", 0)],
+    )
+
+
+def _add_services(
+    server: grpc.Server, servicer: Servicer, health_servicer: health.HealthServicer
+) -> None:
+    pb_grpc.add_DataStoreServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        pb.DESCRIPTOR.services_by_name["DataStore"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+
+
+def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -> int:
+    """Run the service until SIGTERM, SIGINT or ``Shutdown``; returns the exit code.
+
+    Args:
+        config: what to serve where.
+        log: where structured logs go. Default: JSON lines on stderr.
+        out: where the listening addresses are printed for people and scripts.
+            Default: ``sys.stdout``.
+    """
+    log = log or JsonLog()
+    out = out or sys.stdout
+    token = None
+    if config.tcp is not None:
+        assert config.token_file is not None  # checked by ServeConfig
+        try:
+            token, loose = read_token(config.token_file)
+        except (OSError, ValueError) as exc:
+            log.error("bad_token_file", msg=f"cannot use token file: {exc}")
+            return EXIT_USAGE
+        if loose:
+            log.warning(
+                "token_file_readable_by_others",
+                path=str(config.token_file),
+                msg="chmod 600 it: anyone who can read it can use the service",
+            )
+    try:
+        claim = claim_socket(config.socket, private=config.private)
+    except (AddressInUse, UnsafeDirectory, ValueError) as exc:
+        log.error("cannot_listen", socket=str(config.socket), msg=str(exc))
+        return EXIT_FAILED
+    if claim.removed_stale:
+        log.warning(
+            "removed_stale_socket",
+            socket=str(claim.socket),
+            msg="a socket left by a server that died; nothing answered on it",
+        )
+    try:
+        return _run(config, claim, token, log, out)
+    finally:
+        claim.release()
+
+
+def _run(config: ServeConfig, claim: Any, token: str | None, log: JsonLog, out: Any) -> int:
+    stop = _Stop()
+    counters = _Counters()
+    listen = [unix_target(claim.socket)]
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    servicer = Servicer(listen=listen, stop=stop, counters=counters, log=log)
+
+    servers = [_new_server(config.workers, [_CountCalls(counters)])]
+    old_umask = os.umask(0o177)  # the socket is born 0600
+    try:
+        servers[0].add_insecure_port(listen[0])
+    finally:
+        os.umask(old_umask)
+    if config.tcp is not None:
+        assert token is not None
+        denied = TokenInterceptor(
+            token, on_denied=lambda method: log.warning("unauthenticated", method=method)
+        )
+        tcp_server = _new_server(config.workers, [_CountCalls(counters), denied])
+        try:
+            port = tcp_server.add_insecure_port(config.tcp)
+        except RuntimeError as exc:
+            log.error("cannot_listen", tcp=config.tcp, msg=f"cannot bind {config.tcp}: {exc}")
+            return EXIT_FAILED
+        host = config.tcp.rsplit(":", 1)[0]
+        listen.append(f"{host}:{port}")
+        servers.append(tcp_server)
+    for server in servers:
+        _add_services(server, servicer, health_servicer)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop.request(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for server in servers:
+            server.start()
+        os.chmod(claim.socket, 0o600)
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "listening",
+            listen=listen,
+            pid=os.getpid(),
+            version=__version__,
+            grpc=grpc.__version__,
+            socket=str(claim.socket),
+            private_dir=config.private,
+            created_dir=str(claim.created_dir) if claim.created_dir else None,
+            token_file=str(config.token_file) if config.token_file else None,
+            grace_s=config.grace_s,
+            workers=config.workers,
+        )
+        for address in listen:
+            print(f"datastore serve: listening on {address}", file=out, flush=True)
+        while not stop.event.wait(0.5):
+            pass
+        grace = config.grace_s if stop.grace_s is None else stop.grace_s
+        log.info("draining", why=stop.why, grace_s=grace)
+        health_servicer.enter_graceful_shutdown()
+        t0 = time.monotonic()
+        for done in [server.stop(grace) for server in servers]:
+            done.wait()
+        with counters.lock:
+            calls = counters.calls
+        log.info(
+            "stopped", why=stop.why, drain_s=round(time.monotonic() - t0, 3), calls_served=calls
+        )
+        return EXIT_OK
+    finally:
+        for server in servers:
+            server.stop(None)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

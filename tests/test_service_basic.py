@@ -1,0 +1,297 @@
+"""``datastore serve`` / ``datastore status``: a real gRPC server in a subprocess.
+
+Every server is started as ``python -m datastore serve`` and waited for until the standard
+``grpc.health.v1`` check answers SERVING; the fixture kills whatever is left by its pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import filecmp
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "s3cret-t0ken"
+
+
+class Server:
+    """One ``datastore serve`` subprocess, its output files and how to reach it."""
+
+    def __init__(self, workdir: Path, args: list[str], env: dict[str, str]) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        n = len(list(workdir.glob("out-*")))
+        self.out_path, self.err_path = workdir / f"out-{n}", workdir / f"err-{n}"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "datastore", "serve", *args],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=err,
+            )
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def logs(self) -> list[dict]:
+        return [json.loads(line) for line in self.stderr.splitlines() if line.strip()]
+
+    def listening(self, timeout: float = 10.0) -> list[str]:
+        """The addresses printed at start-up, once they are all printed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = [
+                ln.split(" on ", 1)[1]
+                for ln in self.stdout.splitlines()
+                if ln.startswith("datastore serve: listening on ")
+            ]
+            if lines and self.proc.poll() is None:
+                return lines
+            assert self.proc.poll() is None, f"serve exited: {self.stderr}"
+            time.sleep(0.05)
+        raise AssertionError(f"serve printed no address in {timeout} s: {self.stderr}")
+
+
+def health_status(target: str, metadata=None, service: str = "") -> int:
+    with grpc.insecure_channel(target) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2, metadata=metadata
+        )
+    return reply.status
+
+
+def wait_serving(target: str, proc: subprocess.Popen, metadata=None, timeout=10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "serve exited before it answered"
+        try:
+            if health_status(target, metadata) == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, f"{target} did not answer health in {timeout} s"
+        time.sleep(0.05)
+
+
+def stub(target: str) -> tuple[grpc.Channel, pb_grpc.DataStoreStub]:
+    ch = grpc.insecure_channel(target)
+    return ch, pb_grpc.DataStoreStub(ch)
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = dict(os.environ)
+    e["XDG_RUNTIME_DIR"] = str(tmp_path / "runtime")  # never the real default directory
+    (tmp_path / "runtime").mkdir()
+    return e
+
+
+@pytest.fixture
+def start(tmp_path, env):
+    """``start(*args, wait=True)``: a ``datastore serve`` subprocess, killed at teardown."""
+    started: list[Server] = []
+
+    def _start(*args: str, wait: bool = True, env_over: dict[str, str] | None = None) -> Server:
+        s = Server(tmp_path / "logs", list(args), {**env, **(env_over or {})})
+        started.append(s)
+        if wait:
+            target = s.listening()[0]
+            wait_serving(target, s.proc)
+        return s
+
+    yield _start
+    for s in started:
+        if s.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(10)
+
+
+def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "datastore", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_health_reflection_status_and_shutdown(start, tmp_path, env):
+    sock = tmp_path / "run" / "s.sock"
+    s = start("--socket", str(sock))
+    target = f"unix://{sock}"
+    assert s.listening() == [target]
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700  # created by serve
+    assert (
+        health_status(target, service="datastore.v1.DataStore")
+        == health_pb2.HealthCheckResponse.SERVING
+    )
+
+    with grpc.insecure_channel(target) as ch:
+        reflect = reflection_pb2_grpc.ServerReflectionStub(ch)
+        replies = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+        names = {x.name for r in replies for x in r.list_services_response.service}
+    assert {"datastore.v1.DataStore", "grpc.health.v1.Health"} <= names
+
+    ch, ds = stub(target)
+    with ch:
+        st = ds.Status(pb.StatusRequest(), timeout=5)
+        assert st.pid == s.proc.pid and list(st.listen) == [target]
+        assert st.uptime_s > 0 and st.calls_served >= 1 and st.version
+        with pytest.raises(grpc.RpcError) as err:
+            ds.OpenSession(pb.OpenSessionRequest(dataset_path="/x"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "not implemented yet" in err.value.details()
+
+        table = cli("status", "--socket", str(sock), env=env)
+        assert table.returncode == 0, table.stderr
+        assert "service" in table.stdout and f"pid {s.proc.pid}" in table.stdout
+        assert target in table.stdout
+        as_json = cli("status", "--socket", str(sock), "--json", env=env)
+        assert as_json.returncode == 0, as_json.stderr
+        d = json.loads(as_json.stdout)
+        assert d["pid"] == s.proc.pid and d["sessions"] == [] and d["listen"] == [target]
+
+        t0 = time.monotonic()
+        assert ds.Shutdown(pb.ShutdownRequest(reason="test"), timeout=5).accepted
+    assert s.proc.wait(10) == 0
+    assert time.monotonic() - t0 < 10
+    assert not sock.exists() and not sock.with_name("s.sock.lock").exists()
+    assert not sock.parent.exists()  # serve created it, so serve removed it
+    logs = s.logs()  # every stderr line is one JSON object
+    events = [x["event"] for x in logs]
+    assert events[0] == "listening" and "shutdown_requested" in events and events[-1] == "stopped"
+
+
+def test_sigterm_drains_and_removes_default_socket(start, env):
+    s = start()  # the default path: $XDG_RUNTIME_DIR/datastore/datastore.sock
+    sock = Path(env["XDG_RUNTIME_DIR"]) / "datastore" / "datastore.sock"
+    assert s.listening() == [f"unix://{sock}"]
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+    assert cli("status", env=env).returncode == 0
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(10) == 0
+    assert not sock.exists() and not sock.parent.exists()
+    assert s.logs()[-1]["event"] == "stopped" and s.logs()[-1]["why"] == "SIGTERM"
+
+
+def test_kill9_leaves_stale_socket_next_serve_starts(start, tmp_path, env):
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock))
+    s.proc.kill()
+    s.proc.wait(10)
+    assert sock.exists()  # stale: nothing answers on it
+
+    r = cli("status", "--socket", str(sock), "--timeout", "2", env=env)
+    assert r.returncode == 1 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "no service answers" in r.stderr and str(sock) in r.stderr
+
+    s2 = start("--socket", str(sock))
+    assert any(x["event"] == "removed_stale_socket" for x in s2.logs())
+    assert cli("status", "--socket", str(sock), env=env).returncode == 0
+    s2.proc.send_signal(signal.SIGTERM)
+    assert s2.proc.wait(10) == 0 and not sock.exists()
+    assert tmp_path.exists()  # a directory serve did not create stays
+
+
+def test_refuses_a_path_served_by_a_live_server(start, tmp_path):
+    sock = tmp_path / "s.sock"
+    first = start("--socket", str(sock))
+    second = start("--socket", str(sock), wait=False)
+    assert second.proc.wait(10) == 1
+    err = second.logs()[-1]
+    assert err["level"] == "error" and "live server" in err["msg"]
+    assert health_status(f"unix://{sock}") == health_pb2.HealthCheckResponse.SERVING
+    assert first.proc.poll() is None
+
+
+def test_tcp_needs_the_token_on_every_call(start, tmp_path, env):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock), "--tcp", "127.0.0.1:0", "--token-file", str(token_file))
+    unix, tcp = s.listening()
+    assert unix == f"unix://{sock}" and tcp.startswith("127.0.0.1:")
+    good = (("authorization", f"Bearer {TOKEN}"),)
+    wait_serving(tcp, s.proc, metadata=good)
+
+    ch, ds = stub(tcp)
+    with ch:
+        assert ds.Status(pb.StatusRequest(), timeout=5, metadata=good).pid == s.proc.pid
+        for metadata in (None, (("authorization", "Bearer nope"),), (("authorization", TOKEN),)):
+            for call in (
+                lambda m: ds.Status(pb.StatusRequest(), timeout=5, metadata=m),
+                lambda m: health_status(tcp, metadata=m),
+                lambda m: list(ds.StreamBatches(pb.StreamBatchesRequest(), timeout=5, metadata=m)),
+            ):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert any(x["event"] == "unauthenticated" for x in s.logs())
+
+    ok = cli("status", "--tcp", tcp, "--token-file", str(token_file), "--json", env=env)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["pid"] == s.proc.pid
+    bad = cli("status", "--tcp", tcp, env=env)
+    assert bad.returncode == 1 and "refused: UNAUTHENTICATED: missing token" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(10) == 0 and not sock.exists()
+
+
+def test_tcp_without_token_file_is_refused(tmp_path, env):
+    r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--tcp", "127.0.0.1:0", env=env)
+    assert r.returncode == 2 and "--token-file" in r.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_status_when_nothing_listens(tmp_path, env):
+    r = cli("status", "--socket", str(tmp_path / "none.sock"), "--timeout", "2", env=env)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "no service answers" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_generated_code_is_up_to_date(tmp_path):
+    """`make protos` into a temporary directory gives the committed files, byte for byte."""
+    r = subprocess.run(
+        ["make", "-s", "protos", f"PROTO_OUT={tmp_path}", f"BIN={Path(sys.executable).parent}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    fresh = tmp_path / "datastore" / "service" / "_pb" / "v1"
+    committed = REPO / "datastore" / "service" / "_pb" / "v1"
+    names = sorted(p.name for p in fresh.iterdir())
+    assert names == ["datastore_pb2.py", "datastore_pb2.pyi", "datastore_pb2_grpc.py"]
+    _, mismatch, errors = filecmp.cmpfiles(fresh, committed, names, shallow=False)
+    assert not mismatch and not errors, f"stale generated code {mismatch + errors}: run make protos"
