@@ -60,6 +60,16 @@ def _root(dataset: Any) -> str:
     return path if os.path.isdir(path) else os.path.dirname(path)
 
 
+def _offer(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+    """Put ``item`` unless the consumer has stopped: never block on a queue nobody drains."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
 class DataStoreLoader:
     """Mini-batches for one rank of a data (x spatial) parallel job.
 
@@ -281,16 +291,11 @@ class DataStoreLoader:
                     break
                 buf = self._ring[step % len(self._ring)]
                 self._fill(step, order, buf)
-                while not stop.is_set():
-                    try:
-                        q.put((step, buf), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                _offer(q, (step, buf), stop)
         except BaseException as exc:  # handed to the consumer, which raises it
-            q.put((None, exc))
+            _offer(q, (None, exc), stop)
             return
-        q.put((None, None))
+        _offer(q, (None, None), stop)
 
     def __iter__(self):
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
