@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -13,6 +14,9 @@ from pathlib import Path
 import zstandard
 
 META = ".datastore"
+
+# mpiexec of the venv (pip's mpich), else the one on PATH
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 # Launcher variables that would make the CLI believe it runs under MPI.
 _MPI_VARS = (

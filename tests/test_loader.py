@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from helpers import MPIEXEC
 
 from datastore import DataStoreLoader
 from datastore.order import Schedule
@@ -19,7 +19,6 @@ from datastore.partition import Grid, extract_block
 
 N, C, D = 24, 2, 8
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "loader_job.py")
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from helpers import MPIEXEC
 
 from datastore.order import Schedule
 from datastore.shards import owners_by_holders
 
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "shard_job.py")
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 def test_owners_follow_the_nodes_that_hold_the_files():

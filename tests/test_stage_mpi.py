@@ -5,16 +5,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
+from helpers import MPIEXEC
 
 pytestmark = pytest.mark.mpi
-
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 def files_of(root: str) -> dict[str, bytes]:

@@ -8,17 +8,16 @@ import contextlib
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import MPIEXEC
 
 pytestmark = pytest.mark.mpi
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 JOBS = Path(__file__).parent / "trainer_jobs"
 ROOT = Path(__file__).parent.parent
 
