@@ -185,7 +185,6 @@ class Committer:
         self.dest, self.journal = dest, journal
         self.batch_bytes, self.batch_files = batch_bytes, batch_files
         self._q: queue.Queue[tuple[str, str, dict[str, Any], int] | None] = queue.Queue()
-        self._done = threading.Event()
         self._made: set[str] = set()
         self.errors: list[str] = []
         self._thread = threading.Thread(target=self._loop, name="committer", daemon=True)

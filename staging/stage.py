@@ -38,7 +38,6 @@ class NodeWork:
     skipped: int = 0
     skipped_bytes: int = 0
     todo_bytes: int = 0
-    todo_files: int = 0
     error: str | None = None
     code: int = 0
 
@@ -88,7 +87,6 @@ def _node_work(groups: list[Group], manifest: Manifest, dest: str, local_size: i
             else:
                 keep.append(item)
                 work.todo_bytes += item.size
-                work.todo_files += 1
         if keep:
             todo.append(Group(g.source, tuple(keep), g.stream, g.ident))
     # units: every item of a range group alone, a stream group whole
