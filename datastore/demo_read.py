@@ -48,8 +48,11 @@ def main() -> None:
             )
     c = loader.counters
     if w.rank == 0 and w.size > (os.cpu_count() or 1):
-        print(f"note: {w.size} ranks on {os.cpu_count()} cores: oversubscribed, and MPI ranks "
-              "busy-poll while they wait, so this throughput says little", flush=True)
+        print(
+            f"note: {w.size} ranks on {os.cpu_count()} cores: oversubscribed, and MPI ranks "
+            "busy-poll while they wait, so this throughput says little",
+            flush=True,
+        )
     if w.rank == 0:
         print(
             f"rank 0 store: {c.bytes_resident / 1e6:.1f} MB resident, {c.hits} hits, "

@@ -97,7 +97,18 @@ class DataStoreLoader:
         pin_memory: page-locked batch buffers (CUDA only; ignored with a note otherwise).
         timeout: seconds to wait for a batch before failing (a peer rank may have died).
             Default: ``300``.
+        address: stream the batches from ``datastore serve`` at this Unix socket path (or
+            ``unix://PATH``, ``HOST:PORT``) instead of reading here: the constructor then
+            returns a ``datastore.service.client.RemoteLoader`` with the same iteration API.
+            Default: ``None`` (embedded).
     """
+
+    def __new__(cls, *args: Any, address: str | None = None, **kwargs: Any) -> Any:
+        if address is None:
+            return super().__new__(cls)
+        from datastore.service.client import RemoteLoader
+
+        return RemoteLoader(*args, address=address, **kwargs)
 
     def __init__(
         self,
@@ -120,6 +131,7 @@ class DataStoreLoader:
         prefetch: int = 2,
         pin_memory: bool = False,
         timeout: float = 300.0,
+        address: str | None = None,
     ):
         self.reader = open_dataset(dataset)
         self.world = detect_world(rank, world, comm)

@@ -166,8 +166,8 @@ def test_health_reflection_status_and_shutdown(start, tmp_path, env):
         assert st.uptime_s > 0 and st.calls_served >= 1 and st.version
         with pytest.raises(grpc.RpcError) as err:
             ds.OpenSession(pb.OpenSessionRequest(dataset_path="/x"), timeout=5)
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "not implemented yet" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "no dataset at '/x'" in err.value.details()
 
         table = cli("status", "--socket", str(sock), env=env)
         assert table.returncode == 0, table.stderr

@@ -1,18 +1,44 @@
-"""Channels to ``datastore serve`` and the calls the CLI makes."""
+"""Channels to ``datastore serve``, the calls the CLI makes, and ``RemoteLoader``.
+
+``RemoteLoader`` is what ``DataStoreLoader(..., address=...)`` returns: the same iteration API
+(``__len__``, ``__iter__``, ``set_epoch``, ``state_dict``/``load_state_dict``), with the batches
+streamed by the service (inline bytes) instead of read in this process.
+"""
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
+import torch
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
 from datastore.service.paths import unix_target
 
-__all__ = ["Client"]
+__all__ = ["Client", "RemoteBatches", "RemoteLoader", "target_of"]
+
+MAX_MESSAGE = 256 * 1024 * 1024  # as the server: a batch is one message
+MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
+
+
+def target_of(address: str | os.PathLike) -> str:
+    """A gRPC target from an address: ``unix://...``, ``HOST:PORT``, or a socket path."""
+    a = os.fspath(address)
+    if a.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return a
+    if "/" in a or a.endswith(".sock"):
+        return unix_target(a)
+    return a
 
 
 class Client:
@@ -36,7 +62,7 @@ class Client:
         if tcp is None and socket is None:
             raise ValueError("a socket path or a TCP address is needed")
         self.target = tcp if tcp is not None else unix_target(socket)  # type: ignore[arg-type]
-        self._channel = grpc.insecure_channel(self.target)
+        self._channel = grpc.insecure_channel(self.target, options=MESSAGE_OPTIONS)
         self._stub = pb_grpc.DataStoreStub(self._channel)
         self._metadata = bearer(token) if token else None
         self._timeout = timeout_s
@@ -57,6 +83,172 @@ class Client:
         self._channel.close()
 
     def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tensor(t: Any) -> torch.Tensor:
+    arr = np.frombuffer(t.data, dtype=np.dtype(t.meta.dtype)).reshape(tuple(t.meta.shape))
+    return torch.from_numpy(arr.copy())  # writable, owned by the tensor
+
+
+class RemoteBatches:
+    """The batches of one ``StreamBatches`` call as ``(step, {field: tensor})``.
+
+    Iterating pulls one message at a time (gRPC flow control bounds what is in flight);
+    ``close()`` (or dropping it) cancels the call, which stops the server producing.
+    """
+
+    def __init__(self, stub: Any, request: Any, metadata: Any = None) -> None:
+        self._call = stub.StreamBatches(request, metadata=metadata)
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        try:
+            for b in self._call:
+                yield b.step, {t.meta.name: _tensor(t) for t in b.tensors}
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
+class RemoteLoader:
+    """``DataStoreLoader``'s API over ``datastore serve``: one session per loader.
+
+    Takes ``DataStoreLoader``'s arguments that fix the sample sequence (the rest, such as
+    ``prefetch`` or ``memory_budget``, are the server's business and ignored here).
+
+    Args:
+        address: a Unix socket path, ``unix://PATH`` or ``HOST:PORT``.
+        token: the shared secret for TCP. Default: none.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        *,
+        address: str,
+        global_batch_size: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        spatial: dict[str, Any] | None = None,
+        rank: int | None = None,
+        world: int | None = None,
+        token: str | None = None,
+        job_id: str = "",
+        **_ignored: Any,
+    ) -> None:
+        from datastore.order import Schedule, rank_layout
+        from datastore.world import detect_world
+
+        if not isinstance(dataset, (str, os.PathLike)):
+            raise TypeError("a remote loader takes a dataset path (the server's node)")
+        w = detect_world(rank, world, None)
+        self.rank, self.world_size = w.rank, w.size
+        blocks = math.prod(spatial["parts"]) if spatial else 1
+        self.layout = rank_layout(self.rank, self.world_size, blocks)
+        if (batch_size is None) == (global_batch_size is None):
+            raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
+        gb = (
+            global_batch_size
+            if global_batch_size is not None
+            else batch_size * self.layout.data_world  # type: ignore[operator]
+        )
+        self.target = target_of(address)
+        self._channel = grpc.insecure_channel(self.target, options=MESSAGE_OPTIONS)
+        self._stub = pb_grpc.DataStoreStub(self._channel)
+        self._metadata = bearer(token) if token else None
+        layout = pb.SpatialLayout()
+        if spatial:
+            layout = pb.SpatialLayout(
+                parts=list(spatial["parts"]),
+                halo=list(spatial.get("halo", ())),
+                boundary=spatial.get("boundary", ""),
+            )
+        reply = self._stub.OpenSession(
+            pb.OpenSessionRequest(
+                dataset_path=os.path.abspath(os.fspath(dataset)),
+                seed=seed,
+                global_batch=max(0, gb),
+                world_size=self.world_size,
+                spatial=layout,
+                shuffle=shuffle,
+                drop_last=drop_last,
+                job_id=job_id or os.environ.get("SLURM_JOB_ID", ""),
+            ),
+            timeout=60,
+            metadata=self._metadata,
+        )
+        self.session_id = reply.session_id
+        self.num_samples = reply.num_samples
+        self.fields = list(reply.fields)
+        self.schedule = Schedule(
+            int(reply.num_samples), gb, seed, shuffle, "drop" if drop_last else "pad"
+        )
+        assert self.schedule.steps_per_epoch == reply.steps_per_epoch
+        self.batch_size = self.schedule.local_batch(self.layout.data_world)
+        self.epoch, self._step = 0, 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        request = pb.StreamBatchesRequest(
+            session_id=self.session_id,
+            rank=self.rank,
+            epoch=self.epoch,
+            start_step=self._step,
+            transport=pb.TRANSPORT_INLINE,
+        )
+        finished = False
+        stream = RemoteBatches(self._stub, request, self._metadata)
+        try:
+            for step, batch in stream:
+                self._step = step + 1
+                yield batch
+            finished = True
+        finally:
+            stream.close()
+            if finished and self._step >= self.schedule.steps_per_epoch:
+                self.epoch, self._step = self.epoch + 1, 0
+
+    def __len__(self) -> int:
+        return self.schedule.steps_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch at the next iteration."""
+        self.epoch, self._step = int(epoch), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed out; resuming from it is O(1)."""
+        from datastore.order import state
+
+        return state(self.schedule, self.epoch, self._step)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        from datastore.order import check_state
+
+        self.epoch, self._step = check_state(self.schedule, saved)
+
+    def close(self) -> None:
+        """Close the session (freeing the server's loaders) and the channel."""
+        if self._channel is None:
+            return
+        try:
+            self._stub.CloseSession(
+                pb.CloseSessionRequest(session_id=self.session_id),
+                timeout=10,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError:
+            pass  # the server is gone: nothing left to free
+        finally:
+            self._channel.close()
+            self._channel = None
+
+    def __enter__(self) -> RemoteLoader:
         return self
 
     def __exit__(self, *exc: object) -> None:

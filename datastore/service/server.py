@@ -7,8 +7,13 @@ the shared secret (:mod:`datastore.service.auth`). SIGTERM, SIGINT and the ``Shu
 stop accepting calls, drain those in flight (up to ``grace_s``), remove the socket (and its
 directory if this server created it) and return 0.
 
-In this increment ``Status`` and ``Shutdown`` work; ``OpenSession``, ``StreamBatches`` and
-``CloseSession`` answer ``UNIMPLEMENTED`` with a message saying so.
+Data path (this increment): ``OpenSession`` validates a request and opens a session
+(:mod:`datastore.service.session`); ``StreamBatches`` streams a rank's batches with every tensor
+inline in the message (``TRANSPORT_INLINE``; shared memory is refused with ``UNIMPLEMENTED``);
+``CloseSession`` frees the session's loaders. Messages up to ``MAX_MESSAGE`` bytes are allowed
+both ways (gRPC's default is 4 MiB): a batch is one message, never split into chunks. The stream
+is a generator pulled by gRPC, so a slow client never makes the server buffer more than the
+loader's ``prefetch`` batches; a client that cancels or dies stops production.
 """
 
 from __future__ import annotations
@@ -34,11 +39,17 @@ from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import TokenInterceptor, read_token
 from datastore.service.logs import JsonLog
 from datastore.service.paths import AddressInUse, UnsafeDirectory, claim_socket, unix_target
+from datastore.service.session import SessionError, Sessions
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ServeConfig", "Servicer", "serve"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 NOT_YET = "not implemented yet: `datastore serve` streams batches in a later increment"
+MAX_MESSAGE = 256 * 1024 * 1024
+MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,7 @@ class _CountCalls(grpc.ServerInterceptor):
 
 
 class Servicer(pb_grpc.DataStoreServicer):
-    """``datastore.v1.DataStore``: ``Status`` and ``Shutdown`` in this increment."""
+    """``datastore.v1.DataStore``: sessions streaming inline batches, ``Status``, ``Shutdown``."""
 
     def __init__(
         self, *, listen: list[str], stop: _Stop, counters: _Counters, log: JsonLog
@@ -99,15 +110,59 @@ class Servicer(pb_grpc.DataStoreServicer):
         self._stop = stop
         self._counters = counters
         self._log = log
+        self.sessions = Sessions()
+
+    def _refuse(self, context: grpc.ServicerContext, call: str, exc: SessionError) -> None:
+        self._log.warning("refused", call=call, code=exc.code, msg=str(exc))
+        context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
     def OpenSession(self, request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"OpenSession: {NOT_YET}")
+        try:
+            s = self.sessions.open(request)
+        except SessionError as exc:
+            self._refuse(context, "OpenSession", exc)
+        self._log.info(
+            "session_opened",
+            session=s.session_id,
+            dataset=request.dataset_path,
+            job_id=request.job_id,
+            world=s.world,
+            global_batch=request.global_batch,
+        )
+        return pb.OpenSessionResponse(
+            session_id=s.session_id,
+            num_samples=s.num_samples,
+            steps_per_epoch=s.steps_per_epoch,
+            fields=s.fields,
+        )
 
     def StreamBatches(self, request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"StreamBatches: {NOT_YET}")
+        if request.transport == pb.TRANSPORT_SHARED_MEMORY:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, f"shared-memory transport: {NOT_YET}")
+        try:
+            s = self.sessions.get(request.session_id)
+            batches = s.batches(
+                request.rank,
+                request.epoch,
+                request.start_step,
+                request.max_batches,
+                context.is_active,
+            )
+            for batch, nbytes in batches:
+                with self._counters.lock:
+                    self._counters.batches += 1
+                    self._counters.bytes += nbytes
+                yield batch
+        except SessionError as exc:
+            self._refuse(context, "StreamBatches", exc)
 
     def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"CloseSession: {NOT_YET}")
+        try:
+            self.sessions.close(request.session_id)
+        except SessionError as exc:
+            self._refuse(context, "CloseSession", exc)
+        self._log.info("session_closed", session=request.session_id)
+        return pb.CloseSessionResponse()
 
     def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
         with self._counters.lock:
@@ -122,7 +177,19 @@ class Servicer(pb_grpc.DataStoreServicer):
             uptime_s=time.monotonic() - self._started,
             listen=self._listen,
             datasets=[],
-            sessions=[],
+            sessions=[
+                pb.SessionStatus(
+                    session_id=x.session_id,
+                    dataset_path=x.request.dataset_path,
+                    job_id=x.request.job_id,
+                    world_size=x.world,
+                    global_batch=x.request.global_batch,
+                    batches_served=x.batches_served,
+                    bytes_served=x.bytes_served,
+                    opened_unix_s=x.opened_unix_s,
+                )
+                for x in self.sessions.all()
+            ],
             clients=0,
             batches_served=batches,
             bytes_served=nbytes,
@@ -157,7 +224,7 @@ def _new_server(workers: int, interceptors: list[grpc.ServerInterceptor]) -> grp
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datastore-rpc"),
         interceptors=interceptors,
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0), *MESSAGE_OPTIONS],
     )
 
 
@@ -290,3 +357,4 @@ def _run(config: ServeConfig, claim: Any, token: str | None, log: JsonLog, out: 
             server.stop(None)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        servicer.sessions.close_all()

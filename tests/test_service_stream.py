@@ -1,0 +1,201 @@
+"""``datastore serve`` streaming batches inline: the same batches as the embedded loader.
+
+A real server subprocess on a Unix socket in ``tmp_path`` (started and killed as in
+``test_service_basic``); the remote loader is ``DataStoreLoader(..., address=socket)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import grpc
+import h5py
+import numpy as np
+import pytest
+
+from datastore.loader import DataStoreLoader
+from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+from datastore.service.client import RemoteLoader, target_of
+from tests.test_service_basic import REPO, Server, wait_serving
+
+SPATIAL = {"parts": (2, 1, 1), "halo": (1, 1, 1)}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``(dataset path, socket path, server)``: one server for the module, killed at the end."""
+    tmp = tmp_path_factory.mktemp("stream")
+    path = tmp / "data.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f["x"] = rng.standard_normal((24, 2, 8, 8, 8)).astype(np.float32)
+        f["idx"] = np.arange(24, dtype=np.int64)
+    runtime = tmp / "runtime"
+    runtime.mkdir()
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    sock = tmp / "s.sock"
+    s = Server(tmp / "logs", ["--socket", str(sock)], env)
+    wait_serving(s.listening(30)[0], s.proc, timeout=30)
+    yield path, sock, s
+    if s.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait(10)
+
+
+def batches(loader, n=None):
+    out = []
+    for i, b in enumerate(loader):
+        out.append({k: v.clone() for k, v in b.items()})
+        if n is not None and i + 1 == n:
+            break
+    return out
+
+
+def assert_same(a, b):
+    assert len(a) == len(b) and len(a) > 0
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].dtype == y[k].dtype and x[k].shape == y[k].shape
+            assert x[k].numpy().tobytes() == y[k].numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"rank": 1, "world": 2, "spatial": SPATIAL}, {"rank": 1, "world": 4, "spatial": SPATIAL}],
+    ids=["whole", "spatial-r1w2", "spatial-r1w4"],
+)
+def test_remote_equals_embedded_over_two_epochs(served, kw):
+    path, sock, _ = served
+    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False, **kw)
+    remote = DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock), **kw)
+    assert isinstance(remote, RemoteLoader)
+    try:
+        assert len(remote) == len(local)
+        for _ in range(2):
+            assert_same(batches(remote), batches(local))
+        assert remote.epoch == local.epoch == 2
+        if kw.get("spatial"):
+            assert remote.fields[0].name in ("x", "idx")
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_resume_mid_epoch_equals_uninterrupted(served):
+    path, sock, _ = served
+    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as whole:
+        whole.set_epoch(1)
+        expected = batches(whole)
+    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as first:
+        first.set_epoch(1)
+        head = batches(first, 2)
+        saved = first.state_dict()
+    assert saved["epoch"] == 1 and saved["step"] == 2
+    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as second:
+        second.load_state_dict(saved)
+        tail = batches(second)
+    assert_same(head + tail, expected)
+    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as same:
+        same.set_epoch(1)
+        head = batches(same, 3)  # breaking out cancels the call; the rank streams again
+        t0 = time.monotonic()
+        assert_same(head + batches(same), expected)
+        assert time.monotonic() - t0 < 10
+
+
+def test_refusals_and_the_server_keeps_serving(served, tmp_path):
+    path, sock, s = served
+    with grpc.insecure_channel(target_of(sock)) as ch:
+        ds = pb_grpc.DataStoreStub(ch)
+
+        def code(fn):
+            with pytest.raises(grpc.RpcError) as err:
+                fn()
+            return err.value.code()
+
+        open_ = ds.OpenSession
+        missing = pb.OpenSessionRequest(dataset_path=str(tmp_path / "none.h5"), global_batch=4)
+        assert code(lambda: open_(missing, timeout=10)) == grpc.StatusCode.NOT_FOUND
+        zero = pb.OpenSessionRequest(dataset_path=str(path), global_batch=0)
+        assert code(lambda: open_(zero, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+        huge = pb.OpenSessionRequest(dataset_path=str(path), global_batch=10**7)
+        assert code(lambda: open_(huge, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+        odd = pb.OpenSessionRequest(
+            dataset_path=str(path),
+            global_batch=4,
+            world_size=3,
+            spatial=pb.SpatialLayout(parts=[2, 1, 1]),
+        )
+        assert code(lambda: open_(odd, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+        ok = open_(pb.OpenSessionRequest(dataset_path=str(path), global_batch=4), timeout=10)
+        assert ok.num_samples == 24 and ok.steps_per_epoch == 6
+        assert {f.name for f in ok.fields} == {"x", "idx"}
+        bad_rank = pb.StreamBatchesRequest(session_id=ok.session_id, rank=1)
+        got = code(lambda: list(ds.StreamBatches(bad_rank, timeout=10)))
+        assert got == grpc.StatusCode.INVALID_ARGUMENT
+        first = list(
+            ds.StreamBatches(
+                pb.StreamBatchesRequest(session_id=ok.session_id, max_batches=2), timeout=10
+            )
+        )
+        assert [b.step for b in first] == [0, 1]
+        ds.CloseSession(pb.CloseSessionRequest(session_id=ok.session_id), timeout=10)
+        close = pb.CloseSessionRequest(session_id=ok.session_id)
+        assert code(lambda: ds.CloseSession(close, timeout=10)) == grpc.StatusCode.NOT_FOUND
+        nosession = pb.StreamBatchesRequest(session_id="nope")
+        got = code(lambda: list(ds.StreamBatches(nosession, timeout=10)))
+        assert got == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        DataStoreLoader(str(path), batch_size=-1, address=str(sock))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
+        assert len(batches(r)) == 6
+    assert s.proc.poll() is None
+
+
+def test_client_killed_mid_stream_leaves_server_healthy(served):
+    path, sock, s = served
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from datastore.service.client import RemoteLoader
+        r = RemoteLoader({str(path)!r}, batch_size=4, seed=3, address={str(sock)!r})
+        for i, b in enumerate(r):
+            print("got", i, flush=True)
+            time.sleep(60)
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().startswith("got 0")
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    time.sleep(0.2)
+    assert s.proc.poll() is None
+    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
+        got = batches(r)
+    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
+    try:
+        assert_same(got, batches(local))
+    finally:
+        local.close()
+    assert s.proc.poll() is None
+
+
+def test_socket_path_target():
+    assert target_of("/tmp/x.sock") == "unix:///tmp/x.sock"
+    assert target_of(Path("/tmp/x.sock")) == "unix:///tmp/x.sock"
+    assert target_of("127.0.0.1:5") == "127.0.0.1:5"
