@@ -100,10 +100,12 @@ class DataStoreLoader:
         address: stream the batches from ``datastore serve`` at this Unix socket path (or
             ``unix://PATH``, ``HOST:PORT``) instead of reading here: the constructor then
             returns a ``datastore.service.client.RemoteLoader`` with the same iteration API.
-            Default: ``None`` (embedded).
+            Default: ``None``: ``DATASTORE_ADDRESS`` if set and not empty, else embedded.
     """
 
     def __new__(cls, *args: Any, address: str | None = None, **kwargs: Any) -> Any:
+        if address is None:
+            address = os.environ.get("DATASTORE_ADDRESS") or None
         if address is None:
             return super().__new__(cls)
         from datastore.service.client import RemoteLoader

@@ -91,6 +91,20 @@ def test_remote_equals_embedded_over_two_epochs(served, kw):
         local.close()
 
 
+def test_datastore_address_from_the_environment(served, monkeypatch):
+    path, sock, _ = served
+    local = batches(DataStoreLoader(str(path), batch_size=4, seed=3))
+    monkeypatch.setenv("DATASTORE_ADDRESS", str(sock))
+    remote = DataStoreLoader(str(path), batch_size=4, seed=3)
+    assert isinstance(remote, RemoteLoader)
+    try:
+        assert_same(batches(remote), local)
+    finally:
+        remote.close()
+    monkeypatch.setenv("DATASTORE_ADDRESS", "")
+    assert not isinstance(DataStoreLoader(str(path), batch_size=4), RemoteLoader)
+
+
 def test_resume_mid_epoch_equals_uninterrupted(served):
     path, sock, _ = served
     with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as whole:
