@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from datastore.exchange import Exchange, Part
-from datastore.order import Schedule, check_state, contiguous_owners, rank_layout, state
+from datastore.order import EpochPosition, Schedule, contiguous_owners, rank_layout
 from datastore.partition import Grid, extract_block, full_region
 from datastore.readers import open_dataset
 from datastore.shards import shard_layout
@@ -70,7 +70,7 @@ def _offer(q: queue.Queue, item: Any, stop: threading.Event) -> None:
             continue
 
 
-class DataStoreLoader:
+class DataStoreLoader(EpochPosition):
     """Mini-batches for one rank of a data (x spatial) parallel job.
 
     Args:
@@ -341,22 +341,7 @@ class DataStoreLoader:
         finally:
             stop.set()
             worker.join()
-            if finished and self._step >= self.schedule.steps_per_epoch:
-                self.epoch, self._step = self.epoch + 1, 0
-
-    def __len__(self) -> int:
-        return self.schedule.steps_per_epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch at the next iteration."""
-        self.epoch, self._step = int(epoch), 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch handed out; resuming from it is O(1)."""
-        return state(self.schedule, self.epoch, self._step)
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.epoch, self._step = check_state(self.schedule, saved)
+            self._end_iteration(finished)
 
     @property
     def counters(self) -> Counters:

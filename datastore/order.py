@@ -30,6 +30,7 @@ import numpy as np
 
 __all__ = [
     "TAILS",
+    "EpochPosition",
     "RankLayout",
     "Schedule",
     "check_state",
@@ -179,3 +180,31 @@ def check_state(schedule: Schedule, saved: dict[str, Any]) -> tuple[int, int]:
     if not 0 <= step <= schedule.steps_per_epoch:
         raise ValueError(f"cannot resume: step {step} outside 0..{schedule.steps_per_epoch}")
     return epoch, step
+
+
+class EpochPosition:
+    """Where a loader is in its sequence: ``epoch`` and ``_step`` (the next batch) over
+    ``schedule``. Shared by the embedded and the remote loader, which set the three attributes."""
+
+    schedule: Schedule
+    epoch: int
+    _step: int
+
+    def __len__(self) -> int:
+        return self.schedule.steps_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch at the next iteration."""
+        self.epoch, self._step = int(epoch), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed out; resuming from it is O(1)."""
+        return state(self.schedule, self.epoch, self._step)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.epoch, self._step = check_state(self.schedule, saved)
+
+    def _end_iteration(self, finished: bool) -> None:
+        """After a pass: a finished epoch moves on to the next one's first batch."""
+        if finished and self._step >= self.schedule.steps_per_epoch:
+            self.epoch, self._step = self.epoch + 1, 0

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import torch
 
+from datastore.order import EpochPosition, Schedule, rank_layout
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
@@ -115,7 +116,7 @@ class RemoteBatches:
         self._call.cancel()
 
 
-class RemoteLoader:
+class RemoteLoader(EpochPosition):
     """``DataStoreLoader``'s API over ``datastore serve``: one session per loader.
 
     Takes ``DataStoreLoader``'s arguments that fix the sample sequence (the rest, such as
@@ -143,7 +144,6 @@ class RemoteLoader:
         job_id: str = "",
         **_ignored: Any,
     ) -> None:
-        from datastore.order import Schedule, rank_layout
         from datastore.world import detect_world
 
         if not isinstance(dataset, (str, os.PathLike)):
@@ -211,26 +211,7 @@ class RemoteLoader:
             finished = True
         finally:
             stream.close()
-            if finished and self._step >= self.schedule.steps_per_epoch:
-                self.epoch, self._step = self.epoch + 1, 0
-
-    def __len__(self) -> int:
-        return self.schedule.steps_per_epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch at the next iteration."""
-        self.epoch, self._step = int(epoch), 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch handed out; resuming from it is O(1)."""
-        from datastore.order import state
-
-        return state(self.schedule, self.epoch, self._step)
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        from datastore.order import check_state
-
-        self.epoch, self._step = check_state(self.schedule, saved)
+            self._end_iteration(finished)
 
     def close(self) -> None:
         """Close the session (freeing the server's loaders) and the channel."""
