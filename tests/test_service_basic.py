@@ -250,7 +250,9 @@ def test_tcp_needs_the_token_on_every_call(start, tmp_path, env):
             for call in (
                 lambda m: ds.Status(pb.StatusRequest(), timeout=5, metadata=m),
                 lambda m: health_status(tcp, metadata=m),
-                lambda m: list(ds.StreamBatches(pb.StreamBatchesRequest(), timeout=5, metadata=m)),
+                lambda m: list(
+                    ds.StreamBatches(iter([pb.StreamBatchesRequest()]), timeout=5, metadata=m)
+                ),
             ):
                 with pytest.raises(grpc.RpcError) as err:
                     call(metadata)

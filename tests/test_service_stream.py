@@ -155,11 +155,12 @@ def test_refusals_and_the_server_keeps_serving(served, tmp_path):
         assert ok.num_samples == 24 and ok.steps_per_epoch == 6
         assert {f.name for f in ok.fields} == {"x", "idx"}
         bad_rank = pb.StreamBatchesRequest(session_id=ok.session_id, rank=1)
-        got = code(lambda: list(ds.StreamBatches(bad_rank, timeout=10)))
+        got = code(lambda: list(ds.StreamBatches(iter([bad_rank]), timeout=10)))
         assert got == grpc.StatusCode.INVALID_ARGUMENT
         first = list(
             ds.StreamBatches(
-                pb.StreamBatchesRequest(session_id=ok.session_id, max_batches=2), timeout=10
+                iter([pb.StreamBatchesRequest(session_id=ok.session_id, max_batches=2)]),
+                timeout=10,
             )
         )
         assert [b.step for b in first] == [0, 1]
@@ -167,7 +168,7 @@ def test_refusals_and_the_server_keeps_serving(served, tmp_path):
         close = pb.CloseSessionRequest(session_id=ok.session_id)
         assert code(lambda: ds.CloseSession(close, timeout=10)) == grpc.StatusCode.NOT_FOUND
         nosession = pb.StreamBatchesRequest(session_id="nope")
-        got = code(lambda: list(ds.StreamBatches(nosession, timeout=10)))
+        got = code(lambda: list(ds.StreamBatches(iter([nosession]), timeout=10)))
         assert got == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as err:
         DataStoreLoader(str(path), batch_size=-1, address=str(sock))

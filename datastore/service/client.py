@@ -103,7 +103,7 @@ class RemoteBatches:
     """
 
     def __init__(self, stub: Any, request: Any, metadata: Any = None) -> None:
-        self._call = stub.StreamBatches(request, metadata=metadata)
+        self._call = stub.StreamBatches(iter([request]), metadata=metadata)
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         try:

@@ -136,7 +136,10 @@ class Servicer(pb_grpc.DataStoreServicer):
             fields=s.fields,
         )
 
-    def StreamBatches(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def StreamBatches(self, requests: Any, context: grpc.ServicerContext) -> Any:
+        request = next(requests, None)
+        if request is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StreamBatches needs a first request")
         if request.transport == pb.TRANSPORT_SHARED_MEMORY:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, f"shared-memory transport: {NOT_YET}")
         try:

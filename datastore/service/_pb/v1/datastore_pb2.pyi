@@ -27,7 +27,7 @@ class SpatialLayout(_message.Message):
     def __init__(self, parts: _Optional[_Iterable[int]] = ..., halo: _Optional[_Iterable[int]] = ..., boundary: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("dataset_path", "seed", "global_batch", "world_size", "spatial", "shuffle", "drop_last", "job_id")
+    __slots__ = ("dataset_path", "seed", "global_batch", "world_size", "spatial", "shuffle", "drop_last", "job_id", "fields")
     DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class OpenSessionRequest(_message.Message):
     SHUFFLE_FIELD_NUMBER: _ClassVar[int]
     DROP_LAST_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     dataset_path: str
     seed: int
     global_batch: int
@@ -44,7 +45,8 @@ class OpenSessionRequest(_message.Message):
     shuffle: bool
     drop_last: bool
     job_id: str
-    def __init__(self, dataset_path: _Optional[str] = ..., seed: _Optional[int] = ..., global_batch: _Optional[int] = ..., world_size: _Optional[int] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., shuffle: _Optional[bool] = ..., drop_last: _Optional[bool] = ..., job_id: _Optional[str] = ...) -> None: ...
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dataset_path: _Optional[str] = ..., seed: _Optional[int] = ..., global_batch: _Optional[int] = ..., world_size: _Optional[int] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., shuffle: _Optional[bool] = ..., drop_last: _Optional[bool] = ..., job_id: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FieldInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape", "spatial_axes")
@@ -71,7 +73,7 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldInfo, _Mapping]]] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("session_id", "rank", "epoch", "start_step", "max_batches", "transport", "prefetch")
+    __slots__ = ("session_id", "rank", "epoch", "start_step", "max_batches", "transport", "prefetch", "done_steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,7 @@ class StreamBatchesRequest(_message.Message):
     MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    DONE_STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     rank: int
     epoch: int
@@ -86,7 +89,8 @@ class StreamBatchesRequest(_message.Message):
     max_batches: int
     transport: Transport
     prefetch: int
-    def __init__(self, session_id: _Optional[str] = ..., rank: _Optional[int] = ..., epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., max_batches: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ...) -> None: ...
+    done_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., rank: _Optional[int] = ..., epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., max_batches: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., done_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SharedMemoryRegion(_message.Message):
     __slots__ = ("path", "offset", "length", "generation")
@@ -155,23 +159,33 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DatasetStatus(_message.Message):
-    __slots__ = ("path", "format", "num_samples", "bytes_total", "bytes_resident", "sessions")
+    __slots__ = ("path", "format", "num_samples", "bytes_total", "bytes_resident", "sessions", "loading", "last_used_unix_s", "hits", "misses", "local_samples")
     PATH_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BYTES_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     path: str
     format: str
     num_samples: int
     bytes_total: int
     bytes_resident: int
     sessions: int
-    def __init__(self, path: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_resident: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    loading: bool
+    last_used_unix_s: float
+    hits: int
+    misses: int
+    local_samples: int
+    def __init__(self, path: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_resident: _Optional[int] = ..., sessions: _Optional[int] = ..., loading: _Optional[bool] = ..., last_used_unix_s: _Optional[float] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., local_samples: _Optional[int] = ...) -> None: ...
 
 class SessionStatus(_message.Message):
-    __slots__ = ("session_id", "dataset_path", "job_id", "world_size", "global_batch", "clients", "batches_served", "bytes_served", "opened_unix_s")
+    __slots__ = ("session_id", "dataset_path", "job_id", "world_size", "global_batch", "clients", "batches_served", "bytes_served", "opened_unix_s", "streams", "stall_s", "idle_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +195,9 @@ class SessionStatus(_message.Message):
     BATCHES_SERVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     OPENED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    STALL_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     dataset_path: str
     job_id: str
@@ -190,10 +207,13 @@ class SessionStatus(_message.Message):
     batches_served: int
     bytes_served: int
     opened_unix_s: float
-    def __init__(self, session_id: _Optional[str] = ..., dataset_path: _Optional[str] = ..., job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., global_batch: _Optional[int] = ..., clients: _Optional[int] = ..., batches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., opened_unix_s: _Optional[float] = ...) -> None: ...
+    streams: int
+    stall_s: float
+    idle_s: float
+    def __init__(self, session_id: _Optional[str] = ..., dataset_path: _Optional[str] = ..., job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., global_batch: _Optional[int] = ..., clients: _Optional[int] = ..., batches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., opened_unix_s: _Optional[float] = ..., streams: _Optional[int] = ..., stall_s: _Optional[float] = ..., idle_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "pid", "uptime_s", "listen", "datasets", "sessions", "clients", "batches_served", "bytes_served", "calls_served")
+    __slots__ = ("version", "pid", "uptime_s", "listen", "datasets", "sessions", "clients", "batches_served", "bytes_served", "calls_served", "memory_budget", "bytes_resident", "bytes_exchanged", "node", "nodes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +224,11 @@ class StatusResponse(_message.Message):
     BATCHES_SERVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     CALLS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_EXCHANGED_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     uptime_s: float
@@ -214,7 +239,70 @@ class StatusResponse(_message.Message):
     batches_served: int
     bytes_served: int
     calls_served: int
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., clients: _Optional[int] = ..., batches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., calls_served: _Optional[int] = ...) -> None: ...
+    memory_budget: int
+    bytes_resident: int
+    bytes_exchanged: int
+    node: int
+    nodes: int
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., listen: _Optional[_Iterable[str]] = ..., datasets: _Optional[_Iterable[_Union[DatasetStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., clients: _Optional[int] = ..., batches_served: _Optional[int] = ..., bytes_served: _Optional[int] = ..., calls_served: _Optional[int] = ..., memory_budget: _Optional[int] = ..., bytes_resident: _Optional[int] = ..., bytes_exchanged: _Optional[int] = ..., node: _Optional[int] = ..., nodes: _Optional[int] = ...) -> None: ...
+
+class LoadDatasetRequest(_message.Message):
+    __slots__ = ("dataset_path", "wait")
+    DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    dataset_path: str
+    wait: bool
+    def __init__(self, dataset_path: _Optional[str] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class LoadDatasetResponse(_message.Message):
+    __slots__ = ("dataset",)
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    dataset: DatasetStatus
+    def __init__(self, dataset: _Optional[_Union[DatasetStatus, _Mapping]] = ...) -> None: ...
+
+class UnloadDatasetRequest(_message.Message):
+    __slots__ = ("dataset_path",)
+    DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
+    dataset_path: str
+    def __init__(self, dataset_path: _Optional[str] = ...) -> None: ...
+
+class UnloadDatasetResponse(_message.Message):
+    __slots__ = ("bytes_freed",)
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    bytes_freed: int
+    def __init__(self, bytes_freed: _Optional[int] = ...) -> None: ...
+
+class StageRequest(_message.Message):
+    __slots__ = ("sources", "dest", "verify", "unpack", "streams", "load")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    DEST_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    UNPACK_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    dest: str
+    verify: bool
+    unpack: bool
+    streams: int
+    load: bool
+    def __init__(self, sources: _Optional[_Iterable[str]] = ..., dest: _Optional[str] = ..., verify: _Optional[bool] = ..., unpack: _Optional[bool] = ..., streams: _Optional[int] = ..., load: _Optional[bool] = ...) -> None: ...
+
+class StageProgress(_message.Message):
+    __slots__ = ("bytes_done", "bytes_total", "done", "exit_code", "summary_json", "message")
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_JSON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    bytes_total: int
+    done: bool
+    exit_code: int
+    summary_json: str
+    message: str
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., exit_code: _Optional[int] = ..., summary_json: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s", "reason")

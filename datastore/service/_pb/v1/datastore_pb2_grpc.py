@@ -39,7 +39,7 @@ class DataStoreStub:
                 request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
-        self.StreamBatches = channel.unary_stream(
+        self.StreamBatches = channel.stream_stream(
                 '/datastore.v1.DataStore/StreamBatches',
                 request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StreamBatchesRequest.SerializeToString,
                 response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.Batch.FromString,
@@ -53,6 +53,21 @@ class DataStoreStub:
                 '/datastore.v1.DataStore/Status',
                 request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StatusRequest.SerializeToString,
                 response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StatusResponse.FromString,
+                _registered_method=True)
+        self.LoadDataset = channel.unary_unary(
+                '/datastore.v1.DataStore/LoadDataset',
+                request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.LoadDatasetRequest.SerializeToString,
+                response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.LoadDatasetResponse.FromString,
+                _registered_method=True)
+        self.UnloadDataset = channel.unary_unary(
+                '/datastore.v1.DataStore/UnloadDataset',
+                request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.UnloadDatasetRequest.SerializeToString,
+                response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.UnloadDatasetResponse.FromString,
+                _registered_method=True)
+        self.Stage = channel.unary_stream(
+                '/datastore.v1.DataStore/Stage',
+                request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StageRequest.SerializeToString,
+                response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StageProgress.FromString,
                 _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/datastore.v1.DataStore/Shutdown',
@@ -71,8 +86,9 @@ class DataStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def StreamBatches(self, request, context):
-        """Streams the batches of one rank of a session, from (epoch, step) on, in order.
+    def StreamBatches(self, request_iterator, context):
+        """Streams the batches of one rank of a session, from (epoch, step) on, in order. The first
+        request opens the stream; later ones only return shared-memory slots (`done_steps`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,6 +103,27 @@ class DataStoreServicer:
 
     def Status(self, request, context):
         """What the service holds and has served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadDataset(self, request, context):
+        """Makes a dataset resident now (what OpenSession does on first use).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadDataset(self, request, context):
+        """Drops a resident dataset that no open session uses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stage(self, request, context):
+        """Stages sources to a node-local destination (as `datastore stage`), streaming progress.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,7 +144,7 @@ def add_DataStoreServicer_to_server(servicer, server):
                     request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenSessionRequest.FromString,
                     response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenSessionResponse.SerializeToString,
             ),
-            'StreamBatches': grpc.unary_stream_rpc_method_handler(
+            'StreamBatches': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamBatches,
                     request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StreamBatchesRequest.FromString,
                     response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.Batch.SerializeToString,
@@ -121,6 +158,21 @@ def add_DataStoreServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StatusRequest.FromString,
                     response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StatusResponse.SerializeToString,
+            ),
+            'LoadDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadDataset,
+                    request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.LoadDatasetRequest.FromString,
+                    response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.LoadDatasetResponse.SerializeToString,
+            ),
+            'UnloadDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadDataset,
+                    request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.UnloadDatasetRequest.FromString,
+                    response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.UnloadDatasetResponse.SerializeToString,
+            ),
+            'Stage': grpc.unary_stream_rpc_method_handler(
+                    servicer.Stage,
+                    request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StageRequest.FromString,
+                    response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StageProgress.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -166,7 +218,7 @@ class DataStore:
             _registered_method=True)
 
     @staticmethod
-    def StreamBatches(request,
+    def StreamBatches(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -176,8 +228,8 @@ class DataStore:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/datastore.v1.DataStore/StreamBatches',
             datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StreamBatchesRequest.SerializeToString,
@@ -236,6 +288,87 @@ class DataStore:
             '/datastore.v1.DataStore/Status',
             datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StatusRequest.SerializeToString,
             datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/datastore.v1.DataStore/LoadDataset',
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.LoadDatasetRequest.SerializeToString,
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.LoadDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/datastore.v1.DataStore/UnloadDataset',
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.UnloadDatasetRequest.SerializeToString,
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.UnloadDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/datastore.v1.DataStore/Stage',
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StageRequest.SerializeToString,
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.StageProgress.FromString,
             options,
             channel_credentials,
             insecure,
