@@ -150,18 +150,27 @@ class Store:
             bufs[field] = np.empty(spec.shape, spec.dtype)
         return bufs[field]
 
-    def preload(self, threads: int = 4) -> None:
+    def preload(self, threads: int = 4, stop: threading.Event | None = None) -> None:
         """Read every slot that is kept (RAM and spill) now, ``threads`` reads at a time
-        (readers are thread-safe; those that release the GIL, like npy, read in parallel)."""
+        (readers are thread-safe; those that release the GIL, like npy, read in parallel).
+        Returns early, leaving the rest to be read on first use, once ``stop`` is set."""
         kept = [int(k) for k in self.keys[: self.ram_slots + self.spill_slots]]
 
         def fill(key: int) -> None:
+            if stop is not None and stop.is_set():
+                return
             for field in self.fields:
                 self.get(key, field)
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             for _ in pool.map(fill, kept):
                 pass
+
+    def filled_bytes(self) -> int:
+        """Bytes of the slots read so far (RAM and spill)."""
+        return sum(
+            int(np.count_nonzero(done)) * self.fields[f].nbytes for f, done in self._filled.items()
+        )
 
     def close(self) -> None:
         self._ram.clear()

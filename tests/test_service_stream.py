@@ -1,4 +1,5 @@
-"""``datastore serve`` streaming batches inline: the same batches as the embedded loader.
+"""``datastore serve`` streaming batches (shared memory and inline): the same batches as the
+embedded loader.
 
 A real server subprocess on a Unix socket in ``tmp_path`` (started and killed as in
 ``test_service_basic``); the remote loader is ``DataStoreLoader(..., address=socket)``.
@@ -40,7 +41,7 @@ def served(tmp_path_factory):
         f["idx"] = np.arange(24, dtype=np.int64)
     runtime = tmp / "runtime"
     runtime.mkdir()
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "XDG_STATE_HOME": str(tmp / "state")}
     sock = tmp / "s.sock"
     s = Server(tmp / "logs", ["--socket", str(sock)], env)
     wait_serving(s.listening(30)[0], s.proc, timeout=30)
@@ -74,10 +75,13 @@ def assert_same(a, b):
     [{}, {"rank": 1, "world": 2, "spatial": SPATIAL}, {"rank": 1, "world": 4, "spatial": SPATIAL}],
     ids=["whole", "spatial-r1w2", "spatial-r1w4"],
 )
-def test_remote_equals_embedded_over_two_epochs(served, kw):
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_remote_equals_embedded_over_two_epochs(served, kw, transport):
     path, sock, _ = served
     local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False, **kw)
-    remote = DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock), **kw)
+    remote = DataStoreLoader(
+        str(path), batch_size=4, seed=3, address=str(sock), transport=transport, **kw
+    )
     assert isinstance(remote, RemoteLoader)
     try:
         assert len(remote) == len(local)
@@ -159,7 +163,9 @@ def test_refusals_and_the_server_keeps_serving(served, tmp_path):
         assert got == grpc.StatusCode.INVALID_ARGUMENT
         first = list(
             ds.StreamBatches(
-                iter([pb.StreamBatchesRequest(session_id=ok.session_id, max_batches=2)]),
+                iter(
+                    [pb.StreamBatchesRequest(session_id=ok.session_id, max_batches=2, transport=1)]
+                ),
                 timeout=10,
             )
         )

@@ -27,6 +27,7 @@ examples:
   datastore serve
   datastore serve --socket /l/ssd/run/datastore.sock
   datastore serve --tcp 0.0.0.0:7433 --token-file ~/.datastore-token
+  datastore serve --memory-budget 64G --allow /l/ssd --metrics 0.0.0.0:9433
 """
 
 STATUS_EPILOG = """\
@@ -76,7 +77,43 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="how long shutdown lets calls in flight finish (default: 5)",
     )
-    p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: 8)")
+    p.add_argument("--workers", type=int, default=16, help="threads serving calls (default: 16)")
+    p.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        default=None,
+        metavar="SIZE",
+        help="memory for resident datasets, e.g. 64G (default: no limit); least recently used "
+        "datasets no session uses are evicted to make room",
+    )
+    p.add_argument(
+        "--allow",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="serve datasets (and stage) only under DIR; repeatable (default: anywhere)",
+    )
+    p.add_argument(
+        "--state-file",
+        type=Path,
+        default=None,
+        help="where resident datasets are listed, to reload them after a restart "
+        "(default: under $XDG_STATE_HOME/datastore, one per socket)",
+    )
+    p.add_argument(
+        "--session-idle",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="close a session with no stream for this long: its client died (default: 600)",
+    )
+    p.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        default=None,
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0: any free port)",
+    )
     p.set_defaults(func=run_serve)
 
     s = sub.add_parser(
@@ -102,19 +139,39 @@ def add_parser(sub: Any) -> None:
     s.set_defaults(func=run_status)
 
 
+def parse_bytes(text: str) -> int:
+    """``"64G"`` -> bytes (K, M, G, T: powers of 1024; a plain number: bytes)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in units else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 64G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
+    return int(value * units[unit])
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    from datastore.service.paths import default_socket
+    from datastore.service.paths import default_socket, default_state_file
     from datastore.service.server import ServeConfig, serve
 
     private = args.socket is None
+    socket = default_socket() if private else args.socket
     try:
         config = ServeConfig(
-            socket=default_socket() if private else args.socket,
+            socket=socket,
             private=private,
             tcp=args.tcp,
             token_file=args.token_file,
             grace_s=args.grace,
             workers=args.workers,
+            memory_budget=args.memory_budget,
+            state_file=args.state_file or default_state_file(socket),
+            allowed_roots=tuple(args.allow),
+            session_idle_s=args.session_idle,
+            metrics=args.metrics,
         )
     except ValueError as exc:
         print(f"datastore serve: {exc}", file=sys.stderr)

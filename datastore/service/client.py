@@ -7,8 +7,10 @@ streamed by the service (inline bytes) instead of read in this process.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
+import queue
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,14 +24,22 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
 from datastore.service.paths import unix_target
+from datastore.service.shm import ClientMaps
 
-__all__ = ["Client", "RemoteBatches", "RemoteLoader", "target_of"]
+__all__ = ["TRANSPORTS", "Client", "RemoteBatches", "RemoteLoader", "target_of"]
 
 MAX_MESSAGE = 256 * 1024 * 1024  # as the server: a batch is one message
 MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
 ]
+
+
+TRANSPORTS = {
+    "auto": pb.TRANSPORT_UNSPECIFIED,
+    "shm": pb.TRANSPORT_SHARED_MEMORY,
+    "inline": pb.TRANSPORT_INLINE,
+}
 
 
 def target_of(address: str | os.PathLike) -> str:
@@ -90,41 +100,73 @@ class Client:
         self.close()
 
 
-def _tensor(t: Any) -> torch.Tensor:
-    arr = np.frombuffer(t.data, dtype=np.dtype(t.meta.dtype)).reshape(tuple(t.meta.shape))
-    return torch.from_numpy(arr.copy())  # writable, owned by the tensor
-
-
 class RemoteBatches:
     """The batches of one ``StreamBatches`` call as ``(step, {field: tensor})``.
 
     Iterating pulls one message at a time (gRPC flow control bounds what is in flight);
     ``close()`` (or dropping it) cancels the call, which stops the server producing.
+
+    Inline tensors are copied out of the message (writable, owned). Shared-memory tensors are
+    views of the service's segment, no copy: a batch stays valid until ``hold`` further
+    batches have been drawn, then its step is returned to the service for reuse.
     """
 
-    def __init__(self, stub: Any, request: Any, metadata: Any = None) -> None:
-        self._call = stub.StreamBatches(iter([request]), metadata=metadata)
+    def __init__(self, stub: Any, request: Any, metadata: Any = None, hold: int = 3) -> None:
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox.put(request)
+        self._call = stub.StreamBatches(self._requests(), metadata=metadata)
+        self._maps = ClientMaps()
+        self._held: collections.deque[int] = collections.deque()
+        self._hold = max(1, hold)
+
+    def _requests(self) -> Iterator[Any]:
+        while (r := self._outbox.get()) is not None:
+            yield r
+
+    def _tensor(self, t: Any) -> torch.Tensor:
+        dtype, shape = np.dtype(t.meta.dtype), tuple(t.meta.shape)
+        if t.WhichOneof("payload") == "shm":
+            fresh = t.shm.path not in self._maps
+            arr = self._maps.array(t.shm.path, t.shm.offset, dtype, shape)
+            if fresh:  # the service removes the file now: nothing is left behind after us
+                self._outbox.put(pb.StreamBatchesRequest(mapped=True))
+            return torch.from_numpy(arr)
+        arr = np.frombuffer(t.data, dtype=dtype).reshape(shape)
+        return torch.from_numpy(arr.copy())  # writable, owned by the tensor
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         try:
             for b in self._call:
-                yield b.step, {t.meta.name: _tensor(t) for t in b.tensors}
+                shared = any(t.WhichOneof("payload") == "shm" for t in b.tensors)
+                batch = {t.meta.name: self._tensor(t) for t in b.tensors}
+                if shared:
+                    self._held.append(b.step)
+                    if len(self._held) > self._hold:
+                        self._outbox.put(pb.StreamBatchesRequest(done_steps=[self._held.popleft()]))
+                yield b.step, batch
         finally:
             self.close()
 
     def close(self) -> None:
         self._call.cancel()
+        self._outbox.put(None)
+        self._maps.drop()
 
 
 class RemoteLoader(EpochPosition):
     """``DataStoreLoader``'s API over ``datastore serve``: one session per loader.
 
-    Takes ``DataStoreLoader``'s arguments that fix the sample sequence (the rest, such as
-    ``prefetch`` or ``memory_budget``, are the server's business and ignored here).
+    Takes ``DataStoreLoader``'s arguments that fix the sample sequence, ``fields`` and
+    ``prefetch`` (the rest, such as ``memory_budget``, are the service's business and ignored).
 
     Args:
         address: a Unix socket path, ``unix://PATH`` or ``HOST:PORT``.
         token: the shared secret for TCP. Default: none.
+        transport: ``"auto"`` (shared memory over the Unix socket, inline bytes over TCP),
+            ``"shm"`` or ``"inline"``. Default: ``"auto"``. Shared-memory tensors are views of
+            the service's memory, valid until ``prefetch + 1`` further batches are drawn (as the
+            embedded loader's); ``.clone()`` one to keep it longer.
+        job_id: shown by ``datastore status``. Default: ``$SLURM_JOB_ID``.
     """
 
     def __init__(
@@ -140,7 +182,10 @@ class RemoteLoader(EpochPosition):
         spatial: dict[str, Any] | None = None,
         rank: int | None = None,
         world: int | None = None,
+        fields: list[str] | None = None,
+        prefetch: int = 2,
         token: str | None = None,
+        transport: str = "auto",
         job_id: str = "",
         **_ignored: Any,
     ) -> None:
@@ -159,6 +204,9 @@ class RemoteLoader(EpochPosition):
             if global_batch_size is not None
             else batch_size * self.layout.data_world  # type: ignore[operator]
         )
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        self.transport, self.prefetch = TRANSPORTS[transport], max(1, prefetch)
         self.target = target_of(address)
         self._channel = grpc.insecure_channel(self.target, options=MESSAGE_OPTIONS)
         self._stub = pb_grpc.DataStoreStub(self._channel)
@@ -170,21 +218,18 @@ class RemoteLoader(EpochPosition):
                 halo=list(spatial.get("halo", ())),
                 boundary=spatial.get("boundary", ""),
             )
-        reply = self._stub.OpenSession(
-            pb.OpenSessionRequest(
-                dataset_path=os.path.abspath(os.fspath(dataset)),
-                seed=seed,
-                global_batch=max(0, gb),
-                world_size=self.world_size,
-                spatial=layout,
-                shuffle=shuffle,
-                drop_last=drop_last,
-                job_id=job_id or os.environ.get("SLURM_JOB_ID", ""),
-            ),
-            timeout=60,
-            metadata=self._metadata,
+        self._open_request = pb.OpenSessionRequest(
+            dataset_path=os.path.abspath(os.fspath(dataset)),
+            seed=seed,
+            global_batch=max(0, gb),
+            world_size=self.world_size,
+            spatial=layout,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            job_id=job_id or os.environ.get("SLURM_JOB_ID", ""),
+            fields=list(fields or ()),
         )
-        self.session_id = reply.session_id
+        reply = self._open()
         self.num_samples = reply.num_samples
         self.fields = list(reply.fields)
         self.schedule = Schedule(
@@ -194,18 +239,45 @@ class RemoteLoader(EpochPosition):
         self.batch_size = self.schedule.local_batch(self.layout.data_world)
         self.epoch, self._step = 0, 0
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _open(self) -> Any:
+        reply = self._stub.OpenSession(self._open_request, timeout=60, metadata=self._metadata)
+        self.session_id = reply.session_id
+        return reply
+
+    def _stream(self) -> RemoteBatches:
         request = pb.StreamBatchesRequest(
             session_id=self.session_id,
             rank=self.rank,
             epoch=self.epoch,
             start_step=self._step,
-            transport=pb.TRANSPORT_INLINE,
+            transport=self.transport,
+            prefetch=self.prefetch,
         )
+        return RemoteBatches(self._stub, request, self._metadata, hold=self.prefetch + 1)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         finished = False
-        stream = RemoteBatches(self._stub, request, self._metadata)
+        stream = self._stream()
+        it = iter(stream)
         try:
-            for step, batch in stream:
+            first = next(it, None)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                raise
+            # the service closed an idle session (or restarted): the same request gives the
+            # same sequence, so reopen and carry on where this loader is
+            stream.close()
+            self._open()
+            stream = self._stream()
+            it = iter(stream)
+            first = next(it, None)
+        try:
+            if first is None:
+                finished = True
+                return
+            self._step = first[0] + 1
+            yield first[1]
+            for step, batch in it:
                 self._step = step + 1
                 yield batch
             finished = True

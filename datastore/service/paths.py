@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import socket
 import stat
@@ -27,6 +28,7 @@ __all__ = [
     "UnsafeDirectory",
     "claim_socket",
     "default_socket",
+    "default_state_file",
     "socket_answers",
     "unix_target",
 ]
@@ -54,6 +56,16 @@ def default_socket(env: dict[str, str] | None = None) -> Path:
     if runtime and Path(runtime).is_dir():
         return Path(runtime) / "datastore" / SOCKET_NAME
     return Path(f"/tmp/datastore-{os.getuid()}") / SOCKET_NAME
+
+
+def default_state_file(socket: Path, env: dict[str, str] | None = None) -> Path:
+    """Where a service on ``socket`` lists its resident datasets across restarts:
+    ``$XDG_STATE_HOME/datastore/resident-<hash of the socket path>.json`` (or under
+    ``~/.local/state``), so services on different sockets keep different lists."""
+    env = os.environ if env is None else env
+    base = Path(env.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    digest = hashlib.sha1(os.fsencode(os.path.abspath(socket))).hexdigest()[:12]
+    return base / "datastore" / f"resident-{digest}.json"
 
 
 def unix_target(path: Path | str) -> str:

@@ -37,14 +37,18 @@ from datastore.service import SERVICE_NAME
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import TokenInterceptor, read_token
+from datastore.service.errors import ServiceError
 from datastore.service.logs import JsonLog
+from datastore.service.metrics import serve_metrics
 from datastore.service.paths import AddressInUse, UnsafeDirectory, claim_socket, unix_target
-from datastore.service.session import SessionError, Sessions
+from datastore.service.resident import Residency, Resident, resolve_dataset
+from datastore.service.session import Sessions
+from datastore.service.shm import reclaim_stale
+from datastore.service.stream import Stream
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ServeConfig", "Servicer", "serve"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-NOT_YET = "not implemented yet: `datastore serve` streams batches in a later increment"
 MAX_MESSAGE = 256 * 1024 * 1024
 MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -62,7 +66,13 @@ class ServeConfig:
         tcp: ``HOST:PORT`` to listen on as well (port 0: any free port). Default: none.
         token_file: the shared secret for ``tcp``; required with it. Default: none.
         grace_s: seconds to let calls in flight finish on shutdown. Default: ``5.0``.
-        workers: threads serving calls. Default: ``8``.
+        workers: threads serving calls. Default: ``16``.
+        memory_budget: bytes of memory for resident datasets. Default: none (no limit).
+        state_file: where the resident datasets are listed, to reload them after a restart.
+            Default: none.
+        allowed_roots: datasets (and stage paths) must lie under one of these. Default: any.
+        session_idle_s: close a session that has had no stream for this long. Default: ``600``.
+        metrics: ``HOST:PORT`` to serve Prometheus ``/metrics`` on. Default: none.
     """
 
     socket: Path
@@ -70,7 +80,12 @@ class ServeConfig:
     tcp: str | None = None
     token_file: Path | None = None
     grace_s: float = 5.0
-    workers: int = 8
+    workers: int = 16
+    memory_budget: int | None = None
+    state_file: Path | None = None
+    allowed_roots: tuple[Path, ...] = ()
+    session_idle_s: float = 600.0
+    metrics: str | None = None
 
     def __post_init__(self) -> None:
         if self.tcp is not None and self.token_file is None:
@@ -79,6 +94,14 @@ class ServeConfig:
             raise ValueError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.grace_s < 0 or self.workers < 1:
             raise ValueError("grace_s must be >= 0 and workers >= 1")
+        if self.memory_budget is not None and self.memory_budget < 0:
+            raise ValueError("the memory budget must be >= 0")
+        if self.session_idle_s <= 0:
+            raise ValueError("the session idle time must be > 0")
+        if self.metrics is not None and ":" not in self.metrics:
+            raise ValueError(f"--metrics wants HOST:PORT, got {self.metrics!r}")
+        roots = tuple(Path(os.path.realpath(r)) for r in self.allowed_roots)
+        object.__setattr__(self, "allowed_roots", roots)
 
 
 class _Counters:
@@ -99,73 +122,170 @@ class _CountCalls(grpc.ServerInterceptor):
         return continuation(handler_call_details)
 
 
+def _returns_slots(requests: Any, stream: Stream) -> None:
+    """Read the client's later messages, returning the slots they list (a thread per stream)."""
+    try:
+        for r in requests:
+            if r.mapped:
+                stream.mapped()
+            stream.done(list(r.done_steps))
+    except (grpc.RpcError, ValueError):
+        pass  # the call ended: the stream stops through its callback
+
+
 class Servicer(pb_grpc.DataStoreServicer):
-    """``datastore.v1.DataStore``: sessions streaming inline batches, ``Status``, ``Shutdown``."""
+    """``datastore.v1.DataStore`` over the resident datasets of one node."""
 
     def __init__(
-        self, *, listen: list[str], stop: _Stop, counters: _Counters, log: JsonLog
+        self,
+        *,
+        config: ServeConfig,
+        listen: list[str],
+        stop: _Stop,
+        counters: _Counters,
+        log: JsonLog,
     ) -> None:
         self._started = time.monotonic()
+        self._config = config
         self._listen = listen
         self._stop = stop
         self._counters = counters
         self._log = log
-        self.sessions = Sessions()
+        self.residency = Residency(config.memory_budget, config.state_file, on_event=log.info)
+        self.sessions = Sessions(
+            self.residency, config.allowed_roots, config.session_idle_s, on_event=log.info
+        )
 
-    def _refuse(self, context: grpc.ServicerContext, call: str, exc: SessionError) -> None:
+    def _refuse(self, context: grpc.ServicerContext, call: str, exc: ServiceError) -> None:
         self._log.warning("refused", call=call, code=exc.code, msg=str(exc))
         context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
     def OpenSession(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             s = self.sessions.open(request)
-        except SessionError as exc:
+        except ServiceError as exc:
             self._refuse(context, "OpenSession", exc)
         self._log.info(
             "session_opened",
             session=s.session_id,
-            dataset=request.dataset_path,
+            dataset=s.resident.path,
             job_id=request.job_id,
             world=s.world,
             global_batch=request.global_batch,
         )
         return pb.OpenSessionResponse(
             session_id=s.session_id,
-            num_samples=s.num_samples,
-            steps_per_epoch=s.steps_per_epoch,
-            fields=s.fields,
+            num_samples=s.resident.num_samples,
+            steps_per_epoch=s.schedule.steps_per_epoch,
+            fields=s.field_infos(),
+        )
+
+    def _shared_memory(self, request: Any, context: grpc.ServicerContext) -> bool:
+        local = context.peer().startswith("unix:")
+        if request.transport == pb.TRANSPORT_SHARED_MEMORY and not local:
+            raise ServiceError(
+                "FAILED_PRECONDITION",
+                "shared memory is served over the Unix socket only (the client is on this node)",
+            )
+        return request.transport == pb.TRANSPORT_SHARED_MEMORY or (
+            request.transport == pb.TRANSPORT_UNSPECIFIED and local
         )
 
     def StreamBatches(self, requests: Any, context: grpc.ServicerContext) -> Any:
         request = next(requests, None)
         if request is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StreamBatches needs a first request")
-        if request.transport == pb.TRANSPORT_SHARED_MEMORY:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, f"shared-memory transport: {NOT_YET}")
         try:
-            s = self.sessions.get(request.session_id)
-            batches = s.batches(
-                request.rank,
-                request.epoch,
-                request.start_step,
-                request.max_batches,
-                context.is_active,
-            )
-            for batch, nbytes in batches:
+            session = self.sessions.get(request.session_id)
+            shm = self._shared_memory(request, context)
+            stream = session.stream(request, shm, hold=int(request.prefetch or 2) + 1)
+        except ServiceError as exc:
+            self._refuse(context, "StreamBatches", exc)
+        context.add_callback(lambda: session.release(stream))
+        if shm:
+            threading.Thread(
+                target=_returns_slots, args=(requests, stream), daemon=True, name="datastore-acks"
+            ).start()
+        try:
+            for batch, nbytes in stream.messages():
+                session.served(nbytes)
                 with self._counters.lock:
                     self._counters.batches += 1
                     self._counters.bytes += nbytes
                 yield batch
-        except SessionError as exc:
+        except ServiceError as exc:
             self._refuse(context, "StreamBatches", exc)
+        except (ValueError, OSError) as exc:  # a sample that cannot be read
+            self._refuse(context, "StreamBatches", ServiceError("DATA_LOSS", str(exc)))
+        finally:
+            session.release(stream)
 
     def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             self.sessions.close(request.session_id)
-        except SessionError as exc:
+        except ServiceError as exc:
             self._refuse(context, "CloseSession", exc)
         self._log.info("session_closed", session=request.session_id)
         return pb.CloseSessionResponse()
+
+    def LoadDataset(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            path = resolve_dataset(request.dataset_path, self._config.allowed_roots)
+            r = self.residency.load(path)
+        except ServiceError as exc:
+            self._refuse(context, "LoadDataset", exc)
+        if request.wait:
+            while not r.wait(0.5):
+                if not context.is_active():
+                    break
+        return pb.LoadDatasetResponse(dataset=_dataset_status(r))
+
+    def UnloadDataset(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            path = resolve_dataset(request.dataset_path, self._config.allowed_roots)
+            freed = self.residency.unload(path)
+        except ServiceError as exc:
+            self._refuse(context, "UnloadDataset", exc)
+        return pb.UnloadDatasetResponse(bytes_freed=freed)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain numbers for the metrics collector."""
+        sessions = self.sessions.all()
+        datasets = self.residency.all()
+        with self._counters.lock:
+            totals = {
+                "calls": self._counters.calls,
+                "batches": self._counters.batches,
+                "bytes": self._counters.bytes,
+            }
+        totals.update(
+            exchanged=0,
+            resident=sum(r.budgeted for r in datasets),
+            budget=self._config.memory_budget or 0,
+            streams=sum(len(s.streams) for s in sessions),
+        )
+        return {
+            "totals": totals,
+            "sessions": [
+                {
+                    "session_id": s.session_id,
+                    "job_id": s.request.job_id,
+                    "batches_served": s.batches_served,
+                    "bytes_served": s.bytes_served,
+                    "stall_s": s.stall_s,
+                }
+                for s in sessions
+            ],
+            "datasets": [
+                {
+                    "path": r.path,
+                    "bytes_resident": r.store.filled_bytes(),
+                    "hits": r.store.counters.hits,
+                    "misses": r.store.counters.misses,
+                }
+                for r in datasets
+            ],
+        }
 
     def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
         with self._counters.lock:
@@ -174,29 +294,38 @@ class Servicer(pb_grpc.DataStoreServicer):
                 self._counters.batches,
                 self._counters.bytes,
             )
+        sessions = self.sessions.all()
+        datasets = self.residency.all()
         return pb.StatusResponse(
             version=__version__,
             pid=os.getpid(),
             uptime_s=time.monotonic() - self._started,
             listen=self._listen,
-            datasets=[],
+            datasets=[_dataset_status(r) for r in datasets],
             sessions=[
                 pb.SessionStatus(
                     session_id=x.session_id,
-                    dataset_path=x.request.dataset_path,
+                    dataset_path=x.resident.path,
                     job_id=x.request.job_id,
                     world_size=x.world,
                     global_batch=x.request.global_batch,
+                    clients=len(x.streams),
                     batches_served=x.batches_served,
                     bytes_served=x.bytes_served,
                     opened_unix_s=x.opened_unix_s,
+                    streams=len(x.streams),
+                    stall_s=x.stall_s,
+                    idle_s=x.idle_s(),
                 )
-                for x in self.sessions.all()
+                for x in sessions
             ],
-            clients=0,
+            clients=sum(len(x.streams) for x in sessions),
             batches_served=batches,
             bytes_served=nbytes,
             calls_served=calls,
+            memory_budget=self._config.memory_budget or 0,
+            bytes_resident=sum(r.budgeted for r in datasets),
+            nodes=1,
         )
 
     def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -206,6 +335,26 @@ class Servicer(pb_grpc.DataStoreServicer):
         )
         self._stop.request("Shutdown", grace)
         return pb.ShutdownResponse(accepted=True)
+
+    def close(self) -> None:
+        self.sessions.close_all()
+        self.residency.close()
+
+
+def _dataset_status(r: Resident) -> Any:
+    return pb.DatasetStatus(
+        path=r.path,
+        format=str(getattr(r.reader, "format", "")),
+        num_samples=r.num_samples,
+        bytes_total=r.nbytes,
+        bytes_resident=r.store.filled_bytes(),
+        sessions=r.sessions,
+        loading=r.loading,
+        last_used_unix_s=r.last_used,
+        hits=r.store.counters.hits,
+        misses=r.store.counters.misses,
+        local_samples=len(r.store.keys),
+    )
 
 
 class _Stop:
@@ -291,7 +440,15 @@ def _run(config: ServeConfig, claim: Any, token: str | None, log: JsonLog, out: 
     counters = _Counters()
     listen = [unix_target(claim.socket)]
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    servicer = Servicer(listen=listen, stop=stop, counters=counters, log=log)
+    removed = reclaim_stale()
+    if removed:
+        log.warning(
+            "removed_stale_segments",
+            count=len(removed),
+            msg="shared memory left by a service that died",
+        )
+    servicer = Servicer(config=config, listen=listen, stop=stop, counters=counters, log=log)
+    metrics_server = None
 
     servers = [_new_server(config.workers, [_CountCalls(counters)])]
     old_umask = os.umask(0o177)  # the socket is born 0600
@@ -339,6 +496,17 @@ def _run(config: ServeConfig, claim: Any, token: str | None, log: JsonLog, out: 
             grace_s=config.grace_s,
             workers=config.workers,
         )
+        if config.metrics is not None:
+            try:
+                metrics_server, port = serve_metrics(config.metrics, servicer.snapshot)
+            except (OSError, ValueError) as exc:
+                log.error("cannot_listen", metrics=config.metrics, msg=str(exc))
+                return EXIT_FAILED
+            host = config.metrics.rsplit(":", 1)[0] or "127.0.0.1"
+            listen.append(f"http://{host}:{port}/metrics")
+        reloading = servicer.residency.restore()
+        if reloading:
+            log.info("reloading", datasets=reloading)
         for address in listen:
             print(f"datastore serve: listening on {address}", file=out, flush=True)
         while not stop.event.wait(0.5):
@@ -360,4 +528,6 @@ def _run(config: ServeConfig, claim: Any, token: str | None, log: JsonLog, out: 
             server.stop(None)
         for s, handler in previous.items():
             signal.signal(s, handler)
-        servicer.sessions.close_all()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        servicer.close()

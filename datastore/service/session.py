@@ -1,38 +1,38 @@
-"""Sessions of ``datastore serve``: the embedded loaders that produce each rank's batches.
+"""Sessions of ``datastore serve``: what fixes one job's batches, and the streams serving them.
 
-A session fixes the sample sequence of one job (dataset, seed, global batch, world size,
-spatial layout). Each rank's batches come from a ``DataStoreLoader`` embedded in the server
-(``exchange=False``: the server reads every block it serves itself), created the first time
-that rank streams and kept until ``CloseSession``. A rank streams under its loader's lock, so
-two streams of one rank run one after the other, never interleaved.
+A session is one job on one dataset: seed, global batch, world size and spatial layout fix the
+sample sequence (``datastore.order.Schedule``, the embedded loader's), and every rank streams
+its share, filled from the dataset's resident copy (``datastore.service.resident``), which all
+sessions on that dataset share. A session lives until ``CloseSession``, or until it has had no
+stream for ``idle_s`` (its client died or forgot to close it): then it is closed and the dataset
+it held is free to be evicted.
 """
 
 from __future__ import annotations
 
-import os
+import math
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from datastore.loader import DataStoreLoader
+from datastore.order import Schedule, rank_layout
+from datastore.partition import Grid
 from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service.batches import Delivered, delivered_fields, spatial_grid
+from datastore.service.errors import ServiceError
+from datastore.service.resident import Residency, Resident, resolve_dataset
+from datastore.service.stream import Stream
 
-__all__ = ["MAX_GLOBAL_BATCH", "Session", "SessionError", "Sessions"]
+__all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions"]
 
 MAX_GLOBAL_BATCH = 1_000_000
-
-
-class SessionError(Exception):
-    """A request that cannot be served; ``code`` names the gRPC status (``NOT_FOUND``...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+MAX_WORLD = 1_000_000
+MAX_PREFETCH = 64
 
 
 def _spatial(layout: Any) -> dict[str, Any] | None:
@@ -48,190 +48,214 @@ def _spatial(layout: Any) -> dict[str, Any] | None:
 
 @dataclass
 class Session:
-    """One open session and its per-rank loaders."""
+    """One open session."""
 
     session_id: str
     request: Any  # the OpenSessionRequest
+    resident: Resident
+    schedule: Schedule
     world: int
-    spatial: dict[str, Any] | None
-    num_samples: int
-    steps_per_epoch: int
-    fields: list[Any]
+    grid: Grid | None
+    info: dict[str, Any]  # {field: FieldInfo} delivered
     opened_unix_s: float = field(default_factory=time.time)
-    loaders: dict[int, DataStoreLoader] = field(default_factory=dict)
-    locks: dict[int, threading.Lock] = field(default_factory=dict)
     batches_served: int = 0
     bytes_served: int = 0
+    stall_s: float = 0.0
+    streams: set[Stream] = field(default_factory=set)
+    last_active: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
 
-    def _loader(self, rank: int, preload: bool = True) -> DataStoreLoader:
-        r = self.request
-        return DataStoreLoader(
-            r.dataset_path,
-            global_batch_size=r.global_batch,
-            seed=r.seed,
-            shuffle=r.shuffle,
-            drop_last=r.drop_last,
-            spatial=self.spatial,
-            rank=rank,
-            world=self.world,
-            exchange=False,
-            preload=preload,
-        )
+    @property
+    def blocks(self) -> int:
+        return self.grid.nblocks if self.grid is not None else 1
 
-    def rank(self, rank: int) -> tuple[DataStoreLoader, threading.Lock]:
-        """The loader of ``rank`` (created on first use) and the lock to stream it under."""
-        if not 0 <= rank < self.world:
-            raise SessionError("INVALID_ARGUMENT", f"rank {rank} outside 0..{self.world - 1}")
+    def fields_of(self, block: int) -> list[Delivered]:
+        return delivered_fields(self.info, self.grid, block)
+
+    def field_infos(self) -> list[Any]:
+        return [
+            pb.FieldInfo(
+                name=n,
+                dtype=np.dtype(fi.dtype).str,
+                shape=list(fi.shape),
+                spatial_axes=list(fi.spatial_axes),
+            )
+            for n, fi in self.info.items()
+        ]
+
+    def stream(self, r: Any, shared_memory: bool, hold: int) -> Stream:
+        """A stream for the ``StreamBatchesRequest`` ``r`` (counted until it is released)."""
+        if not 0 <= r.rank < self.world:
+            raise ServiceError("INVALID_ARGUMENT", f"rank {r.rank} outside 0..{self.world - 1}")
+        steps = self.schedule.steps_per_epoch
+        if r.start_step > steps:
+            raise ServiceError("INVALID_ARGUMENT", f"start_step {r.start_step} outside 0..{steps}")
+        if r.prefetch > MAX_PREFETCH:
+            raise ServiceError("INVALID_ARGUMENT", f"prefetch {r.prefetch} above {MAX_PREFETCH}")
+        end = steps if r.max_batches == 0 else min(steps, r.start_step + r.max_batches)
+        lay = rank_layout(r.rank, self.world, self.blocks)
+        epoch = int(r.epoch)
+        order = self.schedule.order(epoch)
+        sched = self.schedule
+
+        def plan(step: int) -> np.ndarray:
+            g = sched.global_batch_at(epoch, step, order)
+            return sched.rank_batch(g, lay.data_rank, lay.data_world)
+
+        s = Stream(
+            plan=plan,
+            fields=self.fields_of(lay.spatial_rank),
+            grid=self.grid,
+            block=lay.spatial_rank,
+            sample=self.resident.sample,
+            batch_size=sched.local_batch(lay.data_world),
+            steps=(epoch, int(r.start_step), end, steps, int(r.rank)),
+            shared_memory=shared_memory,
+            prefetch=int(r.prefetch) or 2,
+            hold=hold,
+            on_stall=self._stalled,
+        )
         with self.lock:
             if self.closed:
-                raise SessionError("NOT_FOUND", f"session {self.session_id} is closed")
-            if rank not in self.loaders:
-                self.loaders[rank] = self._loader(rank)
-                self.locks[rank] = threading.Lock()
-            return self.loaders[rank], self.locks[rank]
+                s.close()
+                raise ServiceError("NOT_FOUND", f"session {self.session_id} is closed")
+            self.streams.add(s)
+        return s
 
-    def batches(
-        self, rank: int, epoch: int, start: int, max_batches: int, active: Any
-    ) -> Iterator[Any]:
-        """``Batch`` messages of ``rank`` in ``epoch`` from step ``start``, inline bytes.
+    def _stalled(self, seconds: float) -> None:
+        with self.lock:
+            self.stall_s += seconds
 
-        Pulled one at a time by gRPC: the loader prepares at most ``prefetch`` batches ahead,
-        so a slow client never makes this buffer more. Stops when ``active()`` turns false."""
-        loader, lock = self.rank(rank)
-        steps = loader.schedule.steps_per_epoch
-        if start > steps:
-            raise SessionError("INVALID_ARGUMENT", f"start_step {start} outside 0..{steps}")
-        end = steps if max_batches == 0 else min(steps, start + max_batches)
-        if not lock.acquire(timeout=30):
-            raise SessionError("RESOURCE_EXHAUSTED", f"rank {rank} is already being streamed")
-        try:
-            loader.epoch, loader._step = int(epoch), int(start)
-            order = loader.schedule.order(loader.epoch)
-            lay = loader.layout
-            it = iter(loader)
-            try:
-                for step in range(start, end):
-                    if not active():
-                        return
-                    batch = next(it)
-                    g = loader.schedule.global_batch_at(loader.epoch, step, order)
-                    mine = loader.schedule.rank_batch(g, lay.data_rank, lay.data_world)
-                    tensors = []
-                    nbytes = 0
-                    for f in loader.fields:
-                        arr = np.ascontiguousarray(batch[f.name].numpy())
-                        origin = [r.start - a for r, (a, _) in zip(f.region, f.pad, strict=True)]
-                        data = arr.tobytes()
-                        nbytes += len(data)
-                        meta = pb.TensorMeta(
-                            name=f.name,
-                            dtype=arr.dtype.str,
-                            shape=list(arr.shape),
-                            origin=origin,
-                            nbytes=len(data),
-                        )
-                        tensors.append(pb.Tensor(meta=meta, data=data))
-                    with self.lock:
-                        self.batches_served += 1
-                        self.bytes_served += nbytes
-                    yield (
-                        pb.Batch(
-                            epoch=epoch,
-                            step=step,
-                            rank=rank,
-                            sample_indices=[int(i) for i in mine],
-                            tensors=tensors,
-                            last_in_epoch=step == steps - 1,
-                        ),
-                        nbytes,
-                    )
-            finally:
-                it.close()  # stops the loader's prefetch thread
-        finally:
-            lock.release()
+    def served(self, nbytes: int) -> None:
+        with self.lock:
+            self.batches_served += 1
+            self.bytes_served += nbytes
+
+    def release(self, s: Stream) -> None:
+        s.close()
+        with self.lock:
+            self.streams.discard(s)
+            self.last_active = time.monotonic()
+
+    def idle_s(self) -> float:
+        with self.lock:
+            return 0.0 if self.streams else time.monotonic() - self.last_active
 
     def close(self) -> None:
         with self.lock:
             self.closed = True
-            loaders, self.loaders = self.loaders, {}
-        for loader in loaders.values():
-            loader.close()
+            streams, self.streams = list(self.streams), set()
+        for s in streams:
+            s.close()
 
 
 class Sessions:
-    """The open sessions of one server."""
+    """The open sessions of one service, on the datasets of its :class:`Residency`.
 
-    def __init__(self) -> None:
+    Args:
+        residency: the resident datasets.
+        roots: datasets must lie under one of these. Default: anywhere.
+        idle_s: close sessions without a stream for this long. Default: ``600``.
+        on_event: ``on_event(name, **fields)`` for the log. Default: nothing.
+    """
+
+    def __init__(
+        self,
+        residency: Residency,
+        roots: tuple[Path, ...] = (),
+        idle_s: float = 600.0,
+        on_event: Any = None,
+    ) -> None:
+        self.residency, self.roots, self.idle_s = residency, roots, idle_s
+        self._event = on_event or (lambda *_a, **_k: None)
         self._lock = threading.Lock()
         self._by_id: dict[str, Session] = {}
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="datastore-reaper", daemon=True)
+        self._reaper.start()
 
     def open(self, r: Any) -> Session:
-        path = r.dataset_path
-        if not path:
-            raise SessionError("NOT_FOUND", "dataset_path is empty")
-        if not os.path.exists(path):
-            raise SessionError("NOT_FOUND", f"no dataset at {path!r} on this node")
+        path = resolve_dataset(r.dataset_path, self.roots)
         if not 0 < r.global_batch <= MAX_GLOBAL_BATCH:
-            raise SessionError(
+            raise ServiceError(
                 "INVALID_ARGUMENT",
                 f"global_batch must be in 1..{MAX_GLOBAL_BATCH}, got {r.global_batch}",
             )
         world = r.world_size or 1
+        if world > MAX_WORLD:
+            raise ServiceError("INVALID_ARGUMENT", f"world_size {world} above {MAX_WORLD}")
         spatial = _spatial(r.spatial)
-        blocks = int(np.prod(spatial["parts"])) if spatial else 1
+        blocks = math.prod(spatial["parts"]) if spatial else 1
         if blocks < 1 or world % blocks:
-            raise SessionError(
+            raise ServiceError(
                 "INVALID_ARGUMENT",
                 f"world_size {world} is not a multiple of the {blocks} spatial blocks",
             )
-        sid = uuid.uuid4().hex
-        session = Session(sid, r, world, spatial, 0, 0, [])
-        try:  # rank 0's loader, not preloaded: checks everything and gives the layout
-            probe = session._loader(0, preload=False)
-        except (ValueError, TypeError) as exc:
-            raise SessionError("INVALID_ARGUMENT", str(exc)) from exc
-        except OSError as exc:
-            raise SessionError("NOT_FOUND", f"cannot open {path!r}: {exc}") from exc
+        resident = self.residency.acquire(path)
         try:
-            session.num_samples = len(probe.reader)
-            session.steps_per_epoch = len(probe)
-            session.fields = [
-                pb.FieldInfo(
-                    name=n,
-                    dtype=np.dtype(fi.dtype).str,
-                    shape=list(fi.shape),
-                    spatial_axes=list(fi.spatial_axes),
-                )
-                for n, fi in probe.reader.fields.items()
-            ]
-        finally:
-            probe.close()
+            session = self._session(r, resident, world, spatial)
+        except BaseException:
+            self.residency.release(resident)
+            raise
         with self._lock:
-            self._by_id[sid] = session
+            self._by_id[session.session_id] = session
         return session
+
+    def _session(self, r: Any, resident: Resident, world: int, spatial: Any) -> Session:
+        every = resident.reader.fields
+        names = list(r.fields) or list(every)
+        missing = [n for n in names if n not in every]
+        if missing:
+            raise ServiceError(
+                "INVALID_ARGUMENT",
+                f"no field {missing[0]!r} in the dataset (it has {', '.join(every)})",
+            )
+        info = {n: every[n] for n in names}
+        try:
+            grid = spatial_grid(info, spatial)
+            tail = "drop" if r.drop_last else "pad"
+            schedule = Schedule(len(resident.reader), r.global_batch, r.seed, r.shuffle, tail)
+            blocks = grid.nblocks if grid is not None else 1
+            schedule.local_batch(world // blocks)
+        except (ValueError, TypeError) as exc:
+            raise ServiceError("INVALID_ARGUMENT", str(exc)) from exc
+        return Session(uuid.uuid4().hex, r, resident, schedule, world, grid, info)
 
     def get(self, sid: str) -> Session:
         with self._lock:
             s = self._by_id.get(sid)
         if s is None:
-            raise SessionError("NOT_FOUND", f"no session {sid!r}")
+            raise ServiceError("NOT_FOUND", f"no session {sid!r}")
         return s
 
     def close(self, sid: str) -> None:
         with self._lock:
             s = self._by_id.pop(sid, None)
         if s is None:
-            raise SessionError("NOT_FOUND", f"no session {sid!r}")
+            raise ServiceError("NOT_FOUND", f"no session {sid!r}")
         s.close()
+        self.residency.release(s.resident)
 
     def all(self) -> list[Session]:
         with self._lock:
             return list(self._by_id.values())
 
+    def _reap(self) -> None:
+        while not self._stop.wait(min(1.0, self.idle_s / 4)):
+            for s in self.all():
+                idle = s.idle_s()
+                if idle > self.idle_s:
+                    try:
+                        self.close(s.session_id)
+                    except ServiceError:
+                        continue  # closed meanwhile
+                    self._event("session_expired", session=s.session_id, idle_s=round(idle, 1))
+
     def close_all(self) -> None:
+        self._stop.set()
         with self._lock:
             sessions, self._by_id = list(self._by_id.values()), {}
         for s in sessions:
             s.close()
+            self.residency.release(s.resident)

@@ -1,0 +1,103 @@
+"""Prometheus metrics of ``datastore serve``, read from the service's own state at scrape time.
+
+Nothing is counted twice: the collector reads the sessions' and datasets' counters when
+Prometheus scrapes ``http://HOST:PORT/metrics``. Per-job series carry ``job`` (the session's
+``job_id``, or its session id) and ``session`` labels and disappear with their session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["ServiceCollector", "render", "serve_metrics"]
+
+
+class ServiceCollector:
+    """Collects from ``state()``: ``{"sessions": [...], "datasets": [...], "totals": {...}}``
+    as :meth:`datastore.service.server.Servicer.snapshot` gives it."""
+
+    def __init__(self, state: Callable[[], dict[str, Any]]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Any]:
+        s = self._state()
+        t = s["totals"]
+        for name, doc, key in (
+            ("datastore_batches_served", "Batches streamed to trainers.", "batches"),
+            ("datastore_bytes_served", "Tensor bytes streamed to trainers.", "bytes"),
+            ("datastore_calls", "gRPC calls received.", "calls"),
+            ("datastore_exchange_bytes", "Bytes received from peer services.", "exchanged"),
+        ):
+            yield CounterMetricFamily(name, doc, value=t[key])
+        for name, doc, key in (
+            ("datastore_resident_bytes", "Bytes of datasets in memory.", "resident"),
+            ("datastore_memory_budget_bytes", "Memory budget for datasets (0: none).", "budget"),
+            ("datastore_streams", "Batch streams open now.", "streams"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=t[key])
+
+        labels = ["job", "session"]
+        batches = CounterMetricFamily(
+            "datastore_job_batches_served", "Batches streamed to a job.", labels=labels
+        )
+        nbytes = CounterMetricFamily(
+            "datastore_job_bytes_served", "Tensor bytes streamed to a job.", labels=labels
+        )
+        stall = CounterMetricFamily(
+            "datastore_job_stall_seconds",
+            "Time a job's streams waited for batches to be prepared.",
+            labels=labels,
+        )
+        for x in s["sessions"]:
+            key = [x["job_id"] or x["session_id"], x["session_id"]]
+            batches.add_metric(key, x["batches_served"])
+            nbytes.add_metric(key, x["bytes_served"])
+            stall.add_metric(key, x["stall_s"])
+        yield from (batches, nbytes, stall)
+
+        ds = ["dataset"]
+        resident = GaugeMetricFamily(
+            "datastore_dataset_resident_bytes", "Bytes of a dataset in memory.", labels=ds
+        )
+        hits = CounterMetricFamily(
+            "datastore_dataset_hits", "Sample reads served from memory.", labels=ds
+        )
+        misses = CounterMetricFamily(
+            "datastore_dataset_misses", "Sample reads that went to the disk.", labels=ds
+        )
+        ratio = GaugeMetricFamily(
+            "datastore_dataset_hit_ratio", "hits / (hits + misses) so far.", labels=ds
+        )
+        for d in s["datasets"]:
+            resident.add_metric([d["path"]], d["bytes_resident"])
+            hits.add_metric([d["path"]], d["hits"])
+            misses.add_metric([d["path"]], d["misses"])
+            total = d["hits"] + d["misses"]
+            ratio.add_metric([d["path"]], d["hits"] / total if total else 0.0)
+        yield from (resident, hits, misses, ratio)
+
+
+def _registry(state: Callable[[], dict[str, Any]]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServiceCollector(state))
+    return registry
+
+
+def render(state: Callable[[], dict[str, Any]]) -> bytes:
+    """The metrics in Prometheus' text format."""
+    return generate_latest(_registry(state))
+
+
+def serve_metrics(address: str, state: Callable[[], dict[str, Any]]) -> tuple[Any, int]:
+    """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free one); ``(server, port)``.
+
+    ``server.shutdown()`` stops it."""
+    host, _, port = address.rpartition(":")
+    server, _thread = start_http_server(
+        int(port), addr=host or "127.0.0.1", registry=_registry(state)
+    )
+    return server, server.server_address[1]

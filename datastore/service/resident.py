@@ -1,0 +1,266 @@
+"""Datasets held in memory by ``datastore serve``: one resident copy per dataset, shared by jobs.
+
+A dataset becomes resident when a session (or ``LoadDataset``) first asks for it: its samples
+go into one :class:`~datastore.store.Store` (whole samples, every field), read in the
+background and on first use, and every session on the dataset reads from that store. It stays
+resident after its sessions end, so the next job of a campaign starts on memory, until it is
+unloaded, or evicted (least recently used first, never while a session uses it) to make room
+under the memory budget. A dataset that does not fit in what is left gets the room there is;
+its other samples are read from the node-local disk on every use.
+
+What is resident is written to a state file; a restarted service reloads those datasets (from
+the node-local copies they were opened from) in the background.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from datastore.readers import open_dataset
+from datastore.service.errors import ServiceError
+from datastore.store import SlotSpec, Store
+
+__all__ = ["Residency", "Resident", "resolve_dataset"]
+
+
+def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
+    """The real path of a dataset a client named; refused outside ``roots`` (when given)."""
+    if not path:
+        raise ServiceError("INVALID_ARGUMENT", "dataset_path is empty")
+    if not os.path.isabs(path):
+        raise ServiceError("INVALID_ARGUMENT", f"dataset_path must be absolute, got {path!r}")
+    real = os.path.realpath(path)
+    if roots and not any(real == str(r) or real.startswith(f"{r}{os.sep}") for r in roots):
+        allowed = ", ".join(str(r) for r in roots)
+        raise ServiceError(
+            "PERMISSION_DENIED", f"{path!r} is outside the allowed roots ({allowed})"
+        )
+    if not os.path.exists(real):
+        raise ServiceError("NOT_FOUND", f"no dataset at {path!r} on this node")
+    return real
+
+
+@dataclass
+class Resident:
+    """One dataset in memory: its reader, its store and who uses it."""
+
+    path: str
+    reader: Any
+    store: Store
+    last_used: float = field(default_factory=time.time)
+    sessions: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+    loader: threading.Thread | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.reader)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every sample held here, resident or not."""
+        return len(self.store.keys) * sum(s.nbytes for s in self.store.fields.values())
+
+    @property
+    def budgeted(self) -> int:
+        """Bytes of memory this dataset takes (its RAM slots)."""
+        return self.store.counters.bytes_resident
+
+    @property
+    def loading(self) -> bool:
+        return self.loader is not None and self.loader.is_alive()
+
+    def sample(self, index: int, name: str) -> np.ndarray:
+        """Field ``name`` of sample ``index`` (read from disk on first use)."""
+        return self.store.get(index, name)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the background read is done; whether it is."""
+        if self.loader is not None:
+            self.loader.join(timeout)
+        return not self.loading
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.loader is not None:
+            self.loader.join()
+        self.store.close()
+        self.reader.close()
+
+
+def _open(path: str, budget: int | None) -> Resident:
+    try:
+        reader = open_dataset(path)
+    except (ValueError, TypeError) as exc:
+        raise ServiceError("INVALID_ARGUMENT", str(exc)) from exc
+    except OSError as exc:
+        raise ServiceError("NOT_FOUND", f"cannot open {path!r}: {exc}") from exc
+    specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in reader.fields.items()}
+    store = Store(
+        np.arange(len(reader)), specs, lambda k, f, out: reader.read(k, f, out=out), budget
+    )
+    return Resident(path, reader, store)
+
+
+class Residency:
+    """The resident datasets of one service, under one memory budget.
+
+    Args:
+        budget: bytes of memory for datasets; ``None``: no limit.
+        state_file: where the list of resident datasets is kept across restarts. Default: none.
+        on_event: ``on_event(name, **fields)`` for the log. Default: nothing.
+        threads: reads at a time when loading. Default: ``4``.
+    """
+
+    def __init__(
+        self,
+        budget: int | None = None,
+        state_file: Path | None = None,
+        on_event: Any = None,
+        threads: int = 4,
+    ) -> None:
+        self.budget = budget
+        self.state_file = state_file
+        self._event = on_event or (lambda *_a, **_k: None)
+        self._threads = threads
+        self._lock = threading.Lock()
+        self._by_path: dict[str, Resident] = {}
+
+    # -- use -----------------------------------------------------------------------------------
+    def acquire(self, path: str) -> Resident:
+        """The resident copy of the dataset at real path ``path``, loaded if need be; counted
+        as used by one more session until :meth:`release`."""
+        with self._lock:
+            r = self._by_path.get(path)
+            if r is None:
+                r = self._load_locked(path)
+            r.sessions += 1
+            r.last_used = time.time()
+            return r
+
+    def release(self, r: Resident) -> None:
+        with self._lock:
+            r.sessions -= 1
+            r.last_used = time.time()
+
+    def load(self, path: str) -> Resident:
+        """Make ``path`` resident (or touch it) without holding it."""
+        r = self.acquire(path)
+        self.release(r)
+        return r
+
+    def unload(self, path: str) -> int:
+        """Drop ``path``; the bytes freed. Refused while a session uses it."""
+        with self._lock:
+            r = self._by_path.get(path)
+            if r is None:
+                raise ServiceError("NOT_FOUND", f"{path!r} is not resident")
+            if r.sessions:
+                raise ServiceError(
+                    "FAILED_PRECONDITION", f"{path!r} is used by {r.sessions} open session(s)"
+                )
+            del self._by_path[path]
+            self._save_locked()
+        freed = r.budgeted
+        r.close()
+        self._event("dataset_unloaded", dataset=path, bytes_freed=freed)
+        return freed
+
+    def all(self) -> list[Resident]:
+        with self._lock:
+            return list(self._by_path.values())
+
+    @property
+    def bytes_resident(self) -> int:
+        return sum(r.budgeted for r in self.all())
+
+    def restore(self) -> list[str]:
+        """Reload what the state file lists (in the background); the paths being reloaded."""
+        if self.state_file is None or not self.state_file.exists():
+            return []
+        try:
+            paths = json.loads(self.state_file.read_text())["resident"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self._event("state_unreadable", path=str(self.state_file), msg=str(exc))
+            return []
+        done = []
+        for p in paths:
+            try:
+                self.load(p)
+                done.append(p)
+            except ServiceError as exc:
+                self._event("reload_failed", dataset=p, msg=str(exc))
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            every, self._by_path = list(self._by_path.values()), {}
+        for r in every:
+            r.close()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _load_locked(self, path: str) -> Resident:
+        probe = _open(path, budget=0)  # the shapes, before committing memory
+        need = probe.nbytes
+        probe.close()
+        room = self._make_room_locked(need)
+        r = _open(path, room)
+        r.loader = threading.Thread(
+            target=self._preload, args=(r,), name="datastore-load", daemon=True
+        )
+        self._by_path[path] = r
+        self._save_locked()
+        self._event(
+            "dataset_loading", dataset=path, bytes=need, bytes_in_memory=r.budgeted, room=room
+        )
+        r.loader.start()
+        return r
+
+    def _preload(self, r: Resident) -> None:
+        t0 = time.perf_counter()
+        try:
+            r.store.preload(self._threads, stop=r.stop)
+        except Exception as exc:  # a bad sample: sessions will get the error when they read it
+            self._event("load_failed", dataset=r.path, msg=str(exc))
+            return
+        if not r.stop.is_set():
+            self._event(
+                "dataset_resident",
+                dataset=r.path,
+                bytes=r.budgeted,
+                seconds=round(time.perf_counter() - t0, 3),
+            )
+
+    def _make_room_locked(self, need: int) -> int | None:
+        """Evict unused datasets, least recently used first, until ``need`` fits; the budget
+        the new dataset gets (``None``: no limit)."""
+        if self.budget is None:
+            return None
+        used = sum(r.budgeted for r in self._by_path.values())
+        idle = sorted(
+            (r for r in self._by_path.values() if not r.sessions), key=lambda r: r.last_used
+        )
+        while used + need > self.budget and idle:
+            victim = idle.pop(0)
+            del self._by_path[victim.path]
+            freed = victim.budgeted
+            used -= freed
+            victim.close()
+            self._event("dataset_evicted", dataset=victim.path, bytes_freed=freed)
+        return max(0, min(need, self.budget - used))
+
+    def _save_locked(self) -> None:
+        if self.state_file is None:
+            return
+        self.state_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"resident": sorted(self._by_path)}))
+        os.replace(tmp, self.state_file)

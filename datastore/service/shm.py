@@ -1,0 +1,118 @@
+"""Shared-memory segments: how large batches reach a trainer on the same node without a copy.
+
+The service owns every segment: one file per stream under ``/dev/shm`` (0600, named
+``datastore.<uid>.<pid>.<id>``), mapped by the service and by the one client that streams. The
+service removes it when the stream ends, however it ends (done, cancelled, client killed); a
+client's mapping stays valid after that (Linux frees the pages at its last unmap). Segments
+left by a service that was killed are removed by the next service of the same user on start
+(their owner pid is dead), so a crashed run never blocks or leaks into the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["ClientMaps", "Segment", "reclaim_stale", "segment_dir"]
+
+PREFIX = "datastore"
+
+
+def segment_dir() -> Path:
+    """Where segments live: ``/dev/shm`` if the node has it, else the temporary directory."""
+    shm = Path("/dev/shm")
+    return (
+        shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim_stale(directory: Path | None = None) -> list[Path]:
+    """Remove this user's segments whose service is dead; the paths removed."""
+    directory = directory or segment_dir()
+    removed = []
+    for path in directory.glob(f"{PREFIX}.{os.getuid()}.*"):
+        parts = path.name.split(".")
+        if len(parts) != 4 or not parts[2].isdigit() or _alive(int(parts[2])):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+class Segment:
+    """``slots`` equal regions of ``slot_bytes`` in one new shared-memory file.
+
+    ``arrays(slot, layout)`` gives numpy views of a slot; ``close()`` removes the file.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, directory: Path | None = None) -> None:
+        directory = directory or segment_dir()
+        self.path = directory / f"{PREFIX}.{os.getuid()}.{os.getpid()}.{uuid.uuid4().hex[:16]}"
+        self.slot_bytes = -(-max(1, slot_bytes) // 4096) * 4096  # page-aligned slots
+        self.slots = slots
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.slots * self.slot_bytes)
+            self._map = mmap.mmap(fd, self.slots * self.slot_bytes)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink()
+            raise
+        os.close(fd)
+
+    def offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
+
+    def array(self, slot: int, at: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A view of ``shape`` at byte ``at`` of ``slot``."""
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(
+            self._map, dtype=dtype, count=count, offset=self.offset(slot) + at
+        ).reshape(shape)
+
+    def close(self) -> None:
+        """Remove the file (views stay valid until they are dropped)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class ClientMaps:
+    """A client's mappings of the segments it was sent, one per file, kept while it streams."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def __contains__(self, path: str) -> bool:
+        return path in self._maps
+
+    def array(self, path: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        m = self._maps.get(path)
+        if m is None:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                m = mmap.mmap(fd, 0)
+            finally:
+                os.close(fd)
+            self._maps[path] = m
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(m, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def drop(self) -> None:
+        """Forget the mappings (each is unmapped once no tensor uses it)."""
+        self._maps.clear()
