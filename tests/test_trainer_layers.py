@@ -229,6 +229,9 @@ def test_dist_pools_match_torch(n, key, tmp_path_factory):
 @pytest.mark.parametrize(("n", "key"), cases("batchnorm"))
 def test_dist_batchnorm_matches_batchnorm_of_the_concatenation(n, key, tmp_path_factory):
     r = results(n, tmp_path_factory)[key]
+    if "float32" in key:  # float32 layer, float64 reference
+        assert max(r.values()) < 1e-5, r
+        return
     assert r["batches_tracked"] == 0, r
     # output, input/gamma/beta gradients, running mean/var after two steps, evaluation output
     _close(r)

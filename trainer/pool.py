@@ -114,13 +114,13 @@ class GlobalAvgPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
         spatial = tuple(range(x.dim() - grid.ndim, x.dim()))
-        sums = x.sum(spatial)
-        count = torch.tensor([math.prod(x.shape[d] for d in spatial)], dtype=x.dtype)
-        buf = torch.cat([sums.flatten(), count.to(x.device)])
-        all_reduce_sum(buf, grid.spatial_group, grid.timeout)
-        total = buf[-1]
-        ctx.shape, ctx.total = x.shape, total
-        return (buf[:-1] / total).view(sums.shape)
+        sums = x.sum(spatial, dtype=torch.float64)  # float64: exact counts, no half overflow
+        count = torch.full((1,), math.prod(x.shape[d] for d in spatial), dtype=torch.float64)
+        buf = all_reduce_sum(
+            torch.cat([sums.flatten(), count.to(x.device)]), grid.spatial_group, grid.timeout
+        )
+        ctx.shape, ctx.total = x.shape, float(buf[-1])
+        return (buf[:-1] / ctx.total).view(sums.shape).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):

@@ -58,6 +58,7 @@ def case_keys(world: int) -> list[str]:
         out += [f"conv k={k} s={s}, {name}" for k, s in CONVS]
         out += [f"{kind}pool k={k} s={s}, {name}" for kind, k, s in POOLS]
         out += [f"batchnorm stats={g}, {name}" for g in BNS]
+        out += [f"batchnorm float32 mean=100, {name}"]
         out += [f"global_avg_pool, {name}", f"gather_flatten, {name}", f"chain, {name}"]
     return out
 
@@ -237,6 +238,26 @@ def check_batchnorm(case: Case, stats: str) -> dict[str, float]:
     return errs
 
 
+def check_batchnorm_float32(case: Case) -> dict[str, float]:
+    """float32 input of mean 100 and deviation 1 against a float64 reference: the statistics
+    must not lose the variance to cancellation (``E[x^2] - E[x]^2`` in float32 would)."""
+    pg = case.pg
+    layer = DistBatchNorm3d(C_IN, pg, stats_group=pg.spatial_group, dtype=torch.float32)
+    ref = nn.BatchNorm3d(C_IN, dtype=DT)
+    v = (100 + case.inputs(1250)[pg.data_rank]).float().double().requires_grad_()
+    out_ref = ref(v)
+    g = volume(1260 + pg.data_rank, out_ref.shape)
+    (out_ref * g).sum().backward()
+    x = spatial(v.detach(), case.bounds).float().requires_grad_()
+    out = layer(x)
+    (out * spatial(g, case.bounds).float()).sum().backward()
+    return {
+        "output_rel": rel(out.double(), spatial(out_ref, case.bounds)),
+        "input_grad_rel": rel(x.grad.double(), spatial(v.grad, case.bounds)),
+        "running_var_rel": rel(layer.running_var.double(), ref.running_var),
+    }
+
+
 def check_global(case: Case, fn: Callable, ref_fn: Callable) -> dict[str, float]:
     pg = case.pg
     v = case.inputs(1300)[pg.data_rank].requires_grad_()
@@ -324,6 +345,7 @@ def main() -> None:
             put(f"{kind}pool k={k} s={s}, {name}", check_pool(case, kind, k, s))
         for stats in BNS:
             put(f"batchnorm stats={stats}, {name}", check_batchnorm(case, stats))
+        put(f"batchnorm float32 mean=100, {name}", check_batchnorm_float32(case))
         mean = check_global(case, global_avg_pool, lambda t: t.mean((2, 3, 4)))
         put(f"global_avg_pool, {name}", mean)
         flat = check_global(case, gather_flatten, lambda t: torch.flatten(t, 1))
