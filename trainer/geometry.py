@@ -5,9 +5,10 @@ Ownership of outputs
     output ``o`` to the input window that starts at ``o * s - pad`` (``pad = k // 2`` for a
     "same" convolution, ``0`` for pooling); the rank owns the outputs whose *anchor* ``o * s``
     lies in its block. When every block starts on a multiple of ``s`` (every block but the last
-    along a split axis has a multiple of ``s`` voxels) these are ``[a / s, a / s + ceil(n / s))``,
-    so the output blocks tile the global output with no gap and no overlap, and the output is
-    again split block-wise over the same ranks.
+    along a split axis has a multiple of ``s`` voxels) these are ``[a / s, a / s + ceil(n / s))``
+    (fewer in the last block of an unpadded pool, whose windows must fit in the volume), so the
+    output blocks tile the global output with no gap and no overlap, and the output is again
+    split block-wise over the same ranks.
 
 Halo of a strided convolution
     ``Conv3d(k, stride=s, padding=k // 2)`` (odd ``k``, ``p = k // 2``) reads, for the outputs of
