@@ -3,7 +3,12 @@
 - ``trainer.grid``: :class:`~trainer.grid.ProcessGrid` (data x spatial layout, spatial-fastest,
   spatial and data process groups, neighbours) and :func:`~trainer.grid.init_distributed`.
 - ``trainer.halo``: :func:`~trainer.halo.halo_exchange`, differentiable with the exact adjoint.
-- ``trainer.layers``: :class:`~trainer.layers.DistConv3d` and gradient helpers.
+- ``trainer.layers``: :class:`~trainer.layers.DistConv3d` (any stride) and gradient helpers.
+- ``trainer.pool``: :class:`~trainer.pool.DistMaxPool3d`, :class:`~trainer.pool.DistAvgPool3d`,
+  :func:`~trainer.pool.global_avg_pool` and :func:`~trainer.pool.gather_flatten`.
+- ``trainer.norm``: :class:`~trainer.norm.DistBatchNorm3d`, statistics over an explicit group.
+- ``trainer.geometry``: pure block geometry of the strided layers; ``trainer.comm``: group
+  collectives with a timeout.
 - ``trainer.reduce``: :class:`~trainer.reduce.GradientReducer` (bucketed spatial sum and data
   average of weight gradients, overlapped with backward).
 - ``trainer.optim``: :func:`~trainer.optim.lr_at` (scaled LR, warmup, decay), ``LARS``, ``Lion``.

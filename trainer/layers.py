@@ -1,9 +1,13 @@
 """Spatially parallel layers: a 3-D convolution over blocks of a volume split by a ProcessGrid.
 
-``DistConv3d`` computes, on every rank, its owned block of ``Conv3d(padding=k // 2)`` applied to
-the whole volume ("same" convolution with zero padding at the global boundary): a halo exchange
-of ``k // 2`` voxels per side (``trainer.halo``), then a local "valid" convolution. Its forward
-and every gradient equal the single-process layer's (tests/test_trainer_layers.py):
+``DistConv3d`` computes, on every rank, its owned block of ``Conv3d(k, stride, padding=k // 2)``
+applied to the whole volume (zero padding at the global boundary): a halo exchange of ``k // 2``
+voxels per side (``trainer.halo``), a crop to the window its outputs read
+(``trainer.geometry.conv_window``: for stride 2 the right side may need fewer voxels, or none),
+then a local "valid" convolution. With stride ``s`` the rank owns the outputs whose anchor
+``o * s`` lies in its block, so every block but the last along a split axis must have a multiple
+of ``s`` voxels (checked). Its forward and every gradient equal the single-process layer's
+(tests/test_trainer_halo.py, tests/test_trainer_layers.py):
 
 - the input gradient comes back through the halo exchange's adjoint (halo gradients are added
   into their owners);
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.geometry import check_aligned, conv_window
 from trainer.grid import ProcessGrid
 from trainer.halo import halo_exchange
 
@@ -33,6 +38,13 @@ def _triple(k: int | Sequence[int]) -> tuple[int, int, int]:
     if len(ks) != 3 or any(v < 1 or v % 2 == 0 for v in ks):
         raise ValueError(f"kernel_size must be one odd size or three, got {k!r}")
     return ks  # type: ignore[return-value]
+
+
+def _strides(s: int | Sequence[int]) -> tuple[int, int, int]:
+    ss = (int(s),) * 3 if isinstance(s, int) else tuple(int(v) for v in s)
+    if len(ss) != 3 or any(v < 1 for v in ss):
+        raise ValueError(f"stride must be one size >= 1 or three, got {s!r}")
+    return ss  # type: ignore[return-value]
 
 
 def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
@@ -58,13 +70,14 @@ def sum_spatial_grads(params: Iterable[nn.Parameter], grid: ProcessGrid) -> None
 class DistConv3d(nn.Module):
     """``Conv3d`` with global "same" zero padding over a spatially split ``(N, C, D, H, W)``.
 
-    Stride 1, dilation 1 and one group for now.
+    Any stride; dilation 1 and one group for now.
 
     Args:
         in_channels: input channels.
         out_channels: output channels.
         kernel_size: one odd size or three.
         grid: this rank's process grid (3 spatial axes).
+        stride: one stride or three. Default: ``1``.
         bias: learn a bias. Default: ``True``.
         broadcast: copy the weights from global rank 0 at construction (collective over the
             default group). Default: ``True``; pass ``False`` when weights are loaded afterwards
@@ -79,6 +92,7 @@ class DistConv3d(nn.Module):
         kernel_size: int | Sequence[int],
         grid: ProcessGrid,
         *,
+        stride: int | Sequence[int] = 1,
         bias: bool = True,
         broadcast: bool = True,
         device: torch.device | str | None = None,
@@ -90,8 +104,16 @@ class DistConv3d(nn.Module):
         ks = _triple(kernel_size)
         self.grid = grid
         self.halo = tuple(k // 2 for k in ks)
+        self.stride = _strides(stride)
         self.conv = nn.Conv3d(
-            in_channels, out_channels, ks, padding=0, bias=bias, device=device, dtype=dtype
+            in_channels,
+            out_channels,
+            ks,
+            stride=self.stride,
+            padding=0,
+            bias=bias,
+            device=device,
+            dtype=dtype,
         )
         if broadcast:
             broadcast_parameters(self.conv)
@@ -105,8 +127,26 @@ class DistConv3d(nn.Module):
         return self.conv.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(N, C_in, *owned)`` to ``(N, C_out, *owned)``: this rank's block of the output."""
-        return self.conv(halo_exchange(x, self.grid, self.halo))
+        """``(N, C_in, *owned)`` to ``(N, C_out, *ceil(owned / stride))``: this rank's output block.
+
+        Raises:
+            ValueError: if a block that is not the last along a split axis has a number of
+                voxels that is not a multiple of the stride (raised before any communication,
+                by the ranks holding such blocks).
+        """
+        owned = tuple(x.shape[-3:])
+        g = self.grid
+        check_aligned(owned, g.parts, g.spatial_coords, self.stride, "DistConv3d")
+        t = halo_exchange(x, g, self.halo)
+        ks = self.conv.kernel_size
+        # Keep the window the owned outputs read: [h - left, h + n + right) of the padded block.
+        window = []
+        for n, h, k, s in zip(owned, self.halo, ks, self.stride, strict=True):
+            left, right = conv_window(n, k, s)
+            window.append(slice(h - left, h + n + right))
+        return self.conv(t[(..., *window)])
 
     def extra_repr(self) -> str:
-        return f"parts={self.grid.parts}, spatial_rank={self.grid.spatial_rank}, halo={self.halo}"
+        g = self.grid
+        where = f"parts={g.parts}, spatial_rank={g.spatial_rank}"
+        return f"{where}, halo={self.halo}, stride={self.stride}"

@@ -1,0 +1,185 @@
+"""Spatially parallel pooling, and the global reductions that feed a dense head.
+
+``DistMaxPool3d`` / ``DistAvgPool3d``
+    Unpadded pools with ``stride >= kernel`` (the CosmoFlow case: kernel 2, stride 2) need no
+    halo: when every block starts on the stride, each owned output window lies inside the
+    rank's block (``trainer.geometry``), so the local pool *is* this rank's block of the global
+    pool, forward and backward. The blocks are checked before pooling (every block but the last
+    along a split axis a multiple of the stride, each at least the kernel long); a bad one is a
+    ``ValueError`` naming the axis.
+
+``global_avg_pool`` and ``gather_flatten``
+    Turn a split ``(N, C, *owned)`` activation into features of the whole sample, the same on
+    every rank of the spatial group: the per-channel mean over the whole volume, or
+    ``torch.flatten(whole, 1)`` of the whole volume assembled in C order (what CosmoFlow's
+    MLPerf reference does after its last pool). Both are collectives over the spatial group.
+    The dense head after them is replicated: each rank of a sample computes the same head on
+    the same features, so the gradient arriving at their output is the same on every rank of
+    the group, and their backward needs no communication: ``global_avg_pool`` spreads it over
+    the owned voxels (divided by the global voxel count), ``gather_flatten`` returns this rank's
+    block of it. (The head's own weight gradients are then already whole-sample gradients:
+    average them over the data group only, do not sum them over the spatial group.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.comm import all_gather, all_reduce_sum
+from trainer.geometry import block_offsets, check_pool_blocks, check_pool_windows
+from trainer.grid import ProcessGrid
+
+__all__ = ["DistAvgPool3d", "DistMaxPool3d", "gather_flatten", "global_avg_pool"]
+
+
+def _triple(v: int | Sequence[int], name: str) -> tuple[int, int, int]:
+    t = (int(v),) * 3 if isinstance(v, int) else tuple(int(x) for x in v)
+    if len(t) != 3 or any(x < 1 for x in t):
+        raise ValueError(f"{name} must be one size >= 1 or three, got {v!r}")
+    return t  # type: ignore[return-value]
+
+
+class _DistPool3d(nn.Module):
+    _name = ""
+
+    def __init__(
+        self,
+        kernel_size: int | Sequence[int],
+        grid: ProcessGrid,
+        *,
+        stride: int | Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if grid.ndim != 3:
+            raise ValueError(f"{self._name} needs a grid with 3 spatial axes, got {grid.parts}")
+        self.grid = grid
+        self.kernel_size = _triple(kernel_size, "kernel_size")
+        self.stride = self.kernel_size if stride is None else _triple(stride, "stride")
+        check_pool_windows(self.kernel_size, self.stride, self._name)
+
+    def _check(self, x: torch.Tensor) -> None:
+        g = self.grid
+        owned = tuple(x.shape[-3:])
+        ks, ss = self.kernel_size, self.stride
+        check_pool_blocks(owned, g.parts, g.spatial_coords, ks, ss, self._name)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, parts={self.grid.parts}"
+
+
+class DistMaxPool3d(_DistPool3d):
+    """``MaxPool3d(kernel_size, stride)`` (no padding) over a spatially split ``(N, C, D, H, W)``.
+
+    Args:
+        kernel_size: one size or three.
+        grid: this rank's process grid (3 spatial axes).
+        stride: one or three, each at least the kernel. Default: ``None``, the kernel size.
+    """
+
+    _name = "DistMaxPool3d"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the pooled volume (local; raises ``ValueError`` on a bad block)."""
+        self._check(x)
+        return F.max_pool3d(x, self.kernel_size, self.stride)
+
+
+class DistAvgPool3d(_DistPool3d):
+    """``AvgPool3d(kernel_size, stride)`` (no padding) over a spatially split ``(N, C, D, H, W)``.
+
+    Args:
+        kernel_size: one size or three.
+        grid: this rank's process grid (3 spatial axes).
+        stride: one or three, each at least the kernel. Default: ``None``, the kernel size.
+    """
+
+    _name = "DistAvgPool3d"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the pooled volume (local; raises ``ValueError`` on a bad block)."""
+        self._check(x)
+        return F.avg_pool3d(x, self.kernel_size, self.stride)
+
+
+class GlobalAvgPool(torch.autograd.Function):
+    """Forward: sum over owned voxels, all-reduce over the spatial group, divide by the count.
+    Backward: the (replicated) gradient divided by the count, on every owned voxel."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+        spatial = tuple(range(x.dim() - grid.ndim, x.dim()))
+        sums = x.sum(spatial, dtype=torch.float64)  # float64: exact counts, no half overflow
+        count = torch.full((1,), math.prod(x.shape[d] for d in spatial), dtype=torch.float64)
+        buf = all_reduce_sum(
+            torch.cat([sums.flatten(), count.to(x.device)]), grid.spatial_group, grid.timeout
+        )
+        ctx.shape, ctx.total = x.shape, float(buf[-1])
+        return (buf[:-1] / ctx.total).view(sums.shape).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        view = (*grad.shape, *[1] * (len(ctx.shape) - grad.dim()))
+        return (grad / ctx.total).reshape(view).expand(ctx.shape).contiguous(), None
+
+
+def global_avg_pool(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+    """Mean of the whole volume over its spatial axes: ``(N, C, *owned)`` to ``(N, C)``.
+
+    Collective over ``grid.spatial_group``; the same result on every rank of it. Backward
+    assumes the same incoming gradient on every rank of the group (a replicated head).
+    """
+    return GlobalAvgPool.apply(x, grid)
+
+
+class GatherFlatten(torch.autograd.Function):
+    """Forward: all-gather the blocks, assemble the whole volume, flatten.
+    Backward: this rank's block of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+        nd = grid.ndim
+        lead = tuple(x.shape[:-nd])
+        # Blocks may differ in shape (uneven splits): share shapes, pad to the largest, gather.
+        shape = torch.tensor(x.shape[-nd:], dtype=torch.int64)
+        shapes = [tuple(s.tolist()) for s in all_gather(shape, grid.spatial_group, grid.timeout)]
+        offsets, whole_shape = block_offsets(grid.parts, shapes)
+        biggest = [max(s[a] for s in shapes) for a in range(nd)]
+        pad = [w for a in reversed(range(nd)) for w in (0, biggest[a] - x.shape[x.dim() - nd + a])]
+        blocks = all_gather(F.pad(x, pad), grid.spatial_group, grid.timeout)
+        whole = x.new_empty((*lead, *whole_shape))
+        for block, start, size in zip(blocks, offsets, shapes, strict=True):
+            where = tuple(slice(o, o + n) for o, n in zip(start, size, strict=True))
+            whole[(..., *where)] = block[(..., *(slice(0, n) for n in size))]
+        ctx.whole_shape = (*lead, *whole_shape)
+        ctx.mine = tuple(
+            slice(o, o + n)
+            for o, n in zip(offsets[grid.spatial_rank], shapes[grid.spatial_rank], strict=True)
+        )
+        return whole.flatten(1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad.reshape(ctx.whole_shape)[(..., *ctx.mine)].contiguous(), None
+
+
+def gather_flatten(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+    """``torch.flatten(whole, 1)`` of the whole volume, on every rank of the spatial group.
+
+    Args:
+        x: ``(N, C, *owned)``, this rank's block (blocks in C order over ``grid.parts``).
+        grid: this rank's process grid.
+
+    Returns:
+        ``(N, C * prod(whole spatial shape))``, exactly the single-process flatten. Backward
+        returns this rank's block of the gradient, assuming the same incoming gradient on every
+        rank of the spatial group (a replicated head).
+    """
+    if x.dim() < grid.ndim + 2:
+        raise ValueError(f"gather_flatten needs (N, C, *spatial), got shape {tuple(x.shape)}")
+    return GatherFlatten.apply(x, grid)
