@@ -78,12 +78,18 @@ def fill_batch(
     block: int,
     sample: Callable[[int, str], np.ndarray],
     out: dict[str, np.ndarray],
+    fetched: dict[tuple[int, str], np.ndarray] | None = None,
 ) -> None:
-    """Write ``samples`` into ``out[field][position]``; ``sample(index, field)`` gives the whole
+    """Write ``samples`` into ``out[field][position]``: ``fetched[(index, field)]`` as it is
+    (delivered arrays from other nodes), else cut from ``sample(index, field)``, the whole
     stored array of a sample's field."""
     for pos, index in enumerate(samples):
         for f in fields:
-            vol, dst = sample(int(index), f.name), out[f.name][pos, ...]
+            dst = out[f.name][pos, ...]
+            if fetched and (int(index), f.name) in fetched:
+                dst[...] = fetched[(int(index), f.name)]
+                continue
+            vol = sample(int(index), f.name)
             if f.blocked:
                 extract_block(vol, grid, block, f.spatial_axes, out=dst)  # type: ignore[arg-type]
             else:

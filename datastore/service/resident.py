@@ -24,8 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from datastore.partition import Grid, extract_block
 from datastore.readers import open_dataset
+from datastore.service.batches import Delivered, delivered_fields, spatial_grid
 from datastore.service.errors import ServiceError
+from datastore.service.peers import PeerLink
+from datastore.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store import SlotSpec, Store
 
 __all__ = ["Residency", "Resident", "resolve_dataset"]
@@ -50,11 +54,18 @@ def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
 
 @dataclass
 class Resident:
-    """One dataset in memory: its reader, its store and who uses it."""
+    """One dataset in memory: its reader, its store and who uses it.
+
+    ``owner[i]`` is the node holding sample ``i`` when the dataset is sharded across the
+    services' nodes (``None``: every sample is on this node)."""
 
     path: str
     reader: Any
     store: Store
+    template: str = ""  # the path as clients name it (may hold ``{node}``)
+    owner: np.ndarray | None = None
+    node: int = 0
+    link: PeerLink | None = None
     last_used: float = field(default_factory=time.time)
     sessions: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
@@ -82,6 +93,56 @@ class Resident:
         """Field ``name`` of sample ``index`` (read from disk on first use)."""
         return self.store.get(index, name)
 
+    def fetch(
+        self, samples: np.ndarray, fields: list[Delivered], spatial: Any, block: int
+    ) -> dict[tuple[int, str], np.ndarray]:
+        """The delivered arrays of the ``samples`` other nodes own, fetched from their owners:
+        ``{(sample, field): array}`` (empty when every sample is here)."""
+        if self.owner is None or self.link is None:
+            return {}
+        out: dict[tuple[int, str], np.ndarray] = {}
+        remote = [int(i) for i in samples if self.owner[int(i)] != self.node]
+        for dest in sorted({int(self.owner[i]) for i in remote}):
+            wanted = [i for i in remote if self.owner[i] == dest]
+            per_sample = sum(f.nbytes for f in fields)
+            buf = np.empty(len(wanted) * per_sample, np.uint8)
+            request = {
+                "kind": "fetch",
+                "path": self.template,
+                "samples": wanted,
+                "fields": [f.name for f in fields],
+                "spatial": spatial,
+                "block": block,
+            }
+            self.link.fetch(dest, request, buf)
+            at = 0
+            for i in wanted:
+                for f in fields:
+                    out[(i, f.name)] = buf[at : at + f.nbytes].view(f.dtype).reshape(f.shape)
+                    at += f.nbytes
+        return out
+
+    def blocks(self, samples: list[int], names: list[str], spatial: Any, block: int) -> np.ndarray:
+        """What a peer asked for: ``block`` of each field of each sample, packed as bytes."""
+        info = {n: self.reader.fields[n] for n in names}
+        grid: Grid | None = spatial_grid(info, spatial)
+        fields = delivered_fields(info, grid, block)
+        per_sample = sum(f.nbytes for f in fields)
+        out = np.empty(len(samples) * per_sample, np.uint8)
+        at = 0
+        for i in samples:
+            if self.owner is not None and self.owner[i] != self.node:
+                raise ServiceError("FAILED_PRECONDITION", f"sample {i} is not on node {self.node}")
+            for f in fields:
+                dst = out[at : at + f.nbytes].view(f.dtype).reshape(f.shape)
+                vol = self.sample(i, f.name)
+                if f.blocked:
+                    extract_block(vol, grid, block, f.spatial_axes, out=dst)  # type: ignore[arg-type]
+                else:
+                    dst[...] = vol
+                at += f.nbytes
+        return out
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the background read is done; whether it is."""
         if self.loader is not None:
@@ -96,17 +157,31 @@ class Resident:
         self.reader.close()
 
 
-def _open(path: str, budget: int | None) -> Resident:
+def _reader(path: str) -> Any:
     try:
-        reader = open_dataset(path)
+        return open_dataset(path)
     except (ValueError, TypeError) as exc:
         raise ServiceError("INVALID_ARGUMENT", str(exc)) from exc
     except OSError as exc:
         raise ServiceError("NOT_FOUND", f"cannot open {path!r}: {exc}") from exc
+
+
+def listing(path: str) -> tuple[bool, list[str], dict[str, Any]]:
+    """``(shardable, local file names, field signature)`` of the dataset at ``path`` here."""
+    reader = _reader(path)
+    try:
+        root = path if os.path.isdir(path) else os.path.dirname(path)
+        ok = getattr(reader, "format", None) in SHARDABLE and hasattr(reader, "files")
+        names = sorted(os.path.relpath(f, root) for f in reader.files) if ok else []
+        signature = {n: (str(f.dtype), tuple(f.shape)) for n, f in reader.fields.items()}
+        return ok, names, signature
+    finally:
+        reader.close()
+
+
+def _open(path: str, budget: int | None, keys: np.ndarray, reader: Any) -> Resident:
     specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in reader.fields.items()}
-    store = Store(
-        np.arange(len(reader)), specs, lambda k, f, out: reader.read(k, f, out=out), budget
-    )
+    store = Store(keys, specs, lambda k, f, out: reader.read(k, f, out=out), budget)
     return Resident(path, reader, store)
 
 
@@ -118,6 +193,7 @@ class Residency:
         state_file: where the list of resident datasets is kept across restarts. Default: none.
         on_event: ``on_event(name, **fields)`` for the log. Default: nothing.
         threads: reads at a time when loading. Default: ``4``.
+        link: the other services of a multi-node store. Default: none (one node).
     """
 
     def __init__(
@@ -126,7 +202,10 @@ class Residency:
         state_file: Path | None = None,
         on_event: Any = None,
         threads: int = 4,
+        link: PeerLink | None = None,
     ) -> None:
+        self.link = link
+        self.node = link.node if link is not None else 0
         self.budget = budget
         self.state_file = state_file
         self._event = on_event or (lambda *_a, **_k: None)
@@ -135,13 +214,13 @@ class Residency:
         self._by_path: dict[str, Resident] = {}
 
     # -- use -----------------------------------------------------------------------------------
-    def acquire(self, path: str) -> Resident:
-        """The resident copy of the dataset at real path ``path``, loaded if need be; counted
-        as used by one more session until :meth:`release`."""
+    def acquire(self, path: str, template: str = "") -> Resident:
+        """The resident copy of the dataset at real path ``path`` (``template``: as clients
+        name it), loaded if need be; counted as used by one more session until :meth:`release`."""
         with self._lock:
             r = self._by_path.get(path)
             if r is None:
-                r = self._load_locked(path)
+                r = self._load_locked(path, template or path)
             r.sessions += 1
             r.last_used = time.time()
             return r
@@ -151,9 +230,9 @@ class Residency:
             r.sessions -= 1
             r.last_used = time.time()
 
-    def load(self, path: str) -> Resident:
+    def load(self, path: str, template: str = "") -> Resident:
         """Make ``path`` resident (or touch it) without holding it."""
-        r = self.acquire(path)
+        r = self.acquire(path, template)
         self.release(r)
         return r
 
@@ -187,14 +266,17 @@ class Residency:
         if self.state_file is None or not self.state_file.exists():
             return []
         try:
-            paths = json.loads(self.state_file.read_text())["resident"]
+            saved = json.loads(self.state_file.read_text())["resident"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self._event("state_unreadable", path=str(self.state_file), msg=str(exc))
             return []
         done = []
-        for p in paths:
+        for entry in saved:
+            if not (isinstance(entry, list) and len(entry) == 2):
+                continue
+            p, template = entry
             try:
-                self.load(p)
+                self.load(p, template)
                 done.append(p)
             except ServiceError as exc:
                 self._event("reload_failed", dataset=p, msg=str(exc))
@@ -207,19 +289,48 @@ class Residency:
             r.close()
 
     # -- internals -----------------------------------------------------------------------------
-    def _load_locked(self, path: str) -> Resident:
-        probe = _open(path, budget=0)  # the shapes, before committing memory
+    def _shards(self, path: str, template: str) -> tuple[Any, np.ndarray] | None:
+        """``(reader of the global index, owner)`` when the nodes hold different files of
+        ``template``; ``None`` when every node holds every sample (or there is one node)."""
+        if self.link is None or self.link.nodes == 1:
+            return None
+        mine = listing(path)
+        every = [
+            mine if n == self.node else self.link.ask(n, {"kind": "describe", "path": template})
+            for n in range(self.link.nodes)
+        ]
+        if not all(ok for ok, _, _ in every) or all(held == mine[1] for _, held, _ in every):
+            return None
+        if any(sig != mine[2] for _, _, sig in every):
+            raise ServiceError(
+                "FAILED_PRECONDITION", f"the nodes' shards of {template!r} have different fields"
+            )
+        holders = [held for _, held, _ in every]
+        names = sorted(set().union(*holders))
+        return LocalView(_reader(path), names, mine[1]), owners_by_holders(names, holders)
+
+    def _load_locked(self, path: str, template: str) -> Resident:
+        sharded = self._shards(path, template)
+        reader, owner = sharded if sharded is not None else (_reader(path), None)
+        keys = np.arange(len(reader)) if owner is None else np.flatnonzero(owner == self.node)
+        probe = _open(path, 0, keys, reader)  # the sizes, before committing memory
         need = probe.nbytes
-        probe.close()
+        probe.store.close()
         room = self._make_room_locked(need)
-        r = _open(path, room)
+        r = _open(path, room, keys, reader)
+        r.template, r.owner, r.node, r.link = template, owner, self.node, self.link
         r.loader = threading.Thread(
             target=self._preload, args=(r,), name="datastore-load", daemon=True
         )
         self._by_path[path] = r
         self._save_locked()
         self._event(
-            "dataset_loading", dataset=path, bytes=need, bytes_in_memory=r.budgeted, room=room
+            "dataset_loading",
+            dataset=path,
+            bytes=need,
+            bytes_in_memory=r.budgeted,
+            room=room,
+            sharded=owner is not None,
         )
         r.loader.start()
         return r
@@ -262,5 +373,6 @@ class Residency:
             return
         self.state_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"resident": sorted(self._by_path)}))
+        saved = sorted((r.path, r.template) for r in self._by_path.values())
+        tmp.write_text(json.dumps({"resident": saved}))
         os.replace(tmp, self.state_file)

@@ -18,6 +18,7 @@ loader's ``prefetch`` batches; a client that cancels or dies stops production.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -41,7 +42,8 @@ from datastore.service.errors import ServiceError
 from datastore.service.logs import JsonLog
 from datastore.service.metrics import serve_metrics
 from datastore.service.paths import AddressInUse, UnsafeDirectory, claim_socket, unix_target
-from datastore.service.resident import Residency, Resident, resolve_dataset
+from datastore.service.peers import PeerLink, node_path
+from datastore.service.resident import Residency, Resident, listing, resolve_dataset
 from datastore.service.session import Sessions
 from datastore.service.shm import reclaim_stale
 from datastore.service.stream import Stream
@@ -144,6 +146,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         stop: _Stop,
         counters: _Counters,
         log: JsonLog,
+        comm: Any = None,
     ) -> None:
         self._started = time.monotonic()
         self._config = config
@@ -151,10 +154,31 @@ class Servicer(pb_grpc.DataStoreServicer):
         self._stop = stop
         self._counters = counters
         self._log = log
-        self.residency = Residency(config.memory_budget, config.state_file, on_event=log.info)
+        self.link = PeerLink(comm, self.answer) if comm is not None else None
+        self.residency = Residency(
+            config.memory_budget, config.state_file, on_event=log.info, link=self.link
+        )
         self.sessions = Sessions(
             self.residency, config.allowed_roots, config.session_idle_s, on_event=log.info
         )
+
+    def answer(self, request: dict) -> Any:
+        """A peer service's request (``datastore.service.peers``)."""
+        kind = request["kind"]
+        if kind == "shutdown":
+            self._stop.request(f"node {request['node']} stopped")
+            return None
+        path = resolve_dataset(
+            node_path(request["path"], self.residency.node), self._config.allowed_roots
+        )
+        if kind == "describe":
+            return listing(path)
+        if kind == "fetch":
+            r = self.residency.load(path, request["path"])
+            return r.blocks(
+                request["samples"], request["fields"], request["spatial"], request["block"]
+            )
+        raise ServiceError("INVALID_ARGUMENT", f"unknown peer request {kind!r}")
 
     def _refuse(self, context: grpc.ServicerContext, call: str, exc: ServiceError) -> None:
         self._log.warning("refused", call=call, code=exc.code, msg=str(exc))
@@ -259,7 +283,7 @@ class Servicer(pb_grpc.DataStoreServicer):
                 "bytes": self._counters.bytes,
             }
         totals.update(
-            exchanged=0,
+            exchanged=self.link.bytes_received if self.link else 0,
             resident=sum(r.budgeted for r in datasets),
             budget=self._config.memory_budget or 0,
             streams=sum(len(s.streams) for s in sessions),
@@ -325,7 +349,9 @@ class Servicer(pb_grpc.DataStoreServicer):
             calls_served=calls,
             memory_budget=self._config.memory_budget or 0,
             bytes_resident=sum(r.budgeted for r in datasets),
-            nodes=1,
+            bytes_exchanged=self.link.bytes_received if self.link else 0,
+            node=self.residency.node,
+            nodes=self.link.nodes if self.link else 1,
         )
 
     def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -337,6 +363,10 @@ class Servicer(pb_grpc.DataStoreServicer):
         return pb.ShutdownResponse(accepted=True)
 
     def close(self) -> None:
+        if self.link is not None:
+            if self._stop.why and not self._stop.why.startswith("node "):
+                self.link.tell_all({"kind": "shutdown", "node": self.link.node})
+            self.link.close()
         self.sessions.close_all()
         self.residency.close()
 
@@ -404,6 +434,41 @@ def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -
     """
     log = log or JsonLog()
     out = out or sys.stdout
+    comm = _services_comm()
+    if comm is not None:  # one service per rank: {rank} tells their sockets apart on one host
+        rank = str(comm.Get_rank())
+        state = config.state_file
+        config = dataclasses.replace(
+            config,
+            socket=Path(str(config.socket).replace("{rank}", rank)),
+            state_file=Path(str(state).replace("{rank}", rank)) if state else None,
+        )
+    return _serve(config, log, out, comm)
+
+
+def _services_comm() -> Any:
+    """``COMM_WORLD`` when several services were launched together by MPI, else ``None``."""
+    from staging.cluster import launched_by_mpi
+
+    if not launched_by_mpi():
+        return None
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+
+
+def _all_started(comm: Any, ok: bool, log: JsonLog) -> bool:
+    """Whether every service started (collective, once, at start-up)."""
+    if comm is None:
+        return ok
+    every = comm.allgather(ok)
+    if ok and not all(every):
+        failed = [n for n, good in enumerate(every) if not good]
+        log.error("peer_failed_to_start", nodes=failed, msg="the store needs every node")
+    return all(every)
+
+
+def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
     token = None
     if config.tcp is not None:
         assert config.token_file is not None  # checked by ServeConfig
@@ -411,6 +476,7 @@ def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -
             token, loose = read_token(config.token_file)
         except (OSError, ValueError) as exc:
             log.error("bad_token_file", msg=f"cannot use token file: {exc}")
+            _all_started(comm, False, log)
             return EXIT_USAGE
         if loose:
             log.warning(
@@ -422,6 +488,10 @@ def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -
         claim = claim_socket(config.socket, private=config.private)
     except (AddressInUse, UnsafeDirectory, ValueError) as exc:
         log.error("cannot_listen", socket=str(config.socket), msg=str(exc))
+        _all_started(comm, False, log)
+        return EXIT_FAILED
+    if not _all_started(comm, True, log):
+        claim.release()
         return EXIT_FAILED
     if claim.removed_stale:
         log.warning(
@@ -430,12 +500,14 @@ def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -
             msg="a socket left by a server that died; nothing answered on it",
         )
     try:
-        return _run(config, claim, token, log, out)
+        return _run(config, claim, token, log, out, comm)
     finally:
         claim.release()
 
 
-def _run(config: ServeConfig, claim: Any, token: str | None, log: JsonLog, out: Any) -> int:
+def _run(
+    config: ServeConfig, claim: Any, token: str | None, log: JsonLog, out: Any, comm: Any
+) -> int:
     stop = _Stop()
     counters = _Counters()
     listen = [unix_target(claim.socket)]
@@ -447,7 +519,9 @@ def _run(config: ServeConfig, claim: Any, token: str | None, log: JsonLog, out: 
             count=len(removed),
             msg="shared memory left by a service that died",
         )
-    servicer = Servicer(config=config, listen=listen, stop=stop, counters=counters, log=log)
+    servicer = Servicer(
+        config=config, listen=listen, stop=stop, counters=counters, log=log, comm=comm
+    )
     metrics_server = None
 
     servers = [_new_server(config.workers, [_CountCalls(counters)])]

@@ -25,6 +25,7 @@ from datastore.partition import Grid
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.batches import Delivered, delivered_fields, spatial_grid
 from datastore.service.errors import ServiceError
+from datastore.service.peers import node_path
 from datastore.service.resident import Residency, Resident, resolve_dataset
 from datastore.service.stream import Stream
 
@@ -57,6 +58,7 @@ class Session:
     world: int
     grid: Grid | None
     info: dict[str, Any]  # {field: FieldInfo} delivered
+    spatial: dict[str, Any] | None
     opened_unix_s: float = field(default_factory=time.time)
     batches_served: int = 0
     bytes_served: int = 0
@@ -103,12 +105,18 @@ class Session:
             g = sched.global_batch_at(epoch, step, order)
             return sched.rank_batch(g, lay.data_rank, lay.data_world)
 
+        fields = self.fields_of(lay.spatial_rank)
+
+        def fetch(samples: np.ndarray) -> dict[tuple[int, str], np.ndarray]:
+            return self.resident.fetch(samples, fields, self.spatial, lay.spatial_rank)
+
         s = Stream(
             plan=plan,
-            fields=self.fields_of(lay.spatial_rank),
+            fields=fields,
             grid=self.grid,
             block=lay.spatial_rank,
             sample=self.resident.sample,
+            fetch=fetch,
             batch_size=sched.local_batch(lay.data_world),
             steps=(epoch, int(r.start_step), end, steps, int(r.rank)),
             shared_memory=shared_memory,
@@ -176,7 +184,7 @@ class Sessions:
         self._reaper.start()
 
     def open(self, r: Any) -> Session:
-        path = resolve_dataset(r.dataset_path, self.roots)
+        path = resolve_dataset(node_path(r.dataset_path, self.residency.node), self.roots)
         if not 0 < r.global_batch <= MAX_GLOBAL_BATCH:
             raise ServiceError(
                 "INVALID_ARGUMENT",
@@ -192,7 +200,7 @@ class Sessions:
                 "INVALID_ARGUMENT",
                 f"world_size {world} is not a multiple of the {blocks} spatial blocks",
             )
-        resident = self.residency.acquire(path)
+        resident = self.residency.acquire(path, r.dataset_path)
         try:
             session = self._session(r, resident, world, spatial)
         except BaseException:
@@ -220,7 +228,7 @@ class Sessions:
             schedule.local_batch(world // blocks)
         except (ValueError, TypeError) as exc:
             raise ServiceError("INVALID_ARGUMENT", str(exc)) from exc
-        return Session(uuid.uuid4().hex, r, resident, schedule, world, grid, info)
+        return Session(uuid.uuid4().hex, r, resident, schedule, world, grid, info, spatial)
 
     def get(self, sid: str) -> Session:
         with self._lock:

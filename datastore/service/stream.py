@@ -37,6 +37,8 @@ class Stream:
         plan: ``plan(step) -> sample indices`` of this rank's share of global batch ``step``.
         fields, grid, block: what the rank receives (``datastore.service.batches``).
         sample: ``sample(index, field)``: the stored whole sample.
+        fetch: ``fetch(samples)``: ``{(index, field): delivered array}`` of the samples other
+            nodes own.
         batch_size: samples per batch on this rank.
         steps: ``(epoch, start, end, steps_per_epoch, rank)``.
         shared_memory: deliver through a segment, else inline bytes.
@@ -53,6 +55,7 @@ class Stream:
         grid: Any,
         block: int,
         sample: Callable[[int, str], np.ndarray],
+        fetch: Callable[[np.ndarray], dict[tuple[int, str], np.ndarray]],
         batch_size: int,
         steps: tuple[int, int, int, int, int],
         shared_memory: bool,
@@ -61,7 +64,7 @@ class Stream:
         on_stall: Callable[[float], None],
     ) -> None:
         self._plan, self._fields, self._grid, self._block = plan, fields, grid, block
-        self._sample = sample
+        self._sample, self._fetch = sample, fetch
         self.epoch, self.start, self.end, self._steps_per_epoch, self.rank = steps
         self._on_stall = on_stall
         self.stop = threading.Event()
@@ -111,8 +114,15 @@ class Stream:
                 if slot is None:
                     return
                 samples = self._plan(step)
+                fetched = self._fetch(samples)
                 fill_batch(
-                    samples, self._fields, self._grid, self._block, self._sample, self._slots[slot]
+                    samples,
+                    self._fields,
+                    self._grid,
+                    self._block,
+                    self._sample,
+                    self._slots[slot],
+                    fetched,
                 )
                 self._ready.put((step, slot, samples))
         except BaseException as exc:  # handed to the call, which fails with it

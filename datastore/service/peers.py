@@ -1,0 +1,147 @@
+"""Services on several nodes forming one store: ``mpiexec -n K datastore serve``.
+
+Each service owns the samples staged on its node's disk. When a dataset is sharded (``datastore
+stage --mode shard``: nodes hold different files under the same path), a service asks every
+peer which files it holds (``describe``), and from then on fetches from their owners the blocks
+its local trainer ranks need (``fetch``): the owner cuts block ``k`` (with halo) out of its
+resident sample and sends only that. Fetches run in a session's producer thread, so they are
+prefetched from the known order like the rest of a batch.
+
+The requests are point-to-point MPI messages (pickled requests, raw replies) answered by a
+thread in each service, so no service ever waits in a collective on a client's behalf. Every
+wait has a deadline: a peer that died makes the request fail (``UNAVAILABLE``), never hang.
+A dataset path may contain ``{node}``, filled in by each service with its own rank (several
+services on one host, as in tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from datastore.service.errors import ServiceError
+
+__all__ = ["PeerLink", "node_path"]
+
+REQUEST = 1  # tag of every request; replies use a tag per request
+FIRST_REPLY_TAG = 100
+
+
+def node_path(path: str, node: int) -> str:
+    """``path`` with ``{node}`` replaced by this service's rank."""
+    return path.replace("{node}", str(node))
+
+
+class PeerLink:
+    """Requests to and answers from the other services of one MPI job.
+
+    Args:
+        comm: an mpi4py communicator of the services (duplicated here).
+        answer: ``answer(request) -> reply``: what this service replies to a peer's request; a
+            reply is a picklable object, or a numpy array sent as raw bytes.
+        timeout_s: how long a request may wait for its reply. Default: ``60``.
+    """
+
+    def __init__(self, comm: Any, answer: Callable[[dict], Any], timeout_s: float = 60.0) -> None:
+        self.comm = comm.Dup()
+        self.node, self.nodes = self.comm.Get_rank(), self.comm.Get_size()
+        self._answer = answer
+        self.timeout_s = timeout_s
+        self._tags = itertools.count(FIRST_REPLY_TAG)
+        self._tag_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="datastore-peer")
+        self.bytes_received = 0
+        self._thread = threading.Thread(target=self._serve, name="datastore-peers", daemon=True)
+        self._thread.start()
+
+    # -- asking --------------------------------------------------------------------------------
+    def _tag(self) -> int:
+        with self._tag_lock:
+            return FIRST_REPLY_TAG + (next(self._tags) - FIRST_REPLY_TAG) % 30000
+
+    def _wait(self, req: Any, dest: int, what: str) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            done, value = req.test()
+            if done:
+                return value
+            if self._stop.is_set() or time.monotonic() > deadline:
+                req.Cancel()
+                raise ServiceError(
+                    "UNAVAILABLE",
+                    f"node {dest} did not answer {what} within {self.timeout_s:.0f} s",
+                )
+            time.sleep(0.0002)
+
+    def ask(self, dest: int, request: dict) -> Any:
+        """Send ``request`` to node ``dest``; its pickled reply."""
+        tag = self._tag()
+        self.comm.send({**request, "tag": tag}, dest=dest, tag=REQUEST)
+        reply = self._wait(self.comm.irecv(source=dest, tag=tag), dest, request["kind"])
+        if isinstance(reply, dict) and "error" in reply:
+            raise ServiceError(reply["code"], f"node {dest}: {reply['error']}")
+        return reply
+
+    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
+        """Send ``request`` to node ``dest`` and receive its raw reply into ``out`` (uint8)."""
+        tag = self._tag()
+        self.comm.send({**request, "tag": tag, "nbytes": out.nbytes}, dest=dest, tag=REQUEST)
+        status = self._wait(self.comm.irecv(source=dest, tag=tag), dest, request["kind"])
+        if status != "ok":
+            raise ServiceError(status["code"], f"node {dest}: {status['error']}")
+        req = self.comm.Irecv(out, source=dest, tag=tag)
+        deadline = time.monotonic() + self.timeout_s
+        while not req.Test():
+            if self._stop.is_set() or time.monotonic() > deadline:
+                req.Cancel()
+                raise ServiceError("UNAVAILABLE", f"node {dest} did not send its blocks in time")
+            time.sleep(0.0002)
+        self.bytes_received += out.nbytes
+
+    def tell_all(self, request: dict) -> None:
+        """Send ``request`` to every other node, expecting no reply."""
+        for dest in range(self.nodes):
+            if dest != self.node:
+                self.comm.send({**request, "tag": None}, dest=dest, tag=REQUEST)
+
+    # -- answering -----------------------------------------------------------------------------
+    def _serve(self) -> None:
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        while not self._stop.is_set():
+            if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=REQUEST, status=status):
+                time.sleep(0.0005)
+                continue
+            source = status.Get_source()
+            request = self.comm.recv(source=source, tag=REQUEST)
+            self._pool.submit(self._reply, source, request)
+
+    def _reply(self, source: int, request: dict) -> None:
+        tag = request["tag"]
+        try:
+            reply = self._answer(request)
+        except ServiceError as exc:
+            reply = {"error": str(exc), "code": exc.code}
+        except Exception as exc:  # a peer's bad request must not kill this service
+            reply = {"error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"}
+        if tag is None:
+            return
+        if isinstance(reply, np.ndarray):
+            self.comm.send("ok", dest=source, tag=tag)
+            self.comm.Send(np.ascontiguousarray(reply).view(np.uint8), dest=source, tag=tag)
+        else:
+            self.comm.send(reply, dest=source, tag=tag)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._pool.shutdown(wait=True)
+        self.comm.Free()

@@ -1,0 +1,97 @@
+"""Two services under ``mpiexec -n 2`` form one store over a dataset staged with ``--mode shard``.
+
+Each service owns the files staged on "its node" (``node{node}`` directories on this host); a
+job whose ranks stream from different services gets exactly the embedded loader's batches over
+the whole dataset, the blocks that live on the other node being fetched over MPI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+from helpers import MPIEXEC
+
+from datastore.loader import DataStoreLoader
+from datastore.service.client import Client, RemoteLoader
+from tests.test_service_stream import assert_same, batches
+
+pytestmark = pytest.mark.mpi
+
+_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """``(source dir, dataset template, [socket paths], mpiexec process)``."""
+    tmp = tmp_path_factory.mktemp("nodes")
+    src = tmp / "src"
+    src.mkdir()
+    for i in range(20):
+        vol = np.random.default_rng(i).standard_normal((2, 6, 4, 4)).astype(np.float32)
+        vol[0, 0, 0, 0] = i
+        np.save(src / f"s{i:03d}.npy", vol)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update(XDG_STATE_HOME=str(tmp / "state"), XDG_RUNTIME_DIR=str(tmp))
+    stage = [MPIEXEC, "-n", "2", sys.executable, "-m", "datastore", "stage", str(src)]
+    stage += ["--to", str(tmp / "node{node}"), "--mode", "shard", "--ranks-per-node", "1", "-q"]
+    assert subprocess.run(stage, timeout=120, env=env).returncode == 0
+    shares = [sorted(os.listdir(tmp / f"node{k}" / "src")) for k in range(2)]
+    assert shares[0] and shares[1] and not set(shares[0]) & set(shares[1])
+    serve = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "datastore", "serve"]
+    serve += ["--socket", str(tmp / "s{rank}.sock")]
+    log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(serve, env=env, stdout=log, stderr=subprocess.STDOUT)
+    sockets = [tmp / "s0.sock", tmp / "s1.sock"]
+    deadline = time.monotonic() + 60
+    while not all(s.exists() for s in sockets):
+        assert proc.poll() is None, (tmp / "serve.log").read_text()
+        assert time.monotonic() < deadline, "the services did not start"
+        time.sleep(0.2)
+    yield src, str(tmp / "node{node}" / "src"), sockets, proc
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    log.close()
+
+
+@pytest.mark.parametrize(
+    "spatial", [None, {"parts": (2, 1, 1), "halo": (1, 1, 1)}], ids=["whole", "blocks"]
+)
+def test_a_job_across_two_services_gets_the_embedded_batches(store, spatial):
+    src, template, sockets, _ = store
+    for rank in range(2):
+        kw = {"rank": rank, "world": 2, "seed": 5, "spatial": spatial}
+        remote = RemoteLoader(template, batch_size=2, address=str(sockets[rank]), **kw)
+        local = DataStoreLoader(str(src), batch_size=2, exchange=False, **kw)
+        try:
+            for _ in range(2):
+                assert_same(batches(remote), batches(local))
+        finally:
+            remote.close()
+            local.close()
+    for rank, sock in enumerate(sockets):
+        with Client(sock) as c:
+            st = c.status()
+        assert (st.node, st.nodes) == (rank, 2)
+        assert st.bytes_exchanged > 0  # some of every batch lived on the other node
+        (ds,) = st.datasets
+        assert ds.num_samples == 20 and ds.local_samples == 10
+
+
+def test_shutdown_of_one_service_stops_the_store(store):
+    _, _, sockets, proc = store
+    with Client(sockets[1]) as c:
+        assert c.shutdown(reason="test").accepted
+    assert proc.wait(30) == 0
+    assert not any(s.exists() for s in sockets)
+    with Client(sockets[0], timeout_s=2) as c, pytest.raises(grpc.RpcError):
+        c.status()
