@@ -77,6 +77,14 @@ def add_parser(sub: Any) -> None:
         help="how long shutdown lets calls in flight finish (default: 5)",
     )
     p.add_argument("--workers", type=int, default=8, help="threads serving calls (default: 8)")
+    p.add_argument(
+        "--allow",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="Stage reads and writes only under PATH (repeatable; default: anywhere)",
+    )
     p.set_defaults(func=run_serve)
 
     s = sub.add_parser(
@@ -115,6 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
             token_file=args.token_file,
             grace_s=args.grace,
             workers=args.workers,
+            allowed_roots=tuple(args.allow),
         )
     except ValueError as exc:
         print(f"datastore serve: {exc}", file=sys.stderr)

@@ -63,6 +63,7 @@ class ServeConfig:
         token_file: the shared secret for ``tcp``; required with it. Default: none.
         grace_s: seconds to let calls in flight finish on shutdown. Default: ``5.0``.
         workers: threads serving calls. Default: ``8``.
+        allowed_roots: ``Stage`` only reads and writes under these paths. Default: anywhere.
     """
 
     socket: Path
@@ -71,6 +72,7 @@ class ServeConfig:
     token_file: Path | None = None
     grace_s: float = 5.0
     workers: int = 8
+    allowed_roots: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tcp is not None and self.token_file is None:
@@ -199,6 +201,28 @@ class Servicer(pb_grpc.DataStoreServicer):
             calls_served=calls,
         )
 
+    allowed_roots: tuple[Path, ...] = ()  # where Stage may read and write; set by _run
+
+    def Stage(self, request: Any, context: grpc.ServicerContext) -> Any:
+        from datastore.service.stage_job import stream_stage
+
+        self._log.info("stage_started", sources=list(request.sources), dest=request.dest)
+        last = None
+        try:
+            for last in stream_stage(request, context.is_active, self.allowed_roots):
+                if last.done and last.exit_code == 0 and request.load:
+                    if hasattr(self, "residency"):
+                        self.residency.load(request.dest)
+                    else:
+                        self._log.warning("stage_load_ignored", dest=request.dest)
+                yield last
+        except SessionError as exc:
+            self._refuse(context, "Stage", exc)
+        if last is not None and last.done:
+            self._log.info("stage_done", dest=request.dest, exit_code=last.exit_code)
+        else:
+            self._log.warning("stage_cancelled", dest=request.dest)
+
     def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
         grace = request.grace_s if request.grace_s > 0 else None
         self._log.info(
@@ -292,6 +316,7 @@ def _run(config: ServeConfig, claim: Any, token: str | None, log: JsonLog, out: 
     listen = [unix_target(claim.socket)]
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     servicer = Servicer(listen=listen, stop=stop, counters=counters, log=log)
+    servicer.allowed_roots = config.allowed_roots
 
     servers = [_new_server(config.workers, [_CountCalls(counters)])]
     old_umask = os.umask(0o177)  # the socket is born 0600
