@@ -7,7 +7,8 @@
     {"event": "progress", "bytes_done": 1048576, "bytes_total": 1048576}
 
 one when the copy starts, then at most one every ``interval_s`` (0.25 s) while bytes arrive,
-and one when it ends; ``bytes_done`` never decreases. The counts are those of the process that
+and one when it ends (unless the last one already had the final counts); ``bytes_done``
+never decreases. The counts are those of the process that
 prints: under MPI only rank 0 prints, and its ``bytes_total`` is rank 0's share of the copy
 (the summary that follows has the totals of every rank).
 """
@@ -66,6 +67,7 @@ class Progress:
         self._out = out
         self._interval = interval_s
         self._last = 0.0
+        self._last_done = -1
         self._lock = threading.Lock()
         self._bar: Any = None
         self._task: Any = None
@@ -74,7 +76,7 @@ class Progress:
         """Print the current counts; the caller holds the lock (so lines stay in order)."""
         out = self._out or sys.stdout
         print(progress_line(self.done, self.total), file=out, flush=True)
-        self._last = time.monotonic()
+        self._last, self._last_done = time.monotonic(), self.done
 
     def __enter__(self) -> Progress:
         if self.json_lines:
@@ -113,6 +115,7 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         if self.json_lines:
             with self._lock:
-                self._emit()
+                if self.done != self._last_done:  # else the last line has the final counts
+                    self._emit()
         if self._bar is not None:
             self._bar.stop()

@@ -279,3 +279,38 @@ def test_request_validation():
         stage_job.stage_argv(pb.StageRequest(sources=["/a"], dest="/d"), ["/a"])
     assert err.value.code == "PERMISSION_DENIED"
     assert stage_job.within_roots("/a/b", ["/a/"]) and not stage_job.within_roots("/ab", ["/a"])
+
+
+def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):
+    """SIGINT to the client: exit 130, and the service kills the stage, whose lock frees."""
+    sock, s = service
+    src = root / "data" / "sparse"
+    src.mkdir()
+    with open(src / "huge", "wb") as f:
+        f.truncate(2 << 30)  # reads fast, takes seconds to write
+    dest = root / "data" / "ctrl-c-dst"
+    client = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "datastore", "stage", src, "--to", dest),
+            *("--streams", "1", "--progress-json", f"--service={sock}"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = json.loads(client.stdout.readline())
+    assert first == {"event": "progress", "bytes_done": 0, "bytes_total": 2 << 30}
+    client.send_signal(signal.SIGINT)
+    assert client.wait(10) == 130
+    assert "interrupted" in client.stderr.read()
+    deadline = time.monotonic() + 10
+    while True:  # the stage held DEST's lock until it died
+        try:
+            os.close(lock_dest(str(dest)))
+            break
+        except BlockingIOError:
+            assert time.monotonic() < deadline, "the stage still runs after the client left"
+            time.sleep(0.1)
+    assert not (dest / "sparse" / "huge").exists()  # nothing half-written under its name
+    assert any(x["event"] == "stage_cancelled" for x in s.logs())
