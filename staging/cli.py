@@ -20,11 +20,14 @@ exit codes:
      (the other sources are still staged)
   3  not enough free space in DEST (checked before anything is copied)
   4  --verify found missing or changed files
+  with --service: the stage's code; 1 also when no service answers, 2 when it refuses the
+  request (a path outside its --allow roots), 130 on Ctrl-C (the service stops the stage)
 
 examples:
   datastore stage /lustre/proj/cosmo.tar.zst /lustre/proj/labels --to /l/ssd/cosmo
   mpiexec -n 8 datastore stage /gpfs/ds --to /l/ssd/ds --mode shard
   datastore stage --verify --to /l/ssd/cosmo
+  datastore stage /lustre/proj/cosmo.tar.zst --to /l/ssd/cosmo --service
 """
 
 
@@ -106,11 +109,37 @@ def add_parser(sub: Any) -> None:
         help="group ranks into nodes by rank // N instead of by shared memory",
     )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument(
+        "--progress-json",
+        action="store_true",
+        help='print progress as JSON lines on stdout ({"event": "progress", "bytes_done": N, '
+        '"bytes_total": M}, at most every 0.25 s and at the end), then the --json summary',
+    )
+    p.add_argument(
+        "--service",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="hand the stage to a running `datastore serve` and stream its progress; ADDRESS: "
+        "a socket path or HOST:PORT (default: $DATASTORE_ADDRESS, else the default socket). "
+        "Put it after the sources, or write --service=ADDRESS",
+    )
+    p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="the shared secret of a service reached over TCP (--service HOST:PORT)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.service is not None:
+        from staging.remote import run_remote
+
+        return run_remote(args)
     try:
         cfg = StageConfig(
             dest=args.dest,
@@ -123,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             verify=args.verify,
             json=args.json,
+            progress_json=args.progress_json,
             quiet=args.quiet,
             ranks_per_node=args.ranks_per_node,
         )

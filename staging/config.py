@@ -39,12 +39,15 @@ class StageConfig:
     dry_run: bool = False
     verify: bool = False
     json: bool = False
+    progress_json: bool = False
     quiet: bool = False
     ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.streams == 0:
             object.__setattr__(self, "streams", default_streams())
+        if self.progress_json:  # progress lines, then the summary as the last JSON line
+            object.__setattr__(self, "json", True)
         if self.streams < 1:
             raise ValueError(f"--streams must be >= 1, got {self.streams}")
         if self.mode not in MODES:

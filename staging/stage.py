@@ -25,7 +25,7 @@ from staging.manifest import Manifest, lock_dest, meta_dir
 from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, split_by_bytes
 from staging.progress import Progress, human_bytes
 
-__all__ = ["EXIT", "stage"]
+__all__ = ["EXIT", "stage", "summary_line"]
 
 EXIT = {"ok": 0, "failed": 1, "bad_input": 2, "no_space": 3, "mismatch": 4}
 
@@ -178,7 +178,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     mine = work.per_rank[lay.local_rank]
     total = sum(g.nbytes for g in mine)
     policy = IoPolicy(cfg.io, meta_dir(dest), log=lay.is_leader and not cfg.quiet)
-    with Progress(total, enabled=log.progress) as bar:
+    with Progress(total, enabled=log.progress, json_lines=log.progress_json) as bar:
         stats = (
             Engine(dest, lay.rank, cfg.checksum, cfg.streams, policy, bar.advance).run(mine)
             if mine
@@ -228,6 +228,7 @@ class _Log:
     def __init__(self, cfg: StageConfig, lay: Layout):
         self.cfg, self.lay = cfg, lay
         self.progress = lay.rank == 0 and not cfg.quiet and not cfg.json and sys.stderr.isatty()
+        self.progress_json = lay.rank == 0 and cfg.progress_json  # rank 0's share only
 
     def errors(self, errors: list[str]) -> None:
         if self.lay.rank == 0:
@@ -259,13 +260,18 @@ class _Log:
             print(f"datastore stage: error: {e}", file=sys.stderr)
         if self.cfg.quiet:
             return
-        line = (
-            f"staged {total.files} files, {human_bytes(total.bytes)} in {elapsed:.2f} s "
-            f"({doc['mb_per_s']:.0f} MB/s) on {lay.nodes} node(s), {lay.size} rank(s); "
-            f"skipped {total.skipped} unchanged ({human_bytes(total.skipped_bytes)})"
-        )
-        if total.resumed_bytes:
-            line += f"; resumed {human_bytes(total.resumed_bytes)} of partial copies"
-        if errors:
-            line += f"; {len(errors)} error(s)"
-        print(line)
+        print(summary_line(doc))
+
+
+def summary_line(doc: dict[str, Any]) -> str:
+    """The summary for people, from the ``--json`` summary ``doc``."""
+    line = (
+        f"staged {doc['files']} files, {human_bytes(doc['bytes'])} in {doc['seconds']:.2f} s "
+        f"({doc['mb_per_s']:.0f} MB/s) on {doc['nodes']} node(s), {doc['ranks']} rank(s); "
+        f"skipped {doc['skipped']} unchanged ({human_bytes(doc['skipped_bytes'])})"
+    )
+    if doc["resumed_bytes"]:
+        line += f"; resumed {human_bytes(doc['resumed_bytes'])} of partial copies"
+    if doc["errors"]:
+        line += f"; {len(doc['errors'])} error(s)"
+    return line

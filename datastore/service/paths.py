@@ -18,6 +18,7 @@ import hashlib
 import os
 import socket
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ __all__ = [
     "default_state_file",
     "socket_answers",
     "unix_target",
+    "within_roots",
 ]
 
 SOCKET_NAME = "datastore.sock"
@@ -66,6 +68,16 @@ def default_state_file(socket: Path, env: dict[str, str] | None = None) -> Path:
     base = Path(env.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
     digest = hashlib.sha1(os.fsencode(os.path.abspath(socket))).hexdigest()[:12]
     return base / "datastore" / f"resident-{digest}.json"
+
+
+def within_roots(path: str, roots: Sequence[Path | str]) -> bool:
+    """Whether ``path``, symlinks resolved, lies under one of ``roots`` (resolved too)."""
+    real = os.path.realpath(path)
+    for root in roots:
+        r = os.path.realpath(root)
+        if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
+            return True
+    return False
 
 
 def unix_target(path: Path | str) -> str:

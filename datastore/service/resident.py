@@ -28,6 +28,7 @@ from datastore.partition import Grid, extract_block
 from datastore.readers import open_dataset
 from datastore.service.batches import Delivered, delivered_fields, spatial_grid
 from datastore.service.errors import ServiceError
+from datastore.service.paths import within_roots
 from datastore.service.peers import PeerLink
 from datastore.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store import SlotSpec, Store
@@ -42,7 +43,7 @@ def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
     if not os.path.isabs(path):
         raise ServiceError("INVALID_ARGUMENT", f"dataset_path must be absolute, got {path!r}")
     real = os.path.realpath(path)
-    if roots and not any(real == str(r) or real.startswith(f"{r}{os.sep}") for r in roots):
+    if roots and not within_roots(real, roots):
         allowed = ", ".join(str(r) for r in roots)
         raise ServiceError(
             "PERMISSION_DENIED", f"{path!r} is outside the allowed roots ({allowed})"

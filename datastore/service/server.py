@@ -46,6 +46,7 @@ from datastore.service.peers import PeerLink, node_path
 from datastore.service.resident import Residency, Resident, listing, resolve_dataset
 from datastore.service.session import Sessions
 from datastore.service.shm import reclaim_stale
+from datastore.service.stage_job import stream_stage
 from datastore.service.stream import Stream
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ServeConfig", "Servicer", "serve"]
@@ -353,6 +354,21 @@ class Servicer(pb_grpc.DataStoreServicer):
             node=self.residency.node,
             nodes=self.link.nodes if self.link else 1,
         )
+
+    def Stage(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._log.info("stage_started", sources=list(request.sources), dest=request.dest)
+        last = None
+        try:
+            for last in stream_stage(request, context.is_active, self._config.allowed_roots):
+                if last.done and last.exit_code == 0 and request.load:
+                    self.residency.load(resolve_dataset(request.dest, self._config.allowed_roots))
+                yield last
+        except ServiceError as exc:
+            self._refuse(context, "Stage", exc)
+        if last is not None and last.done:
+            self._log.info("stage_done", dest=request.dest, exit_code=last.exit_code)
+        else:
+            self._log.warning("stage_cancelled", dest=request.dest)
 
     def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
         grace = request.grace_s if request.grace_s > 0 else None

@@ -1,0 +1,317 @@
+"""``Stage`` through ``datastore serve`` and ``datastore stage --progress-json / --service``.
+
+One real ``datastore serve`` subprocess (``--allow`` the test's directory) serves the module;
+stages run as real ``datastore stage`` subprocesses of it. The kill-on-cancel logic is tested
+in-process with a stand-in child, so no test waits on a large copy.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from helpers import make_tree, random_bytes, run_stage, tree_bytes
+from test_service_basic import Server, wait_serving
+
+from datastore.service import stage_job
+from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+from datastore.service.errors import ServiceError
+from datastore.service.paths import within_roots
+from staging.manifest import lock_dest, meta_dir
+from staging.progress import Progress
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stage-svc")
+
+
+@pytest.fixture(scope="module")
+def env(root) -> dict[str, str]:
+    e = dict(os.environ)
+    e["XDG_RUNTIME_DIR"] = str(root / "runtime")  # never the real default directory
+    (root / "runtime").mkdir()
+    return e
+
+
+@pytest.fixture(scope="module")
+def service(root, env):
+    """``(socket, server)``: one ``datastore serve --allow ROOT/data`` for the module."""
+    sock = root / "s.sock"
+    (root / "data").mkdir()
+    s = Server(root / "logs", ["--socket", str(sock), "--allow", str(root / "data")], env)
+    wait_serving(s.listening()[0], s.proc)
+    yield sock, s
+    if s.proc.poll() is None:
+        s.proc.send_signal(signal.SIGTERM)
+        try:
+            s.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait(10)
+
+
+def stage_call(sock: Path, **fields) -> list:
+    fields.setdefault("unpack", True)
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        return list(pb_grpc.DataStoreStub(ch).Stage(pb.StageRequest(**fields), timeout=60))
+
+
+def cli_stage(*args, env) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "datastore", "stage", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def tar_of(path: Path, tree: Path) -> Path:
+    import tarfile
+
+    with tarfile.open(path, "w") as tf:
+        tf.add(tree, arcname=".")
+    return path
+
+
+# -- --progress-json --------------------------------------------------------------------------
+def test_progress_lines_are_ordered_throttled_and_complete():
+    out = io.StringIO()
+    total = 8 * 1000 * 1024
+    with Progress(total, enabled=False, json_lines=True, out=out, interval_s=0.25) as bar:
+        threads = [
+            threading.Thread(target=lambda: [bar.advance(1024) for _ in range(1000)])
+            for _ in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert all(set(x) == {"event", "bytes_done", "bytes_total"} for x in lines)
+    assert all(x["event"] == "progress" and x["bytes_total"] == total for x in lines)
+    done = [x["bytes_done"] for x in lines]
+    assert done[0] == 0 and done[-1] == total and done == sorted(done)
+    assert len(lines) <= 4  # start, end, and at most one per 0.25 s of a fast copy
+
+
+def test_progress_json_cli_prints_progress_then_the_summary(tmp_path):
+    src = make_tree(tmp_path / "src")
+    r = run_stage(src, "--to", tmp_path / "dst", "--progress-json", check=0)
+    lines = [json.loads(x) for x in r.stdout.splitlines()]  # every line is one object
+    progress, summary = lines[:-1], lines[-1]
+    assert len(progress) >= 2 and all(x["event"] == "progress" for x in progress)
+    done = [x["bytes_done"] for x in progress]
+    assert done == sorted(done) and done[-1] == progress[-1]["bytes_total"] == summary["bytes"]
+    assert summary["errors"] == [] and summary["files"] > 0
+    assert tree_bytes(tmp_path / "dst" / "src") == tree_bytes(src)
+
+
+# -- Stage through the service ----------------------------------------------------------------
+def test_stage_tree_and_tar_through_the_service(service, root):
+    sock, _ = service
+    data = root / "data"
+    tree = make_tree(data / "tree", seed=1)
+    (data / "big.bin").write_bytes(random_bytes(3 << 20, 7))
+    tar = tar_of(data / "packed.tar", make_tree(data / "packed", seed=2))
+    dest = data / "dst"
+    msgs = stage_call(sock, sources=[str(tree), str(tar), str(data / "big.bin")], dest=str(dest))
+    *progress, last = msgs
+    assert last.done and last.exit_code == 0, last.message
+    assert progress and not any(m.done for m in progress)
+    done = [m.bytes_done for m in progress]
+    assert done == sorted(done) and done[-1] == last.bytes_done == last.bytes_total
+    summary = json.loads(last.summary_json)
+    assert summary["errors"] == [] and summary["bytes"] == last.bytes_total
+    assert tree_bytes(dest / "tree") == tree_bytes(tree)
+    packed = {k: v for k, v in tree_bytes(dest).items() if not k.startswith(("tree/", "big"))}
+    assert packed == tree_bytes(data / "packed")  # the tar was unpacked into DEST
+    assert (dest / "big.bin").read_bytes() == (data / "big.bin").read_bytes()
+
+
+def test_cli_service_streams_progress_and_exits_with_the_stage_code(service, root, env):
+    sock, s = service
+    data = root / "data"
+    src = make_tree(data / "cli-src", seed=3)
+    dest = data / "cli-dst"
+    r = cli_stage(src, "--to", dest, "--progress-json", f"--service={sock}", env=env)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert lines[0]["event"] == "progress" and lines[-1]["errors"] == []
+    assert lines[-2]["bytes_done"] == lines[-1]["bytes"]
+    assert tree_bytes(dest / "cli-src") == tree_bytes(src)
+    # again, for people: nothing to copy, the usual summary line
+    again = cli_stage(src, "--to", dest, "--service", sock, env={**env})
+    assert again.returncode == 0 and again.stdout.startswith("staged 0 files"), again.stderr
+    assert "skipped 7 unchanged" in again.stdout
+    # DATASTORE_ADDRESS picks the service when --service names none
+    via_env = cli_stage(
+        src, "--to", dest, "--json", "--service", env={**env, "DATASTORE_ADDRESS": str(sock)}
+    )
+    assert via_env.returncode == 0 and json.loads(via_env.stdout)["skipped"] == 7
+    events = [x["event"] for x in s.logs()]
+    assert "stage_started" in events and "stage_done" in events
+
+
+def test_failing_stage_gives_its_exit_code_and_message(service, root, env):
+    sock, _ = service
+    data = root / "data"
+    missing = data / "no-such-source"
+    last = stage_call(sock, sources=[str(missing)], dest=str(data / "fail-dst"))[-1]
+    assert last.done and last.exit_code == 2
+    assert str(missing) in json.loads(last.summary_json)["errors"][0]
+    r = cli_stage(missing, "--to", data / "fail-dst", "--service", sock, env=env)
+    assert r.returncode == 2 and f"error: {missing}: source not found" in r.stderr
+
+    dest = data / "locked-dst"  # another stage holds DEST: its lock's error comes back
+    os.makedirs(meta_dir(str(dest)))
+    fd = lock_dest(str(dest))
+    try:
+        make_tree(data / "locked-src")
+        last = stage_call(sock, sources=[str(data / "locked-src")], dest=str(dest))[-1]
+    finally:
+        os.close(fd)
+    assert last.done and last.exit_code == 1 and last.summary_json == ""
+    assert "another 'datastore stage' is writing to this destination" in last.message
+
+
+def test_paths_outside_the_allowed_roots_are_refused(service, root, env):
+    sock, _ = service
+    outside = make_tree(root / "outside")
+    for fields in (
+        {"sources": [str(outside)], "dest": str(root / "data" / "d")},
+        {"sources": [str(root / "data")], "dest": str(root / "elsewhere")},
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            stage_call(sock, **fields)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    link = root / "data" / "sneaky"
+    link.symlink_to(outside)  # under the root by name, outside once resolved
+    with pytest.raises(grpc.RpcError) as err:
+        stage_call(sock, sources=[str(link)], dest=str(root / "data" / "d"))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as err:
+        stage_call(sock, sources=[], dest=str(root / "data" / "d"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    r = cli_stage(outside, "--to", root / "data" / "d", "--service", sock, env=env)
+    assert r.returncode == 2 and "PERMISSION_DENIED" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (root / "data" / "d").exists()
+
+
+def test_unreachable_service_is_one_line_naming_the_address(tmp_path, env):
+    sock = tmp_path / "nobody.sock"
+    r = cli_stage(tmp_path, "--to", tmp_path / "d", f"--service={sock}", env=env)
+    assert r.returncode == 1 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "no service answers" in r.stderr and str(sock) in r.stderr
+
+
+def test_service_option_refuses_what_the_request_cannot_carry(tmp_path, env):
+    r = cli_stage(tmp_path, "--to", tmp_path / "d", "--mode", "shard", "--service", env=env)
+    assert r.returncode == 2 and "--service does not take --mode" in r.stderr
+    src = make_tree(tmp_path / "src")  # `--service SRC`: argparse took SRC for the address
+    r = cli_stage("--service", src, "--to", tmp_path / "d", env=env)
+    assert r.returncode == 2 and "not a socket" in r.stderr
+
+
+# -- cancelling kills the stage's process group -----------------------------------------------
+CHILD = """
+import json, os, signal, sys, time
+if sys.argv[2] == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(sys.argv[1], "w").write(str(os.getpid()))
+print(json.dumps({"event": "progress", "bytes_done": 1, "bytes_total": 2}), flush=True)
+time.sleep(60)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", ["polite", "stubborn"])
+def test_cancel_kills_the_stage(tmp_path, monkeypatch, kind):
+    pid_file = tmp_path / "pid"
+    argv = [sys.executable, "-c", CHILD, str(pid_file), kind]
+    monkeypatch.setattr(stage_job, "stage_argv", lambda *a: argv)
+    monkeypatch.setattr(stage_job, "KILL_AFTER_S", 0.5)
+    listening = [True]
+    msgs = []
+    t0 = time.monotonic()
+    for m in stage_job.stream_stage(pb.StageRequest(), lambda: listening[0]):
+        msgs.append(m)
+        listening[0] = False  # the client goes away after the first message
+    assert [(m.bytes_done, m.done) for m in msgs] == [(1, False)]
+    assert time.monotonic() - t0 < 5
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)
+
+
+def test_request_validation():
+    with pytest.raises(ServiceError) as err:
+        stage_job.stage_argv(pb.StageRequest(sources=["rel/path"], dest="/d"))
+    assert err.value.code == "INVALID_ARGUMENT"
+    argv = stage_job.stage_argv(
+        pb.StageRequest(sources=["/a", "/b"], dest="/d", verify=True, streams=3)
+    )
+    assert argv[3:] == [
+        *("stage", "/a", "/b", "--to", "/d", "--progress-json"),
+        *("--verify", "--no-unpack", "--streams", "3"),
+    ]
+    with pytest.raises(ServiceError) as err:
+        stage_job.stage_argv(pb.StageRequest(sources=["/a"], dest="/d"), ["/a"])
+    assert err.value.code == "PERMISSION_DENIED"
+    assert within_roots("/a/b", ["/a/"]) and not within_roots("/ab", ["/a"])
+
+
+def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):
+    """SIGINT to the client: exit 130, and the service kills the stage, whose lock frees."""
+    sock, s = service
+    src = root / "data" / "sparse"
+    src.mkdir()
+    with open(src / "huge", "wb") as f:
+        f.truncate(2 << 30)  # reads fast, takes seconds to write
+    dest = root / "data" / "ctrl-c-dst"
+    client = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "datastore", "stage", src, "--to", dest),
+            *("--streams", "1", "--progress-json", f"--service={sock}"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = json.loads(client.stdout.readline())
+    assert first == {"event": "progress", "bytes_done": 0, "bytes_total": 2 << 30}
+    client.send_signal(signal.SIGINT)
+    assert client.wait(10) == 130
+    assert "interrupted" in client.stderr.read()
+    deadline = time.monotonic() + 10
+    while True:  # the stage held DEST's lock until it died
+        try:
+            os.close(lock_dest(str(dest)))
+            break
+        except BlockingIOError:
+            assert time.monotonic() < deadline, "the stage still runs after the client left"
+            time.sleep(0.1)
+    assert not (dest / "sparse" / "huge").exists()  # nothing half-written under its name
+    assert any(x["event"] == "stage_cancelled" for x in s.logs())
