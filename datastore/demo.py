@@ -4,16 +4,20 @@ Writes under ``./demo-data`` (``DATASTORE_DEMO_DIR`` overrides): ``pfs/`` plays 
 filesystem (CosmoFlow-like volumes and labels in one HDF5 file, a tree of ``.npy`` volumes, and
 a ``.tar.zst`` shard of more volumes), ``ssd/`` plays node-local storage. The staged HDF5 is
 then read through ``DataStoreLoader``: one rank, then four MPI ranks as a 2 x 2 data x spatial
-grid, each receiving only its half of every volume plus a one-voxel halo.
+grid, each receiving only its half of every volume plus a one-voxel halo. Last, ``datastore
+serve`` keeps the staged dataset resident while two jobs stream from it at once, ``datastore
+status`` shows both, and SIGTERM shuts the service down cleanly.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import h5py
 import numpy as np
@@ -92,7 +96,41 @@ def main() -> None:
     sh(*read)
     if mpiexec:  # 2 data-parallel ranks x 2 spatial blocks, one-voxel halo
         sh(mpiexec, "-n", "4", *read, "--parts", "2,1,1", "--halo", "1,1,1")
+    serve_two_jobs(root, train)
     print(f"\ndemo done: staged copy in {ssd}, shards in {root}/node0 and {root}/node1")
+
+
+def serve_two_jobs(root: str, train: str) -> None:
+    """Start the service, run two jobs on it at once, show its status, stop it with SIGTERM."""
+    ds = [sys.executable, "-m", "datastore"]
+    sock = os.path.join(root, "run", "datastore.sock")
+    env = {**os.environ, "XDG_STATE_HOME": os.path.join(root, "state")}
+    cmd = [*ds, "serve", "--socket", sock, "--memory-budget", "1G"]
+    print(f"\n$ {' '.join(cmd)} &", flush=True)
+    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock):
+        if service.poll() is not None or time.monotonic() > deadline:
+            sys.exit("demo: datastore serve did not start")
+        time.sleep(0.1)
+    read = [sys.executable, "-m", "datastore.demo_read", train, "--address", sock]
+    read += ["--step-ms", "400"]  # a trainer's compute step: the jobs overlap
+    jobs = [[*read, "--job", "job-a", "--epochs", "3"], [*read, "--job", "job-b", "--epochs", "2"]]
+    for job in jobs:
+        print(f"$ {' '.join(job)} &", flush=True)
+    running = [subprocess.Popen(job) for job in jobs]
+    time.sleep(2.0)
+    sh(*ds, "status", "--socket", sock)
+    if any(p.wait(120) != 0 for p in running):
+        service.kill()
+        sys.exit("demo: a job reading from the service failed")
+    sh(*ds, "status", "--socket", sock)
+    print(f"\n$ kill -TERM {service.pid}", flush=True)
+    service.send_signal(signal.SIGTERM)
+    rc = service.wait(30)
+    print(f"datastore serve exited {rc}; socket removed: {not os.path.exists(sock)}", flush=True)
+    if rc != 0:
+        sys.exit(f"demo: datastore serve exited {rc}")
 
 
 if __name__ == "__main__":
