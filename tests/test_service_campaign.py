@@ -324,7 +324,7 @@ def test_status_table_when_empty():
 
 
 # -- a campaign on one service ----------------------------------------------------------------
-def test_two_jobs_share_one_resident_copy_and_get_the_embedded_batches(start, tmp_path, jobs):
+def test_two_jobs_share_one_resident_copy_and_get_the_embedded_batches(start, tmp_path, jobs, env):
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"
     start("--socket", str(sock))
@@ -347,6 +347,13 @@ def test_two_jobs_share_one_resident_copy_and_get_the_embedded_batches(start, tm
     assert all(
         x.batches_served == len(expected) and x.dataset_path == str(path) for x in st.sessions
     )
+    table = cli("status", "--socket", str(sock), env=env)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert "sessions (2)" in lines and "datasets (1)" in lines
+    assert {ln.split()[0] for ln in lines[lines.index("sessions (2)") + 2 :]} == {"job-a", "job-b"}
+    row = lines[lines.index("datasets (1)") + 2].split()
+    assert row[0] == str(path) and row[-2] == "2"  # sessions
     assert a.finish() == 0 and b.finish() == 0
     st = status(sock)
     assert not st.sessions and st.datasets[0].sessions == 0  # resident for the next job
