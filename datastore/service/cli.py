@@ -1,10 +1,13 @@
-"""The ``datastore serve`` and ``datastore status`` subcommands."""
+"""The ``datastore serve``, ``status``, ``load`` and ``unload`` subcommands."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,30 @@ exit codes:
 examples:
   datastore status
   datastore status --socket /l/ssd/run/datastore.sock --json
+"""
+
+LOAD_EPILOG = """\
+The dataset stays resident across jobs until it is unloaded or evicted (least recently used
+first, never while a session uses it) to make room under the service's memory budget.
+
+exit codes:
+  0  the dataset is resident (or being read in, without --wait)
+  1  no service answers, or it refused (one line on stderr: no such dataset, outside the
+     allowed roots, not a dataset...)
+
+examples:
+  datastore load /l/ssd/run/train.h5
+  datastore load /l/ssd/run/train.h5 --wait --socket /l/ssd/run/datastore.sock
+"""
+
+UNLOAD_EPILOG = """\
+exit codes:
+  0  the dataset was dropped from memory
+  1  no service answers, or it refused (one line on stderr: not resident, used by an open
+     session...)
+
+examples:
+  datastore unload /l/ssd/run/train.h5
 """
 
 
@@ -119,24 +146,56 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser(
         "status",
         help="show what a running `datastore serve` holds and has served",
-        description="Ask a running `datastore serve` for its status.",
+        description="Ask a running `datastore serve` for its status: resident datasets, "
+        "jobs and their sessions, totals.",
         epilog=STATUS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument(
+    _client_options(s, default)
+    s.add_argument("--json", action="store_true", help="print the whole reply as JSON")
+    s.set_defaults(func=run_status)
+
+    ld = sub.add_parser(
+        "load",
+        help="make a dataset resident in a running `datastore serve`",
+        description="Ask a running `datastore serve` to read a dataset into memory now (what "
+        "the first session on it does otherwise).",
+        epilog=LOAD_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ld.add_argument("path", help="the dataset on the service's node (a relative path is from here)")
+    ld.add_argument("--wait", action="store_true", help="return once every sample is in memory")
+    _client_options(ld, default, timeout=None)
+    ld.set_defaults(func=run_load)
+
+    un = sub.add_parser(
+        "unload",
+        help="drop a resident dataset from a running `datastore serve`",
+        description="Ask a running `datastore serve` to drop a resident dataset that no open "
+        "session uses.",
+        epilog=UNLOAD_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    un.add_argument("path", help="the dataset, as it was loaded")
+    _client_options(un, default)
+    un.set_defaults(func=run_unload)
+
+
+def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
+    """``--socket``, ``--tcp``, ``--token-file`` and ``--timeout`` of the client commands."""
+    p.add_argument(
         "--socket", type=Path, default=None, help=f"Unix socket path (default: {default})"
     )
-    s.add_argument("--tcp", metavar="HOST:PORT", default=None, help="ask over TCP instead")
-    s.add_argument("--token-file", type=Path, default=None, help="the secret for --tcp")
-    s.add_argument(
+    p.add_argument("--tcp", metavar="HOST:PORT", default=None, help="ask over TCP instead")
+    p.add_argument("--token-file", type=Path, default=None, help="the secret for --tcp")
+    shown = "5; none with --wait" if timeout is None else f"{timeout:g}"
+    p.add_argument(
         "--timeout",
         type=float,
-        default=5.0,
+        default=timeout,
         metavar="SECONDS",
-        help="how long to wait for an answer (default: 5)",
+        help=f"how long to wait for an answer (default: {shown})",
     )
-    s.add_argument("--json", action="store_true", help="print the reply as JSON")
-    s.set_defaults(func=run_status)
 
 
 def parse_bytes(text: str) -> int:
@@ -179,7 +238,9 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
-def run_status(args: argparse.Namespace) -> int:
+def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> tuple[Any, int]:
+    """``(call(client), 0)`` on the service ``args`` name, or ``(None, exit code)`` once the
+    reason it failed is printed (one line on stderr)."""
     import grpc
 
     from datastore.service.auth import read_token
@@ -191,12 +252,12 @@ def run_status(args: argparse.Namespace) -> int:
         try:
             token, _ = read_token(args.token_file)
         except (OSError, ValueError) as exc:
-            print(f"datastore status: cannot use token file: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            print(f"datastore {command}: cannot use token file: {exc}", file=sys.stderr)
+            return None, EXIT_USAGE
     socket = args.socket or default_socket()
     with Client(socket, tcp=args.tcp, token=token, timeout_s=args.timeout) as client:
         try:
-            reply = client.status()
+            return call(client), EXIT_OK
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -207,11 +268,49 @@ def run_status(args: argparse.Namespace) -> int:
             else:
                 details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
                 msg = f"the service at {client.target} refused: {code.name}: {details}"
-            print(f"datastore status: {msg}", file=sys.stderr)
-            return EXIT_FAILED
+            print(f"datastore {command}: {msg}", file=sys.stderr)
+            return None, EXIT_FAILED
+
+
+def run_status(args: argparse.Namespace) -> int:
+    reply, code = _ask(args, "status", lambda c: c.status())
+    if reply is None:
+        return code
     d = status_dict(reply)
     print(json.dumps(d, indent=2) if args.json else format_status(d))
     return EXIT_OK
+
+
+def run_load(args: argparse.Namespace) -> int:
+    from staging.progress import human_bytes
+
+    if args.timeout is None:
+        args.timeout = None if args.wait else 5.0
+    reply, code = _ask(args, "load", lambda c: c.load(_absolute(args.path), wait=args.wait))
+    if reply is None:
+        return code
+    x = reply.dataset
+    state = "loading" if x.loading else "resident"
+    print(
+        f"{x.path}: {state}, {human_bytes(x.bytes_resident)} of {human_bytes(x.bytes_total)} "
+        f"in memory, {x.num_samples} samples"
+    )
+    return EXIT_OK
+
+
+def run_unload(args: argparse.Namespace) -> int:
+    from staging.progress import human_bytes
+
+    reply, code = _ask(args, "unload", lambda c: c.unload(_absolute(args.path)))
+    if reply is None:
+        return code
+    print(f"{args.path}: unloaded, {human_bytes(reply.bytes_freed)} freed")
+    return EXIT_OK
+
+
+def _absolute(path: str) -> str:
+    """A path as the service wants it: absolute (a relative one is from here)."""
+    return os.path.abspath(path)
 
 
 def status_dict(reply: Any) -> dict[str, Any]:
@@ -223,15 +322,36 @@ def status_dict(reply: Any) -> dict[str, Any]:
     )
 
 
-def format_status(d: dict[str, Any]) -> str:
-    """The status as a small table for people."""
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """Aligned columns: the first ``left`` to the left, the others to the right."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(r: list[str]) -> str:
+        cells = [
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+def format_status(d: dict[str, Any], now: float | None = None) -> str:
+    """The status (as :func:`status_dict` gives it) as tables for people.
+
+    Args:
+        d: the reply.
+        now: the time throughputs are measured to (Unix seconds). Default: now.
+    """
     from staging.progress import human_bytes
 
+    now = time.time() if now is None else now
+    budget = int(d["memory_budget"])
     rows = [
         ("service", f"datastore {d['version']}, pid {d['pid']}, up {float(d['uptime_s']):.1f} s"),
         ("listen", ", ".join(d["listen"]) or "-"),
-        ("datasets", str(len(d["datasets"]))),
-        ("sessions", str(len(d["sessions"]))),
+        ("memory budget", human_bytes(budget) if budget else "no limit"),
+        ("resident", human_bytes(int(d["bytes_resident"]))),
         ("clients", str(d["clients"])),
         (
             "served",
@@ -241,23 +361,67 @@ def format_status(d: dict[str, Any]) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+
+    lines += ["", f"datasets ({len(d['datasets'])})"]
     if d["datasets"]:
-        lines += ["", f"{'dataset':<40} {'format':<8} {'samples':>10} {'resident':>12}"]
-        lines += [
-            f"{x['path']:<40} {x['format']:<8} {int(x['num_samples']):>10} "
-            f"{human_bytes(int(x['bytes_resident'])):>12}"
-            for x in d["datasets"]
+        header = [
+            "path",
+            "format",
+            "samples",
+            "bytes",
+            "resident",
+            "loading",
+            "sessions",
+            "hit rate",
         ]
+        table = []
+        for x in d["datasets"]:
+            hits, misses = int(x["hits"]), int(x["misses"])
+            reads = hits + misses
+            table.append(
+                [
+                    x["path"],
+                    x["format"] or "-",
+                    str(int(x["num_samples"])),
+                    human_bytes(int(x["bytes_total"])),
+                    human_bytes(int(x["bytes_resident"])),
+                    "yes" if x["loading"] else "no",
+                    str(x["sessions"]),
+                    f"{100 * hits / reads:.1f}%" if reads else "-",
+                ]
+            )
+        lines += _table(header, table, left=2)
+
+    lines += ["", f"sessions ({len(d['sessions'])})"]
     if d["sessions"]:
-        lines += [
-            "",
-            f"{'session':<20} {'job':<12} {'world':>6} {'batch':>6} {'batches':>9} "
-            f"{'bytes':>10}  dataset",
+        header = [
+            "job",
+            "session",
+            "world",
+            "batch",
+            "streams",
+            "batches",
+            "bytes",
+            "rate",
+            "stall",
         ]
-        lines += [
-            f"{x['session_id']:<20} {x['job_id'] or '-':<12} {x['world_size']:>6} "
-            f"{x['global_batch']:>6} {int(x['batches_served']):>9} "
-            f"{human_bytes(int(x['bytes_served'])):>10}  {x['dataset_path']}"
-            for x in d["sessions"]
-        ]
+        table = []
+        for x in sorted(d["sessions"], key=lambda x: (x["job_id"], x["session_id"])):
+            nbytes = int(x["bytes_served"])
+            seconds = now - float(x["opened_unix_s"])
+            rate = f"{human_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"
+            table.append(
+                [
+                    x["job_id"] or "-",
+                    x["session_id"][:12],
+                    str(x["world_size"]),
+                    str(x["global_batch"]),
+                    str(x["streams"]),
+                    str(int(x["batches_served"])),
+                    human_bytes(nbytes),
+                    rate,
+                    f"{float(x['stall_s']):.2f} s",
+                ]
+            )
+        lines += _table(header, table, left=2)
     return "\n".join(lines)

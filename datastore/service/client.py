@@ -13,11 +13,10 @@ import os
 import queue
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-import torch
 
 from datastore.order import EpochPosition, Schedule, rank_layout
 from datastore.service._pb.v1 import datastore_pb2 as pb
@@ -25,6 +24,9 @@ from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
 from datastore.service.paths import unix_target
 from datastore.service.shm import ClientMaps
+
+if TYPE_CHECKING:
+    import torch  # imported where tensors are made: the CLI's calls start without it
 
 __all__ = ["TRANSPORTS", "Client", "RemoteBatches", "RemoteLoader", "target_of"]
 
@@ -59,7 +61,7 @@ class Client:
         socket: the Unix socket path (ignored with ``tcp``).
         tcp: ``HOST:PORT``. Default: none.
         token: the shared secret sent on every call (TCP). Default: none.
-        timeout_s: deadline of each call. Default: ``5.0``.
+        timeout_s: deadline of each call; ``None``: none. Default: ``5.0``.
     """
 
     def __init__(
@@ -68,7 +70,7 @@ class Client:
         *,
         tcp: str | None = None,
         token: str | None = None,
-        timeout_s: float = 5.0,
+        timeout_s: float | None = 5.0,
     ) -> None:
         if tcp is None and socket is None:
             raise ValueError("a socket path or a TCP address is needed")
@@ -81,6 +83,22 @@ class Client:
     def status(self) -> Any:
         """The ``Status`` reply."""
         return self._stub.Status(pb.StatusRequest(), timeout=self._timeout, metadata=self._metadata)
+
+    def load(self, path: str, *, wait: bool = False) -> Any:
+        """The ``LoadDataset`` reply for the dataset at ``path`` (on the service's node)."""
+        return self._stub.LoadDataset(
+            pb.LoadDatasetRequest(dataset_path=path, wait=wait),
+            timeout=self._timeout,
+            metadata=self._metadata,
+        )
+
+    def unload(self, path: str) -> Any:
+        """The ``UnloadDataset`` reply for the resident dataset at ``path``."""
+        return self._stub.UnloadDataset(
+            pb.UnloadDatasetRequest(dataset_path=path),
+            timeout=self._timeout,
+            metadata=self._metadata,
+        )
 
     def shutdown(self, *, grace_s: float = 0.0, reason: str = "") -> Any:
         """Ask the service to drain and exit."""
@@ -124,6 +142,8 @@ class RemoteBatches:
             yield r
 
     def _tensor(self, t: Any) -> torch.Tensor:
+        import torch
+
         dtype, shape = np.dtype(t.meta.dtype), tuple(t.meta.shape)
         if t.WhichOneof("payload") == "shm":
             fresh = t.shm.path not in self._maps

@@ -10,8 +10,9 @@ directory if this server created it) and return 0.
 Data path (this increment): ``OpenSession`` validates a request and opens a session
 (:mod:`datastore.service.session`); ``StreamBatches`` streams a rank's batches with every tensor
 inline in the message (``TRANSPORT_INLINE``; shared memory is refused with ``UNIMPLEMENTED``);
-``CloseSession`` frees the session's loaders. Messages up to ``MAX_MESSAGE`` bytes are allowed
-both ways (gRPC's default is 4 MiB): a batch is one message, never split into chunks. The stream
+``CloseSession`` frees the session's loaders. Replies up to ``MAX_MESSAGE`` bytes are allowed
+(gRPC's default is 4 MiB): a batch is one message, never split into chunks; requests over
+``MAX_REQUEST`` (4 MiB) end with ``RESOURCE_EXHAUSTED`` before any handler reads them. The stream
 is a generator pulled by gRPC, so a slow client never makes the server buffer more than the
 loader's ``prefetch`` batches; a client that cancels or dies stops production.
 """
@@ -53,9 +54,10 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "ServeConfig", "Servicer", "serve"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_MESSAGE = 256 * 1024 * 1024
+MAX_REQUEST = 4 * 1024 * 1024  # requests are small: a larger one is refused, never read
 MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
-    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_REQUEST),
 ]
 
 

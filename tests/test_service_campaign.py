@@ -1,0 +1,624 @@
+"""``datastore serve`` through a campaign: concurrent jobs, dead clients, restarts, eviction,
+hostile requests, metrics, and the ``status`` / ``load`` / ``unload`` commands.
+
+Every service is a real ``python -m datastore serve`` subprocess (``test_service_basic``'s
+``Server``), with ``XDG_RUNTIME_DIR`` and ``XDG_STATE_HOME`` in ``tmp_path``; every job is a
+``RemoteLoader``, in this process or in a child process that prints a hash per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import h5py
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from datastore.loader import DataStoreLoader
+from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+from datastore.service.cli import format_status, status_dict
+from datastore.service.client import RemoteLoader, target_of
+from datastore.service.session import MAX_GLOBAL_BATCH
+from tests.test_service_basic import REPO, Server, cli, wait_serving
+
+SAMPLES = 48  # 12 steps of 4: more than a shared-memory stream's slots
+SAMPLE_BYTES = 2 * 6 * 6 * 6 * 4 + 8  # "x" (2, 6, 6, 6) float32 and "idx" int64
+
+# A job in a child process: hashes of its batches, one line each ("batch STEP HASH"); then
+# "done" and it waits for a line on stdin before closing its session. Args: dataset, socket,
+# job id, transport, seconds to sleep after each batch, epochs.
+JOB = textwrap.dedent(
+    """
+    import hashlib, sys, time
+    import grpc
+    from datastore.service.client import RemoteLoader
+    path, sock, job, transport, pause, epochs = sys.argv[1:7]
+    r = RemoteLoader(path, batch_size=4, seed=3, address=sock, transport=transport, job_id=job)
+    print("opened", r.session_id, flush=True)
+    try:
+        for epoch in range(int(epochs)):
+            r.set_epoch(epoch)
+            for i, b in enumerate(r):
+                h = hashlib.sha256()
+                for k in sorted(b):
+                    h.update(k.encode() + b[k].numpy().tobytes())
+                print("batch", epoch, i, h.hexdigest(), flush=True)
+                time.sleep(float(pause))
+    except grpc.RpcError as exc:
+        print("error", exc.code().name, flush=True)
+        sys.exit(3)
+    print("done", flush=True)
+    sys.stdin.readline()
+    r.close()
+    """
+)
+
+
+def make_dataset(path: Path, seed: int = 0, n: int = SAMPLES) -> Path:
+    rng = np.random.default_rng(seed)
+    with h5py.File(path, "w") as f:
+        f["x"] = rng.standard_normal((n, 2, 6, 6, 6)).astype(np.float32)
+        f["idx"] = np.arange(n, dtype=np.int64)
+    return path
+
+
+def digest(batch: dict) -> str:
+    h = hashlib.sha256()
+    for k in sorted(batch):
+        h.update(k.encode() + batch[k].numpy().tobytes())
+    return h.hexdigest()
+
+
+def embedded_hashes(path: Path, epochs: int = 1) -> list[tuple[int, int, str]]:
+    """``(epoch, step, hash)`` of the embedded loader's batches: what every job must get."""
+    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
+    try:
+        out = []
+        for epoch in range(epochs):
+            local.set_epoch(epoch)
+            out += [(epoch, i, digest(b)) for i, b in enumerate(local)]
+        return out
+    finally:
+        local.close()
+
+
+class Job:
+    """A ``JOB`` child process."""
+
+    def __init__(self, path, sock, job, transport="auto", pause=0.0, epochs=1) -> None:
+        args = [str(path), str(sock), job, transport, str(pause), str(epochs)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", JOB, *args],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.session_id = ""  # once read: "opened SESSION" is the child's first line
+        self.batches: list[tuple[int, int, str]] = []
+
+    def read_until(self, word: str) -> str:
+        """Lines up to one starting with ``word`` (batches recorded); that line."""
+        while line := self.proc.stdout.readline():
+            if line.startswith("opened "):
+                self.session_id = line.split()[1]
+            if line.startswith("batch "):
+                _, epoch, step, h = line.split()
+                self.batches.append((int(epoch), int(step), h))
+            if line.startswith(word):
+                return line.strip()
+        raise AssertionError(f"job ended (exit {self.proc.wait(10)}) before {word!r}")
+
+    def finish(self) -> int:
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.write("\n")
+            self.proc.stdin.close()
+        return self.proc.wait(20)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def env(tmp_path):
+    (tmp_path / "runtime").mkdir()
+    return {
+        **os.environ,
+        "XDG_RUNTIME_DIR": str(tmp_path / "runtime"),  # never the real default directory
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+    }
+
+
+@pytest.fixture
+def start(tmp_path, env):
+    """``start(*args)``: a serving ``datastore serve`` subprocess, killed at teardown."""
+    started: list[Server] = []
+
+    def _start(*args: str) -> Server:
+        s = Server(tmp_path / "logs", list(args), env)
+        started.append(s)
+        wait_serving(s.listening(30)[0], s.proc, timeout=30)
+        return s
+
+    yield _start
+    for s in started:
+        if s.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(10)
+
+
+@pytest.fixture
+def jobs():
+    """Every ``Job`` made through ``jobs(...)``, killed at teardown."""
+    made: list[Job] = []
+
+    def _job(*args, **kw) -> Job:
+        made.append(Job(*args, **kw))
+        return made[-1]
+
+    yield _job
+    for j in made:
+        j.kill()
+
+
+def status(sock: Path) -> pb.StatusResponse:
+    with grpc.insecure_channel(target_of(sock)) as ch:
+        return pb_grpc.DataStoreStub(ch).Status(pb.StatusRequest(), timeout=10)
+
+
+def segments(pid: int) -> list[Path]:
+    return sorted(Path("/dev/shm").glob(f"datastore.{os.getuid()}.{pid}.*"))
+
+
+def until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (got := predicate()):
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.1)
+    return got
+
+
+# -- `datastore status` as a table ------------------------------------------------------------
+def constructed_status() -> pb.StatusResponse:
+    return pb.StatusResponse(
+        version="1.2.3",
+        pid=4242,
+        uptime_s=12.5,
+        listen=["unix:///run/x/datastore.sock"],
+        datasets=[
+            pb.DatasetStatus(
+                path="/l/ssd/train.h5",
+                format="hdf5",
+                num_samples=1000,
+                bytes_total=3 << 30,
+                bytes_resident=1 << 30,
+                sessions=2,
+                loading=True,
+                hits=300,
+                misses=100,
+            ),
+            pb.DatasetStatus(path="/l/ssd/val.h5", format="npy", num_samples=10, bytes_total=10),
+        ],
+        sessions=[
+            pb.SessionStatus(
+                session_id="f" * 32,
+                dataset_path="/l/ssd/train.h5",
+                job_id="job-7",
+                world_size=8,
+                global_batch=64,
+                clients=3,
+                streams=3,
+                batches_served=120,
+                bytes_served=10 << 20,
+                opened_unix_s=1000.0,
+                stall_s=1.25,
+            ),
+            pb.SessionStatus(session_id="a" * 32, world_size=1, global_batch=4),
+        ],
+        clients=3,
+        batches_served=120,
+        bytes_served=10 << 20,
+        calls_served=99,
+        memory_budget=4 << 30,
+        bytes_resident=1 << 30,
+    )
+
+
+def test_status_table_from_a_constructed_reply():
+    text = format_status(status_dict(constructed_status()), now=1005.0)
+    lines = text.splitlines()
+    row = {ln.split("  ")[0].strip(): ln for ln in lines}
+    assert "pid 4242" in row["service"] and "unix:///run/x/datastore.sock" in row["listen"]
+    assert row["memory budget"].endswith("4.0 GiB") and row["resident"].endswith("1.0 GiB")
+    assert row["clients"].split()[-1] == "3"
+    assert "120 batches, 10.0 MiB, 99 calls" in row["served"]
+
+    i = lines.index("datasets (2)")
+    header = lines[i + 1].split()
+    assert header == [
+        "path",
+        "format",
+        "samples",
+        "bytes",
+        "resident",
+        "loading",
+        "sessions",
+        "hit",
+        "rate",
+    ]
+    train = lines[i + 2].split()
+    assert train == [
+        "/l/ssd/train.h5",
+        "hdf5",
+        "1000",
+        "3.0",
+        "GiB",
+        "1.0",
+        "GiB",
+        "yes",
+        "2",
+        "75.0%",
+    ]
+    assert lines[i + 3].split() == [
+        "/l/ssd/val.h5",
+        "npy",
+        "10",
+        "10",
+        "B",
+        "0",
+        "B",
+        "no",
+        "0",
+        "-",
+    ]
+    # the columns line up: every cell of a column ends (right-aligned) or starts at one place
+    assert lines[i + 1].index("samples") + len("samples") == lines[i + 2].index("1000") + 4
+
+    j = lines.index("sessions (2)")
+    assert lines[j + 1].split() == [
+        "job",
+        "session",
+        "world",
+        "batch",
+        "streams",
+        "batches",
+        "bytes",
+        "rate",
+        "stall",
+    ]
+    by_job = {ln.split()[0]: ln.split() for ln in lines[j + 2 : j + 4]}
+    # throughput: 10 MiB served over the 5 s since the session opened
+    assert by_job["job-7"] == f"job-7 {'f' * 12} 8 64 3 120 10.0 MiB 2.0 MiB/s 1.25 s".split()
+    assert by_job["-"][:7] == ["-", "a" * 12, "1", "4", "0", "0", "0"]
+
+
+def test_load_and_unload_when_nothing_listens(tmp_path, env):
+    for args in (["load", "/d.h5", "--wait"], ["unload", "/d.h5"]):
+        r = cli(*args, "--socket", str(tmp_path / "none.sock"), "--timeout", "2", env=env)
+        assert r.returncode == 1 and r.stdout == ""
+        assert r.stderr.count("\n") == 1 and f"datastore {args[0]}: no service answers" in r.stderr
+
+
+def test_status_table_when_empty():
+    text = format_status(status_dict(pb.StatusResponse(version="1", pid=1)), now=0.0)
+    assert "memory budget  no limit" in text
+    assert "datasets (0)" in text and "sessions (0)" in text
+    assert text.splitlines()[-1] == "sessions (0)"
+
+
+# -- a campaign on one service ----------------------------------------------------------------
+def test_two_jobs_share_one_resident_copy_and_get_the_embedded_batches(start, tmp_path, jobs, env):
+    path = make_dataset(tmp_path / "data.h5")
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock))
+    a = jobs(path, sock, "job-a", "shm")
+    b = jobs(path, sock, "job-b", "inline")
+    a.read_until("done")
+    b.read_until("done")
+    expected = embedded_hashes(path)
+    assert a.batches == expected and b.batches == expected
+
+    st = status(sock)  # both sessions still open
+    assert len(st.datasets) == 1
+    ds = st.datasets[0]
+    assert ds.path == str(path) and ds.sessions == 2 and ds.num_samples == SAMPLES
+    assert ds.bytes_total == SAMPLES * SAMPLE_BYTES
+    assert {(x.job_id, x.session_id) for x in st.sessions} == {
+        ("job-a", a.session_id),
+        ("job-b", b.session_id),
+    }
+    assert all(
+        x.batches_served == len(expected) and x.dataset_path == str(path) for x in st.sessions
+    )
+    table = cli("status", "--socket", str(sock), env=env)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert "sessions (2)" in lines and "datasets (1)" in lines
+    assert {ln.split()[0] for ln in lines[lines.index("sessions (2)") + 2 :]} == {"job-a", "job-b"}
+    row = lines[lines.index("datasets (1)") + 2].split()
+    assert row[0] == str(path) and row[-2] == "2"  # sessions
+    assert a.finish() == 0 and b.finish() == 0
+    st = status(sock)
+    assert not st.sessions and st.datasets[0].sessions == 0  # resident for the next job
+
+
+def test_killed_client_expires_and_the_other_job_streams_on(start, tmp_path, jobs):
+    path = make_dataset(tmp_path / "data.h5")
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock), "--session-idle", "2")
+    steady = jobs(path, sock, "steady", "inline", pause=0.1, epochs=5)
+    doomed = jobs(path, sock, "doomed", "shm", pause=60)
+    doomed.read_until("batch")
+    steady.read_until("batch")
+    t_kill = time.monotonic()
+    doomed.kill()
+
+    def streams_of_doomed() -> int | None:
+        by_id = {x.session_id: x.streams for x in status(sock).sessions}
+        return by_id.get(doomed.session_id)
+
+    # its stream ends with the connection; its session once idle for --session-idle
+    until(lambda: not streams_of_doomed(), 4, "the dead client's stream closed")
+    until(lambda: streams_of_doomed() is None, 6, "the dead client's session closed")
+    assert time.monotonic() - t_kill < 8
+    st = status(sock)
+    assert [x.job_id for x in st.sessions] == ["steady"]
+    assert steady.proc.poll() is None  # still streaming
+    expired = [x["session"] for x in s.logs() if x["event"] == "session_expired"]
+    assert expired == [doomed.session_id]
+    assert segments(s.proc.pid) == []  # the dead client's segment went with its stream
+
+    assert steady.read_until("done") == "done"
+    assert steady.batches == embedded_hashes(path, epochs=5)  # undisturbed
+    st = status(sock)
+    assert st.clients == 0 and all(x.streams == 0 for x in st.sessions)
+    assert steady.finish() == 0
+    assert s.proc.poll() is None
+
+
+def test_sigterm_with_open_streams_exits_cleanly(start, tmp_path, jobs):
+    path = make_dataset(tmp_path / "data.h5")
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock), "--grace", "1")
+    # shared memory: a paused client holds its slots, so its stream stays open
+    streaming = [jobs(path, sock, f"job-{i}", "shm", pause=0.2, epochs=100) for i in range(2)]
+    for j in streaming:
+        j.read_until("batch")
+    # a stream ends once its last batch is sent: between epochs a job has none for a moment
+    until(lambda: status(sock).clients == 2, 10, "both jobs streaming")
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(10) == 0
+    assert time.monotonic() - t0 < 5
+    assert not sock.exists() and segments(s.proc.pid) == []
+    assert s.logs()[-1]["event"] == "stopped"
+    for j in streaming:  # an error, not a hang
+        assert j.proc.wait(15) == 3
+        assert j.proc.stdout.read().splitlines()[-1].split()[0] == "error"
+
+
+def test_restart_reloads_what_was_resident_until_unloaded(start, tmp_path, env):
+    path = make_dataset(tmp_path / "data.h5")
+    sock, state = tmp_path / "s.sock", tmp_path / "state.json"
+    s = start("--socket", str(sock), "--state-file", str(state))
+    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
+        assert len([1 for _ in r]) == SAMPLES // 4
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(10) == 0
+    assert json.loads(state.read_text()) == {"resident": [[str(path), str(path)]]}
+
+    s = start("--socket", str(sock), "--state-file", str(state))
+    st = status(sock)  # no client asked for it
+    assert [x.path for x in st.datasets] == [str(path)] and not st.sessions
+    assert any(x["event"] == "reloading" for x in s.logs())
+    loaded = cli("load", str(path), "--wait", "--socket", str(sock), env=env)
+    assert loaded.returncode == 0, loaded.stderr
+    assert f"{path}: resident" in loaded.stdout
+    assert status(sock).datasets[0].bytes_resident == SAMPLES * SAMPLE_BYTES
+
+    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)):
+        busy = cli("unload", str(path), "--socket", str(sock), env=env)
+        assert busy.returncode == 1 and busy.stdout == ""
+        assert busy.stderr.count("\n") == 1
+        assert "refused: FAILED_PRECONDITION" in busy.stderr
+        assert "used by 1 open session" in busy.stderr
+    table = cli("status", "--socket", str(sock), env=env)
+    assert table.returncode == 0 and str(path) in table.stdout and "100.0%" not in table.stdout
+    gone = cli("unload", str(path), "--socket", str(sock), env=env)
+    assert gone.returncode == 0, gone.stderr
+    assert "unloaded" in gone.stdout and not status(sock).datasets
+    again = cli("unload", str(path), "--socket", str(sock), env=env)
+    assert again.returncode == 1 and "NOT_FOUND" in again.stderr
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(10) == 0
+
+    start("--socket", str(sock), "--state-file", str(state))
+    assert not status(sock).datasets
+
+
+def test_next_start_removes_segments_of_a_killed_service(start, tmp_path):
+    path = make_dataset(tmp_path / "data.h5")
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock))
+    with grpc.insecure_channel(target_of(sock)) as ch:
+        ds = pb_grpc.DataStoreStub(ch)
+        sid = ds.OpenSession(
+            pb.OpenSessionRequest(dataset_path=str(path), global_batch=4), timeout=10
+        ).session_id
+        first = pb.StreamBatchesRequest(
+            session_id=sid, transport=pb.TRANSPORT_SHARED_MEMORY, prefetch=1
+        )
+        call = ds.StreamBatches(iter([first]), timeout=30)
+        batch = next(call)  # never mapped: the service keeps the file for us
+        shm = Path(batch.tensors[0].shm.path)
+        assert shm.exists() and segments(s.proc.pid) == [shm]
+        s.proc.kill()
+        s.proc.wait(10)
+        call.cancel()
+    assert shm.exists()  # stale
+
+    s2 = start("--socket", str(sock))
+    assert not shm.exists()
+    removed = [x for x in s2.logs() if x["event"] == "removed_stale_segments"]
+    assert removed and removed[0]["count"] >= 1
+    assert any(x["event"] == "removed_stale_socket" for x in s2.logs())
+
+
+def test_lru_eviction_under_the_memory_budget(start, tmp_path, env):
+    a = make_dataset(tmp_path / "a.h5", seed=1)
+    b = make_dataset(tmp_path / "b.h5", seed=2)
+    sock = tmp_path / "s.sock"
+    size = SAMPLES * SAMPLE_BYTES
+    start("--socket", str(sock), "--memory-budget", str(size * 3 // 2))  # room for one
+    for p in (a, b):
+        r = cli("load", str(p), "--wait", "--socket", str(sock), env=env)
+        assert r.returncode == 0, r.stderr
+    st = status(sock)
+    assert [x.path for x in st.datasets] == [str(b)]  # a was evicted for b
+    assert st.bytes_resident == size and st.memory_budget == size * 3 // 2
+
+    with RemoteLoader(str(a), batch_size=4, seed=3, address=str(sock)) as job:
+        st = status(sock)  # a is back, b made room
+        assert [(x.path, x.sessions) for x in st.datasets] == [(str(a), 1)]
+        r = cli("load", str(b), "--wait", "--socket", str(sock), env=env)
+        assert r.returncode == 0, r.stderr
+        st = status(sock)  # a is in use: never evicted; b gets what room is left
+        by = {x.path: x for x in st.datasets}
+        assert by[str(a)].sessions == 1 and by[str(b)].sessions == 0
+        assert by[str(a)].bytes_resident == size
+        assert st.bytes_resident <= st.memory_budget
+        got = [(0, i, digest(x)) for i, x in enumerate(job)]
+        assert by[str(a)].bytes_total == size
+    assert got == embedded_hashes(a)
+    assert status(sock).datasets[0].path in (str(a), str(b))
+
+
+def _open_raw(ch: grpc.Channel, data: bytes) -> pb.OpenSessionResponse:
+    """``OpenSession`` with request bytes made by hand."""
+    call = ch.unary_unary(
+        "/datastore.v1.DataStore/OpenSession",
+        request_serializer=None,
+        response_deserializer=pb.OpenSessionResponse.FromString,
+    )
+    return call(data, timeout=10)
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def test_hostile_requests_are_refused_and_the_service_serves_on(start, tmp_path, env):
+    root = tmp_path / "allowed"
+    root.mkdir()
+    path = make_dataset(root / "data.h5")
+    outside = make_dataset(tmp_path / "outside.h5")
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock), "--allow", str(root))
+    expected = embedded_hashes(path)
+
+    def refused(request) -> tuple[grpc.StatusCode, str]:
+        with grpc.insecure_channel(target_of(sock)) as ch:
+            ds = pb_grpc.DataStoreStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                if isinstance(request, bytes):
+                    _open_raw(ch, request)
+                else:
+                    ds.OpenSession(request, timeout=10)
+        with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as job:
+            assert [(0, i, digest(x)) for i, x in enumerate(job)] == expected
+        return err.value.code(), err.value.details()
+
+    def req(**kw) -> pb.OpenSessionRequest:
+        return pb.OpenSessionRequest(**{"dataset_path": str(path), "global_batch": 4, **kw})
+
+    code, msg = refused(req(dataset_path=str(outside)))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "outside the allowed roots" in msg
+    escape = str(root / ".." / "outside.h5")  # .. does not get out
+    assert refused(req(dataset_path=escape))[0] == grpc.StatusCode.PERMISSION_DENIED
+    r = cli("load", str(outside), "--socket", str(sock), env=env)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1
+    assert "refused: PERMISSION_DENIED" in r.stderr
+    code, msg = refused(req(dataset_path="allowed/data.h5"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "absolute" in msg
+    assert refused(req(dataset_path=str(root / "none.h5")))[0] == grpc.StatusCode.NOT_FOUND
+    for gb in (0, SAMPLES + 1, MAX_GLOBAL_BATCH + 1, 2**32 - 1):
+        code, msg = refused(req(global_batch=gb, drop_last=True))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (gb, msg)
+    code, msg = refused(req(fields=["x", "nope"]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "'nope'" in msg
+
+    # global_batch = -1 as a client in another language may send it: the 10-byte varint
+    path_bytes = str(path).encode()
+    negative = b"\x0a" + _varint(len(path_bytes)) + path_bytes + b"\x18" + _varint(-1)
+    assert len(_varint(-1)) == 10
+    assert pb.OpenSessionRequest.FromString(negative).global_batch == 2**32 - 1
+    assert refused(negative)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused(b"\xff\xff\xff")[0] == grpc.StatusCode.INTERNAL  # not a message at all
+
+    code, msg = refused(req(dataset_path="/" + "x" * (8 << 20)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, msg
+    assert s.proc.poll() is None
+    assert max(len(line) for line in s.stderr.splitlines()) < 10_000  # nothing huge was logged
+
+
+def test_prometheus_metrics_agree_with_status(start, tmp_path):
+    path = make_dataset(tmp_path / "data.h5")
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock), "--metrics", "127.0.0.1:0")
+    urls = [x for x in s.listening() if x.startswith("http://")]
+    assert len(urls) == 1 and urls[0].startswith("http://127.0.0.1:")
+
+    def scrape() -> dict[tuple[str, tuple], float]:
+        with urllib.request.urlopen(urls[0], timeout=10) as reply:
+            text = reply.read().decode()
+        return {
+            (x.name, tuple(sorted(x.labels.items()))): x.value
+            for family in text_string_to_metric_families(text)
+            for x in family.samples
+        }
+
+    kw = {"batch_size": 4, "seed": 3, "address": str(sock), "transport": "shm", "job_id": "j1"}
+    with RemoteLoader(str(path), **kw) as job:
+        it = iter(job)
+        next(it)  # streaming now
+        m = scrape()
+        labels = (("job", "j1"), ("session", job.session_id))
+        assert m[("datastore_streams", ())] == 1
+        assert ("datastore_job_bytes_served_total", labels) in m
+        rest = list(it)
+        assert len(rest) == SAMPLES // 4 - 1
+        m, st = scrape(), status(sock)
+        assert m[("datastore_batches_served_total", ())] == st.batches_served == SAMPLES // 4
+        assert m[("datastore_bytes_served_total", ())] == st.bytes_served
+        assert m[("datastore_job_bytes_served_total", labels)] == st.sessions[0].bytes_served
+        assert st.bytes_served == st.sessions[0].bytes_served > 0
+        assert m[("datastore_job_batches_served_total", labels)] == SAMPLES // 4
+        d = st.datasets[0]
+        ratio = m[("datastore_dataset_hit_ratio", (("dataset", str(path)),))]
+        assert d.hits + d.misses > 0 and ratio == pytest.approx(d.hits / (d.hits + d.misses))
+        assert m[("datastore_resident_bytes", ())] == st.bytes_resident
+    m = scrape()  # the job's series go with its session
+    assert not any(name.startswith("datastore_job_") for name, _ in m)
