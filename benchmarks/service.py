@@ -1,0 +1,732 @@
+"""Benchmark ``datastore serve``'s delivery against the embedded loader and a bare gRPC stream.
+
+What is measured
+----------------
+One HDF5 file written by h5py under ``--dir`` (default ``./bench-data/service``): ``--samples``
+N (default 256) samples of ``x`` float32 (4, S, S, S), S = ``--side`` (default 64, 4 MiB a
+sample), one chunk per sample. A batch is ``--batch`` B samples (default 8: 32 MiB). One
+``datastore serve --socket SOCK`` subprocess (fresh ``XDG_RUNTIME_DIR``/``XDG_STATE_HOME``)
+serves it; every client below is a separate Python process. All cases run in one run:
+
+1. **Delivery to 1, 2 and 4 concurrent clients.** The n clients are the n ranks of one job
+   (``rank=r, world=n``, global batch n x B, so each rank gets B samples a step and the job
+   sees the whole dataset once per epoch), for
+
+   a. shared memory: ``DataStoreLoader(path, batch_size=B, rank=r, world=n, seed=0,
+      address=SOCK, transport="shm")``;
+   b. gRPC inline bytes: the same with ``transport="inline"``;
+   c. embedded: ``DataStoreLoader(path, batch_size=B, rank=r, world=n, seed=0,
+      exchange=False)`` in each process (each holds its own preloaded copy);
+   d. bare gRPC: each client streams, from a tiny standalone gRPC server in this file (a
+      generic handler, identity bytes serializers, Unix socket, 256 MiB message limits as the
+      service), one pre-built ``bytes`` message of one batch's size per step, received as
+      ``bytes``: Python gRPC's ceiling for (b).
+
+   The dataset is resident in the service first (``LoadDataset(wait=True)``). Each client
+   constructs its loader and runs one untimed warm-up epoch, then all start together and run
+   ``--epochs`` E (default 2) epochs, touching one element of each batch (so delivery is what
+   is timed). Aggregate GB/s = bytes of ``x`` delivered to all clients / (last client's end -
+   first client's start); batches/s likewise. Also printed: CPU seconds (user + system) per GB
+   of all the clients, and of the server process (the service, or the bare server), from
+   ``time.process_time`` and ``/proc/PID/stat``. Every service epoch is a new
+   ``StreamBatches`` call (a new shared-memory segment for (a)), as a training loop sees it.
+   Ratios: shm / embedded (target >= 0.9x) and inline / bare (target >= 0.8x), per n.
+2. **Time to first batch.** Job 1: a fresh service, the dataset not resident, caches dropped
+   (``sync; echo 3 > /proc/sys/vm/drop_caches``, after the client's imports); a new client
+   process times ``DataStoreLoader(path, batch_size=B, seed=0, address=SOCK,
+   transport="shm")`` construction (``OpenSession``) + first batch. The service
+   reads on first use and loads the rest in the background: we poll ``Status`` until
+   ``datasets[0].loading`` is false and report the load time (from ``OpenSession``). Job 2: a
+   new client process on the same service, dataset resident: construction + first batch.
+   Embedded cold start: caches dropped, a new process times ``DataStoreLoader(...,
+   exchange=False)`` construction (preload of the whole dataset) + first batch. Imports are
+   done before the clock starts. Target: job 2 >= 10x faster than job 1.
+
+Repetitions (``--reps``) alternate the order of the cases; medians are reported. The ceiling
+printed is the machine's memcpy bandwidth into a reused buffer (``numpy.copyto``, 256 MiB,
+median of 5; as ``benchmarks/loader.py``). GB/s are 10^9 bytes of ``x`` per second.
+
+Usage::
+
+    python benchmarks/service.py                 # full run
+    python benchmarks/service.py --quick         # smoke run: tiny sizes, 1 rep
+    python benchmarks/service.py --samples 128 --reps 1 --out /tmp/service.md
+    python benchmarks/service.py --cases 1 --clients 1 --kinds inline,bare   # one comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import h5py
+import numpy as np
+from common import PageCache, machine_info
+from loader import median, memcpy_ceiling
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+MAX_MESSAGE = 256 * MIB  # as datastore serve: a batch is one message
+MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
+BARE_METHOD = "/bench.Bare/Stream"
+KINDS = ("shm", "inline", "embedded", "bare")
+TARGET_SHM = 0.9  # shm / embedded
+TARGET_INLINE = 0.8  # inline / bare
+TARGET_FIRST = 10.0  # job 1 cold / job 2
+LAYOUT_VERSION = 1
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+TAG = "@@ "  # a child's protocol lines on stdout start with this
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default="./bench-data/service", help="where the dataset is written")
+    p.add_argument("--samples", type=int, default=None, help="samples N (default 256; 32 quick)")
+    p.add_argument("--side", type=int, default=None, help="x is (4,S,S,S) (default 64; quick 32)")
+    p.add_argument("--batch", type=int, default=None, help="batch per rank B (default 8; 4 quick)")
+    p.add_argument("--epochs", type=int, default=2, help="timed epochs per client (default 2)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 quick)")
+    p.add_argument("--clients", default="1,2,4", help="concurrent clients, comma separated")
+    p.add_argument("--cases", default="1,2", help="cases to run, comma separated")
+    p.add_argument("--kinds", default=",".join(KINDS), help="case 1 deliveries, comma separated")
+    p.add_argument("--quick", action="store_true", help="smoke run: N=32, S=32, B=4, 1 rep")
+    p.add_argument("--warm", action="store_true", help="never drop the page cache")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
+    p.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--bare-server", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.client or args.bare_server:
+        return args
+    quick = args.quick
+    for name, full, small in (("samples", 256, 32), ("side", 64, 32), ("batch", 8, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if quick else full)
+    if args.reps is None:
+        args.reps = 1 if quick else 3
+    args.clients = sorted({int(c) for c in args.clients.split(",") if c.strip()})
+    if not args.clients or min(args.clients) < 1:
+        p.error("--clients: positive integers, comma separated")
+    args.cases = sorted({c.strip() for c in args.cases.split(",") if c.strip()})
+    if not args.cases or not set(args.cases) <= {"1", "2"}:
+        p.error("--cases: pick from 1,2")
+    args.kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    if not args.kinds:
+        p.error(f"--kinds: pick from {','.join(KINDS)}")
+    if args.samples < args.batch * max(args.clients) or args.reps < 1 or args.epochs < 1:
+        p.error(f"need --samples >= batch x {max(args.clients)}, --reps >= 1, --epochs >= 1")
+    if 4 * args.side**3 * 4 * args.batch > MAX_MESSAGE:
+        p.error(f"a batch must fit in one message ({MAX_MESSAGE // MIB} MiB)")
+    return args
+
+
+# ----------------------------------------------------------------------------- the dataset
+
+
+def ensure_data(work: str, n: int, side: int) -> str:
+    """Write ``samples.h5`` (``x``: (n, 4, side, side, side) float32) unless it is there."""
+    path = os.path.join(work, "samples.h5")
+    stamp = os.path.join(work, "data.json")
+    want = {"samples": n, "side": side, "layout": LAYOUT_VERSION}
+    try:
+        with open(stamp) as f:
+            if json.load(f) == want and os.path.exists(path):
+                return path
+    except (OSError, ValueError):
+        pass
+    shape = (4, side, side, side)
+    need = n * 16 * side**3 + 64 * MIB
+    if shutil.disk_usage(work).free < need:
+        sys.exit(f"{work}: not enough free disk for {need / GIB:.1f} GiB of data")
+    print(f"generating {n} samples x {16 * side**3 / MIB:.1f} MiB under {work} ...", flush=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(stamp)
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        x = f.create_dataset("x", (n, *shape), "f4", chunks=(1, *shape))
+        buf = np.empty(shape, np.float32)
+        for i in range(n):
+            rng.random(shape, dtype=np.float32, out=buf)
+            x[i] = buf
+    os.sync()
+    with open(stamp, "w") as f:
+        json.dump(want, f)
+    return path
+
+
+# ----------------------------------------------------------------------------- the service
+
+
+class Service:
+    """One ``datastore serve`` subprocess on a socket in a fresh temporary directory."""
+
+    def __init__(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="datastore-bench-")
+        runtime = os.path.join(self.tmp, "runtime")
+        os.makedirs(runtime, mode=0o700)
+        self.socket = os.path.join(self.tmp, "s.sock")
+        env = {**os.environ, "XDG_RUNTIME_DIR": runtime, "XDG_STATE_HOME": f"{self.tmp}/state"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+        self.out = open(os.path.join(self.tmp, "out"), "wb")  # noqa: SIM115 (closed in stop)
+        self.err = open(os.path.join(self.tmp, "err"), "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "datastore", "serve", "--socket", self.socket],
+            env=env,
+            stdout=self.out,
+            stderr=self.err,
+        )
+        self._wait_serving()
+        from datastore.service._pb.v1 import datastore_pb2 as pb
+        from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.channel = grpc.insecure_channel(f"unix://{self.socket}", options=MESSAGE_OPTIONS)
+        self.stub = pb_grpc.DataStoreStub(self.channel)
+
+    def _wait_serving(self, timeout: float = 60.0) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with open(os.path.join(self.tmp, "out")) as out:
+            while "datastore serve: listening on " not in out.read():
+                self._check(deadline)
+                out.seek(0)
+                time.sleep(0.05)
+        with grpc.insecure_channel(f"unix://{self.socket}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            while True:
+                with contextlib.suppress(grpc.RpcError):
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                self._check(deadline)
+                time.sleep(0.05)
+
+    def _check(self, deadline: float) -> None:
+        if self.proc.poll() is not None or time.monotonic() > deadline:
+            with open(os.path.join(self.tmp, "err")) as f:
+                sys.exit(f"datastore serve did not start: {f.read()[-2000:]}")
+
+    def load(self, path: str) -> None:
+        """Make ``path`` resident now, and wait until it is."""
+        self.stub.LoadDataset(self.pb.LoadDatasetRequest(dataset_path=path, wait=True), timeout=600)
+
+    def status(self) -> Any:
+        return self.stub.Status(self.pb.StatusRequest(), timeout=10)
+
+    def stop(self) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            self.stub.Shutdown(self.pb.ShutdownRequest(grace_s=1.0, reason="benchmark"), timeout=5)
+        self.channel.close()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+        self.err.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- bare gRPC
+
+
+def bare_server(socket: str) -> int:
+    """Serve ``BARE_METHOD``: a request ``{"nbytes", "count"}`` (JSON) streams ``count`` times
+    one pre-built ``bytes`` message of ``nbytes``. Runs until killed."""
+    payloads: dict[int, bytes] = {}
+
+    def stream(request: bytes, context: Any) -> Any:
+        ask = json.loads(request)
+        n = int(ask["nbytes"])
+        if n not in payloads:
+            payloads[n] = np.random.default_rng(0).bytes(n)
+        msg = payloads[n]
+        for _ in range(int(ask["count"])):
+            yield msg
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Bare",
+        {
+            "Stream": grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=None, response_serializer=None
+            )
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=MESSAGE_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"unix://{socket}")
+    server.start()
+    print(f"{TAG}ready", flush=True)
+    server.wait_for_termination()
+    return 0
+
+
+class BareServer:
+    """``bare_server`` in its own process (as the service is)."""
+
+    def __init__(self) -> None:
+        self.tmp = tempfile.mkdtemp(prefix="datastore-bare-")
+        self.socket = os.path.join(self.tmp, "bare.sock")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--bare-server", self.socket],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        read_tagged(self.proc)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- client processes
+
+
+def touch(x: Any) -> None:
+    """Read one element, so that the batch is really there."""
+    float(x[0, 0, 0, 0, 0])
+
+
+def make_loader(c: dict[str, Any]) -> Any:
+    from datastore import DataStoreLoader
+
+    common = {"batch_size": c["batch"], "rank": c["rank"], "world": c["world"], "seed": 0}
+    if c["kind"] == "embedded":
+        return DataStoreLoader(c["path"], exchange=False, **common)
+    return DataStoreLoader(c["path"], address=c["socket"], transport=c["kind"], **common)
+
+
+def client(spec: str) -> int:
+    """A client process: ``ready`` once set up, then on ``go`` its run, as one JSON line."""
+    import torch  # noqa: F401 (imports happen before any clock starts)
+
+    import datastore.loader
+    import datastore.service.client  # noqa: F401
+
+    c = json.loads(spec)
+    kind = c["kind"]
+    if c.get("first"):  # time to first batch: construction + one batch
+        say("ready")
+        sys.stdin.readline()
+        t0 = time.monotonic()
+        loader = make_loader(c)
+        tc = time.monotonic()
+        touch(next(iter(loader))["x"])
+        t1 = time.monotonic()
+        say(json.dumps({"t0": t0, "tc": tc, "t1": t1}))
+        loader.close()
+        return 0
+    if kind == "bare":
+        ch = grpc.insecure_channel(f"unix://{c['socket']}", options=MESSAGE_OPTIONS)
+        call = ch.unary_stream(BARE_METHOD, request_serializer=None, response_deserializer=None)
+        ask = json.dumps({"nbytes": c["nbytes"], "count": c["steps"]}).encode()
+
+        def epoch() -> tuple[int, int]:
+            nb = nbytes = 0
+            for msg in call(ask):
+                msg[0]
+                nb, nbytes = nb + 1, nbytes + len(msg)
+            return nb, nbytes
+    else:
+        loader = make_loader(c)
+
+        def epoch() -> tuple[int, int]:
+            nb = nbytes = 0
+            for batch in loader:
+                x = batch["x"]
+                touch(x)
+                nb, nbytes = nb + 1, nbytes + x.nbytes
+            return nb, nbytes
+
+    epoch()  # warm-up
+    say("ready")
+    sys.stdin.readline()
+    batches = nbytes = 0
+    cpu, t0 = time.process_time(), time.monotonic()
+    for _ in range(c["epochs"]):
+        nb, n = epoch()
+        batches, nbytes = batches + nb, nbytes + n
+    t1, cpu = time.monotonic(), time.process_time() - cpu
+    say(json.dumps({"t0": t0, "t1": t1, "batches": batches, "bytes": nbytes, "cpu": cpu}))
+    if kind == "bare":
+        ch.close()
+    else:
+        loader.close()
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def say(line: str) -> None:
+    print(TAG + line, flush=True)
+
+
+def read_tagged(proc: subprocess.Popen) -> str:
+    """The next protocol line of a child (other output passes through)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(TAG):
+            return line[len(TAG) :].rstrip("\n")
+        sys.stdout.write(line)
+    raise SystemExit(f"a benchmark child (pid {proc.pid}) exited with {proc.wait()}")
+
+
+def spawn(spec: dict[str, Any]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, HERE]))}
+    return subprocess.Popen(
+        [sys.executable, __file__, "--client", json.dumps(spec)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def go(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+
+
+def finish(procs: list[subprocess.Popen]) -> list[dict[str, Any]]:
+    out = [json.loads(read_tagged(p)) for p in procs]
+    for p in procs:
+        if p.wait(60) != 0:
+            raise SystemExit(f"a client exited with {p.returncode}")
+    return out
+
+
+# ----------------------------------------------------------------------------- case 1
+
+
+@dataclass
+class Delivery:
+    """One (kind, clients) case over the reps: aggregate GB/s and batches/s, medians."""
+
+    kind: str
+    clients: int
+    gbps: list[float] = field(default_factory=list)
+    bps: list[float] = field(default_factory=list)
+    client_cpu: list[float] = field(default_factory=list)  # CPU s per GB, all clients
+    server_cpu: list[float] = field(default_factory=list)  # CPU s per GB, the server
+
+    @property
+    def gb_s(self) -> float:
+        return median(self.gbps)
+
+    @property
+    def batches_s(self) -> float:
+        return median(self.bps)
+
+
+def run_delivery(
+    kind: str, n: int, args: argparse.Namespace, path: str, service: Service, bare: BareServer
+) -> tuple[float, float, float, float]:
+    """n clients of ``kind`` at once: aggregate GB/s and batches/s, then the CPU seconds per GB
+    of the clients and of the server process (0 for the embedded loader)."""
+    steps = args.samples // (args.batch * n)  # per rank per epoch (drop_last)
+    nbytes = args.batch * 16 * args.side**3
+    procs = []
+    try:
+        for r in range(n):
+            spec = {
+                "kind": kind,
+                "path": path,
+                "socket": bare.socket if kind == "bare" else service.socket,
+                "batch": args.batch,
+                "rank": r,
+                "world": n,
+                "epochs": args.epochs,
+                "steps": steps,
+                "nbytes": nbytes,
+            }
+            procs.append(spawn(spec))
+        for p in procs:
+            if read_tagged(p) != "ready":
+                raise SystemExit(f"{kind}: a client did not get ready")
+        server = {"bare": bare.proc.pid, "embedded": None}.get(kind, service.proc.pid)
+        cpu0 = cpu_seconds(server) if server else 0.0
+        go(procs)
+        res = finish(procs)
+        server_cpu = cpu_seconds(server) - cpu0 if server else 0.0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    want = steps * args.epochs
+    if any(r["batches"] != want for r in res):
+        raise SystemExit(f"{kind} x{n}: batches {[r['batches'] for r in res]}, expected {want}")
+    wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
+    gb = sum(r["bytes"] for r in res) / 1e9
+    batches = sum(r["batches"] for r in res)
+    return gb / wall, batches / wall, sum(r["cpu"] for r in res) / gb, server_cpu / gb
+
+
+def run_case1(
+    args: argparse.Namespace, path: str, service: Service
+) -> dict[tuple[str, int], Delivery]:
+    out = {(k, n): Delivery(k, n) for k in args.kinds for n in args.clients}
+    bare = BareServer()
+    try:
+        for rep in range(args.reps):
+            kinds = args.kinds if rep % 2 == 0 else args.kinds[::-1]
+            for n in args.clients:
+                for k in kinds:
+                    gbps, bps, ccpu, scpu = run_delivery(k, n, args, path, service, bare)
+                    d = out[k, n]
+                    d.gbps.append(gbps)
+                    d.bps.append(bps)
+                    d.client_cpu.append(ccpu)
+                    d.server_cpu.append(scpu)
+                    print(
+                        f"rep {rep + 1}: {k:8s} x{n}: {gbps:6.2f} GB/s, {bps:7.1f} batches/s, "
+                        f"CPU s/GB clients {ccpu:.2f} server {scpu:.2f}",
+                        flush=True,
+                    )
+    finally:
+        bare.stop()
+    return out
+
+
+# ----------------------------------------------------------------------------- case 2
+
+
+@dataclass
+class FirstBatch:
+    """Seconds to the first batch per rep: ``total[job]`` (construction + first batch) and
+    ``construct[job]`` (construction alone), for the jobs in ``JOBS``."""
+
+    total: dict[str, list[float]] = field(default_factory=lambda: {j: [] for j in JOBS})
+    construct: dict[str, list[float]] = field(default_factory=lambda: {j: [] for j in JOBS})
+    load: list[float] = field(default_factory=list)  # job 1's dataset: OpenSession to resident
+
+    def add(self, job: str, r: dict[str, float]) -> None:
+        self.total[job].append(r["t1"] - r["t0"])
+        self.construct[job].append(r["tc"] - r["t0"])
+
+
+JOBS = {
+    "cold": "job 1 (fresh service, cold)",
+    "warm": "job 2 (dataset resident)",
+    "embedded": "embedded (cold, preload)",
+}
+
+
+def first_batch(
+    spec: dict[str, Any], cache: PageCache | None, service: Service | None = None
+) -> dict[str, Any]:
+    """One client timing construction + first batch (caches dropped first if ``cache``); with
+    ``service``, also ``resident``: seconds from the client's start until the dataset is."""
+    p = spawn({**spec, "first": True})
+    try:
+        if read_tagged(p) != "ready":
+            raise SystemExit("a first-batch client did not get ready")
+        if cache is not None:
+            cache.drop()
+        go([p])
+        r = json.loads(read_tagged(p))
+        if service is not None:
+            r["resident"] = resident_after(service, r["t0"])
+        if p.wait(60) != 0:
+            raise SystemExit(f"a first-batch client exited with {p.returncode}")
+        return r
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def resident_after(service: Service, since: float, timeout: float = 600.0) -> float:
+    """Seconds from ``since`` until the service's dataset is loaded (polling ``Status``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ds = service.status().datasets
+        if ds and not ds[0].loading:
+            return time.monotonic() - since
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the dataset was not resident after {timeout} s")
+        time.sleep(0.01)
+
+
+def run_case2(args: argparse.Namespace, path: str, cache: PageCache) -> FirstBatch:
+    out = FirstBatch()
+    spec = {"path": path, "batch": args.batch, "rank": 0, "world": 1}
+    for rep in range(args.reps):
+        embedded_first = rep % 2 == 1
+        if embedded_first:
+            out.add("embedded", first_batch({**spec, "kind": "embedded"}, cache))
+        service = Service()
+        try:
+            s = {**spec, "kind": "shm", "socket": service.socket}
+            r = first_batch(s, cache, service)
+            out.add("cold", r)
+            out.load.append(r["resident"])
+            out.add("warm", first_batch(s, None))
+        finally:
+            service.stop()
+        if not embedded_first:
+            out.add("embedded", first_batch({**spec, "kind": "embedded"}, cache))
+        print(
+            f"rep {rep + 1}: first batch: "
+            + ", ".join(
+                f"{j} {out.total[j][-1]:.3f} s (construct {out.construct[j][-1]:.3f})" for j in JOBS
+            )
+            + f"; job 1's dataset resident after {out.load[-1]:.2f} s",
+            flush=True,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def spread(xs: list[float], fmt: str = "{:.2f}") -> str:
+    return f"{fmt.format(min(xs))}-{fmt.format(max(xs))}" if len(xs) > 1 else fmt.format(xs[0])
+
+
+def report(
+    args: argparse.Namespace,
+    ceiling: float,
+    cache: PageCache,
+    c1: dict[tuple[str, int], Delivery],
+    c2: FirstBatch | None,
+    work: str,
+) -> str:
+    mb = 16 * args.side**3 / MIB
+    rows = [
+        "| case | clients | measure | value | reference | ratio | target | |",
+        "|---|---:|---|---:|---:|---:|---|---|",
+    ]
+    notes: list[str] = []
+    delivery = [
+        "| delivery | clients | GB/s | GB/s reps | batches/s | per client | "
+        "CPU s/GB clients | CPU s/GB server |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for n in args.clients if c1 else ():
+        for k in args.kinds:
+            d = c1[k, n]
+            delivery.append(
+                f"| {k} | {n} | {d.gb_s:.2f} | {spread(d.gbps)} | {d.batches_s:.1f} "
+                f"| {d.batches_s / n:.1f} | {median(d.client_cpu):.2f} "
+                f"| {median(d.server_cpu):.2f} |"
+            )
+        for case, ours, peer, target in (
+            ("1a shm vs embedded", "shm", "embedded", TARGET_SHM),
+            ("1b inline vs bare gRPC", "inline", "bare", TARGET_INLINE),
+        ):
+            if (ours, n) in c1 and (peer, n) in c1:
+                a, b = c1[ours, n].gb_s, c1[peer, n].gb_s
+                rows.append(
+                    f"| {case} | {n} | GB/s delivered | {a:.2f} | {b:.2f} | {a / b:.2f}x "
+                    f"| >= {target}x | {verdict(a / b >= target)} |"
+                )
+    if c2 is not None:
+        cold, warm, emb = (median(c2.total[j]) for j in JOBS)
+        r = cold / warm
+        rows.append(
+            f"| 2 first batch, job 2 vs job 1 cold | 1 | seconds | {warm:.3f} | {cold:.3f} "
+            f"| {r:.1f}x | >= {TARGET_FIRST:.0f}x | {verdict(r >= TARGET_FIRST)} |"
+        )
+        rows.append(
+            f"| 2 first batch, job 2 vs embedded cold | 1 | seconds | {warm:.3f} | {emb:.3f} "
+            f"| {emb / warm:.1f}x | | |"
+        )
+        load = median(c2.load)
+        rate = args.samples * mb * MIB / load / 1e9
+        for j, name in JOBS.items():
+            notes.append(
+                f"- 2 {name}: {median(c2.total[j]):.3f} s (reps {spread(c2.total[j], '{:.3f}')}), "
+                f"of which construction {median(c2.construct[j]):.3f} s"
+            )
+        notes.append(
+            f"- 2: job 1's dataset was resident {load:.2f} s after its OpenSession "
+            f"({rate:.2f} GB/s)"
+        )
+    return (
+        "\n".join(
+            [
+                *([*delivery, ""] if c1 else []),
+                *rows,
+                "",
+                "ratio: 1a = shm GB/s / embedded GB/s, 1b = inline GB/s / bare GB/s (aggregate "
+                "over the n clients, ranks of one job); 2 = job 1 (or embedded) seconds / job 2 "
+                "seconds. CPU s/GB: user + system CPU seconds per GB delivered, of all the "
+                "clients and of the server process (the service or the bare gRPC server).",
+                *notes,
+                "",
+                f"- ceiling: memcpy into a reused buffer (numpy.copyto, 256 MiB, median of 5): "
+                f"{ceiling:.2f} GB/s",
+                f"- data: {args.samples} samples x {mb:.1f} MiB (x float32 (4, {args.side}, "
+                f"{args.side}, {args.side})), one HDF5 chunk per sample; batch {args.batch} per "
+                f"rank ({args.batch * mb:.0f} MiB); epochs {args.epochs} timed after 1 warm-up; "
+                f"reps {args.reps}; work dir {work}",
+                f"- page cache: {cache.note}",
+                "- machine: "
+                + machine_info(f"grpcio {grpc.__version__}", f"h5py {h5py.__version__}"),
+            ]
+        )
+        + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.client:
+        return client(args.client)
+    if args.bare_server:
+        return bare_server(args.bare_server)
+    t_start = time.perf_counter()
+    work = os.path.abspath(args.dir)
+    os.makedirs(work, exist_ok=True)
+    path = ensure_data(work, args.samples, args.side)
+    cache = PageCache(args.warm)
+    ceiling = memcpy_ceiling()
+    print(f"ceiling: memcpy into a reused buffer {ceiling:.2f} GB/s", flush=True)
+    c1: dict[tuple[str, int], Delivery] = {}
+    if "1" in args.cases:
+        service = Service()
+        try:
+            service.load(path)
+            c1 = run_case1(args, path, service)
+        finally:
+            service.stop()
+    c2 = run_case2(args, path, cache) if "2" in args.cases else None
+    text = report(args, ceiling, cache, c1, c2, work)
+    print("\n" + text, end="")
+    print(f"(benchmark wall time {time.perf_counter() - t_start:.0f} s)")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
