@@ -126,16 +126,27 @@ class RemoteBatches:
 
     Inline tensors are copied out of the message (writable, owned). Shared-memory tensors are
     views of the service's segment, no copy: a batch stays valid until ``hold`` further
-    batches have been drawn, then its step is returned to the service for reuse.
+    batches have been drawn, then its generation is returned to the service for reuse.
+    ``maps`` and ``held`` (the generations still read) outlive the call: the next stream of
+    the rank reuses the segment and takes over what is held.
     """
 
-    def __init__(self, stub: Any, request: Any, metadata: Any = None, hold: int = 3) -> None:
+    def __init__(
+        self,
+        stub: Any,
+        request: Any,
+        metadata: Any = None,
+        hold: int = 3,
+        maps: ClientMaps | None = None,
+        held: collections.deque[int] | None = None,
+    ) -> None:
+        self._maps = ClientMaps() if maps is None else maps
+        self._held: collections.deque[int] = collections.deque() if held is None else held
+        self._hold = max(1, hold)
+        request.held.extend(self._held)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox.put(request)
         self._call = stub.StreamBatches(self._requests(), metadata=metadata)
-        self._maps = ClientMaps()
-        self._held: collections.deque[int] = collections.deque()
-        self._hold = max(1, hold)
 
     def _requests(self) -> Iterator[Any]:
         while (r := self._outbox.get()) is not None:
@@ -157,12 +168,12 @@ class RemoteBatches:
     def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         try:
             for b in self._call:
-                shared = any(t.WhichOneof("payload") == "shm" for t in b.tensors)
                 batch = {t.meta.name: self._tensor(t) for t in b.tensors}
+                shared = [t.shm.generation for t in b.tensors if t.WhichOneof("payload") == "shm"]
                 if shared:
-                    self._held.append(b.step)
+                    self._held.append(shared[0])
                     if len(self._held) > self._hold:
-                        self._outbox.put(pb.StreamBatchesRequest(done_steps=[self._held.popleft()]))
+                        self._outbox.put(pb.StreamBatchesRequest(done=[self._held.popleft()]))
                 yield b.step, batch
         finally:
             self.close()
@@ -170,7 +181,6 @@ class RemoteBatches:
     def close(self) -> None:
         self._call.cancel()
         self._outbox.put(None)
-        self._maps.drop()
 
 
 class RemoteLoader(EpochPosition):
@@ -262,6 +272,7 @@ class RemoteLoader(EpochPosition):
     def _open(self) -> Any:
         reply = self._stub.OpenSession(self._open_request, timeout=60, metadata=self._metadata)
         self.session_id = reply.session_id
+        self._maps, self._held = ClientMaps(), collections.deque()  # a new session's segments
         return reply
 
     def _stream(self) -> RemoteBatches:
@@ -273,7 +284,14 @@ class RemoteLoader(EpochPosition):
             transport=self.transport,
             prefetch=self.prefetch,
         )
-        return RemoteBatches(self._stub, request, self._metadata, hold=self.prefetch + 1)
+        return RemoteBatches(
+            self._stub,
+            request,
+            self._metadata,
+            hold=self.prefetch + 1,
+            maps=self._maps,
+            held=self._held,
+        )
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         finished = False
@@ -306,7 +324,8 @@ class RemoteLoader(EpochPosition):
             self._end_iteration(finished)
 
     def close(self) -> None:
-        """Close the session (freeing the server's loaders) and the channel."""
+        """Close the session (freeing its slots on the service) and the channel; tensors
+        already handed out stay valid."""
         if self._channel is None:
             return
         try:
@@ -320,6 +339,7 @@ class RemoteLoader(EpochPosition):
         finally:
             self._channel.close()
             self._channel = None
+            self._maps.drop()
 
     def __enter__(self) -> RemoteLoader:
         return self

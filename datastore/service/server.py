@@ -133,7 +133,7 @@ def _returns_slots(requests: Any, stream: Stream) -> None:
         for r in requests:
             if r.mapped:
                 stream.mapped()
-            stream.done(list(r.done_steps))
+            stream.ring.done(list(r.done))
     except (grpc.RpcError, ValueError):
         pass  # the call ended: the stream stops through its callback
 

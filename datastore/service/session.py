@@ -27,7 +27,7 @@ from datastore.service.batches import Delivered, delivered_fields, spatial_grid
 from datastore.service.errors import ServiceError
 from datastore.service.peers import node_path
 from datastore.service.resident import Residency, Resident, resolve_dataset
-from datastore.service.stream import Stream
+from datastore.service.stream import SlotRing, Stream
 
 __all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions"]
 
@@ -64,6 +64,7 @@ class Session:
     bytes_served: int = 0
     stall_s: float = 0.0
     streams: set[Stream] = field(default_factory=set)
+    rings: dict[tuple[int, bool], SlotRing] = field(default_factory=dict)
     last_active: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
@@ -110,24 +111,28 @@ class Session:
         def fetch(samples: np.ndarray) -> dict[tuple[int, str], np.ndarray]:
             return self.resident.fetch(samples, fields, self.spatial, lay.spatial_rank)
 
-        s = Stream(
-            plan=plan,
-            fields=fields,
-            grid=self.grid,
-            block=lay.spatial_rank,
-            sample=self.resident.sample,
-            fetch=fetch,
-            batch_size=sched.local_batch(lay.data_world),
-            steps=(epoch, int(r.start_step), end, steps, int(r.rank)),
-            shared_memory=shared_memory,
-            prefetch=int(r.prefetch) or 2,
-            hold=hold,
-            on_stall=self._stalled,
-        )
         with self.lock:
             if self.closed:
-                s.close()
                 raise ServiceError("NOT_FOUND", f"session {self.session_id} is closed")
+            ring = self.rings.get((int(r.rank), shared_memory))
+            if ring is None:
+                prefetch = int(r.prefetch) or 2
+                nslots = prefetch + (hold + 1 if shared_memory else 1)
+                batch = sched.local_batch(lay.data_world)
+                ring = SlotRing(fields, batch, nslots, shared_memory)
+                self.rings[(int(r.rank), shared_memory)] = ring
+            ring.keep_only(list(r.held))
+            s = Stream(
+                plan=plan,
+                fields=fields,
+                grid=self.grid,
+                block=lay.spatial_rank,
+                sample=self.resident.sample,
+                fetch=fetch,
+                steps=(epoch, int(r.start_step), end, steps, int(r.rank)),
+                ring=ring,
+                on_stall=self._stalled,
+            )
             self.streams.add(s)
         return s
 
@@ -154,8 +159,11 @@ class Session:
         with self.lock:
             self.closed = True
             streams, self.streams = list(self.streams), set()
+            rings, self.rings = list(self.rings.values()), {}
         for s in streams:
             s.close()
+        for ring in rings:
+            ring.close()
 
 
 class Sessions:

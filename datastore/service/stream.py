@@ -1,20 +1,22 @@
 """One ``StreamBatches`` call: a producer thread prepares a rank's batches ahead into slots.
 
-Slots are reused buffers: numpy arrays for inline delivery, regions of a shared-memory
-:class:`~datastore.service.shm.Segment` for zero-copy delivery. The producer fills the slot of
-step ``s`` only once that slot is free again, so memory is bounded whatever the client does:
+Slots (:class:`SlotRing`, one per rank of a session, kept across its streams) are reused
+buffers: numpy arrays for inline delivery, regions of one shared-memory
+:class:`~datastore.service.shm.Segment` for zero-copy delivery. The producer fills a slot only
+once it is free again, so memory is bounded whatever the client does:
 
 - inline: a slot is free as soon as its bytes are in the message (gRPC's flow control then
   bounds what is in flight);
-- shared memory: a slot is free once the client returns its step in ``done_steps``; a client
+- shared memory: a slot is free once the client returns its generation in ``done``; a client
   that stops returning slots stops the producer, never makes it buffer.
 
 The stream ends at the end of its range, when the client cancels or dies (``stop``), or when
-the service shuts down; its segment is removed then.
+the service shuts down.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -27,7 +29,88 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.batches import Delivered, fill_batch
 from datastore.service.shm import Segment
 
-__all__ = ["Stream"]
+__all__ = ["SlotRing", "Stream"]
+
+
+class SlotRing:
+    """The batch slots of one rank of a session, kept across its streams (epochs).
+
+    Shared-memory slots are regions of one :class:`Segment`, touched once and reused for the
+    whole session (first-touching fresh shared memory costs more than filling it). A slot is
+    free again once its batch is in a message (inline) or once the client returns the batch's
+    generation (shared memory); generations count up across streams, so a client may return
+    the last batches of one epoch while it streams the next.
+    """
+
+    def __init__(self, fields: list[Delivered], batch_size: int, nslots: int, shared: bool):
+        self.fields = fields
+        self.segment: Segment | None = None
+        self.at: dict[str, int] = {}  # where each field starts in a shared-memory slot
+        self.mapped = threading.Event()
+        shapes = {f.name: (batch_size, *f.shape) for f in fields}
+        if shared:  # a new file is all zeros: halos outside the volume start at zero
+            self.segment = Segment(nslots, batch_size * sum(f.nbytes for f in fields))
+            at = 0
+            for f in fields:
+                self.at[f.name] = at
+                at += batch_size * f.nbytes
+            self.slots = [
+                {
+                    f.name: self.segment.array(i, self.at[f.name], f.dtype, shapes[f.name])
+                    for f in fields
+                }
+                for i in range(nslots)
+            ]
+        else:
+            self.slots = [
+                {f.name: np.zeros(shapes[f.name], f.dtype) for f in fields} for _ in range(nslots)
+            ]
+        self._free: queue.Queue = queue.Queue()
+        for i in range(nslots):
+            self._free.put(i)
+        self._held: dict[int, int] = {}  # generation -> slot the client still reads
+        self._generations = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def take(self, stop: threading.Event) -> int | None:
+        """A free slot, waiting for one; ``None`` once ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def give(self, slot: int) -> None:
+        self._free.put(slot)
+
+    def lend(self, slot: int) -> int:
+        """The client reads ``slot`` until it returns the generation this gives."""
+        with self._lock:
+            g = next(self._generations)
+            self._held[g] = slot
+        return g
+
+    def keep_only(self, generations: list[int]) -> None:
+        """Free every lent slot but those of ``generations`` (what the client still reads)."""
+        keep = {int(g) for g in generations}
+        with self._lock:
+            gone = [g for g in self._held if g not in keep]
+            slots = [self._held.pop(g) for g in gone]
+        for slot in slots:
+            self._free.put(slot)
+
+    def done(self, generations: list[int]) -> None:
+        """The client no longer reads these generations' slots."""
+        for g in generations:
+            with self._lock:
+                slot = self._held.pop(int(g), None)
+            if slot is not None:
+                self._free.put(slot)
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
 
 
 class Stream:
@@ -36,14 +119,11 @@ class Stream:
     Args:
         plan: ``plan(step) -> sample indices`` of this rank's share of global batch ``step``.
         fields, grid, block: what the rank receives (``datastore.service.batches``).
+        ring: the rank's slots.
         sample: ``sample(index, field)``: the stored whole sample.
         fetch: ``fetch(samples)``: ``{(index, field): delivered array}`` of the samples other
             nodes own.
-        batch_size: samples per batch on this rank.
         steps: ``(epoch, start, end, steps_per_epoch, rank)``.
-        shared_memory: deliver through a segment, else inline bytes.
-        prefetch: batches prepared ahead.
-        hold: batches a shared-memory client keeps before returning the oldest.
         on_stall: ``on_stall(seconds)``: time the call waited for a batch.
     """
 
@@ -56,11 +136,8 @@ class Stream:
         block: int,
         sample: Callable[[int, str], np.ndarray],
         fetch: Callable[[np.ndarray], dict[tuple[int, str], np.ndarray]],
-        batch_size: int,
         steps: tuple[int, int, int, int, int],
-        shared_memory: bool,
-        prefetch: int,
-        hold: int,
+        ring: SlotRing,
         on_stall: Callable[[float], None],
     ) -> None:
         self._plan, self._fields, self._grid, self._block = plan, fields, grid, block
@@ -69,48 +146,15 @@ class Stream:
         self._on_stall = on_stall
         self.stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
-        self._free: queue.Queue = queue.Queue()
-        sizes = [(f, batch_size * f.nbytes) for f in fields]
-        nslots = prefetch + (hold + 1 if shared_memory else 1)
-        self.segment: Segment | None = None
-        self._slot_of: dict[int, int] = {}
-        self._mapped = threading.Event()
-        self._at: dict[str, int] = {}  # where each field starts in a shared-memory slot
-        if shared_memory:
-            self.segment = Segment(nslots, sum(n for _, n in sizes))
-            self._slots = [self._views(i, batch_size) for i in range(nslots)]
-        else:
-            self._slots = [
-                {f.name: np.zeros((batch_size, *f.shape), f.dtype) for f in fields}
-                for _ in range(nslots)
-            ]
-        for i in range(nslots):
-            self._free.put(i)
+        self.ring = ring
         self._worker = threading.Thread(target=self._produce, name="datastore-stream", daemon=True)
 
-    def _views(self, slot: int, batch_size: int) -> dict[str, np.ndarray]:
-        assert self.segment is not None
-        out, at = {}, 0
-        for f in self._fields:
-            out[f.name] = self.segment.array(slot, at, f.dtype, (batch_size, *f.shape))
-            out[f.name][...] = 0  # halo outside the volume stays zero
-            self._at[f.name] = at
-            at += out[f.name].nbytes
-        return out
-
     # -- producer ------------------------------------------------------------------------------
-    def _take_free(self) -> int | None:
-        while not self.stop.is_set():
-            try:
-                return self._free.get(timeout=0.1)
-            except queue.Empty:
-                continue
-        return None
-
     def _produce(self) -> None:
+        slot = None
         try:
             for step in range(self.start, self.end):
-                slot = self._take_free()
+                slot = self.ring.take(self.stop)
                 if slot is None:
                     return
                 samples = self._plan(step)
@@ -121,11 +165,14 @@ class Stream:
                     self._grid,
                     self._block,
                     self._sample,
-                    self._slots[slot],
+                    self.ring.slots[slot],
                     fetched,
                 )
                 self._ready.put((step, slot, samples))
+                slot = None
         except BaseException as exc:  # handed to the call, which fails with it
+            if slot is not None:
+                self.ring.give(slot)
             self._ready.put((None, None, exc))
             return
         self._ready.put((None, None, None))
@@ -133,16 +180,9 @@ class Stream:
     # -- the call ------------------------------------------------------------------------------
     def mapped(self) -> None:
         """The client has mapped the segment: its file can go (the mappings stay valid)."""
-        if self.segment is not None:
-            self.segment.close()
-        self._mapped.set()
-
-    def done(self, steps: list[int]) -> None:
-        """The client no longer reads these steps' regions."""
-        for s in steps:
-            slot = self._slot_of.pop(int(s), None)
-            if slot is not None:
-                self._free.put(slot)
+        if self.ring.segment is not None:
+            self.ring.segment.close()
+        self.ring.mapped.set()
 
     def messages(self) -> Iterator[tuple[Any, int]]:
         """``(Batch, payload bytes)`` in step order, until the end, ``stop`` or an error."""
@@ -168,17 +208,19 @@ class Stream:
     def _until_mapped(self, patience_s: float = 30.0) -> None:
         """Before the call ends, let a client that was sent regions map them first (a client
         that never says so gets ``patience_s``)."""
-        if self.segment is None or self.end == self.start:
+        if self.ring.segment is None or self.end == self.start:
             return
         deadline = time.monotonic() + patience_s
-        while not self._mapped.wait(0.1):
+        while not self.ring.mapped.wait(0.1):
             if self.stop.is_set() or time.monotonic() > deadline:
                 return
 
     def _message(self, step: int, slot: int, samples: np.ndarray) -> tuple[Any, int]:
         tensors, nbytes = [], 0
+        seg = self.ring.segment
+        generation = self.ring.lend(slot) if seg is not None else 0
         for f in self._fields:
-            arr = self._slots[slot][f.name]
+            arr = self.ring.slots[slot][f.name]
             meta = pb.TensorMeta(
                 name=f.name,
                 dtype=arr.dtype.str,
@@ -187,20 +229,18 @@ class Stream:
                 nbytes=arr.nbytes,
             )
             nbytes += arr.nbytes
-            if self.segment is None:
+            if seg is None:
                 tensors.append(pb.Tensor(meta=meta, data=arr.tobytes()))
                 continue
             region = pb.SharedMemoryRegion(
-                path=str(self.segment.path),
-                offset=self.segment.offset(slot) + self._at[f.name],
+                path=str(seg.path),
+                offset=seg.offset(slot) + self.ring.at[f.name],
                 length=arr.nbytes,
-                generation=step,
+                generation=generation,
             )
             tensors.append(pb.Tensor(meta=meta, shm=region))
-        if self.segment is None:
-            self._free.put(slot)
-        else:
-            self._slot_of[step] = slot
+        if seg is None:
+            self.ring.give(slot)
         batch = pb.Batch(
             epoch=self.epoch,
             step=step,
@@ -212,9 +252,15 @@ class Stream:
         return batch, nbytes
 
     def close(self) -> None:
-        """Stop producing and remove the segment; safe to call twice, from any thread."""
+        """Stop producing; safe to call twice, from any thread. Slots still filling or ready
+        go back to the ring."""
         self.stop.set()
         if self._worker.is_alive() and threading.current_thread() is not self._worker:
             self._worker.join()
-        if self.segment is not None:
-            self.segment.close()
+        while True:
+            try:
+                step, slot, _ = self._ready.get_nowait()
+            except queue.Empty:
+                return
+            if step is not None:
+                self.ring.give(slot)

@@ -73,7 +73,7 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldInfo, _Mapping]]] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("session_id", "rank", "epoch", "start_step", "max_batches", "transport", "prefetch", "done_steps", "mapped")
+    __slots__ = ("session_id", "rank", "epoch", "start_step", "max_batches", "transport", "prefetch", "done", "mapped", "held")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -81,8 +81,9 @@ class StreamBatchesRequest(_message.Message):
     MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
-    DONE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
     MAPPED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     rank: int
     epoch: int
@@ -90,9 +91,10 @@ class StreamBatchesRequest(_message.Message):
     max_batches: int
     transport: Transport
     prefetch: int
-    done_steps: _containers.RepeatedScalarFieldContainer[int]
+    done: _containers.RepeatedScalarFieldContainer[int]
     mapped: bool
-    def __init__(self, session_id: _Optional[str] = ..., rank: _Optional[int] = ..., epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., max_batches: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., done_steps: _Optional[_Iterable[int]] = ..., mapped: _Optional[bool] = ...) -> None: ...
+    held: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., rank: _Optional[int] = ..., epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., max_batches: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., done: _Optional[_Iterable[int]] = ..., mapped: _Optional[bool] = ..., held: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SharedMemoryRegion(_message.Message):
     __slots__ = ("path", "offset", "length", "generation")

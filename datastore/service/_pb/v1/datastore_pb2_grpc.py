@@ -88,7 +88,7 @@ class DataStoreServicer:
 
     def StreamBatches(self, request_iterator, context):
         """Streams the batches of one rank of a session, from (epoch, step) on, in order. The first
-        request opens the stream; later ones only return shared-memory slots (`done_steps`).
+        request opens the stream; later ones only return shared-memory regions (`done`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
