@@ -13,4 +13,7 @@
   average of weight gradients, overlapped with backward).
 - ``trainer.optim``: :func:`~trainer.optim.lr_at` (scaled LR, warmup, decay), ``LARS``, ``Lion``.
 - ``trainer.lion_cub``: :class:`~trainer.lion_cub.LionCub` (majority vote of Lion signs).
+- ``trainer.cosmology``: synthetic cosmology fields and their HDF5 train/validation files.
+- ``trainer.models``: ``CosmoFlow`` and ``UNet3D`` over a layer factory.
+- ``trainer.config``, ``trainer.train``, ``trainer.checkpoint``: ``python -m trainer train``.
 """

@@ -1,0 +1,197 @@
+"""The training configuration: one typed, frozen dataclass, loaded from TOML plus overrides.
+
+A config file is flat TOML whose keys are the fields of :class:`TrainConfig`::
+
+    data = "cosmo32"            # directory with train.h5 and validation.h5
+    width = 8
+    epochs = 20
+    global_batch = 16
+    lr = 1e-3
+    optimizer = "adam"
+
+``--set key=value`` overrides a key; the value is read as a TOML value (``lr=1e-3``,
+``spatial_parts=[1,1,1]``), or taken as a plain string for a string key (``optimizer=sgd``).
+An unknown key, a value of the wrong type or out of range raises :class:`ConfigError`
+naming the key. Paths are taken relative to the working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MODELS", "OPTIMIZERS", "ConfigError", "TrainConfig", "load_config", "parse_override"]
+
+MODELS = ("cosmoflow",)
+OPTIMIZERS = ("sgd", "adam")
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train, on what, and how.
+
+    Args:
+        data: directory holding ``train.h5`` and ``validation.h5`` (``trainer.cosmology``).
+        model: one of :data:`MODELS`. Default: ``"cosmoflow"``.
+        width: filters of the first convolution block (CosmoFlow's ``conv_size``). Default: ``8``.
+        dropout: dropout after the dense hidden layers. Default: ``0.0``.
+        epochs: passes over the training set. Default: ``1``.
+        steps: stop after this many steps in all (``0``: ``epochs`` full epochs). Default: ``0``.
+        global_batch: samples per step over all data-parallel ranks. Default: ``16``.
+        lr: learning rate after warm-up. Default: ``1e-3``.
+        warmup: steps of linear warm-up from ``lr / warmup`` to ``lr``. Default: ``0``.
+        optimizer: one of :data:`OPTIMIZERS`. Default: ``"adam"``.
+        momentum: SGD momentum. Default: ``0.9``.
+        weight_decay: L2 penalty. Default: ``0.0``.
+        seed: model initialisation, dropout and shuffling. Default: ``0``.
+        spatial_parts: blocks per spatial axis; only ``[1, 1, 1]`` until the distributed layers
+            land. Default: ``(1, 1, 1)``.
+        checkpoint_dir: where ``checkpoint.pt`` is written and resumed from (``""``: never).
+            Default: ``""``.
+        checkpoint_interval: steps between checkpoints (``0``: only at the end). Default: ``0``.
+        log_file: JSON-lines log, appended to (``""``: none). Default: ``""``.
+    """
+
+    data: str
+    model: str = "cosmoflow"
+    width: int = 8
+    dropout: float = 0.0
+    epochs: int = 1
+    steps: int = 0
+    global_batch: int = 16
+    lr: float = 1e-3
+    warmup: int = 0
+    optimizer: str = "adam"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    spatial_parts: tuple[int, int, int] = (1, 1, 1)
+    checkpoint_dir: str = ""
+    checkpoint_interval: int = 0
+    log_file: str = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(
+                self, f.name, _coerce(f.name, getattr(self, f.name), _types()[f.name])
+            )
+        if not self.data:
+            raise ConfigError("config key 'data': must name the dataset directory")
+        _choice("model", self.model, MODELS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        for key in ("width", "epochs", "global_batch"):
+            _at_least(key, getattr(self, key), 1)
+        for key in ("steps", "warmup", "checkpoint_interval"):
+            _at_least(key, getattr(self, key), 0)
+        for key in ("lr", "momentum", "weight_decay", "dropout"):
+            _at_least(key, getattr(self, key), 0)
+        if self.lr <= 0:
+            raise ConfigError(f"config key 'lr': must be positive, got {self.lr}")
+        if self.dropout >= 1:
+            raise ConfigError(f"config key 'dropout': must be below 1, got {self.dropout}")
+        if self.spatial_parts != (1, 1, 1):
+            raise ConfigError(
+                f"config key 'spatial_parts': only [1, 1, 1] is supported for now, "
+                f"got {list(self.spatial_parts)}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (tuples as lists), as written into checkpoints and logs."""
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
+
+
+def _types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"config key {key!r}: {value!r} is not one of {', '.join(options)}")
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(f"config key {key!r}: must be >= {low}, got {value}")
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    """``value`` as ``kind`` (int, float, str or a tuple of ints), or a ``ConfigError``."""
+    bad = ConfigError(f"config key {key!r}: expected {_name(kind)}, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    n = len(typing.get_args(kind))  # tuple[int, int, int]
+    if not isinstance(value, list | tuple) or len(value) != n:
+        raise bad
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
+        raise bad
+    return tuple(value)
+
+
+def _name(kind: Any) -> str:
+    if typing.get_origin(kind) is tuple:
+        return f"a list of {len(typing.get_args(kind))} positive integers"
+    return {int: "an integer", float: "a number", str: "a string"}[kind]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"key=value"`` to ``(key, value)``: a TOML value, or the raw text for a string key."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    types = _types()
+    if key not in types:
+        raise ConfigError(f"unknown config key {key!r} (keys: {', '.join(types)})")
+    try:
+        return key, tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        if types[key] is str:
+            return key, raw
+        raise ConfigError(f"config key {key!r}: cannot read {raw!r} as a value") from None
+
+
+def load_config(
+    path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()
+) -> TrainConfig:
+    """The config in TOML file ``path`` (optional) with ``key=value`` ``overrides`` applied."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                values = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read config file {os.fspath(path)}: {exc.strerror}"
+            ) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {os.fspath(path)}: not valid TOML: {exc}") from None
+    types = _types()
+    for key in values:
+        if key not in types:
+            raise ConfigError(f"unknown config key {key!r} (keys: {', '.join(types)})")
+    for text in overrides:
+        key, value = parse_override(text)
+        values[key] = value
+    if "data" not in values:
+        raise ConfigError("config key 'data' is missing: name the dataset directory")
+    return TrainConfig(**values)
