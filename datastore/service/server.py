@@ -49,6 +49,7 @@ from datastore.service.session import Sessions
 from datastore.service.shm import reclaim_stale
 from datastore.service.stage_job import stream_stage
 from datastore.service.stream import Stream
+from datastore.service.wire import serialize
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ServeConfig", "Servicer", "serve"]
 
@@ -428,10 +429,35 @@ def _new_server(workers: int, interceptors: list[grpc.ServerInterceptor]) -> grp
     )
 
 
+class _Handlers:
+    """Catches the generated code's method handlers, to be adjusted before registering."""
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def _add_datastore(servicer: Servicer, server: grpc.Server) -> None:
+    """The generated registration, but ``StreamBatches`` responses may be framed bytes
+    (``datastore.service.wire``): inline payloads are copied once, not four times."""
+    caught = _Handlers()
+    pb_grpc.add_DataStoreServicer_to_server(servicer, caught)
+    caught.handlers["StreamBatches"] = grpc.stream_stream_rpc_method_handler(
+        servicer.StreamBatches,
+        request_deserializer=pb.StreamBatchesRequest.FromString,
+        response_serializer=serialize,
+    )
+    generic = grpc.method_handlers_generic_handler(caught.service, caught.handlers)
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers(caught.service, caught.handlers)
+
+
 def _add_services(
     server: grpc.Server, servicer: Servicer, health_servicer: health.HealthServicer
 ) -> None:
-    pb_grpc.add_DataStoreServicer_to_server(servicer, server)
+    _add_datastore(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
         pb.DESCRIPTOR.services_by_name["DataStore"].full_name,

@@ -28,6 +28,7 @@ import numpy as np
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.batches import Delivered, fill_batch
 from datastore.service.shm import Segment
+from datastore.service.wire import frame_batch
 
 __all__ = ["SlotRing", "Stream"]
 
@@ -216,40 +217,44 @@ class Stream:
                 return
 
     def _message(self, step: int, slot: int, samples: np.ndarray) -> tuple[Any, int]:
-        tensors, nbytes = [], 0
+        """The ``Batch`` of ``step`` in ``slot``: a message with shared-memory regions, or
+        framed bytes with the tensors inline (then the slot is free again at once)."""
         seg = self.ring.segment
-        generation = self.ring.lend(slot) if seg is not None else 0
-        for f in self._fields:
-            arr = self.ring.slots[slot][f.name]
-            meta = pb.TensorMeta(
+        header = pb.Batch(
+            epoch=self.epoch,
+            step=step,
+            rank=self.rank,
+            sample_indices=[int(i) for i in samples],
+            last_in_epoch=step == self._steps_per_epoch - 1,
+        )
+        arrays = [(f, self.ring.slots[slot][f.name]) for f in self._fields]
+        metas = [
+            pb.TensorMeta(
                 name=f.name,
                 dtype=arr.dtype.str,
                 shape=list(arr.shape),
                 origin=list(f.origin),
                 nbytes=arr.nbytes,
             )
-            nbytes += arr.nbytes
-            if seg is None:
-                tensors.append(pb.Tensor(meta=meta, data=arr.tobytes()))
-                continue
+            for f, arr in arrays
+        ]
+        nbytes = sum(arr.nbytes for _, arr in arrays)
+        if seg is None:
+            framed = frame_batch(
+                header, [(m, arr) for m, (_, arr) in zip(metas, arrays, strict=True)]
+            )
+            self.ring.give(slot)
+            return framed, nbytes
+        generation = self.ring.lend(slot)
+        for meta, (f, arr) in zip(metas, arrays, strict=True):
             region = pb.SharedMemoryRegion(
                 path=str(seg.path),
                 offset=seg.offset(slot) + self.ring.at[f.name],
                 length=arr.nbytes,
                 generation=generation,
             )
-            tensors.append(pb.Tensor(meta=meta, shm=region))
-        if seg is None:
-            self.ring.give(slot)
-        batch = pb.Batch(
-            epoch=self.epoch,
-            step=step,
-            rank=self.rank,
-            sample_indices=[int(i) for i in samples],
-            tensors=tensors,
-            last_in_epoch=step == self._steps_per_epoch - 1,
-        )
-        return batch, nbytes
+            header.tensors.add(meta=meta, shm=region)
+        return header, nbytes
 
     def close(self) -> None:
         """Stop producing; safe to call twice, from any thread. Slots still filling or ready
