@@ -1,7 +1,10 @@
-"""Fixtures for the ``datastore stage`` tests; the helpers themselves live in ``helpers.py``."""
+"""Shared fixtures; the helpers themselves live in ``helpers.py``."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import os
 import sys
 from pathlib import Path
 
@@ -22,3 +25,13 @@ def run_stage():
 def make_tree():
     """``make_tree(root, seed=0)``: build the standard small source tree under ``root``."""
     return helpers.make_tree
+
+
+@pytest.fixture(scope="module")
+def no_stale_mpich_shm():
+    """Aborted MPICH jobs leave /dev/shm segments; remove the ones a module's tests created."""
+    before = set(glob.glob("/dev/shm/mpich*"))
+    yield
+    for path in set(glob.glob("/dev/shm/mpich*")) - before:
+        with contextlib.suppress(OSError):
+            os.unlink(path)

@@ -4,8 +4,6 @@ every gradient vs ``torch.nn.Conv3d``; and a failing or stalled rank ends the jo
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
 import os
 import subprocess
@@ -16,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import MPIEXEC
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
 
 JOBS = Path(__file__).parent / "trainer_jobs"
 ROOT = Path(__file__).parent.parent
@@ -34,16 +32,6 @@ def mpirun(n: int, job: str, *args: str, timeout: float = 120) -> subprocess.Com
     assert MPIEXEC, "mpiexec not found next to the interpreter (pip install mpich)"
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(JOBS / job), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_stale_shm():
-    """Aborted MPICH jobs leave /dev/shm segments; remove the ones these tests created."""
-    before = set(glob.glob("/dev/shm/mpich*"))
-    yield
-    for path in set(glob.glob("/dev/shm/mpich*")) - before:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 _results: dict[int, dict] = {}

@@ -4,8 +4,6 @@ gloo (one job per rank count: tests/trainer_jobs/layers_job.py) against single-p
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import itertools
 import json
 import math
@@ -44,6 +42,8 @@ _LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_
 ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
 ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
+
+pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
 
 # ---- pure geometry, one process ----------------------------------------------------------
 
@@ -168,16 +168,6 @@ def test_layers_reject_a_misaligned_block_before_communicating():
 
 
 # ---- real ranks ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_stale_shm():
-    """Aborted MPICH jobs leave /dev/shm segments; remove the ones these tests created."""
-    before = set(glob.glob("/dev/shm/mpich*"))
-    yield
-    for path in set(glob.glob("/dev/shm/mpich*")) - before:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 _results: dict[int, dict] = {}

@@ -4,8 +4,6 @@ real ``mpiexec`` ranks on gloo (tests/trainer_jobs/optim_job.py, once per rank c
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
 import math
 import os
@@ -32,6 +30,8 @@ _LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_
 ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
 ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
+
+pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
 
 # --- learning-rate schedule -------------------------------------------------------------------
 
@@ -182,16 +182,6 @@ def test_plan_buckets_close_before_overflow_and_on_new_keys():
 
 
 # --- under mpiexec ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_stale_shm():
-    """Aborted MPICH jobs leave /dev/shm segments; remove the ones these tests created."""
-    before = set(glob.glob("/dev/shm/mpich*"))
-    yield
-    for path in set(glob.glob("/dev/shm/mpich*")) - before:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 _results: dict[int, dict] = {}
