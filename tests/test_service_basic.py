@@ -297,3 +297,28 @@ def test_generated_code_is_up_to_date(tmp_path):
     assert names == ["datastore_pb2.py", "datastore_pb2.pyi", "datastore_pb2_grpc.py"]
     _, mismatch, errors = filecmp.cmpfiles(fresh, committed, names, shallow=False)
     assert not mismatch and not errors, f"stale generated code {mismatch + errors}: run make protos"
+
+
+def test_tcp_over_tls(start, tmp_path, env):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    openssl += ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+    subprocess.run([*openssl, "-addext", "subjectAltName=DNS:localhost"], check=True)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    s = start(
+        "--socket", str(tmp_path / "s.sock"), "--tcp", "localhost:0",
+        "--token-file", str(token_file), "--tls-cert", str(cert), "--tls-key", str(key),
+    )  # fmt: skip
+    tcp = s.listening()[1]
+    secret = ("--tcp", tcp, "--token-file", str(token_file))
+    deadline = time.monotonic() + 30
+    while (ok := cli("status", *secret, "--tls-ca", str(cert), "--json", env=env)).returncode:
+        assert time.monotonic() < deadline, ok.stderr
+        time.sleep(0.2)
+    assert json.loads(ok.stdout)["pid"] == s.proc.pid
+    plain = cli("status", *secret, "--timeout", "2", env=env)  # plaintext to a TLS port
+    assert plain.returncode == 1 and len(plain.stderr.strip().splitlines()) == 1
+    half = cli("serve", "--socket", str(tmp_path / "t.sock"), "--tls-cert", str(cert), env=env)
+    assert half.returncode == 2 and "--tls-key" in half.stderr

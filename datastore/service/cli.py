@@ -30,6 +30,7 @@ examples:
   datastore serve
   datastore serve --socket /l/ssd/run/datastore.sock
   datastore serve --tcp 0.0.0.0:7433 --token-file ~/.datastore-token
+  datastore serve --tcp 0.0.0.0:7433 --token-file SECRET --tls-cert cert.pem --tls-key key.pem
   datastore serve --memory-budget 64G --allow /l/ssd --metrics 0.0.0.0:9433
 """
 
@@ -97,6 +98,8 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="file holding the shared secret every TCP call must carry",
     )
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: TCP over TLS")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     p.add_argument(
         "--grace",
         type=float,
@@ -188,6 +191,9 @@ def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
     )
     p.add_argument("--tcp", metavar="HOST:PORT", default=None, help="ask over TCP instead")
     p.add_argument("--token-file", type=Path, default=None, help="the secret for --tcp")
+    p.add_argument(
+        "--tls-ca", type=Path, default=None, help="PEM certificate to check a TLS service against"
+    )
     shown = "5; none with --wait" if timeout is None else f"{timeout:g}"
     p.add_argument(
         "--timeout",
@@ -224,6 +230,8 @@ def run_serve(args: argparse.Namespace) -> int:
             private=private,
             tcp=args.tcp,
             token_file=args.token_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
             grace_s=args.grace,
             workers=args.workers,
             memory_budget=args.memory_budget,
@@ -255,7 +263,14 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
             print(f"datastore {command}: cannot use token file: {exc}", file=sys.stderr)
             return None, EXIT_USAGE
     socket = args.socket or default_socket()
-    with Client(socket, tcp=args.tcp, token=token, timeout_s=args.timeout) as client:
+    try:
+        client = Client(
+            socket, tcp=args.tcp, token=token, timeout_s=args.timeout, tls_ca=args.tls_ca
+        )
+    except OSError as exc:
+        print(f"datastore {command}: cannot read --tls-ca: {exc}", file=sys.stderr)
+        return None, EXIT_USAGE
+    with client:
         try:
             return call(client), EXIT_OK
         except grpc.RpcError as exc:

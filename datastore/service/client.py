@@ -28,7 +28,7 @@ from datastore.service.shm import ClientMaps
 if TYPE_CHECKING:
     import torch  # imported where tensors are made: the CLI's calls start without it
 
-__all__ = ["TRANSPORTS", "Client", "RemoteBatches", "RemoteLoader", "target_of"]
+__all__ = ["TRANSPORTS", "Client", "RemoteBatches", "RemoteLoader", "open_channel", "target_of"]
 
 MAX_MESSAGE = 256 * 1024 * 1024  # as the server: a batch is one message
 MESSAGE_OPTIONS = [
@@ -42,6 +42,15 @@ TRANSPORTS = {
     "shm": pb.TRANSPORT_SHARED_MEMORY,
     "inline": pb.TRANSPORT_INLINE,
 }
+
+
+def open_channel(target: str, tls_ca: str | os.PathLike | None = None) -> grpc.Channel:
+    """A channel to ``target``: TLS checked against the PEM ``tls_ca`` when given."""
+    if tls_ca is None:
+        return grpc.insecure_channel(target, options=MESSAGE_OPTIONS)
+    with open(tls_ca, "rb") as f:
+        credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+    return grpc.secure_channel(target, credentials, options=MESSAGE_OPTIONS)
 
 
 def target_of(address: str | os.PathLike) -> str:
@@ -62,6 +71,7 @@ class Client:
         tcp: ``HOST:PORT``. Default: none.
         token: the shared secret sent on every call (TCP). Default: none.
         timeout_s: deadline of each call; ``None``: none. Default: ``5.0``.
+        tls_ca: PEM certificate(s) to check a TLS service against (TCP). Default: plaintext.
     """
 
     def __init__(
@@ -71,11 +81,12 @@ class Client:
         tcp: str | None = None,
         token: str | None = None,
         timeout_s: float | None = 5.0,
+        tls_ca: Path | str | None = None,
     ) -> None:
         if tcp is None and socket is None:
             raise ValueError("a socket path or a TCP address is needed")
         self.target = tcp if tcp is not None else unix_target(socket)  # type: ignore[arg-type]
-        self._channel = grpc.insecure_channel(self.target, options=MESSAGE_OPTIONS)
+        self._channel = open_channel(self.target, tls_ca if tcp is not None else None)
         self._stub = pb_grpc.DataStoreStub(self._channel)
         self._metadata = bearer(token) if token else None
         self._timeout = timeout_s
@@ -197,6 +208,7 @@ class RemoteLoader(EpochPosition):
             the service's memory, valid until ``prefetch + 1`` further batches are drawn (as the
             embedded loader's); ``.clone()`` one to keep it longer.
         job_id: shown by ``datastore status``. Default: ``$SLURM_JOB_ID``.
+        tls_ca: PEM certificate(s) to check a TLS service against (TCP). Default: plaintext.
     """
 
     def __init__(
@@ -217,6 +229,7 @@ class RemoteLoader(EpochPosition):
         token: str | None = None,
         transport: str = "auto",
         job_id: str = "",
+        tls_ca: str | os.PathLike | None = None,
         **_ignored: Any,
     ) -> None:
         from datastore.world import detect_world
@@ -238,7 +251,7 @@ class RemoteLoader(EpochPosition):
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self.transport, self.prefetch = TRANSPORTS[transport], max(1, prefetch)
         self.target = target_of(address)
-        self._channel = grpc.insecure_channel(self.target, options=MESSAGE_OPTIONS)
+        self._channel = open_channel(self.target, tls_ca)
         self._stub = pb_grpc.DataStoreStub(self._channel)
         self._metadata = bearer(token) if token else None
         layout = pb.SpatialLayout()

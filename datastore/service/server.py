@@ -71,6 +71,8 @@ class ServeConfig:
         private: ``socket`` is the default path, whose directory must be private.
         tcp: ``HOST:PORT`` to listen on as well (port 0: any free port). Default: none.
         token_file: the shared secret for ``tcp``; required with it. Default: none.
+        tls_cert, tls_key: PEM certificate chain and private key: TCP is served over TLS.
+            Default: none (plaintext TCP, the token in the clear: trusted networks only).
         grace_s: seconds to let calls in flight finish on shutdown. Default: ``5.0``.
         workers: threads serving calls. Default: ``16``.
         memory_budget: bytes of memory for resident datasets. Default: none (no limit).
@@ -85,6 +87,8 @@ class ServeConfig:
     private: bool = False
     tcp: str | None = None
     token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     grace_s: float = 5.0
     workers: int = 16
     memory_budget: int | None = None
@@ -96,6 +100,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.tcp is not None and self.token_file is None:
             raise ValueError("--tcp needs --token-file: TCP is never served without a secret")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_cert is not None and self.tcp is None:
+            raise ValueError("--tls-cert is for --tcp (the Unix socket needs no TLS)")
         if self.tcp is not None and ":" not in self.tcp:
             raise ValueError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
         if self.grace_s < 0 or self.workers < 1:
@@ -581,7 +589,15 @@ def _run(
         )
         tcp_server = _new_server(config.workers, [_CountCalls(counters), denied])
         try:
-            port = tcp_server.add_insecure_port(config.tcp)
+            if config.tls_cert is not None:
+                assert config.tls_key is not None
+                pair = (config.tls_key.read_bytes(), config.tls_cert.read_bytes())
+                port = tcp_server.add_secure_port(config.tcp, grpc.ssl_server_credentials([pair]))
+            else:
+                port = tcp_server.add_insecure_port(config.tcp)
+        except OSError as exc:
+            log.error("bad_tls_files", msg=f"cannot read the TLS files: {exc}")
+            return EXIT_USAGE
         except RuntimeError as exc:
             log.error("cannot_listen", tcp=config.tcp, msg=f"cannot bind {config.tcp}: {exc}")
             return EXIT_FAILED
