@@ -61,6 +61,8 @@ class TrainConfig:
             Default: ``""``.
         checkpoint_interval: steps between checkpoints (``0``: only at the end). Default: ``0``.
         log_file: JSON-lines log, appended to (``""``: none). Default: ``""``.
+        comm_timeout: seconds a collective or halo receive may wait before the rank fails
+            (a peer died or stalled). Default: ``120.0``.
         data_address: stream the training batches from ``datastore serve`` at this address
             (socket path, ``unix://PATH`` or ``HOST:PORT``; ``""``: read them here with the
             embedded loader). Default: ``""``.
@@ -84,6 +86,7 @@ class TrainConfig:
     checkpoint_dir: str = ""
     checkpoint_interval: int = 0
     log_file: str = ""
+    comm_timeout: float = 120.0
     data_address: str = ""
 
     def __post_init__(self) -> None:
@@ -101,6 +104,10 @@ class TrainConfig:
             _at_least(key, getattr(self, key), 0)
         for key in ("lr", "momentum", "weight_decay", "dropout"):
             _at_least(key, getattr(self, key), 0)
+        if self.comm_timeout <= 0:
+            raise ConfigError(
+                f"config key 'comm_timeout': must be positive, got {self.comm_timeout}"
+            )
         if self.lr <= 0:
             raise ConfigError(f"config key 'lr': must be positive, got {self.lr}")
         if self.dropout >= 1:

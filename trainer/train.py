@@ -33,6 +33,7 @@ Log (``log_file``, JSON lines, appended):
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
@@ -96,8 +97,9 @@ def start_grid(cfg: TrainConfig) -> ProcessGrid | None:
     launched = launched_by_mpi(env) or ("RANK" in env and "WORLD_SIZE" in env)
     if not (launched or dist.is_initialized() or cfg.spatial_parts != (1, 1, 1)):
         return None
-    init_distributed()
-    return ProcessGrid.create(cfg.spatial_parts)
+    timeout = datetime.timedelta(seconds=cfg.comm_timeout)
+    init_distributed(timeout=timeout)
+    return ProcessGrid.create(cfg.spatial_parts, timeout=timeout)
 
 
 def build_model(
