@@ -61,6 +61,8 @@ class TrainConfig:
             Default: ``""``.
         checkpoint_interval: steps between checkpoints (``0``: only at the end). Default: ``0``.
         log_file: JSON-lines log, appended to (``""``: none). Default: ``""``.
+        print_every: rank 0 also prints every this many steps' log record (``0``: never).
+            Default: ``0``.
         comm_timeout: seconds a collective or halo receive may wait before the rank fails
             (a peer died or stalled). Default: ``120.0``.
         data_address: stream the training batches from ``datastore serve`` at this address
@@ -86,6 +88,7 @@ class TrainConfig:
     checkpoint_dir: str = ""
     checkpoint_interval: int = 0
     log_file: str = ""
+    print_every: int = 0
     comm_timeout: float = 120.0
     data_address: str = ""
 
@@ -100,7 +103,7 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         for key in ("width", "epochs", "global_batch"):
             _at_least(key, getattr(self, key), 1)
-        for key in ("steps", "warmup", "checkpoint_interval", "conv_blocks"):
+        for key in ("steps", "warmup", "checkpoint_interval", "conv_blocks", "print_every"):
             _at_least(key, getattr(self, key), 0)
         for key in ("lr", "momentum", "weight_decay", "dropout"):
             _at_least(key, getattr(self, key), 0)

@@ -288,6 +288,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             log.write(
                 {"step": step, "epoch": loader.epoch, "loss": losses[-1], "lr": lr,
                  "samples_per_s": cfg.global_batch / seconds, "data_wait": wait / seconds},
+                echo=lead and cfg.print_every > 0 and step % cfg.print_every == 0,
             )  # fmt: skip
             if (
                 cfg.checkpoint_dir
