@@ -38,15 +38,17 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 
-import torch
-from common import machine_info, venv_tool
-from loader import H5Samples
-
-from datastore import DataStoreLoader
-from trainer.cosmology import write_split
-from trainer.models import CosmoFlow
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+# benchmarks/trainer.py would shadow the trainer package: the repository root goes first.
+sys.path[:] = [os.path.dirname(HERE), *(d for d in sys.path if d != HERE), HERE]
+
+import torch  # noqa: E402
+from common import machine_info, venv_tool  # noqa: E402
+from loader import H5Samples  # noqa: E402
+
+from datastore import DataStoreLoader  # noqa: E402
+from trainer.cosmology import write_dataset  # noqa: E402
+from trainer.models import CosmoFlow  # noqa: E402
 
 
 def train_steps(batches: Iterable[dict[str, torch.Tensor]], steps: int, width: int, side: int):
@@ -85,7 +87,8 @@ def main() -> None:
     torch.set_num_threads(1)
     path = os.path.join(a.dir, "train.h5")
     if not os.path.exists(path):
-        write_split(a.dir, a.samples, 0, a.side, 0)
+        os.makedirs(a.dir, exist_ok=True)
+        write_dataset(path, a.samples, a.side, 0)
     print(machine_info(f"torch {torch.__version__}"))
 
     ours = DataStoreLoader(path, batch_size=a.batch, fields=["x", "y"], seed=0)

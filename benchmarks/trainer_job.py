@@ -16,21 +16,26 @@ Rank 0 writes JSON to OUT. Usage: trainer_job.py OUT SIDE WIDTH BATCH STEPS
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
 from typing import Any
 
-import torch
-import torch.distributed as dist
+HERE = os.path.dirname(os.path.abspath(__file__))
+# benchmarks/trainer.py would shadow the trainer package: the repository root goes first.
+sys.path[:] = [os.path.dirname(HERE), *(d for d in sys.path if d != HERE), HERE]
 
-import trainer.halo as halo
-from datastore.partition import Grid, block_bounds
-from trainer.dist_models import DistLayers
-from trainer.grid import ProcessGrid, init_distributed
-from trainer.lion_cub import LionCub
-from trainer.models import CosmoFlow, TorchLayers
-from trainer.reduce import GradientReducer
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import trainer.halo as halo  # noqa: E402
+from datastore.partition import Grid, block_bounds  # noqa: E402
+from trainer.dist_models import DistLayers  # noqa: E402
+from trainer.grid import ProcessGrid, init_distributed  # noqa: E402
+from trainer.lion_cub import LionCub  # noqa: E402
+from trainer.models import CosmoFlow, TorchLayers  # noqa: E402
+from trainer.reduce import GradientReducer  # noqa: E402
 
 _seconds = {"halo": 0.0}
 
