@@ -1,6 +1,7 @@
 """The hybrid-parallel driver under real ``mpiexec``: a 2 x 2 (data x spatial) run follows the
-one-process run's losses, a resumed 2 x 2 run equals an uninterrupted one, and a rank that
-raises ends the whole job quickly."""
+one-process run's losses, gets the same batches from ``datastore serve`` as from the embedded
+loader, a resumed 2 x 2 run equals an uninterrupted one, and a rank that raises ends the whole
+job quickly."""
 
 from __future__ import annotations
 
@@ -89,6 +90,24 @@ def test_grid_losses_follow_one_process(data, grid_run, tmp_path):
     grid_val = [e["val_mse"] for e in grid_events if e["event"] == "validation"]
     assert len(one_val) == len(grid_val) == 2
     assert max(abs(a - b) for a, b in zip(one_val, grid_val, strict=True)) < 1e-4
+
+
+def test_grid_fed_by_the_service(data, grid_run, tmp_path):
+    sock = tmp_path / "ds.sock"
+    env = {**ENV, "XDG_STATE_HOME": str(tmp_path / "state")}
+    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock)]
+    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert service.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.1)
+        proc = launch(4, args(data, tmp_path, "s", "spatial_parts=[2,1,1]", f"data_address={sock}"))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        service.terminate()
+        service.wait(30)
+    assert records(tmp_path / "s.log")[0] == records(grid_run / "run.log")[0]
 
 
 def test_grid_resume_equals_uninterrupted(data, grid_run, tmp_path):
