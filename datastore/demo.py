@@ -6,7 +6,10 @@ a ``.tar.zst`` shard of more volumes), ``ssd/`` plays node-local storage. The st
 then read through ``DataStoreLoader``: one rank, then four MPI ranks as a 2 x 2 data x spatial
 grid, each receiving only its half of every volume plus a one-voxel halo. Last, ``datastore
 serve`` keeps the staged dataset resident while two jobs stream from it at once, ``datastore
-status`` shows both, and SIGTERM shuts the service down cleanly.
+status`` shows both, and SIGTERM shuts the service down cleanly. Finally the trainer: a small
+synthetic cosmology dataset (``trainer.cosmology``), and ``python -m trainer train`` on four MPI
+ranks as a 2 x 2 data x spatial grid, fed by a ``datastore serve``, printing the loss,
+samples/s and the data-wait share.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ def main() -> None:
     if mpiexec:  # 2 data-parallel ranks x 2 spatial blocks, one-voxel halo
         sh(mpiexec, "-n", "4", *read, "--parts", "2,1,1", "--halo", "1,1,1")
     serve_two_jobs(root, train)
+    if mpiexec:
+        train_on_grid(root, mpiexec)
     print(f"\ndemo done: staged copy in {ssd}, shards in {root}/node0 and {root}/node1")
 
 
@@ -104,15 +109,7 @@ def serve_two_jobs(root: str, train: str) -> None:
     """Start the service, run two jobs on it at once, show its status, stop it with SIGTERM."""
     ds = [sys.executable, "-m", "datastore"]
     sock = os.path.join(root, "run", "datastore.sock")
-    env = {**os.environ, "XDG_STATE_HOME": os.path.join(root, "state")}
-    cmd = [*ds, "serve", "--socket", sock, "--memory-budget", "1G"]
-    print(f"\n$ {' '.join(cmd)} &", flush=True)
-    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(sock):
-        if service.poll() is not None or time.monotonic() > deadline:
-            sys.exit("demo: datastore serve did not start")
-        time.sleep(0.1)
+    service = start_service(root, sock)
     read = [sys.executable, "-m", "datastore.demo_read", train, "--address", sock]
     read += ["--step-ms", "400"]  # a trainer's compute step: the jobs overlap
     jobs = [[*read, "--job", "job-a", "--epochs", "3"], [*read, "--job", "job-b", "--epochs", "2"]]
@@ -125,12 +122,50 @@ def serve_two_jobs(root: str, train: str) -> None:
         service.kill()
         sys.exit("demo: a job reading from the service failed")
     sh(*ds, "status", "--socket", sock)
+    stop_service(service, sock)
+
+
+def start_service(root: str, sock: str) -> subprocess.Popen:
+    """``datastore serve`` on ``sock``, once its socket exists."""
+    env = {**os.environ, "XDG_STATE_HOME": os.path.join(root, "state")}
+    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", sock, "--memory-budget", "1G"]
+    print(f"\n$ {' '.join(cmd)} &", flush=True)
+    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock):
+        if service.poll() is not None or time.monotonic() > deadline:
+            sys.exit("demo: datastore serve did not start")
+        time.sleep(0.1)
+    return service
+
+
+def stop_service(service: subprocess.Popen, sock: str) -> None:
+    """SIGTERM, and check that the service exits 0 and removes its socket."""
     print(f"\n$ kill -TERM {service.pid}", flush=True)
     service.send_signal(signal.SIGTERM)
     rc = service.wait(30)
     print(f"datastore serve exited {rc}; socket removed: {not os.path.exists(sock)}", flush=True)
     if rc != 0:
         sys.exit(f"demo: datastore serve exited {rc}")
+
+
+def train_on_grid(root: str, mpiexec: str) -> None:
+    """Train CosmoFlow on a 2 x 2 data x spatial grid of MPI ranks, fed by ``datastore serve``."""
+    data = os.path.join(root, "cosmo-train")
+    sh(sys.executable, "-m", "trainer.cosmology", data, "--samples", "64", "--val-samples", "16",
+       "--size", "16", "--seed", "0")  # fmt: skip
+    sock = os.path.join(root, "run", "train.sock")
+    service = start_service(root, sock)
+    sets = [
+        f"data={data}", "spatial_parts=[2,1,1]", "width=4", "conv_blocks=3", "global_batch=8",
+        "epochs=2", "warmup=4", "print_every=2", f"data_address={sock}",
+    ]  # fmt: skip
+    train = [mpiexec, "-n", "4", sys.executable, "-m", "mpi4py", "-m", "trainer", "train"]
+    try:
+        sh(*train, *[a for s in sets for a in ("--set", s)])
+    finally:
+        if service.poll() is None:
+            stop_service(service, sock)
 
 
 if __name__ == "__main__":

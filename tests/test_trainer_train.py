@@ -55,7 +55,7 @@ def test_config_from_toml_with_overrides(tmp_path):
         (["data=d", "width=0"], "config key 'width': must be >= 1"),
         (["data=d", "optimizer=lamb"], "config key 'optimizer': 'lamb' is not one of sgd, adam"),
         (["data=d", "spatial_parts=[2,1]"], "config key 'spatial_parts': expected a list of 3"),
-        (["data=d", "spatial_parts=[2,1,1]"], "config key 'spatial_parts': only [1, 1, 1]"),
+        (["data=d", "spatial_parts=[0,1,1]"], "config key 'spatial_parts': expected a list of 3"),
         (["data=1"], "config key 'data': expected a string"),
         (["data=d", "lr"], "expected key=value"),
         (["lr=1"], "config key 'data' is missing"),

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     except DatasetError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if result["rank"] != 0:
+        return EXIT_OK
     print(
         f"trained {result['steps']} steps: validation MSE {result['val_mse']:.4f}, "
         f"predict-the-mean baseline {result['baseline_mse']:.4f} "

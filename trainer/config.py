@@ -27,7 +27,7 @@ from typing import Any
 __all__ = ["MODELS", "OPTIMIZERS", "ConfigError", "TrainConfig", "load_config", "parse_override"]
 
 MODELS = ("cosmoflow",)
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "lars", "lion", "lion_cub")
 
 
 class ConfigError(ValueError):
@@ -42,6 +42,9 @@ class TrainConfig:
         data: directory holding ``train.h5`` and ``validation.h5`` (``trainer.cosmology``).
         model: one of :data:`MODELS`. Default: ``"cosmoflow"``.
         width: filters of the first convolution block (CosmoFlow's ``conv_size``). Default: ``8``.
+        conv_blocks: CosmoFlow's convolution blocks (``0``: ``min(5, log2(side))``); each
+            halves the side, and with a spatial split every block must keep at least 2 voxels
+            per split axis before its pooling. Default: ``0``.
         dropout: dropout after the dense hidden layers. Default: ``0.0``.
         epochs: passes over the training set. Default: ``1``.
         steps: stop after this many steps in all (``0``: ``epochs`` full epochs). Default: ``0``.
@@ -49,20 +52,28 @@ class TrainConfig:
         lr: learning rate after warm-up. Default: ``1e-3``.
         warmup: steps of linear warm-up from ``lr / warmup`` to ``lr``. Default: ``0``.
         optimizer: one of :data:`OPTIMIZERS`. Default: ``"adam"``.
-        momentum: SGD momentum. Default: ``0.9``.
+        momentum: SGD and LARS momentum. Default: ``0.9``.
         weight_decay: L2 penalty. Default: ``0.0``.
         seed: model initialisation, dropout and shuffling. Default: ``0``.
-        spatial_parts: blocks per spatial axis; only ``[1, 1, 1]`` until the distributed layers
-            land. Default: ``(1, 1, 1)``.
+        spatial_parts: blocks per spatial axis of every sample; their product must divide the
+            number of ranks, the rest are data-parallel replicas. Default: ``(1, 1, 1)``.
         checkpoint_dir: where ``checkpoint.pt`` is written and resumed from (``""``: never).
             Default: ``""``.
         checkpoint_interval: steps between checkpoints (``0``: only at the end). Default: ``0``.
         log_file: JSON-lines log, appended to (``""``: none). Default: ``""``.
+        print_every: rank 0 also prints every this many steps' log record (``0``: never).
+            Default: ``0``.
+        comm_timeout: seconds a collective or halo receive may wait before the rank fails
+            (a peer died or stalled). Default: ``120.0``.
+        data_address: stream the training batches from ``datastore serve`` at this address
+            (socket path, ``unix://PATH`` or ``HOST:PORT``; ``""``: read them here with the
+            embedded loader). Default: ``""``.
     """
 
     data: str
     model: str = "cosmoflow"
     width: int = 8
+    conv_blocks: int = 0
     dropout: float = 0.0
     epochs: int = 1
     steps: int = 0
@@ -77,6 +88,9 @@ class TrainConfig:
     checkpoint_dir: str = ""
     checkpoint_interval: int = 0
     log_file: str = ""
+    print_every: int = 0
+    comm_timeout: float = 120.0
+    data_address: str = ""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -89,19 +103,18 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         for key in ("width", "epochs", "global_batch"):
             _at_least(key, getattr(self, key), 1)
-        for key in ("steps", "warmup", "checkpoint_interval"):
+        for key in ("steps", "warmup", "checkpoint_interval", "conv_blocks", "print_every"):
             _at_least(key, getattr(self, key), 0)
         for key in ("lr", "momentum", "weight_decay", "dropout"):
             _at_least(key, getattr(self, key), 0)
+        if self.comm_timeout <= 0:
+            raise ConfigError(
+                f"config key 'comm_timeout': must be positive, got {self.comm_timeout}"
+            )
         if self.lr <= 0:
             raise ConfigError(f"config key 'lr': must be positive, got {self.lr}")
         if self.dropout >= 1:
             raise ConfigError(f"config key 'dropout': must be below 1, got {self.dropout}")
-        if self.spatial_parts != (1, 1, 1):
-            raise ConfigError(
-                f"config key 'spatial_parts': only [1, 1, 1] is supported for now, "
-                f"got {list(self.spatial_parts)}"
-            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (tuples as lists), as written into checkpoints and logs."""

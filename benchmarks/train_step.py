@@ -1,0 +1,134 @@
+"""Benchmark the trainer: its input pipeline and the costs of spatial and data parallelism.
+
+What is measured
+----------------
+A synthetic cosmology dataset (``trainer.cosmology``: ``--samples`` samples of ``--side``^3,
+4 channels, default 128 of 32^3) is written once under ``--dir`` (default
+``./bench-data/trainer``). The model is CosmoFlow (``conv_size = --width``, 4 blocks).
+
+a. **Input pipeline under training**: ``--steps`` SGD steps of batch ``--batch`` fed by
+   ``DataStoreLoader(train.h5, batch_size, seed=0)`` vs the stock
+   ``torch.utils.data.DataLoader(ds, batch_size, shuffle=True, num_workers=2)`` over a
+   map-style Dataset reading one sample per ``__getitem__`` from the same HDF5 file. Median
+   step time and the data-wait share (time blocked fetching the next batch / step time, summed
+   over the steps after the first). Ratio = peer step time / ours.
+b. **Activation memory** (``benchmarks/train_step_job.py`` under ``mpiexec -n 2``): bytes autograd
+   saves for one forward, a rank's half of the sample (parts (2, 1, 1)) vs the whole sample in
+   one process. Target <= 0.6x.
+c. **Halo exchange share** (same job): the time inside the halo exchange, forward and backward,
+   over the training step of the split model on 2 ranks (medians, slowest rank).
+d. **Lion Cub** (same job, 2 data ranks): bytes this rank hands to the vote collectives vs an
+   fp32 gradient all-reduce (``opt.comm``), ``int8`` and ``packed``.
+
+Usage::
+
+    python benchmarks/train_step.py            # about a minute on 2 cores
+    python benchmarks/train_step.py --steps 10 --samples 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from common import machine_info, venv_tool
+from loader import H5Samples
+
+from datastore import DataStoreLoader
+from trainer.cosmology import write_dataset
+from trainer.models import CosmoFlow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def train_steps(batches: Iterable[dict[str, torch.Tensor]], steps: int, width: int, side: int):
+    """``(median step seconds, data-wait share)`` of ``steps`` SGD steps (the first dropped)."""
+    torch.manual_seed(0)
+    model = CosmoFlow(4, 3, input_size=side, conv_size=width, n_conv=4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    it = iter(batches)
+    times, waits = [], []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        batch = next(it)
+        t1 = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        waits.append(t1 - t0)
+    return statistics.median(times[1:]), sum(waits[1:]) / sum(times[1:])
+
+
+def forever(make: Callable[[], Iterable]) -> Iterable[dict[str, torch.Tensor]]:
+    while True:
+        yield from make()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default="bench-data/trainer")
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--side", type=int, default=32)
+    p.add_argument("--width", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    path = os.path.join(a.dir, "train.h5")
+    if not os.path.exists(path):
+        os.makedirs(a.dir, exist_ok=True)
+        write_dataset(path, a.samples, a.side, 0)
+    print(machine_info(f"torch {torch.__version__}"))
+
+    ours = DataStoreLoader(path, batch_size=a.batch, fields=["x", "y"], seed=0)
+    try:
+        our_step, our_wait = train_steps(forever(lambda: ours), a.steps, a.width, a.side)
+    finally:
+        ours.close()
+    peer = torch.utils.data.DataLoader(
+        H5Samples(path), batch_size=a.batch, shuffle=True, num_workers=2, drop_last=True
+    )
+    peer_step, peer_wait = train_steps(forever(lambda: peer), a.steps, a.width, a.side)
+    print(f"\n(a) {a.steps} training steps, batch {a.batch} of {a.side}^3, width {a.width}")
+    for name, step, wait in (
+        ("DataStoreLoader", our_step, our_wait),
+        ("DataLoader(num_workers=2)", peer_step, peer_wait),
+    ):
+        print(f"  {name:26s} step {step * 1e3:7.1f} ms, data wait {wait:6.1%}")
+    print(f"  step time ratio peer / ours: {peer_step / our_step:.2f}x")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "job.json")
+        cmd = [venv_tool("mpiexec"), "-n", "2", sys.executable, "-m", "mpi4py"]
+        cmd += [os.path.join(HERE, "train_step_job.py"), out, str(a.side), str(a.width)]
+        cmd += [str(a.batch), str(a.steps)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, check=True, env=env)
+        with open(out) as fh:
+            r = json.load(fh)
+    act, halo = r["activations"], r["halo"]
+    print(f"\n(b) saved activations of one forward, batch {a.batch}:")
+    print(f"  whole sample {act['whole'] / 2**20:.1f} MiB, 2-way split {act['split'] / 2**20:.1f}")
+    print(f"  MiB per rank: ratio {act['ratio']:.2f}x (target <= 0.6x)")
+    print("\n(c) halo exchange on 2 ranks (forward + backward), medians, slowest rank:")
+    print(f"  {halo['halo_s'] * 1e3:.1f} ms of a {halo['step_s'] * 1e3:.1f} ms step", end="")
+    print(f" = {halo['share']:.1%}")
+    print("\n(d) Lion Cub vs an fp32 all-reduce, 2 data ranks:")
+    for mode, c in r["lion_cub"].items():
+        print(
+            f"  {mode:6s}: {c['bytes_sent']} of {c['bytes_fp32']} bytes over {c['steps']} steps"
+            f" ({c['params']} parameters): saved {c['bytes_saved']}, ratio {c['ratio']:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The hybrid-parallel driver under real ``mpiexec``: a 2 x 2 (data x spatial) run follows the
+one-process run's losses, gets the same batches from ``datastore serve`` as from the embedded
+loader, a resumed 2 x 2 run equals an uninterrupted one, and a rank that raises ends the whole
+job quickly."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import MPIEXEC
+
+from trainer.cosmology import write_split
+
+pytestmark = pytest.mark.mpi
+
+JOBS = Path(__file__).parent / "trainer_jobs"
+ROOT = Path(__file__).parent.parent
+_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
+ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+STEPS = 6  # 40 samples / 8 per step: an epoch ends at step 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_stale_shm():
+    """Aborted MPICH jobs leave /dev/shm segments; remove the ones these tests created."""
+    before = set(glob.glob("/dev/shm/mpich*"))
+    yield
+    for path in set(glob.glob("/dev/shm/mpich*")) - before:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cosmo")
+    write_split(out, 40, 8, 16, 0)
+    return out
+
+
+def args(data: Path, tmp: Path, name: str, *more: str) -> list[str]:
+    sets = [
+        f"data={data}", "width=2", "conv_blocks=3", "global_batch=8", f"steps={STEPS}",
+        "optimizer=sgd", "lr=0.05", "warmup=2", f"log_file={tmp / name}.log", *more,
+    ]  # fmt: skip
+    return [a for s in sets for a in ("--set", s)]
+
+
+def launch(n: int, argv: list[str], script: list[str] | None = None, timeout: float = 120):
+    script = script or ["-m", "trainer", "train"]
+    if n == 1:
+        cmd = [sys.executable, *script, *argv]
+    else:
+        cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", *script, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def records(path: Path) -> tuple[list[float], list[dict]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], [r for r in rows if r.get("event")]
+
+
+@pytest.fixture(scope="module")
+def grid_run(data, tmp_path_factory) -> Path:
+    """The uninterrupted 2 x 2 run, with its final checkpoint."""
+    tmp = tmp_path_factory.mktemp("grid")
+    proc = launch(4, args(data, tmp, "run", "spatial_parts=[2,1,1]", f"checkpoint_dir={tmp}/ck"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("trained 6 steps") == 1  # rank 0 only
+    return tmp
+
+
+def test_grid_losses_follow_one_process(data, grid_run, tmp_path):
+    proc = launch(1, args(data, tmp_path, "one"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    one, one_events = records(tmp_path / "one.log")
+    grid, grid_events = records(grid_run / "run.log")
+    assert len(one) == len(grid) == STEPS
+    assert max(abs(a - b) for a, b in zip(one, grid, strict=True)) < 1e-4
+    one_val = [e["val_mse"] for e in one_events if e["event"] == "validation"]
+    grid_val = [e["val_mse"] for e in grid_events if e["event"] == "validation"]
+    assert len(one_val) == len(grid_val) == 2
+    assert max(abs(a - b) for a, b in zip(one_val, grid_val, strict=True)) < 1e-4
+
+
+def test_grid_fed_by_the_service(data, grid_run, tmp_path):
+    sock = tmp_path / "ds.sock"
+    env = {**ENV, "XDG_STATE_HOME": str(tmp_path / "state")}
+    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock)]
+    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert service.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.1)
+        proc = launch(4, args(data, tmp_path, "s", "spatial_parts=[2,1,1]", f"data_address={sock}"))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        service.terminate()
+        service.wait(30)
+    assert records(tmp_path / "s.log")[0] == records(grid_run / "run.log")[0]
+
+
+def test_grid_resume_equals_uninterrupted(data, grid_run, tmp_path):
+    ck = f"checkpoint_dir={tmp_path}/ck"
+    first = launch(4, args(data, tmp_path, "a", "spatial_parts=[2,1,1]", ck, "steps=4"))
+    assert first.returncode == 0, first.stdout + first.stderr
+    rest = launch(4, args(data, tmp_path, "b", "spatial_parts=[2,1,1]", ck))
+    assert rest.returncode == 0, rest.stdout + rest.stderr
+    a, _ = records(tmp_path / "a.log")
+    b, _ = records(tmp_path / "b.log")
+    whole, _ = records(grid_run / "run.log")
+    assert a + b == whole
+    got = torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=True)
+    want = torch.load(grid_run / "ck" / "checkpoint.pt", weights_only=True)
+    assert got["step"] == want["step"] == STEPS
+    assert got["loader"] == want["loader"]
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+
+
+def test_failing_rank_ends_the_job(data, tmp_path):
+    t0 = time.monotonic()
+    proc = launch(4, args(data, tmp_path, "f", "spatial_parts=[2,1,1]", "comm_timeout=10"),
+                  script=[str(JOBS / "train_fail_job.py")], timeout=60)  # fmt: skip
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode != 0
+    assert "fails on purpose at step 2" in proc.stdout + proc.stderr
+    steps, _ = records(tmp_path / "f.log")
+    assert len(steps) == 2

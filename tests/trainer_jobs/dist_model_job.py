@@ -1,0 +1,118 @@
+"""Under ``mpiexec -n N python -m mpi4py``: models built with ``DistLayers`` against the same
+models built with ``TorchLayers`` in one process on the whole batch (float64).
+
+For every grid in CASES that fits N ranks: CosmoFlow's output and every parameter gradient
+after ``GradientReducer`` (head not spatially partial), and a small U-Net (BatchNorm over the
+world, transposed convolution) output block and gradients, for two steps of SGD. Rank 0 writes
+the worst errors over all ranks as JSON ``{case: {check: value}}``.
+
+Usage: dist_model_job.py OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from datastore.partition import Grid, block_bounds
+from trainer.dist_models import DistLayers
+from trainer.grid import ProcessGrid, init_distributed
+from trainer.models import CosmoFlow, TorchLayers, UNet3D
+from trainer.reduce import GradientReducer
+
+F64 = torch.float64
+SIDE, C_IN, N_LOCAL = 8, 2, 2
+# parts per world size; the data-parallel size is world // prod(parts).
+CASES = {2: [(2, 1, 1)], 4: [(2, 1, 1), (2, 2, 1)]}
+
+
+def cosmoflow(layers) -> nn.Module:
+    torch.manual_seed(0)
+    return CosmoFlow(C_IN, 3, input_size=SIDE, conv_size=2, n_conv=2, fc1=8, fc2=4, layers=layers)
+
+
+def unet(layers) -> nn.Module:
+    torch.manual_seed(1)
+    return UNet3D(C_IN, 2, base=2, depth=1, layers=layers)
+
+
+def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn((n, C_IN, SIDE, SIDE, SIDE), generator=g, dtype=F64)
+    return x, torch.rand((n, 3), generator=g, dtype=F64) * 2 - 1
+
+
+def worst(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=F64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).abs().max())
+
+
+def check_case(pg: ProcessGrid) -> dict[str, float]:
+    n_total = N_LOCAL * pg.data_size
+    x, y = batch(n_total)
+    mine = slice(pg.data_rank * N_LOCAL, (pg.data_rank + 1) * N_LOCAL)
+    own = block_bounds(Grid((SIDE,) * 3, pg.parts), pg.spatial_rank)
+    xb = x[mine][(..., *own)]
+    out: dict[str, float] = {}
+    for name, build, loss_of in (
+        ("cosmoflow", cosmoflow, lambda o, sl: ((o - y[sl]) ** 2).mean()),
+        ("unet", unet, lambda o, sl: (o**2).mean()),
+    ):
+        ref = build(TorchLayers())
+        layers = DistLayers(pg, dist.group.WORLD)
+        model = build(layers)
+        ref_params, params = list(ref.parameters()), list(model.parameters())
+        assert [p.shape for p in ref_params] == [p.shape for p in params]
+        reducer = GradientReducer(model, pg, spatially_partial=layers.spatially_partial())
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            ref_opt.zero_grad()
+            opt.zero_grad()
+            ref_out = ref(x)
+            ref_loss = loss_of(ref_out, slice(None))
+            ref_loss.backward()
+            got = model(xb)
+            want = ref_out[mine] if name == "cosmoflow" else ref_out[mine][(..., *own)]
+            out[f"{name} output step {step}"] = max_err(got, want.detach())
+            # Every local loss is a mean over the rank's samples (a block's share for the U-Net,
+            # whose loss the reducer's spatial sum completes); the reducer averages over D.
+            scale = 1.0 if name == "cosmoflow" else xb[0, 0].numel() / x[0, 0].numel()
+            (loss_of(got, mine) * scale).backward()
+            reducer.finish()
+            out[f"{name} grads step {step}"] = max(
+                max_err(p.grad, r.grad) for p, r in zip(params, ref_params, strict=True)
+            )
+            ref_opt.step()
+            opt.step()
+        reducer.remove()
+    return out
+
+
+def main() -> None:
+    torch.set_default_dtype(F64)
+    out_path = sys.argv[1]
+    _, world = init_distributed()
+    results = {}
+    for parts in CASES[world]:
+        pg = ProcessGrid.create(parts)
+        checks = check_case(pg)
+        key = f"parts={parts}, data={pg.data_size}"
+        results[key] = {k: worst(v) for k, v in checks.items()}
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump(results, fh, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

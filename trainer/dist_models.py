@@ -1,0 +1,83 @@
+"""``DistLayers``: the layer factory of a spatially split model (``trainer.models``).
+
+A model built with ``DistLayers(grid, stats_group)`` instead of ``TorchLayers`` computes, on
+every rank, this rank's block of every activation of the single-process model, and the whole
+sample's features after ``flatten`` (``gather_flatten``), so the dense head the model creates
+itself is replicated over the spatial group:
+
+- ``conv3d`` is :class:`~trainer.layers.DistConv3d` (halo exchange, any stride);
+- ``maxpool3d`` is :class:`~trainer.pool.DistMaxPool3d` (local);
+- ``batchnorm3d`` is :class:`~trainer.norm.DistBatchNorm3d` over ``stats_group``;
+- ``conv_transpose3d(cin, cout, k)`` (stride ``k``) is a plain ``nn.ConvTranspose3d``: its
+  output windows do not overlap, so each block's output is its own block of the whole output;
+- ``flatten`` gathers the whole volume (:func:`~trainer.pool.gather_flatten`).
+
+The parameters of these layers see only this rank's block: their gradients are partial sums
+over the spatial group (:meth:`DistLayers.spatially_partial`, to pass to
+``GradientReducer(spatially_partial=...)``); the replicated head's gradients are whole-sample
+gradients already. Parameters are initialised from the torch RNG exactly as ``TorchLayers``
+would (seed every rank alike), not broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.grid import ProcessGrid
+from trainer.layers import DistConv3d
+from trainer.norm import DistBatchNorm3d
+from trainer.pool import DistMaxPool3d, gather_flatten
+
+__all__ = ["DistFlatten", "DistLayers"]
+
+
+class DistFlatten(nn.Module):
+    """``torch.flatten(whole, 1)`` of the whole sample, on every rank of the spatial group."""
+
+    def __init__(self, grid: ProcessGrid) -> None:
+        super().__init__()
+        self.grid = grid
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_flatten(x, self.grid)
+
+
+class DistLayers:
+    """The spatially split factory (module docstring).
+
+    Args:
+        grid: this rank's process grid (3 spatial axes).
+        stats_group: the group BatchNorm statistics span: ``grid.spatial_group`` (per replica)
+            or a group of whole spatial groups, e.g. ``torch.distributed.group.WORLD``.
+    """
+
+    def __init__(self, grid: ProcessGrid, stats_group: Any) -> None:
+        self.grid = grid
+        self.stats_group = stats_group
+        self._made: list[nn.Module] = []
+
+    def _keep(self, module: nn.Module) -> nn.Module:
+        self._made.append(module)
+        return module
+
+    def conv3d(self, cin: int, cout: int, k: int, stride: int = 1) -> nn.Module:
+        return self._keep(DistConv3d(cin, cout, k, self.grid, stride=stride, broadcast=False))
+
+    def maxpool3d(self, k: int) -> nn.Module:
+        return DistMaxPool3d(k, self.grid)
+
+    def batchnorm3d(self, c: int) -> nn.Module:
+        return self._keep(DistBatchNorm3d(c, self.grid, stats_group=self.stats_group))
+
+    def conv_transpose3d(self, cin: int, cout: int, k: int) -> nn.Module:
+        return self._keep(nn.ConvTranspose3d(cin, cout, k, stride=k))
+
+    def flatten(self) -> nn.Module:
+        return DistFlatten(self.grid)
+
+    def spatially_partial(self) -> list[nn.Parameter]:
+        """Parameters of the layers made so far whose gradients are per-block partial sums."""
+        return [p for m in self._made for p in m.parameters()]
