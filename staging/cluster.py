@@ -12,9 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Layout", "SoloComm", "launched_by_mpi", "layout", "world"]
+__all__ = ["LAUNCH_ENV", "Layout", "SoloComm", "launched_by_mpi", "layout", "world"]
 
 _LAUNCHER_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
+# every variable launched_by_mpi looks at: drop them to start a child as a plain process
+LAUNCH_ENV = (*_LAUNCHER_VARS, "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
 
 
 def launched_by_mpi(env: dict[str, str] | None = None) -> bool:

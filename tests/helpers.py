@@ -13,20 +13,13 @@ from pathlib import Path
 
 import zstandard
 
+from staging.cluster import LAUNCH_ENV
+
 META = ".datastore"
 
 # mpiexec of the venv (pip's mpich), else the one on PATH
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
-# Launcher variables that would make the CLI believe it runs under MPI.
-_MPI_VARS = (
-    "PMI_RANK",
-    "PMIX_RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "MPI_LOCALRANKID",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_PROCID",
-)
 
 # (relative path, size in bytes, mode) of the regular files of ``make_tree``.
 TREE_FILES = (
@@ -50,7 +43,7 @@ def run_stage(
 
     ``check``: the exit code the run must have; the assertion shows both output streams.
     """
-    full_env = {k: v for k, v in os.environ.items() if k not in _MPI_VARS}
+    full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     full_env.pop("DATASTORE_DEBUG", None)
     if env:
         full_env.update(env)

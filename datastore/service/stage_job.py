@@ -31,20 +31,12 @@ from typing import Any
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.paths import within_roots
+from staging.cluster import LAUNCH_ENV
 
 __all__ = ["KILL_AFTER_S", "stage_argv", "stream_stage"]
 
 KILL_AFTER_S = 5.0
 POLL_S = 0.2
-# what makes `datastore stage` believe it runs under an MPI launcher (staging.cluster)
-_MPI_VARS = (
-    "PMI_RANK",
-    "PMIX_RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "MPI_LOCALRANKID",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_PROCID",
-)
 
 
 def stage_argv(request: Any, allowed_roots: Sequence[Path | str] = ()) -> list[str]:
@@ -116,7 +108,7 @@ def stream_stage(
         ServiceError: an invalid request (before anything runs); see :func:`stage_argv`.
     """
     argv = stage_argv(request, allowed_roots)
-    env = {k: v for k, v in os.environ.items() if k not in _MPI_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
             argv,
