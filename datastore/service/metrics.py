@@ -1,7 +1,7 @@
-"""Prometheus metrics of ``datastore serve``, read from the service's own state at scrape time.
+"""Prometheus metrics of ``datastore serve``, read from its ``Status`` reply at scrape time.
 
-Nothing is counted twice: the collector reads the sessions' and datasets' counters when
-Prometheus scrapes ``http://HOST:PORT/metrics``. Per-job series carry ``job`` (the session's
+Nothing is counted twice: the collector reads what ``datastore status`` shows when Prometheus
+scrapes ``http://HOST:PORT/metrics``. Per-job series carry ``job`` (the session's
 ``job_id``, or its session id) and ``session`` labels and disappear with their session.
 """
 
@@ -17,28 +17,30 @@ __all__ = ["ServiceCollector", "render", "serve_metrics"]
 
 
 class ServiceCollector:
-    """Collects from ``state()``: ``{"sessions": [...], "datasets": [...], "totals": {...}}``
-    as :meth:`datastore.service.server.Servicer.snapshot` gives it."""
+    """Collects from ``state()``, a ``datastore.v1.StatusResponse`` (the ``Status`` reply)."""
 
-    def __init__(self, state: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, state: Callable[[], Any]) -> None:
         self._state = state
 
     def collect(self) -> Iterator[Any]:
         s = self._state()
-        t = s["totals"]
-        for name, doc, key in (
-            ("datastore_batches_served", "Batches streamed to trainers.", "batches"),
-            ("datastore_bytes_served", "Tensor bytes streamed to trainers.", "bytes"),
-            ("datastore_calls", "gRPC calls received.", "calls"),
-            ("datastore_exchange_bytes", "Bytes received from peer services.", "exchanged"),
+        for name, doc, value in (
+            ("datastore_batches_served", "Batches streamed to trainers.", s.batches_served),
+            ("datastore_bytes_served", "Tensor bytes streamed to trainers.", s.bytes_served),
+            ("datastore_calls", "gRPC calls received.", s.calls_served),
+            ("datastore_exchange_bytes", "Bytes received from peer services.", s.bytes_exchanged),
         ):
-            yield CounterMetricFamily(name, doc, value=t[key])
-        for name, doc, key in (
-            ("datastore_resident_bytes", "Bytes of datasets in memory.", "resident"),
-            ("datastore_memory_budget_bytes", "Memory budget for datasets (0: none).", "budget"),
-            ("datastore_streams", "Batch streams open now.", "streams"),
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("datastore_resident_bytes", "Bytes of datasets in memory.", s.bytes_resident),
+            (
+                "datastore_memory_budget_bytes",
+                "Memory budget for datasets (0: none).",
+                s.memory_budget,
+            ),
+            ("datastore_streams", "Batch streams open now.", s.clients),
         ):
-            yield GaugeMetricFamily(name, doc, value=t[key])
+            yield GaugeMetricFamily(name, doc, value=value)
 
         labels = ["job", "session"]
         batches = CounterMetricFamily(
@@ -52,11 +54,11 @@ class ServiceCollector:
             "Time a job's streams waited for batches to be prepared.",
             labels=labels,
         )
-        for x in s["sessions"]:
-            key = [x["job_id"] or x["session_id"], x["session_id"]]
-            batches.add_metric(key, x["batches_served"])
-            nbytes.add_metric(key, x["bytes_served"])
-            stall.add_metric(key, x["stall_s"])
+        for x in s.sessions:
+            key = [x.job_id or x.session_id, x.session_id]
+            batches.add_metric(key, x.batches_served)
+            nbytes.add_metric(key, x.bytes_served)
+            stall.add_metric(key, x.stall_s)
         yield from (batches, nbytes, stall)
 
         ds = ["dataset"]
@@ -72,27 +74,27 @@ class ServiceCollector:
         ratio = GaugeMetricFamily(
             "datastore_dataset_hit_ratio", "hits / (hits + misses) so far.", labels=ds
         )
-        for d in s["datasets"]:
-            resident.add_metric([d["path"]], d["bytes_resident"])
-            hits.add_metric([d["path"]], d["hits"])
-            misses.add_metric([d["path"]], d["misses"])
-            total = d["hits"] + d["misses"]
-            ratio.add_metric([d["path"]], d["hits"] / total if total else 0.0)
+        for d in s.datasets:
+            resident.add_metric([d.path], d.bytes_resident)
+            hits.add_metric([d.path], d.hits)
+            misses.add_metric([d.path], d.misses)
+            total = d.hits + d.misses
+            ratio.add_metric([d.path], d.hits / total if total else 0.0)
         yield from (resident, hits, misses, ratio)
 
 
-def _registry(state: Callable[[], dict[str, Any]]) -> CollectorRegistry:
+def _registry(state: Callable[[], Any]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServiceCollector(state))
     return registry
 
 
-def render(state: Callable[[], dict[str, Any]]) -> bytes:
+def render(state: Callable[[], Any]) -> bytes:
     """The metrics in Prometheus' text format."""
     return generate_latest(_registry(state))
 
 
-def serve_metrics(address: str, state: Callable[[], dict[str, Any]]) -> tuple[Any, int]:
+def serve_metrics(address: str, state: Callable[[], Any]) -> tuple[Any, int]:
     """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free one); ``(server, port)``.
 
     ``server.shutdown()`` stops it."""

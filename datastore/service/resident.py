@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from datastore.partition import Grid, extract_block
+from datastore.partition import Grid
 from datastore.readers import open_dataset
-from datastore.service.batches import Delivered, delivered_fields, spatial_grid
+from datastore.service.batches import Delivered, delivered_fields, fill_batch, spatial_grid
 from datastore.service.errors import ServiceError
 from datastore.service.paths import within_roots
 from datastore.service.peers import PeerLink
@@ -105,8 +105,7 @@ class Resident:
         remote = [int(i) for i in samples if self.owner[int(i)] != self.node]
         for dest in sorted({int(self.owner[i]) for i in remote}):
             wanted = [i for i in remote if self.owner[i] == dest]
-            per_sample = sum(f.nbytes for f in fields)
-            buf = np.empty(len(wanted) * per_sample, np.uint8)
+            buf, arrays = _packed(fields, len(wanted))
             request = {
                 "kind": "fetch",
                 "path": self.template,
@@ -116,33 +115,25 @@ class Resident:
                 "block": block,
             }
             self.link.fetch(dest, request, buf)
-            at = 0
-            for i in wanted:
+            for pos, i in enumerate(wanted):
                 for f in fields:
-                    out[(i, f.name)] = buf[at : at + f.nbytes].view(f.dtype).reshape(f.shape)
-                    at += f.nbytes
+                    out[(i, f.name)] = arrays[f.name][pos]
         return out
 
     def blocks(self, samples: list[int], names: list[str], spatial: Any, block: int) -> np.ndarray:
-        """What a peer asked for: ``block`` of each field of each sample, packed as bytes."""
+        """What a peer asked for: ``block`` of every field of ``samples``, packed as
+        :func:`_packed` lays it out."""
+        stray = [i for i in samples if self.owner is not None and self.owner[i] != self.node]
+        if stray:
+            raise ServiceError(
+                "FAILED_PRECONDITION", f"sample {stray[0]} is not on node {self.node}"
+            )
         info = {n: self.reader.fields[n] for n in names}
         grid: Grid | None = spatial_grid(info, spatial)
         fields = delivered_fields(info, grid, block)
-        per_sample = sum(f.nbytes for f in fields)
-        out = np.empty(len(samples) * per_sample, np.uint8)
-        at = 0
-        for i in samples:
-            if self.owner is not None and self.owner[i] != self.node:
-                raise ServiceError("FAILED_PRECONDITION", f"sample {i} is not on node {self.node}")
-            for f in fields:
-                dst = out[at : at + f.nbytes].view(f.dtype).reshape(f.shape)
-                vol = self.sample(i, f.name)
-                if f.blocked:
-                    extract_block(vol, grid, block, f.spatial_axes, out=dst)  # type: ignore[arg-type]
-                else:
-                    dst[...] = vol
-                at += f.nbytes
-        return out
+        buf, arrays = _packed(fields, len(samples))
+        fill_batch(samples, fields, grid, block, self.sample, arrays)
+        return buf
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the background read is done; whether it is."""
@@ -156,6 +147,17 @@ class Resident:
             self.loader.join()
         self.store.close()
         self.reader.close()
+
+
+def _packed(fields: list[Delivered], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """One byte buffer holding ``n`` samples of each field, field after field, and its views
+    ``{field: (n, *shape)}``: the layout of a peer's ``fetch`` reply."""
+    buf = np.empty(n * sum(f.nbytes for f in fields), np.uint8)
+    arrays, at = {}, 0
+    for f in fields:
+        arrays[f.name] = buf[at : at + n * f.nbytes].view(f.dtype).reshape(n, *f.shape)
+        at += n * f.nbytes
+    return buf, arrays
 
 
 def _reader(path: str) -> Any:
@@ -314,9 +316,7 @@ class Residency:
         sharded = self._shards(path, template)
         reader, owner = sharded if sharded is not None else (_reader(path), None)
         keys = np.arange(len(reader)) if owner is None else np.flatnonzero(owner == self.node)
-        probe = _open(path, 0, keys, reader)  # the sizes, before committing memory
-        need = probe.nbytes
-        probe.store.close()
+        need = len(keys) * sum(fi.nbytes for fi in reader.fields.values())
         room = self._make_room_locked(need)
         r = _open(path, room, keys, reader)
         r.template, r.owner, r.node, r.link = template, owner, self.node, self.link

@@ -141,7 +141,7 @@ def _returns_slots(requests: Any, stream: Stream) -> None:
     try:
         for r in requests:
             if r.mapped:
-                stream.mapped()
+                stream.ring.client_mapped()
             stream.ring.done(list(r.done))
     except (grpc.RpcError, ValueError):
         pass  # the call ended: the stream stops through its callback
@@ -234,7 +234,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         try:
             session = self.sessions.get(request.session_id)
             shm = self._shared_memory(request, context)
-            stream = session.stream(request, shm, hold=int(request.prefetch or 2) + 1)
+            stream = session.stream(request, shm)
         except ServiceError as exc:
             self._refuse(context, "StreamBatches", exc)
         context.add_callback(lambda: session.release(stream))
@@ -284,46 +284,11 @@ class Servicer(pb_grpc.DataStoreServicer):
             self._refuse(context, "UnloadDataset", exc)
         return pb.UnloadDatasetResponse(bytes_freed=freed)
 
-    def snapshot(self) -> dict[str, Any]:
-        """Plain numbers for the metrics collector."""
-        sessions = self.sessions.all()
-        datasets = self.residency.all()
-        with self._counters.lock:
-            totals = {
-                "calls": self._counters.calls,
-                "batches": self._counters.batches,
-                "bytes": self._counters.bytes,
-            }
-        totals.update(
-            exchanged=self.link.bytes_received if self.link else 0,
-            resident=sum(r.budgeted for r in datasets),
-            budget=self._config.memory_budget or 0,
-            streams=sum(len(s.streams) for s in sessions),
-        )
-        return {
-            "totals": totals,
-            "sessions": [
-                {
-                    "session_id": s.session_id,
-                    "job_id": s.request.job_id,
-                    "batches_served": s.batches_served,
-                    "bytes_served": s.bytes_served,
-                    "stall_s": s.stall_s,
-                }
-                for s in sessions
-            ],
-            "datasets": [
-                {
-                    "path": r.path,
-                    "bytes_resident": r.store.filled_bytes(),
-                    "hits": r.store.counters.hits,
-                    "misses": r.store.counters.misses,
-                }
-                for r in datasets
-            ],
-        }
-
     def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.status()
+
+    def status(self) -> Any:
+        """The ``StatusResponse``: what ``datastore status`` shows and the metrics read."""
         with self._counters.lock:
             calls, batches, nbytes = (
                 self._counters.calls,
@@ -632,7 +597,7 @@ def _run(
         )
         if config.metrics is not None:
             try:
-                metrics_server, port = serve_metrics(config.metrics, servicer.snapshot)
+                metrics_server, port = serve_metrics(config.metrics, servicer.status)
             except (OSError, ValueError) as exc:
                 log.error("cannot_listen", metrics=config.metrics, msg=str(exc))
                 return EXIT_FAILED

@@ -87,7 +87,7 @@ class Session:
             for n, fi in self.info.items()
         ]
 
-    def stream(self, r: Any, shared_memory: bool, hold: int) -> Stream:
+    def stream(self, r: Any, shared_memory: bool) -> Stream:
         """A stream for the ``StreamBatchesRequest`` ``r`` (counted until it is released)."""
         if not 0 <= r.rank < self.world:
             raise ServiceError("INVALID_ARGUMENT", f"rank {r.rank} outside 0..{self.world - 1}")
@@ -116,15 +116,16 @@ class Session:
                 raise ServiceError("NOT_FOUND", f"session {self.session_id} is closed")
             ring = self.rings.get((int(r.rank), shared_memory))
             if ring is None:
+                # the client holds prefetch + 1 batches (RemoteBatches), the producer fills
+                # prefetch ahead, one is in flight
                 prefetch = int(r.prefetch) or 2
-                nslots = prefetch + (hold + 1 if shared_memory else 1)
+                nslots = prefetch + (prefetch + 2 if shared_memory else 1)
                 batch = sched.local_batch(lay.data_world)
                 ring = SlotRing(fields, batch, nslots, shared_memory)
                 self.rings[(int(r.rank), shared_memory)] = ring
             ring.keep_only(list(r.held))
             s = Stream(
                 plan=plan,
-                fields=fields,
                 grid=self.grid,
                 block=lay.spatial_rank,
                 sample=self.resident.sample,

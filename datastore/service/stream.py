@@ -92,6 +92,12 @@ class SlotRing:
             self._held[g] = slot
         return g
 
+    def client_mapped(self) -> None:
+        """The client has mapped the segment: its file can go (the mappings stay valid)."""
+        if self.segment is not None:
+            self.segment.close()
+        self.mapped.set()
+
     def keep_only(self, generations: list[int]) -> None:
         """Free every lent slot but those of ``generations`` (what the client still reads)."""
         keep = {int(g) for g in generations}
@@ -119,8 +125,8 @@ class Stream:
 
     Args:
         plan: ``plan(step) -> sample indices`` of this rank's share of global batch ``step``.
-        fields, grid, block: what the rank receives (``datastore.service.batches``).
-        ring: the rank's slots.
+        grid, block: the rank's block (``datastore.service.batches``).
+        ring: the rank's slots, and the fields they hold.
         sample: ``sample(index, field)``: the stored whole sample.
         fetch: ``fetch(samples)``: ``{(index, field): delivered array}`` of the samples other
             nodes own.
@@ -132,7 +138,6 @@ class Stream:
         self,
         *,
         plan: Callable[[int], np.ndarray],
-        fields: list[Delivered],
         grid: Any,
         block: int,
         sample: Callable[[int, str], np.ndarray],
@@ -141,7 +146,7 @@ class Stream:
         ring: SlotRing,
         on_stall: Callable[[float], None],
     ) -> None:
-        self._plan, self._fields, self._grid, self._block = plan, fields, grid, block
+        self._plan, self._fields, self._grid, self._block = plan, ring.fields, grid, block
         self._sample, self._fetch = sample, fetch
         self.epoch, self.start, self.end, self._steps_per_epoch, self.rank = steps
         self._on_stall = on_stall
@@ -179,12 +184,6 @@ class Stream:
         self._ready.put((None, None, None))
 
     # -- the call ------------------------------------------------------------------------------
-    def mapped(self) -> None:
-        """The client has mapped the segment: its file can go (the mappings stay valid)."""
-        if self.ring.segment is not None:
-            self.ring.segment.close()
-        self.ring.mapped.set()
-
     def messages(self) -> Iterator[tuple[Any, int]]:
         """``(Batch, payload bytes)`` in step order, until the end, ``stop`` or an error."""
         self._worker.start()
