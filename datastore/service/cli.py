@@ -32,6 +32,9 @@ examples:
   datastore serve --tcp 0.0.0.0:7433 --token-file ~/.datastore-token
   datastore serve --tcp 0.0.0.0:7433 --token-file SECRET --tls-cert cert.pem --tls-key key.pem
   datastore serve --memory-budget 64G --allow /l/ssd --metrics 0.0.0.0:9433
+  mpiexec -n 4 -ppn 1 python -m mpi4py -m datastore serve      # one store over 4 nodes (MPI)
+  datastore serve --tcp 0.0.0.0:7433 --token-file SECRET \
+      --peers n0:7433,n1:7433,n2:7433 --node 1                # one store, peering over gRPC
 """
 
 STATUS_EPILOG = """\
@@ -144,6 +147,27 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="serve Prometheus metrics on http://HOST:PORT/metrics (port 0: any free port)",
     )
+    p.add_argument(
+        "--peers",
+        metavar="HOST:PORT,...",
+        default=None,
+        help="every service of the store, this one included, in node order: the services "
+        "peer over gRPC on their --tcp addresses, with the same --token-file (not under mpiexec)",
+    )
+    p.add_argument("--node", type=int, default=None, help="this service's index in --peers")
+    p.add_argument(
+        "--peer-ca",
+        type=Path,
+        default=None,
+        help="PEM certificate(s) to check the peers' TLS against (default: --tls-cert)",
+    )
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long a request to a peer waits for it before failing (default: 60)",
+    )
     p.set_defaults(func=run_serve)
 
     s = sub.add_parser(
@@ -219,6 +243,7 @@ def parse_bytes(text: str) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from datastore.service.grpc_peers import parse_peers
     from datastore.service.paths import default_socket, default_state_file
     from datastore.service.server import ServeConfig, serve
 
@@ -239,6 +264,10 @@ def run_serve(args: argparse.Namespace) -> int:
             allowed_roots=tuple(args.allow),
             session_idle_s=args.session_idle,
             metrics=args.metrics,
+            peers=parse_peers(args.peers) if args.peers else (),
+            node=args.node,
+            peer_ca=args.peer_ca,
+            peer_timeout_s=args.peer_timeout,
         )
     except ValueError as exc:
         print(f"datastore serve: {exc}", file=sys.stderr)

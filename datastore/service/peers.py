@@ -1,4 +1,5 @@
-"""Services on several nodes forming one store: ``mpiexec -n K datastore serve``.
+"""Services on several nodes forming one store, and their link over MPI (``mpiexec -n K
+datastore serve``); :mod:`datastore.service.grpc_peers` is the same link over gRPC.
 
 Each service owns the samples staged on its node's disk. When a dataset is sharded (``datastore
 stage --mode shard``: nodes hold different files under the same path), a service asks every
@@ -21,13 +22,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from datastore.service.errors import ServiceError
 
-__all__ = ["PeerLink", "node_path"]
+__all__ = ["Listing", "MpiPeers", "Peers", "node_path"]
+
+Listing = tuple[bool, list[str], dict[str, tuple[str, tuple[int, ...]]]]
+"""``(shardable, files held here, {field: (dtype, shape)})``: a node's view of a dataset."""
 
 REQUEST = 1  # tag of every request; replies use a tag per request
 FIRST_REPLY_TAG = 100
@@ -38,7 +42,27 @@ def node_path(path: str, node: int) -> str:
     return path.replace("{node}", str(node))
 
 
-class PeerLink:
+class Peers(Protocol):
+    """What a service asks of the other services of its store (over MPI or gRPC)."""
+
+    node: int  # this service's index in the store
+    nodes: int
+    bytes_received: int
+
+    def describe(self, dest: int, path: str) -> Listing:
+        """Node ``dest``'s :data:`Listing` of the dataset clients call ``path``."""
+        ...
+
+    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
+        """Node ``dest``'s packed blocks (:meth:`Resident.blocks`) into ``out`` (uint8)."""
+        ...
+
+    def close(self, *, stop_all: bool) -> None:
+        """Stop answering; ``stop_all``: this service is stopping on its own account."""
+        ...
+
+
+class MpiPeers:
     """Requests to and answers from the other services of one MPI job.
 
     Args:
@@ -88,6 +112,10 @@ class PeerLink:
         if isinstance(reply, dict) and "error" in reply:
             raise ServiceError(reply["code"], f"node {dest}: {reply['error']}")
         return reply
+
+    def describe(self, dest: int, path: str) -> Listing:
+        """Node ``dest``'s listing of ``path``."""
+        return self.ask(dest, {"kind": "describe", "path": path})
 
     def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
         """Send ``request`` to node ``dest`` and receive its raw reply into ``out`` (uint8)."""
@@ -140,7 +168,11 @@ class PeerLink:
         else:
             self.comm.send(reply, dest=source, tag=tag)
 
-    def close(self) -> None:
+    def close(self, *, stop_all: bool) -> None:
+        """Stop answering; ``stop_all``: tell the other services to stop too (one MPI job
+        lives and ends together)."""
+        if stop_all:
+            self.tell_all({"kind": "shutdown", "node": self.node})
         self._stop.set()
         self._thread.join()
         self._pool.shutdown(wait=True)

@@ -29,7 +29,7 @@ from datastore.readers import open_dataset
 from datastore.service.batches import Delivered, delivered_fields, fill_batch, spatial_grid
 from datastore.service.errors import ServiceError
 from datastore.service.paths import within_roots
-from datastore.service.peers import PeerLink
+from datastore.service.peers import Peers
 from datastore.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store import SlotSpec, Store
 
@@ -66,7 +66,7 @@ class Resident:
     template: str = ""  # the path as clients name it (may hold ``{node}``)
     owner: np.ndarray | None = None
     node: int = 0
-    link: PeerLink | None = None
+    link: Peers | None = None
     last_used: float = field(default_factory=time.time)
     sessions: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
@@ -205,7 +205,7 @@ class Residency:
         state_file: Path | None = None,
         on_event: Any = None,
         threads: int = 4,
-        link: PeerLink | None = None,
+        link: Peers | None = None,
     ) -> None:
         self.link = link
         self.node = link.node if link is not None else 0
@@ -299,7 +299,7 @@ class Residency:
             return None
         mine = listing(path)
         every = [
-            mine if n == self.node else self.link.ask(n, {"kind": "describe", "path": template})
+            mine if n == self.node else self.link.describe(n, template)
             for n in range(self.link.nodes)
         ]
         if not all(ok for ok, _, _ in every) or all(held == mine[1] for _, held, _ in every):

@@ -40,12 +40,13 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import TokenInterceptor, read_token
 from datastore.service.errors import ServiceError
+from datastore.service.grpc_peers import GrpcPeers, PeersServicer, add_peers_to_server
 from datastore.service.logs import JsonLog
 from datastore.service.metrics import serve_metrics
 from datastore.service.paths import AddressInUse, UnsafeDirectory, claim_socket, unix_target
-from datastore.service.peers import PeerLink, node_path
+from datastore.service.peers import MpiPeers, Peers, node_path
 from datastore.service.resident import Residency, Resident, listing, resolve_dataset
-from datastore.service.session import Sessions
+from datastore.service.session import Sessions, spatial_of
 from datastore.service.shm import reclaim_stale
 from datastore.service.stage_job import stream_stage
 from datastore.service.stream import Stream
@@ -81,6 +82,11 @@ class ServeConfig:
         allowed_roots: datasets (and stage paths) must lie under one of these. Default: any.
         session_idle_s: close a session that has had no stream for this long. Default: ``600``.
         metrics: ``HOST:PORT`` to serve Prometheus ``/metrics`` on. Default: none.
+        peers: every service's TCP ``HOST:PORT`` when the services of a store peer over gRPC
+            (:mod:`datastore.service.grpc_peers`), in node order. Default: none.
+        node: this service's index in ``peers``. Default: none.
+        peer_ca: PEM certificate(s) to check the peers' TLS against. Default: ``tls_cert``.
+        peer_timeout_s: how long a request to a peer may wait. Default: ``60``.
     """
 
     socket: Path
@@ -96,6 +102,10 @@ class ServeConfig:
     allowed_roots: tuple[Path, ...] = ()
     session_idle_s: float = 600.0
     metrics: str | None = None
+    peers: tuple[str, ...] = ()
+    node: int | None = None
+    peer_ca: Path | None = None
+    peer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.tcp is not None and self.token_file is None:
@@ -114,6 +124,16 @@ class ServeConfig:
             raise ValueError("the session idle time must be > 0")
         if self.metrics is not None and ":" not in self.metrics:
             raise ValueError(f"--metrics wants HOST:PORT, got {self.metrics!r}")
+        if self.peers and (self.tcp is None or self.node is None):
+            raise ValueError("--peers needs --tcp (peers call each other there) and --node")
+        if self.node is not None and not self.peers:
+            raise ValueError("--node goes with --peers")
+        if self.node is not None and not 0 <= self.node < len(self.peers):
+            raise ValueError(f"--node {self.node} is not an index of the {len(self.peers)} --peers")
+        if self.peer_ca is not None and self.tls_cert is None:
+            raise ValueError("--peer-ca is for TLS (--tls-cert)")
+        if self.peer_timeout_s <= 0:
+            raise ValueError("the peer timeout must be > 0")
         roots = tuple(Path(os.path.realpath(r)) for r in self.allowed_roots)
         object.__setattr__(self, "allowed_roots", roots)
 
@@ -159,6 +179,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         counters: _Counters,
         log: JsonLog,
         comm: Any = None,
+        peers: GrpcPeers | None = None,
     ) -> None:
         self._started = time.monotonic()
         self._config = config
@@ -166,7 +187,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         self._stop = stop
         self._counters = counters
         self._log = log
-        self.link = PeerLink(comm, self.answer) if comm is not None else None
+        self.link: Peers | None = MpiPeers(comm, self.answer) if comm is not None else peers
         self.residency = Residency(
             config.memory_budget, config.state_file, on_event=log.info, link=self.link
         )
@@ -356,9 +377,8 @@ class Servicer(pb_grpc.DataStoreServicer):
 
     def close(self) -> None:
         if self.link is not None:
-            if self._stop.why and not self._stop.why.startswith("node "):
-                self.link.tell_all({"kind": "shutdown", "node": self.link.node})
-            self.link.close()
+            by_peer = self._stop.why.startswith("node ")
+            self.link.close(stop_all=bool(self._stop.why) and not by_peer)
         self.sessions.close_all()
         self.residency.close()
 
@@ -428,15 +448,26 @@ def _add_datastore(servicer: Servicer, server: grpc.Server) -> None:
 
 
 def _add_services(
-    server: grpc.Server, servicer: Servicer, health_servicer: health.HealthServicer
+    server: grpc.Server,
+    servicer: Servicer,
+    health_servicer: health.HealthServicer,
+    *,
+    peers: bool,
 ) -> None:
+    """Register the services on ``server``; ``peers``: also ``datastore.v1.Peers`` when this
+    service peers over gRPC (on TCP, where the peers call)."""
     _add_datastore(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
+    names = [
         pb.DESCRIPTOR.services_by_name["DataStore"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
-    )
+    ]
+    link = servicer.link
+    if peers and isinstance(link, GrpcPeers):
+        answering = PeersServicer(link.node, link.nodes, servicer.answer, spatial_of)
+        add_peers_to_server(answering, server)
+        names.append(pb.DESCRIPTOR.services_by_name["Peers"].full_name)
     reflection.enable_server_reflection(names, server)
 
 
@@ -452,6 +483,13 @@ def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -
     log = log or JsonLog()
     out = out or sys.stdout
     comm = _services_comm()
+    if comm is not None and config.peers:
+        log.error(
+            "bad_usage",
+            msg="--peers is for services that are not one MPI job: under mpiexec the services "
+            "of a store peer over MPI",
+        )
+        return EXIT_USAGE
     if comm is not None:  # one service per rank: {rank} tells their sockets apart on one host
         rank = str(comm.Get_rank())
         state = config.state_file
@@ -536,8 +574,22 @@ def _run(
             count=len(removed),
             msg="shared memory left by a service that died",
         )
+    peers = None
+    if config.peers:
+        assert token is not None and config.node is not None  # checked by ServeConfig
+        try:
+            peers = GrpcPeers(
+                config.peers,
+                config.node,
+                token,
+                config.peer_ca or config.tls_cert,
+                config.peer_timeout_s,
+            )
+        except OSError as exc:
+            log.error("bad_tls_files", msg=f"cannot read the peers' CA: {exc}")
+            return EXIT_USAGE
     servicer = Servicer(
-        config=config, listen=listen, stop=stop, counters=counters, log=log, comm=comm
+        config=config, listen=listen, stop=stop, counters=counters, log=log, comm=comm, peers=peers
     )
     metrics_server = None
 
@@ -570,7 +622,7 @@ def _run(
         listen.append(f"{host}:{port}")
         servers.append(tcp_server)
     for server in servers:
-        _add_services(server, servicer, health_servicer)
+        _add_services(server, servicer, health_servicer, peers=server is not servers[0])
 
     def on_signal(signum: int, _frame: Any) -> None:
         stop.request(signal.Signals(signum).name)
@@ -594,6 +646,8 @@ def _run(
             token_file=str(config.token_file) if config.token_file else None,
             grace_s=config.grace_s,
             workers=config.workers,
+            node=servicer.residency.node,
+            peers=list(config.peers) or None,
         )
         if config.metrics is not None:
             try:

@@ -29,14 +29,15 @@ from datastore.service.peers import node_path
 from datastore.service.resident import Residency, Resident, resolve_dataset
 from datastore.service.stream import SlotRing, Stream
 
-__all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions"]
+__all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions", "spatial_of"]
 
 MAX_GLOBAL_BATCH = 1_000_000
 MAX_WORLD = 1_000_000
 MAX_PREFETCH = 64
 
 
-def _spatial(layout: Any) -> dict[str, Any] | None:
+def spatial_of(layout: Any) -> dict[str, Any] | None:
+    """A ``SpatialLayout`` message as ``{"parts", "halo", "boundary"}``; ``None``: no split."""
     if not layout.parts:
         return None
     out: dict[str, Any] = {"parts": tuple(layout.parts)}
@@ -202,7 +203,7 @@ class Sessions:
         world = r.world_size or 1
         if world > MAX_WORLD:
             raise ServiceError("INVALID_ARGUMENT", f"world_size {world} above {MAX_WORLD}")
-        spatial = _spatial(r.spatial)
+        spatial = spatial_of(r.spatial)
         blocks = math.prod(spatial["parts"]) if spatial else 1
         if blocks < 1 or world % blocks:
             raise ServiceError(

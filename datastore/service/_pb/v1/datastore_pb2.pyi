@@ -321,3 +321,63 @@ class ShutdownResponse(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class PeerHeader(_message.Message):
+    __slots__ = ("from_node", "to_node", "nodes")
+    FROM_NODE_FIELD_NUMBER: _ClassVar[int]
+    TO_NODE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    from_node: int
+    to_node: int
+    nodes: int
+    def __init__(self, from_node: _Optional[int] = ..., to_node: _Optional[int] = ..., nodes: _Optional[int] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("header", "dataset_path")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
+    header: PeerHeader
+    dataset_path: str
+    def __init__(self, header: _Optional[_Union[PeerHeader, _Mapping]] = ..., dataset_path: _Optional[str] = ...) -> None: ...
+
+class FieldSignature(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("shardable", "files", "fields")
+    SHARDABLE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    shardable: bool
+    files: _containers.RepeatedScalarFieldContainer[str]
+    fields: _containers.RepeatedCompositeFieldContainer[FieldSignature]
+    def __init__(self, shardable: _Optional[bool] = ..., files: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSignature, _Mapping]]] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("header", "dataset_path", "samples", "fields", "spatial", "block")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    header: PeerHeader
+    dataset_path: str
+    samples: _containers.RepeatedScalarFieldContainer[int]
+    fields: _containers.RepeatedScalarFieldContainer[str]
+    spatial: SpatialLayout
+    block: int
+    def __init__(self, header: _Optional[_Union[PeerHeader, _Mapping]] = ..., dataset_path: _Optional[str] = ..., samples: _Optional[_Iterable[int]] = ..., fields: _Optional[_Iterable[str]] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., block: _Optional[int] = ...) -> None: ...
+
+class FetchBlocksResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

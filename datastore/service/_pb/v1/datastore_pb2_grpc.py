@@ -405,3 +405,133 @@ class DataStore:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PeersStub:
+    """Between the services of one store that are not one MPI job (`datastore serve --peers`):
+    served on every service's TCP address, each call carrying the token as every TCP call does.
+    Node k of the store is the k-th address of --peers; each node owns the files of a sharded
+    dataset that were staged on its disk (`datastore stage --mode shard`).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Describe = channel.unary_unary(
+                '/datastore.v1.Peers/Describe',
+                request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeResponse.FromString,
+                _registered_method=True)
+        self.FetchBlocks = channel.unary_unary(
+                '/datastore.v1.Peers/FetchBlocks',
+                request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksResponse.FromString,
+                _registered_method=True)
+
+
+class PeersServicer:
+    """Between the services of one store that are not one MPI job (`datastore serve --peers`):
+    served on every service's TCP address, each call carrying the token as every TCP call does.
+    Node k of the store is the k-th address of --peers; each node owns the files of a sharded
+    dataset that were staged on its disk (`datastore stage --mode shard`).
+    """
+
+    def Describe(self, request, context):
+        """Which files of a dataset this node holds, so that every node knows who owns each sample.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchBlocks(self, request, context):
+        """One spatial block (with halo) of some fields of samples this node owns, packed
+        field-major: field after field, each (samples, *block shape), C order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeersServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeRequest.FromString,
+                    response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeResponse.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'datastore.v1.Peers', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('datastore.v1.Peers', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peers:
+    """Between the services of one store that are not one MPI job (`datastore serve --peers`):
+    served on every service's TCP address, each call carrying the token as every TCP call does.
+    Node k of the store is the k-th address of --peers; each node owns the files of a sharded
+    dataset that were staged on its disk (`datastore stage --mode shard`).
+    """
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/datastore.v1.Peers/Describe',
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeRequest.SerializeToString,
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/datastore.v1.Peers/FetchBlocks',
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksRequest.SerializeToString,
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

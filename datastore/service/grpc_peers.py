@@ -1,0 +1,293 @@
+"""Services forming one store without a shared MPI job: the peer link over gRPC.
+
+``datastore serve --tcp HOST:PORT --token-file F --peers A0,A1,... --node K`` on each node: the
+same ``--peers`` list (every service's TCP address, in node order) everywhere, and each
+service its own index ``K`` in it. A service asks its peers through the ``datastore.v1.Peers``
+service on their TCP addresses, with the store's shared token (and TLS when it is on), what
+:class:`~datastore.service.peers.MpiPeers` asks over MPI: which files of a sharded dataset they
+hold (``Describe``), and the blocks its local ranks need of the samples they own
+(``FetchBlocks``, streamed in chunks of at most :data:`CHUNK` bytes, so that a block of any
+size fits gRPC's message limits).
+
+The services are independent processes: one that stops does not stop the others. Every call
+waits for a peer that is not up yet (a store starting, or a peer restarting) up to
+``timeout_s``, then fails with ``UNAVAILABLE`` naming the node, and the asking service keeps
+serving; once the peer is back, the next call reaches it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service.auth import bearer
+from datastore.service.errors import ServiceError
+from datastore.service.peers import Listing
+
+__all__ = ["CHUNK", "GrpcPeers", "PeersServicer", "add_peers_to_server", "parse_peers"]
+
+SERVICE = "datastore.v1.Peers"
+CHUNK = 4 * 1024 * 1024
+_DATA = b"\x0a"  # field 1, length-delimited: the key of FetchBlocksResponse.data
+_OPTIONS = [("grpc.max_receive_message_length", 2 * CHUNK)]
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    """``"h0:p0,h1:p1,..."`` as addresses; a clear ``ValueError`` for a malformed one."""
+    peers = tuple(a.strip() for a in text.split(","))
+    for a in peers:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--peers wants HOST:PORT,HOST:PORT,..., got {a!r} in {text!r}")
+    if len(set(peers)) != len(peers):
+        raise ValueError(f"--peers names an address twice: {text!r}")
+    return peers
+
+
+# -- the chunks of a FetchBlocks reply, framed by hand: one copy on each side ----------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def frame_chunk(chunk: np.ndarray) -> bytes:
+    """A ``FetchBlocksResponse`` whose ``data`` is ``chunk``'s bytes."""
+    return b"".join((_DATA, _varint(chunk.nbytes), memoryview(chunk)))
+
+
+def chunk_view(raw: bytes) -> memoryview:
+    """The ``data`` of a serialized ``FetchBlocksResponse``, without copying it."""
+    if not raw:
+        return memoryview(b"")
+    if raw[:1] != _DATA:
+        raise ValueError("a FetchBlocks reply whose first field is not data")
+    n, shift, at = 0, 0, 1
+    while True:
+        if at >= len(raw) or shift > 63:
+            raise ValueError("a FetchBlocks reply with a truncated length")
+        byte = raw[at]
+        n |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if not byte & 0x80:
+            break
+    if at + n != len(raw):
+        raise ValueError(f"a FetchBlocks reply of {len(raw) - at} bytes says {n}")
+    return memoryview(raw)[at:]
+
+
+def _layout(spatial: dict[str, Any] | None) -> Any:
+    if not spatial:
+        return pb.SpatialLayout()
+    return pb.SpatialLayout(
+        parts=spatial["parts"],
+        halo=spatial.get("halo", ()),
+        boundary=spatial.get("boundary", ""),
+    )
+
+
+# -- asking ------------------------------------------------------------------------------------
+class GrpcPeers:
+    """Requests to the other services of a store named by their TCP addresses.
+
+    Args:
+        addresses: every service's ``HOST:PORT``, in node order, this one's included.
+        node: this service's index in ``addresses``.
+        token: the store's shared secret (every service's ``--token-file``).
+        tls_ca: PEM certificate(s) to check the peers' TLS against. Default: plaintext.
+        timeout_s: how long a call waits for a peer (its start included). Default: ``60``.
+    """
+
+    def __init__(
+        self,
+        addresses: tuple[str, ...],
+        node: int,
+        token: str,
+        tls_ca: Path | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if not 0 <= node < len(addresses):
+            raise ValueError(f"--node {node} is not an index of the {len(addresses)} --peers")
+        self.addresses, self.node, self.nodes = addresses, node, len(addresses)
+        self.timeout_s = timeout_s
+        self.bytes_received = 0
+        self._metadata = bearer(token)
+        self._credentials = None
+        if tls_ca is not None:
+            self._credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
+        self._lock = threading.Lock()
+        self._channels: dict[int, grpc.Channel] = {}
+
+    def _channel(self, dest: int) -> grpc.Channel:
+        with self._lock:
+            if dest not in self._channels:
+                target = self.addresses[dest]
+                if self._credentials is None:
+                    ch = grpc.insecure_channel(target, options=_OPTIONS)
+                else:
+                    ch = grpc.secure_channel(target, self._credentials, options=_OPTIONS)
+                self._channels[dest] = ch
+            return self._channels[dest]
+
+    def _header(self, dest: int) -> Any:
+        return pb.PeerHeader(from_node=self.node, to_node=dest, nodes=self.nodes)
+
+    def _failed(self, dest: int, what: str, exc: grpc.RpcError) -> ServiceError:
+        at = f"node {dest} ({self.addresses[dest]})"
+        code = exc.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return ServiceError(
+                "UNAVAILABLE", f"{at} did not answer {what} within {self.timeout_s:g} s"
+            )
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return ServiceError(
+                "FAILED_PRECONDITION",
+                f"{at} refused this node's token: every service of a store needs the same "
+                "--token-file",
+            )
+        return ServiceError(code.name, f"{at}: {exc.details()}")
+
+    def describe(self, dest: int, path: str) -> Listing:
+        """Node ``dest``'s listing of the dataset clients call ``path``."""
+        call = self._channel(dest).unary_unary(
+            f"/{SERVICE}/Describe",
+            request_serializer=pb.DescribeRequest.SerializeToString,
+            response_deserializer=pb.DescribeResponse.FromString,
+        )
+        request = pb.DescribeRequest(header=self._header(dest), dataset_path=path)
+        try:
+            r = call(request, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise self._failed(dest, "Describe", exc) from None
+        signature = {f.name: (f.dtype, tuple(f.shape)) for f in r.fields}
+        return r.shardable, list(r.files), signature
+
+    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
+        """Node ``dest``'s packed blocks of ``request["samples"]`` into ``out`` (uint8)."""
+        call = self._channel(dest).unary_stream(
+            f"/{SERVICE}/FetchBlocks",
+            request_serializer=pb.FetchBlocksRequest.SerializeToString,
+            response_deserializer=chunk_view,
+        )
+        message = pb.FetchBlocksRequest(
+            header=self._header(dest),
+            dataset_path=request["path"],
+            samples=request["samples"],
+            fields=request["fields"],
+            spatial=_layout(request["spatial"]),
+            block=request["block"],
+        )
+        at = 0
+        try:
+            for chunk in call(
+                message, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=True
+            ):
+                if at + len(chunk) > out.nbytes:
+                    raise ServiceError(
+                        "INTERNAL", f"node {dest} sent more than the {out.nbytes} bytes asked"
+                    )
+                out[at : at + len(chunk)] = np.frombuffer(chunk, np.uint8)
+                at += len(chunk)
+        except grpc.RpcError as exc:
+            raise self._failed(dest, "FetchBlocks", exc) from None
+        if at != out.nbytes:
+            raise ServiceError("INTERNAL", f"node {dest} sent {at} of {out.nbytes} bytes")
+        self.bytes_received += at
+
+    def close(self, *, stop_all: bool) -> None:
+        """Close the channels; the peers are independent services and keep running."""
+        del stop_all
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+# -- answering ---------------------------------------------------------------------------------
+class PeersServicer:
+    """``datastore.v1.Peers``: a peer's requests, answered by ``answer`` (the servicer's).
+
+    Args:
+        node, nodes: this service's index and the store's size.
+        answer: ``answer(request) -> reply`` as :class:`~datastore.service.peers.MpiPeers`
+            takes it (``{"kind": "describe" | "fetch", ...}``).
+        spatial_of: a ``SpatialLayout`` as the dict ``answer`` takes.
+    """
+
+    def __init__(
+        self,
+        node: int,
+        nodes: int,
+        answer: Callable[[dict], Any],
+        spatial_of: Callable[[Any], dict[str, Any] | None],
+    ) -> None:
+        self.node, self.nodes = node, nodes
+        self._answer, self._spatial_of = answer, spatial_of
+
+    def _check(self, header: Any, context: grpc.ServicerContext) -> None:
+        if (header.to_node, header.nodes) != (self.node, self.nodes):
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this service is node {self.node} of {self.nodes}, asked as node "
+                f"{header.to_node} of {header.nodes}: every service needs the same --peers "
+                "and its own --node",
+            )
+
+    def _call(self, request: dict, context: grpc.ServicerContext) -> Any:
+        try:
+            return self._answer(request)
+        except ServiceError as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except Exception as exc:  # a peer's bad request must not kill this service
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def Describe(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._check(request.header, context)
+        ok, files, signature = self._call(
+            {"kind": "describe", "path": request.dataset_path}, context
+        )
+        fields = [
+            pb.FieldSignature(name=n, dtype=dtype, shape=shape)
+            for n, (dtype, shape) in signature.items()
+        ]
+        return pb.DescribeResponse(shardable=ok, files=files, fields=fields)
+
+    def FetchBlocks(self, request: Any, context: grpc.ServicerContext) -> Iterator[np.ndarray]:
+        self._check(request.header, context)
+        asked = {
+            "kind": "fetch",
+            "path": request.dataset_path,
+            "samples": [int(i) for i in request.samples],
+            "fields": list(request.fields),
+            "spatial": self._spatial_of(request.spatial),
+            "block": request.block,
+        }
+        buf = np.ascontiguousarray(self._call(asked, context)).reshape(-1).view(np.uint8)
+        for at in range(0, buf.nbytes, CHUNK):
+            yield buf[at : at + CHUNK]
+
+
+def add_peers_to_server(servicer: PeersServicer, server: grpc.Server) -> None:
+    """Register ``datastore.v1.Peers``; ``FetchBlocks`` chunks are framed by hand."""
+    handlers = {
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            servicer.Describe,
+            request_deserializer=pb.DescribeRequest.FromString,
+            response_serializer=pb.DescribeResponse.SerializeToString,
+        ),
+        "FetchBlocks": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchBlocks,
+            request_deserializer=pb.FetchBlocksRequest.FromString,
+            response_serializer=frame_chunk,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -1,0 +1,241 @@
+"""Two services started as separate processes (no shared MPI job) peer over gRPC as one store.
+
+The dataset is staged with ``--mode shard`` into ``node{node}`` directories on this host; each
+service (``--peers A0,A1 --node K``) owns the files of its node and fetches the blocks its ranks
+need from the other one through ``datastore.v1.Peers`` on its TCP address, with the token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+from helpers import MPIEXEC
+
+from datastore.loader import DataStoreLoader
+from datastore.service.client import Client, RemoteLoader
+from datastore.service.errors import ServiceError
+from datastore.service.grpc_peers import GrpcPeers, chunk_view, frame_chunk
+from tests.test_service_stream import assert_same, batches
+
+_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
+TOKEN = "peer-secret"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Store:
+    """Two ``datastore serve --peers`` processes over one staged, sharded dataset."""
+
+    def __init__(self, tmp, env):
+        self.tmp, self.env = tmp, env
+        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+        self.sockets = [tmp / f"g{k}.sock" for k in range(2)]
+        self.procs: list[subprocess.Popen | None] = [None, None]
+        (tmp / "token").write_text(TOKEN)
+        (tmp / "token").chmod(0o600)
+
+    def start(self, node: int) -> None:
+        cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(self.sockets[node])]
+        cmd += ["--tcp", self.addresses[node], "--token-file", str(self.tmp / "token")]
+        cmd += ["--peers", ",".join(self.addresses), "--node", str(node), "--peer-timeout", "3"]
+        cmd += ["--state-file", str(self.tmp / f"state{node}.json")]
+        log = open(self.tmp / f"serve{node}.log", "a")  # noqa: SIM115 - the child owns it
+        self.procs[node] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + 60
+        while not self.sockets[node].exists():
+            assert self.procs[node].poll() is None, (self.tmp / f"serve{node}.log").read_text()
+            assert time.monotonic() < deadline, "the service did not start"
+            time.sleep(0.1)
+
+    def stop(self, node: int) -> int:
+        proc = self.procs[node]
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(30)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """``(source dir, dataset template, Store)``."""
+    tmp = tmp_path_factory.mktemp("peers")
+    src = tmp / "src"
+    src.mkdir()
+    for i in range(20):
+        vol = np.random.default_rng(i).standard_normal((2, 6, 4, 4)).astype(np.float32)
+        vol[0, 0, 0, 0] = i
+        np.save(src / f"s{i:03d}.npy", vol)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update(XDG_STATE_HOME=str(tmp / "state"), XDG_RUNTIME_DIR=str(tmp))
+    stage = [MPIEXEC, "-n", "2", sys.executable, "-m", "datastore", "stage", str(src)]
+    stage += ["--to", str(tmp / "node{node}"), "--mode", "shard", "--ranks-per-node", "1", "-q"]
+    assert subprocess.run(stage, timeout=120, env=env).returncode == 0
+    s = Store(tmp, env)
+    try:
+        s.start(0)
+        s.start(1)
+        yield src, str(tmp / "node{node}" / "src"), s
+    finally:
+        s.kill_all()
+
+
+def _job(src, template, store, spatial, epochs=2):
+    """Both ranks of a job, rank k on service k, against the embedded loader."""
+    for rank in range(2):
+        kw = {"rank": rank, "world": 2, "seed": 5, "spatial": spatial}
+        remote = RemoteLoader(template, batch_size=2, address=str(store.sockets[rank]), **kw)
+        local = DataStoreLoader(str(src), batch_size=2, exchange=False, **kw)
+        try:
+            for _ in range(epochs):
+                assert_same(batches(remote), batches(local))
+        finally:
+            remote.close()
+            local.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "spatial", [None, {"parts": (2, 1, 1), "halo": (1, 1, 1)}], ids=["whole", "blocks"]
+)
+def test_a_job_across_two_grpc_peers_gets_the_embedded_batches(store, spatial):
+    src, template, s = store
+    _job(src, template, s, spatial)
+    for node, sock in enumerate(s.sockets):
+        with Client(sock) as c:
+            st = c.status()
+        assert (st.node, st.nodes) == (node, 2)
+        assert st.bytes_exchanged > 0  # some of every batch lived on the other node
+        (ds,) = st.datasets
+        assert ds.num_samples == 20 and ds.local_samples == 10
+
+
+@pytest.mark.mpi
+def test_the_peer_api_answers_only_the_store_and_what_a_node_owns(store):
+    _, template, s = store
+    held = sorted(os.listdir(s.tmp / "node1" / "src"))
+    as_node0 = GrpcPeers(tuple(s.addresses), 0, TOKEN, timeout_s=5)
+    try:
+        shardable, files, signature = as_node0.describe(1, template)
+        assert shardable and files == held
+        assert signature == {"data": ("float32", (2, 6, 4, 4))}
+        # node 1 refuses to send what it does not own
+        sample = next(i for i in range(20) if f"s{i:03d}.npy" not in held)
+        request = {"path": template, "samples": [sample], "fields": ["data"]}
+        request.update(spatial=None, block=0)
+        with pytest.raises(ServiceError) as e:
+            as_node0.fetch(1, request, np.empty(2 * 6 * 4 * 4 * 4, np.uint8))
+        assert e.value.code == "FAILED_PRECONDITION" and "not on node 1" in str(e.value)
+        with pytest.raises(ServiceError) as e:
+            as_node0.describe(1, str(s.tmp / "nowhere"))
+        assert e.value.code == "NOT_FOUND"
+    finally:
+        as_node0.close(stop_all=False)
+    # a service that thinks it is node 1 of a store of 3 is told the store is misconfigured
+    as_node1 = GrpcPeers((*s.addresses, "127.0.0.1:9"), 2, TOKEN, timeout_s=5)
+    try:
+        with pytest.raises(ServiceError) as e:
+            as_node1.describe(0, template)
+        assert e.value.code == "FAILED_PRECONDITION" and "node 0 of 2" in str(e.value)
+    finally:
+        as_node1.close(stop_all=False)
+    stranger = GrpcPeers(tuple(s.addresses), 0, "not-the-token", timeout_s=5)
+    try:
+        with pytest.raises(ServiceError) as e:
+            stranger.describe(1, template)
+        assert e.value.code == "FAILED_PRECONDITION" and "--token-file" in str(e.value)
+    finally:
+        stranger.close(stop_all=False)
+
+
+@pytest.mark.mpi
+def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(store):
+    src, template, s = store
+    assert s.stop(1) == 0  # SIGTERM: it drains and exits; node 0 keeps serving
+    assert not s.sockets[1].exists()
+    kw = {"rank": 0, "world": 1, "seed": 9, "spatial": None}
+    remote = RemoteLoader(template, batch_size=4, address=str(s.sockets[0]), **kw)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            batches(remote)
+    finally:
+        remote.close()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "node 1 (127.0.0.1:" in e.value.details() and "within 3 s" in e.value.details()
+    assert time.monotonic() - t0 < 20
+    with Client(s.sockets[0]) as c:
+        assert c.status().nodes == 2  # still serving
+    s.start(1)  # restarted: reloads its shard from the state file, and is reached again
+    _job(src, template, s, None, epochs=1)
+
+
+def test_chunk_framing_round_trips_and_rejects_garbage():
+    data = np.arange(300, dtype=np.uint8)
+    raw = frame_chunk(data)
+    assert bytes(chunk_view(raw)) == data.tobytes()
+    from datastore.service._pb.v1 import datastore_pb2 as pb
+
+    assert pb.FetchBlocksResponse.FromString(raw).data == data.tobytes()
+    assert bytes(chunk_view(pb.FetchBlocksResponse(data=b"xyz").SerializeToString())) == b"xyz"
+    for bad in (b"\x12\x01x", raw[:-1], b"\x0a\xff"):
+        with pytest.raises(ValueError):
+            chunk_view(bad)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--peers", "127.0.0.1:7001,127.0.0.1:7002", "--node", "0"], "--peers needs --tcp"),
+        (["--tcp", "127.0.0.1:0", "--peers", "127.0.0.1:7001,127.0.0.1:7002"], "and --node"),
+        (["--tcp", "127.0.0.1:0", "--peers", "a:1,b:2", "--node", "2"], "--node 2 is not"),
+        (["--tcp", "127.0.0.1:0", "--peers", "a:1,b", "--node", "0"], "got 'b'"),
+        (["--tcp", "127.0.0.1:0", "--peers", "a:1,a:1", "--node", "0"], "twice"),
+        (["--node", "0"], "--node goes with --peers"),
+    ],
+    ids=["no-tcp", "no-node", "node-out-of-range", "bad-address", "repeated", "node-alone"],
+)
+def test_bad_peer_options_exit_2_naming_the_option(tmp_path, args, says):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(tmp_path / "s.sock")]
+    if "--tcp" in args:
+        cmd += ["--token-file", str(token)]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    r = subprocess.run(cmd + args, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.mpi
+def test_peers_under_mpiexec_is_refused(tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "datastore", "serve"]
+    cmd += ["--socket", str(tmp_path / "s{rank}.sock"), "--tcp", "127.0.0.1:0"]
+    cmd += ["--token-file", str(token), "--peers", "a:1,b:2", "--node", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "under mpiexec the services of a store peer over MPI" in r.stderr
+    assert not list(tmp_path.glob("*.sock"))
