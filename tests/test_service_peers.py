@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -166,9 +167,18 @@ def test_the_peer_api_answers_only_the_store_and_what_a_node_owns(store):
         stranger.close(stop_all=False)
 
 
+def _load(client, template, errors):
+    try:
+        client.load(template)
+    except grpc.RpcError as exc:
+        errors.append(exc)
+
+
 @pytest.mark.mpi
 def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(store):
     src, template, s = store
+    with Client(s.sockets[0], timeout_s=20) as c:
+        c.load(template, wait=True)  # resident on node 0, who owns what known
     assert s.stop(1) == 0  # SIGTERM: it drains and exits; node 0 keeps serving
     assert not s.sockets[1].exists()
     kw = {"rank": 0, "world": 1, "seed": 9, "spatial": None}
@@ -182,8 +192,19 @@ def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(st
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "node 1 (127.0.0.1:" in e.value.details() and "within 3 s" in e.value.details()
     assert time.monotonic() - t0 < 20
-    with Client(s.sockets[0]) as c:
+    with Client(s.sockets[0], timeout_s=20) as c:
         assert c.status().nodes == 2  # still serving
+        assert c.unload(template).bytes_freed > 0
+        errors: list[grpc.RpcError] = []
+        waiting = threading.Thread(target=_load, args=(c, template, errors))
+        waiting.start()
+        time.sleep(0.5)  # the load now waits for node 1 to describe its shard...
+        t0 = time.monotonic()
+        assert not c.status().datasets  # ...and never holds up the others' calls
+        assert time.monotonic() - t0 < 1.0
+        waiting.join(20)
+    (e,) = errors
+    assert e.code() == grpc.StatusCode.UNAVAILABLE and "node 1 (127.0.0.1:" in e.details()
     s.start(1)  # restarted: reloads its shard from the state file, and is reached again
     _job(src, template, s, None, epochs=1)
 

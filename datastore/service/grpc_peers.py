@@ -35,7 +35,13 @@ __all__ = ["CHUNK", "GrpcPeers", "PeersServicer", "add_peers_to_server", "parse_
 SERVICE = "datastore.v1.Peers"
 CHUNK = 4 * 1024 * 1024
 _DATA = b"\x0a"  # field 1, length-delimited: the key of FetchBlocksResponse.data
-_OPTIONS = [("grpc.max_receive_message_length", 2 * CHUNK)]
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 2 * CHUNK),
+    # a restarted peer is retried within a second, not after gRPC's backoff of up to 2 min
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def parse_peers(text: str) -> tuple[str, ...]:

@@ -220,13 +220,19 @@ class Residency:
     def acquire(self, path: str, template: str = "") -> Resident:
         """The resident copy of the dataset at real path ``path`` (``template``: as clients
         name it), loaded if need be; counted as used by one more session until :meth:`release`."""
-        with self._lock:
-            r = self._by_path.get(path)
-            if r is None:
-                r = self._load_locked(path, template or path)
-            r.sessions += 1
-            r.last_used = time.time()
-            return r
+        template = template or path
+        asked, sharded = False, None
+        while True:
+            with self._lock:
+                r = self._by_path.get(path)  # (or loaded by another call while we asked)
+                if r is not None or asked:
+                    if r is None:
+                        r = self._load_locked(path, template, sharded)
+                    r.sessions += 1
+                    r.last_used = time.time()
+                    return r
+            # asking the peers who holds what may wait for one: never with the lock held
+            sharded, asked = self._shards(path, template), True
 
     def release(self, r: Resident) -> None:
         with self._lock:
@@ -312,8 +318,9 @@ class Residency:
         names = sorted(set().union(*holders))
         return LocalView(_reader(path), names, mine[1]), owners_by_holders(names, holders)
 
-    def _load_locked(self, path: str, template: str) -> Resident:
-        sharded = self._shards(path, template)
+    def _load_locked(
+        self, path: str, template: str, sharded: tuple[Any, np.ndarray] | None
+    ) -> Resident:
         reader, owner = sharded if sharded is not None else (_reader(path), None)
         keys = np.arange(len(reader)) if owner is None else np.flatnonzero(owner == self.node)
         need = len(keys) * sum(fi.nbytes for fi in reader.fields.values())

@@ -201,9 +201,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         if kind == "shutdown":
             self._stop.request(f"node {request['node']} stopped")
             return None
-        path = resolve_dataset(
-            node_path(request["path"], self.residency.node), self._config.allowed_roots
-        )
+        path = self._resolve(request["path"])
         if kind == "describe":
             return listing(path)
         if kind == "fetch":
@@ -212,6 +210,10 @@ class Servicer(pb_grpc.DataStoreServicer):
                 request["samples"], request["fields"], request["spatial"], request["block"]
             )
         raise ServiceError("INVALID_ARGUMENT", f"unknown peer request {kind!r}")
+
+    def _resolve(self, path: str) -> str:
+        """The real path of the dataset a client or peer named (``{node}``: this node)."""
+        return resolve_dataset(node_path(path, self.residency.node), self._config.allowed_roots)
 
     def _refuse(self, context: grpc.ServicerContext, call: str, exc: ServiceError) -> None:
         self._log.warning("refused", call=call, code=exc.code, msg=str(exc))
@@ -287,8 +289,7 @@ class Servicer(pb_grpc.DataStoreServicer):
 
     def LoadDataset(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            path = resolve_dataset(request.dataset_path, self._config.allowed_roots)
-            r = self.residency.load(path)
+            r = self.residency.load(self._resolve(request.dataset_path), request.dataset_path)
         except ServiceError as exc:
             self._refuse(context, "LoadDataset", exc)
         if request.wait:
@@ -299,8 +300,7 @@ class Servicer(pb_grpc.DataStoreServicer):
 
     def UnloadDataset(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            path = resolve_dataset(request.dataset_path, self._config.allowed_roots)
-            freed = self.residency.unload(path)
+            freed = self.residency.unload(self._resolve(request.dataset_path))
         except ServiceError as exc:
             self._refuse(context, "UnloadDataset", exc)
         return pb.UnloadDatasetResponse(bytes_freed=freed)
@@ -381,6 +381,12 @@ class Servicer(pb_grpc.DataStoreServicer):
             self.link.close(stop_all=bool(self._stop.why) and not by_peer)
         self.sessions.close_all()
         self.residency.close()
+
+
+def _restore(servicer: Servicer, log: JsonLog) -> None:
+    reloading = servicer.residency.restore()
+    if reloading:
+        log.info("reloading", datasets=reloading)
 
 
 def _dataset_status(r: Resident) -> Any:
@@ -657,9 +663,10 @@ def _run(
                 return EXIT_FAILED
             host = config.metrics.rsplit(":", 1)[0] or "127.0.0.1"
             listen.append(f"http://{host}:{port}/metrics")
-        reloading = servicer.residency.restore()
-        if reloading:
-            log.info("reloading", datasets=reloading)
+        if isinstance(servicer.link, GrpcPeers):  # a peer may be down: never hold up the start
+            threading.Thread(target=_restore, args=(servicer, log), daemon=True).start()
+        else:
+            _restore(servicer, log)
         for address in listen:
             print(f"datastore serve: listening on {address}", file=out, flush=True)
         while not stop.event.wait(0.5):
