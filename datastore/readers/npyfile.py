@@ -17,6 +17,7 @@ import functools
 import io
 import os
 import struct
+import threading
 import zipfile
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -158,15 +159,22 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+# numpy parses a header with ast.literal_eval, which CPython 3.11 (before 3.11.8) may fail
+# with "SystemError: AST constructor recursion depth mismatch" when threads parse at once
+# (python/cpython#106905); we read headers from many threads, so one parse at a time.
+_HEADER_PARSE = threading.Lock()
+
+
 def _header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
     """The ``.npy`` header at ``f``'s position; ``f`` is left at the start of the data."""
     version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-    elif version == (2, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    else:
+    if version not in ((1, 0), (2, 0)):
         raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
+    with _HEADER_PARSE:
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
     if dtype.hasobject:
         raise ValueError("the array holds Python objects (pickled), which are not read")
     return tuple(shape), bool(fortran), dtype
