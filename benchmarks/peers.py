@@ -1,0 +1,629 @@
+"""Benchmark the multi-node store's exchange: services peering over MPI vs over gRPC vs one node.
+
+What is measured
+----------------
+A directory of ``--samples`` N (default 64) ``.npy`` files, each float32 (4, S, S, S), S =
+``--side`` (default 64: 4 MiB a sample), is written under ``--dir`` (default
+``./bench-data/peers``) and staged sharded over two "nodes" on this host with the real
+``mpiexec -n 2 datastore stage SRC --to DIR/node{node} --mode shard --ranks-per-node 1``: node k
+holds about half of the files under ``DIR/node{k}/src``. Three kinds of store, one after the
+other, each in fresh ``XDG_RUNTIME_DIR``/``XDG_STATE_HOME`` directories:
+
+- **mpi**: ``mpiexec -n 2 python -m mpi4py -m datastore serve --socket TMP/s{rank}.sock``; the
+  two services peer over MPI (:class:`datastore.service.peers.MpiPeers`).
+- **grpc**: two plain ``datastore serve --socket TMP/g{k}.sock --tcp 127.0.0.1:P_k --token-file
+  F --peers P_0,P_1 --node k`` processes; they peer over gRPC on TCP
+  (:class:`datastore.service.grpc_peers.GrpcPeers`).
+- **local**: one ``datastore serve --socket TMP/l.sock`` over the unsharded source directory:
+  every sample is local, no exchange (the ceiling of the two above).
+
+On each store one job of 2 ranks runs per layout (``--layouts``): ``whole`` samples, and
+``blocks`` (``spatial={"parts": (2, 1, 1), "halo": (1, 1, 1)}``: both ranks get the same
+samples, each one half-block with its halo). Rank k is a separate client process streaming
+from service k (for ``local``, both from the one service): ``RemoteLoader(DIR/node{node}/src,
+global_batch_size=2B, rank=k, world=2, seed=0, spatial=..., address=SOCK, transport="shm")``,
+B = ``--batch`` (default 4). Each client runs one untimed warm-up epoch (which makes the
+dataset resident; the benchmark then waits until no service is still loading), then both
+start together and run ``--epochs`` E (default 10) epochs, touching one element of each batch.
+
+Reported per kind and layout: batches/s (both ranks) and delivered GB/s (aggregate bytes of
+``data`` to both ranks / (last rank's end - first rank's start)); bytes exchanged (the growth of
+``Status().bytes_exchanged`` summed over the services during the timed epochs) and exchange
+GB/s = those bytes / the same time; the services' CPU seconds (``/proc/PID/stat`` of
+``Status().pid``) and their sessions' ``stall_s`` (time streams waited for a batch to be
+prepared) over the timed epochs. Ratios: grpc/mpi, mpi/local and grpc/local of batches/s, and
+grpc/mpi of exchange GB/s. Repetitions (``--reps``, default 3) alternate the order of the
+kinds; medians. Also measured once the jobs are done: the services' CPU use while idle (1 s,
+dataset resident, no client), as a fraction of one core.
+
+Every service is shut down at the end; the run checks that no socket and no shared-memory
+segment of its services is left (``/dev/shm/datastore.<uid>.<pid>.*``) and says so.
+
+Usage::
+
+    python benchmarks/peers.py                   # full run (about 2 min on 2 cores)
+    python benchmarks/peers.py --quick           # smoke run: N=16, S=32, B=2, 1 rep
+    python benchmarks/peers.py --kinds mpi,grpc --layouts whole --out /tmp/peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from common import machine_info, venv_tool
+from loader import median
+
+MIB = 1 << 20
+KINDS = ("mpi", "grpc", "local")
+LAYOUTS = {"whole": None, "blocks": {"parts": (2, 1, 1), "halo": (1, 1, 1)}}
+LAYOUT_VERSION = 1
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+TAG = "@@ "  # a child's protocol lines on stdout start with this
+TOKEN = "peers-benchmark"
+LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
+
+__all__ = ["main"]
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default="./bench-data/peers", help="where the dataset is written")
+    p.add_argument("--samples", type=int, default=None, help="samples N (default 64; 16 quick)")
+    p.add_argument("--side", type=int, default=None, help="a sample is (4,S,S,S) (default 64)")
+    p.add_argument("--batch", type=int, default=None, help="batch per rank B (default 4; 2 quick)")
+    p.add_argument("--epochs", type=int, default=None, help="timed epochs (default 10; 5 quick)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 quick)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="stores, comma separated")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="whole,blocks")
+    p.add_argument("--quick", action="store_true", help="smoke run: N=16, S=32, B=2, 1 rep")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.client:
+        return args
+    for name, full, small in (("samples", 64, 16), ("side", 64, 32), ("batch", 4, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.quick else full)
+    for name, full, small in (("epochs", 10, 5), ("reps", 3, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.quick else full)
+    args.kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    args.layouts = [k for k in LAYOUTS if k in args.layouts.split(",")]
+    if not args.kinds or not args.layouts:
+        p.error(f"--kinds: pick from {','.join(KINDS)}; --layouts: from {','.join(LAYOUTS)}")
+    if args.samples < 4 * args.batch or min(args.reps, args.epochs, args.batch) < 1:
+        p.error("need --samples >= 4 x --batch (two steps an epoch), --reps, --epochs >= 1")
+    if args.side < 4:
+        p.error("--side must be >= 4")
+    return args
+
+
+# ----------------------------------------------------------------------------- the dataset
+
+
+def clean_env(tmp: str) -> dict[str, str]:
+    """This process's environment without launcher variables, with private XDG directories."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    runtime = os.path.join(tmp, "runtime")
+    os.makedirs(runtime, mode=0o700, exist_ok=True)
+    env.update(XDG_RUNTIME_DIR=runtime, XDG_STATE_HOME=os.path.join(tmp, "state"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def ensure_data(work: str, n: int, side: int) -> str:
+    """Write ``src/s0000.npy...`` (float32 (4, side, side, side) each) unless they are there."""
+    src = os.path.join(work, "src")
+    stamp = os.path.join(work, "data.json")
+    want = {"samples": n, "side": side, "layout": LAYOUT_VERSION}
+    with contextlib.suppress(OSError, ValueError), open(stamp) as f:
+        if json.load(f) == want and len(os.listdir(src)) == n:
+            return src
+    print(f"generating {n} samples x {16 * side**3 / MIB:.1f} MiB under {src} ...", flush=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(stamp)
+    shutil.rmtree(src, ignore_errors=True)
+    os.makedirs(src)
+    rng = np.random.default_rng(0)
+    buf = np.empty((4, side, side, side), np.float32)
+    for i in range(n):
+        rng.random(buf.shape, dtype=np.float32, out=buf)
+        np.save(os.path.join(src, f"s{i:04d}.npy"), buf)
+    with open(stamp, "w") as f:
+        json.dump(want, f)
+    return src
+
+
+def stage_shards(work: str, src: str) -> tuple[str, float, list[int]]:
+    """Stage ``src`` sharded to ``work/node{node}`` with the real CLI under ``mpiexec -n 2``:
+    the dataset template, the seconds it took and how many files each node holds."""
+    for k in range(2):
+        shutil.rmtree(os.path.join(work, f"node{k}"), ignore_errors=True)
+    tmp = tempfile.mkdtemp(prefix="datastore-peers-stage-")
+    try:
+        cmd = [venv_tool("mpiexec"), "-n", "2", sys.executable, "-m", "datastore", "stage", src]
+        cmd += ["--to", os.path.join(work, "node{node}"), "--mode", "shard"]
+        cmd += ["--ranks-per-node", "1", "-q"]
+        t0 = time.monotonic()
+        r = subprocess.run(cmd, env=clean_env(tmp), capture_output=True, text=True, timeout=300)
+        seconds = time.monotonic() - t0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if r.returncode != 0:
+        sys.exit(f"datastore stage failed ({r.returncode}):\n{r.stdout}{r.stderr}")
+    shares = [set(os.listdir(os.path.join(work, f"node{k}", "src"))) for k in range(2)]
+    if shares[0] & shares[1] or shares[0] | shares[1] != set(os.listdir(src)):
+        sys.exit("the staged shards do not split the dataset")
+    return os.path.join(work, "node{node}", "src"), seconds, [len(s) for s in shares]
+
+
+# ----------------------------------------------------------------------------- the stores
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Store:
+    """The services of one kind of store, started as subprocesses in a fresh directory.
+
+    Attributes:
+        sockets: the Unix socket rank k streams from, for k = 0, 1.
+        path: the dataset path clients name.
+    """
+
+    def __init__(self, kind: str, template: str, src: str) -> None:
+        from datastore.service.client import Client
+
+        self.kind = kind
+        self.tmp = tempfile.mkdtemp(prefix=f"datastore-peers-{kind}-")
+        self.env = clean_env(self.tmp)
+        self.procs: list[subprocess.Popen] = []
+        serve = [sys.executable, "-m", "datastore", "serve"]
+        if kind == "mpi":
+            self.path = template
+            mpi = [venv_tool("mpiexec"), "-n", "2", sys.executable, "-m", "mpi4py", *serve[1:]]
+            self._start([*mpi, "--socket", f"{self.tmp}/s{{rank}}.sock"])
+            self.sockets = [f"{self.tmp}/s0.sock", f"{self.tmp}/s1.sock"]
+        elif kind == "grpc":
+            self.path = template
+            token = os.path.join(self.tmp, "token")
+            with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(TOKEN)
+            peers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+            self.sockets = [f"{self.tmp}/g{k}.sock" for k in range(2)]
+            for k in range(2):
+                cmd = [*serve, "--socket", self.sockets[k], "--tcp", peers[k]]
+                cmd += ["--token-file", token, "--peers", ",".join(peers), "--node", str(k)]
+                self._start(cmd)
+        else:
+            self.path = src
+            self._start([*serve, "--socket", f"{self.tmp}/l.sock"])
+            self.sockets = [f"{self.tmp}/l.sock"] * 2
+        self.services = sorted(set(self.sockets))
+        deadline = time.monotonic() + 90
+        while not all(os.path.exists(s) for s in self.services):
+            if any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
+                self.stop()
+                sys.exit(f"{kind}: the services did not start:\n{self.log()}")
+            time.sleep(0.1)
+        self.clients = [Client(s, timeout_s=30) for s in self.services]
+        self.pids = [c.status().pid for c in self.clients]
+
+    def _start(self, cmd: list[str]) -> None:
+        log = open(os.path.join(self.tmp, f"serve{len(self.procs)}.log"), "wb")  # noqa: SIM115
+        self.procs.append(
+            subprocess.Popen(cmd, env=self.env, stdout=log, stderr=log, start_new_session=True)
+        )
+        log.close()  # the child holds it
+
+    def log(self) -> str:
+        out = []
+        for i in range(len(self.procs)):
+            with open(os.path.join(self.tmp, f"serve{i}.log"), errors="replace") as f:
+                out.append(f.read()[-3000:])
+        return "\n".join(out)
+
+    def statuses(self) -> list[Any]:
+        return [c.status() for c in self.clients]
+
+    def wait_resident(self, timeout: float = 300.0) -> None:
+        """Until no service is still reading its share of a dataset."""
+        deadline = time.monotonic() + timeout
+        while any(d.loading for s in self.statuses() for d in s.datasets):
+            if time.monotonic() > deadline:
+                sys.exit(f"{self.kind}: the dataset was not resident after {timeout} s")
+            time.sleep(0.05)
+
+    def cpu(self) -> float:
+        """User + system CPU seconds of the services so far."""
+        return sum(cpu_seconds(p) for p in self.pids)
+
+    def stop(self) -> list[str]:
+        """Shut every service down (killing what does not stop); what they left behind."""
+        for c in getattr(self, "clients", []):
+            with contextlib.suppress(Exception):
+                c.shutdown(reason="benchmark")
+            c.close()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)  # the group we started it in
+                p.wait()
+        left = [s for s in getattr(self, "sockets", []) if os.path.exists(s)]
+        shm = "/dev/shm"
+        if os.path.isdir(shm):
+            mine = {f"datastore.{os.getuid()}.{pid}." for pid in getattr(self, "pids", [])}
+            left += [f"{shm}/{n}" for n in os.listdir(shm) if any(n.startswith(m) for m in mine)]
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return sorted(set(left))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ----------------------------------------------------------------------------- client processes
+
+
+def client(spec: str) -> int:
+    """One rank, for each layout in turn: ``ready`` after a warm-up epoch, then on ``go`` its
+    timed epochs as one JSON line; its session stays open until ``next``."""
+    import torch  # noqa: F401 (imports happen before any clock starts)
+
+    from datastore.service.client import RemoteLoader
+
+    c = json.loads(spec)
+    for layout in c["layouts"]:
+        loader = RemoteLoader(
+            c["path"],
+            global_batch_size=c["global_batch"],
+            address=c["socket"],
+            rank=c["rank"],
+            world=2,
+            seed=0,
+            spatial=LAYOUTS[layout],
+            transport="shm",
+        )
+
+        def epoch(loader: Any = loader) -> tuple[int, int]:
+            nb = nbytes = 0
+            for batch in loader:
+                x = batch["data"]
+                float(x.reshape(-1)[0])  # the batch is really there
+                nb, nbytes = nb + 1, nbytes + x.nbytes
+            return nb, nbytes
+
+        epoch()  # warm-up: makes the dataset resident on every node
+        say("ready")
+        sys.stdin.readline()
+        batches = nbytes = 0
+        cpu, t0 = time.process_time(), time.monotonic()
+        for _ in range(c["epochs"]):
+            nb, n = epoch()
+            batches, nbytes = batches + nb, nbytes + n
+        t1, cpu = time.monotonic(), time.process_time() - cpu
+        say(json.dumps({"t0": t0, "t1": t1, "batches": batches, "bytes": nbytes, "cpu": cpu}))
+        sys.stdin.readline()  # the session stays open until the benchmark has read the Status
+        loader.close()
+    return 0
+
+
+def say(line: str) -> None:
+    print(TAG + line, flush=True)
+
+
+def read_tagged(proc: subprocess.Popen) -> str:
+    """The next protocol line of a child (other output passes through)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(TAG):
+            return line[len(TAG) :].rstrip("\n")
+        sys.stdout.write(line)
+    raise SystemExit(f"a benchmark client (pid {proc.pid}) exited with {proc.wait()}")
+
+
+def spawn(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen:
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, HERE]))}
+    return subprocess.Popen(
+        [sys.executable, __file__, "--client", json.dumps(spec)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def tell(procs: list[subprocess.Popen], word: str) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(word + "\n")
+        p.stdin.flush()
+
+
+# ----------------------------------------------------------------------------- one job
+
+
+@dataclass
+class Job:
+    """One (kind, layout) case over the reps, one entry per rep."""
+
+    kind: str
+    layout: str
+    seconds: list[float] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)
+    delivered: list[int] = field(default_factory=list)  # bytes of ``data``, both ranks
+    exchanged: list[int] = field(default_factory=list)  # bytes, summed over the services
+    server_cpu: list[float] = field(default_factory=list)
+    client_cpu: list[float] = field(default_factory=list)
+    stall: list[float] = field(default_factory=list)  # sessions' stall_s, summed
+
+    def rate(self, values: list[int] | list[float]) -> float:
+        return median([v / s for v, s in zip(values, self.seconds, strict=True)])
+
+    @property
+    def batches_s(self) -> float:
+        return self.rate(self.batches)
+
+    @property
+    def gb_s(self) -> float:
+        return self.rate(self.delivered) / 1e9
+
+    @property
+    def exchange_gb_s(self) -> float:
+        return self.rate(self.exchanged) / 1e9
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "layout": self.layout,
+            "batches_per_s": self.batches_s,
+            "delivered_gb_per_s": self.gb_s,
+            "exchanged_bytes": median(self.exchanged),
+            "exchange_gb_per_s": self.exchange_gb_s,
+            "server_cpu_s": median(self.server_cpu),
+            "client_cpu_s": median(self.client_cpu),
+            "stall_s": median(self.stall),
+            "reps": {
+                "seconds": self.seconds,
+                "batches": self.batches,
+                "delivered_bytes": self.delivered,
+                "exchanged_bytes": self.exchanged,
+            },
+        }
+
+
+def stall(statuses: list[Any]) -> float:
+    return sum(s.stall_s for st in statuses for s in st.sessions)
+
+
+def run_jobs(store: Store, args: argparse.Namespace, jobs: dict[tuple[str, str], Job]) -> None:
+    """One job of two client processes (rank k on ``store.sockets[k]``) per layout on
+    ``store``: a warm-up epoch each, then the timed epochs, into ``jobs``."""
+    procs = []
+    try:
+        for rank in range(2):
+            spec = {
+                "path": store.path,
+                "socket": store.sockets[rank],
+                "rank": rank,
+                "global_batch": 2 * args.batch,
+                "layouts": args.layouts,
+                "epochs": args.epochs,
+            }
+            procs.append(spawn(spec, store.env))
+        for layout in args.layouts:
+            for p in procs:
+                if read_tagged(p) != "ready":
+                    raise SystemExit(f"{store.kind}: a client did not get ready")
+            store.wait_resident()
+            before, cpu0 = store.statuses(), store.cpu()
+            tell(procs, "go")
+            res = [json.loads(read_tagged(p)) for p in procs]
+            cpu1, after = store.cpu(), store.statuses()
+            tell(procs, "next")
+            record(jobs[store.kind, layout], args, res, before, after, cpu1 - cpu0)
+        for p in procs:
+            if p.wait(60) != 0:
+                raise SystemExit(f"{store.kind}: a client exited with {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def record(
+    job: Job,
+    args: argparse.Namespace,
+    res: list[dict[str, Any]],
+    before: list[Any],
+    after: list[Any],
+    server_cpu: float,
+) -> None:
+    """One rep of ``job`` from its ranks' results and the services' Status around them."""
+    want = args.epochs * (args.samples // (2 * args.batch))
+    if any(r["batches"] != want for r in res):
+        raise SystemExit(f"{job.kind}/{job.layout}: batches {[r['batches'] for r in res]}")
+    job.seconds.append(max(r["t1"] for r in res) - min(r["t0"] for r in res))
+    job.batches.append(sum(r["batches"] for r in res))
+    job.delivered.append(sum(r["bytes"] for r in res))
+    job.exchanged.append(
+        sum(a.bytes_exchanged - b.bytes_exchanged for a, b in zip(after, before, strict=True))
+    )
+    job.server_cpu.append(server_cpu)
+    job.client_cpu.append(sum(r["cpu"] for r in res))
+    job.stall.append(stall(after) - stall(before))
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def ratios(jobs: dict[tuple[str, str], Job], layouts: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for layout in layouts:
+        for a, b in (("grpc", "mpi"), ("mpi", "local"), ("grpc", "local")):
+            if (a, layout) in jobs and (b, layout) in jobs:
+                ja, jb = jobs[a, layout], jobs[b, layout]
+                r = {"layout": layout, "case": f"{a}/{b}", "batches": ja.batches_s / jb.batches_s}
+                if b != "local":
+                    r["exchange"] = ja.exchange_gb_s / jb.exchange_gb_s
+                out.append(r)
+    return out
+
+
+def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: list[str]) -> str:
+    rows = [
+        "| store | layout | batches/s | delivered GB/s | exchanged MiB | exchange GB/s "
+        "| server CPU s | client CPU s | stall s | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for layout in args.layouts:
+        for kind in args.kinds:
+            j = jobs[kind, layout]
+            rows.append(
+                f"| {kind} | {layout} | {j.batches_s:.1f} | {j.gb_s:.2f} "
+                f"| {median(j.exchanged) / MIB:.0f} | {j.exchange_gb_s:.2f} "
+                f"| {median(j.server_cpu):.2f} | {median(j.client_cpu):.2f} "
+                f"| {median(j.stall):.2f} | {median(j.seconds):.2f} |"
+            )
+    ratio_rows = ["| layout | ratio | batches/s | exchange GB/s |", "|---|---|---:|---:|"]
+    for r in ratios(jobs, args.layouts):
+        ex = f"{r['exchange']:.2f}x" if "exchange" in r else ""
+        ratio_rows.append(f"| {r['layout']} | {r['case']} | {r['batches']:.2f}x | {ex} |")
+    mb = 16 * args.side**3 / MIB
+    return "\n".join(
+        [
+            *rows,
+            "",
+            *ratio_rows,
+            "",
+            "batches/s and delivered GB/s: both ranks together over the timed epochs (last "
+            "end - first start); exchanged: growth of Status().bytes_exchanged summed over the "
+            "services; exchange GB/s = exchanged / the same time; server CPU s: the services' "
+            "user + system CPU over the timed epochs; stall s: the sessions' stall_s (streams "
+            "waiting for a batch to be prepared), summed. Medians over the reps.",
+            f"- data: {args.samples} .npy samples x {mb:.1f} MiB (float32 (4, {args.side}, "
+            f"{args.side}, {args.side})); global batch {2 * args.batch} "
+            f"({2 * args.batch * mb:.0f} MiB); 2 ranks; epochs {args.epochs} timed after 1 "
+            f"warm-up; reps {args.reps}",
+            *notes,
+            "- machine: " + machine_info(),
+        ]
+    )
+
+
+def run_store(
+    kind: str,
+    template: str,
+    src: str,
+    args: argparse.Namespace,
+    rep: int,
+    jobs: dict[tuple[str, str], Job],
+) -> tuple[float, list[str]]:
+    """Start one store, run its jobs, measure it idle, stop it: (idle CPU in cores, debris)."""
+    t0 = time.monotonic()
+    store = Store(kind, template, src)
+    started = time.monotonic() - t0
+    try:
+        run_jobs(store, args, jobs)
+        for layout in args.layouts:
+            job = jobs[kind, layout]
+            wall = job.seconds[-1]
+            print(
+                f"rep {rep + 1}: {kind:5s} {layout:6s}: {job.batches[-1] / wall:6.1f} batches/s, "
+                f"{job.delivered[-1] / wall / 1e9:5.2f} GB/s, exchanged "
+                f"{job.exchanged[-1] / MIB:5.0f} MiB ({job.exchanged[-1] / wall / 1e9:.2f} "
+                f"GB/s), stall {job.stall[-1]:.2f} s (store up in {started:.1f} s)",
+                flush=True,
+            )
+        cpu0, t_idle = store.cpu(), time.monotonic()
+        time.sleep(1.0)
+        idle = (store.cpu() - cpu0) / (time.monotonic() - t_idle)
+    finally:
+        debris = store.stop()
+    return idle, debris
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.client:
+        return client(args.client)
+    t_start = time.monotonic()
+    work = os.path.abspath(args.dir)
+    os.makedirs(work, exist_ok=True)
+    src = ensure_data(work, args.samples, args.side)
+    template, stage_s, shares = stage_shards(work, src)
+    notes = [
+        f"- staged with `mpiexec -n 2 datastore stage --mode shard` in {stage_s:.1f} s: "
+        f"{shares[0]} + {shares[1]} files on node0 + node1"
+    ]
+    print(notes[0][2:], flush=True)
+    jobs = {(k, lay): Job(k, lay) for k in args.kinds for lay in args.layouts}
+    idle: dict[str, list[float]] = {k: [] for k in args.kinds}
+    debris: list[str] = []
+    for rep in range(args.reps):
+        for kind in args.kinds if rep % 2 == 0 else args.kinds[::-1]:
+            cores, left = run_store(kind, template, src, args, rep, jobs)
+            idle[kind].append(cores)
+            debris += left
+    notes.append(
+        "- the services' CPU while idle (dataset resident, no client; cores): "
+        + ", ".join(f"{k} {median(v):.2f}" for k, v in idle.items())
+    )
+    notes.append(
+        "- after every store: no socket and no shared-memory segment left"
+        if not debris
+        else f"- LEFT BEHIND: {', '.join(debris)}"
+    )
+    text = report(args, jobs, notes)
+    print("\n" + text)
+    wall = time.monotonic() - t_start
+    print(f"(benchmark wall time {wall:.0f} s)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "args": {k: v for k, v in vars(args).items() if k != "client"},
+                    "jobs": [j.summary() for j in jobs.values()],
+                    "ratios": ratios(jobs, args.layouts),
+                    "idle_cores": {k: median(v) for k, v in idle.items()},
+                    "stage_s": stage_s,
+                    "shares": shares,
+                    "debris": debris,
+                    "wall_s": wall,
+                    "machine": machine_info(),
+                },
+                f,
+                indent=2,
+            )
+    return 1 if debris else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
