@@ -112,6 +112,8 @@ class Session:
         def fetch(samples: np.ndarray) -> dict[tuple[int, str], np.ndarray]:
             return self.resident.fetch(samples, fields, self.spatial, lay.spatial_rank)
 
+        sharded = self.resident.owner is not None
+
         with self.lock:
             if self.closed:
                 raise ServiceError("NOT_FOUND", f"session {self.session_id} is closed")
@@ -130,7 +132,7 @@ class Session:
                 grid=self.grid,
                 block=lay.spatial_rank,
                 sample=self.resident.sample,
-                fetch=fetch,
+                fetch=fetch if sharded else None,
                 steps=(epoch, int(r.start_step), end, steps, int(r.rank)),
                 ring=ring,
                 on_stall=self._stalled,

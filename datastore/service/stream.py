@@ -120,6 +120,34 @@ class SlotRing:
             self.segment.close()
 
 
+class _Ahead:
+    """``fetch(samples)`` running in a thread of its own (a daemon: a peer that does not
+    answer never holds up the service's exit); :meth:`result` waits for it."""
+
+    def __init__(self, fetch: Callable[[np.ndarray], Any], samples: np.ndarray) -> None:
+        self._fetch, self._samples = fetch, samples
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="datastore-fetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fetch(self._samples)
+        except BaseException as exc:  # handed to the producer by result()
+            self._error = exc
+
+    def result(self, stop: threading.Event) -> Any:
+        """The fetched arrays; ``None`` if ``stop`` was set first."""
+        while self._thread.is_alive():
+            if stop.is_set():
+                return None
+            self._thread.join(0.05)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class Stream:
     """Batches ``start..end-1`` of one rank in one epoch.
 
@@ -129,7 +157,8 @@ class Stream:
         ring: the rank's slots, and the fields they hold.
         sample: ``sample(index, field)``: the stored whole sample.
         fetch: ``fetch(samples)``: ``{(index, field): delivered array}`` of the samples other
-            nodes own.
+            nodes own; ``None``: every sample is on this node. The next step's fetch runs
+            while this step's batch is filled.
         steps: ``(epoch, start, end, steps_per_epoch, rank)``.
         on_stall: ``on_stall(seconds)``: time the call waited for a batch.
     """
@@ -141,7 +170,7 @@ class Stream:
         grid: Any,
         block: int,
         sample: Callable[[int, str], np.ndarray],
-        fetch: Callable[[np.ndarray], dict[tuple[int, str], np.ndarray]],
+        fetch: Callable[[np.ndarray], dict[tuple[int, str], np.ndarray]] | None,
         steps: tuple[int, int, int, int, int],
         ring: SlotRing,
         on_stall: Callable[[float], None],
@@ -158,13 +187,17 @@ class Stream:
     # -- producer ------------------------------------------------------------------------------
     def _produce(self) -> None:
         slot = None
+        ahead = self._fetch_ahead(self.start)
         try:
             for step in range(self.start, self.end):
+                samples = self._plan(step)
+                fetched = ahead.result(self.stop) if ahead is not None else None
+                if self.stop.is_set():
+                    return
+                ahead = self._fetch_ahead(step + 1)
                 slot = self.ring.take(self.stop)
                 if slot is None:
                     return
-                samples = self._plan(step)
-                fetched = self._fetch(samples)
                 fill_batch(
                     samples,
                     self._fields,
@@ -182,6 +215,12 @@ class Stream:
             self._ready.put((None, None, exc))
             return
         self._ready.put((None, None, None))
+
+    def _fetch_ahead(self, step: int) -> _Ahead | None:
+        """Step ``step``'s blocks from other nodes, being fetched (``None``: nothing to fetch)."""
+        if self._fetch is None or step >= self.end:
+            return None
+        return _Ahead(self._fetch, self._plan(step))
 
     # -- the call ------------------------------------------------------------------------------
     def messages(self) -> Iterator[tuple[Any, int]]:
