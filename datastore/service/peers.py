@@ -35,6 +35,7 @@ Listing = tuple[bool, list[str], dict[str, tuple[str, tuple[int, ...]]]]
 
 REQUEST = 1  # tag of every request; replies use a tag per request
 FIRST_REPLY_TAG = 100
+IDLE_NAP = (0.0005, 0.02)  # seconds between polls for requests: while busy, idle at most
 
 
 def node_path(path: str, node: int) -> str:
@@ -144,10 +145,13 @@ class MpiPeers:
         from mpi4py import MPI
 
         status = MPI.Status()
+        nap = IDLE_NAP[0]
         while not self._stop.is_set():
             if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=REQUEST, status=status):
-                time.sleep(0.0005)
+                time.sleep(nap)  # longer naps while idle: no CPU burnt between jobs
+                nap = min(2 * nap, IDLE_NAP[1])
                 continue
+            nap = IDLE_NAP[0]
             source = status.Get_source()
             request = self.comm.recv(source=source, tag=REQUEST)
             self._pool.submit(self._reply, source, request)
