@@ -127,6 +127,14 @@ def test_a_job_across_two_grpc_peers_gets_the_embedded_batches(store, spatial):
         assert st.bytes_exchanged > 0  # some of every batch lived on the other node
         (ds,) = st.datasets
         assert ds.num_samples == 20 and ds.local_samples == 10
+    table = subprocess.run(
+        [sys.executable, "-m", "datastore", "status", "--socket", str(s.sockets[1])],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=s.env,
+    )
+    assert table.returncode == 0 and "node 1 of 2, " in table.stdout and " fetched" in table.stdout
 
 
 @pytest.mark.mpi

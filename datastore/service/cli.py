@@ -403,6 +403,9 @@ def format_status(d: dict[str, Any], now: float | None = None) -> str:
             f"{human_bytes(int(d['bytes_served']))}, {int(d['calls_served'])} calls",
         ),
     ]
+    if int(d["nodes"]) > 1:
+        store = f"node {int(d['node'])} of {int(d['nodes'])}, "
+        rows.append(("store", store + f"{human_bytes(int(d['bytes_exchanged']))} fetched"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
 
