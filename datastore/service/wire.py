@@ -44,8 +44,9 @@ __all__ = [
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # wire types
 BATCH_TENSORS, TENSOR_META, TENSOR_DATA, TENSOR_SHM = 5, 1, 2, 3
 HEAP_KEEP_BYTES = 1 << 30  # over the 256 MiB message limit; fits mallopt's int
+HEAP_TOP_PAD = 256 << 20  # the heap grows by a message at least
 _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
 
 
 def _varint(n: int) -> bytes:
@@ -184,8 +185,9 @@ def parse_batch(message: bytes) -> ReceivedBatch:
 def keep_large_blocks() -> bool:
     """Make glibc's malloc serve blocks up to ``HEAP_KEEP_BYTES`` from the heap and keep up to
     as much free memory there, instead of a fresh ``mmap`` (zeroed, page-faulted) per message
-    and tensor. Process-wide; the process keeps up to ``HEAP_KEEP_BYTES`` of freed memory for
-    reuse. Left to the user when any of glibc's ``MALLOC_*_`` settings is in the environment.
+    and tensor; the heap grows ``HEAP_TOP_PAD`` beyond a request at a time. Process-wide: the
+    process keeps up to ``HEAP_KEEP_BYTES`` of freed memory for reuse. Left to the user when
+    any of glibc's ``MALLOC_*_`` settings is in the environment.
 
     Returns:
         Whether the setting was made (``False`` without glibc or when left to the user).
@@ -197,6 +199,9 @@ def keep_large_blocks() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(
-        mallopt(_M_MMAP_THRESHOLD, HEAP_KEEP_BYTES) and mallopt(_M_TRIM_THRESHOLD, HEAP_KEEP_BYTES)
+    settings = (
+        (_M_MMAP_THRESHOLD, HEAP_KEEP_BYTES),
+        (_M_TRIM_THRESHOLD, HEAP_KEEP_BYTES),
+        (_M_TOP_PAD, HEAP_TOP_PAD),
     )
+    return all([bool(mallopt(param, value)) for param, value in settings])
