@@ -20,7 +20,9 @@ serves it; every client below is a separate Python process. All cases run in one
    d. bare gRPC: each client streams, from a tiny standalone gRPC server in this file (a
       generic handler, identity bytes serializers, Unix socket, 256 MiB message limits as the
       service), one pre-built ``bytes`` message of one batch's size per step, received as
-      ``bytes``: Python gRPC's ceiling for (b).
+      ``bytes``: Python gRPC's ceiling for (b). Both of its processes make the malloc setting
+      that the service and an inline ``RemoteLoader`` make
+      (``datastore.service.wire.keep_large_blocks``), so the ratio compares like with like.
 
    The dataset is resident in the service first (``LoadDataset(wait=True)``). Each client
    constructs its loader and runs one untimed warm-up epoch, then all start together and run
