@@ -20,7 +20,9 @@ serves it; every client below is a separate Python process. All cases run in one
    d. bare gRPC: each client streams, from a tiny standalone gRPC server in this file (a
       generic handler, identity bytes serializers, Unix socket, 256 MiB message limits as the
       service), one pre-built ``bytes`` message of one batch's size per step, received as
-      ``bytes``: Python gRPC's ceiling for (b).
+      ``bytes``: Python gRPC's ceiling for (b). Both of its processes make the malloc setting
+      that the service and an inline ``RemoteLoader`` make
+      (``datastore.service.wire.keep_large_blocks``), so the ratio compares like with like.
 
    The dataset is resident in the service first (``LoadDataset(wait=True)``). Each client
    constructs its loader and runs one untimed warm-up epoch, then all start together and run
@@ -250,6 +252,9 @@ class Service:
 def bare_server(socket: str) -> int:
     """Serve ``BARE_METHOD``: a request ``{"nbytes", "count"}`` (JSON) streams ``count`` times
     one pre-built ``bytes`` message of ``nbytes``. Runs until killed."""
+    from datastore.service.wire import keep_large_blocks
+
+    keep_large_blocks()  # as datastore serve does at start
     payloads: dict[int, bytes] = {}
 
     def stream(request: bytes, context: Any) -> Any:
@@ -288,6 +293,7 @@ class BareServer:
             [sys.executable, __file__, "--bare-server", self.socket],
             stdout=subprocess.PIPE,
             text=True,
+            env=child_env(),
         )
         read_tagged(self.proc)
 
@@ -335,6 +341,9 @@ def client(spec: str) -> int:
         loader.close()
         return 0
     if kind == "bare":
+        from datastore.service.wire import keep_large_blocks
+
+        keep_large_blocks()  # as RemoteLoader does for inline batches
         ch = grpc.insecure_channel(f"unix://{c['socket']}", options=MESSAGE_OPTIONS)
         call = ch.unary_stream(BARE_METHOD, request_serializer=None, response_deserializer=None)
         ask = json.dumps({"nbytes": c["nbytes"], "count": c["steps"]}).encode()
@@ -394,14 +403,17 @@ def read_tagged(proc: subprocess.Popen) -> str:
     raise SystemExit(f"a benchmark child (pid {proc.pid}) exited with {proc.wait()}")
 
 
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, HERE]))}
+
+
 def spawn(spec: dict[str, Any]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, HERE]))}
     return subprocess.Popen(
         [sys.executable, __file__, "--client", json.dumps(spec)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=env,
+        env=child_env(),
     )
 
 

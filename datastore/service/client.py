@@ -24,11 +24,20 @@ from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
 from datastore.service.paths import unix_target
 from datastore.service.shm import ClientMaps
+from datastore.service.wire import ReceivedBatch, ReceivedTensor, keep_large_blocks, parse_batch
 
 if TYPE_CHECKING:
     import torch  # imported where tensors are made: the CLI's calls start without it
 
-__all__ = ["TRANSPORTS", "Client", "RemoteBatches", "RemoteLoader", "open_channel", "target_of"]
+__all__ = [
+    "TRANSPORTS",
+    "Client",
+    "RemoteBatches",
+    "RemoteLoader",
+    "open_channel",
+    "stream_batches",
+    "target_of",
+]
 
 MAX_MESSAGE = 256 * 1024 * 1024  # as the server: a batch is one message
 MESSAGE_OPTIONS = [
@@ -51,6 +60,17 @@ def open_channel(target: str, tls_ca: str | os.PathLike | None = None) -> grpc.C
     with open(tls_ca, "rb") as f:
         credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
     return grpc.secure_channel(target, credentials, options=MESSAGE_OPTIONS)
+
+
+def stream_batches(channel: grpc.Channel) -> grpc.StreamStreamMultiCallable:
+    """``StreamBatches`` on ``channel``, its replies parsed into ``ReceivedBatch`` objects by
+    :func:`~datastore.service.wire.parse_batch` (inline payloads: views of the message)."""
+    method = pb.DESCRIPTOR.services_by_name["DataStore"].methods_by_name["StreamBatches"]
+    return channel.stream_stream(
+        f"/{method.containing_service.full_name}/{method.name}",
+        request_serializer=pb.StreamBatchesRequest.SerializeToString,
+        response_deserializer=parse_batch,
+    )
 
 
 def target_of(address: str | os.PathLike) -> str:
@@ -135,7 +155,8 @@ class RemoteBatches:
     Iterating pulls one message at a time (gRPC flow control bounds what is in flight);
     ``close()`` (or dropping it) cancels the call, which stops the server producing.
 
-    Inline tensors are copied out of the message (writable, owned). Shared-memory tensors are
+    Inline tensors are copied once out of the received message (writable, owned: replies are
+    parsed by :func:`~datastore.service.wire.parse_batch`). Shared-memory tensors are
     views of the service's segment, no copy: a batch stays valid until ``hold`` further
     batches have been drawn, then its generation is returned to the service for reuse.
     ``maps`` and ``held`` (the generations still read) outlive the call: the next stream of
@@ -144,7 +165,7 @@ class RemoteBatches:
 
     def __init__(
         self,
-        stub: Any,
+        stream: grpc.StreamStreamMultiCallable,
         request: Any,
         metadata: Any = None,
         hold: int = 3,
@@ -157,35 +178,36 @@ class RemoteBatches:
         request.held.extend(self._held)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox.put(request)
-        self._call = stub.StreamBatches(self._requests(), metadata=metadata)
+        self._call = stream(self._requests(), metadata=metadata)
 
     def _requests(self) -> Iterator[Any]:
         while (r := self._outbox.get()) is not None:
             yield r
 
-    def _tensor(self, t: Any) -> torch.Tensor:
+    def _tensor(self, t: ReceivedTensor) -> torch.Tensor:
         import torch
 
         dtype, shape = np.dtype(t.meta.dtype), tuple(t.meta.shape)
-        if t.WhichOneof("payload") == "shm":
+        if t.shm is not None:
             fresh = t.shm.path not in self._maps
             arr = self._maps.array(t.shm.path, t.shm.offset, dtype, shape)
             if fresh:  # the service removes the file now: nothing is left behind after us
                 self._outbox.put(pb.StreamBatchesRequest(mapped=True))
             return torch.from_numpy(arr)
-        arr = np.frombuffer(t.data, dtype=dtype).reshape(shape)
-        return torch.from_numpy(arr.copy())  # writable, owned by the tensor
+        arr = np.frombuffer(t.data if t.data is not None else b"", dtype=dtype).reshape(shape)
+        return torch.from_numpy(arr.copy())  # writable, owned by the tensor: the one copy
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         try:
+            b: ReceivedBatch
             for b in self._call:
                 batch = {t.meta.name: self._tensor(t) for t in b.tensors}
-                shared = [t.shm.generation for t in b.tensors if t.WhichOneof("payload") == "shm"]
+                shared = [t.shm.generation for t in b.tensors if t.shm is not None]
                 if shared:
                     self._held.append(shared[0])
                     if len(self._held) > self._hold:
                         self._outbox.put(pb.StreamBatchesRequest(done=[self._held.popleft()]))
-                yield b.step, batch
+                yield b.header.step, batch
         finally:
             self.close()
 
@@ -253,7 +275,11 @@ class RemoteLoader(EpochPosition):
         self.target = target_of(address)
         self._channel = open_channel(self.target, tls_ca)
         self._stub = pb_grpc.DataStoreStub(self._channel)
+        self._stream_batches = stream_batches(self._channel)
         self._metadata = bearer(token) if token else None
+        unix = self.target.startswith("unix:")
+        if transport == "inline" or (transport == "auto" and not unix):
+            keep_large_blocks()  # inline batches: messages and tensors of tens of MiB
         layout = pb.SpatialLayout()
         if spatial:
             layout = pb.SpatialLayout(
@@ -298,7 +324,7 @@ class RemoteLoader(EpochPosition):
             prefetch=self.prefetch,
         )
         return RemoteBatches(
-            self._stub,
+            self._stream_batches,
             request,
             self._metadata,
             hold=self.prefetch + 1,

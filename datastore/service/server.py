@@ -50,7 +50,7 @@ from datastore.service.session import Sessions, spatial_of
 from datastore.service.shm import reclaim_stale
 from datastore.service.stage_job import stream_stage
 from datastore.service.stream import Stream
-from datastore.service.wire import serialize
+from datastore.service.wire import keep_large_blocks, serialize
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "ServeConfig", "Servicer", "serve"]
 
@@ -488,6 +488,7 @@ def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -
     """
     log = log or JsonLog()
     out = out or sys.stdout
+    keep_large_blocks()  # inline batches: a message of tens of MiB per step, in the heap
     comm = _services_comm()
     if comm is not None and config.peers:
         log.error(

@@ -1,23 +1,52 @@
-"""A ``Batch`` message with inline tensors, framed by hand: one copy of each payload.
+"""``Batch`` messages with inline tensors on the wire: framed and parsed by hand, one copy each.
 
 Building ``Tensor(data=arr.tobytes())`` inside a ``Batch`` and serializing it copies every
 payload four times in Python protobuf (``tobytes``, the field, the nesting, the serialization).
 Protobuf's wire format lets a message be written as the concatenation of its fields, so the
 header fields are serialized by protobuf and each tensor is written as
 ``field 5, length, (field 1: meta, field 2: payload)`` straight from the batch slot into one
-buffer. ``Batch.FromString`` of the result equals the message built the usual way.
+``bytes`` (:func:`frame_batch`). ``Batch.FromString`` of the result equals the message built
+the usual way.
+
+Parsing with ``Batch.FromString`` copies each payload into the message and again into a
+``bytes`` object when ``Tensor.data`` is read. :func:`parse_batch` walks the tensors itself:
+metadata and header fields are parsed by protobuf, payloads are ``memoryview`` slices of the
+received ``bytes`` (no copy). It accepts any ``Batch``, framed or built by protobuf, inline or
+shared-memory.
+
+Messages of tens of MiB meet glibc's malloc, which serves blocks over its mmap threshold (at most
+32 MiB) with a fresh ``mmap`` each and unmaps them on free: every message then costs a page
+fault per 4 KiB page. :func:`keep_large_blocks` keeps such blocks in the heap for reuse.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
-__all__ = ["frame_batch", "serialize"]
+from datastore.service._pb.v1 import datastore_pb2 as pb
 
-_LEN = 2  # wire type of length-delimited fields
-BATCH_TENSORS, TENSOR_META, TENSOR_DATA = 5, 1, 2
+__all__ = [
+    "HEAP_KEEP_BYTES",
+    "ReceivedBatch",
+    "ReceivedTensor",
+    "frame_batch",
+    "keep_large_blocks",
+    "parse_batch",
+    "serialize",
+]
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # wire types
+BATCH_TENSORS, TENSOR_META, TENSOR_DATA, TENSOR_SHM = 5, 1, 2, 3
+HEAP_KEEP_BYTES = 1 << 30  # over the 256 MiB message limit; fits mallopt's int
+HEAP_TOP_PAD = 256 << 20  # the heap grows by a message at least
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
 
 
 def _varint(n: int) -> bytes:
@@ -38,7 +67,8 @@ def _key(field: int) -> bytes:
 
 def frame_batch(header: Any, tensors: list[tuple[Any, np.ndarray]]) -> bytes:
     """``header`` (a ``Batch`` without tensors) plus ``(TensorMeta, array)`` pairs, serialized
-    as a ``Batch`` whose tensors carry the arrays' bytes inline (C order)."""
+    as a ``Batch`` whose tensors carry the arrays' bytes inline (C order). Each array is copied
+    once, into the returned ``bytes``."""
     parts: list[bytes | np.ndarray] = [header.SerializeToString()]
     for meta, arr in tensors:
         m = meta.SerializeToString()
@@ -46,20 +76,132 @@ def frame_batch(header: Any, tensors: list[tuple[Any, np.ndarray]]) -> bytes:
         body = len(_key(TENSOR_META)) + len(_varint(len(m))) + len(m) + len(data_head) + arr.nbytes
         parts.append(_key(BATCH_TENSORS) + _varint(body) + _key(TENSOR_META) + _varint(len(m)) + m)
         parts.append(data_head)
-        parts.append(arr)
-    total = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
-    out = np.empty(total, np.uint8)
-    at = 0
-    for p in parts:
-        if isinstance(p, np.ndarray):
-            out[at : at + p.nbytes] = np.ascontiguousarray(p).reshape(-1).view(np.uint8)
-            at += p.nbytes
-        else:
-            out[at : at + len(p)] = np.frombuffer(p, np.uint8)
-            at += len(p)
-    return out.tobytes()
+        parts.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    return b"".join(parts)
 
 
 def serialize(message: Any) -> bytes:
     """gRPC's response serializer for ``StreamBatches``: framed bytes as they are."""
     return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+@dataclass(frozen=True)
+class ReceivedTensor:
+    """One tensor of a received ``Batch``: ``data`` (inline bytes, a view of the message) or
+    ``shm`` (a shared-memory region) is set, as the message's ``payload`` oneof; neither
+    for a tensor with no payload."""
+
+    meta: Any  # pb.TensorMeta
+    data: memoryview | None = None
+    shm: Any = None  # pb.SharedMemoryRegion
+
+
+@dataclass(frozen=True)
+class ReceivedBatch:
+    """A received ``Batch``: ``header`` is the message without its tensors."""
+
+    header: Any  # pb.Batch
+    tensors: list[ReceivedTensor]
+
+
+def _read_varint(buf: bytes, at: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while at < end and shift < 64:
+        byte = buf[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+    raise ValueError("a truncated or over-long varint")
+
+
+def _fields(buf: bytes, start: int, end: int) -> Any:
+    """``(field, wire type, record start, value start, value end)`` of each field in
+    ``buf[start:end]``; a length-delimited value excludes its length."""
+    at = start
+    while at < end:
+        record = at
+        key, at = _read_varint(buf, at, end)
+        field, wire = key >> 3, key & 7
+        if field == 0:
+            raise ValueError(f"field number 0 at byte {record}")
+        if wire == _VARINT:
+            _, stop = _read_varint(buf, at, end)
+        elif wire == _LEN:
+            n, at = _read_varint(buf, at, end)
+            stop = at + n
+        elif wire in (_I64, _I32):
+            stop = at + (8 if wire == _I64 else 4)
+        else:
+            raise ValueError(f"unsupported wire type {wire} (field {field}) at byte {record}")
+        if stop > end:
+            raise ValueError(f"field {field} at byte {record} runs past the message's end")
+        yield field, wire, record, at, stop
+        at = stop
+
+
+def _tensor(buf: bytes, view: memoryview, start: int, end: int) -> ReceivedTensor:
+    meta, data, shm = pb.TensorMeta(), None, None
+    for field, wire, _, at, stop in _fields(buf, start, end):
+        if wire != _LEN:
+            continue  # a known field of the wrong type parses as an unknown one: dropped
+        if field == TENSOR_META:
+            meta.MergeFromString(view[at:stop])
+        elif field == TENSOR_DATA:
+            data, shm = view[at:stop], None
+        elif field == TENSOR_SHM:
+            if shm is None:
+                shm, data = pb.SharedMemoryRegion(), None
+            shm.MergeFromString(view[at:stop])
+    return ReceivedTensor(meta, data, shm)
+
+
+def parse_batch(message: bytes) -> ReceivedBatch:
+    """A serialized ``Batch``, with inline payloads as views of ``message`` (no copy).
+
+    Fields other than ``tensors`` are parsed by protobuf into ``header``; tensors follow
+    protobuf's rules (``meta`` merged when repeated, the last payload wins). gRPC's response
+    deserializer for ``StreamBatches`` on the client.
+
+    Raises:
+        ValueError: ``message`` is not a well-formed ``Batch``.
+    """
+    view = memoryview(message)
+    header_parts: list[memoryview] = []
+    tensors: list[ReceivedTensor] = []
+    try:
+        for field, wire, record, at, stop in _fields(message, 0, len(message)):
+            if field == BATCH_TENSORS and wire == _LEN:
+                tensors.append(_tensor(message, view, at, stop))
+            else:
+                header_parts.append(view[record:stop])
+        header = pb.Batch.FromString(b"".join(header_parts))
+    except DecodeError as exc:
+        raise ValueError(f"not a Batch message: {exc}") from exc
+    return ReceivedBatch(header, tensors)
+
+
+def keep_large_blocks() -> bool:
+    """Make glibc's malloc serve blocks up to ``HEAP_KEEP_BYTES`` from the heap and keep up to
+    as much free memory there, instead of a fresh ``mmap`` (zeroed, page-faulted) per message
+    and tensor; the heap grows ``HEAP_TOP_PAD`` beyond a request at a time. Process-wide: the
+    process keeps up to ``HEAP_KEEP_BYTES`` of freed memory for reuse. Left to the user when
+    any of glibc's ``MALLOC_*_`` settings is in the environment.
+
+    Returns:
+        Whether the setting was made (``False`` without glibc or when left to the user).
+    """
+    if any(name in os.environ for name in _MALLOC_ENV):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    settings = (
+        (_M_MMAP_THRESHOLD, HEAP_KEEP_BYTES),
+        (_M_TRIM_THRESHOLD, HEAP_KEEP_BYTES),
+        (_M_TOP_PAD, HEAP_TOP_PAD),
+    )
+    return all([bool(mallopt(param, value)) for param, value in settings])
