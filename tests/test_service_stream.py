@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import grpc
@@ -90,6 +91,30 @@ def test_remote_equals_embedded_over_two_epochs(served, kw, transport):
         assert remote.epoch == local.epoch == 2
         if kw.get("spatial"):
             assert remote.fields[0].name in ("x", "idx")
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_inline_tensors_are_the_callers_to_write(served):
+    """An inline tensor is a view of the message received for it alone: writing to it is
+    allowed (no warning), and changes nothing else (later batches, the next epoch)."""
+    path, sock, _ = served
+    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
+    remote = RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock), transport="inline")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            kept = []
+            for b in remote:
+                for t in b.values():
+                    assert t.is_contiguous()
+                    t.fill_(7)  # the caller's to overwrite
+                kept.append(b)
+        assert all(bool((t == 7).all()) for b in kept for t in b.values())
+        expected = batches(local)
+        assert_same(batches(remote), batches(local))  # the next epoch is untouched
+        assert len(kept) == len(expected)
     finally:
         remote.close()
         local.close()

@@ -11,6 +11,7 @@ import collections
 import math
 import os
 import queue
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,7 +196,11 @@ class RemoteBatches:
                 self._outbox.put(pb.StreamBatchesRequest(mapped=True))
             return torch.from_numpy(arr)
         arr = np.frombuffer(t.data if t.data is not None else b"", dtype=dtype).reshape(shape)
-        return torch.from_numpy(arr.copy())  # writable, owned by the tensor: the one copy
+        if not arr.flags.aligned:
+            return torch.from_numpy(arr.copy())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr)
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         try:

@@ -17,6 +17,7 @@ the service shuts down.
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ import numpy as np
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.batches import Delivered, fill_batch
 from datastore.service.shm import Segment
-from datastore.service.wire import frame_batch
+from datastore.service.wire import batch_message
 
 __all__ = ["SlotRing", "Stream"]
 
@@ -62,10 +63,9 @@ class SlotRing:
                 }
                 for i in range(nslots)
             ]
-        else:
-            self.slots = [
-                {f.name: np.zeros(shapes[f.name], f.dtype) for f in fields} for _ in range(nslots)
-            ]
+        else:  # inline: a batch is filled straight into its message; slots only count
+            self.slots = []
+        self.shapes = shapes
         self._free: queue.Queue = queue.Queue()
         for i in range(nslots):
             self._free.put(i)
@@ -182,6 +182,7 @@ class Stream:
         self.stop = threading.Event()
         self._ready: queue.Queue = queue.Queue()
         self.ring = ring
+        self._metas = self._tensor_metas()
         self._worker = threading.Thread(target=self._produce, name="datastore-stream", daemon=True)
 
     # -- producer ------------------------------------------------------------------------------
@@ -198,16 +199,19 @@ class Stream:
                 slot = self.ring.take(self.stop)
                 if slot is None:
                     return
+                header = self._header(step, samples)
+                if self.ring.segment is None:  # inline: filled in place, in its message
+                    message, room = batch_message(
+                        header,
+                        [(m, self.ring.shapes[m.name], m.dtype) for m in self._metas],
+                    )
+                    out = {f.name: a for f, a in zip(self._fields, room, strict=True)}
+                else:
+                    message, out = header, self.ring.slots[slot]
                 fill_batch(
-                    samples,
-                    self._fields,
-                    self._grid,
-                    self._block,
-                    self._sample,
-                    self.ring.slots[slot],
-                    fetched,
+                    samples, self._fields, self._grid, self._block, self._sample, out, fetched
                 )
-                self._ready.put((step, slot, samples))
+                self._ready.put((step, slot, message))
                 slot = None
         except BaseException as exc:  # handed to the call, which fails with it
             if slot is not None:
@@ -230,17 +234,17 @@ class Stream:
             while not self.stop.is_set():
                 t0 = time.perf_counter()
                 try:
-                    step, slot, samples = self._ready.get(timeout=0.1)
+                    step, slot, message = self._ready.get(timeout=0.1)
                 except queue.Empty:
                     self._on_stall(time.perf_counter() - t0)
                     continue
                 self._on_stall(time.perf_counter() - t0)
                 if step is None:
-                    if samples is not None:
-                        raise samples
+                    if message is not None:
+                        raise message
                     self._until_mapped()
                     return
-                yield self._message(step, slot, samples)
+                yield self._message(slot, message)
         finally:
             self.close()
 
@@ -254,45 +258,47 @@ class Stream:
             if self.stop.is_set() or time.monotonic() > deadline:
                 return
 
-    def _message(self, step: int, slot: int, samples: np.ndarray) -> tuple[Any, int]:
-        """The ``Batch`` of ``step`` in ``slot``: a message with shared-memory regions, or
-        framed bytes with the tensors inline (then the slot is free again at once)."""
-        seg = self.ring.segment
-        header = pb.Batch(
+    def _header(self, step: int, samples: np.ndarray) -> Any:
+        return pb.Batch(
             epoch=self.epoch,
             step=step,
             rank=self.rank,
             sample_indices=[int(i) for i in samples],
             last_in_epoch=step == self._steps_per_epoch - 1,
         )
-        arrays = [(f, self.ring.slots[slot][f.name]) for f in self._fields]
-        metas = [
+
+    def _tensor_metas(self) -> list[Any]:
+        return [
             pb.TensorMeta(
                 name=f.name,
-                dtype=arr.dtype.str,
-                shape=list(arr.shape),
+                dtype=f.dtype.str,
+                shape=list(self.ring.shapes[f.name]),
                 origin=list(f.origin),
-                nbytes=arr.nbytes,
+                nbytes=math.prod(self.ring.shapes[f.name]) * f.dtype.itemsize,
             )
-            for f, arr in arrays
+            for f in self._fields
         ]
-        nbytes = sum(arr.nbytes for _, arr in arrays)
-        if seg is None:
-            framed = frame_batch(
-                header, [(m, arr) for m, (_, arr) in zip(metas, arrays, strict=True)]
-            )
+
+    def _message(self, slot: int, message: Any) -> tuple[Any, int]:
+        """The message of the batch in ``slot``: framed bytes with the tensors inline (the
+        slot is free again at once), or a ``Batch`` to which the shared-memory regions of the
+        slot are added."""
+        metas = self._metas
+        nbytes = sum(m.nbytes for m in metas)
+        if isinstance(message, bytes):
             self.ring.give(slot)
-            return framed, nbytes
+            return message, nbytes
+        seg = self.ring.segment
         generation = self.ring.lend(slot)
-        for meta, (f, arr) in zip(metas, arrays, strict=True):
+        for meta in metas:
             region = pb.SharedMemoryRegion(
                 path=str(seg.path),
-                offset=seg.offset(slot) + self.ring.at[f.name],
-                length=arr.nbytes,
+                offset=seg.offset(slot) + self.ring.at[meta.name],
+                length=meta.nbytes,
                 generation=generation,
             )
-            header.tensors.add(meta=meta, shm=region)
-        return header, nbytes
+            message.tensors.add(meta=meta, shm=region)
+        return message, nbytes
 
     def close(self) -> None:
         """Stop producing; safe to call twice, from any thread. Slots still filling or ready

@@ -22,6 +22,7 @@ fault per 4 KiB page. :func:`keep_large_blocks` keeps such blocks in the heap fo
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "HEAP_KEEP_BYTES",
     "ReceivedBatch",
     "ReceivedTensor",
+    "batch_message",
     "frame_batch",
     "keep_large_blocks",
     "parse_batch",
@@ -47,6 +49,9 @@ HEAP_KEEP_BYTES = 1 << 30  # over the 256 MiB message limit; fits mallopt's int
 HEAP_TOP_PAD = 256 << 20  # the heap grows by a message at least
 _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], ctypes.py_object
+_BYTES_DATA = bytes.__basicsize__ - 1  # where a bytes object's contents start (CPython)
 
 
 def _varint(n: int) -> bytes:
@@ -65,19 +70,57 @@ def _key(field: int) -> bytes:
     return _varint(field << 3 | _LEN)
 
 
+def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray]:
+    """A new ``bytes`` of ``n`` bytes and a writable uint8 array over its contents, to fill
+    before the ``bytes`` is handed to anyone (CPython's ``PyBytes_FromStringAndSize(NULL, n)``,
+    as C code builds a ``bytes`` in place). The array does not keep the ``bytes`` alive."""
+    message = _new_bytes(None, n)
+    room = (ctypes.c_ubyte * n).from_address(id(message) + _BYTES_DATA)
+    return message, np.ctypeslib.as_array(room)
+
+
+def batch_message(
+    header: Any, tensors: list[tuple[Any, tuple[int, ...], np.dtype]]
+) -> tuple[bytes, list[np.ndarray]]:
+    """A serialized ``Batch``: ``header`` (without tensors) plus one inline tensor per
+    ``(TensorMeta, shape, dtype)``, whose payloads are left to fill through the returned
+    arrays (C order). Filling them in place is the one copy of each payload; the message must
+    not be handed on (to gRPC) before they are filled, nor the arrays used after."""
+    parts: list[bytes] = [header.SerializeToString()]
+    sizes = []
+    for meta, shape, dtype in tensors:
+        m = meta.SerializeToString()
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        data_head = _key(TENSOR_DATA) + _varint(nbytes)
+        body = len(_key(TENSOR_META)) + len(_varint(len(m))) + len(m) + len(data_head) + nbytes
+        parts.append(
+            _key(BATCH_TENSORS)
+            + _varint(body)
+            + _key(TENSOR_META)
+            + _varint(len(m))
+            + m
+            + data_head
+        )
+        sizes.append(nbytes)
+    message, room = _fresh_bytes(sum(len(p) for p in parts) + sum(sizes))
+    at, arrays = len(parts[0]), []
+    room[:at] = np.frombuffer(parts[0], np.uint8)
+    for part, nbytes, (_, shape, dtype) in zip(parts[1:], sizes, tensors, strict=True):
+        room[at : at + len(part)] = np.frombuffer(part, np.uint8)
+        at += len(part)
+        arrays.append(room[at : at + nbytes].view(dtype).reshape(shape))
+        at += nbytes
+    return message, arrays
+
+
 def frame_batch(header: Any, tensors: list[tuple[Any, np.ndarray]]) -> bytes:
     """``header`` (a ``Batch`` without tensors) plus ``(TensorMeta, array)`` pairs, serialized
-    as a ``Batch`` whose tensors carry the arrays' bytes inline (C order). Each array is copied
-    once, into the returned ``bytes``."""
-    parts: list[bytes | np.ndarray] = [header.SerializeToString()]
-    for meta, arr in tensors:
-        m = meta.SerializeToString()
-        data_head = _key(TENSOR_DATA) + _varint(arr.nbytes)
-        body = len(_key(TENSOR_META)) + len(_varint(len(m))) + len(m) + len(data_head) + arr.nbytes
-        parts.append(_key(BATCH_TENSORS) + _varint(body) + _key(TENSOR_META) + _varint(len(m)) + m)
-        parts.append(data_head)
-        parts.append(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-    return b"".join(parts)
+    as a ``Batch`` whose tensors carry the arrays' bytes inline (C order): each array copied
+    once, into the message (:func:`batch_message`)."""
+    message, room = batch_message(header, [(m, a.shape, a.dtype) for m, a in tensors])
+    for dst, (_, arr) in zip(room, tensors, strict=True):
+        dst[...] = arr
+    return message
 
 
 def serialize(message: Any) -> bytes:
