@@ -156,8 +156,9 @@ class RemoteBatches:
     Iterating pulls one message at a time (gRPC flow control bounds what is in flight);
     ``close()`` (or dropping it) cancels the call, which stops the server producing.
 
-    Inline tensors are copied once out of the received message (writable, owned: replies are
-    parsed by :func:`~datastore.service.wire.parse_batch`). Shared-memory tensors are
+    Inline tensors are views of the message received for them (parsed by
+    :func:`~datastore.service.wire.parse_batch`), which nothing else holds: writable and the
+    caller's, no copy (a payload not aligned for its dtype is copied). Shared-memory tensors are
     views of the service's segment, no copy: a batch stays valid until ``hold`` further
     batches have been drawn, then its generation is returned to the service for reuse.
     ``maps`` and ``held`` (the generations still read) outlive the call: the next stream of
@@ -198,6 +199,8 @@ class RemoteBatches:
         arr = np.frombuffer(t.data if t.data is not None else b"", dtype=dtype).reshape(shape)
         if not arr.flags.aligned:
             return torch.from_numpy(arr.copy())
+        # the message was received for this batch alone (gRPC keeps no reference): its bytes
+        # are the tensor's, writable as torch.frombuffer makes them; torch warns of the flag
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(arr)

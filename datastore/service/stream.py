@@ -1,11 +1,12 @@
 """One ``StreamBatches`` call: a producer thread prepares a rank's batches ahead into slots.
 
-Slots (:class:`SlotRing`, one per rank of a session, kept across its streams) are reused
-buffers: numpy arrays for inline delivery, regions of one shared-memory
-:class:`~datastore.service.shm.Segment` for zero-copy delivery. The producer fills a slot only
-once it is free again, so memory is bounded whatever the client does:
+Slots (:class:`SlotRing`, one per rank of a session, kept across its streams) bound how many
+batches are prepared ahead. For zero-copy delivery they are regions of one shared-memory
+:class:`~datastore.service.shm.Segment`; inline batches are gathered straight into their
+messages (:func:`~datastore.service.wire.batch_message`), and a slot only counts one. The
+producer takes a slot only once it is free again, so memory is bounded whatever the client does:
 
-- inline: a slot is free as soon as its bytes are in the message (gRPC's flow control then
+- inline: a slot is free as soon as its message goes to gRPC (gRPC's flow control then
   bounds what is in flight);
 - shared memory: a slot is free once the client returns its generation in ``done``; a client
   that stops returning slots stops the producer, never makes it buffer.

@@ -4,9 +4,9 @@ Building ``Tensor(data=arr.tobytes())`` inside a ``Batch`` and serializing it co
 payload four times in Python protobuf (``tobytes``, the field, the nesting, the serialization).
 Protobuf's wire format lets a message be written as the concatenation of its fields, so the
 header fields are serialized by protobuf and each tensor is written as
-``field 5, length, (field 1: meta, field 2: payload)`` straight from the batch slot into one
-``bytes`` (:func:`frame_batch`). ``Batch.FromString`` of the result equals the message built
-the usual way.
+``field 5, length, (field 1: meta, field 2: payload)`` into one fresh ``bytes`` whose payload
+regions the producer fills in place (:func:`batch_message`; :func:`frame_batch` from arrays).
+``Batch.FromString`` of the result equals the message built the usual way.
 
 Parsing with ``Batch.FromString`` copies each payload into the message and again into a
 ``bytes`` object when ``Tensor.data`` is read. :func:`parse_batch` walks the tensors itself:
