@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 
-__all__ = ["PageCache", "machine_info", "venv_tool"]
+__all__ = ["TAG", "PageCache", "cpu_seconds", "machine_info", "read_tagged", "say", "venv_tool"]
+
+TAG = "@@ "  # a benchmark child's protocol lines on stdout start with this
 
 
 def venv_tool(name: str) -> str:
@@ -58,3 +61,25 @@ def machine_info(*extra: str) -> str:
         *extra,
     ]
     return ", ".join(parts) + time.strftime(", date %Y-%m-%d %H:%M:%S %Z")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def say(line: str) -> None:
+    """A protocol line to the parent benchmark."""
+    print(TAG + line, flush=True)
+
+
+def read_tagged(proc: subprocess.Popen) -> str:
+    """The next protocol line of a child (other output passes through)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(TAG):
+            return line[len(TAG) :].rstrip("\n")
+        sys.stdout.write(line)
+    raise SystemExit(f"a benchmark child (pid {proc.pid}) exited with {proc.wait()}")

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from common import machine_info, venv_tool
+from common import cpu_seconds, machine_info, read_tagged, say, venv_tool
 from loader import median
 
 MIB = 1 << 20
@@ -72,7 +72,6 @@ LAYOUTS = {"whole": None, "blocks": {"parts": (2, 1, 1), "halo": (1, 1, 1)}}
 LAYOUT_VERSION = 1
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-TAG = "@@ "  # a child's protocol lines on stdout start with this
 TOKEN = "peers-benchmark"
 LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
 
@@ -281,13 +280,6 @@ class Store:
         return sorted(set(left))
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # ----------------------------------------------------------------------------- client processes
 
 
@@ -332,20 +324,6 @@ def client(spec: str) -> int:
         sys.stdin.readline()  # the session stays open until the benchmark has read the Status
         loader.close()
     return 0
-
-
-def say(line: str) -> None:
-    print(TAG + line, flush=True)
-
-
-def read_tagged(proc: subprocess.Popen) -> str:
-    """The next protocol line of a child (other output passes through)."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(TAG):
-            return line[len(TAG) :].rstrip("\n")
-        sys.stdout.write(line)
-    raise SystemExit(f"a benchmark client (pid {proc.pid}) exited with {proc.wait()}")
 
 
 def spawn(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen:

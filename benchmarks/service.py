@@ -74,7 +74,7 @@ from typing import Any
 import grpc
 import h5py
 import numpy as np
-from common import PageCache, machine_info
+from common import TAG, PageCache, cpu_seconds, machine_info, read_tagged, say
 from loader import median, memcpy_ceiling
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -91,7 +91,6 @@ TARGET_FIRST = 10.0  # job 1 cold / job 2
 LAYOUT_VERSION = 1
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-TAG = "@@ "  # a child's protocol lines on stdout start with this
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -380,27 +379,6 @@ def client(spec: str) -> int:
     else:
         loader.close()
     return 0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def say(line: str) -> None:
-    print(TAG + line, flush=True)
-
-
-def read_tagged(proc: subprocess.Popen) -> str:
-    """The next protocol line of a child (other output passes through)."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(TAG):
-            return line[len(TAG) :].rstrip("\n")
-        sys.stdout.write(line)
-    raise SystemExit(f"a benchmark child (pid {proc.pid}) exited with {proc.wait()}")
 
 
 def child_env() -> dict[str, str]:

@@ -178,3 +178,26 @@ def special_info(name: str, kind: bytes) -> tarfile.TarInfo:
     if kind in (tarfile.CHRTYPE, tarfile.BLKTYPE):
         info.devmajor, info.devminor = (1, 3) if kind == tarfile.CHRTYPE else (7, 0)
     return info
+
+
+def stage_sharded(tmp: Path) -> tuple[Path, dict[str, str]]:
+    """20 ``.npy`` samples under ``tmp/src`` (sample ``i`` holds ``i`` at ``[0, 0, 0, 0]``),
+    staged by ``mpiexec -n 2 datastore stage --mode shard`` into ``tmp/node{node}``: two "nodes"
+    holding different files. Returns ``(src, env)``: env for children (no launcher variables,
+    state and runtime under ``tmp``)."""
+    import numpy as np
+
+    src = tmp / "src"
+    src.mkdir()
+    for i in range(20):
+        vol = np.random.default_rng(i).standard_normal((2, 6, 4, 4)).astype(np.float32)
+        vol[0, 0, 0, 0] = i
+        np.save(src / f"s{i:03d}.npy", vol)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.update(XDG_STATE_HOME=str(tmp / "state"), XDG_RUNTIME_DIR=str(tmp))
+    stage = [MPIEXEC, "-n", "2", sys.executable, "-m", "datastore", "stage", str(src)]
+    stage += ["--to", str(tmp / "node{node}"), "--mode", "shard", "--ranks-per-node", "1", "-q"]
+    assert subprocess.run(stage, timeout=120, env=env).returncode == 0
+    shares = [sorted(os.listdir(tmp / f"node{k}" / "src")) for k in range(2)]
+    assert shares[0] and shares[1] and not set(shares[0]) & set(shares[1])
+    return src, env

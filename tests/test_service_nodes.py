@@ -15,9 +15,8 @@ import sys
 import time
 
 import grpc
-import numpy as np
 import pytest
-from helpers import MPIEXEC
+from helpers import MPIEXEC, stage_sharded
 
 from datastore.loader import DataStoreLoader
 from datastore.service.client import Client, RemoteLoader
@@ -25,26 +24,12 @@ from tests.test_service_stream import assert_same, batches
 
 pytestmark = pytest.mark.mpi
 
-_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
-
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """``(source dir, dataset template, [socket paths], mpiexec process)``."""
     tmp = tmp_path_factory.mktemp("nodes")
-    src = tmp / "src"
-    src.mkdir()
-    for i in range(20):
-        vol = np.random.default_rng(i).standard_normal((2, 6, 4, 4)).astype(np.float32)
-        vol[0, 0, 0, 0] = i
-        np.save(src / f"s{i:03d}.npy", vol)
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env.update(XDG_STATE_HOME=str(tmp / "state"), XDG_RUNTIME_DIR=str(tmp))
-    stage = [MPIEXEC, "-n", "2", sys.executable, "-m", "datastore", "stage", str(src)]
-    stage += ["--to", str(tmp / "node{node}"), "--mode", "shard", "--ranks-per-node", "1", "-q"]
-    assert subprocess.run(stage, timeout=120, env=env).returncode == 0
-    shares = [sorted(os.listdir(tmp / f"node{k}" / "src")) for k in range(2)]
-    assert shares[0] and shares[1] and not set(shares[0]) & set(shares[1])
+    src, env = stage_sharded(tmp)
     serve = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "datastore", "serve"]
     serve += ["--socket", str(tmp / "s{rank}.sock")]
     log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed below

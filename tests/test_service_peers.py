@@ -19,15 +19,15 @@ import time
 import grpc
 import numpy as np
 import pytest
-from helpers import MPIEXEC
+from helpers import MPIEXEC, stage_sharded
 
 from datastore.loader import DataStoreLoader
 from datastore.service.client import Client, RemoteLoader
 from datastore.service.errors import ServiceError
 from datastore.service.grpc_peers import GrpcPeers, chunk_view, frame_chunk
+from staging.cluster import LAUNCH_ENV
 from tests.test_service_stream import assert_same, batches
 
-_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
 TOKEN = "peer-secret"
 
 
@@ -79,17 +79,7 @@ class Store:
 def store(tmp_path_factory):
     """``(source dir, dataset template, Store)``."""
     tmp = tmp_path_factory.mktemp("peers")
-    src = tmp / "src"
-    src.mkdir()
-    for i in range(20):
-        vol = np.random.default_rng(i).standard_normal((2, 6, 4, 4)).astype(np.float32)
-        vol[0, 0, 0, 0] = i
-        np.save(src / f"s{i:03d}.npy", vol)
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env.update(XDG_STATE_HOME=str(tmp / "state"), XDG_RUNTIME_DIR=str(tmp))
-    stage = [MPIEXEC, "-n", "2", sys.executable, "-m", "datastore", "stage", str(src)]
-    stage += ["--to", str(tmp / "node{node}"), "--mode", "shard", "--ranks-per-node", "1", "-q"]
-    assert subprocess.run(stage, timeout=120, env=env).returncode == 0
+    src, env = stage_sharded(tmp)
     s = Store(tmp, env)
     try:
         s.start(0)
@@ -249,7 +239,7 @@ def test_bad_peer_options_exit_2_naming_the_option(tmp_path, args, says):
     cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(tmp_path / "s.sock")]
     if "--tcp" in args:
         cmd += ["--token-file", str(token)]
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     r = subprocess.run(cmd + args, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -261,7 +251,7 @@ def test_peers_under_mpiexec_is_refused(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "datastore", "serve"]
     cmd += ["--socket", str(tmp_path / "s{rank}.sock"), "--tcp", "127.0.0.1:0"]
     cmd += ["--token-file", str(token), "--peers", "a:1,b:2", "--node", "0"]
