@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
-__all__ = ["TAG", "PageCache", "cpu_seconds", "machine_info", "read_tagged", "say", "venv_tool"]
+__all__ = [
+    "TAG",
+    "PageCache",
+    "cpu_seconds",
+    "machine_info",
+    "read_tagged",
+    "say",
+    "timed_epochs",
+    "venv_tool",
+]
 
 TAG = "@@ "  # a benchmark child's protocol lines on stdout start with this
 
@@ -83,3 +94,19 @@ def read_tagged(proc: subprocess.Popen) -> str:
             return line[len(TAG) :].rstrip("\n")
         sys.stdout.write(line)
     raise SystemExit(f"a benchmark child (pid {proc.pid}) exited with {proc.wait()}")
+
+
+def timed_epochs(epoch: Callable[[], tuple[int, int]], epochs: int) -> None:
+    """A benchmark client's protocol: one warm-up ``epoch()`` (``-> (batches, bytes)``), then
+    ``ready``; on the parent's go (a line on stdin) ``epochs`` timed epochs, reported as one
+    JSON line (start, end, batches, bytes, CPU seconds of this process)."""
+    epoch()
+    say("ready")
+    sys.stdin.readline()
+    batches = nbytes = 0
+    cpu, t0 = time.process_time(), time.monotonic()
+    for _ in range(epochs):
+        nb, n = epoch()
+        batches, nbytes = batches + nb, nbytes + n
+    t1, cpu = time.monotonic(), time.process_time() - cpu
+    say(json.dumps({"t0": t0, "t1": t1, "batches": batches, "bytes": nbytes, "cpu": cpu}))

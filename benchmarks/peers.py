@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from common import cpu_seconds, machine_info, read_tagged, say, venv_tool
+from common import cpu_seconds, machine_info, read_tagged, timed_epochs, venv_tool
 from loader import median
 
 MIB = 1 << 20
@@ -311,16 +311,7 @@ def client(spec: str) -> int:
                 nb, nbytes = nb + 1, nbytes + x.nbytes
             return nb, nbytes
 
-        epoch()  # warm-up: makes the dataset resident on every node
-        say("ready")
-        sys.stdin.readline()
-        batches = nbytes = 0
-        cpu, t0 = time.process_time(), time.monotonic()
-        for _ in range(c["epochs"]):
-            nb, n = epoch()
-            batches, nbytes = batches + nb, nbytes + n
-        t1, cpu = time.monotonic(), time.process_time() - cpu
-        say(json.dumps({"t0": t0, "t1": t1, "batches": batches, "bytes": nbytes, "cpu": cpu}))
+        timed_epochs(epoch, c["epochs"])  # the warm-up makes the dataset resident on every node
         sys.stdin.readline()  # the session stays open until the benchmark has read the Status
         loader.close()
     return 0

@@ -74,7 +74,7 @@ from typing import Any
 import grpc
 import h5py
 import numpy as np
-from common import TAG, PageCache, cpu_seconds, machine_info, read_tagged, say
+from common import TAG, PageCache, cpu_seconds, machine_info, read_tagged, say, timed_epochs
 from loader import median, memcpy_ceiling
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -364,16 +364,7 @@ def client(spec: str) -> int:
                 nb, nbytes = nb + 1, nbytes + x.nbytes
             return nb, nbytes
 
-    epoch()  # warm-up
-    say("ready")
-    sys.stdin.readline()
-    batches = nbytes = 0
-    cpu, t0 = time.process_time(), time.monotonic()
-    for _ in range(c["epochs"]):
-        nb, n = epoch()
-        batches, nbytes = batches + nb, nbytes + n
-    t1, cpu = time.monotonic(), time.process_time() - cpu
-    say(json.dumps({"t0": t0, "t1": t1, "batches": batches, "bytes": nbytes, "cpu": cpu}))
+    timed_epochs(epoch, c["epochs"])
     if kind == "bare":
         ch.close()
     else:
