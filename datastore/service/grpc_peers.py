@@ -29,12 +29,13 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
 from datastore.service.errors import ServiceError
 from datastore.service.peers import Listing
+from datastore.service.wire import bytes_field, bytes_field_view
 
 __all__ = ["CHUNK", "GrpcPeers", "PeersServicer", "add_peers_to_server", "parse_peers"]
 
 SERVICE = "datastore.v1.Peers"
 CHUNK = 4 * 1024 * 1024
-_DATA = b"\x0a"  # field 1, length-delimited: the key of FetchBlocksResponse.data
+_DATA = 1  # FetchBlocksResponse.data
 _OPTIONS = [
     ("grpc.max_receive_message_length", 2 * CHUNK),
     # a restarted peer is retried within a second, not after gRPC's backoff of up to 2 min
@@ -57,38 +58,14 @@ def parse_peers(text: str) -> tuple[str, ...]:
 
 
 # -- the chunks of a FetchBlocks reply, framed by hand: one copy on each side ----------------
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def frame_chunk(chunk: np.ndarray) -> bytes:
     """A ``FetchBlocksResponse`` whose ``data`` is ``chunk``'s bytes."""
-    return b"".join((_DATA, _varint(chunk.nbytes), memoryview(chunk)))
+    return bytes_field(_DATA, chunk)
 
 
 def chunk_view(raw: bytes) -> memoryview:
     """The ``data`` of a serialized ``FetchBlocksResponse``, without copying it."""
-    if not raw:
-        return memoryview(b"")
-    if raw[:1] != _DATA:
-        raise ValueError("a FetchBlocks reply whose first field is not data")
-    n, shift, at = 0, 0, 1
-    while True:
-        if at >= len(raw) or shift > 63:
-            raise ValueError("a FetchBlocks reply with a truncated length")
-        byte = raw[at]
-        n |= (byte & 0x7F) << shift
-        at, shift = at + 1, shift + 7
-        if not byte & 0x80:
-            break
-    if at + n != len(raw):
-        raise ValueError(f"a FetchBlocks reply of {len(raw) - at} bytes says {n}")
-    return memoryview(raw)[at:]
+    return bytes_field_view(raw, _DATA)
 
 
 def _layout(spatial: dict[str, Any] | None) -> Any:

@@ -37,6 +37,8 @@ __all__ = [
     "ReceivedBatch",
     "ReceivedTensor",
     "batch_message",
+    "bytes_field",
+    "bytes_field_view",
     "frame_batch",
     "keep_large_blocks",
     "parse_batch",
@@ -68,6 +70,28 @@ def _varint(n: int) -> bytes:
 
 def _key(field: int) -> bytes:
     return _varint(field << 3 | _LEN)
+
+
+def bytes_field(field: int, payload: np.ndarray) -> bytes:
+    """A message whose only field is the bytes field ``field`` holding ``payload`` (one copy)."""
+    return b"".join((_key(field), _varint(payload.nbytes), memoryview(payload).cast("B")))
+
+
+def bytes_field_view(message: bytes, field: int) -> memoryview:
+    """The value of bytes field ``field`` of ``message``, a message with that field only, as a
+    view (no copy); empty for an empty message.
+
+    Raises:
+        ValueError: ``message`` holds another field, or is malformed.
+    """
+    value = memoryview(b"")
+    for number, wire, record, at, stop in _fields(message, 0, len(message)):
+        if (number, wire) != (field, _LEN):
+            raise ValueError(
+                f"field {number} (wire type {wire}) at byte {record}: expected {field}"
+            )
+        value = memoryview(message)[at:stop]
+    return value
 
 
 def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray]:
