@@ -12,6 +12,7 @@ from datastore.service.wire import (
     frame_batch,
     keep_large_blocks,
     parse_batch,
+    received_array,
     serialize,
 )
 
@@ -141,3 +142,17 @@ def test_parse_truncated_framed_batch_raises_value_error():
 def test_keep_large_blocks_leaves_the_users_malloc_settings(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert keep_large_blocks() is False
+
+
+def test_received_array_views_the_message_writably_and_keeps_it_alive():
+    raw = np.arange(16, dtype="<f4").tobytes()
+    view = memoryview(raw)[4:36]  # floats 1..8; a bytes object's data is 8-aligned or more
+    arr = received_array(view, np.dtype("<f4"), (2, 4))
+    assert arr.flags.writeable and not arr.flags.owndata
+    assert arr.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    del raw, view  # the array alone keeps the message alive
+    arr[0, 0] = -1
+    assert arr.tolist() == [[-1, 2, 3, 4], [5, 6, 7, 8]]
+    shifted = memoryview(bytes(33))[1:33]  # not aligned for float32: copied
+    copy = received_array(shifted, np.dtype("<f4"), (8,))
+    assert copy.flags.owndata and copy.tolist() == [0] * 8

@@ -11,7 +11,6 @@ import collections
 import math
 import os
 import queue
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +24,13 @@ from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
 from datastore.service.paths import unix_target
 from datastore.service.shm import ClientMaps
-from datastore.service.wire import ReceivedBatch, ReceivedTensor, keep_large_blocks, parse_batch
+from datastore.service.wire import (
+    ReceivedBatch,
+    ReceivedTensor,
+    keep_large_blocks,
+    parse_batch,
+    received_array,
+)
 
 if TYPE_CHECKING:
     import torch  # imported where tensors are made: the CLI's calls start without it
@@ -196,14 +201,7 @@ class RemoteBatches:
             if fresh:  # the service removes the file now: nothing is left behind after us
                 self._outbox.put(pb.StreamBatchesRequest(mapped=True))
             return torch.from_numpy(arr)
-        arr = np.frombuffer(t.data if t.data is not None else b"", dtype=dtype).reshape(shape)
-        if not arr.flags.aligned:
-            return torch.from_numpy(arr.copy())
-        # the message was received for this batch alone (gRPC keeps no reference): its bytes
-        # are the tensor's, writable as torch.frombuffer makes them; torch warns of the flag
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(arr)
+        return torch.from_numpy(received_array(t.data or memoryview(b""), dtype, shape))
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         try:

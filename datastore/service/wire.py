@@ -42,6 +42,7 @@ __all__ = [
     "frame_batch",
     "keep_large_blocks",
     "parse_batch",
+    "received_array",
     "serialize",
 ]
 
@@ -94,13 +95,30 @@ def bytes_field_view(message: bytes, field: int) -> memoryview:
     return value
 
 
+def _writable(address: int, n: int, owner: Any) -> np.ndarray:
+    """A writable uint8 array over ``n`` bytes at ``address``, which ``owner`` holds; the array
+    keeps ``owner`` alive."""
+    room = (ctypes.c_ubyte * n).from_address(address)
+    room.owner = owner
+    return np.ctypeslib.as_array(room)
+
+
 def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray]:
     """A new ``bytes`` of ``n`` bytes and a writable uint8 array over its contents, to fill
     before the ``bytes`` is handed to anyone (CPython's ``PyBytes_FromStringAndSize(NULL, n)``,
-    as C code builds a ``bytes`` in place). The array does not keep the ``bytes`` alive."""
+    as C code builds a ``bytes`` in place)."""
     message = _new_bytes(None, n)
-    room = (ctypes.c_ubyte * n).from_address(id(message) + _BYTES_DATA)
-    return message, np.ctypeslib.as_array(room)
+    return message, _writable(id(message) + _BYTES_DATA, n, message)
+
+
+def received_array(payload: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A writable array over an inline ``payload`` of a message received for one batch alone
+    (gRPC keeps no reference to it): the tensor owns those bytes, no copy. It keeps the message
+    alive. A payload not aligned for ``dtype`` is copied."""
+    arr = np.frombuffer(payload, np.uint8)
+    if arr.ctypes.data % np.dtype(dtype).alignment:
+        return arr.view(dtype).reshape(shape).copy()
+    return _writable(arr.ctypes.data, arr.nbytes, payload.obj).view(dtype).reshape(shape)
 
 
 def batch_message(
