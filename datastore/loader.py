@@ -1,73 +1,132 @@
-"""``DataStoreLoader``: PyTorch batches from the sample store, embedded in the training process.
+"""``DataStoreLoader``: PyTorch batches for one rank of a data (x spatial) parallel job.
 
-Iterating yields ``{field: tensor}`` with the batch first. For a spatially decomposed model a
-rank receives only its block of each spatial field (plus halo), non-spatial fields whole.
+One front end over three sources (``datastore.sources``): the rank's own reads (local), an
+exchange between the ranks that hold the dataset once between them (MPI, or
+``torch.distributed`` under torchrun), or ``datastore serve`` (``address=``). The loader checks
+its arguments once, on every rank alike; owns the position in the sample sequence
+(``datastore.order``), the batch buffers (``datastore.ring``), the prefetch thread and the
+device stage (``datastore.device``); each source only fills the buffers it is given.
 
-Two ways to get the samples a rank needs, chosen automatically:
-
-- **exchange** (under MPI, more than one rank): every rank owns a contiguous 1/R of the
-  samples, read once (``preload``) into its store; at every step the owners send each consumer
-  exactly the blocks it needs (``datastore.exchange``), prefetched ahead from the known order.
-  The dataset is held once across the job.
-- **local** (one rank, or no MPI): the rank reads the blocks it needs directly (a region read:
-  HDF5 hyperslab, Zarr slice, npy memmap) and keeps them in its store for later epochs.
-
-A background thread prepares ``prefetch`` batches ahead into a ring of reused buffers: a
-batch's tensors stay valid until ``prefetch + 1`` further batches have been drawn (call
-``.clone()`` to keep one longer).
+A background thread prepares ``prefetch`` batches ahead: the source fills a buffer (copies
+spread over ``threads`` threads), the batch is copied to ``device`` on a side stream and
+``transform`` runs, then the consumer takes it. Tensors handed out view the loader's buffers
+(no copy) and are never overwritten while anyone holds them.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from datastore.exchange import Exchange, Part
-from datastore.order import EpochPosition, Schedule, contiguous_owners, rank_layout
-from datastore.partition import Grid, extract_block, full_region
+from datastore.agree import Collective, StepSync, agree
+from datastore.delivery import Delivered, Gather, delivered_fields, parse_spatial, spatial_grid
+from datastore.device import DeviceStage, parse_device
+from datastore.errors import DatasetNotFound, ExchangeTimeout, InsufficientMemory
+from datastore.memory import available_memory, parse_size
+from datastore.order import EpochPosition, RankLayout, Schedule, contiguous_owners, rank_layout
 from datastore.readers import open_dataset
+from datastore.ring import BufferRing
 from datastore.shards import shard_layout
+from datastore.sources.local import LocalSource, filled_batches
 from datastore.store import Counters, SlotSpec, Store
-from datastore.world import detect_world
+from datastore.world import World, detect_world
 
-__all__ = ["DataStoreLoader"]
+__all__ = ["VALID", "DataStoreLoader", "LoaderOptions"]
+
+VALID = "valid"  # the key of the mask of real samples when drop_last=False
 
 
 @dataclass(frozen=True)
-class _Field:
-    """How one field is delivered: full ``sample_shape``, or block ``shape`` of it."""
+class LoaderOptions:
+    """The loader's arguments that every source shares, checked (``ValueError``) and
+    normalised; see :class:`DataStoreLoader` for their meaning."""
 
-    name: str
-    dtype: np.dtype
-    sample_shape: tuple[int, ...]
-    spatial_axes: tuple[int, ...]
-    shape: tuple[int, ...]  # per sample, as delivered to this rank
-    region: tuple[slice, ...]  # what to read of a sample for this rank's block
-    pad: tuple[tuple[int, int], ...]  # zero padding around what was read
+    batch_size: int | None
+    global_batch_size: int | None
+    fields: tuple[str, ...] | None
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    spatial: dict[str, Any] | None
+    prefetch: int
+    pin_memory: bool
+    device: torch.device | None
+    threads: int | None
+    timeout: float
+    memory_budget: int | None
+    spill_dir: str | None
+    preload: bool
+    exchange: bool | None
+
+    @classmethod
+    def of(cls, **kw: Any) -> LoaderOptions:
+        if (kw["batch_size"] is None) == (kw["global_batch_size"] is None):
+            raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
+        for name in ("batch_size", "global_batch_size"):
+            v = kw[name]
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(kw["fields"], str):
+            raise ValueError(f"fields must be a list of names, got the string {kw['fields']!r}")
+        if not isinstance(kw["prefetch"], int) or kw["prefetch"] < 1:
+            raise ValueError(f"prefetch must be an int >= 1, got {kw['prefetch']!r}")
+        if kw["threads"] is not None and (not isinstance(kw["threads"], int) or kw["threads"] < 1):
+            raise ValueError(f"threads must be an int >= 1, got {kw['threads']!r}")
+        if not kw["timeout"] > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {kw['timeout']!r}")
+        device = parse_device(kw["device"])
+        budget = kw["memory_budget"]
+        return cls(
+            **{
+                **kw,
+                "fields": None if kw["fields"] is None else tuple(kw["fields"]),
+                "seed": int(kw["seed"]),
+                "spatial": parse_spatial(kw["spatial"]),
+                "device": None if device is None or device.type == "cpu" else device,
+                "timeout": float(kw["timeout"]),
+                "memory_budget": None if budget is None else parse_size(budget, "memory_budget"),
+            }
+        )
+
+    def fingerprint(self) -> dict[str, str]:
+        """What must be the same on every rank of a job."""
+        return {
+            "batch_size": repr(self.batch_size),
+            "global_batch_size": repr(self.global_batch_size),
+            "seed": repr(self.seed),
+            "shuffle": repr(self.shuffle),
+            "drop_last": repr(self.drop_last),
+            "spatial": repr(self.spatial),
+            "fields": repr(self.fields),
+            "exchange": repr(self.exchange),
+        }
 
 
-def _root(dataset: Any) -> str:
-    """The directory that sample file names are taken relative to."""
-    path = dataset if isinstance(dataset, str) else dataset.paths[0]
-    return path if os.path.isdir(path) else os.path.dirname(path)
+def _raw_fingerprint(kw: dict[str, Any]) -> dict[str, str]:
+    """The fingerprint of arguments that did not pass the checks (so every rank still agrees
+    on which rank refused)."""
+    keys = ("batch_size", "global_batch_size", "seed", "shuffle", "drop_last", "spatial")
+    return {**{k: repr(kw[k]) for k in keys}, "fields": repr(kw["fields"]), "exchange": "?"}
 
 
-def _offer(q: queue.Queue, item: Any, stop: threading.Event) -> None:
+def _offer(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
     """Put ``item`` unless the consumer has stopped: never block on a queue nobody drains."""
     while not stop.is_set():
         try:
             q.put(item, timeout=0.1)
-            return
+            return True
         except queue.Full:
             continue
+    return False
 
 
 class DataStoreLoader(EpochPosition):
@@ -80,37 +139,45 @@ class DataStoreLoader(EpochPosition):
         fields: fields to deliver. Default: all.
         seed: shuffle seed, the same on every rank. Default: ``0``.
         shuffle: a new permutation every epoch. Default: ``True``.
-        drop_last: drop the last partial global batch (else pad it with the epoch's first
-            samples); every rank gets the same number of batches either way. Default: ``True``.
-        spatial: ``{"parts": (2, 1, 1), "halo": (1, 1, 1), "boundary": "zero"}``: deliver each
-            rank its block of every spatial field. Ranks are spatial-fastest:
-            ``rank = data_rank * blocks + block``. Default: ``None`` (whole samples).
-        rank, world: this rank and the world size; default from torch.distributed, an MPI
-            launcher, torchrun or Slurm variables (``datastore.world``).
+        drop_last: drop the last partial global batch, else pad it with the epoch's first
+            samples and add ``batch["valid"]``, a bool tensor that is ``False`` for the
+            padding repeats. Every rank gets the same number of batches. Default: ``True``.
+        spatial: ``{"parts": (2, 1, 1), "halo": 1, "boundary": "zero"}``: deliver each rank
+            its block of every spatial field (``halo``: one width, or one per axis). Ranks
+            are spatial-fastest: ``rank = data_rank * blocks + block``. Default: ``None``.
+        rank, world: this rank and the world size. Default: from the launcher
+            (``datastore.world``); under an MPI launcher the exchange runs over MPI even when
+            they are given or ``torch.distributed`` is initialized.
         comm: an mpi4py communicator to exchange over. Default: ``COMM_WORLD`` under MPI.
-        exchange: force (``True``) or forbid (``False``) the MPI exchange. Default: automatic.
+        group: a ``torch.distributed`` group to exchange over when there is no MPI (torchrun).
+            Default: the default group, when initialized.
+        exchange: force (``True``) or forbid (``False``) the exchange. Default: automatic.
         preload: read the rank's samples when created, not on first use. Default: ``True``.
-        memory_budget: bytes of RAM for the store; beyond it slots spill to ``spill_dir`` or
-            are re-read. Default: ``None`` (no limit).
+        memory_budget: RAM for the store, in bytes or as ``"64G"``; beyond it samples spill to
+            ``spill_dir`` or are re-read. Default: ``None`` (no limit; a dataset larger than
+            the memory available is refused before reading).
         spill_dir: where the store spills. Default: ``None``.
         prefetch: batches prepared ahead. Default: ``2``.
-        pin_memory: page-locked batch buffers (CUDA only; ignored with a note otherwise).
-        timeout: seconds to wait for a batch before failing (a peer rank may have died).
-            Default: ``300``.
-        address: stream the batches from ``datastore serve`` at this Unix socket path (or
-            ``unix://PATH``, ``HOST:PORT``) instead of reading here: the constructor then
-            returns a ``datastore.service.client.RemoteLoader`` with the same iteration API.
-            Default: ``None``: ``DATASTORE_ADDRESS`` if set and not empty, else embedded.
+        pin_memory: page-locked batch buffers (CUDA only; ignored with a warning otherwise).
+        device: ``"cuda"``, ``"cuda:1"``, a ``torch.device``: batches arrive as tensors on
+            that device, copied from pinned buffers on a side stream. Default: ``None``.
+        threads: threads copying each batch. Default: the cores this rank may use, up to 16.
+        transform: ``transform(batch) -> batch`` on every batch, after the rank's block is
+            cut; on the device when ``device`` is set (on the side stream). Default: none.
+        collate: ``collate(batch) -> anything``: what iteration yields. Default: the batch.
+        timeout: seconds to wait for peers or the service before failing with an error
+            naming the step and the peer. Default: ``300``.
+        address: stream from ``datastore serve`` at this Unix socket (``unix://PATH``) or
+            ``HOST:PORT``. Default: ``$DATASTORE_ADDRESS`` if set, else embedded.
+        token, transport, job_id, tls_ca: for ``address``: the TCP token, ``"auto"`` /
+            ``"shm"`` / ``"inline"``, the job name in ``datastore status``, the TLS CA.
+
+    Raises:
+        TypeError: an unknown keyword argument.
+        ValueError: a bad argument (every rank raises alike); ``RankMismatch`` when ranks
+            disagree on arguments or the dataset.
+        DatasetNotFound, PathNotAllowed, ServiceUnavailable: see ``datastore.errors``.
     """
-
-    def __new__(cls, *args: Any, address: str | None = None, **kwargs: Any) -> Any:
-        if address is None:
-            address = os.environ.get("DATASTORE_ADDRESS") or None
-        if address is None:
-            return super().__new__(cls)
-        from datastore.service.client import RemoteLoader
-
-        return RemoteLoader(*args, address=address, **kwargs)
 
     def __init__(
         self,
@@ -126,225 +193,318 @@ class DataStoreLoader(EpochPosition):
         rank: int | None = None,
         world: int | None = None,
         comm: Any = None,
+        group: Any = None,
         exchange: bool | None = None,
         preload: bool = True,
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         spill_dir: str | None = None,
         prefetch: int = 2,
         pin_memory: bool = False,
+        device: Any = None,
+        threads: int | None = None,
+        transform: Callable[[dict[str, torch.Tensor]], Any] | None = None,
+        collate: Callable[[dict[str, torch.Tensor]], Any] | None = None,
         timeout: float = 300.0,
         address: str | None = None,
+        token: str | None = None,
+        transport: str = "auto",
+        job_id: str = "",
+        tls_ca: str | os.PathLike | None = None,
     ):
-        self.reader = open_dataset(dataset)
-        self.world = detect_world(rank, world, comm)
-        multi = self.world.comm is not None and self.world.size > 1
-        if exchange and not multi:
-            raise ValueError("exchange=True needs an MPI communicator with more than one rank")
-        self.exchanging = multi if exchange is None else exchange
+        kw = {
+            "batch_size": batch_size,
+            "global_batch_size": global_batch_size,
+            "fields": fields,
+            "seed": seed,
+            "shuffle": shuffle,
+            "drop_last": drop_last,
+            "spatial": spatial,
+            "prefetch": prefetch,
+            "pin_memory": pin_memory,
+            "device": device,
+            "threads": threads,
+            "timeout": timeout,
+            "memory_budget": memory_budget,
+            "spill_dir": spill_dir,
+            "preload": preload,
+            "exchange": exchange,
+        }
+        self.transform, self.collate = transform, collate
+        self.world: World = detect_world(rank, world, comm)
+        self._coll = self._collective(group, exchange)
+        error: BaseException | None = None
+        self.options: LoaderOptions | None = None
+        try:
+            self.options = LoaderOptions.of(**kw)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        if address is None:
+            address = os.environ.get("DATASTORE_ADDRESS") or None
+        self._broken: str | None = None
+        self._source: Any = None
+        self._exchange: Any = None
+        self.store: Store | None = None
+        reader = None
+        if address is None:
+            try:
+                reader = open_dataset(dataset) if error is None else None
+            except FileNotFoundError as exc:
+                error = DatasetNotFound(str(exc))
+            except (OSError, ValueError) as exc:
+                error = exc
+        self._agree(_raw_fingerprint(kw) if error else self.options.fingerprint(), error)
+        o = self.options
+        self.gather = Gather(o.threads)
+        self._stage = DeviceStage(o.device) if o.device is not None else None
+        if address is not None:
+            self._remote(dataset, address, token, transport, job_id, tls_ca)
+        else:
+            self._embedded(dataset, reader)
+        self.epoch, self._step = 0, 0
+        self.ring = BufferRing(self.fields, self.batch_size, o.prefetch + 2, o.pin_memory)
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _collective(self, group: Any, exchange: bool | None) -> Collective | None:
+        """The ranks' collective: MPI when launched by it, else ``torch.distributed``."""
+        if self.world.size < 2 or exchange is False:
+            return None
+        if self.world.comm is not None:
+            return Collective(comm=self.world.comm)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from datastore.sources.torch_dist import gloo_group
+
+            return Collective(group=gloo_group(group))
+        if exchange:
+            raise ValueError(
+                "exchange=True needs an MPI launcher or an initialized torch.distributed group"
+            )
+        warnings.warn(
+            f"datastore: {self.world.size} ranks ({self.world.source}) but no MPI and no "
+            "torch.distributed process group: every rank reads and holds the samples it needs "
+            "itself. Call torch.distributed.init_process_group first (or launch with mpiexec) "
+            "to hold the dataset once between the ranks.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+
+    def _agree(self, fingerprint: dict[str, str], error: BaseException | None) -> None:
+        """Raise ``error`` (or a peer's, or a disagreement) on every rank alike."""
+        timeout = self.options.timeout if self.options is not None else 300.0
+        if self._coll is not None:
+            agree(self._coll, fingerprint, error, timeout)
+        elif error is not None:
+            raise error
+
+    def _layout(self, info: dict[str, Any]) -> tuple[Any, RankLayout, Schedule]:
+        o = self.options
+        grid = spatial_grid(info, o.spatial)
+        blocks = grid.nblocks if grid is not None else 1
+        layout = rank_layout(self.world.rank, self.world.size, blocks)
+        gb = o.global_batch_size or o.batch_size * layout.data_world  # type: ignore[operator]
+        schedule = Schedule(
+            len(self.reader), gb, o.seed, o.shuffle, "pad" if not o.drop_last else "drop"
+        )
+        schedule.local_batch(layout.data_world)
+        if not o.drop_last and VALID in info:
+            raise ValueError(
+                f"the dataset has a field named {VALID!r}, the key of the padding mask with "
+                "drop_last=False: leave it out with fields=[...] or use drop_last=True"
+            )
+        return grid, layout, schedule
+
+    def _embedded(self, dataset: Any, reader: Any) -> None:
+        o = self.options
+        self.reader = reader
+        exchanging = self._coll is not None
         owner = None
-        if self.exchanging:
-            owner = contiguous_owners(len(self.reader), self.world.size)
-            sharded = shard_layout(self.reader, _root(dataset), self.world.comm)
+        if exchanging:
+            owner = contiguous_owners(len(reader), self.world.size)
+            sharded = shard_layout(reader, _root(dataset), self._coll)
             if sharded is not None:  # each node holds its share (datastore stage --mode shard)
                 self.reader, owner = sharded
-        self.fields = self._fields(fields, spatial)
-        nblocks = self._grid.nblocks if self._grid is not None else 1
-        self.layout = rank_layout(self.world.rank, self.world.size, nblocks)
-        dw = self.layout.data_world
-        if (batch_size is None) == (global_batch_size is None):
-            raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
-        gb = global_batch_size if global_batch_size is not None else batch_size * dw
-        tail = "drop" if drop_last else "pad"
-        self.schedule = Schedule(len(self.reader), gb, seed, shuffle, tail)
-        self.batch_size = self.schedule.local_batch(dw)
-        self.prefetch, self.timeout = max(1, prefetch), timeout
-        self.epoch, self._step = 0, 0
-        self._exchange: Exchange | None = None
-        if owner is not None:
-            keys = np.flatnonzero(owner == self.world.rank)
-            specs = {f.name: SlotSpec(f.sample_shape, f.dtype) for f in self.fields}
-            self.store = Store(keys, specs, self._read_sample, memory_budget, spill_dir)
-            self._exchange = Exchange(
-                self.world.comm, owner, dw, nblocks, self._sources, self._targets, self._local
-            )
-        else:
-            keys = np.arange(len(self.reader))
-            specs = {f.name: SlotSpec(f.shape, f.dtype) for f in self.fields}
-            self.store = Store(keys, specs, self._read_block, memory_budget, spill_dir)
-        if preload:
-            self.store.preload()
-        self._ring = [self._batch_buffers(pin_memory) for _ in range(self.prefetch + 2)]
-        self._filling: dict[str, np.ndarray] = {}
-
-    # -- layout ------------------------------------------------------------------------------
-    def _fields(self, names: list[str] | None, spatial: dict[str, Any] | None) -> list[_Field]:
-        info = self.reader.fields
-        names = list(info) if names is None else names
-        for n in names:
-            if n not in info:
-                raise ValueError(f"no field {n!r} in the dataset (it has {', '.join(info)})")
-        self._grid = None
-        out = []
-        for n in names:
-            fi = info[n]
-            shape, axes = tuple(fi.shape), tuple(fi.spatial_axes)
-            region = tuple(slice(0, s) for s in shape)
-            pad = tuple((0, 0) for _ in shape)
-            delivered = shape
-            if spatial and axes:
-                vol = tuple(shape[a] for a in axes)
-                grid = Grid(
-                    vol,
-                    tuple(spatial["parts"]),
-                    tuple(spatial.get("halo", ())),
-                    spatial.get("boundary", "zero"),
+        error: BaseException | None = None
+        try:
+            info = self.reader.fields
+            names = list(info) if o.fields is None else list(o.fields)
+            for n in names:
+                if n not in info:
+                    raise ValueError(f"no field {n!r} in the dataset (it has {', '.join(info)})")
+            info = {n: info[n] for n in names}
+            grid, layout, schedule = self._layout(info)
+            blocks = grid.nblocks if grid is not None else 1
+            by_block = {k: delivered_fields(info, grid, k) for k in range(blocks)}
+            mine = by_block[layout.spatial_rank]
+            if owner is not None:
+                keys = np.flatnonzero(owner == self.world.rank)
+                per_key = sum(
+                    int(np.prod(fi.shape)) * np.dtype(fi.dtype).itemsize for fi in info.values()
                 )
-                if self._grid is not None and self._grid.shape != vol:
-                    raise ValueError(
-                        f"spatial field {n!r} has shape {vol}, others {self._grid.shape}"
-                    )
-                self._grid = grid
-            out.append(_Field(n, np.dtype(fi.dtype), shape, axes, delivered, region, pad))
-        if spatial and self._grid is None:
-            raise ValueError("spatial= was given but no delivered field has spatial axes")
-        if self._grid is None:
-            return out
-        k = self.world.rank % self._grid.nblocks
-        return [self._blocked(f, k) if f.spatial_axes else f for f in out]
+            else:
+                keys = np.arange(len(self.reader))
+                per_key = sum(f.nbytes for f in mine)
+            self._check_memory(len(keys) * per_key)
+        except (ValueError, MemoryError) as exc:
+            error = exc
+        signature = {n: (str(fi.dtype), tuple(fi.shape)) for n, fi in self.reader.fields.items()}
+        self._agree({"dataset": f"{len(self.reader)} samples, fields {signature}"}, error)
+        self.grid, self.layout, self.schedule = grid, layout, schedule
+        self.fields: list[Delivered] = mine
+        self.batch_size = schedule.local_batch(layout.data_world)
+        if owner is None:
+            local = LocalSource(self.reader, mine, o.memory_budget, o.spill_dir, self.gather)
+            self.store = local.store
+            self._deliver = lambda _step, samples, out: local.deliver(samples, out)
+            self._sync = None
+        else:
+            specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in info.items()}
+            self.store = Store(keys, specs, self._read_sample, o.memory_budget, o.spill_dir)
+            self._exchange = self._make_exchange(owner, layout, by_block)
+            self._deliver = self._exchange.step
+            self._sync = StepSync(self._coll, o.timeout)
+        if o.preload:
+            self.store.preload(threads=max(4, self.gather.threads))
 
-    def _blocked(self, f: _Field, k: int) -> _Field:
-        region, pad = full_region(self._grid, k, len(f.sample_shape), f.spatial_axes)
-        region = tuple(  # explicit bounds on every axis (full_region leaves non-spatial open)
-            slice(*r.indices(n)[:2]) for r, n in zip(region, f.sample_shape, strict=True)
-        )
-        shape = tuple(s.stop - s.start + a + b for s, (a, b) in zip(region, pad, strict=True))
-        return _Field(f.name, f.dtype, f.sample_shape, f.spatial_axes, shape, region, pad)
+    def _make_exchange(self, owner: np.ndarray, layout: RankLayout, by_block: dict) -> Any:
+        o = self.options
+        args = (owner, layout.data_world, layout.spatial_size, self.store, by_block, self.gather)
+        if self._coll.comm is not None:
+            from datastore.sources.mpi import MpiExchange
 
-    def _for_block(self, f: _Field, k: int) -> _Field:
-        return self._blocked(f, k) if (self._grid is not None and f.spatial_axes) else f
+            return MpiExchange(self._coll.comm, *args, timeout=o.timeout)
+        from datastore.sources.torch_dist import TorchExchange
 
-    # -- reading -----------------------------------------------------------------------------
+        return TorchExchange(self._coll.group, *args, timeout=o.timeout)
+
+    def _check_memory(self, need: int) -> None:
+        """Refuse, before reading, a store larger than the memory this process can use."""
+        if self.options.memory_budget is not None:
+            return
+        free = available_memory()
+        if free is not None and need > free:
+            raise InsufficientMemory(
+                f"this rank would hold {need / 2**30:.2f} GiB of the dataset in memory, but "
+                f"only {free / 2**30:.2f} GiB is available: pass memory_budget= (e.g. "
+                f"memory_budget='{max(1, int(free * 0.8 / 2**30))}G') and spill_dir= on "
+                "node-local disk to keep the rest there, or run more ranks (the exchange "
+                "splits the dataset between them)"
+            )
+
     def _read_sample(self, index: int, name: str, out: np.ndarray) -> None:
         self.reader.read(index, name, out=out)
 
-    def _read_block(self, index: int, name: str, out: np.ndarray) -> None:
-        f = next(x for x in self.fields if x.name == name)
-        if not any(a or b for a, b in f.pad):
-            self.reader.read(index, name, region=f.region, out=out)
-            return
-        out.fill(0)
-        inner = tuple(
-            slice(a, a + s.stop - s.start) for s, (a, _) in zip(f.region, f.pad, strict=True)
+    def _remote(
+        self, dataset: Any, address: str, token: Any, transport: str, job_id: str, tls_ca: Any
+    ) -> None:
+        from datastore.sources.service import ServiceSource
+
+        o = self.options
+        source = ServiceSource(
+            dataset,
+            address,
+            options=o,
+            world=self.world,
+            token=token,
+            transport=transport,
+            job_id=job_id,
+            tls_ca=tls_ca,
+            gather=self.gather,
         )
-        out[inner] = self.reader.read(index, name, region=f.region)
+        self._source = source
+        self.grid, self.layout, self.schedule = source.grid, source.layout, source.schedule
+        self.fields = source.fields
+        self.batch_size = source.batch_size
+        self.reader = None
+        self._sync = None
 
-    # -- exchange callbacks --------------------------------------------------------------------
-    def _sources(self, sample: int, k: int) -> list[Part]:
-        parts = []
-        for f in self.fields:
-            vol = self.store.get(sample, f.name)
-            if not self.store.resident(sample):
-                vol = vol.copy()  # a re-read scratch array must outlive the non-blocking send
-            fk = self._for_block(f, k)
-            starts = tuple(r.start for r in fk.region)
-            parts.append(Part(vol, starts, tuple(r.stop - r.start for r in fk.region)))
-        return parts
+    # -- iteration -----------------------------------------------------------------------------
+    def _host_batches(self, epoch: int, start: int, stop: threading.Event) -> Any:
+        if self._source is not None:
+            return self._source.batches(epoch, start, stop, self.ring)
+        return filled_batches(
+            self.schedule, self.layout, epoch, start, stop, self.ring, self._deliver, self._sync
+        )
 
-    def _targets(self, pos: int) -> list[Part]:
-        return [
-            Part(
-                self._filling[f.name][pos, ...],
-                tuple(a for a, _ in f.pad),
-                tuple(r.stop - r.start for r in f.region),
-            )
-            for f in self.fields
-        ]
-
-    def _local(self, sample: int, k: int, pos: int) -> None:
-        for f in self.fields:
-            vol, dst = self.store.get(sample, f.name), self._filling[f.name][pos, ...]
-            if self._grid is not None and f.spatial_axes:
-                extract_block(vol, self._grid, k, f.spatial_axes, out=dst)
-            else:
-                dst[...] = vol
-
-    # -- batches -------------------------------------------------------------------------------
-    def _batch_buffers(self, pin: bool) -> dict[str, np.ndarray]:
-        if pin and not torch.cuda.is_available():
-            print("datastore: note: pin_memory needs CUDA; using pageable memory", file=sys.stderr)
-            pin = False
-        out = {}
-        for f in self.fields:
-            t = torch.zeros(  # zeroed once: halo outside the volume is never written again
-                (self.batch_size, *f.shape),
-                dtype=torch.from_numpy(np.empty(0, f.dtype)).dtype,
-                pin_memory=pin,
-            )
-            out[f.name] = t.numpy()
-        return out
-
-    def _fill(self, step: int, order: np.ndarray, buf: dict[str, np.ndarray]) -> None:
-        g = self.schedule.global_batch_at(self.epoch, step, order)
-        if self._exchange is not None:
-            self._filling = buf
-            self._exchange.step(g)
-            return
-        mine = self.schedule.rank_batch(g, self.layout.data_rank, self.layout.data_world)
-        for pos, sample in enumerate(mine.tolist()):
-            for f in self.fields:
-                buf[f.name][pos] = self.store.get(sample, f.name)
-
-    def _produce(self, start: int, q: queue.Queue, stop: threading.Event) -> None:
+    def _produce(self, epoch: int, start: int, q: queue.Queue, stop: threading.Event) -> None:
+        o, lay = self.options, self.layout
         try:
-            order = self.schedule.order(self.epoch)
-            for step in range(start, self.schedule.steps_per_epoch):
-                halt = stop.is_set()
-                if self._exchange is not None:
-                    halt = self._exchange.agree_to_stop(halt)
-                if halt:
-                    break
-                buf = self._ring[step % len(self._ring)]
-                self._fill(step, order, buf)
-                _offer(q, (step, buf), stop)
+            for step, buf in self._host_batches(epoch, start, stop):
+                if self._stage is not None:
+                    batch, event = self._stage.upload(buf.tensors, None)
+                    buf.release_after(event)
+                else:
+                    batch, event = buf.views(), None
+                if not o.drop_last:
+                    mask = torch.from_numpy(
+                        self.schedule.valid(step, lay.data_rank, lay.data_world)
+                    )
+                    batch[VALID] = mask if self._stage is None else mask.to(o.device)
+                if self.transform is not None:
+                    batch = self._transformed(batch)
+                if not _offer(q, (step, batch, event), stop):
+                    return
         except BaseException as exc:  # handed to the consumer, which raises it
-            _offer(q, (None, exc), stop)
+            _offer(q, (None, exc, None), stop)
             return
-        _offer(q, (None, None), stop)
+        _offer(q, (None, None, None), stop)
+
+    def _transformed(self, batch: dict[str, torch.Tensor]) -> Any:
+        if self._stage is None or self._stage.stream is None:
+            return self.transform(batch)  # type: ignore[misc]
+        with torch.cuda.stream(self._stage.stream):
+            return self.transform(batch)  # type: ignore[misc]
 
     def __iter__(self):
-        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        if self._broken:
+            raise RuntimeError(self._broken)
+        q: queue.Queue = queue.Queue(maxsize=self.options.prefetch)
         stop = threading.Event()
-        start = self._step
         worker = threading.Thread(
-            target=self._produce, args=(start, q, stop), daemon=True, name="datastore-prefetch"
+            target=self._produce,
+            args=(self.epoch, self._step, q, stop),
+            daemon=True,
+            name="datastore-prefetch",
         )
         worker.start()
-        finished = False
+        counters = self.store.counters if self.store is not None else self._source.counters
         try:
             while True:
                 t0 = time.perf_counter()
                 try:
-                    step, item = q.get(timeout=self.timeout)
+                    step, batch, event = q.get(timeout=self.options.timeout + 5)
                 except queue.Empty:
-                    raise RuntimeError(
-                        f"no batch within {self.timeout:.0f} s (rank {self.world.rank}): "
-                        "a peer rank may have failed"
+                    raise ExchangeTimeout(
+                        f"no batch within {self.options.timeout:.0f} s (rank {self.world.rank}, "
+                        f"epoch {self.epoch} step {self._step}): a peer rank or the service "
+                        "may have failed",
+                        self._step,
                     ) from None
-                self.store.counters.wait_seconds += time.perf_counter() - t0
+                counters.wait_seconds += time.perf_counter() - t0
                 if step is None:
-                    if item is not None:
-                        raise item
-                    finished = True
+                    if batch is not None:
+                        raise batch
                     return
-                self._step = step + 1
-                yield {name: torch.from_numpy(arr) for name, arr in item.items()}
+                if self._stage is not None:
+                    batch = self._stage.hand_out(batch, event)
+                self._handed_out(step)
+                yield self.collate(batch) if self.collate is not None else batch
+                del batch
         finally:
             stop.set()
-            worker.join()
-            self._end_iteration(finished)
+            worker.join(self.options.timeout + 10)
+            if worker.is_alive():
+                self._broken = (
+                    "the loader's prefetch thread did not stop within the timeout (a peer "
+                    "rank stopped answering): build a new loader"
+                )
 
+    # -- what it did ---------------------------------------------------------------------------
     @property
     def counters(self) -> Counters:
+        if self.store is None:
+            return self._source.counters
         c = self.store.counters
         if self._exchange is not None:
             c.bytes_exchanged = self._exchange.bytes_sent
@@ -352,8 +512,27 @@ class DataStoreLoader(EpochPosition):
         return c
 
     def close(self) -> None:
+        """Free the store, the exchange, the session with the service; tensors handed out
+        stay valid."""
         if self._exchange is not None:
             self._exchange.close()
             self._exchange = None
-        self.store.close()
-        self.reader.close()
+        if self._source is not None:
+            self._source.close()
+        if self.store is not None:
+            self.store.close()
+        if self.reader is not None:
+            self.reader.close()
+        self.gather.close()
+
+    def __enter__(self) -> DataStoreLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _root(dataset: Any) -> str:
+    """The directory that sample file names are taken relative to."""
+    path = dataset if isinstance(dataset, str) else dataset.paths[0]
+    return path if os.path.isdir(path) else os.path.dirname(path)

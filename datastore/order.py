@@ -112,6 +112,13 @@ class Schedule:
             )
         return self.global_batch // data_world
 
+    def valid(self, step: int, data_rank: int, data_world: int) -> np.ndarray:
+        """Which of data rank ``data_rank``'s samples at ``step`` are real (``True``) rather
+        than the repeats that pad the epoch's last batch (``tail="pad"``)."""
+        b = self.local_batch(data_world)
+        first = step * self.global_batch + data_rank * b
+        return np.arange(first, first + b) < self.num_samples
+
     def rank_batch(self, global_batch: np.ndarray, data_rank: int, data_world: int) -> np.ndarray:
         """Data rank ``data_rank``'s contiguous share of a global batch."""
         b = self.local_batch(data_world)
@@ -184,7 +191,9 @@ def check_state(schedule: Schedule, saved: dict[str, Any]) -> tuple[int, int]:
 
 class EpochPosition:
     """Where a loader is in its sequence: ``epoch`` and ``_step`` (the next batch) over
-    ``schedule``. Shared by the embedded and the remote loader, which set the three attributes."""
+    ``schedule``. An epoch ends when its last batch is handed out, not when a ``for`` loop
+    asks for one more: a consumer that stops after ``len(loader)`` batches (Lightning,
+    ``islice``) still moves on to the next epoch."""
 
     schedule: Schedule
     epoch: int
@@ -202,9 +211,18 @@ class EpochPosition:
         return state(self.schedule, self.epoch, self._step)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.epoch, self._step = check_state(self.schedule, saved)
+        epoch, step = check_state(self.schedule, saved)
+        self.epoch, self._step = (
+            (epoch + 1, 0)
+            if step >= self.schedule.steps_per_epoch
+            else (
+                epoch,
+                step,
+            )
+        )
 
-    def _end_iteration(self, finished: bool) -> None:
-        """After a pass: a finished epoch moves on to the next one's first batch."""
-        if finished and self._step >= self.schedule.steps_per_epoch:
+    def _handed_out(self, step: int) -> None:
+        """Batch ``step`` is with the consumer: the next one, or the next epoch's first."""
+        self._step = step + 1
+        if self._step >= self.schedule.steps_per_epoch:
             self.epoch, self._step = self.epoch + 1, 0

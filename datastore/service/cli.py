@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from datastore.memory import parse_size
+
 __all__ = ["add_parser", "format_status", "status_dict"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -230,16 +232,10 @@ def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
 
 def parse_bytes(text: str) -> int:
     """``"64G"`` -> bytes (K, M, G, T: powers of 1024; a plain number: bytes)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in units else ""
     try:
-        value = float(t[: len(t) - len(unit)])
+        return parse_size(text, "size")
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 64G)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
-    return int(value * units[unit])
 
 
 def run_serve(args: argparse.Namespace) -> int:

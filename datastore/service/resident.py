@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from datastore.delivery import Delivered, delivered_fields, fill_batch, spatial_grid
 from datastore.partition import Grid
 from datastore.readers import open_dataset
-from datastore.service.batches import Delivered, delivered_fields, fill_batch, spatial_grid
 from datastore.service.errors import ServiceError
 from datastore.service.paths import within_roots
 from datastore.service.peers import Peers
@@ -132,7 +132,7 @@ class Resident:
         grid: Grid | None = spatial_grid(info, spatial)
         fields = delivered_fields(info, grid, block)
         buf, arrays = _packed(fields, len(samples))
-        fill_batch(samples, fields, grid, block, self.sample, arrays)
+        fill_batch(samples, fields, self.sample, arrays)
         return buf
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from datastore.delivery import Delivered, delivered_fields, spatial_grid
 from datastore.order import Schedule, rank_layout
 from datastore.partition import Grid
 from datastore.service._pb.v1 import datastore_pb2 as pb
-from datastore.service.batches import Delivered, delivered_fields, spatial_grid
 from datastore.service.errors import ServiceError
 from datastore.service.peers import node_path
 from datastore.service.resident import Residency, Resident, resolve_dataset

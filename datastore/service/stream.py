@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from datastore.delivery import Delivered, fill_batch
 from datastore.service._pb.v1 import datastore_pb2 as pb
-from datastore.service.batches import Delivered, fill_batch
 from datastore.service.shm import Segment
 from datastore.service.wire import batch_message
 
@@ -154,7 +154,7 @@ class Stream:
 
     Args:
         plan: ``plan(step) -> sample indices`` of this rank's share of global batch ``step``.
-        grid, block: the rank's block (``datastore.service.batches``).
+        grid, block: the rank's block (``datastore.delivery``).
         ring: the rank's slots, and the fields they hold.
         sample: ``sample(index, field)``: the stored whole sample.
         fetch: ``fetch(samples)``: ``{(index, field): delivered array}`` of the samples other
@@ -209,9 +209,7 @@ class Stream:
                     out = {f.name: a for f, a in zip(self._fields, room, strict=True)}
                 else:
                     message, out = header, self.ring.slots[slot]
-                fill_batch(
-                    samples, self._fields, self._grid, self._block, self._sample, out, fetched
-                )
+                fill_batch(samples, self._fields, self._sample, out, fetched)
                 self._ready.put((step, slot, message))
                 slot = None
         except BaseException as exc:  # handed to the call, which fails with it

@@ -28,7 +28,7 @@ def main() -> None:
     loader = DataStoreLoader(path, global_batch_size=gb, seed=11, spatial=spatial, prefetch=2)
     with h5py.File(path, "r") as f:
         x_all, idx_all = f["x"][...], f["idx"][...]
-    grid = loader._grid
+    grid = loader.grid
     k = comm.Get_rank() % grid.nblocks if grid is not None else 0
     sequence = []
     for epoch in range(epochs):

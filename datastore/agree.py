@@ -1,0 +1,215 @@
+"""Collective checks with a deadline: every rank learns the same thing, or times out clearly.
+
+Multi-rank code must refuse on every rank alike: a rank that raises alone leaves its peers
+waiting in the next collective. So a loader checks its arguments locally, then *all* ranks
+exchange what they found (:func:`agree`) and raise the same error together: one rank's bad
+argument, or ranks that disagree (``seed=rank``), becomes one error on every rank.
+
+The collectives are non-blocking (``Iallgather``, or ``async_op=True`` under
+``torch.distributed``) and polled against a deadline, so a rank that never arrives gives an
+:class:`~datastore.errors.ExchangeTimeout` instead of a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from datastore.errors import ExchangeTimeout, RankMismatch
+
+__all__ = ["Collective", "StepSync", "agree", "poll", "timeout_error"]
+
+
+def poll(
+    done: Any,
+    *,
+    deadline: float | None = None,
+    stop: threading.Event | None = None,
+    what: str = "a collective",
+    step: int = -1,
+    pending: Any = None,
+) -> bool:
+    """Wait until ``done()`` is true (``True``), or ``stop`` is set (``False``); past
+    ``deadline`` raise :class:`ExchangeTimeout` naming ``what``, ``step`` and the ranks
+    ``pending()`` still awaits."""
+    spins = 0
+    while not done():
+        if stop is not None and stop.is_set():
+            return False
+        if deadline is not None and time.monotonic() > deadline:
+            raise timeout_error(what, step, tuple(pending()) if pending is not None else ())
+        spins += 1
+        if spins > 100:  # past a short spin, yield the core to the threads doing the work
+            time.sleep(0.0005 if spins < 2000 else 0.005)
+    return True
+
+
+def timeout_error(what: str, step: int, peers: tuple[int, ...]) -> ExchangeTimeout:
+    """The error of a wait that outlasted the timeout."""
+    who = f" (waiting for rank {', '.join(map(str, peers))})" if peers else ""
+    at = f" at step {step}" if step >= 0 else ""
+    return ExchangeTimeout(
+        f"{what}{at} did not complete within the timeout{who}: a peer rank may have failed, "
+        "or stopped iterating while this one went on",
+        step,
+        peers,
+    )
+
+
+class Collective:
+    """The few collectives the loader needs, over an mpi4py communicator or a
+    ``torch.distributed`` group (gloo), each with a deadline."""
+
+    def __init__(self, comm: Any = None, group: Any = None) -> None:
+        self.comm, self.group = comm, group
+        if comm is not None:
+            self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        else:
+            import torch.distributed as dist
+
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def allgather_ints(
+        self,
+        values: list[int],
+        timeout: float | None,
+        what: str,
+        step: int = -1,
+        stop: threading.Event | None = None,
+    ) -> np.ndarray | None:
+        """``(size, len(values))`` int64: every rank's ``values`` (``None`` if ``stop`` was set
+        first: the communicator is then unusable)."""
+        mine = np.asarray(values, dtype=np.int64)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = {"deadline": deadline, "stop": stop, "what": what, "step": step}
+        if self.comm is not None:
+            out = np.empty((self.size, len(mine)), dtype=np.int64)
+            req = self.comm.Iallgather(mine, out)
+            return out if poll(req.Test, **wait) else None
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty(len(mine), dtype=torch.int64) for _ in range(self.size)]
+        work = dist.all_gather(parts, torch.from_numpy(mine), group=self.group, async_op=True)
+        if not poll(work.is_completed, **wait):
+            return None
+        work.wait()
+        return torch.stack(parts).numpy()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (only after :meth:`allgather_ints` showed all ranks are here)."""
+        if self.comm is not None:
+            return self.comm.allgather(obj)
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _digest(value: str) -> int:
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def agree(
+    coll: Collective,
+    fingerprint: dict[str, str],
+    error: BaseException | None,
+    timeout: float,
+    what: str = "the loader's start-up check",
+) -> None:
+    """Raise the same error on every rank when any rank had ``error`` or the ranks'
+    ``fingerprint`` values differ (:class:`RankMismatch`, naming the key and the ranks).
+
+    ``fingerprint`` must have the same keys, in the same order, on every rank.
+    """
+    keys = list(fingerprint)
+    got = coll.allgather_ints(
+        [int(error is not None), *(_digest(fingerprint[k]) for k in keys)], timeout, what
+    )
+    assert got is not None  # no stop event: it completes or raises
+    if not got[:, 0].any() and (got[:, 1:] == got[0, 1:]).all():
+        return
+    every = coll.allgather((None if error is None else _describe(error), fingerprint))
+    failed = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
+    if failed:
+        if error is not None:
+            raise error
+        r, (kind, text) = failed[0]
+        raise _rebuild(kind, f"rank {r} refused: {text}")
+    for k in keys:
+        values = [fp[k] for _, fp in every]
+        if len(set(values)) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            shown = "; ".join(f"ranks {_ranks(rs)}: {v}" for v, rs in groups.items())
+            raise RankMismatch(
+                f"ranks disagree on {k}: {shown}. Every rank of a job must pass the same {k}"
+            )
+
+
+def _describe(error: BaseException) -> tuple[str, str]:
+    return type(error).__name__, str(error)
+
+
+def _rebuild(kind: str, text: str) -> BaseException:
+    """An error like a peer's: a ``ValueError`` stays a ``ValueError``, and so on."""
+    import datastore.errors as errors
+
+    cls = getattr(errors, kind, None) or {
+        "ValueError": ValueError,
+        "TypeError": TypeError,
+        "FileNotFoundError": FileNotFoundError,
+        "PermissionError": PermissionError,
+        "MemoryError": MemoryError,
+    }.get(kind, RuntimeError)
+    return cls(text)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+class StepSync:
+    """Keeps the ranks of an exchange in step: the same position when an iteration starts,
+    and every rank stopping at the same step when any consumer stops early.
+
+    Args:
+        coll: the ranks' collective.
+        timeout: seconds to wait for the other ranks at each check.
+    """
+
+    def __init__(self, coll: Collective, timeout: float) -> None:
+        self.coll, self.timeout = coll, timeout
+
+    def start(self, epoch: int, step: int) -> None:
+        """Raise :class:`RankMismatch` on every rank unless all start at ``(epoch, step)``."""
+        got = self.coll.allgather_ints([epoch, step], self.timeout, "the start of an epoch")
+        assert got is not None
+        if (got == got[0]).all():
+            return
+        at = ", ".join(f"rank {r} at epoch {e} step {s}" for r, (e, s) in enumerate(got.tolist()))
+        raise RankMismatch(
+            f"ranks start iterating at different positions ({at}): every rank must iterate "
+            "the loader alike (did one rank stop early, or call set_epoch alone?)"
+        )
+
+    def halt(self, step: int, stop: bool) -> bool:
+        """Whether to stop before ``step``: when any rank's consumer stopped. A rank that went
+        on while another stopped gets :class:`RankMismatch` naming it (not a short epoch)."""
+        got = self.coll.allgather_ints([int(stop)], self.timeout, "the step check", step)
+        assert got is not None
+        stopped = np.flatnonzero(got[:, 0]).tolist()
+        if not stopped:
+            return False
+        if stop or len(stopped) == len(got):
+            return True
+        raise RankMismatch(
+            f"rank {_ranks(stopped)} stopped iterating before step {step} while this rank "
+            "went on: every rank must take the same batches (stop on every rank at the same step)"
+        )

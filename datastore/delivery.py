@@ -1,0 +1,289 @@
+"""What one rank receives, and filling its batches: the delivery core of every source.
+
+A rank gets, for every delivered field, the whole sample (non-spatial fields, or no spatial
+split) or its block with halo (``datastore.partition``). The embedded loader, its exchanges
+and ``datastore serve`` all describe a rank's fields with :func:`delivered_fields` and fill
+batch buffers with :func:`fill_batch`, so every path gives the same shapes, the same bytes and
+the same zero halo outside the volume.
+
+Buffers are reused, and a consumer may edit a batch in place, so a fill writes the whole
+delivered box every time: the part inside the volume from the sample, the rest zeros.
+
+Copies are plain numpy copies, which release the GIL: :class:`Gather` spreads one batch's
+copies over several threads, since one thread copies well below what a GPU consumes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from datastore.partition import BOUNDARIES, Grid, full_region
+
+__all__ = [
+    "Delivered",
+    "Gather",
+    "covered",
+    "delivered_fields",
+    "fill_batch",
+    "parse_spatial",
+    "spatial_grid",
+]
+
+_PIECE = 2 << 20  # bytes: copies larger than this are split between threads
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """One field as one rank receives it."""
+
+    name: str
+    dtype: np.dtype
+    spatial_axes: tuple[int, ...]
+    shape: tuple[int, ...]  # per sample, with halo
+    origin: tuple[int, ...]  # where the delivered box starts in the whole sample (may be < 0)
+    blocked: bool
+    sample_shape: tuple[int, ...] = ()  # the whole sample's shape (``shape`` when not blocked)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def covered(f: Delivered) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """``(in the sample, in the delivered box)``: the part of ``f``'s box inside the volume."""
+    if not f.blocked:
+        whole = tuple(slice(0, n) for n in f.shape)
+        return whole, whole
+    src, dst = [], []
+    for o, n, size in zip(f.origin, f.shape, f.sample_shape, strict=True):
+        lo, hi = max(o, 0), min(o + n, size)
+        src.append(slice(lo, hi))
+        dst.append(slice(lo - o, hi - o))
+    return tuple(src), tuple(dst)
+
+
+def _pads(f: Delivered) -> list[tuple[slice, ...]]:
+    """Disjoint slabs of ``f``'s box outside the volume (empty when nothing is padded)."""
+    _, inner = covered(f)
+    slabs, before = [], []
+    for axis, (s, n) in enumerate(zip(inner, f.shape, strict=True)):
+        rest = (slice(None),) * (len(f.shape) - axis - 1)
+        if s.start > 0:
+            slabs.append((*before, slice(0, s.start), *rest))
+        if s.stop < n:
+            slabs.append((*before, slice(s.stop, n), *rest))
+        before.append(s)
+    return slabs
+
+
+def parse_spatial(spatial: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``spatial=`` checked and normalised to ``{"parts", "halo", "boundary"}`` (tuples).
+
+    ``halo`` may be one int for every axis. Raises ``ValueError`` naming what is wrong.
+    """
+    if spatial is None:
+        return None
+    if not isinstance(spatial, Mapping):
+        raise ValueError(
+            f"spatial must be a dict like {{'parts': (2, 1, 1), 'halo': 1}}, got {spatial!r}"
+        )
+    unknown = set(spatial) - {"parts", "halo", "boundary"}
+    if unknown:
+        raise ValueError(
+            f"spatial has unknown key(s) {sorted(unknown)}: it takes parts, halo, boundary"
+        )
+    if "parts" not in spatial:
+        raise ValueError("spatial needs 'parts': blocks per spatial axis, e.g. (2, 1, 1)")
+    parts = _ints("spatial['parts']", spatial["parts"])
+    if not parts or min(parts) < 1:
+        raise ValueError(f"spatial['parts'] must be ints >= 1, got {spatial['parts']!r}")
+    halo_in = spatial.get("halo", 0)
+    if isinstance(halo_in, int):
+        halo = (halo_in,) * len(parts)
+    else:
+        halo = _ints("spatial['halo']", halo_in)
+    if len(halo) != len(parts):
+        raise ValueError(f"spatial['halo'] {halo} needs one width per axis of parts {parts}")
+    boundary = spatial.get("boundary", "zero")
+    if boundary not in BOUNDARIES:
+        raise ValueError(f"spatial['boundary'] must be one of {BOUNDARIES}, got {boundary!r}")
+    return {"parts": parts, "halo": halo, "boundary": boundary}
+
+
+def _ints(name: str, value: Any) -> tuple[int, ...]:
+    try:
+        return tuple(operator.index(v) for v in value)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of ints, got {value!r}") from None
+
+
+def spatial_grid(info: dict[str, Any], spatial: Mapping[str, Any] | None) -> Grid | None:
+    """The grid splitting every spatial field, from ``{"parts", "halo", "boundary"}``."""
+    spatial = parse_spatial(spatial)
+    if not spatial:
+        return None
+    volumes = {
+        tuple(fi.shape[a] for a in fi.spatial_axes) for fi in info.values() if fi.spatial_axes
+    }
+    if not volumes:
+        raise ValueError("a spatial layout was given but no delivered field has spatial axes")
+    if len(volumes) > 1:
+        raise ValueError(f"spatial fields have different volumes: {sorted(volumes)}")
+    volume = volumes.pop()
+    if len(volume) != len(spatial["parts"]):
+        raise ValueError(
+            f"spatial['parts'] {spatial['parts']} has {len(spatial['parts'])} axes, the "
+            f"volume {volume} has {len(volume)}"
+        )
+    return Grid(volume, spatial["parts"], spatial["halo"], spatial["boundary"])
+
+
+def delivered_fields(info: dict[str, Any], grid: Grid | None, block: int) -> list[Delivered]:
+    """The fields ``info`` (``{name: FieldInfo}``) as block ``block`` of ``grid`` receives them."""
+    out = []
+    for name, fi in info.items():
+        shape, axes = tuple(int(s) for s in fi.shape), tuple(fi.spatial_axes)
+        dtype = np.dtype(fi.dtype)
+        if grid is None or not axes:
+            out.append(Delivered(name, dtype, axes, shape, (0,) * len(shape), False, shape))
+            continue
+        read, pad = full_region(grid, block, len(shape), axes)
+        box = tuple(
+            r.indices(n)[1] - r.indices(n)[0] + a + b
+            for r, n, (a, b) in zip(read, shape, pad, strict=True)
+        )
+        origin = tuple(r.indices(n)[0] - a for r, n, (a, _) in zip(read, shape, pad, strict=True))
+        out.append(Delivered(name, dtype, axes, box, origin, True, shape))
+    return out
+
+
+def default_threads() -> int:
+    """Gather threads for this rank: the cores it may use, shared with the ranks on its node."""
+    cores = len(os.sched_getaffinity(0))
+    per_node = 1
+    for var in ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            per_node = max(1, int(os.environ[var]))
+            break
+    if per_node > 1 and cores > per_node * 2:  # an unbound rank sees the whole node
+        cores //= per_node
+    return max(1, min(16, cores))
+
+
+Copy = tuple[np.ndarray, np.ndarray | None]  # (destination, source); None: fill with zeros
+
+
+class Gather:
+    """Runs a batch's copies on ``threads`` threads (the calling one included).
+
+    Args:
+        threads: copies at a time. Default: :func:`default_threads`.
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = default_threads() if threads is None else int(threads)
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads!r}")
+        self._pool = (
+            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="datastore-gather")
+            if self.threads > 1
+            else None
+        )
+
+    def run(self, copies: list[Copy]) -> None:
+        """Do every copy; large ones are split along their first axis between the threads."""
+        if self._pool is None:
+            for dst, src in copies:
+                _copy(dst, src)
+            return
+        total = sum(d.nbytes for d, _ in copies)
+        piece = max(_PIECE, total // (self.threads * 2))
+        work: list[Copy] = []
+        for dst, src in copies:
+            work.extend(_split(dst, src, piece))
+        if len(work) <= 1:
+            _copy_all(work)
+            return
+        per = math.ceil(len(work) / self.threads)
+        parts = [work[i : i + per] for i in range(0, len(work), per)]
+        futures = [self._pool.submit(_copy_all, p) for p in parts[1:]]
+        _copy_all(parts[0])
+        for fut in futures:
+            fut.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _copy(dst: np.ndarray, src: np.ndarray | None) -> None:
+    if src is None:
+        dst.fill(0)
+    else:
+        np.copyto(dst, src, casting="same_kind")
+
+
+def _copy_all(copies: list[Copy]) -> None:
+    for dst, src in copies:
+        _copy(dst, src)
+
+
+def _split(dst: np.ndarray, src: np.ndarray | None, piece: int) -> list[Copy]:
+    if dst.nbytes <= piece or dst.ndim == 0 or dst.shape[0] < 2:
+        return [(dst, src)]
+    n = min(dst.shape[0], math.ceil(dst.nbytes / piece))
+    cuts = np.linspace(0, dst.shape[0], n + 1).astype(int)
+    return [
+        (dst[a:b], None if src is None else src[a:b])
+        for a, b in itertools.pairwise(cuts.tolist())
+        if b > a
+    ]
+
+
+def box_copies(f: Delivered, dst: np.ndarray, vol: np.ndarray) -> list[Copy]:
+    """The copies writing ``f``'s whole box ``dst`` from the whole sample ``vol``."""
+    if not f.blocked:
+        return [(dst, vol)]
+    src, inner = covered(f)
+    return [(dst[inner], vol[src]), *((dst[s], None) for s in _pads(f))]
+
+
+def pad_copies(f: Delivered, dst: np.ndarray) -> list[Copy]:
+    """The zero fills of ``f``'s box outside the volume (the rest is written by someone else)."""
+    return [(dst[s], None) for s in _pads(f)] if f.blocked else []
+
+
+def fill_batch(
+    samples: Sequence[int],
+    fields: Sequence[Delivered],
+    sample: Callable[[int, str], np.ndarray],
+    out: dict[str, np.ndarray],
+    fetched: dict[tuple[int, str], np.ndarray] | None = None,
+    gather: Gather | None = None,
+) -> None:
+    """Write ``samples`` into ``out[field][position]`` (whole boxes, zero halo included):
+    ``fetched[(index, field)]`` as it is (delivered arrays from other nodes), else cut from
+    ``sample(index, field)``, the whole stored array of a sample's field."""
+    copies: list[Copy] = []
+    for pos, index in enumerate(samples):
+        for f in fields:
+            dst = out[f.name][pos, ...]
+            got = fetched.get((int(index), f.name)) if fetched else None
+            if got is not None:
+                copies.append((dst, got))
+            else:
+                copies.extend(box_copies(f, dst, sample(int(index), f.name)))
+    if gather is None:
+        _copy_all(copies)
+    else:
+        gather.run(copies)

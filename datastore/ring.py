@@ -1,0 +1,153 @@
+"""Batch buffers that are reused only when nobody holds them any more.
+
+A loader fills batches into buffers it owns and hands out tensors that view them (no copy).
+Reusing a buffer whose tensors a consumer still holds would change data under the consumer
+(``[b["y"] for b in loader]`` would see later batches), so a buffer is reused only once the
+storage of each of its tensors is referenced by the loader alone: PyTorch counts the
+references to a storage, views included (``torch._C._storage_Use_Count``). A consumer that
+drops its batches gets the same few buffers back (the zero-copy fast path); one that keeps them
+gets fresh buffers, and the ones it keeps stay as they were.
+
+A buffer that a device copy reads from is also busy until that copy is done (its CUDA event).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from datastore.delivery import Delivered
+
+__all__ = ["Buffer", "BufferRing", "torch_dtype", "use_count"]
+
+_pin_note = threading.Lock()
+_pin_noted = False
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (tensors and views on it, numpy arrays over it)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+def can_pin(pin: bool) -> bool:
+    """Whether to page-lock buffers; without CUDA a one-time warning says it is ignored."""
+    global _pin_noted
+    if not pin or torch.cuda.is_available():
+        return pin
+    with _pin_note:
+        if not _pin_noted:
+            _pin_noted = True
+            warnings.warn(
+                "datastore: pin_memory needs CUDA; using pageable memory",
+                UserWarning,
+                stacklevel=3,
+            )
+    return False
+
+
+class Buffer:
+    """One batch's host memory: ``tensors`` (the loader's) and ``arrays`` (numpy views of them).
+
+    A buffer is ``pending`` from when it is taken until its batch is handed out (or given
+    back): it is busy then whatever the counts say.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.arrays = {n: t.numpy() for n, t in tensors.items()}
+        self.event: Any = None  # a CUDA event recorded after the last copy out of this buffer
+        self.pending = False
+        self._baseline = {n: use_count(t) for n, t in tensors.items()}
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Tensors for a consumer: views of the buffer, which count as holding it."""
+        out = {n: t.view(t.shape) for n, t in self.tensors.items()}
+        self.pending = False
+        return out
+
+    def release_after(self, event: Any) -> None:
+        """The batch went to the device: the buffer is free once ``event`` (the end of the
+        copy; ``None``: it is done) has passed."""
+        self.event = event
+        self.pending = False
+
+    def held(self) -> bool:
+        """Whether the batch is still to be handed out, anyone but the loader references the
+        buffer, or a device copy still reads it."""
+        if self.pending:
+            return True
+        if self.event is not None:
+            if not self.event.query():
+                return True
+            self.event = None
+        return any(use_count(t) > self._baseline[n] for n, t in self.tensors.items())
+
+
+class BufferRing:
+    """Buffers for batches of ``batch_size`` samples of ``fields``, reused once free.
+
+    Args:
+        fields: what a rank receives.
+        batch_size: samples per batch.
+        keep: buffers kept for reuse; more are made when all are held, and dropped again once
+            free. Default: ``4``.
+        pin: page-locked memory (CUDA only; otherwise ignored with a warning once).
+    """
+
+    def __init__(
+        self, fields: list[Delivered], batch_size: int, keep: int = 4, pin: bool = False
+    ) -> None:
+        self.fields, self.batch_size, self.keep = fields, batch_size, max(1, keep)
+        self.pin = can_pin(pin)
+        self._idle: list[Buffer] = []  # free for sure: never handed out since they were free
+        self._out: list[Buffer] = []  # handed out or queued: free once nobody holds them
+        self._lock = threading.Lock()
+        self.made = 0
+
+    def _new(self) -> Buffer:
+        tensors = {
+            f.name: torch.zeros(
+                (self.batch_size, *f.shape), dtype=torch_dtype(f.dtype), pin_memory=self.pin
+            )
+            for f in self.fields
+        }
+        self.made += 1
+        return Buffer(tensors)
+
+    def take(self) -> Buffer:
+        """A buffer nobody holds (a new one when every buffer is held)."""
+        with self._lock:
+            buf = self._idle.pop() if self._idle else None
+            if buf is None:
+                for i, b in enumerate(self._out):
+                    if not b.held():
+                        buf = self._out.pop(i)
+                        break
+            if buf is None:
+                buf = self._new()
+            buf.pending = True
+            self._out.append(buf)
+            if len(self._out) > self.keep:  # keep only ``keep`` for reuse once they are free
+                free = [b for b in self._out if b is not buf and not b.held()]
+                for b in free[: len(self._out) - self.keep]:
+                    self._out.remove(b)
+            return buf
+
+    def give_back(self, buf: Buffer) -> None:
+        """``buf`` was never handed out (an iteration stopped before it): free at once."""
+        with self._lock:
+            buf.pending = False
+            if buf in self._out:
+                self._out.remove(buf)
+                self._idle.append(buf)
+
+    def __len__(self) -> int:
+        return len(self._out) + len(self._idle)

@@ -1,0 +1,12 @@
+"""Where a loader's batches come from; each source fills (or hands over) batch buffers.
+
+- :class:`~datastore.sources.local.LocalSource`: this rank reads the blocks it needs and keeps
+  them in its store.
+- :class:`~datastore.sources.mpi.MpiExchange` and
+  :class:`~datastore.sources.torch_dist.TorchExchange`: every rank owns a share of the
+  samples; owners send each consumer exactly its blocks at every step (MPI, or
+  ``torch.distributed`` with gloo under torchrun).
+- :class:`~datastore.sources.service.ServiceSource`: ``datastore serve`` streams the batches.
+
+Sources receive buffers (:class:`~datastore.ring.Buffer`) and never call back into the loader.
+"""

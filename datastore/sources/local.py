@@ -1,0 +1,102 @@
+"""The local source: this rank reads the blocks it needs itself and keeps them in its store.
+
+A region read (HDF5 hyperslab, Zarr slice, npy memmap) fetches only the rank's block of a
+sample, plus halo; the part of the box outside the volume is stored as zeros. Later epochs
+copy from the store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from datastore.agree import StepSync
+from datastore.delivery import Copy, Delivered, Gather, covered
+from datastore.order import RankLayout, Schedule
+from datastore.ring import Buffer, BufferRing
+from datastore.store import SlotSpec, Store
+
+__all__ = ["LocalSource", "filled_batches"]
+
+
+class LocalSource:
+    """Blocks of every sample, read by this rank on first use (or ``preload``).
+
+    Args:
+        reader: the dataset.
+        fields: the fields as this rank receives them.
+        budget, spill_dir: the store's memory policy (``datastore.store``).
+        gather: the batch copies.
+    """
+
+    def __init__(
+        self,
+        reader: Any,
+        fields: list[Delivered],
+        budget: int | None,
+        spill_dir: str | None,
+        gather: Gather,
+    ) -> None:
+        self.reader, self.gather = reader, gather
+        self.fields = {f.name: f for f in fields}
+        specs = {f.name: SlotSpec(f.shape, f.dtype) for f in fields}
+        self.store = Store(np.arange(len(reader)), specs, self._read, budget, spill_dir)
+
+    def _read(self, index: int, name: str, out: np.ndarray) -> None:
+        f = self.fields[name]
+        src, inner = covered(f)
+        if not f.blocked or inner == tuple(slice(0, n) for n in f.shape):
+            self.reader.read(index, name, region=src, out=out)
+            return
+        out.fill(0)
+        out[inner] = self.reader.read(index, name, region=src)
+
+    def deliver(self, samples: np.ndarray, out: dict[str, np.ndarray]) -> None:
+        """Copy ``samples`` (this rank's share of a step) into ``out``."""
+        copies: list[Copy] = []
+        for pos, index in enumerate(samples.tolist()):
+            for name in self.fields:
+                stored = self.store.get(index, name)
+                if not self.store.resident(index):
+                    stored = stored.copy()  # a re-read scratch: the copies run later
+                copies.append((out[name][pos, ...], stored))
+        self.gather.run(copies)
+
+
+def filled_batches(
+    schedule: Schedule,
+    layout: RankLayout,
+    epoch: int,
+    start: int,
+    stop: threading.Event,
+    ring: BufferRing,
+    deliver: Any,
+    sync: StepSync | None = None,
+) -> Iterator[tuple[int, Buffer]]:
+    """``(step, buffer)`` of ``epoch`` from ``start``: each step's global batch delivered by
+    ``deliver(step, global_batch, arrays)`` (an exchange) into a buffer of ``ring``; without
+    ``sync``, ``deliver(step, rank_samples, arrays)`` (a local source). With ``sync``, every
+    rank starts at the same position and stops at the same step."""
+    order = schedule.order(epoch)
+    if sync is not None:
+        sync.start(epoch, start)
+    for step in range(start, schedule.steps_per_epoch):
+        if sync is not None:
+            if sync.halt(step, stop.is_set()):
+                return
+        elif stop.is_set():
+            return
+        g = schedule.global_batch_at(epoch, step, order)
+        what = (
+            g if sync is not None else schedule.rank_batch(g, layout.data_rank, layout.data_world)
+        )
+        buf = ring.take()
+        try:
+            deliver(step, what, buf.arrays)
+        except BaseException:
+            ring.give_back(buf)
+            raise
+        yield step, buf
