@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceStage", "parse_device", "register_host"]
+__all__ = ["DeviceStage", "parse_device", "register_host", "unregister_host"]
 
 
 def parse_device(device: Any) -> torch.device | None:
@@ -56,6 +56,7 @@ def register_host(array_ptr: int, nbytes: int) -> bool:
 
 
 def unregister_host(array_ptr: int) -> None:
+    """Undo :func:`register_host`."""
     if torch.cuda.is_available():
         torch.cuda.cudart().cudaHostUnregister(array_ptr)
 

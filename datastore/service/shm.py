@@ -93,10 +93,17 @@ class Segment:
 
 
 class ClientMaps:
-    """A client's mappings of the segments it was sent, one per file, kept while it streams."""
+    """A client's mappings of the segments it was sent, one per file, kept while it streams.
 
-    def __init__(self) -> None:
+    Args:
+        pin: page-lock each mapping for CUDA copies (``cudaHostRegister``), so copies to a GPU
+            run at pinned speed. Default: ``False``.
+    """
+
+    def __init__(self, pin: bool = False) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self._pin = pin
+        self._pinned: list[np.ndarray] = []  # a byte view of each page-locked mapping
 
     def __contains__(self, path: str) -> bool:
         return path in self._maps
@@ -110,9 +117,23 @@ class ClientMaps:
             finally:
                 os.close(fd)
             self._maps[path] = m
+            if self._pin:
+                self._register(m)
         count = int(np.prod(shape, dtype=np.int64))
         return np.frombuffer(m, dtype=dtype, count=count, offset=offset).reshape(shape)
 
+    def _register(self, m: mmap.mmap) -> None:
+        from datastore.device import register_host
+
+        whole = np.frombuffer(m, dtype=np.uint8)
+        if register_host(whole.ctypes.data, whole.nbytes):
+            self._pinned.append(whole)
+
     def drop(self) -> None:
         """Forget the mappings (each is unmapped once no tensor uses it)."""
+        from datastore.device import unregister_host
+
+        for whole in self._pinned:
+            unregister_host(whole.ctypes.data)
+        self._pinned.clear()
         self._maps.clear()

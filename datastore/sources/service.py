@@ -1,0 +1,235 @@
+"""The service source: ``datastore serve`` streams a rank's batches (one session per loader).
+
+The session fixes the sample sequence exactly as the embedded loader does (the same
+``Schedule``), so both give the same batches. What arrives:
+
+- **inline** (TCP, or ``transport="inline"``): the batch's bytes in the message, copied once
+  into a buffer of the loader's ring (the message's bytes are never written);
+- **shared memory** (same node): regions of the service's segment. Handed out as they are
+  (no copy) while the consumer drops its batches: a region goes back to the service only once
+  no tensor views it any more. A consumer that keeps batches would stall the service, so past
+  ``hold`` kept regions the batches are copied into the loader's own buffers instead and their
+  regions go back at once. With ``device=``, the segment is page-locked for CUDA
+  (``cudaHostRegister``) and copied straight to the GPU; the region goes back once the copy
+  is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from datastore.delivery import Gather, delivered_fields, spatial_grid
+from datastore.order import Schedule, rank_layout
+from datastore.readers.base import FieldInfo
+from datastore.ring import Buffer, BufferRing
+from datastore.store import Counters
+
+__all__ = ["ServiceSource"]
+
+
+class ServiceSource:
+    """One session of ``datastore serve`` for one rank.
+
+    Args:
+        dataset: the dataset's path on the service's node.
+        address: a Unix socket path, ``unix://PATH`` or ``HOST:PORT``.
+        options: the loader's checked options (``datastore.loader.LoaderOptions``).
+        world: this rank and the world size.
+        token, transport, job_id, tls_ca: see ``DataStoreLoader``.
+        gather: copies into the ring's buffers.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        address: str,
+        *,
+        options: Any,
+        world: Any,
+        token: str | None,
+        transport: str,
+        job_id: str,
+        tls_ca: Any,
+        gather: Gather,
+    ) -> None:
+        from datastore.service._pb.v1 import datastore_pb2 as pb
+        from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+        from datastore.service.auth import bearer
+        from datastore.service.client import (
+            TRANSPORTS,
+            open_channel,
+            raise_for,
+            stream_batches,
+            target_of,
+        )
+        from datastore.service.wire import keep_large_blocks
+
+        if not isinstance(dataset, (str, os.PathLike)):
+            raise TypeError("with address=, the dataset is a path (on the service's node)")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        self._pb, self._raise_for = pb, raise_for
+        self.options, self.gather, self.counters = options, gather, Counters()
+        self.rank, self.world_size = world.rank, world.size
+        spatial = options.spatial
+        blocks = math.prod(spatial["parts"]) if spatial else 1
+        self.layout = rank_layout(self.rank, self.world_size, blocks)
+        gb = options.global_batch_size or options.batch_size * self.layout.data_world
+        self.transport = TRANSPORTS[transport]
+        self.address = address
+        self.target = target_of(address)
+        self._channel = open_channel(self.target, tls_ca)
+        self._stub = pb_grpc.DataStoreStub(self._channel)
+        self._stream_batches = stream_batches(self._channel)
+        self._metadata = bearer(token) if token else None
+        unix = self.target.startswith("unix:")
+        self.shared = transport == "shm" or (transport == "auto" and unix)
+        if not self.shared:
+            keep_large_blocks()  # inline batches: messages of tens of MiB
+        layout = pb.SpatialLayout()
+        if spatial:
+            layout = pb.SpatialLayout(
+                parts=list(spatial["parts"]),
+                halo=list(spatial["halo"]),
+                boundary=spatial["boundary"],
+            )
+        self._open_request = pb.OpenSessionRequest(
+            dataset_path=os.path.abspath(os.fspath(dataset)),
+            seed=options.seed,
+            global_batch=gb,
+            world_size=self.world_size,
+            spatial=layout,
+            shuffle=options.shuffle,
+            drop_last=options.drop_last,
+            job_id=job_id or os.environ.get("SLURM_JOB_ID", ""),
+            fields=list(options.fields or ()),
+        )
+        reply = self._open()
+        info = {
+            f.name: FieldInfo(f.name, np.dtype(f.dtype), tuple(f.shape), tuple(f.spatial_axes))
+            for f in reply.fields
+        }
+        self.grid = spatial_grid(info, spatial)
+        self.fields = delivered_fields(info, self.grid, self.layout.spatial_rank)
+        tail = "drop" if options.drop_last else "pad"
+        self.schedule = Schedule(int(reply.num_samples), gb, options.seed, options.shuffle, tail)
+        self.batch_size = self.schedule.local_batch(self.layout.data_world)
+        self._kept: collections.deque[tuple[Buffer, int]] = collections.deque()
+        # regions kept (queued ahead, and the consumer's) before batches are copied instead
+        self.hold = options.prefetch + 2
+
+    def _open(self) -> Any:
+        from datastore.service.shm import ClientMaps
+
+        try:
+            reply = self._stub.OpenSession(
+                self._open_request, timeout=self.options.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise self._raise_for(exc, self.address) from None
+        self.session_id = reply.session_id
+        self._maps = ClientMaps(pin=self.options.device is not None)
+        self._kept = collections.deque()
+        return reply
+
+    def _stream(self, epoch: int, start: int) -> Any:
+        from datastore.service.client import RemoteBatches
+
+        request = self._pb.StreamBatchesRequest(
+            session_id=self.session_id,
+            rank=self.rank,
+            epoch=epoch,
+            start_step=start,
+            transport=self.transport,
+            prefetch=self.options.prefetch,
+        )
+        held = [g for _, g in self._kept]
+        return RemoteBatches(self._stream_batches, request, self._metadata, self._maps, held)
+
+    def batches(
+        self, epoch: int, start: int, stop: threading.Event, ring: BufferRing
+    ) -> Iterator[tuple[int, Buffer]]:
+        """``(step, buffer)`` of ``epoch`` from ``start``, as the service streams them."""
+        stream = self._stream(epoch, start)
+        try:
+            items = iter(stream)
+            try:
+                first = next(items, None)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                    raise self._raise_for(exc, self.address) from None
+                # the service closed an idle session (or restarted): the same request gives
+                # the same sequence, so reopen and carry on where this loader is
+                stream.close()
+                self._open()
+                stream = self._stream(epoch, start)
+                items = iter(stream)
+                first = next(items, None)
+            if first is None:
+                return
+            for header, arrays, generation in _chain(first, items):
+                if stop.is_set():
+                    return
+                self._return_free(stream)
+                yield int(header.step), self._buffer(stream, ring, arrays, generation)
+        except grpc.RpcError as exc:
+            raise self._raise_for(exc, self.address) from None
+        finally:
+            stream.close()
+
+    def _buffer(
+        self, stream: Any, ring: BufferRing, arrays: dict[str, np.ndarray], generation: int | None
+    ) -> Buffer:
+        """The batch in a buffer: the service's region itself, or a copy in the ring's."""
+        if generation is not None and len(self._kept) < self.hold:
+            buf = Buffer({n: torch.from_numpy(a) for n, a in arrays.items()})
+            buf.pending = True
+            self._kept.append((buf, generation))
+            return buf
+        buf = ring.take()
+        try:
+            self.gather.run([(buf.arrays[n], a) for n, a in arrays.items()])
+        except BaseException:
+            ring.give_back(buf)
+            raise
+        if generation is not None:
+            stream.done([generation])
+        return buf
+
+    def _return_free(self, stream: Any) -> None:
+        """Give the service back the regions nobody views any more."""
+        free = [g for b, g in self._kept if not b.held()]
+        if free:
+            self._kept = collections.deque((b, g) for b, g in self._kept if g not in free)
+            stream.done(free)
+
+    def close(self) -> None:
+        """Close the session (freeing its slots on the service) and the channel."""
+        if self._channel is None:
+            return
+        try:
+            self._stub.CloseSession(
+                self._pb.CloseSessionRequest(session_id=self.session_id),
+                timeout=10,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError:
+            pass  # the service is gone: nothing left to free
+        finally:
+            self._channel.close()
+            self._channel = None
+            self._maps.drop()
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
