@@ -269,6 +269,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         while step < total:
             t0 = time.perf_counter()
+            epoch = loader.epoch  # the batch's: handing out an epoch's last batch moves it on
             batch, wait = next(batches)
             if batch is None:  # an epoch ended
                 validate()
@@ -286,7 +287,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             losses.append(mean_loss(loss))
             seconds = time.perf_counter() - t0
             log.write(
-                {"step": step, "epoch": loader.epoch, "loss": losses[-1], "lr": lr,
+                {"step": step, "epoch": epoch, "loss": losses[-1], "lr": lr,
                  "samples_per_s": cfg.global_batch / seconds, "data_wait": wait / seconds},
                 echo=lead and cfg.print_every > 0 and step % cfg.print_every == 0,
             )  # fmt: skip
