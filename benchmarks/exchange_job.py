@@ -4,9 +4,13 @@ Run as ``mpiexec -n R python -m mpi4py benchmarks/exchange_job.py DATASET [optio
 rank builds ``DataStoreLoader(DATASET, global_batch_size=BATCH * data_ranks, seed=0)`` (under
 MPI it owns 1/R of the samples, preloaded, and receives the rest of each batch from their
 owners), waits for every rank, then iterates ``--epochs`` epochs with a simulated compute step
-per batch (``time.sleep(--compute-ms)``). Each rank reports the wall time of the iteration and
-the loader's counters (``exchange_seconds``, ``wait_seconds``, ``bytes_exchanged``); rank 0
-prints them as one line ``EXCHANGE_JSON {...}`` for the parent to parse.
+per batch that burns CPU as a model would (``common.Compute``: a matrix-product loop that took
+``--compute-ms`` on rank 0 alone, calibrated before the loader starts while the other ranks
+wait without spinning; every rank then runs the same number of products, which take longer
+when the loader's threads compete for the cores). Each rank reports the wall time of the
+iteration, the seconds its compute took and the loader's counters (``exchange_seconds``,
+``wait_seconds``, ``bytes_exchanged``); rank 0 prints them as one line ``EXCHANGE_JSON {...}``
+for the parent to parse.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import time
 
 import numpy as np
+from common import Compute
 from mpi4py import MPI
 
 from datastore import DataStoreLoader
@@ -43,6 +48,17 @@ def dataset_arg(path: str) -> str | DatasetSpec:
     if os.path.isdir(path) and any(n.endswith(".npy") for n in os.listdir(path)):
         return DatasetSpec("npy", (path,), (FieldSpec("x", (1, 2, 3)),))
     return path
+
+
+def calibrated(comm: MPI.Comm, ms: float) -> Compute:
+    """``Compute`` of ``ms`` calibrated on rank 0 alone, its products counted on every rank.
+    The other ranks wait in a polled barrier (an MPI blocking wait would spin on the cores
+    being measured); sleeping there only waits."""
+    iters = Compute(ms).iters if comm.Get_rank() == 0 else None
+    done = comm.Ibarrier()
+    while not done.Test():
+        time.sleep(0.005)
+    return Compute(ms, iters=comm.bcast(iters, root=0))
 
 
 def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -71,18 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         spatial=spatial,
     )
     construct = time.perf_counter() - t0
+    compute = calibrated(comm, args.compute_ms)
     before = loader.counters.as_dict()
-    compute = args.compute_ms / 1000.0
     comm.Barrier()
     steps = 0
     check = 0.0
+    computed = 0.0
     epochs = []  # per epoch: steps, seconds and counter deltas
     t0 = time.perf_counter()
     for _ in range(args.epochs):
         e0, c0, s0 = time.perf_counter(), loader.counters.as_dict(), steps
         for batch in loader:
             check += float(batch["x"][0, 0, 0, 0, 0])  # touch the batch: data was delivered
-            time.sleep(compute)
+            computed += compute()
             steps += 1
         c1 = loader.counters.as_dict()
         epochs.append({"steps": steps - s0, "total_s": time.perf_counter() - e0, **deltas(c0, c1)})
@@ -97,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": steps,
         "total_s": total,
         "construct_s": construct,
+        "compute_s": computed,
+        "compute_iters": compute.iters,
         "batch_bytes": batch_bytes,
         "bytes_resident": after["bytes_resident"],
         "exchanging": bool(loader.exchanging),

@@ -11,16 +11,27 @@ and ``y`` float32 (4,), written once under ``--dir`` (default ``./bench-data/loa
 
 Four cases, all in one run:
 
-1. **Loader vs stock DataLoader** (``samples.h5`` and ``npy/x``). Peer:
-   ``torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2)`` over a
-   map-style Dataset reading one sample per ``__getitem__`` (h5py opened lazily per worker;
-   ``np.load`` per file), default collate. Ours: ``DataStoreLoader(path, batch_size=8, seed=0)``
-   (it preloads the store while constructed: construction + epoch 1 is our "epoch 1").
-   Each batch is consumed minimally (one element read), so data delivery is what is timed.
-   Epoch 1 starts cold (``sync; echo 3 > /proc/sys/vm/drop_caches`` before constructing);
-   epochs 2..E each start after dropping the cache again ("cold"); then one untimed warm-up
-   epoch and epochs 2..E again without dropping ("warm"). Ratio = peer time / ours time.
-   Targets: epoch 1 >= 1.0x, epochs >= 2 cold >= 5x, warm >= 4x.
+1. **Loader vs stock DataLoader** (``samples.h5`` and ``npy/x``). Peers, configured as their
+   users run them: ``torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True,
+   drop_last=True, persistent_workers=True, pin_memory=<CUDA available>)`` with each
+   ``num_workers`` of ``--workers`` (default: the cores and twice the cores), over
+
+   * **disk**: a map-style Dataset reading one sample per ``__getitem__`` (h5py opened lazily
+     per worker; ``np.load`` per file), default collate: the peer for epoch 1;
+   * **in memory**: the whole dataset read into RAM first (one array per field, read with h5py
+     or ``np.load`` while the peer is constructed), a map-style Dataset indexing it, with each
+     ``num_workers`` of ``--memory-workers`` (default: 0 and the cores): the like-for-like peer
+     for epochs >= 2, where ours serves from RAM too.
+
+   The fastest setting of each peer (lowest median, per phase) is the one compared; every
+   setting's figures are printed. Ours: ``DataStoreLoader(path, batch_size=8, seed=0,
+   pin_memory=<CUDA available>)`` (it preloads the store while constructed: construction +
+   epoch 1 is our "epoch 1"; likewise the in-memory peer's reading). Each batch is consumed
+   minimally (one element read), so data delivery is what is timed. Epoch 1 starts cold
+   (``sync; echo 3 > /proc/sys/vm/drop_caches`` before constructing); epochs 2..E each start
+   after dropping the cache again ("cold"); then one untimed warm-up epoch and epochs 2..E
+   again without dropping ("warm"). Ratio = peer time / ours time. Targets: vs disk, epoch 1
+   >= 1.0x, epochs >= 2 cold >= 5x, warm >= 4x; vs in memory, epochs >= 2 >= 1.0x.
 2. **Block reads** through the reader API (``open_dataset(path).read(i, "x", region, out)``),
    warm cache, preallocated outputs: block 0 with halo ``h`` of a depth split into k blocks
    (``full_region(Grid((64, 64, 64), (k, 1, 1), (h, 0, 0)), 0, 4, (1, 2, 3))``) of every sample
@@ -28,22 +39,27 @@ Four cases, all in one run:
    Target: block time <= 1.25 x (1/k + 2h/D) x full time.
 3. **MPI exchange share**: ``mpiexec -n R python -m mpi4py benchmarks/exchange_job.py`` for
    R = 2 and 4 over ``samples.h5``: global batch 8 per rank, 2 epochs, a simulated compute step
-   of ``--compute-ms`` per batch. Exchange time (``counters.exchange_seconds``) and consumer wait
-   (``counters.wait_seconds``) as shares of the iteration's wall time, the slowest rank.
-   Target: exchange <= 10% of batch time.
+   per batch that burns CPU (a matrix-product loop calibrated to ``--compute-ms`` alone, one
+   thread a rank: ``OMP_NUM_THREADS=1``), never a sleep. Exchange time
+   (``counters.exchange_seconds``) and consumer wait (``counters.wait_seconds``) as shares of
+   the iteration's wall time, the slowest rank, one job a rep. Target: exchange <= 10% of batch
+   time.
 4. **Store RSS / raw bytes**: in a fresh process, VmRSS before and after constructing a
    preloaded ``DataStoreLoader`` over ``samples.h5``; (RSS increase) / (raw bytes stored).
    Target <= 1.1.
 
 The ceiling printed with the results is the machine's memcpy bandwidth into a reused buffer
 (``numpy.copyto`` of 256 MiB into an existing array, median of 5). GB/s are 10^9 bytes of ``x``
-per second. Repetitions (``--reps``) alternate which side runs first; medians are reported.
+per second. Repetitions (``--reps``) alternate the order of the sides; every figure is the
+median over the reps (for epochs >= 2: over every timed epoch of every rep) with its full
+range ``[min-max]``, never the best case.
 
 Usage::
 
-    python benchmarks/loader.py                  # full run (~6 min on 2 cores)
+    python benchmarks/loader.py                  # full run (several minutes on 2 cores)
     python benchmarks/loader.py --quick          # smoke run: N=48, 1 rep
     python benchmarks/loader.py --cases 1,4 --out /tmp/loader.md
+    python benchmarks/loader.py --workers 2,4,8 --memory-workers 0   # peer settings to try
 """
 
 from __future__ import annotations
@@ -64,7 +80,16 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
-from common import PageCache, machine_info, venv_tool
+from common import (
+    PageCache,
+    cores,
+    machine_info,
+    median,
+    memcpy_ceiling,
+    parse_counts,
+    spread,
+    venv_tool,
+)
 from torch.utils.data import DataLoader, Dataset
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -74,12 +99,12 @@ XBYTES = int(np.prod(XSHAPE)) * 4
 DEPTH = XSHAPE[1]
 SLAB_CHUNKS = (1, 4, 8, 64, 64)
 BATCH = 8
-WORKERS = 2
 KS = (2, 4, 8)
 RANKS = (2, 4)
-MEMCPY_BYTES = 256 * MIB
 LAYOUT_VERSION = 1
-TARGETS = {"epoch1": 1.0, "cold": 5.0, "warm": 4.0}
+TARGETS = {"epoch1": 1.0, "cold": 5.0, "warm": 4.0}  # vs the disk peer
+MEMORY_TARGET = 1.0  # epochs >= 2 vs the in-memory peer
+PIN = torch.cuda.is_available()  # pin_memory where a GPU is used, as its users would
 EXCHANGE_TARGET = 0.10
 RSS_TARGET = 1.1
 BLOCK_SLACK = 1.25
@@ -97,6 +122,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 quick)")
     p.add_argument("--halo", type=int, default=2, help="halo h along depth for case 2")
     p.add_argument("--compute-ms", type=float, default=50.0, help="simulated compute per batch")
+    p.add_argument(
+        "--workers", default="auto", help="disk peer num_workers to try (default: cores, 2x)"
+    )
+    p.add_argument(
+        "--memory-workers",
+        default="auto",
+        help="in-memory peer num_workers to try (default: 0 and the cores)",
+    )
     p.add_argument("--cases", default="1,2,3,4", help="cases to run, comma separated")
     p.add_argument("--quick", action="store_true", help="smoke run: N=48, reps 1")
     p.add_argument("--warm", action="store_true", help="never drop the page cache")
@@ -115,6 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"need --samples >= {BATCH * max(RANKS)}, --reps >= 1 and --epochs >= 2")
     if not 0 <= args.halo <= DEPTH // max(KS):
         p.error(f"--halo must be in [0, {DEPTH // max(KS)}]")
+    c = cores()
+    args.workers = parse_counts(args.workers, sorted({c, 2 * c}), "--workers")
+    args.memory_workers = parse_counts(args.memory_workers, [0, c], "--memory-workers")
+    if not args.workers[0]:
+        p.error("--workers: the disk peer needs worker processes (>= 1)")
     return args
 
 
@@ -193,7 +231,7 @@ def npy_spec(paths: Paths) -> Any:
     return DatasetSpec("npy", (paths.npy,), (FieldSpec("x", (1, 2, 3)),))
 
 
-# ----------------------------------------------------------------------------- the peer
+# ----------------------------------------------------------------------------- the peers
 
 
 class H5Samples(Dataset):
@@ -228,6 +266,41 @@ class NpySamples(Dataset):
         return {"x": np.load(self.files[i]), "y": self.labels[i]}
 
 
+class ArraySamples(Dataset):
+    """Samples already in RAM: one tensor per field, indexed per ``__getitem__``."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.tensors = {k: torch.from_numpy(a) for k, a in arrays.items()}
+        self.n = len(next(iter(self.tensors.values())))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: t[i] for k, t in self.tensors.items()}
+
+
+def read_all(paths: Paths, fmt: str) -> dict[str, np.ndarray]:
+    """The whole dataset of format ``fmt`` in RAM: ``x`` and ``y`` arrays."""
+    if fmt == "hdf5":
+        with h5py.File(paths.h5, "r") as f:
+            return {"x": f["x"][...], "y": f["y"][...]}
+    return {"x": np.stack([np.load(p) for p in npy_files(paths.npy)]), "y": np.load(paths.labels)}
+
+
+def peer_loader(ds: Dataset, workers: int) -> DataLoader:
+    """A torch DataLoader over ``ds`` configured as its users run it."""
+    return DataLoader(
+        ds,
+        batch_size=BATCH,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=PIN,
+    )
+
+
 # ----------------------------------------------------------------------------- cache, timing
 
 
@@ -241,35 +314,35 @@ def consume(batches: Iterable[dict[str, torch.Tensor]]) -> int:
     return n
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def memcpy_ceiling() -> float:
-    """GB/s of ``numpy.copyto`` of 256 MiB into an existing (touched) array, median of 5."""
-    src = np.ones(MEMCPY_BYTES // 4, np.float32)
-    dst = np.zeros_like(src)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return MEMCPY_BYTES / median(times) / 1e9
-
-
 # ----------------------------------------------------------------------------- case 1
+
+
+PHASE_NAMES = ("epoch1", "cold", "warm", "construct")
 
 
 @dataclass
 class LoaderRuns:
-    """Times of one format, both sides: ``times[side][phase]`` lists of seconds."""
+    """Times of one format, every side: ``times[side][phase]`` lists of seconds. Sides:
+    ``"ours"``, ``"disk/W"`` and ``"memory/W"`` (the peers with ``num_workers=W``)."""
 
     fmt: str
-    times: dict[str, dict[str, list[float]]] = field(
-        default_factory=lambda: {
-            s: {"epoch1": [], "cold": [], "warm": [], "construct": []} for s in ("ours", "peer")
-        }
-    )
+    sides: list[str]
+    times: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.times = {s: {p: [] for p in PHASE_NAMES} for s in self.sides}
+
+    def best(self, kind: str, phase: str) -> str:
+        """The side of peer ``kind`` with the lowest median time in ``phase``."""
+        mine = [s for s in self.sides if s.startswith(kind + "/")]
+        return min(mine, key=lambda s: median(self.times[s][phase]))
+
+
+def side_label(side: str) -> str:
+    if side == "ours":
+        return "DataStoreLoader"
+    kind, w = side.split("/")
+    return f"{'in-memory' if kind == 'memory' else 'disk'} DataLoader(num_workers={w})"
 
 
 def epochs_of(
@@ -314,54 +387,49 @@ def run_case1(args: argparse.Namespace, paths: Paths, cache: PageCache) -> list[
     from datastore import DataStoreLoader
 
     n = args.samples
-    want = n - n % BATCH  # both sides: 8 per batch; ours drops a partial last batch
-    formats = {
-        "hdf5": (
-            lambda: DataStoreLoader(paths.h5, batch_size=BATCH, seed=0),
-            lambda: DataLoader(
-                H5Samples(paths.h5),
-                batch_size=BATCH,
-                shuffle=True,
-                num_workers=WORKERS,
-                drop_last=True,
-            ),
-        ),
-        "npy": (
-            lambda: DataStoreLoader(npy_spec(paths), batch_size=BATCH, seed=0),
-            lambda: DataLoader(
-                NpySamples(paths.npy, paths.labels),
-                batch_size=BATCH,
-                shuffle=True,
-                num_workers=WORKERS,
-                drop_last=True,
-            ),
-        ),
+    want = n - n % BATCH  # every side: 8 per batch, a partial last batch dropped
+    datasets: dict[str, tuple[Any, Callable[[], Dataset]]] = {
+        "hdf5": (paths.h5, lambda: H5Samples(paths.h5)),
+        "npy": (npy_spec(paths), lambda: NpySamples(paths.npy, paths.labels)),
     }
     torch.manual_seed(0)
     print(
-        f"\n[1] loader vs torch DataLoader(batch_size={BATCH}, shuffle=True, "
-        f"num_workers={WORKERS}): {n} samples, {args.epochs} epochs, {args.reps} rep(s)",
+        f"\n[1] loader vs torch DataLoader(batch_size={BATCH}, shuffle=True, drop_last=True, "
+        f"persistent_workers=True, pin_memory={PIN}): disk num_workers {args.workers}, in "
+        f"memory num_workers {args.memory_workers}; {n} samples, {args.epochs} epochs, "
+        f"{args.reps} rep(s)",
         flush=True,
     )
     results = []
-    for fmt, (ours, peer) in formats.items():
-        runs = LoaderRuns(fmt)
+    for fmt, (ours_ds, disk_ds) in datasets.items():
+        makers: dict[str, Callable[[], Iterable[dict[str, torch.Tensor]]]] = {
+            "ours": lambda ds=ours_ds: DataStoreLoader(
+                ds, batch_size=BATCH, seed=0, pin_memory=PIN
+            ),
+        }
+        for w in args.workers:
+            makers[f"disk/{w}"] = lambda w=w, disk_ds=disk_ds: peer_loader(disk_ds(), w)
+        for w in args.memory_workers:
+            makers[f"memory/{w}"] = lambda w=w, fmt=fmt: peer_loader(
+                ArraySamples(read_all(paths, fmt)), w
+            )
+        runs = LoaderRuns(fmt, list(makers))
         for rep in range(args.reps):
-            order = ("ours", "peer") if rep % 2 == 0 else ("peer", "ours")
-            line = []
+            order = runs.sides if rep % 2 == 0 else runs.sides[::-1]
             for side in order:
-                got = epochs_of(ours if side == "ours" else peer, args.epochs, cache, want, side)
+                got = epochs_of(makers[side], args.epochs, cache, want, side)
                 t = runs.times[side]
-                t["epoch1"].append(got["epoch1"])
-                t["construct"].append(got["construct"])
+                for phase in ("epoch1", "construct"):
+                    t[phase].append(got[phase])
                 t["cold"].extend(got["cold"])
                 t["warm"].extend(got["warm"])
-                line.append(
-                    f"{side} e1 {got['epoch1']:.2f} s (create {got['construct']:.2f}), "
-                    f"cold {' '.join(f'{v:.3f}' for v in got['cold'])}, "
-                    f"warm {' '.join(f'{v:.3f}' for v in got['warm'])}"
+                print(
+                    f"  {fmt} rep {rep + 1}/{args.reps}: {side_label(side)}: epoch 1 "
+                    f"{got['epoch1']:.2f} s (create {got['construct']:.2f}), cold "
+                    f"{' '.join(f'{v:.3f}' for v in got['cold'])}, warm "
+                    f"{' '.join(f'{v:.3f}' for v in got['warm'])}",
+                    flush=True,
                 )
-            print(f"  {fmt} rep {rep + 1}/{args.reps}: " + "; ".join(line), flush=True)
         results.append(runs)
     return results
 
@@ -451,58 +519,66 @@ def run_case2(args: argparse.Namespace, paths: Paths) -> list[BlockRuns]:
 # ----------------------------------------------------------------------------- case 3
 
 
-def run_case3(args: argparse.Namespace, paths: Paths) -> list[dict[str, Any]]:
+def exchange_job(r: int, args: argparse.Namespace, paths: Paths) -> dict[str, Any]:
+    """One ``exchange_job.py`` run on ``r`` ranks: its results, or ``{"error": ...}``."""
     job = os.path.join(HERE, "exchange_job.py")
+    cmd = [
+        venv_tool("mpiexec"), "-n", str(r), sys.executable, "-m", "mpi4py", job, paths.h5,
+        "--batch", str(BATCH), "--epochs", "2", "--compute-ms", str(args.compute_ms),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one core of compute per rank
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 600 s"}
+    wall = time.perf_counter() - t0
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("EXCHANGE_JSON ")), None)
+    if proc.returncode != 0 or line is None:
+        err = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-8:]
+        return {"error": f"exit {proc.returncode}: " + " | ".join(err)}
+    res = json.loads(line.split(" ", 1)[1])
+    res["wall_s"] = wall
+    per = res["per_rank"]
+    res["exchange_share"] = max(p["exchange_seconds"] / p["total_s"] for p in per)
+    res["wait_share"] = max(p["wait_seconds"] / p["total_s"] for p in per)
+    res["steps"] = per[0]["steps"]
+    res["batch_ms"] = max(p["total_s"] for p in per) / max(1, res["steps"]) * 1e3
+    res["compute_step_ms"] = max(p["compute_s"] for p in per) / max(1, res["steps"]) * 1e3
+    res["bytes_per_step"] = statistics.mean(p["bytes_exchanged"] / max(1, p["steps"]) for p in per)
+    res["mib_per_step"] = res["bytes_per_step"] / MIB
+    res["exchange_ms"] = max(p["exchange_seconds"] for p in per) / max(1, res["steps"]) * 1e3
+    last = [p["epochs"][-1] for p in per]  # steady state: buffers touched, ranks in step
+    res["last_exchange_share"] = max(e["exchange_seconds"] / e["total_s"] for e in last)
+    res["last_wait_share"] = max(e["wait_seconds"] / e["total_s"] for e in last)
+    res["last_batch_ms"] = max(e["total_s"] / max(1, e["steps"]) for e in last) * 1e3
+    return res
+
+
+def run_case3(args: argparse.Namespace, paths: Paths) -> dict[int, list[dict[str, Any]]]:
+    """``args.reps`` jobs for each rank count: ``{ranks: [one result a rep]}``."""
     print(
-        f"\n[3] MPI exchange: global batch {BATCH} per rank, 2 epochs, "
-        f"compute {args.compute_ms:g} ms per batch",
+        f"\n[3] MPI exchange: global batch {BATCH} per rank, 2 epochs, compute "
+        f"{args.compute_ms:g} ms per batch (CPU burnt, one thread a rank), {args.reps} rep(s)",
         flush=True,
     )
-    results = []
-    for r in RANKS:
-        cmd = [
-            venv_tool("mpiexec"), "-n", str(r), sys.executable, "-m", "mpi4py", job, paths.h5,
-            "--batch", str(BATCH), "--epochs", "2", "--compute-ms", str(args.compute_ms),
-        ]  # fmt: skip
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired:
-            results.append({"ranks": r, "error": "timed out after 600 s"})
-            print(f"  R={r}: timed out", flush=True)
-            continue
-        wall = time.perf_counter() - t0
-        line = next(
-            (ln for ln in proc.stdout.splitlines() if ln.startswith("EXCHANGE_JSON ")), None
-        )
-        if proc.returncode != 0 or line is None:
-            err = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-8:]
-            results.append({"ranks": r, "error": f"exit {proc.returncode}: " + " | ".join(err)})
-            print(f"  R={r}: FAILED (exit {proc.returncode})\n    " + "\n    ".join(err))
-            continue
-        res = json.loads(line.split(" ", 1)[1])
-        res["wall_s"] = wall
-        per = res["per_rank"]
-        res["exchange_share"] = max(p["exchange_seconds"] / p["total_s"] for p in per)
-        res["wait_share"] = max(p["wait_seconds"] / p["total_s"] for p in per)
-        res["steps"] = per[0]["steps"]
-        res["batch_ms"] = max(p["total_s"] for p in per) / max(1, res["steps"]) * 1e3
-        res["bytes_per_step"] = statistics.mean(
-            p["bytes_exchanged"] / max(1, p["steps"]) for p in per
-        )
-        res["exchange_ms"] = max(p["exchange_seconds"] for p in per) / max(1, res["steps"]) * 1e3
-        last = [p["epochs"][-1] for p in per]  # steady state: buffers touched, ranks in step
-        res["last_exchange_share"] = max(e["exchange_seconds"] / e["total_s"] for e in last)
-        res["last_wait_share"] = max(e["wait_seconds"] / e["total_s"] for e in last)
-        res["last_batch_ms"] = max(e["total_s"] / max(1, e["steps"]) for e in last) * 1e3
-        results.append(res)
-        print(
-            f"  R={r}: {res['steps']} steps, batch {res['batch_ms']:.1f} ms, exchange "
-            f"{res['exchange_ms']:.1f} ms/step ({res['exchange_share']:.1%}), wait "
-            f"{res['wait_share']:.1%}, {res['bytes_per_step'] / MIB:.1f} MiB sent/step/rank, "
-            f"job wall {wall:.1f} s",
-            flush=True,
-        )
+    results: dict[int, list[dict[str, Any]]] = {r: [] for r in RANKS}
+    for rep in range(args.reps):
+        for r in RANKS if rep % 2 == 0 else RANKS[::-1]:
+            res = exchange_job(r, args, paths)
+            results[r].append(res)
+            if "error" in res:
+                print(f"  rep {rep + 1} R={r}: FAILED: {res['error']}", flush=True)
+                continue
+            print(
+                f"  rep {rep + 1} R={r}: {res['steps']} steps, batch {res['batch_ms']:.1f} ms "
+                f"(compute {res['compute_step_ms']:.1f}), exchange {res['exchange_ms']:.1f} "
+                f"ms/step ({res['exchange_share']:.1%}), wait {res['wait_share']:.1%}, "
+                f"{res['bytes_per_step'] / MIB:.1f} MiB sent/step/rank, job wall "
+                f"{res['wall_s']:.1f} s",
+                flush=True,
+            )
     return results
 
 
@@ -587,13 +663,86 @@ PHASES = {
 }
 
 
+def timing(xs: list[float], payload: int, unit: float = 1.0, fmt: str = "{:.3f}") -> str:
+    """``median [min-max]`` of seconds (scaled by ``unit``), with the median's GB/s."""
+    m = median(xs)
+    scaled = [x * unit for x in xs]
+    rate = f", {gbs(payload, m)}" if payload else ""
+    return f"{fmt.format(m * unit)} [{spread(scaled, fmt)}]{rate}"
+
+
+def case1_rows(runs: LoaderRuns, payload: int) -> tuple[list[str], list[str]]:
+    """Table rows and notes of case 1 for one format."""
+    rows, t = [], runs.times
+    compare = [("disk", phase, TARGETS[phase]) for phase in PHASES]
+    compare += [("memory", phase, MEMORY_TARGET) for phase in ("cold", "warm")]
+    for kind, phase, target in compare:
+        peer = runs.best(kind, phase)
+        o, p = median(t["ours"][phase]), median(t[peer][phase])
+        ratio = p / o
+        rows.append(
+            f"| 1 loader, {runs.fmt} | {PHASES[phase]}; vs {side_label(peer)} "
+            f"| {timing(t['ours'][phase], payload)} | {timing(t[peer][phase], payload)} "
+            f"| {ratio:.2f}x | >= {target:g}x | {verdict(ratio >= target)} |"
+        )
+    notes = [
+        f"- 1 {runs.fmt}, every setting, median [range] s: "
+        + "; ".join(
+            f"{side_label(side)}: create {timing(t[side]['construct'], 0)}, epoch 1 "
+            f"{timing(t[side]['epoch1'], 0)}, cold {timing(t[side]['cold'], 0)}, warm "
+            f"{timing(t[side]['warm'], 0)}"
+            for side in runs.sides
+        )
+    ]
+    return rows, notes
+
+
+def case3_rows(c3: dict[int, list[dict[str, Any]]]) -> tuple[list[str], list[str]]:
+    """Table rows and notes of case 3: medians and ranges over the reps."""
+    rows, notes = [], []
+    for r, reps in c3.items():
+        ok = [res for res in reps if "error" not in res]
+        notes += [f"- 3 R={r}: {res['error']}" for res in reps if "error" in res]
+        if not ok:
+            rows.append(
+                f"| 3 MPI exchange | R={r} | error | - | - | <= {EXCHANGE_TARGET:.0%} | MISS |"
+            )
+            continue
+
+        def stat(key: str, fmt: str = "{:.1f}", ok: list = ok) -> str:
+            xs = [res[key] for res in ok]
+            return f"{fmt.format(median(xs))} [{spread(xs, fmt)}]"
+
+        shares = [res["exchange_share"] for res in ok]
+        share = median(shares)
+        rows.append(
+            f"| 3 MPI exchange | R={r}, exchange share of batch time (slowest rank) "
+            f"| {share:.1%} [{spread(shares, '{:.1%}')}] ({stat('exchange_ms')} ms/step) "
+            f"| batch {stat('batch_ms')} ms | {share:.3f} | <= {EXCHANGE_TARGET:.0%} "
+            f"| {verdict(share <= EXCHANGE_TARGET)} |"
+        )
+        expect = BATCH * (XBYTES + 16) * (r - 1) / r
+        res = ok[0]
+        notes.append(
+            f"- 3 R={r}, medians [ranges] over {len(ok)} job(s): {res['steps']} steps, compute "
+            f"{res['compute_ms']:g} ms/step calibrated alone, {stat('compute_step_ms')} ms/step "
+            f"as run; consumer wait {stat('wait_share', '{:.1%}')} of batch time (slowest "
+            f"rank), sent {stat('mib_per_step', '{:.2f}')} MiB/step/rank (a uniform owner "
+            f"split predicts {expect / MIB:.2f}), job wall {stat('wall_s')} s; last epoch "
+            f"alone: exchange {stat('last_exchange_share', '{:.1%}')}, wait "
+            f"{stat('last_wait_share', '{:.1%}')}, batch {stat('last_batch_ms')} ms"
+            + ("; oversubscribed: more ranks than cores" if r > cores() else "")
+        )
+    return rows, notes
+
+
 def report(
     args: argparse.Namespace,
     ceiling: float,
     cache: PageCache,
     c1: list[LoaderRuns],
     c2: list[BlockRuns],
-    c3: list[dict[str, Any]],
+    c3: dict[int, list[dict[str, Any]]],
     c4: dict[str, Any] | None,
     work: str,
 ) -> str:
@@ -605,23 +754,9 @@ def report(
     ]
     notes: list[str] = []
     for runs in c1:
-        for phase, title in PHASES.items():
-            o, p = median(runs.times["ours"][phase]), median(runs.times["peer"][phase])
-            ratio = p / o
-            rows.append(
-                f"| 1 loader, {runs.fmt} | {title} | {o:.3f} s ({gbs(payload, o)}) "
-                f"| {p:.3f} s ({gbs(payload, p)}) | {ratio:.2f}x | >= {TARGETS[phase]:g}x "
-                f"| {verdict(ratio >= TARGETS[phase])} |"
-            )
-        t = runs.times
-        notes.append(
-            f"- 1 {runs.fmt}: ours creation (preload) median {median(t['ours']['construct']):.3f}"
-            f" s; spread ours/peer epoch 1 {min(t['ours']['epoch1']):.2f}-"
-            f"{max(t['ours']['epoch1']):.2f} / {min(t['peer']['epoch1']):.2f}-"
-            f"{max(t['peer']['epoch1']):.2f} s, cold {min(t['ours']['cold']):.3f}-"
-            f"{max(t['ours']['cold']):.3f} / {min(t['peer']['cold']):.3f}-"
-            f"{max(t['peer']['cold']):.3f} s"
-        )
+        r, nt = case1_rows(runs, payload)
+        rows += r
+        notes += nt
     h = args.halo
     for runs in c2:
         full = median(runs.full)
@@ -630,38 +765,17 @@ def report(
             bound = BLOCK_SLACK * (1 / k + 2 * h / DEPTH)
             rows.append(
                 f"| 2 block read, {runs.fmt} | block 0 of k={k}, halo {h} "
-                f"| {b * 1e3:.1f} ms | full {full * 1e3:.1f} ms | {b / full:.3f} "
+                f"| {timing(runs.block[k], 0, 1e3, '{:.1f}')} ms "
+                f"| full {timing(runs.full, 0, 1e3, '{:.1f}')} ms | {b / full:.3f} "
                 f"| <= {bound:.3f} x full | {verdict(b <= bound * full)} |"
             )
         notes.append(
             f"- 2 {runs.fmt} ({runs.note}): full samples {gbs(n * XBYTES, full)}; "
             + ", ".join(f"k={k} block {median(runs.block[k]) / full:.3f} of full" for k in KS)
         )
-    for res in c3:
-        r = res["ranks"]
-        if "error" in res:
-            rows.append(
-                f"| 3 MPI exchange | R={r} | error | - | - | <= {EXCHANGE_TARGET:.0%} | MISS |"
-            )
-            notes.append(f"- 3 R={r}: {res['error']}")
-            continue
-        share = res["exchange_share"]
-        rows.append(
-            f"| 3 MPI exchange | R={r}, exchange share of batch time (slowest rank) "
-            f"| {share:.1%} ({res['exchange_ms']:.1f} ms/step) | batch {res['batch_ms']:.1f} ms "
-            f"| {share:.3f} | <= {EXCHANGE_TARGET:.0%} | {verdict(share <= EXCHANGE_TARGET)} |"
-        )
-        expect = BATCH * (XBYTES + 16) * (r - 1) / r
-        notes.append(
-            f"- 3 R={r}: {res['steps']} steps, compute {res['compute_ms']:g} ms/step, consumer "
-            f"wait {res['wait_share']:.1%} of batch time (slowest rank), sent "
-            f"{res['bytes_per_step'] / MIB:.2f} MiB/step/rank (a uniform owner split predicts "
-            f"{expect / MIB:.2f}), creation {max(p['construct_s'] for p in res['per_rank']):.2f}"
-            f" s, job wall {res['wall_s']:.1f} s; last epoch alone: exchange "
-            f"{res['last_exchange_share']:.1%}, wait {res['last_wait_share']:.1%}, batch "
-            f"{res['last_batch_ms']:.1f} ms"
-            + ("; oversubscribed: more ranks than cores" if r > (os.cpu_count() or 1) else "")
-        )
+    r, nt = case3_rows(c3)
+    rows += r
+    notes += nt
     if c4 is not None:
         if "error" in c4:
             rows.append(
@@ -683,8 +797,10 @@ def report(
             [
                 *rows,
                 "",
-                "ratio: case 1 = peer time / ours time (> 1: we are faster); case 2 = block time"
-                " / full time; cases 3, 4 = the figure itself.",
+                "ratio: case 1 = peer time / ours time (> 1: we are faster), of medians; case 2 "
+                "= block time / full time; cases 3, 4 = the figure itself. Figures: median "
+                "[full range] over the reps (epochs >= 2: over every timed epoch of every rep). "
+                "Case 1 compares the peer's fastest setting for each phase.",
                 *notes,
                 "",
                 f"- ceiling: memcpy into a reused buffer (numpy.copyto, 256 MiB, median of 5): "
@@ -692,9 +808,10 @@ def report(
                 f"- data: {n} samples x {XBYTES / MIB:.0f} MiB (x float32 {XSHAPE}, y float32 "
                 f"{YSHAPE}); GB/s count x only; batch {BATCH}; epochs {args.epochs}; reps "
                 f"{args.reps}; work dir {work}",
-                f"- peer: torch DataLoader(batch_size={BATCH}, shuffle=True, "
-                f"num_workers={WORKERS}), default collate; npy peer also loads labels, ours "
-                "delivers x only for npy",
+                f"- peers: torch DataLoader(batch_size={BATCH}, shuffle=True, drop_last=True, "
+                f"persistent_workers=True when num_workers > 0, pin_memory={PIN}), default "
+                f"collate; disk num_workers {args.workers}, in-memory num_workers "
+                f"{args.memory_workers}; the npy peers also deliver labels, ours x only for npy",
                 f"- page cache: {cache.note}",
                 "- machine: "
                 + machine_info(f"torch {torch.__version__}", f"h5py {h5py.__version__}"),
@@ -717,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceiling: memcpy into a reused buffer {ceiling:.2f} GB/s", flush=True)
     c1 = run_case1(args, paths, cache) if "1" in args.cases else []
     c2 = run_case2(args, paths) if "2" in args.cases else []
-    c3 = run_case3(args, paths) if "3" in args.cases else []
+    c3 = run_case3(args, paths) if "3" in args.cases else {}
     c4 = run_case4(paths) if "4" in args.cases else None
     text = report(args, ceiling, cache, c1, c2, c3, c4, work)
     print("\n" + text, end="")

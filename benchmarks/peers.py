@@ -54,7 +54,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,8 +62,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from common import cpu_seconds, machine_info, read_tagged, timed_epochs, venv_tool
-from loader import median
+from common import (
+    cpu_seconds,
+    free_port,
+    machine_info,
+    median,
+    read_tagged,
+    spread,
+    timed_epochs,
+    venv_tool,
+)
 
 MIB = 1 << 20
 KINDS = ("mpi", "grpc", "local")
@@ -175,12 +182,6 @@ def stage_shards(work: str, src: str) -> tuple[str, float, list[int]]:
 
 
 # ----------------------------------------------------------------------------- the stores
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Store:
@@ -468,15 +469,16 @@ def ratios(jobs: dict[tuple[str, str], Job], layouts: list[str]) -> list[dict[st
 
 def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: list[str]) -> str:
     rows = [
-        "| store | layout | batches/s | delivered GB/s | exchanged MiB | exchange GB/s "
-        "| server CPU s | client CPU s | stall s | wall s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| store | layout | batches/s | batches/s reps | delivered GB/s | exchanged MiB "
+        "| exchange GB/s | server CPU s | client CPU s | stall s | wall s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for layout in args.layouts:
         for kind in args.kinds:
             j = jobs[kind, layout]
+            reps = spread([b / s for b, s in zip(j.batches, j.seconds, strict=True)], "{:.1f}")
             rows.append(
-                f"| {kind} | {layout} | {j.batches_s:.1f} | {j.gb_s:.2f} "
+                f"| {kind} | {layout} | {j.batches_s:.1f} | {reps} | {j.gb_s:.2f} "
                 f"| {median(j.exchanged) / MIB:.0f} | {j.exchange_gb_s:.2f} "
                 f"| {median(j.server_cpu):.2f} | {median(j.client_cpu):.2f} "
                 f"| {median(j.stall):.2f} | {median(j.seconds):.2f} |"
@@ -496,7 +498,8 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
             "end - first start); exchanged: growth of Status().bytes_exchanged summed over the "
             "services; exchange GB/s = exchanged / the same time; server CPU s: the services' "
             "user + system CPU over the timed epochs; stall s: the sessions' stall_s (streams "
-            "waiting for a batch to be prepared), summed. Medians over the reps.",
+            "waiting for a batch to be prepared), summed. Medians over the reps; batches/s "
+            "reps: the full range (min-max) over them.",
             f"- data: {args.samples} .npy samples x {mb:.1f} MiB (float32 (4, {args.side}, "
             f"{args.side}, {args.side})); global batch {2 * args.batch} "
             f"({2 * args.batch * mb:.0f} MiB); 2 ranks; epochs {args.epochs} timed after 1 "

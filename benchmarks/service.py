@@ -74,8 +74,19 @@ from typing import Any
 import grpc
 import h5py
 import numpy as np
-from common import TAG, PageCache, cpu_seconds, machine_info, read_tagged, say, timed_epochs
-from loader import median, memcpy_ceiling
+from common import (
+    TAG,
+    PageCache,
+    Service,
+    cpu_seconds,
+    machine_info,
+    median,
+    memcpy_ceiling,
+    read_tagged,
+    say,
+    spread,
+    timed_epochs,
+)
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 MAX_MESSAGE = 256 * MIB  # as datastore serve: a batch is one message
@@ -169,80 +180,6 @@ def ensure_data(work: str, n: int, side: int) -> str:
     with open(stamp, "w") as f:
         json.dump(want, f)
     return path
-
-
-# ----------------------------------------------------------------------------- the service
-
-
-class Service:
-    """One ``datastore serve`` subprocess on a socket in a fresh temporary directory."""
-
-    def __init__(self) -> None:
-        self.tmp = tempfile.mkdtemp(prefix="datastore-bench-")
-        runtime = os.path.join(self.tmp, "runtime")
-        os.makedirs(runtime, mode=0o700)
-        self.socket = os.path.join(self.tmp, "s.sock")
-        env = {**os.environ, "XDG_RUNTIME_DIR": runtime, "XDG_STATE_HOME": f"{self.tmp}/state"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
-        self.out = open(os.path.join(self.tmp, "out"), "wb")  # noqa: SIM115 (closed in stop)
-        self.err = open(os.path.join(self.tmp, "err"), "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "datastore", "serve", "--socket", self.socket],
-            env=env,
-            stdout=self.out,
-            stderr=self.err,
-        )
-        self._wait_serving()
-        from datastore.service._pb.v1 import datastore_pb2 as pb
-        from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
-
-        self.pb = pb
-        self.channel = grpc.insecure_channel(f"unix://{self.socket}", options=MESSAGE_OPTIONS)
-        self.stub = pb_grpc.DataStoreStub(self.channel)
-
-    def _wait_serving(self, timeout: float = 60.0) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        deadline = time.monotonic() + timeout
-        with open(os.path.join(self.tmp, "out")) as out:
-            while "datastore serve: listening on " not in out.read():
-                self._check(deadline)
-                out.seek(0)
-                time.sleep(0.05)
-        with grpc.insecure_channel(f"unix://{self.socket}") as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            while True:
-                with contextlib.suppress(grpc.RpcError):
-                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                self._check(deadline)
-                time.sleep(0.05)
-
-    def _check(self, deadline: float) -> None:
-        if self.proc.poll() is not None or time.monotonic() > deadline:
-            with open(os.path.join(self.tmp, "err")) as f:
-                sys.exit(f"datastore serve did not start: {f.read()[-2000:]}")
-
-    def load(self, path: str) -> None:
-        """Make ``path`` resident now, and wait until it is."""
-        self.stub.LoadDataset(self.pb.LoadDatasetRequest(dataset_path=path, wait=True), timeout=600)
-
-    def status(self) -> Any:
-        return self.stub.Status(self.pb.StatusRequest(), timeout=10)
-
-    def stop(self) -> None:
-        with contextlib.suppress(grpc.RpcError):
-            self.stub.Shutdown(self.pb.ShutdownRequest(grace_s=1.0, reason="benchmark"), timeout=5)
-        self.channel.close()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.out.close()
-        self.err.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- bare gRPC
@@ -586,10 +523,6 @@ def run_case2(args: argparse.Namespace, path: str, cache: PageCache) -> FirstBat
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
-
-
-def spread(xs: list[float], fmt: str = "{:.2f}") -> str:
-    return f"{fmt.format(min(xs))}-{fmt.format(max(xs))}" if len(xs) > 1 else fmt.format(xs[0])
 
 
 def report(

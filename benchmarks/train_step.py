@@ -8,10 +8,13 @@ A synthetic cosmology dataset (``trainer.cosmology``: ``--samples`` samples of `
 
 a. **Input pipeline under training**: ``--steps`` SGD steps of batch ``--batch`` fed by
    ``DataStoreLoader(train.h5, batch_size, seed=0)`` vs the stock
-   ``torch.utils.data.DataLoader(ds, batch_size, shuffle=True, num_workers=2)`` over a
-   map-style Dataset reading one sample per ``__getitem__`` from the same HDF5 file. Median
-   step time and the data-wait share (time blocked fetching the next batch / step time, summed
-   over the steps after the first). Ratio = peer step time / ours.
+   ``torch.utils.data.DataLoader(ds, batch_size, shuffle=True, drop_last=True,
+   persistent_workers=True, pin_memory=<CUDA available>)`` over a map-style Dataset reading one
+   sample per ``__getitem__`` from the same HDF5 file, with each ``num_workers`` of
+   ``--workers`` (default: 1, the cores and twice the cores). Per run: the median step time and
+   the data-wait share (time blocked fetching the next batch / step time, summed over the
+   steps after the first). ``--reps`` runs of each, the order alternating; printed: the median
+   over the reps and the full range. Ratio = the fastest peer setting's step time / ours.
 b. **Activation memory** (``benchmarks/train_step_job.py`` under ``mpiexec -n 2``): bytes autograd
    saves for one forward, a rank's half of the sample (parts (2, 1, 1)) vs the whole sample in
    one process. Target <= 0.6x.
@@ -23,7 +26,7 @@ d. **Lion Cub** (same job, 2 data ranks): bytes this rank hands to the vote coll
 Usage::
 
     python benchmarks/train_step.py            # about a minute on 2 cores
-    python benchmarks/train_step.py --steps 10 --samples 64
+    python benchmarks/train_step.py --steps 10 --samples 64 --reps 1 --workers 2
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
-from common import machine_info, venv_tool
+from common import cores, machine_info, median, parse_counts, spread, venv_tool
 from loader import H5Samples
 
 from datastore import DataStoreLoader
@@ -81,30 +84,57 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=3, help="runs of each input pipeline")
+    p.add_argument("--workers", default="auto", help="peer num_workers to try (default: auto)")
     a = p.parse_args()
+    c = cores()
+    workers = parse_counts(a.workers, sorted({1, c, 2 * c}), "--workers")
+    if workers[0] < 1 or a.reps < 1:
+        p.error("--workers: counts >= 1; --reps >= 1")
     torch.set_num_threads(1)
     path = os.path.join(a.dir, "train.h5")
     if not os.path.exists(path):
         os.makedirs(a.dir, exist_ok=True)
         write_dataset(path, a.samples, a.side, 0)
     print(machine_info(f"torch {torch.__version__}"))
+    pin = torch.cuda.is_available()
 
-    ours = DataStoreLoader(path, batch_size=a.batch, fields=["x", "y"], seed=0)
-    try:
-        our_step, our_wait = train_steps(forever(lambda: ours), a.steps, a.width, a.side)
-    finally:
-        ours.close()
-    peer = torch.utils.data.DataLoader(
-        H5Samples(path), batch_size=a.batch, shuffle=True, num_workers=2, drop_last=True
+    def ours() -> tuple[float, float]:
+        loader = DataStoreLoader(path, batch_size=a.batch, fields=["x", "y"], seed=0)
+        try:
+            return train_steps(forever(lambda: loader), a.steps, a.width, a.side)
+        finally:
+            loader.close()
+
+    def peer(w: int) -> tuple[float, float]:
+        loader = torch.utils.data.DataLoader(
+            H5Samples(path), batch_size=a.batch, shuffle=True, drop_last=True, num_workers=w,
+            persistent_workers=True, pin_memory=pin,
+        )  # fmt: skip
+        return train_steps(forever(lambda: loader), a.steps, a.width, a.side)
+
+    sides: dict[str, Callable[[], tuple[float, float]]] = {"DataStoreLoader": ours}
+    for w in workers:
+        sides[f"DataLoader(num_workers={w})"] = lambda w=w: peer(w)
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+    for rep in range(a.reps):
+        for name in list(sides) if rep % 2 == 0 else list(sides)[::-1]:
+            runs[name].append(sides[name]())
+    print(
+        f"\n(a) {a.steps} training steps, batch {a.batch} of {a.side}^3, width {a.width}; "
+        f"median [range] over {a.reps} rep(s); peers: persistent_workers=True, pin_memory={pin}"
     )
-    peer_step, peer_wait = train_steps(forever(lambda: peer), a.steps, a.width, a.side)
-    print(f"\n(a) {a.steps} training steps, batch {a.batch} of {a.side}^3, width {a.width}")
-    for name, step, wait in (
-        ("DataStoreLoader", our_step, our_wait),
-        ("DataLoader(num_workers=2)", peer_step, peer_wait),
-    ):
-        print(f"  {name:26s} step {step * 1e3:7.1f} ms, data wait {wait:6.1%}")
-    print(f"  step time ratio peer / ours: {peer_step / our_step:.2f}x")
+    for name, got in runs.items():
+        steps = [t * 1e3 for t, _ in got]
+        waits = [w for _, w in got]
+        print(
+            f"  {name:26s} step {median(steps):7.1f} ms [{spread(steps, '{:.1f}')}], "
+            f"data wait {median(waits):6.1%} [{spread(waits, '{:.1%}')}]"
+        )
+    step = {name: median([t for t, _ in got]) for name, got in runs.items()}
+    best = min((n for n in runs if n != "DataStoreLoader"), key=step.__getitem__)
+    ratio = step[best] / step["DataStoreLoader"]
+    print(f"  step time ratio peer / ours: {ratio:.2f}x (peer: the fastest, {best})")
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "job.json")
