@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import itertools
 import json
 import os
@@ -204,27 +203,6 @@ def warm_cache(path: str) -> float:
     return time.perf_counter() - t0
 
 
-# ----------------------------------------------------------------------------- the API
-
-
-class Unavailable(Exception):
-    """A case needs what the installed ``datastore`` does not have yet."""
-
-
-def require(*names: str) -> None:
-    """Raise ``Unavailable`` unless ``DataStoreLoader`` takes every argument in ``names``."""
-    from datastore import DataStoreLoader
-
-    params = inspect.signature(DataStoreLoader.__init__).parameters
-    gone = [f"{n}=" for n in names if n not in params]
-    if gone:
-        raise Unavailable(
-            f"the installed datastore's DataStoreLoader ({inspect.getfile(DataStoreLoader)}) "
-            f"has no {' or '.join(gone)} argument: issue 11 section 3 adds it; this case runs "
-            "once that is merged"
-        )
-
-
 # ----------------------------------------------------------------------------- the model
 
 
@@ -321,8 +299,6 @@ def open_feed(
         return batches_of(dl, s.device, on_device=False), lambda: None
     from datastore import DataStoreLoader
 
-    if cuda:
-        require("device")
     kw: dict[str, Any] = {"batch_size": s.args.batch, "seed": 0, "prefetch": s.args.prefetch}
     if cuda:
         kw["device"] = s.device
@@ -379,8 +355,6 @@ def run_feeds(s: Setup, trainer: Trainer) -> list[Feed]:
                     close()
                     del batches, close
                     gc.collect()
-            except Unavailable as exc:
-                feed.error = str(exc)
             except Exception as exc:  # reported with the others; the run goes on
                 traceback.print_exc()
                 feed.error = f"{type(exc).__name__}: {exc}"
@@ -459,7 +433,6 @@ def run_gather(
             if g.error is not None:
                 continue
             try:
-                require("threads")
                 loader = DataStoreLoader(
                     path, batch_size=args.batch, seed=0, threads=g.threads, pin_memory=pinned,
                     prefetch=args.prefetch,
@@ -471,8 +444,6 @@ def run_gather(
                     g.loader.append(nbytes / (time.perf_counter() - t0) / 1e9)
                 finally:
                     loader.close()
-            except Unavailable as exc:
-                g.error = str(exc)
             except Exception as exc:
                 traceback.print_exc()
                 g.error = f"{type(exc).__name__}: {exc}"

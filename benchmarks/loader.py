@@ -617,7 +617,7 @@ def rss_child(path: str) -> int:
                 "after_epoch": after_epoch,
                 "raw": raw,
                 "resident": loader.counters.bytes_resident,
-                "ring": sum(a.nbytes for buf in loader._ring for a in buf.values()),
+                "ring": loader.ring.nbytes,
             }
         )
     )

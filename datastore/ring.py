@@ -151,3 +151,10 @@ class BufferRing:
 
     def __len__(self) -> int:
         return len(self._out) + len(self._idle)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers the ring has now."""
+        with self._lock:
+            bufs = self._out + self._idle
+        return sum(t.nbytes for b in bufs for t in b.tensors.values())

@@ -1,4 +1,4 @@
-"""The delivery core: boxes, padding, the parallel gather, the reuse-safe ring (pure, one process)."""
+"""The delivery core: boxes, padding, the parallel gather, the reuse-safe ring (one process)."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def test_bad_device_and_threads_are_named(h5):
 
 @CUDA
 def test_device_batches_arrive_on_the_gpu_and_equal_the_host_ones(h5):
-    path, x = h5
+    path, _ = h5
     host = [b["x"].clone() for b in DataStoreLoader(path, batch_size=3, seed=5)]
     loader = DataStoreLoader(
         path, batch_size=3, seed=5, device="cuda", pin_memory=True, prefetch=3,
