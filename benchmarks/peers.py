@@ -20,7 +20,7 @@ other, each in fresh ``XDG_RUNTIME_DIR``/``XDG_STATE_HOME`` directories:
 On each store one job of 2 ranks runs per layout (``--layouts``): ``whole`` samples, and
 ``blocks`` (``spatial={"parts": (2, 1, 1), "halo": (1, 1, 1)}``: both ranks get the same
 samples, each one half-block with its halo). Rank k is a separate client process streaming
-from service k (for ``local``, both from the one service): ``RemoteLoader(DIR/node{node}/src,
+from service k (for ``local``, both from the one service): ``DataStoreLoader(DIR/node{node}/src,
 global_batch_size=2B, rank=k, world=2, seed=0, spatial=..., address=SOCK, transport="shm")``,
 B = ``--batch`` (default 4). Each client runs one untimed warm-up epoch (which makes the
 dataset resident; the benchmark then waits until no service is still loading), then both
@@ -289,11 +289,11 @@ def client(spec: str) -> int:
     timed epochs as one JSON line; its session stays open until ``next``."""
     import torch  # noqa: F401 (imports happen before any clock starts)
 
-    from datastore.service.client import RemoteLoader
+    from datastore import DataStoreLoader
 
     c = json.loads(spec)
     for layout in c["layouts"]:
-        loader = RemoteLoader(
+        loader = DataStoreLoader(
             c["path"],
             global_batch_size=c["global_batch"],
             address=c["socket"],

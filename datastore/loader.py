@@ -172,6 +172,10 @@ class DataStoreLoader(EpochPosition):
         token, transport, job_id, tls_ca: for ``address``: the TCP token, ``"auto"`` /
             ``"shm"`` / ``"inline"``, the job name in ``datastore status``, the TLS CA.
 
+    Attributes:
+        source: where batches come from: ``"local"``, ``"mpi"``, ``"torch.distributed"``
+            (an exchange between the ranks) or ``"service"``.
+
     Raises:
         TypeError: an unknown keyword argument.
         ValueError: a bad argument (every rank raises alike); ``RankMismatch`` when ranks
@@ -230,16 +234,16 @@ class DataStoreLoader(EpochPosition):
             "exchange": exchange,
         }
         self.transform, self.collate = transform, collate
+        if address is None:
+            address = os.environ.get("DATASTORE_ADDRESS") or None
         self.world: World = detect_world(rank, world, comm)
-        self._coll = self._collective(group, exchange)
+        self._coll = self._collective(group, exchange, address is not None)
         error: BaseException | None = None
         self.options: LoaderOptions | None = None
         try:
             self.options = LoaderOptions.of(**kw)
         except (ValueError, TypeError) as exc:
             error = exc
-        if address is None:
-            address = os.environ.get("DATASTORE_ADDRESS") or None
         self._broken: str | None = None
         self._source: Any = None
         self._exchange: Any = None
@@ -258,14 +262,17 @@ class DataStoreLoader(EpochPosition):
         self._stage = DeviceStage(o.device) if o.device is not None else None
         if address is not None:
             self._remote(dataset, address, token, transport, job_id, tls_ca)
+            self.source = "service"
         else:
             self._embedded(dataset, reader)
+            self.source = self._exchange.kind if self._exchange is not None else "local"
         self.epoch, self._step = 0, 0
         self.ring = BufferRing(self.fields, self.batch_size, o.prefetch + 2, o.pin_memory)
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _collective(self, group: Any, exchange: bool | None) -> Collective | None:
-        """The ranks' collective: MPI when launched by it, else ``torch.distributed``."""
+    def _collective(self, group: Any, exchange: bool | None, remote: bool) -> Collective | None:
+        """The ranks' collective: MPI when launched by it, else ``torch.distributed``
+        (``None``: one rank, no exchange, or neither is there)."""
         if self.world.size < 2 or exchange is False:
             return None
         if self.world.comm is not None:
@@ -280,6 +287,8 @@ class DataStoreLoader(EpochPosition):
             raise ValueError(
                 "exchange=True needs an MPI launcher or an initialized torch.distributed group"
             )
+        if remote:  # the service holds the dataset: nothing to exchange
+            return None
         warnings.warn(
             f"datastore: {self.world.size} ranks ({self.world.source}) but no MPI and no "
             "torch.distributed process group: every rank reads and holds the samples it needs "
@@ -501,6 +510,11 @@ class DataStoreLoader(EpochPosition):
                 )
 
     # -- what it did ---------------------------------------------------------------------------
+    @property
+    def session_id(self) -> str | None:
+        """The session of ``datastore serve`` this loader streams from (``None``: embedded)."""
+        return self._source.session_id if self._source is not None else None
+
     @property
     def counters(self) -> Counters:
         if self.store is None:

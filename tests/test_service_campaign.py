@@ -3,7 +3,7 @@ hostile requests, metrics, and the ``status`` / ``load`` / ``unload`` commands.
 
 Every service is a real ``python -m datastore serve`` subprocess (``test_service_basic``'s
 ``Server``), with ``XDG_RUNTIME_DIR`` and ``XDG_STATE_HOME`` in ``tmp_path``; every job is a
-``RemoteLoader``, in this process or in a child process that prints a hash per batch.
+``DataStoreLoader(address=...)``, here or in a child process that prints a hash per batch.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from datastore.loader import DataStoreLoader
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.cli import format_status, status_dict
-from datastore.service.client import RemoteLoader, target_of
+from datastore.service.client import target_of
 from datastore.service.session import MAX_GLOBAL_BATCH
 from tests.test_service_basic import REPO, Server, cli, wait_serving
 
@@ -43,10 +43,10 @@ SAMPLE_BYTES = 2 * 6 * 6 * 6 * 4 + 8  # "x" (2, 6, 6, 6) float32 and "idx" int64
 JOB = textwrap.dedent(
     """
     import hashlib, sys, time
-    import grpc
-    from datastore.service.client import RemoteLoader
+    from datastore import DataStoreLoader
+    from datastore.errors import DataStoreError
     path, sock, job, transport, pause, epochs = sys.argv[1:7]
-    r = RemoteLoader(path, batch_size=4, seed=3, address=sock, transport=transport, job_id=job)
+    r = DataStoreLoader(path, batch_size=4, seed=3, address=sock, transport=transport, job_id=job)
     print("opened", r.session_id, flush=True)
     try:
         for epoch in range(int(epochs)):
@@ -57,8 +57,8 @@ JOB = textwrap.dedent(
                     h.update(k.encode() + b[k].numpy().tobytes())
                 print("batch", epoch, i, h.hexdigest(), flush=True)
                 time.sleep(float(pause))
-    except grpc.RpcError as exc:
-        print("error", exc.code().name, flush=True)
+    except DataStoreError as exc:
+        print("error", type(exc).__name__, flush=True)
         sys.exit(3)
     print("done", flush=True)
     sys.stdin.readline()
@@ -418,7 +418,7 @@ def test_restart_reloads_what_was_resident_until_unloaded(start, tmp_path, env):
     path = make_dataset(tmp_path / "data.h5")
     sock, state = tmp_path / "s.sock", tmp_path / "state.json"
     s = start("--socket", str(sock), "--state-file", str(state))
-    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
+    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
         assert len([1 for _ in r]) == SAMPLES // 4
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(10) == 0
@@ -433,7 +433,7 @@ def test_restart_reloads_what_was_resident_until_unloaded(start, tmp_path, env):
     assert f"{path}: resident" in loaded.stdout
     assert status(sock).datasets[0].bytes_resident == SAMPLES * SAMPLE_BYTES
 
-    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)):
+    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)):
         busy = cli("unload", str(path), "--socket", str(sock), env=env)
         assert busy.returncode == 1 and busy.stdout == ""
         assert busy.stderr.count("\n") == 1
@@ -494,7 +494,7 @@ def test_lru_eviction_under_the_memory_budget(start, tmp_path, env):
     assert [x.path for x in st.datasets] == [str(b)]  # a was evicted for b
     assert st.bytes_resident == size and st.memory_budget == size * 3 // 2
 
-    with RemoteLoader(str(a), batch_size=4, seed=3, address=str(sock)) as job:
+    with DataStoreLoader(str(a), batch_size=4, seed=3, address=str(sock)) as job:
         st = status(sock)  # a is back, b made room
         assert [(x.path, x.sessions) for x in st.datasets] == [(str(a), 1)]
         r = cli("load", str(b), "--wait", "--socket", str(sock), env=env)
@@ -547,7 +547,7 @@ def test_hostile_requests_are_refused_and_the_service_serves_on(start, tmp_path,
                     _open_raw(ch, request)
                 else:
                     ds.OpenSession(request, timeout=10)
-        with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as job:
+        with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as job:
             assert [(0, i, digest(x)) for i, x in enumerate(job)] == expected
         return err.value.code(), err.value.details()
 
@@ -601,7 +601,7 @@ def test_prometheus_metrics_agree_with_status(start, tmp_path):
         }
 
     kw = {"batch_size": 4, "seed": 3, "address": str(sock), "transport": "shm", "job_id": "j1"}
-    with RemoteLoader(str(path), **kw) as job:
+    with DataStoreLoader(str(path), **kw) as job:
         it = iter(job)
         next(it)  # streaming now
         m = scrape()

@@ -19,7 +19,7 @@ import pytest
 from helpers import MPIEXEC, stage_sharded
 
 from datastore.loader import DataStoreLoader
-from datastore.service.client import Client, RemoteLoader
+from datastore.service.client import Client
 from tests.test_service_stream import assert_same, batches
 
 pytestmark = pytest.mark.mpi
@@ -55,7 +55,7 @@ def test_a_job_across_two_services_gets_the_embedded_batches(store, spatial):
     src, template, sockets, _ = store
     for rank in range(2):
         kw = {"rank": rank, "world": 2, "seed": 5, "spatial": spatial}
-        remote = RemoteLoader(template, batch_size=2, address=str(sockets[rank]), **kw)
+        remote = DataStoreLoader(template, batch_size=2, address=str(sockets[rank]), **kw)
         local = DataStoreLoader(str(src), batch_size=2, exchange=False, **kw)
         try:
             for _ in range(2):

@@ -25,7 +25,7 @@ import pytest
 from datastore.loader import DataStoreLoader
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
-from datastore.service.client import RemoteLoader, target_of
+from datastore.service.client import Client, target_of
 from tests.test_service_basic import REPO, Server, wait_serving
 
 SPATIAL = {"parts": (2, 1, 1), "halo": (1, 1, 1)}
@@ -83,7 +83,7 @@ def test_remote_equals_embedded_over_two_epochs(served, kw, transport):
     remote = DataStoreLoader(
         str(path), batch_size=4, seed=3, address=str(sock), transport=transport, **kw
     )
-    assert isinstance(remote, RemoteLoader)
+    assert remote.source == "service"
     try:
         assert len(remote) == len(local)
         for _ in range(2):
@@ -101,7 +101,7 @@ def test_inline_tensors_are_the_callers_to_write(served):
     allowed (no warning), and changes nothing else (later batches, the next epoch)."""
     path, sock, _ = served
     local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
-    remote = RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock), transport="inline")
+    remote = DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock), transport="inline")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -125,30 +125,30 @@ def test_datastore_address_from_the_environment(served, monkeypatch):
     local = batches(DataStoreLoader(str(path), batch_size=4, seed=3))
     monkeypatch.setenv("DATASTORE_ADDRESS", str(sock))
     remote = DataStoreLoader(str(path), batch_size=4, seed=3)
-    assert isinstance(remote, RemoteLoader)
+    assert remote.source == "service"
     try:
         assert_same(batches(remote), local)
     finally:
         remote.close()
     monkeypatch.setenv("DATASTORE_ADDRESS", "")
-    assert not isinstance(DataStoreLoader(str(path), batch_size=4), RemoteLoader)
+    assert DataStoreLoader(str(path), batch_size=4).source == "local"
 
 
 def test_resume_mid_epoch_equals_uninterrupted(served):
     path, sock, _ = served
-    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as whole:
+    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as whole:
         whole.set_epoch(1)
         expected = batches(whole)
-    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as first:
+    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as first:
         first.set_epoch(1)
         head = batches(first, 2)
         saved = first.state_dict()
     assert saved["epoch"] == 1 and saved["step"] == 2
-    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as second:
+    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as second:
         second.load_state_dict(saved)
         tail = batches(second)
     assert_same(head + tail, expected)
-    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as same:
+    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as same:
         same.set_epoch(1)
         head = batches(same, 3)  # breaking out cancels the call; the rank streams again
         t0 = time.monotonic()
@@ -201,10 +201,9 @@ def test_refusals_and_the_server_keeps_serving(served, tmp_path):
         nosession = pb.StreamBatchesRequest(session_id="nope")
         got = code(lambda: list(ds.StreamBatches(iter([nosession]), timeout=10)))
         assert got == grpc.StatusCode.NOT_FOUND
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(ValueError, match="batch_size"):  # refused here, as embedded
         DataStoreLoader(str(path), batch_size=-1, address=str(sock))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
+    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
         assert len(batches(r)) == 6
     assert s.proc.poll() is None
 
@@ -214,8 +213,8 @@ def test_client_killed_mid_stream_leaves_server_healthy(served):
     script = textwrap.dedent(
         f"""
         import sys, time
-        from datastore.service.client import RemoteLoader
-        r = RemoteLoader({str(path)!r}, batch_size=4, seed=3, address={str(sock)!r})
+        from datastore import DataStoreLoader
+        r = DataStoreLoader({str(path)!r}, batch_size=4, seed=3, address={str(sock)!r})
         for i, b in enumerate(r):
             print("got", i, flush=True)
             time.sleep(60)
@@ -231,7 +230,7 @@ def test_client_killed_mid_stream_leaves_server_healthy(served):
         child.wait(10)
     time.sleep(0.2)
     assert s.proc.poll() is None
-    with RemoteLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
+    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
         got = batches(r)
     local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
     try:
@@ -245,3 +244,35 @@ def test_socket_path_target():
     assert target_of("/tmp/x.sock") == "unix:///tmp/x.sock"
     assert target_of(Path("/tmp/x.sock")) == "unix:///tmp/x.sock"
     assert target_of("127.0.0.1:5") == "127.0.0.1:5"
+
+
+@pytest.mark.parametrize("kw", [{}, {"rank": 1, "world": 2, "spatial": SPATIAL}])
+def test_inline_batches_over_the_chunk_size_come_in_chunks(served, tmp_path, kw):
+    """A batch larger than one message (the service's chunk size, forced small here; 256 MiB
+    is gRPC's cap) arrives in several, reassembled into a buffer the loader owns."""
+    path, _, _ = served
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    env = {
+        **os.environ,
+        "XDG_RUNTIME_DIR": str(runtime),
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+        "DATASTORE_INLINE_CHUNK": "5000",  # a batch of 4 is 16 KiB: 4 chunks, cut mid-tensor
+    }
+    sock = tmp_path / "c.sock"
+    s = Server(tmp_path / "logs", ["--socket", str(sock)], env)
+    try:
+        wait_serving(s.listening(30)[0], s.proc, timeout=30)
+        local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False, **kw)
+        with DataStoreLoader(
+            str(path), batch_size=4, seed=3, address=str(sock), transport="inline", **kw
+        ) as remote:
+            for _ in range(2):
+                got = batches(remote)
+                assert_same(got, batches(local))
+            with Client(sock) as c:
+                (session,) = c.status().sessions
+            assert session.batches_served == 2 * len(local)
+    finally:
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(10)

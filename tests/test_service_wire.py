@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service.stream import _pieces
 from datastore.service.wire import (
     ReceivedBatch,
+    chunk_message,
     frame_batch,
     keep_large_blocks,
     parse_batch,
-    received_array,
     serialize,
 )
 
@@ -144,15 +145,26 @@ def test_keep_large_blocks_leaves_the_users_malloc_settings(monkeypatch):
     assert keep_large_blocks() is False
 
 
-def test_received_array_views_the_message_writably_and_keeps_it_alive():
-    raw = np.arange(16, dtype="<f4").tobytes()
-    view = memoryview(raw)[4:36]  # floats 1..8; a bytes object's data is 8-aligned or more
-    arr = received_array(view, np.dtype("<f4"), (2, 4))
-    assert arr.flags.writeable and not arr.flags.owndata
-    assert arr.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
-    del raw, view  # the array alone keeps the message alive
-    arr[0, 0] = -1
-    assert arr.tolist() == [[-1, 2, 3, 4], [5, 6, 7, 8]]
-    shifted = memoryview(bytes(33))[1:33]  # not aligned for float32: copied
-    copy = received_array(shifted, np.dtype("<f4"), (8,))
-    assert copy.flags.owndata and copy.tolist() == [0] * 8
+def test_a_chunk_parses_as_a_view_beside_its_header():
+    payload = np.arange(40, dtype=np.uint8)
+    head = pb.Batch(epoch=1, step=3, rank=2, chunk_total=100, chunk_offset=60)
+    message = chunk_message(head, [payload[:15], payload[15:]])
+    got = parse_batch(message)
+    assert got.header == head and got.tensors == []
+    assert isinstance(got.chunk, memoryview) and bytes(got.chunk) == payload.tobytes()
+    want = pb.Batch()
+    want.CopyFrom(head)
+    want.chunk = payload.tobytes()
+    assert pb.Batch.FromString(message) == want  # what protobuf itself reads
+
+
+def test_pieces_cut_a_payload_into_runs_of_at_most_the_chunk_size():
+    payload = [
+        np.arange(10, dtype=np.uint8),
+        np.arange(3, dtype=np.uint8),
+        np.arange(7, dtype=np.uint8),
+    ]
+    runs = list(_pieces(payload, 6))
+    assert [sum(p.nbytes for p in r) for r in runs] == [6, 6, 6, 2]
+    joined = np.concatenate([np.concatenate(r) for r in runs])
+    assert np.array_equal(joined, np.concatenate(payload))

@@ -1,51 +1,42 @@
-"""Channels to ``datastore serve``, the calls the CLI makes, and ``RemoteLoader``.
+"""Channels to ``datastore serve``, the calls the CLI makes, and the batch stream a loader reads.
 
-``RemoteLoader`` is what ``DataStoreLoader(..., address=...)`` returns: the same iteration API
-(``__len__``, ``__iter__``, ``set_epoch``, ``state_dict``/``load_state_dict``), with the batches
-streamed by the service (inline bytes) instead of read in this process.
+``DataStoreLoader(..., address=...)`` draws its batches through :class:`RemoteBatches`
+(``datastore.sources.service``); gRPC errors reach users as ``datastore.errors`` types
+(:func:`raise_for`).
 """
 
 from __future__ import annotations
 
-import collections
-import math
 import os
 import queue
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import numpy as np
 
-from datastore.order import EpochPosition, Schedule, rank_layout
+from datastore.errors import DatasetNotFound, DataStoreError, PathNotAllowed, ServiceUnavailable
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
 from datastore.service.paths import unix_target
 from datastore.service.shm import ClientMaps
-from datastore.service.wire import (
-    ReceivedBatch,
-    ReceivedTensor,
-    keep_large_blocks,
-    parse_batch,
-    received_array,
-)
-
-if TYPE_CHECKING:
-    import torch  # imported where tensors are made: the CLI's calls start without it
+from datastore.service.wire import ReceivedBatch, parse_batch
 
 __all__ = [
     "TRANSPORTS",
     "Client",
+    "Received",
     "RemoteBatches",
-    "RemoteLoader",
     "open_channel",
+    "raise_for",
     "stream_batches",
     "target_of",
 ]
 
-MAX_MESSAGE = 256 * 1024 * 1024  # as the server: a batch is one message
+MAX_MESSAGE = 256 * 1024 * 1024  # as the server; larger inline batches come in chunks
 MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -155,19 +146,62 @@ class Client:
         self.close()
 
 
+def raise_for(exc: grpc.RpcError, address: str) -> Exception:
+    """The ``datastore.errors`` error for a failed call to the service at ``address`` (the
+    same types the embedded loader raises for the same fault)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "connect" in details.lower():  # nobody listens there (not a peer of it down)
+            return ServiceUnavailable(
+                f"no answer from {address} ({details}): is `datastore serve` running at "
+                f"{address}?"
+            )
+        return ServiceUnavailable(f"datastore serve at {address}: {details}")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return DatasetNotFound(details)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PathNotAllowed(details)
+    if code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ):
+        return ValueError(details)
+    name = code.name if code is not None else "error"
+    return DataStoreError(f"datastore serve at {address}: {name}: {details}")
+
+
+@dataclass
+class Received:
+    """One streamed batch: ``arrays`` (numpy) and where they live.
+
+    Attributes:
+        header: the ``Batch`` message without its tensors (step, epoch, sample indices).
+        arrays: ``{field: array}``: read-only views of the message (inline), views of the
+            service's segment (shared memory), or a fresh buffer that is the caller's
+            (``owned``: an inline batch reassembled from chunks).
+        generation: a shared-memory batch's region, to return with :meth:`RemoteBatches.done`
+            once nothing reads it any more; ``None`` otherwise.
+        owned: the arrays are the caller's to keep and write.
+    """
+
+    header: Any
+    arrays: dict[str, np.ndarray]
+    generation: int | None = None
+    owned: bool = False
+
+
 class RemoteBatches:
-    """The batches of one ``StreamBatches`` call as ``(step, {field: tensor})``.
+    """The batches of one ``StreamBatches`` call, as :class:`Received` objects.
 
     Iterating pulls one message at a time (gRPC flow control bounds what is in flight);
-    ``close()`` (or dropping it) cancels the call, which stops the server producing.
-
-    Inline tensors are views of the message received for them (parsed by
-    :func:`~datastore.service.wire.parse_batch`), which nothing else holds: writable and the
-    caller's, no copy (a payload not aligned for its dtype is copied). Shared-memory tensors are
-    views of the service's segment, no copy: a batch stays valid until ``hold`` further
-    batches have been drawn, then its generation is returned to the service for reuse.
-    ``maps`` and ``held`` (the generations still read) outlive the call: the next stream of
-    the rank reuses the segment and takes over what is held.
+    ``close()`` cancels the call, which stops the service producing. Shared-memory regions
+    stay the service's until the caller returns their generations (:meth:`done`); ``maps``
+    (the segments mapped) and ``held`` (the generations the caller still reads) outlive the
+    call: the next stream of the rank reuses the segment and keeps what is held. An inline
+    batch larger than one message arrives in chunks (``Batch.chunk_total``) and is
+    reassembled into one buffer the caller owns.
     """
 
     def __init__(
@@ -175,14 +209,11 @@ class RemoteBatches:
         stream: grpc.StreamStreamMultiCallable,
         request: Any,
         metadata: Any = None,
-        hold: int = 3,
         maps: ClientMaps | None = None,
-        held: collections.deque[int] | None = None,
+        held: Iterable[int] = (),
     ) -> None:
         self._maps = ClientMaps() if maps is None else maps
-        self._held: collections.deque[int] = collections.deque() if held is None else held
-        self._hold = max(1, hold)
-        request.held.extend(self._held)
+        request.held.extend(held)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox.put(request)
         self._call = stream(self._requests(), metadata=metadata)
@@ -191,29 +222,42 @@ class RemoteBatches:
         while (r := self._outbox.get()) is not None:
             yield r
 
-    def _tensor(self, t: ReceivedTensor) -> torch.Tensor:
-        import torch
+    def done(self, generations: list[int]) -> None:
+        """The caller no longer reads these shared-memory regions: the service may reuse them."""
+        if generations:
+            self._outbox.put(pb.StreamBatchesRequest(done=list(generations)))
 
-        dtype, shape = np.dtype(t.meta.dtype), tuple(t.meta.shape)
-        if t.shm is not None:
+    def _shared(self, b: ReceivedBatch) -> Received:
+        arrays, generation = {}, None
+        for t in b.tensors:
+            dtype, shape = np.dtype(t.meta.dtype), tuple(t.meta.shape)
             fresh = t.shm.path not in self._maps
-            arr = self._maps.array(t.shm.path, t.shm.offset, dtype, shape)
+            arrays[t.meta.name] = self._maps.array(t.shm.path, t.shm.offset, dtype, shape)
             if fresh:  # the service removes the file now: nothing is left behind after us
                 self._outbox.put(pb.StreamBatchesRequest(mapped=True))
-            return torch.from_numpy(arr)
-        return torch.from_numpy(received_array(t.data or memoryview(b""), dtype, shape))
+            generation = int(t.shm.generation)
+        return Received(b.header, arrays, generation)
 
-    def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    def __iter__(self) -> Iterator[Received]:
         try:
-            b: ReceivedBatch
+            chunks: _Chunks | None = None
             for b in self._call:
-                batch = {t.meta.name: self._tensor(t) for t in b.tensors}
-                shared = [t.shm.generation for t in b.tensors if t.shm is not None]
-                if shared:
-                    self._held.append(shared[0])
-                    if len(self._held) > self._hold:
-                        self._outbox.put(pb.StreamBatchesRequest(done=[self._held.popleft()]))
-                yield b.header.step, batch
+                if b.header.chunk_total:
+                    chunks = _Chunks(b) if chunks is None else chunks
+                    chunks.add(b)
+                    if chunks.complete:
+                        yield chunks.received()
+                        chunks = None
+                elif any(t.shm is not None for t in b.tensors):
+                    yield self._shared(b)
+                else:
+                    arrays = {
+                        t.meta.name: np.frombuffer(t.data or b"", np.dtype(t.meta.dtype)).reshape(
+                            tuple(t.meta.shape)
+                        )
+                        for t in b.tensors
+                    }
+                    yield Received(b.header, arrays)
         finally:
             self.close()
 
@@ -222,172 +266,45 @@ class RemoteBatches:
         self._outbox.put(None)
 
 
-class RemoteLoader(EpochPosition):
-    """``DataStoreLoader``'s API over ``datastore serve``: one session per loader.
+class _Chunks:
+    """An inline batch arriving in several messages, copied into one buffer of its own."""
 
-    Takes ``DataStoreLoader``'s arguments that fix the sample sequence, ``fields`` and
-    ``prefetch`` (the rest, such as ``memory_budget``, are the service's business and ignored).
+    def __init__(self, first: ReceivedBatch) -> None:
+        h = first.header
+        if h.chunk_offset != 0 or not first.tensors:
+            raise ValueError(f"step {h.step}: a chunked batch must start with its header")
+        self.header, self.metas = h, [t.meta for t in first.tensors]
+        self.buffer = np.empty(int(h.chunk_total), np.uint8)
+        if sum(m.nbytes for m in self.metas) != len(self.buffer):
+            raise ValueError(f"step {h.step}: the chunks' total disagrees with the tensors'")
+        self.filled = 0
 
-    Args:
-        address: a Unix socket path, ``unix://PATH`` or ``HOST:PORT``.
-        token: the shared secret for TCP. Default: none.
-        transport: ``"auto"`` (shared memory over the Unix socket, inline bytes over TCP),
-            ``"shm"`` or ``"inline"``. Default: ``"auto"``. Shared-memory tensors are views of
-            the service's memory, valid until ``prefetch + 1`` further batches are drawn (as the
-            embedded loader's); ``.clone()`` one to keep it longer.
-        job_id: shown by ``datastore status``. Default: ``$SLURM_JOB_ID``.
-        tls_ca: PEM certificate(s) to check a TLS service against (TCP). Default: plaintext.
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        batch_size: int | None = None,
-        *,
-        address: str,
-        global_batch_size: int | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = True,
-        spatial: dict[str, Any] | None = None,
-        rank: int | None = None,
-        world: int | None = None,
-        fields: list[str] | None = None,
-        prefetch: int = 2,
-        token: str | None = None,
-        transport: str = "auto",
-        job_id: str = "",
-        tls_ca: str | os.PathLike | None = None,
-        **_ignored: Any,
-    ) -> None:
-        from datastore.world import detect_world
-
-        if not isinstance(dataset, (str, os.PathLike)):
-            raise TypeError("a remote loader takes a dataset path (the server's node)")
-        w = detect_world(rank, world, None)
-        self.rank, self.world_size = w.rank, w.size
-        blocks = math.prod(spatial["parts"]) if spatial else 1
-        self.layout = rank_layout(self.rank, self.world_size, blocks)
-        if (batch_size is None) == (global_batch_size is None):
-            raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
-        gb = (
-            global_batch_size
-            if global_batch_size is not None
-            else batch_size * self.layout.data_world  # type: ignore[operator]
-        )
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-        self.transport, self.prefetch = TRANSPORTS[transport], max(1, prefetch)
-        self.target = target_of(address)
-        self._channel = open_channel(self.target, tls_ca)
-        self._stub = pb_grpc.DataStoreStub(self._channel)
-        self._stream_batches = stream_batches(self._channel)
-        self._metadata = bearer(token) if token else None
-        unix = self.target.startswith("unix:")
-        if transport == "inline" or (transport == "auto" and not unix):
-            keep_large_blocks()  # inline batches: messages and tensors of tens of MiB
-        layout = pb.SpatialLayout()
-        if spatial:
-            layout = pb.SpatialLayout(
-                parts=list(spatial["parts"]),
-                halo=list(spatial.get("halo", ())),
-                boundary=spatial.get("boundary", ""),
+    def add(self, b: ReceivedBatch) -> None:
+        h, data = b.header, b.chunk if b.chunk is not None else memoryview(b"")
+        if h.step != self.header.step or h.chunk_offset != self.filled:
+            raise ValueError(
+                f"step {self.header.step}: chunk at {h.chunk_offset} of step {h.step} arrived "
+                f"where byte {self.filled} was expected"
             )
-        self._open_request = pb.OpenSessionRequest(
-            dataset_path=os.path.abspath(os.fspath(dataset)),
-            seed=seed,
-            global_batch=max(0, gb),
-            world_size=self.world_size,
-            spatial=layout,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            job_id=job_id or os.environ.get("SLURM_JOB_ID", ""),
-            fields=list(fields or ()),
-        )
-        reply = self._open()
-        self.num_samples = reply.num_samples
-        self.fields = list(reply.fields)
-        self.schedule = Schedule(
-            int(reply.num_samples), gb, seed, shuffle, "drop" if drop_last else "pad"
-        )
-        assert self.schedule.steps_per_epoch == reply.steps_per_epoch
-        self.batch_size = self.schedule.local_batch(self.layout.data_world)
-        self.epoch, self._step = 0, 0
-
-    def _open(self) -> Any:
-        reply = self._stub.OpenSession(self._open_request, timeout=60, metadata=self._metadata)
-        self.session_id = reply.session_id
-        self._maps, self._held = ClientMaps(), collections.deque()  # a new session's segments
-        return reply
-
-    def _stream(self) -> RemoteBatches:
-        request = pb.StreamBatchesRequest(
-            session_id=self.session_id,
-            rank=self.rank,
-            epoch=self.epoch,
-            start_step=self._step,
-            transport=self.transport,
-            prefetch=self.prefetch,
-        )
-        return RemoteBatches(
-            self._stream_batches,
-            request,
-            self._metadata,
-            hold=self.prefetch + 1,
-            maps=self._maps,
-            held=self._held,
-        )
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        finished = False
-        stream = self._stream()
-        it = iter(stream)
-        try:
-            first = next(it, None)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
-                raise
-            # the service closed an idle session (or restarted): the same request gives the
-            # same sequence, so reopen and carry on where this loader is
-            stream.close()
-            self._open()
-            stream = self._stream()
-            it = iter(stream)
-            first = next(it, None)
-        try:
-            if first is None:
-                finished = True
-                return
-            self._step = first[0] + 1
-            yield first[1]
-            for step, batch in it:
-                self._step = step + 1
-                yield batch
-            finished = True
-        finally:
-            stream.close()
-            self._end_iteration(finished)
-
-    def close(self) -> None:
-        """Close the session (freeing its slots on the service) and the channel; tensors
-        already handed out stay valid."""
-        if self._channel is None:
-            return
-        try:
-            self._stub.CloseSession(
-                pb.CloseSessionRequest(session_id=self.session_id),
-                timeout=10,
-                metadata=self._metadata,
+        if self.filled + len(data) > len(self.buffer):
+            raise ValueError(
+                f"step {h.step}: the chunks run past the batch's {len(self.buffer)} bytes"
             )
-        except grpc.RpcError:
-            pass  # the server is gone: nothing left to free
-        finally:
-            self._channel.close()
-            self._channel = None
-            self._maps.drop()
+        self.buffer[self.filled : self.filled + len(data)] = np.frombuffer(data, np.uint8)
+        self.filled += len(data)
 
-    def __enter__(self) -> RemoteLoader:
-        return self
+    @property
+    def complete(self) -> bool:
+        return self.filled == len(self.buffer)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def received(self) -> Received:
+        arrays, at = {}, 0
+        for m in self.metas:
+            dtype = np.dtype(m.dtype)
+            n = int(m.nbytes)
+            arrays[m.name] = self.buffer[at : at + n].view(dtype).reshape(tuple(m.shape))
+            at += n
+        header = pb.Batch()
+        header.CopyFrom(self.header)
+        del header.tensors[:]
+        return Received(header, arrays, owned=True)

@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from datastore import __version__
+from datastore.delivery import Gather
 from datastore.service import SERVICE_NAME
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
@@ -192,7 +193,11 @@ class Servicer(pb_grpc.DataStoreServicer):
             config.memory_budget, config.state_file, on_event=log.info, link=self.link
         )
         self.sessions = Sessions(
-            self.residency, config.allowed_roots, config.session_idle_s, on_event=log.info
+            self.residency,
+            config.allowed_roots,
+            config.session_idle_s,
+            on_event=log.info,
+            gather=Gather(),  # copies spread over the node's cores, shared by every stream
         )
 
     def answer(self, request: dict) -> Any:
@@ -266,10 +271,10 @@ class Servicer(pb_grpc.DataStoreServicer):
                 target=_returns_slots, args=(requests, stream), daemon=True, name="datastore-acks"
             ).start()
         try:
-            for batch, nbytes in stream.messages():
-                session.served(nbytes)
+            for batch, nbytes, first in stream.messages():
+                session.served(nbytes, first)
                 with self._counters.lock:
-                    self._counters.batches += 1
+                    self._counters.batches += int(first)
                     self._counters.bytes += nbytes
                 yield batch
         except ServiceError as exc:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import Delivered, delivered_fields, spatial_grid
+from datastore.delivery import Delivered, Gather, delivered_fields, spatial_grid
 from datastore.order import Schedule, rank_layout
 from datastore.partition import Grid
 from datastore.service._pb.v1 import datastore_pb2 as pb
@@ -69,6 +69,7 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+    gather: Gather | None = None  # the service's batch copies
 
     @property
     def blocks(self) -> int:
@@ -129,13 +130,12 @@ class Session:
             ring.keep_only(list(r.held))
             s = Stream(
                 plan=plan,
-                grid=self.grid,
-                block=lay.spatial_rank,
                 sample=self.resident.sample,
                 fetch=fetch if sharded else None,
                 steps=(epoch, int(r.start_step), end, steps, int(r.rank)),
                 ring=ring,
                 on_stall=self._stalled,
+                gather=self.gather,
             )
             self.streams.add(s)
         return s
@@ -144,9 +144,10 @@ class Session:
         with self.lock:
             self.stall_s += seconds
 
-    def served(self, nbytes: int) -> None:
+    def served(self, nbytes: int, batch: bool = True) -> None:
+        """``nbytes`` more sent; ``batch``: they start a batch (not a later chunk of one)."""
         with self.lock:
-            self.batches_served += 1
+            self.batches_served += int(batch)
             self.bytes_served += nbytes
 
     def release(self, s: Stream) -> None:
@@ -178,6 +179,7 @@ class Sessions:
         roots: datasets must lie under one of these. Default: anywhere.
         idle_s: close sessions without a stream for this long. Default: ``600``.
         on_event: ``on_event(name, **fields)`` for the log. Default: nothing.
+        gather: the batch copies of every stream. Default: one thread per stream.
     """
 
     def __init__(
@@ -186,8 +188,10 @@ class Sessions:
         roots: tuple[Path, ...] = (),
         idle_s: float = 600.0,
         on_event: Any = None,
+        gather: Gather | None = None,
     ) -> None:
         self.residency, self.roots, self.idle_s = residency, roots, idle_s
+        self.gather = gather
         self._event = on_event or (lambda *_a, **_k: None)
         self._lock = threading.Lock()
         self._by_id: dict[str, Session] = {}
@@ -240,7 +244,9 @@ class Sessions:
             schedule.local_batch(world // blocks)
         except (ValueError, TypeError) as exc:
             raise ServiceError("INVALID_ARGUMENT", str(exc)) from exc
-        return Session(uuid.uuid4().hex, r, resident, schedule, world, grid, info, spatial)
+        session = Session(uuid.uuid4().hex, r, resident, schedule, world, grid, info, spatial)
+        session.gather = self.gather
+        return session
 
     def get(self, sid: str) -> Session:
         with self._lock:

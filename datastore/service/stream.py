@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import queue
 import threading
 import time
@@ -27,12 +28,20 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import Delivered, fill_batch
+from datastore.delivery import Delivered, Gather, fill_batch
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.shm import Segment
-from datastore.service.wire import batch_message
+from datastore.service.wire import batch_message, chunk_message
 
-__all__ = ["SlotRing", "Stream"]
+__all__ = ["SlotRing", "Stream", "chunk_bytes"]
+
+CHUNK_BYTES = 64 << 20  # inline batches larger than this go in chunks (gRPC caps at 256 MiB)
+
+
+def chunk_bytes() -> int:
+    """The largest inline payload sent as one message (``DATASTORE_INLINE_CHUNK`` overrides,
+    e.g. to test chunking with small data)."""
+    return int(os.environ.get("DATASTORE_INLINE_CHUNK") or CHUNK_BYTES)
 
 
 class SlotRing:
@@ -64,9 +73,11 @@ class SlotRing:
                 }
                 for i in range(nslots)
             ]
-        else:  # inline: a batch is filled straight into its message; slots only count
+        else:  # inline: a batch is filled straight into its message; slots only count (but
+            # a batch sent in chunks is filled into a private slot first, made on first use)
             self.slots = []
         self.shapes = shapes
+        self._private: dict[int, dict[str, np.ndarray]] = {}
         self._free: queue.Queue = queue.Queue()
         for i in range(nslots):
             self._free.put(i)
@@ -82,6 +93,14 @@ class SlotRing:
             except queue.Empty:
                 continue
         return None
+
+    def private(self, slot: int) -> dict[str, np.ndarray]:
+        """Slot ``slot`` in this process's memory (inline batches sent in chunks)."""
+        if slot not in self._private:
+            self._private[slot] = {
+                f.name: np.empty(self.shapes[f.name], f.dtype) for f in self.fields
+            }
+        return self._private[slot]
 
     def give(self, slot: int) -> None:
         self._free.put(slot)
@@ -154,7 +173,6 @@ class Stream:
 
     Args:
         plan: ``plan(step) -> sample indices`` of this rank's share of global batch ``step``.
-        grid, block: the rank's block (``datastore.delivery``).
         ring: the rank's slots, and the fields they hold.
         sample: ``sample(index, field)``: the stored whole sample.
         fetch: ``fetch(samples)``: ``{(index, field): delivered array}`` of the samples other
@@ -162,21 +180,21 @@ class Stream:
             while this step's batch is filled.
         steps: ``(epoch, start, end, steps_per_epoch, rank)``.
         on_stall: ``on_stall(seconds)``: time the call waited for a batch.
+        gather: the batch copies (threads shared by the service's streams).
     """
 
     def __init__(
         self,
         *,
         plan: Callable[[int], np.ndarray],
-        grid: Any,
-        block: int,
         sample: Callable[[int, str], np.ndarray],
         fetch: Callable[[np.ndarray], dict[tuple[int, str], np.ndarray]] | None,
         steps: tuple[int, int, int, int, int],
         ring: SlotRing,
         on_stall: Callable[[float], None],
+        gather: Gather | None = None,
     ) -> None:
-        self._plan, self._fields, self._grid, self._block = plan, ring.fields, grid, block
+        self._plan, self._fields, self._gather = plan, ring.fields, gather
         self._sample, self._fetch = sample, fetch
         self.epoch, self.start, self.end, self._steps_per_epoch, self.rank = steps
         self._on_stall = on_stall
@@ -184,6 +202,7 @@ class Stream:
         self._ready: queue.Queue = queue.Queue()
         self.ring = ring
         self._metas = self._tensor_metas()
+        self._nbytes = sum(m.nbytes for m in self._metas)
         self._worker = threading.Thread(target=self._produce, name="datastore-stream", daemon=True)
 
     # -- producer ------------------------------------------------------------------------------
@@ -201,7 +220,9 @@ class Stream:
                 if slot is None:
                     return
                 header = self._header(step, samples)
-                if self.ring.segment is None:  # inline: filled in place, in its message
+                if self.ring.segment is None and self._nbytes > chunk_bytes():
+                    message, out = header, self.ring.private(slot)  # sent in chunks
+                elif self.ring.segment is None:  # inline: filled in place, in its message
                     message, room = batch_message(
                         header,
                         [(m, self.ring.shapes[m.name], m.dtype) for m in self._metas],
@@ -209,7 +230,7 @@ class Stream:
                     out = {f.name: a for f, a in zip(self._fields, room, strict=True)}
                 else:
                     message, out = header, self.ring.slots[slot]
-                fill_batch(samples, self._fields, self._sample, out, fetched)
+                fill_batch(samples, self._fields, self._sample, out, fetched, self._gather)
                 self._ready.put((step, slot, message))
                 slot = None
         except BaseException as exc:  # handed to the call, which fails with it
@@ -243,7 +264,7 @@ class Stream:
                         raise message
                     self._until_mapped()
                     return
-                yield self._message(slot, message)
+                yield from self._message(slot, message)
         finally:
             self.close()
 
@@ -278,18 +299,23 @@ class Stream:
             for f in self._fields
         ]
 
-    def _message(self, slot: int, message: Any) -> tuple[Any, int]:
-        """The message of the batch in ``slot``: framed bytes with the tensors inline (the
-        slot is free again at once), or a ``Batch`` to which the shared-memory regions of the
+    def _message(self, slot: int, message: Any) -> Iterator[tuple[Any, int, bool]]:
+        """The messages of the batch in ``slot`` as ``(message, payload bytes, first)``: framed
+        bytes with the tensors inline (the slot is free again at once); the chunks of a batch
+        too large for one message; or a ``Batch`` to which the shared-memory regions of the
         slot are added."""
-        metas = self._metas
-        nbytes = sum(m.nbytes for m in metas)
         if isinstance(message, bytes):
             self.ring.give(slot)
-            return message, nbytes
+            yield message, self._nbytes, True
+            return
         seg = self.ring.segment
+        if seg is None:
+            chunks = self._chunks(message, self.ring.private(slot))
+            self.ring.give(slot)
+            yield from chunks
+            return
         generation = self.ring.lend(slot)
-        for meta in metas:
+        for meta in self._metas:
             region = pb.SharedMemoryRegion(
                 path=str(seg.path),
                 offset=seg.offset(slot) + self.ring.at[meta.name],
@@ -297,7 +323,28 @@ class Stream:
                 generation=generation,
             )
             message.tensors.add(meta=meta, shm=region)
-        return message, nbytes
+        yield message, self._nbytes, True
+
+    def _chunks(self, header: Any, arrays: dict[str, np.ndarray]) -> list[tuple[bytes, int, bool]]:
+        """A batch's payload (the tensors' bytes in order) framed as messages of at most
+        :func:`chunk_bytes` payload bytes each, the first with the header and the tensors'
+        metas (one copy of each byte, into its message)."""
+        payload = [arrays[m.name].reshape(-1).view(np.uint8) for m in self._metas]
+        out: list[tuple[bytes, int, bool]] = []
+        offset = 0
+        for piece in _pieces(payload, chunk_bytes()):
+            if offset == 0:
+                head = pb.Batch()
+                head.CopyFrom(header)
+                for meta in self._metas:
+                    head.tensors.add(meta=meta)
+            else:
+                head = pb.Batch(epoch=header.epoch, step=header.step, rank=header.rank)
+            head.chunk_total, head.chunk_offset = self._nbytes, offset
+            n = sum(p.nbytes for p in piece)
+            out.append((chunk_message(head, piece), n, offset == 0))
+            offset += n
+        return out
 
     def close(self) -> None:
         """Stop producing; safe to call twice, from any thread. Slots still filling or ready
@@ -312,3 +359,21 @@ class Stream:
                 return
             if step is not None:
                 self.ring.give(slot)
+
+
+def _pieces(payload: list[np.ndarray], size: int) -> Iterator[list[np.ndarray]]:
+    """The byte arrays ``payload`` cut into consecutive runs of at most ``size`` bytes."""
+    run: list[np.ndarray] = []
+    room = size
+    for arr in payload:
+        at = 0
+        while at < arr.nbytes:
+            take = min(room, arr.nbytes - at)
+            run.append(arr[at : at + take])
+            at += take
+            room -= take
+            if room == 0:
+                yield run
+                run, room = [], size
+    if run:
+        yield run

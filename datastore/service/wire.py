@@ -39,15 +39,16 @@ __all__ = [
     "batch_message",
     "bytes_field",
     "bytes_field_view",
+    "chunk_message",
     "frame_batch",
     "keep_large_blocks",
     "parse_batch",
-    "received_array",
     "serialize",
 ]
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # wire types
 BATCH_TENSORS, TENSOR_META, TENSOR_DATA, TENSOR_SHM = 5, 1, 2, 3
+BATCH_CHUNK = 9  # Batch.chunk: a byte range of a batch sent in several messages
 HEAP_KEEP_BYTES = 1 << 30  # over the 256 MiB message limit; fits mallopt's int
 HEAP_TOP_PAD = 256 << 20  # the heap grows by a message at least
 _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -111,16 +112,6 @@ def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray]:
     return message, _writable(id(message) + _BYTES_DATA, n, message)
 
 
-def received_array(payload: memoryview, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """A writable array over an inline ``payload`` of a message received for one batch alone
-    (gRPC keeps no reference to it): the tensor owns those bytes, no copy. It keeps the message
-    alive. A payload not aligned for ``dtype`` is copied."""
-    arr = np.frombuffer(payload, np.uint8)
-    if arr.ctypes.data % np.dtype(dtype).alignment:
-        return arr.view(dtype).reshape(shape).copy()
-    return _writable(arr.ctypes.data, arr.nbytes, payload.obj).view(dtype).reshape(shape)
-
-
 def batch_message(
     header: Any, tensors: list[tuple[Any, tuple[int, ...], np.dtype]]
 ) -> tuple[bytes, list[np.ndarray]]:
@@ -165,6 +156,13 @@ def frame_batch(header: Any, tensors: list[tuple[Any, np.ndarray]]) -> bytes:
     return message
 
 
+def chunk_message(header: Any, pieces: list[np.ndarray]) -> bytes:
+    """``header`` (a ``Batch`` with ``chunk_total``/``chunk_offset`` set) plus ``chunk``, the
+    bytes of ``pieces`` one after the other: each byte copied once, into the message."""
+    n = sum(p.nbytes for p in pieces)
+    return b"".join((header.SerializeToString(), _key(BATCH_CHUNK), _varint(n), *pieces))
+
+
 def serialize(message: Any) -> bytes:
     """gRPC's response serializer for ``StreamBatches``: framed bytes as they are."""
     return message if isinstance(message, bytes) else message.SerializeToString()
@@ -183,10 +181,12 @@ class ReceivedTensor:
 
 @dataclass(frozen=True)
 class ReceivedBatch:
-    """A received ``Batch``: ``header`` is the message without its tensors."""
+    """A received ``Batch``: ``header`` is the message without its tensors and chunk;
+    ``chunk`` a view of the chunk's bytes (a batch sent in several messages)."""
 
     header: Any  # pb.Batch
     tensors: list[ReceivedTensor]
+    chunk: memoryview | None = None
 
 
 def _read_varint(buf: bytes, at: int, end: int) -> tuple[int, int]:
@@ -255,16 +255,19 @@ def parse_batch(message: bytes) -> ReceivedBatch:
     view = memoryview(message)
     header_parts: list[memoryview] = []
     tensors: list[ReceivedTensor] = []
+    chunk = None
     try:
         for field, wire, record, at, stop in _fields(message, 0, len(message)):
             if field == BATCH_TENSORS and wire == _LEN:
                 tensors.append(_tensor(message, view, at, stop))
+            elif field == BATCH_CHUNK and wire == _LEN:
+                chunk = view[at:stop]
             else:
                 header_parts.append(view[record:stop])
         header = pb.Batch.FromString(b"".join(header_parts))
     except DecodeError as exc:
         raise ValueError(f"not a Batch message: {exc}") from exc
-    return ReceivedBatch(header, tensors)
+    return ReceivedBatch(header, tensors, chunk)
 
 
 def keep_large_blocks() -> bool:

@@ -40,6 +40,8 @@ class MpiExchange:
         timeout: seconds a step may wait for its messages.
     """
 
+    kind = "mpi"
+
     def __init__(
         self,
         comm: Any,

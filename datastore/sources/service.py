@@ -176,33 +176,36 @@ class ServiceSource:
                 first = next(items, None)
             if first is None:
                 return
-            for header, arrays, generation in _chain(first, items):
+            for got in _chain(first, items):
                 if stop.is_set():
                     return
                 self._return_free(stream)
-                yield int(header.step), self._buffer(stream, ring, arrays, generation)
+                yield int(got.header.step), self._buffer(stream, ring, got)
         except grpc.RpcError as exc:
             raise self._raise_for(exc, self.address) from None
         finally:
             stream.close()
 
-    def _buffer(
-        self, stream: Any, ring: BufferRing, arrays: dict[str, np.ndarray], generation: int | None
-    ) -> Buffer:
-        """The batch in a buffer: the service's region itself, or a copy in the ring's."""
-        if generation is not None and len(self._kept) < self.hold:
-            buf = Buffer({n: torch.from_numpy(a) for n, a in arrays.items()})
+    def _buffer(self, stream: Any, ring: BufferRing, got: Any) -> Buffer:
+        """The batch in a buffer: the service's region itself, a reassembled batch the loader
+        now owns, or a copy in one of the ring's buffers."""
+        if got.owned:
+            buf = Buffer({n: torch.from_numpy(a) for n, a in got.arrays.items()})
             buf.pending = True
-            self._kept.append((buf, generation))
+            return buf
+        if got.generation is not None and len(self._kept) < self.hold:
+            buf = Buffer({n: torch.from_numpy(a) for n, a in got.arrays.items()})
+            buf.pending = True
+            self._kept.append((buf, got.generation))
             return buf
         buf = ring.take()
         try:
-            self.gather.run([(buf.arrays[n], a) for n, a in arrays.items()])
+            self.gather.run([(buf.arrays[n], a) for n, a in got.arrays.items()])
         except BaseException:
             ring.give_back(buf)
             raise
-        if generation is not None:
-            stream.done([generation])
+        if got.generation is not None:
+            stream.done([got.generation])
         return buf
 
     def _return_free(self, stream: Any) -> None:

@@ -133,20 +133,26 @@ class Tensor(_message.Message):
     def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRegion, _Mapping]] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("epoch", "step", "rank", "sample_indices", "tensors", "last_in_epoch")
+    __slots__ = ("epoch", "step", "rank", "sample_indices", "tensors", "last_in_epoch", "chunk_total", "chunk_offset", "chunk")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDICES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LAST_IN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     rank: int
     sample_indices: _containers.RepeatedScalarFieldContainer[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     last_in_epoch: bool
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., sample_indices: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., last_in_epoch: _Optional[bool] = ...) -> None: ...
+    chunk_total: int
+    chunk_offset: int
+    chunk: bytes
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., sample_indices: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., last_in_epoch: _Optional[bool] = ..., chunk_total: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
