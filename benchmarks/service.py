@@ -21,7 +21,7 @@ serves it; every client below is a separate Python process. All cases run in one
       generic handler, identity bytes serializers, Unix socket, 256 MiB message limits as the
       service), one pre-built ``bytes`` message of one batch's size per step, received as
       ``bytes``: Python gRPC's ceiling for (b). Both of its processes make the malloc setting
-      that the service and an inline ``RemoteLoader`` make
+      that the service and an inline ``DataStoreLoader(address=...)`` make
       (``datastore.service.wire.keep_large_blocks``), so the ratio compares like with like.
 
    The dataset is resident in the service first (``LoadDataset(wait=True)``). Each client
@@ -279,7 +279,7 @@ def client(spec: str) -> int:
     if kind == "bare":
         from datastore.service.wire import keep_large_blocks
 
-        keep_large_blocks()  # as RemoteLoader does for inline batches
+        keep_large_blocks()  # as the loader does for inline batches
         ch = grpc.insecure_channel(f"unix://{c['socket']}", options=MESSAGE_OPTIONS)
         call = ch.unary_stream(BARE_METHOD, request_serializer=None, response_deserializer=None)
         ask = json.dumps({"nbytes": c["nbytes"], "count": c["steps"]}).encode()
