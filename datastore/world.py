@@ -1,11 +1,14 @@
 """Who am I: rank and world size from what launched us, in a fixed order of precedence.
 
-1. given explicitly (``rank=``, ``world=``);
-2. an initialized ``torch.distributed`` process group;
-3. an MPI launcher (``mpiexec``, ``srun`` with PMI): ``MPI.COMM_WORLD``;
-4. torchrun's ``RANK`` / ``WORLD_SIZE``;
-5. Slurm's ``SLURM_PROCID`` / ``SLURM_NTASKS``;
-6. otherwise a single process.
+1. an mpi4py communicator given explicitly (``comm=``);
+2. an MPI launcher (``mpiexec``, ``srun`` with PMI): ``MPI.COMM_WORLD``, also when ``rank`` and
+   ``world`` are given (they must then agree with it) or ``torch.distributed`` is initialized
+   (its group must have the same size): the exchange runs over MPI either way;
+3. given explicitly (``rank=``, ``world=``);
+4. an initialized ``torch.distributed`` process group;
+5. torchrun's ``RANK`` / ``WORLD_SIZE``;
+6. Slurm's ``SLURM_PROCID`` / ``SLURM_NTASKS``;
+7. otherwise a single process.
 
 The source is kept (``World.source``) and printed by the loader, so a surprise is visible.
 """
@@ -39,26 +42,51 @@ def detect_world(
     env = os.environ if env is None else env
     if comm is not None:
         return World(comm.Get_rank(), comm.Get_size(), "the given MPI communicator", comm)
-    if rank is not None or world is not None:
-        if rank is None or world is None or not 0 <= rank < world:
-            raise ValueError(
-                f"give both rank and world, with 0 <= rank < world (got {rank}, {world})"
-            )
-        return World(rank, world, "given")
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return World(dist.get_rank(), dist.get_world_size(), "torch.distributed")
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    given = rank is not None or world is not None
+    if given and (rank is None or world is None or not 0 <= rank < world):
+        raise ValueError(f"give both rank and world, with 0 <= rank < world (got {rank}, {world})")
     if launched_by_mpi(env):
-        from mpi4py import MPI
-
-        c = MPI.COMM_WORLD
-        return World(c.Get_rank(), c.Get_size(), "MPI launcher", c)
+        return _mpi_world(rank, world)
+    if rank is not None:
+        return World(rank, world, "given")  # type: ignore[arg-type]
+    dist = _torch_dist()
+    if dist is not None:
+        return World(dist.get_rank(), dist.get_world_size(), "torch.distributed")
     if "RANK" in env and "WORLD_SIZE" in env:
         return World(int(env["RANK"]), int(env["WORLD_SIZE"]), "torchrun environment")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return World(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), "Slurm environment")
     return World(0, 1, "single process")
+
+
+def _torch_dist() -> Any:
+    """``torch.distributed`` when its default group is initialized, else ``None``."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _mpi_world(rank: int | None, world: int | None) -> World:
+    """``COMM_WORLD``, checked against what the caller or ``torch.distributed`` says."""
+    from mpi4py import MPI
+
+    c = MPI.COMM_WORLD
+    me, size = c.Get_rank(), c.Get_size()
+    if world is not None:
+        if world != size:  # a sub-job of its own: trust the caller, exchange nothing
+            return World(rank, world, "given")  # type: ignore[arg-type]
+        if rank != me:
+            raise ValueError(
+                f"rank={rank} was given, but this is MPI rank {me} of {size}: under an MPI "
+                "launcher the ranks must be numbered as MPI numbers them"
+            )
+        return World(me, size, "MPI launcher (rank and world given)", c)
+    dist = _torch_dist()
+    if dist is not None and (dist.get_world_size(), dist.get_rank()) != (size, me):
+        raise ValueError(
+            f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()}, MPI "
+            f"says rank {me} of {size}: initialize the process group with MPI's rank and size"
+        )
+    return World(me, size, "MPI launcher", c)

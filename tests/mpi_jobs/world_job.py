@@ -1,0 +1,46 @@
+"""Run under ``mpiexec -n 2 python -m mpi4py``: a loader built the way the trainer builds it
+(MODE ``torch``: after ``init_process_group``; ``given``: with ``rank``/``world``) must still
+exchange over MPI. Prints one JSON line per rank.
+
+Usage: world_job.py DATASET MODE PORT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed as dist
+from mpi4py import MPI
+
+from datastore import DataStoreLoader
+
+
+def main() -> None:
+    path, mode, port = sys.argv[1], sys.argv[2], sys.argv[3]
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    kw = {}
+    if mode == "torch":
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+        )
+    else:
+        kw = {"rank": rank, "world": size}
+    loader = DataStoreLoader(path, global_batch_size=4, seed=1, **kw)
+    ids = [b["idx"].tolist() for b in loader]
+    out = {
+        "rank": rank,
+        "source": loader.source,
+        "keys": len(loader.store.keys),
+        "exchanged": loader.counters.bytes_exchanged,
+        "ids": ids,
+    }
+    print(json.dumps(out), flush=True)
+    loader.close()
+    if mode == "torch":
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
