@@ -10,6 +10,7 @@ import traceback
 from datastore.readers import inspect_cmd
 from datastore.service import cli as service_cli
 from staging import cli as stage_cli
+from staging.exitcodes import Exit
 
 __all__ = ["main"]
 
@@ -21,9 +22,19 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     stage_cli.add_parser(sub)
+    sub.choices["stage"].set_defaults(func=_stage)
     inspect_cmd.add_parser(sub)
     service_cli.add_parser(sub)
     return p
+
+
+def _stage(args: argparse.Namespace) -> int:
+    """``datastore stage``: here, or by a running service (``--service``)."""
+    if args.service is not None:
+        from datastore.service.stage_client import run_remote
+
+        return run_remote(args)
+    return stage_cli.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         print("datastore: interrupted", file=sys.stderr)
-        return 130
+        return Exit.INTERRUPTED
     except Exception as exc:  # the last line of defence: one line, and no rank left hanging
         if os.environ.get("DATASTORE_DEBUG"):
             traceback.print_exc()
@@ -42,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         _abort_peers()
-        return 1
+        return Exit.FAILED
 
 
 def _abort_peers() -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from datastore.partition import BOUNDARIES, Grid, full_region
+from staging.cluster import local_size
 
 __all__ = [
     "Delivered",
@@ -169,11 +170,7 @@ def delivered_fields(info: dict[str, Any], grid: Grid | None, block: int) -> lis
 def default_threads() -> int:
     """Gather threads for this rank: the cores it may use, shared with the ranks on its node."""
     cores = len(os.sched_getaffinity(0))
-    per_node = 1
-    for var in ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            per_node = max(1, int(os.environ[var]))
-            break
+    per_node = local_size()
     if per_node > 1 and cores > per_node * 2:  # an unbound rank sees the whole node
         cores //= per_node
     return max(1, min(16, cores))

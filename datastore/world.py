@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from staging.cluster import launched_by_mpi
+from staging.cluster import env_world, launched_by_mpi
 
 __all__ = ["World", "detect_world"]
 
@@ -52,10 +52,9 @@ def detect_world(
     dist = _torch_dist()
     if dist is not None:
         return World(dist.get_rank(), dist.get_world_size(), "torch.distributed")
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return World(int(env["RANK"]), int(env["WORLD_SIZE"]), "torchrun environment")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return World(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), "Slurm environment")
+    launched = env_world(env)
+    if launched is not None:
+        return World(*launched)
     return World(0, 1, "single process")
 
 

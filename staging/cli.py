@@ -8,7 +8,7 @@ from typing import Any
 
 from staging.config import MODES, StageConfig, default_streams
 from staging.directio import IO_MODES
-from staging.stage import EXIT
+from staging.exitcodes import Exit
 
 __all__ = ["add_parser", "run"]
 
@@ -136,10 +136,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.service is not None:
-        from staging.remote import run_remote
-
-        return run_remote(args)
+    """Stage here (``--service`` is handed to the service by ``datastore.cli``)."""
     try:
         cfg = StageConfig(
             dest=args.dest,
@@ -158,22 +155,22 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         print(f"datastore stage: error: {exc}", file=sys.stderr)
-        return EXIT["bad_input"]
+        return Exit.BAD_INPUT
     from staging.cluster import world
 
     comm = world()
     if cfg.dry_run:
         if comm.Get_rank() != 0:
-            return EXIT["ok"]
+            return Exit.OK
         from staging.dryrun import dry_run
 
         return dry_run(cfg)
-    code = EXIT["ok"]
+    code = Exit.OK
     if cfg.sources:
         from staging.stage import stage
 
         code = stage(cfg, comm)
-    if cfg.verify and code == EXIT["ok"]:
+    if cfg.verify and code == Exit.OK:
         from staging.verify import verify_command
 
         code = verify_command(cfg, comm)

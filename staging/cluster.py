@@ -1,5 +1,8 @@
 """Where this process stands in the job: ranks, nodes, and the node's I/O leader.
 
+This is the one module that reads launchers' variables (MPI's PMI, Open MPI's, torchrun's,
+Slurm's); ``datastore.world`` builds the loader's view of the world on it.
+
 Without an MPI launcher nothing imports MPI and a single-process ``SoloComm`` stands in, so one
 rank needs no MPI at all. Under ``mpiexec``/``srun`` the nodes are found with an MPI
 shared-memory split (``COMM_TYPE_SHARED``); ``ranks_per_node`` overrides that (tests, or
@@ -12,7 +15,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LAUNCH_ENV", "Layout", "SoloComm", "launched_by_mpi", "layout", "world"]
+__all__ = [
+    "LAUNCH_ENV",
+    "Layout",
+    "SoloComm",
+    "env_world",
+    "launched_by_mpi",
+    "layout",
+    "local_rank",
+    "local_size",
+    "world",
+]
 
 _LAUNCHER_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
 # every variable launched_by_mpi looks at: drop them to start a child as a plain process
@@ -25,6 +38,38 @@ def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
     if any(v in env for v in _LAUNCHER_VARS):
         return True
     return int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env
+
+
+def env_world(env: dict[str, str] | None = None) -> tuple[int, int, str] | None:
+    """``(rank, size, source)`` from torchrun's or Slurm's variables, else ``None``."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), "torchrun environment"
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), "Slurm environment"
+    return None
+
+
+_LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+_LOCAL_RANK = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def _first_int(names: tuple[str, ...], env: dict[str, str] | None) -> int | None:
+    env = os.environ if env is None else env
+    for name in names:
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return None
+
+
+def local_size(env: dict[str, str] | None = None) -> int:
+    """Ranks on this node, as the launcher says (torchrun, MPICH, Open MPI); 1 if unknown."""
+    return max(1, _first_int(_LOCAL_SIZE, env) or 1)
+
+
+def local_rank(env: dict[str, str] | None = None) -> int | None:
+    """This rank's index on its node, as the launcher says; ``None`` if unknown."""
+    return _first_int(_LOCAL_RANK, env)
 
 
 class SoloComm:

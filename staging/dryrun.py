@@ -7,11 +7,12 @@ import os
 import sys
 
 from staging.config import StageConfig
+from staging.exitcodes import Exit
 from staging.manifest import Manifest, meta_dir
 from staging.plan import assign, build_plan
 from staging.probe import measure
 from staging.progress import human_bytes
-from staging.stage import EXIT, up_to_date
+from staging.stage import up_to_date
 
 __all__ = ["dry_run"]
 
@@ -62,4 +63,4 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
         )
         for e in plan.errors:
             print(f"datastore stage: error: {e}", file=sys.stderr)
-    return EXIT["bad_input"] if plan.errors else EXIT["ok"]
+    return Exit.BAD_INPUT if plan.errors else Exit.OK

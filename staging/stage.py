@@ -21,13 +21,12 @@ from staging.cluster import Layout, layout
 from staging.config import StageConfig
 from staging.copy import Engine, Stats, tmp_dir, within
 from staging.directio import IoPolicy
+from staging.exitcodes import Exit
 from staging.manifest import Manifest, lock_dest, meta_dir
 from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, split_by_bytes
 from staging.progress import Progress, human_bytes
 
-__all__ = ["EXIT", "stage", "summary_line"]
-
-EXIT = {"ok": 0, "failed": 1, "bad_input": 2, "no_space": 3, "mismatch": 4}
+__all__ = ["stage", "summary_line"]
 
 
 @dataclass
@@ -131,7 +130,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     errors = [e for e in comm.allgather(err) if e]
     if errors:
         log.errors(errors)
-        return EXIT["failed"]
+        return Exit.FAILED
 
     # 2. rank 0 plans (the sources are shared), everyone gets the plan
     plan = (
@@ -155,7 +154,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                     file=sys.stderr,
                 )
             if usage.total and work.todo_bytes > usage.free:
-                work.code = EXIT["no_space"]
+                work.code = Exit.NO_SPACE
                 work.error = (
                     f"{dest}: not enough space: need {human_bytes(work.todo_bytes)}, "
                     f"{human_bytes(usage.free)} available"
@@ -167,7 +166,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                         raise OSError(errno.EPERM, "refusing to write through a symlink", path)
                     os.makedirs(path, exist_ok=True)
         except OSError as exc:
-            work.code, work.error = EXIT["failed"], f"{dest}: {exc.strerror}: {exc.filename}"
+            work.code, work.error = Exit.FAILED, f"{dest}: {exc.strerror}: {exc.filename}"
     work = node_comm.bcast(work, root=0)
     status = comm.allgather((work.code, work.error))
     if any(code for code, _ in status):
@@ -207,7 +206,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
 
     # 6. summary on rank 0
     every = comm.gather(stats, root=0)
-    code = EXIT["failed"] if stats.errors else (EXIT["bad_input"] if plan.errors else EXIT["ok"])
+    code = Exit.FAILED if stats.errors else (Exit.BAD_INPUT if plan.errors else Exit.OK)
     code = comm.allreduce(code, op=_max_op(comm))
     if lay.rank == 0:
         log.summary(plan, every, elapsed, lay)

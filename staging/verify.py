@@ -57,7 +57,7 @@ def verify_dest(dest: str, streams: int) -> tuple[int, list[str]]:
 def verify_command(cfg: Any, comm: Any) -> int:
     """Verify every node's DEST (its leader does it); print problems; exit 4 on any."""
     from staging.cluster import layout
-    from staging.stage import EXIT
+    from staging.exitcodes import Exit
 
     lay, _ = layout(comm, cfg.ranks_per_node)
     checked, problems, err = 0, [], None
@@ -69,7 +69,7 @@ def verify_command(cfg: Any, comm: Any) -> int:
             checked, problems = verify_dest(dest, cfg.streams)
             problems = [f"{dest}: {p}" for p in problems]
     results = comm.gather((checked, problems, err), root=0)
-    code = EXIT["ok"]
+    code = Exit.OK
     if lay.rank == 0:
         total = sum(c for c, _, _ in results)
         bad = [p for _, ps, _ in results for p in ps]
@@ -80,5 +80,5 @@ def verify_command(cfg: Any, comm: Any) -> int:
             print(json.dumps({"verified": total, "problems": bad, "errors": errs}))
         elif not cfg.quiet:
             print(f"verified {total} entries: {len(bad)} problem(s)")
-        code = EXIT["failed"] if errs else (EXIT["mismatch"] if bad else EXIT["ok"])
+        code = Exit.FAILED if errs else (Exit.MISMATCH if bad else Exit.OK)
     return comm.bcast(code, root=0)

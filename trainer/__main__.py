@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from staging.exitcodes import Exit
 from trainer.config import ConfigError, load_config
 
 __all__ = ["main"]
-
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(a.config, a.overrides)
     except ConfigError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return Exit.BAD_INPUT
     from datastore.readers import DatasetError
     from trainer.train import train
 
@@ -38,15 +37,15 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg)
     except DatasetError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return Exit.BAD_INPUT
     if result["rank"] != 0:
-        return EXIT_OK
+        return Exit.OK
     print(
         f"trained {result['steps']} steps: validation MSE {result['val_mse']:.4f}, "
         f"predict-the-mean baseline {result['baseline_mse']:.4f} "
         f"(ratio {result['val_mse'] / result['baseline_mse']:.3f})"
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 if __name__ == "__main__":

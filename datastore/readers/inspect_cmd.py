@@ -7,6 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from staging.exitcodes import Exit
 from staging.progress import human_bytes
 
 if TYPE_CHECKING:
@@ -14,7 +15,6 @@ if TYPE_CHECKING:
 
 __all__ = ["add_parser", "describe", "format_text", "run"]
 
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 EPILOG = """\
 exit codes:
@@ -116,6 +116,6 @@ def run(args: argparse.Namespace) -> int:
             summary = describe(reader, args.path)
     except DatasetError as exc:
         print(f"datastore inspect: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return Exit.BAD_INPUT
     print(json.dumps(summary) if args.json else format_text(summary))
-    return EXIT_OK
+    return Exit.OK

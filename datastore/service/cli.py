@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from datastore.memory import parse_size
+from staging.exitcodes import Exit
 
 __all__ = ["add_parser", "format_status", "status_dict"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 SERVE_EPILOG = """\
 The socket's directory is created 0700 if missing, the socket is 0600. A socket left by a
@@ -267,7 +267,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         print(f"datastore serve: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return Exit.BAD_INPUT
     return serve(config)
 
 
@@ -286,7 +286,7 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
             token, _ = read_token(args.token_file)
         except (OSError, ValueError) as exc:
             print(f"datastore {command}: cannot use token file: {exc}", file=sys.stderr)
-            return None, EXIT_USAGE
+            return None, Exit.BAD_INPUT
     socket = args.socket or default_socket()
     try:
         client = Client(
@@ -294,10 +294,10 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
         )
     except OSError as exc:
         print(f"datastore {command}: cannot read --tls-ca: {exc}", file=sys.stderr)
-        return None, EXIT_USAGE
+        return None, Exit.BAD_INPUT
     with client:
         try:
-            return call(client), EXIT_OK
+            return call(client), Exit.OK
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -309,7 +309,7 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
                 details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
                 msg = f"the service at {client.target} refused: {code.name}: {details}"
             print(f"datastore {command}: {msg}", file=sys.stderr)
-            return None, EXIT_FAILED
+            return None, Exit.FAILED
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -318,7 +318,7 @@ def run_status(args: argparse.Namespace) -> int:
         return code
     d = status_dict(reply)
     print(json.dumps(d, indent=2) if args.json else format_status(d))
-    return EXIT_OK
+    return Exit.OK
 
 
 def run_load(args: argparse.Namespace) -> int:
@@ -335,7 +335,7 @@ def run_load(args: argparse.Namespace) -> int:
         f"{x.path}: {state}, {human_bytes(x.bytes_resident)} of {human_bytes(x.bytes_total)} "
         f"in memory, {x.num_samples} samples"
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 def run_unload(args: argparse.Namespace) -> int:
@@ -345,7 +345,7 @@ def run_unload(args: argparse.Namespace) -> int:
     if reply is None:
         return code
     print(f"{args.path}: unloaded, {human_bytes(reply.bytes_freed)} freed")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _absolute(path: str) -> str:

@@ -71,11 +71,12 @@ def stream_batches(channel: grpc.Channel) -> grpc.StreamStreamMultiCallable:
 
 
 def target_of(address: str | os.PathLike) -> str:
-    """A gRPC target from an address: ``unix://...``, ``HOST:PORT``, or a socket path."""
+    """A gRPC target from an address: ``unix://...``, ``HOST:PORT``, or a socket path (one
+    with a ``/``, ending ``.sock``, or without a port)."""
     a = os.fspath(address)
     if a.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
         return a
-    if "/" in a or a.endswith(".sock"):
+    if "/" in a or a.endswith(".sock") or ":" not in a:
         return unix_target(a)
     return a
 
@@ -154,8 +155,7 @@ def raise_for(exc: grpc.RpcError, address: str) -> Exception:
     if code == grpc.StatusCode.UNAVAILABLE:
         if "connect" in details.lower():  # nobody listens there (not a peer of it down)
             return ServiceUnavailable(
-                f"no answer from {address} ({details}): is `datastore serve` running at "
-                f"{address}?"
+                f"no answer from {address} ({details}): is `datastore serve` running at {address}?"
             )
         return ServiceUnavailable(f"datastore serve at {address}: {details}")
     if code == grpc.StatusCode.NOT_FOUND:

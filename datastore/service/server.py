@@ -52,10 +52,10 @@ from datastore.service.shm import reclaim_stale
 from datastore.service.stage_job import stream_stage
 from datastore.service.stream import Stream
 from datastore.service.wire import keep_large_blocks, serialize
+from staging.exitcodes import Exit
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "ServeConfig", "Servicer", "serve"]
+__all__ = ["ServeConfig", "Servicer", "serve"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 MAX_MESSAGE = 256 * 1024 * 1024
 MAX_REQUEST = 4 * 1024 * 1024  # requests are small: a larger one is refused, never read
 MESSAGE_OPTIONS = [
@@ -501,7 +501,7 @@ def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -
             msg="--peers is for services that are not one MPI job: under mpiexec the services "
             "of a store peer over MPI",
         )
-        return EXIT_USAGE
+        return Exit.BAD_INPUT
     if comm is not None:  # one service per rank: {rank} tells their sockets apart on one host
         rank = str(comm.Get_rank())
         state = config.state_file
@@ -544,7 +544,7 @@ def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
         except (OSError, ValueError) as exc:
             log.error("bad_token_file", msg=f"cannot use token file: {exc}")
             _all_started(comm, False, log)
-            return EXIT_USAGE
+            return Exit.BAD_INPUT
         if loose:
             log.warning(
                 "token_file_readable_by_others",
@@ -556,10 +556,10 @@ def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
     except (AddressInUse, UnsafeDirectory, ValueError) as exc:
         log.error("cannot_listen", socket=str(config.socket), msg=str(exc))
         _all_started(comm, False, log)
-        return EXIT_FAILED
+        return Exit.FAILED
     if not _all_started(comm, True, log):
         claim.release()
-        return EXIT_FAILED
+        return Exit.FAILED
     if claim.removed_stale:
         log.warning(
             "removed_stale_socket",
@@ -599,7 +599,7 @@ def _run(
             )
         except OSError as exc:
             log.error("bad_tls_files", msg=f"cannot read the peers' CA: {exc}")
-            return EXIT_USAGE
+            return Exit.BAD_INPUT
     servicer = Servicer(
         config=config, listen=listen, stop=stop, counters=counters, log=log, comm=comm, peers=peers
     )
@@ -626,10 +626,10 @@ def _run(
                 port = tcp_server.add_insecure_port(config.tcp)
         except OSError as exc:
             log.error("bad_tls_files", msg=f"cannot read the TLS files: {exc}")
-            return EXIT_USAGE
+            return Exit.BAD_INPUT
         except RuntimeError as exc:
             log.error("cannot_listen", tcp=config.tcp, msg=f"cannot bind {config.tcp}: {exc}")
-            return EXIT_FAILED
+            return Exit.FAILED
         host = config.tcp.rsplit(":", 1)[0]
         listen.append(f"{host}:{port}")
         servers.append(tcp_server)
@@ -666,7 +666,7 @@ def _run(
                 metrics_server, port = serve_metrics(config.metrics, servicer.status)
             except (OSError, ValueError) as exc:
                 log.error("cannot_listen", metrics=config.metrics, msg=str(exc))
-                return EXIT_FAILED
+                return Exit.FAILED
             host = config.metrics.rsplit(":", 1)[0] or "127.0.0.1"
             listen.append(f"http://{host}:{port}/metrics")
         if isinstance(servicer.link, GrpcPeers):  # a peer may be down: never hold up the start
@@ -688,7 +688,7 @@ def _run(
         log.info(
             "stopped", why=stop.why, drain_s=round(time.monotonic() - t0, 3), calls_served=calls
         )
-        return EXIT_OK
+        return Exit.OK
     finally:
         for server in servers:
             server.stop(None)

@@ -16,7 +16,9 @@ import stat
 import sys
 from typing import Any
 
-__all__ = ["UNSUPPORTED", "grpc_target", "resolve_address", "run_remote"]
+from staging.exitcodes import Exit
+
+__all__ = ["UNSUPPORTED", "resolve_address", "run_remote"]
 
 # options of `datastore stage` the service request does not carry: (dest, default)
 UNSUPPORTED = {
@@ -26,7 +28,6 @@ UNSUPPORTED = {
     "dry_run": False,
     "ranks_per_node": None,
 }
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 
 
 def resolve_address(given: str, env: dict[str, str] | None = None) -> str:
@@ -35,21 +36,6 @@ def resolve_address(given: str, env: dict[str, str] | None = None) -> str:
 
     env = os.environ if env is None else env
     return given or env.get("DATASTORE_ADDRESS") or str(default_socket(env))
-
-
-def grpc_target(address: str) -> str:
-    """A gRPC target from a socket path (or ``unix:...``) or ``HOST:PORT``.
-
-    (``datastore.service.client.target_of`` says the same, but importing that module costs
-    torch's import time.)
-    """
-    from datastore.service.paths import unix_target
-
-    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
-        return address
-    if "/" in address or address.endswith(".sock") or ":" not in address:
-        return unix_target(address)
-    return address
 
 
 def _fail(msg: str, code: int) -> int:
@@ -64,25 +50,26 @@ def run_remote(args: argparse.Namespace) -> int:
     from datastore.service._pb.v1 import datastore_pb2 as pb
     from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
     from datastore.service.auth import bearer, read_token
+    from datastore.service.client import target_of
 
     bad = ["--" + k.replace("_", "-") for k, v in UNSUPPORTED.items() if getattr(args, k) != v]
     if bad:
-        return _fail(f"error: --service does not take {', '.join(bad)}", EXIT_BAD_INPUT)
+        return _fail(f"error: --service does not take {', '.join(bad)}", Exit.BAD_INPUT)
     address = resolve_address(args.service)
     if os.path.exists(address) and not stat.S_ISSOCK(os.stat(address).st_mode):
         return _fail(
             f"error: --service {address}: not a socket (did it take a SRC? put --service "
             "after the sources, or write --service=ADDRESS)",
-            EXIT_BAD_INPUT,
+            Exit.BAD_INPUT,
         )
     if not args.sources:
-        return _fail("error: --service needs at least one SRC to stage", EXIT_BAD_INPUT)
+        return _fail("error: --service needs at least one SRC to stage", Exit.BAD_INPUT)
     token = None
     if args.token_file is not None:
         try:
             token, _ = read_token(args.token_file)
         except (OSError, ValueError) as exc:
-            return _fail(f"error: cannot use token file: {exc}", EXIT_BAD_INPUT)
+            return _fail(f"error: cannot use token file: {exc}", Exit.BAD_INPUT)
     request = pb.StageRequest(
         sources=[os.path.abspath(s) for s in args.sources],
         dest=os.path.abspath(args.dest),
@@ -90,7 +77,7 @@ def run_remote(args: argparse.Namespace) -> int:
         unpack=not args.no_unpack,
         streams=args.streams,
     )
-    target = grpc_target(address)
+    target = target_of(address)
     with grpc.insecure_channel(target) as channel:
         call = pb_grpc.DataStoreStub(channel).Stage(
             request, metadata=bearer(token) if token else None
@@ -99,23 +86,23 @@ def run_remote(args: argparse.Namespace) -> int:
             last = _show(call, args)
         except KeyboardInterrupt:
             call.cancel()
-            return _fail("interrupted; the service stops the stage", EXIT_INTERRUPTED)
+            return _fail("interrupted; the service stops the stage", Exit.INTERRUPTED)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 return _fail(
                     f"no service answers at {target}: {code.name} (is `datastore serve` "
                     "running? start it, or pass --service ADDRESS)",
-                    EXIT_FAILED,
+                    Exit.FAILED,
                 )
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             usage = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
             return _fail(
                 f"the service at {target} refused: {code.name}: {details}",
-                EXIT_BAD_INPUT if usage else EXIT_FAILED,
+                Exit.BAD_INPUT if usage else Exit.FAILED,
             )
     if last is None:
-        return _fail(f"the service at {target} ended the stage without a result", EXIT_FAILED)
+        return _fail(f"the service at {target} ended the stage without a result", Exit.FAILED)
     _report(last, args)
     return last.exit_code
 

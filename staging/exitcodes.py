@@ -1,0 +1,18 @@
+"""The exit codes of every ``datastore`` command (one list, documented in the README)."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = ["Exit"]
+
+
+class Exit(IntEnum):
+    """What a command's exit status means."""
+
+    OK = 0  # done
+    FAILED = 1  # the work failed (I/O error, a failed rank, a service that cannot listen)
+    BAD_INPUT = 2  # usage, a missing or unsafe source, a refused argument
+    NO_SPACE = 3  # not enough space in DEST (stage)
+    MISMATCH = 4  # verify found missing or changed files (stage --verify)
+    INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
