@@ -30,7 +30,7 @@ import torch
 from datastore.agree import Collective, StepSync, agree
 from datastore.delivery import Delivered, Gather, delivered_fields, parse_spatial, spatial_grid
 from datastore.device import DeviceStage, parse_device
-from datastore.errors import DatasetNotFound, ExchangeTimeout, InsufficientMemory
+from datastore.errors import ExchangeTimeout, InsufficientMemory
 from datastore.memory import available_memory, parse_size
 from datastore.order import EpochPosition, RankLayout, Schedule, contiguous_owners, rank_layout
 from datastore.readers import open_dataset
@@ -252,9 +252,7 @@ class DataStoreLoader(EpochPosition):
         if address is None:
             try:
                 reader = open_dataset(dataset) if error is None else None
-            except FileNotFoundError as exc:
-                error = DatasetNotFound(str(exc))
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError) as exc:  # a missing path is a DatasetNotFound
                 error = exc
         self._agree(_raw_fingerprint(kw) if error else self.options.fingerprint(), error)
         o = self.options

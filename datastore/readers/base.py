@@ -24,10 +24,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from datastore.errors import DatasetNotFound
+
 if TYPE_CHECKING:
     from datastore.readers.spec import DatasetSpec
 
-__all__ = ["DatasetError", "FieldInfo", "Reader", "default_spatial_axes", "normalize_region"]
+__all__ = [
+    "DatasetError",
+    "DatasetMissing",
+    "FieldInfo",
+    "Reader",
+    "default_spatial_axes",
+    "normalize_region",
+]
 
 
 class DatasetError(ValueError):
@@ -43,6 +52,11 @@ class DatasetError(ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.path, self.reason, self.field))
+
+
+class DatasetMissing(DatasetError, DatasetNotFound):
+    """No file at the dataset's path (or a glob that matches nothing): a ``DatasetError`` for
+    readers' callers, a ``datastore.errors.DatasetNotFound`` for the loader's users."""
 
 
 def default_spatial_axes(ndim: int) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
-from datastore.readers.base import DatasetError
+from datastore.readers.base import DatasetError, DatasetMissing
 
 __all__ = [
     "FORMATS",
@@ -219,10 +219,10 @@ def _matches(path: str) -> list[str]:
     if _is_glob(path):
         found = sorted(glob.glob(path))
         if not found:
-            raise DatasetError(path, "the glob matches nothing")
+            raise DatasetMissing(path, "the glob matches nothing")
         return found
     if not os.path.exists(path):
-        raise DatasetError(path, "no such file or directory")
+        raise DatasetMissing(path, "no such file or directory")
     return [path]
 
 
