@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "compute_iters": compute.iters,
         "batch_bytes": batch_bytes,
         "bytes_resident": after["bytes_resident"],
-        "exchanging": bool(loader.exchanging),
+        "exchanging": loader.source == "mpi",
         "epochs": epochs,
         **delta,
     }

@@ -189,7 +189,9 @@ class StepSync:
 
     def start(self, epoch: int, step: int) -> None:
         """Raise :class:`RankMismatch` on every rank unless all start at ``(epoch, step)``."""
-        got = self.coll.allgather_ints([epoch, step], self.timeout, "the start of an epoch")
+        got = self.coll.allgather_ints(
+            [epoch, step], self.timeout, f"the start of epoch {epoch}", step
+        )
         assert got is not None
         if (got == got[0]).all():
             return

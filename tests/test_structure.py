@@ -32,7 +32,7 @@ def _imports(path: Path, name: str, top_level_only: bool) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             base = node.module
             if node.level:  # relative
-                base = ".".join([*name.split(".")[:-node.level], node.module])
+                base = ".".join([*name.split(".")[: -node.level], node.module])
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
     return {m for m in found if m.split(".")[0] in PACKAGES}
