@@ -437,7 +437,8 @@ class DataStoreLoader(EpochPosition):
     def _produce(self, epoch: int, start: int, q: queue.Queue, stop: threading.Event) -> None:
         o, lay = self.options, self.layout
         try:
-            for step, buf in self._host_batches(epoch, start, stop):
+            batches = self._host_batches(epoch, start, stop)
+            for step, buf in batches:
                 if self._stage is not None:
                     batch, event = self._stage.upload(buf.tensors, None)
                     buf.release_after(event)
@@ -451,6 +452,9 @@ class DataStoreLoader(EpochPosition):
                 if self.transform is not None:
                     batch = self._transformed(batch)
                 if not _offer(q, (step, batch, event), stop):
+                    del batch
+                    for _ in batches:  # an exchange tells the other ranks at its next step
+                        pass
                     return
         except BaseException as exc:  # handed to the consumer, which raises it
             _offer(q, (None, exc, None), stop)

@@ -107,8 +107,7 @@ class BufferRing:
     ) -> None:
         self.fields, self.batch_size, self.keep = fields, batch_size, max(1, keep)
         self.pin = can_pin(pin)
-        self._idle: list[Buffer] = []  # free for sure: never handed out since they were free
-        self._out: list[Buffer] = []  # handed out or queued: free once nobody holds them
+        self._bufs: list[Buffer] = []  # every buffer made and kept; free once nobody holds it
         self._lock = threading.Lock()
         self.made = 0
 
@@ -123,38 +122,28 @@ class BufferRing:
         return Buffer(tensors)
 
     def take(self) -> Buffer:
-        """A buffer nobody holds (a new one when every buffer is held)."""
+        """A buffer nobody holds (a new one when every buffer is held). Of the buffers found
+        free, ``keep`` stay for reuse and the rest are let go."""
         with self._lock:
-            buf = self._idle.pop() if self._idle else None
-            if buf is None:
-                for i, b in enumerate(self._out):
-                    if not b.held():
-                        buf = self._out.pop(i)
-                        break
-            if buf is None:
-                buf = self._new()
+            free = [b for b in self._bufs if not b.held()]
+            for b in free[self.keep :]:
+                self._bufs.remove(b)
+            buf = free[0] if free else self._new()
+            if not free:
+                self._bufs.append(buf)
             buf.pending = True
-            self._out.append(buf)
-            if len(self._out) > self.keep:  # keep only ``keep`` for reuse once they are free
-                free = [b for b in self._out if b is not buf and not b.held()]
-                for b in free[: len(self._out) - self.keep]:
-                    self._out.remove(b)
             return buf
 
     def give_back(self, buf: Buffer) -> None:
         """``buf`` was never handed out (an iteration stopped before it): free at once."""
-        with self._lock:
-            buf.pending = False
-            if buf in self._out:
-                self._out.remove(buf)
-                self._idle.append(buf)
+        buf.pending = False
 
     def __len__(self) -> int:
-        return len(self._out) + len(self._idle)
+        return len(self._bufs)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers the ring has now."""
         with self._lock:
-            bufs = self._out + self._idle
+            bufs = list(self._bufs)
         return sum(t.nbytes for b in bufs for t in b.tensors.values())
