@@ -88,7 +88,7 @@ def _hdf5_shards(root: Path, a: dict) -> Built:
             f.create_dataset("x", data=a["x"][lo:hi], chunks=(1, C, 8, 8, 8))
             f.create_dataset("y", data=a["y"][lo:hi])
     spec = DatasetSpec("hdf5", (str(root / "shard*.h5"),), (FieldSpec("x", X_AXES), "y"), "y")
-    return Built(spec, "hdf5")
+    return Built(spec, "hdf5", detect_path=str(root / "shard*.h5"))  # 3 + 2 samples
 
 
 def _hdf5_per_sample(root: Path, a: dict) -> Built:
@@ -582,7 +582,9 @@ def test_samples_that_differ_from_sample_zero(tmp_path, arrays):
         with h5py.File(d / f"s{i}.h5", "w") as f:
             f.create_dataset("x", data=arrays["x"][i] if i != 2 else arrays["x"][i, :2])
             f.create_dataset("y", data=arrays["y"][i])
-    with open_dataset(str(d)) as r:
+    with pytest.raises(DatasetError, match=r"s2\.h5: holds"):  # detection looks at the files
+        open_dataset(str(d))
+    with open_dataset(DatasetSpec("hdf5-per-sample", (str(d),))) as r:  # checked when read
         assert np.array_equal(r.read(1, "x"), arrays["x"][1])
         with pytest.raises(DatasetError, match=r"s2\.h5: field 'x': dataset <f4 \(2, 16"):
             r.read(2, "x", X_REGIONS[0])

@@ -31,7 +31,7 @@ from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spat
 from datastore.readers.npyfile import RawArray
 from datastore.readers.spec import DatasetSpec, resolve_paths
 
-__all__ = ["Hdf5PerSampleReader", "Hdf5Reader"]
+__all__ = ["Hdf5PerSampleReader", "Hdf5Reader", "set_format"]
 
 MAX_OPEN_FILES = 64  # per reader and process; hdf5-per-sample datasets have one file per sample
 
@@ -68,6 +68,49 @@ def _datasets(f: h5py.File, path: str, names: list[str] | None) -> dict[str, h5p
 
 def _chunks(ds: h5py.Dataset, drop: int) -> tuple[int, ...] | None:
     return None if ds.chunks is None else tuple(ds.chunks[drop:])
+
+
+def _shapes(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{dataset: (dtype, shape)}`` of every non-scalar dataset in the file at ``path``."""
+    with _open_file(path) as f:
+        return {n: (d.dtype.str, d.shape) for n, d in _datasets(f, path, None).items() if d.ndim}
+
+
+def set_format(files: list[str], look: int | None = 16) -> str:
+    """How a set of several HDF5 files holds its samples: ``"hdf5"`` (shards: every dataset has
+    a leading sample axis, one length per file) or ``"hdf5-per-sample"`` (one sample per file).
+
+    Judged on ``look`` files spread over the set, first and last included (``None``: every
+    file). Files of identical datasets and shapes hold one sample each (CosmoFlow's layout,
+    whose ``x`` (4, 128, 128, 128) and ``y`` (4,) share a leading 4; shards of equal sizes
+    need a spec with ``format = "hdf5"``). Files whose shapes differ are shards: each file's
+    datasets must share their leading length and agree with the first file's on the rest.
+
+    Raises:
+        DatasetError: naming the first file that fits neither layout.
+    """
+    picked = files
+    if look is not None and len(files) > look:
+        at = sorted({round(i * (len(files) - 1) / (look - 1)) for i in range(look)})
+        picked = [files[i] for i in at]
+    layouts = [(path, _shapes(path)) for path in picked]
+    first_path, first = layouts[0]
+    for path, got in layouts[1:]:
+        if set(got) != set(first) or any(got[n][0] != first[n][0] for n in first):
+            raise DatasetError(
+                path, f"holds datasets {got}, unlike the set's first file {first_path}: {first}"
+            )
+    if all(got == first for _, got in layouts):
+        return "hdf5-per-sample"
+    for path, got in layouts:
+        counts = {shape[0] for _, shape in got.values()}
+        if len(counts) != 1 or any(got[n][1][1:] != first[n][1][1:] for n in first):
+            raise DatasetError(
+                path,
+                f"holds {got}, the first file {first}: the files are neither one sample each "
+                "(same shapes) nor shards (one leading sample axis, same shapes after it)",
+            )
+    return "hdf5"
 
 
 class _FileCache:

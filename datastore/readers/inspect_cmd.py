@@ -107,6 +107,14 @@ def _dtype_name(dtype_str: str) -> str:
     return dt.name if dt.isnative else f"{dt.name} ({dtype_str})"
 
 
+def _check_every_file(reader: Reader) -> None:
+    """A set of HDF5 files is detected from a few of them; inspect looks into every one."""
+    if reader.format in ("hdf5", "hdf5-per-sample") and len(reader.files) > 1:
+        from datastore.readers.hdf5_reader import set_format
+
+        set_format(list(reader.files), look=None)
+
+
 def run(args: argparse.Namespace) -> int:
     from datastore.readers.base import DatasetError
     from datastore.readers.registry import open_dataset
@@ -114,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with open_dataset(args.path) as reader:
             summary = describe(reader, args.path)
+            _check_every_file(reader)
     except DatasetError as exc:
         print(f"datastore inspect: error: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT

@@ -5,7 +5,8 @@ Formats (every field has the same dtype and per-sample shape in every sample):
 - ``hdf5``: one or more HDF5 files (shards, concatenated in path order), one dataset per field
   with a leading sample axis. Nested datasets are fields named by their path (``"grp/x"``).
 - ``hdf5-per-sample``: one HDF5 file per sample (CosmoFlow style); each file holds every field
-  as a dataset without a sample axis.
+  as a dataset without a sample axis. Detection tells a set of shards from a set of samples
+  by the files' shapes (``hdf5_reader.set_format``).
 - ``zarr``: a zarr group (format 2 or 3), one array per field with a leading sample axis.
 - ``lmdb``: an LMDB environment written by ``write_lmdb`` (``lmdb_format`` documents records).
 - ``npy``: ``.npy`` files, one per sample, holding the one field the spec names (``"data"`` when
@@ -284,13 +285,15 @@ def detect_format(path: str) -> str:
             raise DatasetError(
                 d, "no dataset here: no .h5/.npy/.npz/.tar files, no zarr or lmdb markers"
             )
-        return _format_of_files(d, files, per_sample_h5=True)
+        return _format_of_files(d, files)
     if any(os.path.isdir(f) for f in found):
         raise DatasetError(path, f"names {len(found)} paths, some directories; name one dataset")
-    return _format_of_files(path, found, per_sample_h5=len(found) > 1)
+    return _format_of_files(path, found)
 
 
-def _format_of_files(where: str, files: list[str], per_sample_h5: bool) -> str:
+def _format_of_files(where: str, files: list[str]) -> str:
+    """The format of ``files``; several HDF5 files are looked into (``hdf5_reader.set_format``:
+    shards with a sample axis, or one sample per file)."""
     kinds = set()
     for f in files:
         low = f.lower()
@@ -299,7 +302,7 @@ def _format_of_files(where: str, files: list[str], per_sample_h5: bool) -> str:
                 f, "a compressed tar cannot be read by offset; unpack it (datastore stage) first"
             )
         if low.endswith((".h5", ".hdf5")):
-            kinds.add("hdf5-per-sample" if per_sample_h5 else "hdf5")
+            kinds.add("hdf5")
         elif low.endswith((".npy", ".npz")):
             kinds.add("npy")
         elif low.endswith(".tar"):
@@ -308,14 +311,20 @@ def _format_of_files(where: str, files: list[str], per_sample_h5: bool) -> str:
             raise DatasetError(f, "not a dataset file (.h5, .hdf5, .npy, .npz, .tar)")
     if len(kinds) != 1:
         raise DatasetError(where, f"mixes dataset kinds {sorted(kinds)}; write a spec")
-    return kinds.pop()
+    kind = kinds.pop()
+    if kind == "hdf5" and len(files) > 1:
+        from datastore.readers.hdf5_reader import set_format
+
+        return set_format(files)
+    return kind
 
 
 def detect(path: str | os.PathLike) -> DatasetSpec:
     """The spec of the dataset at ``path``, every field with its default spatial axes.
 
-    ``.h5``/``.hdf5`` file: ``hdf5``. A directory (or glob) of several ``.h5`` files:
-    ``hdf5-per-sample`` (shards with a sample axis need a spec with ``format = "hdf5"``).
+    ``.h5``/``.hdf5`` file: ``hdf5``. A directory (or glob) of several ``.h5`` files: shards
+    (``hdf5``) when their shapes differ in a leading sample axis, else one sample per file
+    (``hdf5-per-sample``; shards of equal sizes need a spec with ``format = "hdf5"``).
     A directory with ``zarr.json`` or ``.zgroup``: ``zarr``; with ``data.mdb``: ``lmdb``
     (fields from its metadata record). ``.npy``/``.npz`` files: ``npy``. ``.tar`` files: ``tar``.
     The data is opened to list the fields, so a malformed dataset raises ``DatasetError`` here.
