@@ -1,8 +1,8 @@
 """Run under ``mpiexec -n 2 python -m mpi4py``: a loader built the way the trainer builds it
 (MODE ``torch``: after ``init_process_group``; ``given``: with ``rank``/``world``) must still
-exchange over MPI. Prints one JSON line per rank.
+exchange over MPI. Each rank writes what it saw to OUT.RANK.json.
 
-Usage: world_job.py DATASET MODE PORT
+Usage: world_job.py DATASET MODE PORT OUT
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from datastore import DataStoreLoader
 
 
 def main() -> None:
-    path, mode, port = sys.argv[1], sys.argv[2], sys.argv[3]
+    path, mode, port, out_prefix = sys.argv[1:5]
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     kw = {}
@@ -36,7 +36,8 @@ def main() -> None:
         "exchanged": loader.counters.bytes_exchanged,
         "ids": ids,
     }
-    print(json.dumps(out), flush=True)
+    with open(f"{out_prefix}.{rank}.json", "w") as f:
+        json.dump(out, f)
     loader.close()
     if mode == "torch":
         dist.destroy_process_group()
