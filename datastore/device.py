@@ -93,7 +93,8 @@ class DeviceStage:
             return batch
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
-        for t in batch.values():
+        values = batch.values() if isinstance(batch, dict) else [batch]
+        for t in values:
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t.record_stream(current)
         return batch

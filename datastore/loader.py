@@ -439,18 +439,16 @@ class DataStoreLoader(EpochPosition):
         try:
             batches = self._host_batches(epoch, start, stop)
             for step, buf in batches:
-                if self._stage is not None:
-                    batch, event = self._stage.upload(buf.tensors, None)
+                host = buf.tensors if self._stage is not None else buf.views()
+                if not o.drop_last:
+                    valid = self.schedule.valid(step, lay.data_rank, lay.data_world)
+                    host = {**host, VALID: torch.from_numpy(valid)}
+                if self._stage is not None:  # copies and transform on the side stream
+                    batch, event = self._stage.upload(host, self.transform)
                     buf.release_after(event)
                 else:
-                    batch, event = buf.views(), None
-                if not o.drop_last:
-                    mask = torch.from_numpy(
-                        self.schedule.valid(step, lay.data_rank, lay.data_world)
-                    )
-                    batch[VALID] = mask if self._stage is None else mask.to(o.device)
-                if self.transform is not None:
-                    batch = self._transformed(batch)
+                    batch, event = (self.transform(host) if self.transform else host), None
+                del host
                 if not _offer(q, (step, batch, event), stop):
                     del batch
                     for _ in batches:  # an exchange tells the other ranks at its next step
@@ -460,12 +458,6 @@ class DataStoreLoader(EpochPosition):
             _offer(q, (None, exc, None), stop)
             return
         _offer(q, (None, None, None), stop)
-
-    def _transformed(self, batch: dict[str, torch.Tensor]) -> Any:
-        if self._stage is None or self._stage.stream is None:
-            return self.transform(batch)  # type: ignore[misc]
-        with torch.cuda.stream(self._stage.stream):
-            return self.transform(batch)  # type: ignore[misc]
 
     def __iter__(self):
         if self._broken:
