@@ -25,7 +25,14 @@ import pytest
 from datastore.loader import DataStoreLoader
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
-from datastore.service.client import Client, target_of
+from datastore.service.client import (
+    Client,
+    RemoteBatches,
+    open_channel,
+    stream_batches,
+    target_of,
+)
+from datastore.service.wire import plan_chunks
 from tests.test_service_basic import REPO, Server, wait_serving
 
 SPATIAL = {"parts": (2, 1, 1), "halo": (1, 1, 1)}
@@ -246,33 +253,128 @@ def test_socket_path_target():
     assert target_of("127.0.0.1:5") == "127.0.0.1:5"
 
 
-@pytest.mark.parametrize("kw", [{}, {"rank": 1, "world": 2, "spatial": SPATIAL}])
-def test_inline_batches_over_the_chunk_size_come_in_chunks(served, tmp_path, kw):
-    """A batch larger than one message (the service's chunk size, forced small here; 256 MiB
-    is gRPC's cap) arrives in several, reassembled into a buffer the loader owns."""
+@pytest.fixture(scope="module", params=[5000, 3000], ids=["samples-fit", "samples-cut"])
+def chunking(request, served, tmp_path_factory):
+    """``(dataset path, socket path, chunk size)``: a server whose inline chunk size is forced
+    small (256 MiB is gRPC's cap; 64 MiB the default chunk): a batch of 4 (16 KiB of ``x``)
+    comes in several messages; at 5000 bytes whole samples fit a chunk, at 3000 each sample of
+    ``x`` (4 KiB) is cut in two."""
     path, _, _ = served
-    runtime = tmp_path / "runtime"
+    tmp = tmp_path_factory.mktemp(f"chunk{request.param}")
+    runtime = tmp / "runtime"
     runtime.mkdir()
     env = {
         **os.environ,
         "XDG_RUNTIME_DIR": str(runtime),
-        "XDG_STATE_HOME": str(tmp_path / "state"),
-        "DATASTORE_INLINE_CHUNK": "5000",  # a batch of 4 is 16 KiB: 4 chunks, cut mid-tensor
+        "XDG_STATE_HOME": str(tmp / "state"),
+        "DATASTORE_INLINE_CHUNK": str(request.param),
     }
-    sock = tmp_path / "c.sock"
-    s = Server(tmp_path / "logs", ["--socket", str(sock)], env)
+    sock = tmp / "c.sock"
+    s = Server(tmp / "logs", ["--socket", str(sock)], env)
+    wait_serving(s.listening(30)[0], s.proc, timeout=30)
+    yield path, sock, request.param
+    s.proc.send_signal(signal.SIGTERM)
+    s.proc.wait(10)
+
+
+@pytest.mark.parametrize("kw", [{}, {"rank": 1, "world": 2, "spatial": SPATIAL}])
+def test_inline_batches_over_the_chunk_size_come_in_chunks(chunking, kw):
+    """A batch larger than one message arrives in several, reassembled into arrays the loader
+    owns: the same bytes as the embedded loader's, epoch after epoch."""
+    path, sock, _ = chunking
+    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False, **kw)
+    with DataStoreLoader(
+        str(path), batch_size=4, seed=3, address=str(sock), transport="inline", **kw
+    ) as remote:
+        for _ in range(2):
+            got = batches(remote)
+            assert_same(got, batches(local))
+        with Client(sock) as c:
+            (session,) = c.status().sessions
+        assert session.batches_served == 2 * len(local)  # batches, not messages
+    local.close()
+
+
+def open_inline(sock, path, fields=()):
+    """A channel, a session (batch 4, one rank, seed 3) and an inline stream request."""
+    channel = open_channel(target_of(sock))
+    reply = pb_grpc.DataStoreStub(channel).OpenSession(
+        pb.OpenSessionRequest(
+            dataset_path=str(path),
+            seed=3,
+            global_batch=4,
+            world_size=1,
+            shuffle=True,
+            drop_last=True,
+            fields=list(fields),
+        ),
+        timeout=30,
+    )
+    request = pb.StreamBatchesRequest(
+        session_id=reply.session_id, rank=0, epoch=0, transport=pb.TRANSPORT_INLINE
+    )
+    return channel, reply, request
+
+
+def test_the_service_sends_no_chunk_over_its_size(chunking):
+    """On the wire: each batch is a first message with the header and the tensors' metadata,
+    then chunks in order, none over the chunk size, whole samples a chunk where they fit."""
+    path, sock, limit = chunking
+    channel, reply, request = open_inline(sock, path)
     try:
-        wait_serving(s.listening(30)[0], s.proc, timeout=30)
-        local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False, **kw)
-        with DataStoreLoader(
-            str(path), batch_size=4, seed=3, address=str(sock), transport="inline", **kw
-        ) as remote:
-            for _ in range(2):
-                got = batches(remote)
-                assert_same(got, batches(local))
-            with Client(sock) as c:
-                (session,) = c.status().sessions
-            assert session.batches_served == 2 * len(local)
+        messages = list(stream_batches(channel)(iter([request]), timeout=30))
     finally:
-        s.proc.send_signal(signal.SIGTERM)
-        s.proc.wait(10)
+        channel.close()
+    metas = [t.meta for t in messages[0].tensors]
+    rows = [(int(m.shape[0]), int(m.nbytes) // int(m.shape[0])) for m in metas]
+    plan = plan_chunks(rows, limit)
+    per_batch = len(plan)
+    assert per_batch > 1 and len(messages) == per_batch * reply.steps_per_epoch
+    total = sum(m.nbytes for m in metas)
+    for i, b in enumerate(messages):
+        step, k = divmod(i, per_batch)
+        assert b.header.step == step and b.header.chunk_total == total
+        assert len(b.chunk) <= limit and all(t.data is None for t in b.tensors)
+        assert bool(b.tensors) == (k == 0) == (b.header.chunk_offset == 0)
+    assert [len(b.chunk) for b in messages[:per_batch]] == [
+        sum(p.stop - p.start for p in chunk) for chunk in plan
+    ]
+    whole = all(p.stop - p.start == rows[p.tensor][1] for chunk in plan for p in chunk)
+    assert whole == (limit >= 4096)  # a sample of x (4 KiB) is cut only when it must be
+
+
+def test_remote_batches_views_are_read_only_and_reassembled_arrays_owned(chunking):
+    """``RemoteBatches`` yields a batch that came in one message as read-only views of it (its
+    bytes are never written), and one that came in chunks as fresh arrays the caller owns;
+    both with the batch's header, and the embedded loader's bytes."""
+    path, sock, _ = chunking
+    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
+    expected = batches(local)
+    local.close()
+    for fields in (["idx"], []):  # 32 bytes a batch: one message; 16 KiB: chunks
+        channel, reply, request = open_inline(sock, path, fields)
+        try:
+            got = list(RemoteBatches(stream_batches(channel), request))
+        finally:
+            channel.close()
+        assert len(got) == reply.steps_per_epoch == len(expected)
+        for step, (r, want) in enumerate(zip(got, expected, strict=True)):
+            h = r.header
+            assert (h.step, h.epoch, h.last_in_epoch) == (step, 0, step == len(expected) - 1)
+            assert r.arrays["idx"].tolist() == list(h.sample_indices)  # idx[i] = i
+            assert r.generation is None and r.arrays.keys() == set(fields or want)
+            for name, a in r.arrays.items():
+                assert a.tobytes() == want[name].numpy().tobytes()
+                if fields:
+                    assert not r.owned and a.flags.writeable is False
+                    with pytest.raises(ValueError, match="read-only"):
+                        a[...] = 0
+                else:
+                    assert r.owned and a.flags.writeable and a.flags.owndata
+
+
+def test_a_bad_chunk_size_stops_the_service_at_start(tmp_path):
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "DATASTORE_INLINE_CHUNK": "lots"}
+    s = Server(tmp_path / "logs", ["--socket", str(tmp_path / "x.sock")], env)
+    assert s.proc.wait(30) != 0
+    assert "DATASTORE_INLINE_CHUNK" in s.stderr

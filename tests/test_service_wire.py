@@ -7,13 +7,16 @@ import numpy as np
 import pytest
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
-from datastore.service.stream import _pieces
+from datastore.service.client import _Chunks
+from datastore.service.stream import CHUNK_BYTES, chunk_bytes
 from datastore.service.wire import (
+    MAX_MESSAGE,
     ReceivedBatch,
-    chunk_message,
+    chunk_messages,
     frame_batch,
     keep_large_blocks,
     parse_batch,
+    plan_chunks,
     serialize,
 )
 
@@ -145,26 +148,119 @@ def test_keep_large_blocks_leaves_the_users_malloc_settings(monkeypatch):
     assert keep_large_blocks() is False
 
 
-def test_a_chunk_parses_as_a_view_beside_its_header():
-    payload = np.arange(40, dtype=np.uint8)
-    head = pb.Batch(epoch=1, step=3, rank=2, chunk_total=100, chunk_offset=60)
-    message = chunk_message(head, [payload[:15], payload[15:]])
-    got = parse_batch(message)
-    assert got.header == head and got.tensors == []
-    assert isinstance(got.chunk, memoryview) and bytes(got.chunk) == payload.tobytes()
-    want = pb.Batch()
-    want.CopyFrom(head)
-    want.chunk = payload.tobytes()
-    assert pb.Batch.FromString(message) == want  # what protobuf itself reads
-
-
-def test_pieces_cut_a_payload_into_runs_of_at_most_the_chunk_size():
-    payload = [
-        np.arange(10, dtype=np.uint8),
-        np.arange(3, dtype=np.uint8),
-        np.arange(7, dtype=np.uint8),
+def test_chunk_plan_cuts_at_rows_and_splits_only_rows_larger_than_a_chunk():
+    """Chunks hold whole rows (samples) of the tensors, in order, at most ``limit`` bytes each;
+    only a row larger than a chunk is cut, starting in the room the previous chunk left."""
+    plan = plan_chunks([(3, 40), (2, 150), (4, 8)], 100)
+    assert [[tuple(p) for p in chunk] for chunk in plan] == [
+        [(0, 0, 0, 40), (0, 1, 0, 40)],
+        [(0, 2, 0, 40), (1, 0, 0, 60)],
+        [(1, 0, 60, 150), (1, 1, 0, 10)],
+        [(1, 1, 10, 110)],
+        [(1, 1, 110, 150), (2, 0, 0, 8), (2, 1, 0, 8), (2, 2, 0, 8), (2, 3, 0, 8)],
     ]
-    runs = list(_pieces(payload, 6))
-    assert [sum(p.nbytes for p in r) for r in runs] == [6, 6, 6, 2]
-    joined = np.concatenate([np.concatenate(r) for r in runs])
-    assert np.array_equal(joined, np.concatenate(payload))
+    assert plan_chunks([(2, 0), (0, 8)], 100) == []  # no payload: no chunk
+    with pytest.raises(ValueError, match="chunk"):
+        plan_chunks([(1, 8)], 0)
+
+
+def test_a_cosmoflow_batch_over_the_message_cap_is_planned_in_chunks_under_it():
+    """8 CosmoFlow samples (4 x 128^3 float32, 32 MiB each) plus their labels are more than
+    gRPC's 256 MiB message cap: planned (arithmetic only, nothing allocated) as messages of at
+    most the default chunk size, well under the cap."""
+    x_row, y_row = 4 * 128**3 * 4, 4 * 4
+    total = 8 * x_row + 8 * y_row
+    assert total > MAX_MESSAGE
+    assert CHUNK_BYTES <= MAX_MESSAGE - (1 << 20)  # room for the header of any chunk
+    plan = plan_chunks([(8, x_row), (8, y_row)], CHUNK_BYTES)
+    sizes = [sum(p.stop - p.start for p in chunk) for chunk in plan]
+    assert sum(sizes) == total and max(sizes) <= CHUNK_BYTES
+    assert len(plan) == 5  # two samples a chunk, the labels in the last one
+    assert all(p.start == 0 for chunk in plan for p in chunk)  # no sample cut in two
+
+
+def test_chunk_size_from_the_environment(monkeypatch):
+    monkeypatch.delenv("DATASTORE_INLINE_CHUNK", raising=False)
+    assert chunk_bytes() == CHUNK_BYTES == 64 << 20
+    monkeypatch.setenv("DATASTORE_INLINE_CHUNK", "5000")
+    assert chunk_bytes() == 5000
+    for bad in ("0", "-3", "lots", str(MAX_MESSAGE)):
+        monkeypatch.setenv("DATASTORE_INLINE_CHUNK", bad)
+        with pytest.raises(ValueError, match="DATASTORE_INLINE_CHUNK"):
+            chunk_bytes()
+
+
+@pytest.mark.parametrize("limit", [1000, 100, 7])
+def test_chunked_batch_is_filled_in_place_and_reassembled_into_owned_arrays(limit):
+    """The service writes each row of the batch straight into its chunk's message (rows larger
+    than a chunk through a scratch row); the chunks read back, by ``parse_batch`` and by
+    protobuf, as the batch's bytes in order, and the client copies them into one fresh array
+    per tensor that it owns."""
+    rng = np.random.default_rng(1)
+    arrays = {
+        "x": rng.standard_normal((3, 5, 7)).astype(np.float32),  # rows of 140 bytes
+        "idx": np.array([5, 900, 2], np.int64),
+        "s": rng.standard_normal((3,)).astype(np.float16),  # 0-d rows
+        "e": np.zeros((3, 0), np.float64),  # empty rows
+    }
+    metas = [
+        pb.TensorMeta(name=n, dtype=a.dtype.str, shape=list(a.shape), nbytes=a.nbytes)
+        for n, a in arrays.items()
+    ]
+    batch = chunk_messages(
+        HEADER, [(m, arrays[m.name].shape, arrays[m.name].dtype) for m in metas], limit
+    )
+    for name, a in arrays.items():
+        for pos in range(len(a)):
+            batch.out[name][pos, ...][...] = a[pos]  # as fill_batch writes a row
+    batch.finish()
+    payload = b"".join(a.tobytes() for a in arrays.values())
+    got, offsets = [], []
+    for i, message in enumerate(batch.messages):
+        parsed = parse_batch(message)
+        assert len(parsed.chunk) <= limit and parsed.header.chunk_total == len(payload)
+        assert parsed.header.step == HEADER.step and parsed.header.epoch == HEADER.epoch
+        if i == 0:
+            assert list(parsed.header.sample_indices) == list(HEADER.sample_indices)
+            assert parsed.header.last_in_epoch
+            assert [t.meta for t in parsed.tensors] == metas
+            assert all(t.data is None and t.shm is None for t in parsed.tensors)
+        else:
+            assert not parsed.tensors and not parsed.header.sample_indices
+        assert pb.Batch.FromString(message).chunk == bytes(parsed.chunk)  # protobuf agrees
+        offsets.append(parsed.header.chunk_offset)
+        got.append(bytes(parsed.chunk))
+    assert b"".join(got) == payload
+    assert offsets == [sum(len(g) for g in got[:i]) for i in range(len(got))]
+    assert batch.payload == [len(g) for g in got]
+    if limit >= 140:
+        assert not batch.scratch  # every row fits a chunk: no extra copy
+    chunks = None
+    for message in batch.messages:
+        parsed = parse_batch(message)
+        chunks = _Chunks(parsed) if chunks is None else chunks
+        chunks.add(parsed)
+    assert chunks.complete
+    received = chunks.received()
+    assert received.owned and received.generation is None
+    assert received.header.step == HEADER.step and not received.header.tensors
+    for name, a in arrays.items():
+        r = received.arrays[name]
+        assert r.dtype == a.dtype and r.shape == a.shape and r.tobytes() == a.tobytes()
+        assert r.flags.writeable and r.flags.owndata and r.flags.c_contiguous
+
+
+def test_chunks_out_of_order_are_refused():
+    arrays = {"x": np.arange(40, dtype=np.uint8).reshape(4, 10)}
+    meta = pb.TensorMeta(name="x", dtype="|u1", shape=[4, 10], nbytes=40)
+    batch = chunk_messages(HEADER, [(meta, (4, 10), np.dtype(np.uint8))], 10)
+    for pos in range(4):
+        batch.out["x"][pos, ...][...] = arrays["x"][pos]
+    batch.finish()
+    first, second, third, _ = (parse_batch(m) for m in batch.messages)
+    chunks = _Chunks(first)
+    chunks.add(first)
+    with pytest.raises(ValueError, match="expected"):
+        chunks.add(third)
+    with pytest.raises(ValueError, match="start with its header"):
+        _Chunks(second)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 from collections.abc import Iterable, Iterator
@@ -23,7 +24,7 @@ from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
 from datastore.service.paths import unix_target
 from datastore.service.shm import ClientMaps
-from datastore.service.wire import ReceivedBatch, parse_batch
+from datastore.service.wire import MAX_MESSAGE, ReceivedBatch, parse_batch
 
 __all__ = [
     "TRANSPORTS",
@@ -36,7 +37,6 @@ __all__ = [
     "target_of",
 ]
 
-MAX_MESSAGE = 256 * 1024 * 1024  # as the server; larger inline batches come in chunks
 MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -242,6 +242,8 @@ class RemoteBatches:
         try:
             chunks: _Chunks | None = None
             for b in self._call:
+                if chunks is not None and not b.header.chunk_total:
+                    raise ValueError(f"step {chunks.header.step}: a chunked batch left unfinished")
                 if b.header.chunk_total:
                     chunks = _Chunks(b) if chunks is None else chunks
                     chunks.add(b)
@@ -250,7 +252,7 @@ class RemoteBatches:
                         chunks = None
                 elif any(t.shm is not None for t in b.tensors):
                     yield self._shared(b)
-                else:
+                else:  # views of the message, read-only: its bytes are never written
                     arrays = {
                         t.meta.name: np.frombuffer(t.data or b"", np.dtype(t.meta.dtype)).reshape(
                             tuple(t.meta.shape)
@@ -258,6 +260,8 @@ class RemoteBatches:
                         for t in b.tensors
                     }
                     yield Received(b.header, arrays)
+            if chunks is not None:
+                raise ValueError(f"step {chunks.header.step}: the stream ended mid-batch")
         finally:
             self.close()
 
@@ -267,17 +271,27 @@ class RemoteBatches:
 
 
 class _Chunks:
-    """An inline batch arriving in several messages, copied into one buffer of its own."""
+    """An inline batch arriving in several messages, copied into one fresh array per tensor
+    (the caller's; the messages are only read)."""
 
     def __init__(self, first: ReceivedBatch) -> None:
         h = first.header
         if h.chunk_offset != 0 or not first.tensors:
             raise ValueError(f"step {h.step}: a chunked batch must start with its header")
         self.header, self.metas = h, [t.meta for t in first.tensors]
-        self.buffer = np.empty(int(h.chunk_total), np.uint8)
-        if sum(m.nbytes for m in self.metas) != len(self.buffer):
+        self.arrays: dict[str, np.ndarray] = {}
+        self._flat: list[tuple[int, np.ndarray]] = []  # (offset in the payload, bytes)
+        at = 0
+        for m in self.metas:
+            dtype, shape = np.dtype(m.dtype), tuple(int(n) for n in m.shape)
+            if m.nbytes != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"step {h.step}: tensor {m.name!r} has {m.nbytes} bytes")
+            arr = self.arrays[m.name] = np.empty(shape, dtype)
+            self._flat.append((at, arr.reshape(-1).view(np.uint8)))
+            at += arr.nbytes
+        if at != h.chunk_total:
             raise ValueError(f"step {h.step}: the chunks' total disagrees with the tensors'")
-        self.filled = 0
+        self.total, self.filled = at, 0
 
     def add(self, b: ReceivedBatch) -> None:
         h, data = b.header, b.chunk if b.chunk is not None else memoryview(b"")
@@ -286,25 +300,21 @@ class _Chunks:
                 f"step {self.header.step}: chunk at {h.chunk_offset} of step {h.step} arrived "
                 f"where byte {self.filled} was expected"
             )
-        if self.filled + len(data) > len(self.buffer):
-            raise ValueError(
-                f"step {h.step}: the chunks run past the batch's {len(self.buffer)} bytes"
-            )
-        self.buffer[self.filled : self.filled + len(data)] = np.frombuffer(data, np.uint8)
-        self.filled += len(data)
+        if self.filled + len(data) > self.total:
+            raise ValueError(f"step {h.step}: the chunks run past the batch's {self.total} bytes")
+        src, lo, hi = np.frombuffer(data, np.uint8), self.filled, self.filled + len(data)
+        for start, flat in self._flat:
+            a, z = max(lo, start), min(hi, start + flat.nbytes)
+            if a < z:
+                flat[a - start : z - start] = src[a - lo : z - lo]
+        self.filled = hi
 
     @property
     def complete(self) -> bool:
-        return self.filled == len(self.buffer)
+        return self.filled == self.total
 
     def received(self) -> Received:
-        arrays, at = {}, 0
-        for m in self.metas:
-            dtype = np.dtype(m.dtype)
-            n = int(m.nbytes)
-            arrays[m.name] = self.buffer[at : at + n].view(dtype).reshape(tuple(m.shape))
-            at += n
         header = pb.Batch()
         header.CopyFrom(self.header)
         del header.tensors[:]
-        return Received(header, arrays, owned=True)
+        return Received(header, self.arrays, owned=True)

@@ -7,14 +7,15 @@ the shared secret (:mod:`datastore.service.auth`). SIGTERM, SIGINT and the ``Shu
 stop accepting calls, drain those in flight (up to ``grace_s``), remove the socket (and its
 directory if this server created it) and return 0.
 
-Data path (this increment): ``OpenSession`` validates a request and opens a session
-(:mod:`datastore.service.session`); ``StreamBatches`` streams a rank's batches with every tensor
-inline in the message (``TRANSPORT_INLINE``; shared memory is refused with ``UNIMPLEMENTED``);
-``CloseSession`` frees the session's loaders. Replies up to ``MAX_MESSAGE`` bytes are allowed
-(gRPC's default is 4 MiB): a batch is one message, never split into chunks; requests over
-``MAX_REQUEST`` (4 MiB) end with ``RESOURCE_EXHAUSTED`` before any handler reads them. The stream
-is a generator pulled by gRPC, so a slow client never makes the server buffer more than the
-loader's ``prefetch`` batches; a client that cancels or dies stops production.
+Data path: ``OpenSession`` validates a request and opens a session
+(:mod:`datastore.service.session`); ``StreamBatches`` streams a rank's batches, their tensors in
+shared memory or inline in the message (:mod:`datastore.service.stream`); ``CloseSession`` frees
+the session. Replies up to ``MAX_MESSAGE`` (256 MiB) are allowed (gRPC's default is 4 MiB); an
+inline batch larger than the chunk size (64 MiB, ``DATASTORE_INLINE_CHUNK``) is sent as several
+messages (``Batch.chunk``); requests over ``MAX_REQUEST`` (4 MiB) end with
+``RESOURCE_EXHAUSTED`` before any handler reads them. The stream is a generator pulled by gRPC,
+so a slow client never makes the server buffer more than the stream's ``prefetch`` batches; a
+client that cancels or dies stops production.
 """
 
 from __future__ import annotations
@@ -50,13 +51,12 @@ from datastore.service.resident import Residency, Resident, listing, resolve_dat
 from datastore.service.session import Sessions, spatial_of
 from datastore.service.shm import reclaim_stale
 from datastore.service.stage_job import stream_stage
-from datastore.service.stream import Stream
-from datastore.service.wire import keep_large_blocks, serialize
+from datastore.service.stream import Stream, chunk_bytes
+from datastore.service.wire import MAX_MESSAGE, keep_large_blocks, serialize
 from staging.exitcodes import Exit
 
 __all__ = ["ServeConfig", "Servicer", "serve"]
 
-MAX_MESSAGE = 256 * 1024 * 1024
 MAX_REQUEST = 4 * 1024 * 1024  # requests are small: a larger one is refused, never read
 MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -536,6 +536,12 @@ def _all_started(comm: Any, ok: bool, log: JsonLog) -> bool:
 
 
 def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
+    try:
+        chunk_bytes()  # read by every inline stream: a bad value stops the service now
+    except ValueError as exc:
+        log.error("bad_usage", msg=str(exc))
+        _all_started(comm, False, log)
+        return Exit.BAD_INPUT
     token = None
     if config.tcp is not None:
         assert config.token_file is not None  # checked by ServeConfig

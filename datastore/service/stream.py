@@ -3,11 +3,13 @@
 Slots (:class:`SlotRing`, one per rank of a session, kept across its streams) bound how many
 batches are prepared ahead. For zero-copy delivery they are regions of one shared-memory
 :class:`~datastore.service.shm.Segment`; inline batches are gathered straight into their
-messages (:func:`~datastore.service.wire.batch_message`), and a slot only counts one. The
-producer takes a slot only once it is free again, so memory is bounded whatever the client does:
+messages (:func:`~datastore.service.wire.batch_message`; a batch over :func:`chunk_bytes` into
+the several messages of :func:`~datastore.service.wire.chunk_messages`), and a slot only counts
+one. The producer takes a slot only once it is free again, so memory is bounded whatever the
+client does:
 
-- inline: a slot is free as soon as its message goes to gRPC (gRPC's flow control then
-  bounds what is in flight);
+- inline: a slot is free as soon as its message (or first chunk) goes to gRPC (gRPC's flow
+  control then bounds what is in flight);
 - shared memory: a slot is free once the client returns its generation in ``done``; a client
   that stops returning slots stops the producer, never makes it buffer.
 
@@ -31,17 +33,34 @@ import numpy as np
 from datastore.delivery import Delivered, Gather, fill_batch
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.shm import Segment
-from datastore.service.wire import batch_message, chunk_message
+from datastore.service.wire import MAX_MESSAGE, ChunkedBatch, batch_message, chunk_messages
 
-__all__ = ["SlotRing", "Stream", "chunk_bytes"]
+__all__ = ["CHUNK_BYTES", "SlotRing", "Stream", "chunk_bytes"]
 
 CHUNK_BYTES = 64 << 20  # inline batches larger than this go in chunks (gRPC caps at 256 MiB)
+_HEADROOM = 1 << 20  # what a chunk's message holds beside its payload is far less
 
 
 def chunk_bytes() -> int:
-    """The largest inline payload sent as one message (``DATASTORE_INLINE_CHUNK`` overrides,
-    e.g. to test chunking with small data)."""
-    return int(os.environ.get("DATASTORE_INLINE_CHUNK") or CHUNK_BYTES)
+    """The largest inline payload sent as one message: :data:`CHUNK_BYTES`, or
+    ``DATASTORE_INLINE_CHUNK`` bytes from the service's environment (e.g. to test chunking
+    with small data).
+
+    Raises:
+        ValueError: ``DATASTORE_INLINE_CHUNK`` is not a whole number of bytes from 1 to
+            1 MiB under the 256 MiB message cap.
+    """
+    raw = os.environ.get("DATASTORE_INLINE_CHUNK", "").strip()
+    if not raw:
+        return CHUNK_BYTES
+    top = MAX_MESSAGE - _HEADROOM
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= top:
+        raise ValueError(f"DATASTORE_INLINE_CHUNK must be bytes from 1 to {top}, got {raw!r}")
+    return n
 
 
 class SlotRing:
@@ -73,11 +92,9 @@ class SlotRing:
                 }
                 for i in range(nslots)
             ]
-        else:  # inline: a batch is filled straight into its message; slots only count (but
-            # a batch sent in chunks is filled into a private slot first, made on first use)
+        else:  # inline: a batch is filled straight into its message(s); slots only count
             self.slots = []
         self.shapes = shapes
-        self._private: dict[int, dict[str, np.ndarray]] = {}
         self._free: queue.Queue = queue.Queue()
         for i in range(nslots):
             self._free.put(i)
@@ -93,14 +110,6 @@ class SlotRing:
             except queue.Empty:
                 continue
         return None
-
-    def private(self, slot: int) -> dict[str, np.ndarray]:
-        """Slot ``slot`` in this process's memory (inline batches sent in chunks)."""
-        if slot not in self._private:
-            self._private[slot] = {
-                f.name: np.empty(self.shapes[f.name], f.dtype) for f in self.fields
-            }
-        return self._private[slot]
 
     def give(self, slot: int) -> None:
         self._free.put(slot)
@@ -203,6 +212,7 @@ class Stream:
         self.ring = ring
         self._metas = self._tensor_metas()
         self._nbytes = sum(m.nbytes for m in self._metas)
+        self._chunk = chunk_bytes()
         self._worker = threading.Thread(target=self._produce, name="datastore-stream", daemon=True)
 
     # -- producer ------------------------------------------------------------------------------
@@ -220,17 +230,19 @@ class Stream:
                 if slot is None:
                     return
                 header = self._header(step, samples)
-                if self.ring.segment is None and self._nbytes > chunk_bytes():
-                    message, out = header, self.ring.private(slot)  # sent in chunks
+                tensors = [(m, self.ring.shapes[m.name], m.dtype) for m in self._metas]
+                out: dict[str, Any]
+                if self.ring.segment is None and self._nbytes > self._chunk:
+                    message = chunk_messages(header, tensors, self._chunk)  # filled in place
+                    out = dict(message.out)
                 elif self.ring.segment is None:  # inline: filled in place, in its message
-                    message, room = batch_message(
-                        header,
-                        [(m, self.ring.shapes[m.name], m.dtype) for m in self._metas],
-                    )
+                    message, room = batch_message(header, tensors)
                     out = {f.name: a for f, a in zip(self._fields, room, strict=True)}
                 else:
                     message, out = header, self.ring.slots[slot]
                 fill_batch(samples, self._fields, self._sample, out, fetched, self._gather)
+                if isinstance(message, ChunkedBatch):
+                    message.finish()
                 self._ready.put((step, slot, message))
                 slot = None
         except BaseException as exc:  # handed to the call, which fails with it
@@ -301,19 +313,19 @@ class Stream:
 
     def _message(self, slot: int, message: Any) -> Iterator[tuple[Any, int, bool]]:
         """The messages of the batch in ``slot`` as ``(message, payload bytes, first)``: framed
-        bytes with the tensors inline (the slot is free again at once); the chunks of a batch
-        too large for one message; or a ``Batch`` to which the shared-memory regions of the
-        slot are added."""
+        bytes with the tensors inline, or the chunks of a batch too large for one message (the
+        slot is free again at once: gRPC's flow control bounds what is in flight); or a
+        ``Batch`` to which the shared-memory regions of the slot are added."""
         if isinstance(message, bytes):
             self.ring.give(slot)
             yield message, self._nbytes, True
             return
-        seg = self.ring.segment
-        if seg is None:
-            chunks = self._chunks(message, self.ring.private(slot))
+        if isinstance(message, ChunkedBatch):
             self.ring.give(slot)
-            yield from chunks
+            for k, (m, n) in enumerate(zip(message.messages, message.payload, strict=True)):
+                yield m, n, k == 0
             return
+        seg = self.ring.segment
         generation = self.ring.lend(slot)
         for meta in self._metas:
             region = pb.SharedMemoryRegion(
@@ -324,27 +336,6 @@ class Stream:
             )
             message.tensors.add(meta=meta, shm=region)
         yield message, self._nbytes, True
-
-    def _chunks(self, header: Any, arrays: dict[str, np.ndarray]) -> list[tuple[bytes, int, bool]]:
-        """A batch's payload (the tensors' bytes in order) framed as messages of at most
-        :func:`chunk_bytes` payload bytes each, the first with the header and the tensors'
-        metas (one copy of each byte, into its message)."""
-        payload = [arrays[m.name].reshape(-1).view(np.uint8) for m in self._metas]
-        out: list[tuple[bytes, int, bool]] = []
-        offset = 0
-        for piece in _pieces(payload, chunk_bytes()):
-            if offset == 0:
-                head = pb.Batch()
-                head.CopyFrom(header)
-                for meta in self._metas:
-                    head.tensors.add(meta=meta)
-            else:
-                head = pb.Batch(epoch=header.epoch, step=header.step, rank=header.rank)
-            head.chunk_total, head.chunk_offset = self._nbytes, offset
-            n = sum(p.nbytes for p in piece)
-            out.append((chunk_message(head, piece), n, offset == 0))
-            offset += n
-        return out
 
     def close(self) -> None:
         """Stop producing; safe to call twice, from any thread. Slots still filling or ready
@@ -359,21 +350,3 @@ class Stream:
                 return
             if step is not None:
                 self.ring.give(slot)
-
-
-def _pieces(payload: list[np.ndarray], size: int) -> Iterator[list[np.ndarray]]:
-    """The byte arrays ``payload`` cut into consecutive runs of at most ``size`` bytes."""
-    run: list[np.ndarray] = []
-    room = size
-    for arr in payload:
-        at = 0
-        while at < arr.nbytes:
-            take = min(room, arr.nbytes - at)
-            run.append(arr[at : at + take])
-            at += take
-            room -= take
-            if room == 0:
-                yield run
-                run, room = [], size
-    if run:
-        yield run

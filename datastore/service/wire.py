@@ -8,11 +8,23 @@ header fields are serialized by protobuf and each tensor is written as
 regions the producer fills in place (:func:`batch_message`; :func:`frame_batch` from arrays).
 ``Batch.FromString`` of the result equals the message built the usual way.
 
+A batch too large for one message (gRPC caps a message at :data:`MAX_MESSAGE`) goes as several
+``Batch`` messages, each carrying a ``chunk`` of the payload (the tensors' bytes one after the
+other); :func:`plan_chunks` cuts it at sample boundaries where a sample fits a chunk, and
+:func:`chunk_messages` lays the samples out straight in those messages, filled in place too.
+
+Writing through ``ctypes`` happens only here, and only into a ``bytes`` object this process
+has just created for a message it is about to send (:func:`_fresh_bytes`, what C code does with
+``PyBytes_FromStringAndSize(NULL, n)``): nobody else holds it, its hash has never been taken,
+and it is handed to gRPC only once filled, then never written again. That is what makes the
+gather the one copy of the service's payload (gRPC takes ``bytes`` only). A message *received*
+is never written: :func:`parse_batch` gives read-only views of it.
+
 Parsing with ``Batch.FromString`` copies each payload into the message and again into a
 ``bytes`` object when ``Tensor.data`` is read. :func:`parse_batch` walks the tensors itself:
 metadata and header fields are parsed by protobuf, payloads are ``memoryview`` slices of the
 received ``bytes`` (no copy). It accepts any ``Batch``, framed or built by protobuf, inline or
-shared-memory.
+shared-memory, whole or chunked.
 
 Messages of tens of MiB meet glibc's malloc, which serves blocks over its mmap threshold (at most
 32 MiB) with a fresh ``mmap`` each and unmaps them on free: every message then costs a page
@@ -25,7 +37,7 @@ import ctypes
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -34,17 +46,23 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 
 __all__ = [
     "HEAP_KEEP_BYTES",
+    "MAX_MESSAGE",
+    "ChunkedBatch",
+    "Piece",
     "ReceivedBatch",
     "ReceivedTensor",
     "batch_message",
     "bytes_field",
     "bytes_field_view",
-    "chunk_message",
+    "chunk_messages",
     "frame_batch",
     "keep_large_blocks",
     "parse_batch",
+    "plan_chunks",
     "serialize",
 ]
+
+MAX_MESSAGE = 256 << 20  # the largest message the service sends and a client receives
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # wire types
 BATCH_TENSORS, TENSOR_META, TENSOR_DATA, TENSOR_SHM = 5, 1, 2, 3
@@ -96,20 +114,15 @@ def bytes_field_view(message: bytes, field: int) -> memoryview:
     return value
 
 
-def _writable(address: int, n: int, owner: Any) -> np.ndarray:
-    """A writable uint8 array over ``n`` bytes at ``address``, which ``owner`` holds; the array
-    keeps ``owner`` alive."""
-    room = (ctypes.c_ubyte * n).from_address(address)
-    room.owner = owner
-    return np.ctypeslib.as_array(room)
-
-
 def _fresh_bytes(n: int) -> tuple[bytes, np.ndarray]:
     """A new ``bytes`` of ``n`` bytes and a writable uint8 array over its contents, to fill
     before the ``bytes`` is handed to anyone (CPython's ``PyBytes_FromStringAndSize(NULL, n)``,
-    as C code builds a ``bytes`` in place)."""
+    as C code builds a ``bytes`` in place). The array keeps the ``bytes`` alive. Only for a
+    message this process is about to send, never for one it received (module docstring)."""
     message = _new_bytes(None, n)
-    return message, _writable(id(message) + _BYTES_DATA, n, message)
+    room = (ctypes.c_ubyte * n).from_address(id(message) + _BYTES_DATA)
+    room.owner = message
+    return message, np.ctypeslib.as_array(room)
 
 
 def batch_message(
@@ -156,11 +169,148 @@ def frame_batch(header: Any, tensors: list[tuple[Any, np.ndarray]]) -> bytes:
     return message
 
 
-def chunk_message(header: Any, pieces: list[np.ndarray]) -> bytes:
-    """``header`` (a ``Batch`` with ``chunk_total``/``chunk_offset`` set) plus ``chunk``, the
-    bytes of ``pieces`` one after the other: each byte copied once, into the message."""
-    n = sum(p.nbytes for p in pieces)
-    return b"".join((header.SerializeToString(), _key(BATCH_CHUNK), _varint(n), *pieces))
+class Piece(NamedTuple):
+    """Bytes ``start:stop`` of row (sample) ``row`` of tensor ``tensor`` of a batch."""
+
+    tensor: int
+    row: int
+    start: int
+    stop: int
+
+
+def plan_chunks(tensors: list[tuple[int, int]], limit: int) -> list[list[Piece]]:
+    """The payload of a batch whose tensors have ``(rows, bytes per row)`` cut into chunks of at
+    most ``limit`` bytes, in order (tensor after tensor, row after row). A row that fits a
+    chunk is never cut: it starts a new chunk when the current one has no room for it. Only a
+    row larger than ``limit`` is cut, starting in whatever room the current chunk has left.
+
+    Raises:
+        ValueError: ``limit`` < 1.
+    """
+    if limit < 1:
+        raise ValueError(f"the chunk size must be >= 1 byte, got {limit}")
+    chunks: list[list[Piece]] = []
+    room = 0
+    for t, (rows, size) in enumerate(tensors):
+        if size <= 0:
+            continue
+        for r in range(rows):
+            if size <= limit and size > room:
+                chunks.append([])
+                room = limit
+            at = 0
+            while at < size:
+                if room == 0:
+                    chunks.append([])
+                    room = limit
+                take = min(room, size - at)
+                chunks[-1].append(Piece(t, r, at, at + take))
+                at, room = at + take, room - take
+    return chunks
+
+
+class _Rows:
+    """One tensor of a batch whose rows lie in different messages: indexed as
+    :func:`datastore.delivery.fill_batch` indexes a batch array (``rows[pos, ...]``), it gives
+    row ``pos``, a writable array of the row's shape."""
+
+    def __init__(self, rows: list[np.ndarray]) -> None:
+        self._rows = rows
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return self._rows[key[0] if isinstance(key, tuple) else key]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+@dataclass
+class ChunkedBatch:
+    """A batch laid out in several ``Batch`` messages, to fill in place (:func:`chunk_messages`).
+
+    Attributes:
+        messages: the serialized messages, in order; not to be handed on before
+            :meth:`finish`.
+        payload: payload bytes of each message.
+        out: ``{tensor name: rows}``: where each row of the batch goes, ``out[name][pos, ...]``
+            as for a batch array (``datastore.delivery.fill_batch`` fills it): a view of its
+            message, or a scratch row for a row cut across messages.
+        scratch: ``(scratch row, [(message region, start, stop)])`` for each cut row:
+            :meth:`finish` copies bytes ``start:stop`` of the row into each region.
+    """
+
+    messages: list[bytes]
+    payload: list[int]
+    out: dict[str, _Rows]
+    scratch: list[tuple[np.ndarray, list[tuple[np.ndarray, int, int]]]]
+
+    def finish(self) -> None:
+        """Copy the cut rows into their messages; the batch may then be sent (and the rows are
+        no longer to be written)."""
+        for row, regions in self.scratch:
+            flat = row.reshape(-1).view(np.uint8)
+            for region, start, stop in regions:
+                region[...] = flat[start:stop]
+        self.out, self.scratch = {}, []
+
+
+def chunk_messages(
+    header: Any, tensors: list[tuple[Any, tuple[int, ...], np.dtype]], limit: int
+) -> ChunkedBatch:
+    """A batch of ``header`` (a ``Batch`` without tensors) plus one inline tensor per
+    ``(TensorMeta, shape, dtype)`` (batch first), as ``Batch`` messages of at most ``limit``
+    payload bytes each (:func:`plan_chunks`), each a fresh ``bytes`` to be filled in place
+    through :attr:`ChunkedBatch.out`.
+
+    The first message carries ``header``, the tensors' metas (no payload), ``chunk_total``
+    (the payload bytes of the whole batch) and the first chunk; the others carry ``epoch``,
+    ``step``, ``rank``, ``chunk_total``, ``chunk_offset`` and their chunk. A row that fits a
+    chunk is a view of its message (filling it is the one copy); a row cut across messages is
+    filled into a scratch row first and copied by :meth:`ChunkedBatch.finish`.
+    """
+    shapes = [(tuple(shape), np.dtype(dtype)) for _, shape, dtype in tensors]
+    row_bytes = [math.prod(s[1:]) * d.itemsize for s, d in shapes]
+    plan = plan_chunks([(s[0], n) for (s, _), n in zip(shapes, row_bytes, strict=True)], limit)
+    total = sum(s[0] * n for (s, _), n in zip(shapes, row_bytes, strict=True))
+    rows: list[list[Any]] = [[None] * s[0] for s, _ in shapes]  # each row's destination
+    cut: dict[tuple[int, int], list[tuple[np.ndarray, int, int]]] = {}
+    messages, payload, offset = [], [], 0
+    for k, chunk in enumerate(plan):
+        if k == 0:
+            head = pb.Batch()
+            head.CopyFrom(header)
+            for meta, _, _ in tensors:
+                head.tensors.add(meta=meta)
+        else:
+            head = pb.Batch(epoch=header.epoch, step=header.step, rank=header.rank)
+        head.chunk_total, head.chunk_offset = total, offset
+        n = sum(p.stop - p.start for p in chunk)
+        prefix = head.SerializeToString() + _key(BATCH_CHUNK) + _varint(n)
+        message, room = _fresh_bytes(len(prefix) + n)
+        room[: len(prefix)] = np.frombuffer(prefix, np.uint8)
+        at = len(prefix)
+        for p in chunk:
+            region = room[at : at + p.stop - p.start]
+            shape, dtype = shapes[p.tensor]
+            if p.stop - p.start == row_bytes[p.tensor]:  # the whole row, in this message
+                rows[p.tensor][p.row] = region.view(dtype).reshape(shape[1:])
+            else:
+                cut.setdefault((p.tensor, p.row), []).append((region, p.start, p.stop))
+            at += p.stop - p.start
+        messages.append(message)
+        payload.append(n)
+        offset += n
+    scratch = []
+    for (t, r), regions in cut.items():
+        shape, dtype = shapes[t]
+        rows[t][r] = np.empty(shape[1:], dtype)
+        scratch.append((rows[t][r], regions))
+    for t, (shape, dtype) in enumerate(shapes):  # rows of no bytes: nothing to send
+        for r, row in enumerate(rows[t]):
+            if row is None:
+                rows[t][r] = np.empty(shape[1:], dtype)
+    out = {meta.name: _Rows(rows[t]) for t, (meta, _, _) in enumerate(tensors)}
+    return ChunkedBatch(messages, payload, out, scratch)
 
 
 def serialize(message: Any) -> bytes:
