@@ -139,6 +139,11 @@ def timed_epochs(epoch: Callable[[], tuple[int, int]], epochs: int) -> None:
 # ----------------------------------------------------------------------------- statistics
 
 
+def verdict(ok: bool) -> str:
+    """A target's column in the reports."""
+    return "PASS" if ok else "MISS"
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

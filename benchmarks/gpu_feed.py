@@ -83,7 +83,16 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
-from common import Service, cores, machine_info, median, memcpy_gbps, parse_counts, spread
+from common import (
+    Service,
+    cores,
+    machine_info,
+    median,
+    memcpy_gbps,
+    parse_counts,
+    spread,
+    verdict,
+)
 from loader import H5Samples
 from torch.utils.data import DataLoader
 
@@ -457,10 +466,6 @@ def run_gather(
 
 
 # ----------------------------------------------------------------------------- the report
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 def report(

@@ -89,6 +89,7 @@ from common import (
     parse_counts,
     spread,
     venv_tool,
+    verdict,
 )
 from torch.utils.data import DataLoader, Dataset
 
@@ -646,10 +647,6 @@ def run_case4(paths: Paths) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 def gbs(nbytes: float, secs: float) -> str:

@@ -86,6 +86,7 @@ from common import (
     say,
     spread,
     timed_epochs,
+    verdict,
 )
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -519,10 +520,6 @@ def run_case2(args: argparse.Namespace, path: str, cache: PageCache) -> FirstBat
 
 
 # ----------------------------------------------------------------------------- the report
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 def report(

@@ -144,6 +144,12 @@ class Store:
             self._filled[field][slot] = True
         return place
 
+    def lasting(self, key: int, field: str) -> np.ndarray:
+        """:meth:`get`, valid for good: a re-read scratch array is copied (for copies or sends
+        that run after this thread's next ``get``)."""
+        arr = self.get(key, field)
+        return arr if self.resident(key) else arr.copy()
+
     def _scratch_for(self, field: str, spec: SlotSpec) -> np.ndarray:
         bufs = self._scratch.__dict__.setdefault("bufs", {})
         if field not in bufs:

@@ -59,10 +59,7 @@ class LocalSource:
         copies: list[Copy] = []
         for pos, index in enumerate(samples.tolist()):
             for name in self.fields:
-                stored = self.store.get(index, name)
-                if not self.store.resident(index):
-                    stored = stored.copy()  # a re-read scratch: the copies run later
-                copies.append((out[name][pos, ...], stored))
+                copies.append((out[name][pos, ...], self.store.lasting(index, name)))
         self.gather.run(copies)
 
 

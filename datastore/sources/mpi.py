@@ -20,24 +20,20 @@ from typing import Any
 import numpy as np
 
 from datastore.agree import poll
-from datastore.delivery import Delivered, Gather, box_copies, covered, pad_copies
-from datastore.exchange import plan
+from datastore.delivery import Delivered, Gather, covered, pad_copies
+from datastore.sources.owners import Owners
 from datastore.store import Store
 
 __all__ = ["MpiExchange"]
 
 
-class MpiExchange:
+class MpiExchange(Owners):
     """Non-blocking sends and receives per step over a private duplicate of ``comm``.
 
     Args:
         comm: the job's mpi4py communicator (duplicated: our messages never mix with yours).
-        owner: ``owner[sample]``, the rank that stores each sample.
-        data_world, spatial_size: the data x spatial grid (ranks spatial-fastest).
-        store: this rank's store of the whole samples it owns.
-        fields: ``{block: fields as that block receives them}``.
-        gather: the copies of samples this rank both owns and consumes.
-        timeout: seconds a step may wait for its messages.
+        owner, data_world, spatial_size, store, fields, gather, timeout: see
+            :class:`~datastore.sources.owners.Owners`.
     """
 
     kind = "mpi"
@@ -57,13 +53,9 @@ class MpiExchange:
 
         self._mpi = MPI
         self.comm = comm.Dup()
-        self.rank = self.comm.Get_rank()
-        self.owner, self.data_world, self.spatial_size = owner, data_world, spatial_size
-        self.store, self.fields, self.gather = store, fields, gather
-        self.timeout = timeout
+        args = (owner, data_world, spatial_size, store, fields, gather, timeout)
+        super().__init__(self.comm.Get_rank(), *args)
         self._types: dict[tuple, Any] = {}
-        self.bytes_sent = 0
-        self.seconds = 0.0  # time spent in step()
 
     def _type(self, array: np.ndarray, box: tuple[slice, ...]) -> Any:
         """A committed MPI subarray type for ``array[box]`` (bytes on the last axis), cached."""
@@ -95,14 +87,13 @@ class MpiExchange:
         if the messages do not arrive within the timeout."""
         t0 = time.perf_counter()
         me = self.rank
-        mine = self.fields[me % self.spatial_size]
         requests: list[Any] = []
         peers: list[int] = []
         copies = []
-        msgs = plan(batch, self.owner, self.data_world, self.spatial_size)
+        msgs = self.messages(batch)
         for m in msgs:  # receives first, in plan order (MPI matches same-pair messages in order)
             if m.dst == me and m.src != me:
-                for f in mine:
+                for f in self.mine:
                     dst = out[f.name][m.pos, ...]
                     _, inner = covered(f)
                     requests.append(self.comm.Irecv([dst, 1, self._type(dst, inner)], m.src))
@@ -111,20 +102,12 @@ class MpiExchange:
         for m in msgs:
             if m.src == me and m.dst != me:
                 for f in self.fields[m.block]:
-                    vol = self.store.get(m.sample, f.name)
-                    if not self.store.resident(m.sample):
-                        vol = vol.copy()  # a re-read scratch array must outlive the send
+                    vol = self.store.lasting(m.sample, f.name)  # it must outlive the send
                     src, _ = covered(f)
                     requests.append(self.comm.Isend([vol, 1, self._type(vol, src)], m.dst))
                     peers.append(m.dst)
                     self.bytes_sent += f.nbytes
-        for m in msgs:
-            if m.src == me and m.dst == me:
-                for f in mine:
-                    vol = self.store.get(m.sample, f.name)
-                    if not self.store.resident(m.sample):
-                        vol = vol.copy()  # the copies run later, on other threads
-                    copies.extend(box_copies(f, out[f.name][m.pos, ...], vol))
+        copies.extend(self.own_copies(msgs, out))
         self.gather.run(copies)
 
         def pending() -> list[int]:

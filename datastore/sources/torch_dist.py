@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from datastore.agree import timeout_error
-from datastore.delivery import Copy, Delivered, Gather, box_copies, covered, pad_copies
+from datastore.delivery import Copy, Delivered, Gather, covered, pad_copies
 from datastore.errors import DataStoreError
-from datastore.exchange import plan
 from datastore.ring import torch_dtype
+from datastore.sources.owners import Owners
 from datastore.store import Store
 
 __all__ = ["TorchExchange", "gloo_group"]
@@ -47,7 +47,7 @@ def gloo_group(group: Any = None) -> Any:
     return _GLOO[key]
 
 
-class TorchExchange:
+class TorchExchange(Owners):
     """The MPI exchange's messages as gloo point-to-point calls within ``group``.
 
     Args:
@@ -70,11 +70,8 @@ class TorchExchange:
         timeout: float,
     ) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.owner, self.data_world, self.spatial_size = owner, data_world, spatial_size
-        self.store, self.fields, self.gather, self.timeout = store, fields, gather, timeout
-        self.bytes_sent = 0
-        self.seconds = 0.0
+        args = (owner, data_world, spatial_size, store, fields, gather, timeout)
+        super().__init__(dist.get_rank(group), *args)
 
     def _peer(self, rank: int) -> int:
         """The global rank of group rank ``rank`` (what ``isend``/``irecv`` take)."""
@@ -86,15 +83,14 @@ class TorchExchange:
         the messages do not arrive within the timeout."""
         t0 = time.perf_counter()
         me, tag = self.rank, step % 32768
-        mine = self.fields[me % self.spatial_size]
         works: list[tuple[Any, int]] = []
         received: list[tuple[np.ndarray, torch.Tensor]] = []
         copies: list[Copy] = []
         keep: list[torch.Tensor] = []
-        msgs = plan(batch, self.owner, self.data_world, self.spatial_size)
+        msgs = self.messages(batch)
         for m in msgs:
             if m.dst == me and m.src != me:
-                for f in mine:
+                for f in self.mine:
                     dst = out[f.name][m.pos, ...]
                     _, inner = covered(f)
                     room = torch.empty(dst[(*inner, ...)].shape, dtype=torch_dtype(f.dtype))
@@ -113,13 +109,7 @@ class TorchExchange:
                     work = dist.isend(packed, self._peer(m.dst), group=self.group, tag=tag)
                     works.append((work, m.dst))
                     self.bytes_sent += packed.numel() * packed.element_size()
-        for m in msgs:
-            if m.src == me and m.dst == me:
-                for f in mine:
-                    vol = self.store.get(m.sample, f.name)
-                    if not self.store.resident(m.sample):
-                        vol = vol.copy()  # the copies run later, on other threads
-                    copies.extend(box_copies(f, out[f.name][m.pos, ...], vol))
+        copies.extend(self.own_copies(msgs, out))
         self._wait(works, step, time.monotonic() + self.timeout)
         copies.extend((dst, room.numpy()) for dst, room in received)
         self.gather.run(copies)

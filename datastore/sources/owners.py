@@ -1,0 +1,58 @@
+"""What the two exchanges share: the ranks' grid, the store of owned samples, the messages of a
+step, and the copies of the samples a rank both owns and consumes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from datastore.delivery import Copy, Delivered, Gather, box_copies
+from datastore.exchange import Message, plan
+from datastore.store import Store
+
+__all__ = ["Owners"]
+
+
+class Owners:
+    """The state of an exchange over ``rank``'s view of the job.
+
+    Args:
+        rank: this rank in the exchange's communicator or group.
+        owner: ``owner[sample]``, the rank that stores each sample.
+        data_world, spatial_size: the data x spatial grid (ranks spatial-fastest).
+        store: this rank's store of the whole samples it owns.
+        fields: ``{block: fields as that block receives them}``.
+        gather: the batch copies.
+        timeout: seconds a step may wait for its messages.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        owner: np.ndarray,
+        data_world: int,
+        spatial_size: int,
+        store: Store,
+        fields: dict[int, list[Delivered]],
+        gather: Gather,
+        timeout: float,
+    ) -> None:
+        self.rank, self.owner = rank, owner
+        self.data_world, self.spatial_size = data_world, spatial_size
+        self.store, self.fields, self.gather, self.timeout = store, fields, gather, timeout
+        self.mine = fields[rank % spatial_size]  # what this rank receives
+        self.bytes_sent = 0
+        self.seconds = 0.0  # time spent in step()
+
+    def messages(self, batch: np.ndarray) -> list[Message]:
+        """Every message of the step of global ``batch``."""
+        return plan(batch, self.owner, self.data_world, self.spatial_size)
+
+    def own_copies(self, msgs: list[Message], out: dict[str, np.ndarray]) -> list[Copy]:
+        """The copies of the samples this rank owns and consumes itself, into ``out``."""
+        copies: list[Copy] = []
+        for m in msgs:
+            if m.src == self.rank and m.dst == self.rank:
+                for f in self.mine:
+                    vol = self.store.lasting(m.sample, f.name)
+                    copies.extend(box_copies(f, out[f.name][m.pos, ...], vol))
+        return copies
