@@ -80,7 +80,7 @@ def _stream(loader: DataStoreLoader, a: argparse.Namespace, ready: float) -> Non
             time.sleep(a.step_ms / 1e3)
         dt = time.perf_counter() - t0
         print(
-            f"job {a.job or '-'} rank {loader.rank} of {loader.world_size} (service): epoch "
+            f"job {a.job or '-'} rank {loader.world.rank} of {loader.world.size} (service): epoch "
             f"{epoch}: {len(loader)} batches, {nbytes / dt / 1e6:.0f} MB/s"
             + (f" with {a.step_ms:.0f} ms of compute per batch" if a.step_ms else "")
             + (f" (session open in {ready:.2f} s)" if epoch == 0 else ""),

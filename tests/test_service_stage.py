@@ -314,4 +314,6 @@ def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):
             assert time.monotonic() < deadline, "the stage still runs after the client left"
             time.sleep(0.1)
     assert not (dest / "sparse" / "huge").exists()  # nothing half-written under its name
-    assert any(x["event"] == "stage_cancelled" for x in s.logs())
+    while not any(x["event"] == "stage_cancelled" for x in s.logs()):  # logged once it is dead
+        assert time.monotonic() < deadline, "the service never logged the cancelled stage"
+        time.sleep(0.1)
