@@ -1,5 +1,8 @@
 """Run under ``mpiexec -n 2 python -m mpi4py``: ranks that disagree or stop early (issue 11,
-traps 6, 9, 10). Each rank writes one JSON file: its error (type and message) or what it saw.
+traps 6, 9, 10). Each rank writes one JSON file: its error (type, message, whether it is a
+``TimeoutError``, the step and peers of an ``ExchangeTimeout``), the sample indices of the
+batches it took, how many of them held other bytes than the file, and timings. A rank that
+raises also prints the traceback to its stderr (the test reads it with ``-prepend-rank``).
 
 Usage: traps_job.py CASE OUT DATASET [OTHER_DATASET]  (writes OUT.RANK.json)
 """
@@ -7,8 +10,13 @@ Usage: traps_job.py CASE OUT DATASET [OTHER_DATASET]  (writes OUT.RANK.json)
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+import traceback
 
+import h5py
+import numpy as np
 from mpi4py import MPI
 
 from datastore import DataStoreLoader
@@ -28,8 +36,14 @@ def build(case: str, path: str, other: str, rank: int) -> DataStoreLoader:
         path = path if rank == 0 else other
     elif case == "halo":
         kw["spatial"] = {"parts": (2, 1, 1), "halo": 5}  # wider than a block of 4
+    elif case == "halo_axis":
+        kw["spatial"] = {"parts": (4, 1, 1), "halo": (3, 1, 1)}  # blocks of 2 along axis 0
     elif case == "one_bad":
         kw["prefetch"] = 2 if rank == 0 else 0
+    elif case == "silent":
+        kw["timeout"] = 3
+    elif case == "stall":  # 8 steps: more than the 3 that prefetch keeps ahead
+        kw = {**kw, "global_batch_size": 2, "timeout": 3}
     return DataStoreLoader(path, **kw)
 
 
@@ -37,27 +51,66 @@ def main() -> None:
     case, out_prefix, path = sys.argv[1:4]
     other = sys.argv[4] if len(sys.argv) > 4 else path
     rank = MPI.COMM_WORLD.Get_rank()
-    out: dict = {"rank": rank, "error": None, "ids": []}
+    with h5py.File(path, "r") as f:
+        x_all = f["x"][...]
+    out: dict = {"rank": rank, "error": None, "ids": [], "bad_bytes": 0, "seconds": None}
+
+    def take(b: dict) -> None:
+        ids = b["idx"].tolist()
+        out["ids"].append(ids)
+        if "x" in b and not np.array_equal(b["x"].numpy(), x_all[ids]):
+            out["bad_bytes"] += 1
+
+    t0 = time.monotonic()
     try:
         loader = build(case, path, other, rank)
+        t0 = time.monotonic()
         if case == "stop":  # rank 1 stops after one batch; rank 0 goes on
             for i, b in enumerate(loader):
-                out["ids"].append(b["idx"].tolist())
+                take(b)
                 if rank == 1 and i == 0:
                     break
         elif case == "both_stop":  # both stop after two batches, then take a whole epoch
             for i, b in enumerate(loader):
                 if i == 2:
                     break
-                out["ids"].append(b["idx"].tolist())
+                take(b)
             loader.set_epoch(1)
-            out["ids"] += [b["idx"].tolist() for b in loader]
+            for b in loader:
+                take(b)
+        elif case == "silent":  # rank 1 never iterates: it sleeps until rank 0 is done (<= 30 s)
+            if rank == 1:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and not os.path.exists(f"{out_prefix}.0.json"):
+                    time.sleep(0.1)
+            else:
+                for b in loader:
+                    take(b)
+        elif case == "stall":  # rank 1 takes one batch, then holds the loop without a next()
+            for b in loader:
+                take(b)
+                if rank == 1:
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline and not os.path.exists(
+                        f"{out_prefix}.0.json"
+                    ):
+                        time.sleep(0.1)
+                    break
         else:
-            out["ids"] = [b["idx"].tolist() for b in loader]
+            for b in loader:
+                take(b)
     except Exception as exc:  # what each rank raised, for the test to compare
         out["error"] = [type(exc).__name__, str(exc)]
-    with open(f"{out_prefix}.{rank}.json", "w") as f:
+        out["timeout_error"] = isinstance(exc, TimeoutError)
+        out["step"] = getattr(exc, "step", None)
+        out["peers"] = list(getattr(exc, "peers", ()))
+        traceback.print_exc()
+        sys.stderr.flush()
+    out["seconds"] = time.monotonic() - t0
+    tmp = f"{out_prefix}.{rank}.json.tmp"
+    with open(tmp, "w") as f:
         json.dump(out, f)
+    os.replace(tmp, f"{out_prefix}.{rank}.json")
 
 
 if __name__ == "__main__":
