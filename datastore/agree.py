@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -60,45 +61,82 @@ def timeout_error(what: str, step: int, peers: tuple[int, ...]) -> ExchangeTimeo
     )
 
 
+_TAG = 1 << 20  # the checks' messages; the torch exchange tags its steps below 32768
+
+
 class Collective:
-    """The few collectives the loader needs, over an mpi4py communicator or a
-    ``torch.distributed`` group (gloo), each with a deadline."""
+    """The few collectives the loader needs, over an mpi4py communicator (duplicated: its
+    messages never mix with the caller's) or a ``torch.distributed`` group (gloo), each with a
+    deadline.
+
+    The small all-to-all checks are point-to-point messages to every other rank rather than
+    one ``allgather``: a rank whose message does not come is then known, and a timeout names
+    it. (2 (P - 1) messages of a few bytes per check; scale work may revisit this.)
+    """
 
     def __init__(self, comm: Any = None, group: Any = None) -> None:
-        self.comm, self.group = comm, group
+        self.comm, self.group = (comm.Dup() if comm is not None else None), group
         if comm is not None:
-            self.rank, self.size = comm.Get_rank(), comm.Get_size()
+            self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         else:
             import torch.distributed as dist
 
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
     def allgather_ints(
-        self,
-        values: list[int],
-        timeout: float | None,
-        what: str,
-        step: int = -1,
-        stop: threading.Event | None = None,
-    ) -> np.ndarray | None:
-        """``(size, len(values))`` int64: every rank's ``values`` (``None`` if ``stop`` was set
-        first: the communicator is then unusable)."""
+        self, values: list[int], timeout: float, what: str, step: int = -1
+    ) -> np.ndarray:
+        """``(size, len(values))`` int64: every rank's ``values``. Past ``timeout`` seconds an
+        :class:`ExchangeTimeout` names ``what``, ``step`` and the ranks that did not send."""
         mine = np.asarray(values, dtype=np.int64)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        wait = {"deadline": deadline, "stop": stop, "what": what, "step": step}
+        out = np.empty((self.size, len(mine)), dtype=np.int64)
+        out[self.rank] = mine
+        peers = [r for r in range(self.size) if r != self.rank]
+        deadline = time.monotonic() + timeout
         if self.comm is not None:
-            out = np.empty((self.size, len(mine)), dtype=np.int64)
-            req = self.comm.Iallgather(mine, out)
-            return out if poll(req.Test, **wait) else None
+            recvs = [self.comm.Irecv(out[r], source=r, tag=_TAG) for r in peers]
+            sends = [self.comm.Isend(mine, dest=r, tag=_TAG) for r in peers]
+            from mpi4py import MPI
+
+            def missing() -> list[int]:
+                return [r for r, q in zip(peers, recvs, strict=True) if not q.Test()]
+
+            try:
+                poll(
+                    lambda: MPI.Request.Testall(recvs + sends),
+                    deadline=deadline,
+                    what=what,
+                    step=step,
+                    pending=missing,
+                )
+            except ExchangeTimeout:
+                for q in recvs:
+                    q.Cancel()
+                raise
+            return out
         import torch
         import torch.distributed as dist
 
-        parts = [torch.empty(len(mine), dtype=torch.int64) for _ in range(self.size)]
-        work = dist.all_gather(parts, torch.from_numpy(mine), group=self.group, async_op=True)
-        if not poll(work.is_completed, **wait):
-            return None
-        work.wait()
-        return torch.stack(parts).numpy()
+        rooms = {r: torch.empty(len(mine), dtype=torch.int64) for r in peers}
+        theirs = {r: dist.get_global_rank(self.group, r) for r in peers}
+        works = [(dist.irecv(rooms[r], theirs[r], group=self.group, tag=_TAG), r) for r in peers]
+        mine_t = torch.from_numpy(mine)
+        sends = [dist.isend(mine_t, theirs[r], group=self.group, tag=_TAG) for r in peers]
+        for k, (work, _) in enumerate(works):
+            try:  # gloo completes a point-to-point work only inside wait
+                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError:
+                raise timeout_error(what, step, tuple(r for _, r in works[k:])) from None
+        for work in sends:
+            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        for r in peers:
+            out[r] = rooms[r].numpy()
+        return out
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (only after :meth:`allgather_ints` showed all ranks are here)."""
@@ -131,7 +169,6 @@ def agree(
     got = coll.allgather_ints(
         [int(error is not None), *(_digest(fingerprint[k]) for k in keys)], timeout, what
     )
-    assert got is not None  # no stop event: it completes or raises
     if not got[:, 0].any() and (got[:, 1:] == got[0, 1:]).all():
         return
     every = coll.allgather((None if error is None else _describe(error), fingerprint))
@@ -192,7 +229,6 @@ class StepSync:
         got = self.coll.allgather_ints(
             [epoch, step], self.timeout, f"the start of epoch {epoch}", step
         )
-        assert got is not None
         if (got == got[0]).all():
             return
         at = ", ".join(f"rank {r} at epoch {e} step {s}" for r, (e, s) in enumerate(got.tolist()))
@@ -205,7 +241,6 @@ class StepSync:
         """Whether to stop before ``step``: when any rank's consumer stopped. A rank that went
         on while another stopped gets :class:`RankMismatch` naming it (not a short epoch)."""
         got = self.coll.allgather_ints([int(stop)], self.timeout, "the step check", step)
-        assert got is not None
         stopped = np.flatnonzero(got[:, 0]).tolist()
         if not stopped:
             return False

@@ -531,6 +531,9 @@ class DataStoreLoader(EpochPosition):
             self.store.close()
         if self.reader is not None:
             self.reader.close()
+        if self._coll is not None:
+            self._coll.close()
+            self._coll = None
         self.gather.close()
 
     def __enter__(self) -> DataStoreLoader:
