@@ -533,6 +533,11 @@ class DataStoreLoader(EpochPosition):
             self.reader.close()
         if self._coll is not None:
             self._coll.close()
+            if self._coll.group is not None:  # gloo_group()'s: this loader's own
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._coll.group)
             self._coll = None
         self.gather.close()
 

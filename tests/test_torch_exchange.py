@@ -1,8 +1,10 @@
 """Under torchrun (no MPI) the ranks hold the dataset once and exchange over torch.distributed
-(gloo): the same batches as one process cuts them, blocks and halos included."""
+(gloo): the same batches as one process cuts them, blocks and halos included. Through the loader
+(``dist_jobs/torch_loader_job.py``) and ``TorchExchange`` alone (``torch_exchange_job.py``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -19,6 +21,7 @@ from staging.cluster import LAUNCH_ENV
 
 N, C, D = 16, 2, 8
 JOB = os.path.join(os.path.dirname(__file__), "dist_jobs", "torch_loader_job.py")
+EXCHANGE_JOB = os.path.join(os.path.dirname(__file__), "dist_jobs", "torch_exchange_job.py")
 
 
 def free_port() -> int:
@@ -38,9 +41,9 @@ def h5(tmp_path_factory):
         return str(path), f["x"][...]
 
 
-def run(world: int, args: list[str], out, timeout: float = 90) -> list[dict]:
-    """``world`` ranks as torchrun starts them; the results each rank saved (rank 1 of a
-    timeout test saves none)."""
+def run(world: int, args: list[str], out, timeout: float = 90, job: str = JOB) -> list[dict]:
+    """``world`` ranks of ``job`` as torchrun starts them; the results each rank saved in
+    ``OUT.rank.npz`` or ``.json`` (rank 1 of a loader timeout test saves none)."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     procs = []
@@ -54,13 +57,25 @@ def run(world: int, args: list[str], out, timeout: float = 90) -> list[dict]:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
-        cmd = [sys.executable, JOB, *args]
+        cmd = [sys.executable, job, *args]
         procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    for p in procs:
-        _, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, err[-3000:]
-    saved = [f"{out}.{r}.npz" for r in range(world)]
-    return [dict(np.load(f)) if os.path.exists(f) else {} for f in saved]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:  # a hang fails this test, not the suite
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    got = []
+    for r in range(world):
+        if os.path.exists(f"{out}.{r}.json"):
+            with open(f"{out}.{r}.json") as f:
+                got.append(json.load(f))
+        else:
+            got.append(dict(np.load(f"{out}.{r}.npz")) if os.path.exists(f"{out}.{r}.npz") else {})
+    return got
 
 
 @pytest.mark.parametrize(
@@ -96,3 +111,53 @@ def test_a_rank_that_stops_taking_batches_times_the_others_out(h5, tmp_path):
     err = str(got[0]["error"])
     assert err.startswith("ExchangeTimeout") and "step" in err, err
     assert time.monotonic() - t0 < 40
+
+
+@pytest.mark.parametrize(
+    ("world", "parts", "budget"),
+    [(2, "-", "0"), (4, "2,1,1", "-")],
+    ids=["2-data-samples-re-read", "2-data-x-2-spatial-halo"],
+)
+def test_the_exchange_fills_reused_buffers_as_one_process_cuts(h5, tmp_path, world, parts, budget):
+    """``TorchExchange.step`` over 2 epochs into buffers a consumer scribbled on before every
+    step equals ``fill_batch`` of the whole samples, zero halo included. Budget 0: no sample
+    has a slot, each is re-read into one scratch array that the next read reuses (a send must
+    not share it); the halo case sends and receives blocks that are not contiguous."""
+    path, _ = h5
+    out = tmp_path / "e"
+    got = run(world, ["check", path, str(out), "4", parts, "1", budget, "2"], out, 60, EXCHANGE_JOB)
+    owned = np.bincount(contiguous_owners(N, world), minlength=world)
+    for rank, r in enumerate(got):
+        assert r["bad"] == [], f"rank {rank}: (epoch, step, field) differ: {r['bad']}"
+        assert r["steps"] == 2 * (N // 4)
+        assert r["keys"] == owned[rank] and r["bytes_sent"] > 0
+        if budget == "0":  # every use of an owned sample read it again
+            assert r["misses"] > r["keys"]
+
+
+def test_a_rank_that_skips_a_step_gives_its_peer_an_exchange_timeout_naming_both(h5, tmp_path):
+    path, _ = h5
+    out = tmp_path / "s"
+    timeout = 2.0
+    got = run(2, ["skip", path, str(out), "4", str(timeout), "1"], out, 60, EXCHANGE_JOB)
+    assert got[1] == {"skipped": 1}
+    r = got[0]
+    assert r.get("step") == 1 and r["peers"] == [1], r
+    assert "at step 1" in r["error"] and "waiting for rank 1" in r["error"]
+    assert timeout <= r["waited"] < 2 * timeout
+
+
+def test_two_loaders_side_by_side_and_the_trainings_all_reduces_never_mix(h5, tmp_path):
+    """A training and a validation loader iterated together (both prefetch threads exchange at
+    once) and CPU DDP's all-reduces on the default gloo group: each loader has a gloo group of
+    its own (freed by ``close``), so no rank takes another loader's messages (on one shared
+    group a step's messages matched the other loader's: garbage positions, RankMismatch)."""
+    path, _ = h5
+    out = tmp_path / "d"
+    job = os.path.join(os.path.dirname(__file__), "dist_jobs", "torch_train_job.py")
+    got = run(2, [path, str(out), "3"], out, 60, job)
+    for r in got:
+        assert r["error"] is None, r["error"]
+        assert r["source"] == "torch.distributed" and r["batches"] == 2 * 3 * (N // 4)
+        assert r["wrong_bytes"] == 0 and r["wrong_sums"] == 0
+        assert r["own_groups"] and r["destroyed"]

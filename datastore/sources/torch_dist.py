@@ -2,13 +2,18 @@
 
 Without MPI (torchrun, or any launcher that only sets up ``torch.distributed``) the ranks still
 hold the dataset once between them: the same ``plan()`` as the MPI exchange, as gloo
-``isend``/``irecv`` of CPU tensors. An owner packs the part of each stored sample that a
-consumer's box covers into one contiguous tensor and sends it; the consumer receives it into a
-contiguous tensor and copies it into its place in the batch buffer, zeroing the halo outside
-the volume. gloo matches messages between two ranks in order, as MPI does, and every message
-of a step carries the step's tag. Every wait has a deadline (gloo completes a point-to-point
-transfer inside ``wait``, which takes a timeout); a timeout names the step and the ranks still
-awaited.
+``isend``/``irecv`` of CPU tensors, over a gloo group of the loader's own. An owner sends the
+part of each stored sample that a consumer's box covers: straight from the store when it is
+contiguous there (whole samples), else packed into a staging array; the consumer receives it
+straight into its place in the batch buffer when that is contiguous, else into a staging array
+copied there after the wait, and writes the zero halo outside the volume itself (buffers are
+reused). Staging arrays are kept from step to step. gloo matches messages between two ranks
+in order, as MPI does, and every message of a step carries the step's tag.
+
+Every wait has a deadline: gloo completes a point-to-point transfer only inside ``wait``
+(``is_completed()`` stays false until then, so it cannot be polled), and ``wait`` takes a
+timeout. A timeout names the step and the ranks still awaited, and leaves the exchange
+unusable (that step's messages may still arrive).
 """
 
 from __future__ import annotations
@@ -24,34 +29,37 @@ import torch.distributed as dist
 from datastore.agree import timeout_error
 from datastore.delivery import Copy, Delivered, Gather, covered, pad_copies
 from datastore.errors import DataStoreError
-from datastore.ring import torch_dtype
 from datastore.sources.owners import Owners
 from datastore.store import Store
 
 __all__ = ["TorchExchange", "gloo_group"]
 
-_GLOO: dict[int, Any] = {}  # a gloo group made for a non-gloo default group, per default group
+_TAGS = 1 << 15  # message tags: the step modulo this
 
 
 def gloo_group(group: Any = None) -> Any:
-    """The group to exchange CPU tensors over: ``group`` if given, else the default group when
-    its backend is gloo, else a gloo group over every rank (made once; collective)."""
-    if group is not None:
-        return group
-    default = dist.group.WORLD
-    if dist.get_backend() == "gloo":
-        return default
-    key = id(default)
-    if key not in _GLOO:
-        _GLOO[key] = dist.new_group(backend="gloo")
-    return _GLOO[key]
+    """A private gloo group over the ranks of ``group`` (default: every rank), for one loader.
+
+    The loader's collectives and messages run on its prefetch thread while the caller's own
+    (DDP's all-reduces, metrics) run on the training thread: on one shared group they would
+    interleave in a different order on different ranks, and ranks would wait in different
+    collectives for ever (seen with a gloo default group). A group of its own keeps them
+    apart, as ``comm.Dup()`` does for MPI, and is gloo whatever ``group``'s backend (NCCL
+    takes no CPU tensors). Collective: every rank of ``group`` calls it, in the same order.
+    The caller frees it with ``torch.distributed.destroy_process_group``.
+    """
+    if group is None:
+        return dist.new_group(backend="gloo")
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
 class TorchExchange(Owners):
     """The MPI exchange's messages as gloo point-to-point calls within ``group``.
 
     Args:
-        group: a gloo-capable ``torch.distributed`` group (:func:`gloo_group`).
+        group: a gloo group of the exchange's own (:func:`gloo_group`), used by nobody
+            else at the same time.
         owner, data_world, spatial_size, store, fields, gather, timeout: as
             :class:`~datastore.sources.mpi.MpiExchange`; ranks are the group's ranks.
     """
@@ -72,6 +80,8 @@ class TorchExchange(Owners):
         self.group = group
         args = (owner, data_world, spatial_size, store, fields, gather, timeout)
         super().__init__(dist.get_rank(group), *args)
+        self._rooms = _Rooms()
+        self._failed: int | None = None  # the step that timed out or failed
 
     def _peer(self, rank: int) -> int:
         """The global rank of group rank ``rank`` (what ``isend``/``irecv`` take)."""
@@ -81,38 +91,56 @@ class TorchExchange(Owners):
         """Deliver this rank's share of global ``batch`` into ``out`` (whole boxes, zero halo
         included); :class:`~datastore.errors.ExchangeTimeout` names the step and the peers if
         the messages do not arrive within the timeout."""
+        if self._failed is not None:
+            raise DataStoreError(
+                f"the torch.distributed exchange failed at step {self._failed} and cannot be "
+                "used again (messages of that step may still arrive)"
+            )
         t0 = time.perf_counter()
-        me, tag = self.rank, step % 32768
+        me, tag = self.rank, step % _TAGS
+        self._rooms.reset()
         works: list[tuple[Any, int]] = []
-        received: list[tuple[np.ndarray, torch.Tensor]] = []
-        copies: list[Copy] = []
-        keep: list[torch.Tensor] = []
+        unpack: list[Copy] = []  # received into a staging array: copied after the wait
+        copies: list[Copy] = []  # zero halo and this rank's own samples: while messages travel
+        sent: list[np.ndarray] = []
         msgs = self.messages(batch)
-        for m in msgs:
+        for m in msgs:  # receives first, in plan order (gloo matches a pair's messages in order)
             if m.dst == me and m.src != me:
                 for f in self.mine:
                     dst = out[f.name][m.pos, ...]
                     _, inner = covered(f)
-                    room = torch.empty(dst[(*inner, ...)].shape, dtype=torch_dtype(f.dtype))
-                    work = dist.irecv(room, self._peer(m.src), group=self.group, tag=tag)
+                    place = dst[(*inner, ...)]
+                    room = place
+                    if not place.flags.c_contiguous:  # a block of a multi-axis box
+                        room = self._rooms.take(place.shape, place.dtype)
+                        unpack.append((place, room))
+                    work = dist.irecv(_wire(room), self._peer(m.src), group=self.group, tag=tag)
                     works.append((work, m.src))
-                    received.append((dst[(*inner, ...)], room))
                     copies.extend(pad_copies(f, dst))
         for m in msgs:
             if m.src == me and m.dst != me:
                 for f in self.fields[m.block]:
                     src, _ = covered(f)
-                    packed = torch.from_numpy(
-                        np.ascontiguousarray(self.store.get(m.sample, f.name)[(*src, ...)])
-                    )
-                    keep.append(packed)
-                    work = dist.isend(packed, self._peer(m.dst), group=self.group, tag=tag)
+                    # lasting: gloo reads the array until the send completes, after this
+                    # step's later gets (a re-read sample's scratch array is reused by them)
+                    part = self.store.lasting(m.sample, f.name)[(*src, ...)]
+                    if not part.flags.c_contiguous:
+                        packed = self._rooms.take(part.shape, part.dtype)
+                        np.copyto(packed, part)
+                        part = packed
+                    sent.append(part)
+                    work = dist.isend(_wire(part), self._peer(m.dst), group=self.group, tag=tag)
                     works.append((work, m.dst))
-                    self.bytes_sent += packed.numel() * packed.element_size()
+                    self.bytes_sent += part.nbytes
+        deadline = time.monotonic() + self.timeout
         copies.extend(self.own_copies(msgs, out))
-        self._wait(works, step, time.monotonic() + self.timeout)
-        copies.extend((dst, room.numpy()) for dst, room in received)
         self.gather.run(copies)
+        try:
+            self._wait(works, step, deadline)
+        except DataStoreError:
+            self._failed = step
+            raise
+        self.gather.run(unpack)
         self.seconds += time.perf_counter() - t0
 
     def _wait(self, works: list[tuple[Any, int]], step: int, deadline: float) -> None:
@@ -123,8 +151,8 @@ class TorchExchange(Owners):
             try:
                 work.wait(timedelta(seconds=left))
             except RuntimeError as exc:
-                peers = tuple(sorted({p for _, p in works[i:]}))
                 if "Timed out" in str(exc):
+                    peers = tuple(sorted({peer} | _pending(works[i + 1 :])))
                     raise timeout_error("the torch.distributed exchange", step, peers) from None
                 raise DataStoreError(
                     f"the torch.distributed exchange at step {step} failed with rank {peer}: "
@@ -132,4 +160,48 @@ class TorchExchange(Owners):
                 ) from None
 
     def close(self) -> None:
-        """Nothing to free: the group is the caller's (or shared by every loader)."""
+        """Frees the staging arrays; the group is the caller's (or shared by every loader)."""
+        self._rooms = _Rooms()
+
+
+def _pending(works: list[tuple[Any, int]]) -> set[int]:
+    """The peers of ``works`` still incomplete after a last short wait each (gloo reports
+    completion only from ``wait``); only after a timeout, to name the ranks awaited."""
+    late = set()
+    for work, peer in works:
+        if peer in late:
+            continue
+        try:
+            work.wait(timedelta(milliseconds=1))
+        except RuntimeError:
+            late.add(peer)
+    return late
+
+
+def _wire(a: np.ndarray) -> torch.Tensor:
+    """The bytes of C-contiguous ``a`` as a uint8 tensor sharing its memory (any dtype, 0-d
+    included: gloo moves bytes)."""
+    return torch.from_numpy(a.reshape(-1).view(np.uint8))
+
+
+class _Rooms:
+    """Contiguous staging arrays for blocks that are not contiguous in the sample or in the
+    batch buffer, reused from step to step (fresh large arrays would fault in new pages every
+    step): at most one step's worth is kept."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, list[np.ndarray]] = {}
+        self._used: dict[tuple, int] = {}
+
+    def reset(self) -> None:
+        """Every array is free again (the previous step has completed)."""
+        self._used.clear()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        key = (shape, np.dtype(dtype).str)
+        kept = self._kept.setdefault(key, [])
+        n = self._used.get(key, 0)
+        if n == len(kept):
+            kept.append(np.empty(shape, dtype))
+        self._used[key] = n + 1
+        return kept[n]

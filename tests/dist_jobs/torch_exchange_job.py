@@ -1,0 +1,139 @@
+"""One rank of a torchrun-style job (no MPI) driving ``TorchExchange`` directly, without the
+loader: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment.
+
+Each rank stores only its contiguous share of an HDF5 dataset (fields ``x`` (N, C, D, D, D)
+and ``idx``), runs ``step`` over every step of the epochs into the same ``out`` buffers
+(overwritten with a sentinel before each step: a step must write the whole box, zero halo
+included) and compares them with one process's cut of the whole samples (``fill_batch``).
+It writes ``OUT.rank.json``.
+
+Usage:
+  torch_exchange_job.py check DATASET OUT GLOBAL_BATCH PARTS HALO BUDGET EPOCHS
+    PARTS, HALO: e.g. ``2,1,1`` and ``1``, or ``-`` for whole samples; BUDGET: the store's
+    RAM budget in bytes (``0``: no slot in RAM, every sample re-read into one scratch array),
+    or ``-`` for all in RAM.
+  torch_exchange_job.py skip DATASET OUT GLOBAL_BATCH TIMEOUT SKIP
+    rank 1 never calls step SKIP (it sleeps instead); the others must raise ExchangeTimeout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import h5py
+import numpy as np
+import torch.distributed as dist
+
+from datastore.delivery import Gather, delivered_fields, fill_batch
+from datastore.errors import ExchangeTimeout
+from datastore.order import Schedule, contiguous_owners
+from datastore.partition import Grid
+from datastore.readers.base import FieldInfo
+from datastore.sources.torch_dist import TorchExchange, gloo_group
+from datastore.store import SlotSpec, Store
+
+SENTINEL = 7.0
+
+
+def setup(path: str, gb: int, parts: str, halo: str, budget: int | None, timeout: float):
+    """This rank's exchange, its delivered fields, the schedule and the whole dataset (the
+    reference only)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with h5py.File(path, "r") as f:
+        whole = {name: f[name][...] for name in ("x", "idx")}
+    n = len(whole["idx"])
+    info = {
+        "x": FieldInfo("x", whole["x"].dtype, whole["x"].shape[1:], (1, 2, 3)),
+        "idx": FieldInfo("idx", whole["idx"].dtype, ()),
+    }
+    grid = None
+    if parts != "-":
+        volume = whole["x"].shape[2:]
+        grid = Grid(volume, tuple(int(p) for p in parts.split(",")), (int(halo),) * len(volume))
+    blocks = 1 if grid is None else grid.nblocks
+    by_block = {k: delivered_fields(info, grid, k) for k in range(blocks)}
+    owner = contiguous_owners(n, world)
+    keys = np.flatnonzero(owner == rank)
+    h5 = h5py.File(path, "r")
+
+    def read(key: int, name: str, out: np.ndarray) -> None:
+        out[...] = h5[name][key]
+
+    specs = {name: SlotSpec(fi.shape, np.dtype(fi.dtype)) for name, fi in info.items()}
+    store = Store(keys, specs, read, budget=budget)
+    group = gloo_group()
+    data_world = world // blocks
+    ex = TorchExchange(group, owner, data_world, blocks, store, by_block, Gather(1), timeout)
+    return ex, by_block[rank % blocks], Schedule(n, gb, seed=5), whole, data_world, blocks
+
+
+def check(path: str, out: str, gb: str, parts: str, halo: str, budget: str, epochs: str) -> dict:
+    limit = None if budget == "-" else int(budget)
+    ex, mine, sched, whole, data_world, blocks = setup(path, int(gb), parts, halo, limit, 10.0)
+    rank = dist.get_rank()
+    d = rank // blocks
+    b = sched.local_batch(data_world)
+    bufs = {f.name: np.empty((b, *f.shape), f.dtype) for f in mine}
+    want = {f.name: np.empty((b, *f.shape), f.dtype) for f in mine}
+    steps, bad = 0, []
+    for epoch in range(int(epochs)):
+        order = sched.order(epoch)
+        for step in range(sched.steps_per_epoch):
+            batch = sched.global_batch_at(epoch, step, order)
+            for a in bufs.values():
+                a.fill(SENTINEL)  # what a consumer's edits or an earlier batch left there
+            ex.step(step, batch, bufs)
+            ids = batch[d * b : (d + 1) * b]
+            fill_batch(ids, mine, lambda i, name: whole[name][i], want)
+            for name in bufs:
+                if not np.array_equal(bufs[name], want[name]):
+                    bad.append([epoch, step, name])
+            steps += 1
+    result = {
+        "steps": steps,
+        "bad": bad,
+        "keys": len(ex.store.keys),
+        "bytes_sent": ex.bytes_sent,
+        "misses": ex.store.counters.misses,
+    }
+    ex.close()
+    return result
+
+
+def skip(path: str, out: str, gb: str, timeout: str, at: str) -> dict:
+    ex, mine, sched, _, data_world, _ = setup(path, int(gb), "-", "0", None, float(timeout))
+    rank = dist.get_rank()
+    b = sched.local_batch(data_world)
+    bufs = {f.name: np.empty((b, *f.shape), f.dtype) for f in mine}
+    order = sched.order(0)
+    for step in range(sched.steps_per_epoch):
+        if rank == 1 and step == int(at):
+            time.sleep(float(timeout) + 1.5)  # stops taking part: its peers must not hang
+            return {"skipped": step}
+        t0 = time.monotonic()
+        try:
+            ex.step(step, sched.global_batch_at(0, step, order), bufs)
+        except ExchangeTimeout as exc:
+            return {
+                "error": str(exc),
+                "step": exc.step,
+                "peers": list(exc.peers),
+                "waited": time.monotonic() - t0,
+            }
+    return {"finished": True}
+
+
+def main() -> None:
+    mode, path, out, *args = sys.argv[1:]
+    dist.init_process_group("gloo")
+    result = {"check": check, "skip": skip}[mode](path, out, *args)
+    with open(f"{out}.{dist.get_rank()}.json", "w") as f:
+        json.dump(result, f)
+    if mode == "check":
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
