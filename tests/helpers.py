@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import zstandard
@@ -180,16 +181,20 @@ def special_info(name: str, kind: bytes) -> tarfile.TarInfo:
     return info
 
 
-def stage_sharded(tmp: Path) -> tuple[Path, dict[str, str]]:
-    """20 ``.npy`` samples under ``tmp/src`` (sample ``i`` holds ``i`` at ``[0, 0, 0, 0]``),
-    staged by ``mpiexec -n 2 datastore stage --mode shard`` into ``tmp/node{node}``: two "nodes"
-    holding different files. Returns ``(src, env)``: env for children (no launcher variables,
-    state and runtime under ``tmp``)."""
+def stage_sharded(
+    tmp: Path, write: Callable[[Path], object] | None = None
+) -> tuple[Path, dict[str, str]]:
+    """20 ``.npy`` samples under ``tmp/src`` (sample ``i`` holds ``i`` at ``[0, 0, 0, 0]``), or
+    what ``write(src)`` writes there, staged by ``mpiexec -n 2 datastore stage --mode shard``
+    into ``tmp/node{node}``: two "nodes" holding different files. Returns ``(src, env)``: env
+    for children (no launcher variables, state and runtime under ``tmp``)."""
     import numpy as np
 
     src = tmp / "src"
     src.mkdir()
-    for i in range(20):
+    if write is not None:
+        write(src)
+    for i in range(20 if write is None else 0):
         vol = np.random.default_rng(i).standard_normal((2, 6, 4, 4)).astype(np.float32)
         vol[0, 0, 0, 0] = i
         np.save(src / f"s{i:03d}.npy", vol)

@@ -309,7 +309,7 @@ def test_forked_workers_read_with_their_own_handles(built: Built, arrays):
 
 def test_detect(built: Built):
     if built.detect_path is None:
-        pytest.skip("shards with a sample axis need a spec: a glob of .h5 is hdf5-per-sample")
+        pytest.skip("not detectable from its path")
     spec = detect(built.detect_path)
     assert spec.format == built.fmt
     assert spec.paths == (built.detect_path,)

@@ -244,6 +244,15 @@ class Reader(ABC):
             ) from exc
         return out
 
+    def check_files(self) -> None:  # noqa: B027 - a default: nothing more to look at
+        """Look into every file of the dataset (``datastore inspect`` does): a reader that
+        checks only the first file when opened (one HDF5 file per sample) checks the rest here.
+        Default: nothing (``hdf5`` shards are all checked when opened).
+
+        Raises:
+            DatasetError: naming the first file that does not hold the fields as expected.
+        """
+
     def read_sample(self, index: int) -> dict[str, np.ndarray]:
         """Every field of sample ``index``, whole."""
         return {name: self.read(index, name) for name in self.fields}

@@ -19,7 +19,6 @@ refuses a second open of a file in one process with a different locking flag. On
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import OrderedDict
 from typing import Any
@@ -31,7 +30,7 @@ from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spat
 from datastore.readers.npyfile import RawArray
 from datastore.readers.spec import DatasetSpec, resolve_paths
 
-__all__ = ["Hdf5PerSampleReader", "Hdf5Reader", "set_format"]
+__all__ = ["Hdf5PerSampleReader", "Hdf5Reader", "set_format", "shard_count", "shared_length"]
 
 MAX_OPEN_FILES = 64  # per reader and process; hdf5-per-sample datasets have one file per sample
 
@@ -70,21 +69,77 @@ def _chunks(ds: h5py.Dataset, drop: int) -> tuple[int, ...] | None:
     return None if ds.chunks is None else tuple(ds.chunks[drop:])
 
 
-def _shapes(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{dataset: (dtype, shape)}`` of every non-scalar dataset in the file at ``path``."""
+Layout = dict[str, tuple[np.dtype, tuple[int, ...]]]
+"""``{dataset: (dtype, shape)}`` of one file, shapes whole (a sample axis included)."""
+
+
+def _shapes(path: str) -> Layout:
+    """The ``Layout`` of every non-scalar dataset in the file at ``path``."""
     with _open_file(path) as f:
-        return {n: (d.dtype.str, d.shape) for n, d in _datasets(f, path, None).items() if d.ndim}
+        return {n: (d.dtype, d.shape) for n, d in _datasets(f, path, None).items() if d.ndim}
+
+
+def _describe(layout: Layout) -> str:
+    """``x <f4 (4, 8), y <f4 (4,)``, for messages."""
+    return ", ".join(f"{n} {dt.str} {shape}" for n, (dt, shape) in layout.items()) or "nothing"
+
+
+def _with_n(shape: tuple[int, ...]) -> str:
+    """``(N, 4, 8)``: a per-sample shape with its sample axis, for messages."""
+    return "(" + ", ".join(["N", *map(str, shape)]) + (",)" if not shape else ")")
+
+
+def shard_count(path: str, got: Layout, want: Layout) -> int:
+    """The samples in a shard file that holds ``got``: each dataset of ``want`` (``{name: (dtype,
+    per-sample shape)}``) must be there with that dtype, and that shape after one leading
+    sample axis whose length all of them share. The one rule for a file with a sample axis,
+    for ``Hdf5Reader`` and for ``set_format``.
+
+    Raises:
+        DatasetError: naming the file and the field that breaks the rule.
+    """
+    count: tuple[str, int] | None = None
+    for name, (dtype, shape) in want.items():
+        if name not in got:
+            raise DatasetError(path, "no such dataset in this shard", name)
+        dt, whole = got[name]
+        if dt != dtype or whole[1:] != shape or not whole:
+            raise DatasetError(
+                path,
+                f"dataset {dt.str} {whole} differs from the first file's {dtype.str} "
+                f"{_with_n(shape)}",
+                name,
+            )
+        if count is None:
+            count = (name, whole[0])
+        elif whole[0] != count[1]:
+            raise DatasetError(
+                path,
+                f"has {whole[0]} samples but field {count[0]!r} has {count[1]}; "
+                "name the fields to read in a spec",
+                name,
+            )
+    return 0 if count is None else count[1]
 
 
 def set_format(files: list[str], look: int | None = 16) -> str:
-    """How a set of several HDF5 files holds its samples: ``"hdf5"`` (shards: every dataset has
-    a leading sample axis, one length per file) or ``"hdf5-per-sample"`` (one sample per file).
+    """How a set of several HDF5 files holds its samples: ``"hdf5"`` (shards) or
+    ``"hdf5-per-sample"`` (one sample per file). The rules, on every non-scalar dataset:
+
+    1. Every file holds the same datasets with the same dtypes, else the first file that
+       differs is named.
+    2. Files of identical shapes hold one sample each (CosmoFlow's layout: ``full``
+       (128, 128, 128, 4) and ``unitPar`` (4,)). Shards of equal sizes look the same; they
+       need a spec with ``format = "hdf5"`` (``datastore inspect`` notes when a set could be
+       either: every dataset has one leading length, ``shared_length``).
+    3. Files whose shapes differ are shards: in each file every dataset has one leading sample
+       axis of the same length, and the same shape after it in every file (``shard_count``).
+       A file that breaks this is named: the set is neither one sample per file nor shards
+       (a one-sample file among shards, a trailing shape that differs).
 
     Judged on ``look`` files spread over the set, first and last included (``None``: every
-    file). Files of identical datasets and shapes hold one sample each (CosmoFlow's layout,
-    whose ``x`` (4, 128, 128, 128) and ``y`` (4,) share a leading 4; shards of equal sizes
-    need a spec with ``format = "hdf5"``). Files whose shapes differ are shards: each file's
-    datasets must share their leading length and agree with the first file's on the rest.
+    file); the readers check the rest (``Hdf5Reader`` when it opens, ``Hdf5PerSampleReader``
+    when it reads a file or in ``check_files``).
 
     Raises:
         DatasetError: naming the first file that fits neither layout.
@@ -98,19 +153,42 @@ def set_format(files: list[str], look: int | None = 16) -> str:
     for path, got in layouts[1:]:
         if set(got) != set(first) or any(got[n][0] != first[n][0] for n in first):
             raise DatasetError(
-                path, f"holds datasets {got}, unlike the set's first file {first_path}: {first}"
+                path,
+                f"holds {_describe(got)}, unlike the set's first file {first_path}: "
+                f"{_describe(first)}; every file of a set holds the same datasets and dtypes",
             )
     if all(got == first for _, got in layouts):
         return "hdf5-per-sample"
-    for path, got in layouts:
-        counts = {shape[0] for _, shape in got.values()}
-        if len(counts) != 1 or any(got[n][1][1:] != first[n][1][1:] for n in first):
+    want = {n: (dt, shape[1:]) for n, (dt, shape) in first.items()}
+    odd_path, odd = next((path, got) for path, got in layouts if got != first)
+    try:
+        shard_count(first_path, first, want)
+    except DatasetError as exc:  # the first file is no shard: name the first one unlike it
+        raise DatasetError(
+            odd_path,
+            f"holds {_describe(odd)}, unlike the set's first file {first_path}: "
+            f"{_describe(first)}; files of one sample each hold identical shapes, and the "
+            f"first file is no shard (field {exc.field!r}: {exc.reason})",
+        ) from None
+    for path, got in layouts[1:]:
+        try:
+            shard_count(path, got, want)
+        except DatasetError as exc:
             raise DatasetError(
                 path,
-                f"holds {got}, the first file {first}: the files are neither one sample each "
-                "(same shapes) nor shards (one leading sample axis, same shapes after it)",
-            )
+                f"holds {_describe(got)}, the set's first file {first_path}: "
+                f"{_describe(first)}; the files are neither one sample each (identical "
+                "shapes) nor shards (every dataset with one leading sample axis, the same "
+                f"shapes after it): field {exc.field!r}: {exc.reason}",
+            ) from None
     return "hdf5"
+
+
+def shared_length(fields: dict[str, FieldInfo]) -> int | None:
+    """The leading length every field shares (``None`` if they do not): a set of one-sample
+    files whose fields share one could as well be shards of that many samples each."""
+    lengths = {f.shape[0] if f.shape else None for f in fields.values()}
+    return lengths.pop() if len(lengths) == 1 else None
 
 
 class _FileCache:
@@ -155,7 +233,12 @@ class _Hdf5Base(Reader):
 
 class Hdf5Reader(_Hdf5Base):
     """``hdf5``: fields are datasets with a leading sample axis; several files are shards whose
-    samples follow each other in path order. Every field of a file has the same sample count."""
+    samples follow each other in path order. Every field of a file has the same sample count.
+
+    Attributes:
+        offsets: ``int64`` array of ``len(files) + 1``: file ``k`` holds samples
+            ``offsets[k]:offsets[k + 1]`` (``np.searchsorted`` finds a sample's file).
+    """
 
     def __init__(self, spec: DatasetSpec):
         super().__init__(spec)
@@ -167,11 +250,12 @@ class Hdf5Reader(_Hdf5Base):
                 if k == 0:
                     available = self._first_file(path, found)
                     self._select_fields(available, path)
-                counts.append(self._check_file(path, found))
-        self._starts = [0]
-        for n in counts:
-            self._starts.append(self._starts[-1] + n)
-        self._length = self._starts[-1]
+                got = {n: (ds.dtype, ds.shape) for n, ds in found.items()}
+                want = {n: (fi.dtype, fi.shape) for n, fi in self.fields.items()}
+                counts.append(shard_count(path, got, want))
+        self.offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=self.offsets[1:])
+        self._length = int(self.offsets[-1])
 
     def _first_file(self, path: str, found: dict[str, h5py.Dataset]) -> dict[str, FieldInfo]:
         available = {}
@@ -186,34 +270,10 @@ class Hdf5Reader(_Hdf5Base):
             )
         return available
 
-    def _check_file(self, path: str, found: dict[str, h5py.Dataset]) -> int:
-        """The file's sample count; every selected field must be there, alike, with it."""
-        count: tuple[str, int] | None = None
-        for name, info in self.fields.items():
-            ds = found.get(name)
-            if ds is None:
-                raise DatasetError(path, "no such dataset in this shard", name)
-            if ds.dtype != info.dtype or tuple(ds.shape[1:]) != info.shape or ds.ndim == 0:
-                raise DatasetError(
-                    path,
-                    f"dataset {ds.dtype.str} {ds.shape} differs from the first file's "
-                    f"{info.dtype.str} (N, {', '.join(map(str, info.shape))})",
-                    name,
-                )
-            if count is None:
-                count = (name, ds.shape[0])
-            elif ds.shape[0] != count[1]:
-                raise DatasetError(
-                    path,
-                    f"has {ds.shape[0]} samples but field {count[0]!r} has {count[1]}; "
-                    "name the fields to read in a spec",
-                    name,
-                )
-        return 0 if count is None else count[1]
-
     def _locate(self, index: int) -> tuple[int, int]:
-        k = bisect.bisect_right(self._starts, index) - 1
-        return k, index - self._starts[k]
+        """``(file, row)`` of sample ``index``."""
+        k = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return k, index - int(self.offsets[k])
 
     def _path_of(self, index: int) -> str:
         return self.files[self._locate(index)[0]]
@@ -335,16 +395,27 @@ class Hdf5PerSampleReader(_Hdf5Base):
     def _path_of(self, index: int) -> str:
         return self.files[index]
 
+    def _check(self, path: str, ds: h5py.Dataset, info: FieldInfo) -> None:
+        if ds.dtype != info.dtype or ds.shape != info.shape:
+            raise DatasetError(
+                path,
+                f"dataset {ds.dtype.str} {ds.shape} differs from the first file's "
+                f"{info.dtype.str} {info.shape}",
+                info.name,
+            )
+
+    def check_files(self) -> None:
+        """Open every file and check that it holds the fields as the first file does."""
+        for path in self.files[1:]:
+            with _open_file(path) as f:
+                found = _datasets(f, path, list(self.fields))
+                for name, info in self.fields.items():
+                    self._check(path, found[name], info)
+
     def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
         path = self.files[index]
         files = self._handles()
         with self._lock:
             ds = self._dataset(files, path, info)
-            if ds.dtype != info.dtype or ds.shape != info.shape:
-                raise DatasetError(
-                    path,
-                    f"dataset {ds.dtype.str} {ds.shape} differs from the first file's "
-                    f"{info.dtype.str} {info.shape}",
-                    info.name,
-                )
+            self._check(path, ds, info)
             ds.read_direct(out, source_sel=sel if sel else None)

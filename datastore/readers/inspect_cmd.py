@@ -13,7 +13,7 @@ from staging.progress import human_bytes
 if TYPE_CHECKING:
     from datastore.readers.base import Reader
 
-__all__ = ["add_parser", "describe", "format_text", "run"]
+__all__ = ["add_parser", "describe", "format_text", "notes", "run"]
 
 
 EPILOG = """\
@@ -35,7 +35,8 @@ def add_parser(sub: Any) -> None:
         help="describe a dataset: format, samples, fields (dtype, shape, spatial axes), bytes",
         description="Detect the format of a dataset (HDF5, one HDF5 file per sample, zarr, "
         "LMDB, .npy/.npz files, tar shards of .npy/.npz) or read a spec file (.json/.toml), "
-        "and print its sample count, fields and size.",
+        "and print its sample count, fields and size. Every file of a set of files is "
+        "looked into; the first that does not match the others is named.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -96,6 +97,7 @@ def format_text(summary: dict[str, Any]) -> str:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     if s["label"] is not None:
         lines.append(f"label: {s['label']}")
+    lines += [f"note: {n}" for n in s.get("notes", ())]
     return "\n".join(lines)
 
 
@@ -107,24 +109,37 @@ def _dtype_name(dtype_str: str) -> str:
     return dt.name if dt.isnative else f"{dt.name} ({dtype_str})"
 
 
-def _check_every_file(reader: Reader) -> None:
-    """A set of HDF5 files is detected from a few of them; inspect looks into every one."""
-    if reader.format in ("hdf5", "hdf5-per-sample") and len(reader.files) > 1:
-        from datastore.readers.hdf5_reader import set_format
+def notes(reader: Reader, detected: bool) -> list[str]:
+    """What the summary alone does not say: a detected set of one-sample HDF5 files whose fields
+    share a leading length could as well be shards of that many samples each."""
+    if not detected or reader.format != "hdf5-per-sample" or len(reader.files) < 2:
+        return []
+    from datastore.readers.hdf5_reader import shared_length
 
-        set_format(list(reader.files), look=None)
+    n = shared_length(reader.fields)
+    if n is None:
+        return []
+    return [
+        f"the {len(reader.files)} files hold identical shapes, so each is read as one sample; "
+        f"if instead each holds {n} samples along axis 0 (shards of equal size), use a spec "
+        'with format = "hdf5"'
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
     from datastore.readers.base import DatasetError
     from datastore.readers.registry import open_dataset
+    from datastore.readers.spec import SPEC_SUFFIXES
 
     try:
         with open_dataset(args.path) as reader:
+            reader.check_files()  # detection and opening may look at some files only
             summary = describe(reader, args.path)
-            _check_every_file(reader)
+            found = notes(reader, detected=not args.path.lower().endswith(SPEC_SUFFIXES))
     except DatasetError as exc:
         print(f"datastore inspect: error: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
+    if found:
+        summary["notes"] = found
     print(json.dumps(summary) if args.json else format_text(summary))
     return Exit.OK

@@ -2,11 +2,12 @@
 
 Formats (every field has the same dtype and per-sample shape in every sample):
 
-- ``hdf5``: one or more HDF5 files (shards, concatenated in path order), one dataset per field
-  with a leading sample axis. Nested datasets are fields named by their path (``"grp/x"``).
+- ``hdf5``: one or more HDF5 files (shards such as ``part-000.h5``, ``part-001.h5``, each
+  holding any number of samples, concatenated in path order), one dataset per field with a
+  leading sample axis. Nested datasets are fields named by their path (``"grp/x"``).
 - ``hdf5-per-sample``: one HDF5 file per sample (CosmoFlow style); each file holds every field
   as a dataset without a sample axis. Detection tells a set of shards from a set of samples
-  by the files' shapes (``hdf5_reader.set_format``).
+  by the files' shapes (the rules: ``hdf5_reader.set_format``).
 - ``zarr``: a zarr group (format 2 or 3), one array per field with a leading sample axis.
 - ``lmdb``: an LMDB environment written by ``write_lmdb`` (``lmdb_format`` documents records).
 - ``npy``: ``.npy`` files, one per sample, holding the one field the spec names (``"data"`` when
@@ -323,8 +324,10 @@ def detect(path: str | os.PathLike) -> DatasetSpec:
     """The spec of the dataset at ``path``, every field with its default spatial axes.
 
     ``.h5``/``.hdf5`` file: ``hdf5``. A directory (or glob) of several ``.h5`` files: shards
-    (``hdf5``) when their shapes differ in a leading sample axis, else one sample per file
-    (``hdf5-per-sample``; shards of equal sizes need a spec with ``format = "hdf5"``).
+    (``hdf5``) when their shapes differ in a leading sample axis, one sample per file
+    (``hdf5-per-sample``) when their shapes are identical (shards of equal sizes need a spec
+    with ``format = "hdf5"``), else an error naming the file that fits neither
+    (``hdf5_reader.set_format``).
     A directory with ``zarr.json`` or ``.zgroup``: ``zarr``; with ``data.mdb``: ``lmdb``
     (fields from its metadata record). ``.npy``/``.npz`` files: ``npy``. ``.tar`` files: ``tar``.
     The data is opened to list the fields, so a malformed dataset raises ``DatasetError`` here.
