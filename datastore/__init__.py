@@ -2,7 +2,8 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
+from datastore._version import __version__
+
 __all__ = ["DataStoreLoader", "__version__"]
 
 

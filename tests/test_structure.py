@@ -1,41 +1,146 @@
-"""The packages' layering: staging < datastore < trainer, and no import cycle between modules."""
+"""The packages' layering, read from the source with ``ast`` (nothing is imported).
+
+Layers, lowest first; a module may import its own layer and the ones below, never one above:
+
+1. ``staging``: copying datasets to node-local storage, the launcher probe, the exit codes;
+2. ``datastore`` core: readers, store, delivery, order, partition, world, errors...;
+3. ``datastore.service``: ``datastore serve`` and its client side;
+4. the ``datastore`` front end: the loader (``datastore.loader``, ``datastore.sources``, which
+   reach the service as its client), the package root that re-exports it, the CLI, the demo;
+5. ``trainer``.
+
+Imports inside functions count too: a lazy import is a dependency all the same.
+"""
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("staging", "datastore", "trainer")
+LAYERS = ("staging", "datastore", "datastore.service", "datastore front end", "trainer")
+FRONT_END = (
+    "datastore",
+    "datastore.__main__",
+    "datastore.cli",
+    "datastore.demo",
+    "datastore.demo_read",
+)
+FRONT_END_PREFIXES = ("datastore.loader", "datastore.sources")
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = REPO) -> dict[str, Path]:
+    """``{dotted name: file}`` of every module of ours (generated gRPC stubs left out)."""
     out = {}
     for pkg in PACKAGES:
-        for path in (REPO / pkg).rglob("*.py"):
+        for path in (root / pkg).rglob("*.py"):
             if "_pb" in path.parts:
                 continue
-            parts = path.relative_to(REPO).with_suffix("").parts
+            parts = path.relative_to(root).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             out[name] = path
     return out
 
 
 def _imports(path: Path, name: str, top_level_only: bool) -> set[str]:
-    """Modules of ours that ``path`` imports (``top_level_only``: not inside functions)."""
+    """Names of ours that ``path`` imports (``top_level_only``: not inside functions); a
+    ``from M import x`` gives both ``M`` and ``M.x`` (``x`` may be a module)."""
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in nodes:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            base = node.module
-            if node.level:  # relative
-                base = ".".join([*name.split(".")[: -node.level], node.module])
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative to this module's package
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*parts, base] if base else parts)
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
     return {m for m in found if m.split(".")[0] in PACKAGES}
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str:
+    """The module an imported name lives in: its longest prefix that is one of ours (the
+    generated stubs, left out of ``modules``, count as their package)."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in modules:
+            return ".".join(parts[:i])
+    return parts[0]
+
+
+def layer(module: str) -> str:
+    """The layer (one of ``LAYERS``) a module belongs to."""
+    top = module.split(".")[0]
+    if top in ("staging", "trainer"):
+        return top
+    if module == "datastore.service" or module.startswith("datastore.service."):
+        return "datastore.service"
+    if module in FRONT_END or any(
+        module == p or module.startswith(p + ".") for p in FRONT_END_PREFIXES
+    ):
+        return "datastore front end"
+    return "datastore"
+
+
+def _edges(root: Path = REPO) -> dict[tuple[str, str], list[str]]:
+    """``{(layer, layer it imports): ["module -> module", ...]}`` between different layers."""
+    modules = _modules(root)
+    out: dict[tuple[str, str], list[str]] = {}
+    for name, path in sorted(modules.items()):
+        for imported in sorted(_imports(path, name, False)):
+            target = _owner(imported, modules)
+            a, b = layer(name), layer(target)
+            if a != b:
+                out.setdefault((a, b), []).append(f"{name} -> {target}")
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (``[a, b, ..., a]``), or ``None`` when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(n: str, path: list[str]) -> list[str] | None:
+        state[n] = 1
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return [*path[path.index(m) :], m]  # path ends with n
+            if m not in state:
+                found = visit(m, [*path, m])
+                if found:
+                    return found
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n, [n])
+            if found:
+                return found
+    return None
+
+
+def test_the_layer_graph_has_no_cycle_and_goes_down_only():
+    edges = _edges()
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    cycle = find_cycle(graph)
+    if cycle is not None:
+        why = [f"{a} -> {b}: {', '.join(edges[a, b][:5])}" for a, b in itertools.pairwise(cycle)]
+        raise AssertionError("layer cycle " + " -> ".join(cycle) + "\n  " + "\n  ".join(why))
+    up = {k: v for k, v in edges.items() if LAYERS.index(k[1]) > LAYERS.index(k[0])}
+    assert not up, "imports of a higher layer:\n" + "\n".join(
+        f"  {a} -> {b}: {', '.join(v)}" for (a, b), v in up.items()
+    )
 
 
 def test_staging_imports_neither_datastore_nor_the_trainer():
@@ -51,19 +156,82 @@ def test_staging_imports_neither_datastore_nor_the_trainer():
 def test_no_module_level_import_cycle():
     modules = _modules()
     graph = {
-        n: {m for m in _imports(p, n, True) if m in modules and m != n} for n, p in modules.items()
+        n: {_owner(m, modules) for m in _imports(p, n, True)} & set(modules) - {n}
+        for n, p in modules.items()
     }
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
-    def visit(n: str, path: list[str]) -> None:
-        state[n] = 1
-        for m in sorted(graph[n]):
-            if state.get(m) == 1:
-                raise AssertionError("import cycle: " + " -> ".join([*path, n, m]))
-            if m not in state:
-                visit(m, [*path, n])
-        state[n] = 2
 
-    for n in sorted(graph):
-        if n not in state:
-            visit(n, [])
+def test_find_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
+
+
+def test_the_layer_of_each_kind_of_module():
+    assert [
+        layer(m)
+        for m in (
+            "staging.cluster",
+            "datastore.world",
+            "datastore.readers.base",
+            "datastore.service.client",
+            "datastore.sources.service",
+            "datastore.loader",
+            "datastore",
+            "datastore.cli",
+            "trainer.train",
+        )
+    ] == [
+        "staging",
+        "datastore",
+        "datastore",
+        "datastore.service",
+        "datastore front end",
+        "datastore front end",
+        "datastore front end",
+        "datastore front end",
+        "trainer",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "expected"),
+    [
+        (
+            "staging/plan.py",
+            "from datastore.service.paths import x",
+            "staging -> datastore.service",
+        ),
+        (
+            "datastore/store.py",
+            "from datastore import DataStoreLoader",
+            "datastore -> datastore front end",
+        ),
+        (
+            "datastore/service/shm.py",
+            "import datastore.sources.service",
+            "datastore.service -> datastore front end",
+        ),
+        ("datastore/order.py", "def f():\n    from trainer import grid", "datastore -> trainer"),
+        ("datastore/readers/base.py", "from ..loader import x", "datastore -> datastore front end"),
+    ],
+)
+def test_the_checker_sees_an_import_of_a_higher_layer(tmp_path, module, line, expected):
+    """A copy of the packages with one such import added fails the check (and the copy as it
+    is passes)."""
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            if "_pb" not in path.parts:
+                dest = tmp_path / path.relative_to(REPO)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(path.read_text())
+
+    def up() -> list[str]:
+        return [f"{a} -> {b}" for a, b in _edges(tmp_path) if LAYERS.index(b) > LAYERS.index(a)]
+
+    assert up() == []
+    target = tmp_path / module
+    target.write_text(target.read_text() + "\n" + line + "\n")
+    assert up() == [expected]

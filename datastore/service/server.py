@@ -35,7 +35,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from datastore import __version__
+from datastore._version import __version__
 from datastore.delivery import Gather
 from datastore.service import SERVICE_NAME
 from datastore.service._pb.v1 import datastore_pb2 as pb
