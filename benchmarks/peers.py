@@ -73,6 +73,8 @@ from common import (
     venv_tool,
 )
 
+from staging.cluster import LAUNCH_ENV
+
 MIB = 1 << 20
 KINDS = ("mpi", "grpc", "local")
 LAYOUTS = {"whole": None, "blocks": {"parts": (2, 1, 1), "halo": (1, 1, 1)}}
@@ -80,7 +82,6 @@ LAYOUT_VERSION = 1
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TOKEN = "peers-benchmark"
-LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
 
 __all__ = ["main"]
 
@@ -126,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def clean_env(tmp: str) -> dict[str, str]:
     """This process's environment without launcher variables, with private XDG directories."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     runtime = os.path.join(tmp, "runtime")
     os.makedirs(runtime, mode=0o700, exist_ok=True)
     env.update(XDG_RUNTIME_DIR=runtime, XDG_STATE_HOME=os.path.join(tmp, "state"))

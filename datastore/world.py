@@ -1,15 +1,21 @@
 """Who am I: rank and world size from what launched us, in a fixed order of precedence.
 
 1. an mpi4py communicator given explicitly (``comm=``);
-2. an MPI launcher (``mpiexec``, ``srun`` with PMI): ``MPI.COMM_WORLD``, also when ``rank`` and
-   ``world`` are given (they must then agree with it) or ``torch.distributed`` is initialized
-   (its group must have the same size): the exchange runs over MPI either way;
+2. an MPI launcher (``mpiexec``, ``srun`` with PMI): ``MPI.COMM_WORLD``, so the exchange runs over
+   MPI, also when
+   - ``torch.distributed`` is initialized (trap 5): its group must number the ranks as MPI does
+     (same size, same rank), else ``ValueError`` naming both;
+   - ``rank`` and ``world`` are given with ``world`` = ``COMM_WORLD``'s size (trap 11; how the
+     trainer calls it): ``rank`` must be the MPI rank, else ``ValueError`` naming both;
+   ``rank``/``world`` with another ``world`` are a job of its own inside the MPI job: taken as
+   given, with no communicator (nothing is exchanged);
 3. given explicitly (``rank=``, ``world=``);
 4. an initialized ``torch.distributed`` process group;
 5. torchrun's ``RANK`` / ``WORLD_SIZE``;
 6. Slurm's ``SLURM_PROCID`` / ``SLURM_NTASKS``;
 7. otherwise a single process.
 
+The launchers' variables are read by ``staging.cluster`` (the one module that does).
 The source is kept (``World.source``) and printed by the loader, so a surprise is visible.
 """
 

@@ -12,6 +12,7 @@ launchers whose shared-memory split misreports).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,15 +25,23 @@ __all__ = [
     "layout",
     "local_rank",
     "local_size",
+    "torchrun_world",
     "world",
 ]
 
 _LAUNCHER_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
-# every variable launched_by_mpi looks at: drop them to start a child as a plain process
-LAUNCH_ENV = (*_LAUNCHER_VARS, "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
+_LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+_LOCAL_RANK = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+# every variable of a launcher this module reads: drop them to start a child as a plain process
+LAUNCH_ENV = (
+    *_LAUNCHER_VARS,
+    *("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "RANK", "WORLD_SIZE"),
+    *_LOCAL_SIZE,
+    *_LOCAL_RANK,
+)
 
 
-def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
+def launched_by_mpi(env: Mapping[str, str] | None = None) -> bool:
     """True when an MPI launcher (mpiexec, srun with PMI/PMIx) started this process."""
     env = os.environ if env is None else env
     if any(v in env for v in _LAUNCHER_VARS):
@@ -40,21 +49,26 @@ def launched_by_mpi(env: dict[str, str] | None = None) -> bool:
     return int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env
 
 
-def env_world(env: dict[str, str] | None = None) -> tuple[int, int, str] | None:
-    """``(rank, size, source)`` from torchrun's or Slurm's variables, else ``None``."""
+def torchrun_world(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(rank, size)`` from torchrun's ``RANK`` / ``WORLD_SIZE``, else ``None``."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), "torchrun environment"
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
+    return None
+
+
+def env_world(env: Mapping[str, str] | None = None) -> tuple[int, int, str] | None:
+    """``(rank, size, source)`` from torchrun's or Slurm's variables, else ``None``."""
+    env = os.environ if env is None else env
+    torchrun = torchrun_world(env)
+    if torchrun is not None:
+        return (*torchrun, "torchrun environment")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), "Slurm environment"
     return None
 
 
-_LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
-_LOCAL_RANK = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-
-
-def _first_int(names: tuple[str, ...], env: dict[str, str] | None) -> int | None:
+def _first_int(names: tuple[str, ...], env: Mapping[str, str] | None) -> int | None:
     env = os.environ if env is None else env
     for name in names:
         if env.get(name, "").isdigit():
@@ -62,12 +76,12 @@ def _first_int(names: tuple[str, ...], env: dict[str, str] | None) -> int | None
     return None
 
 
-def local_size(env: dict[str, str] | None = None) -> int:
+def local_size(env: Mapping[str, str] | None = None) -> int:
     """Ranks on this node, as the launcher says (torchrun, MPICH, Open MPI); 1 if unknown."""
     return max(1, _first_int(_LOCAL_SIZE, env) or 1)
 
 
-def local_rank(env: dict[str, str] | None = None) -> int | None:
+def local_rank(env: Mapping[str, str] | None = None) -> int | None:
     """This rank's index on its node, as the launcher says; ``None`` if unknown."""
     return _first_int(_LOCAL_RANK, env)
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from helpers import MPIEXEC
 
+from staging.cluster import LAUNCH_ENV
+
 pytestmark = pytest.mark.mpi
 
 JOBS = Path(__file__).parent / "trainer_jobs"
 ROOT = Path(__file__).parent.parent
-_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
-ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
 ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 TOL = 1e-5
 

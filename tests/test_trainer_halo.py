@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import MPIEXEC
 
+from staging.cluster import LAUNCH_ENV
+
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
 
 JOBS = Path(__file__).parent / "trainer_jobs"
@@ -23,8 +25,7 @@ sys.path.insert(0, str(JOBS))
 import spatial_job  # noqa: E402  (the case list, to parametrize over)
 
 # No launcher variables leak in from an outer job: each test picks its launcher itself.
-_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
-ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
 ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 

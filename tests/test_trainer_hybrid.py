@@ -18,14 +18,14 @@ import pytest
 import torch
 from helpers import MPIEXEC
 
+from staging.cluster import LAUNCH_ENV
 from trainer.cosmology import write_split
 
 pytestmark = pytest.mark.mpi
 
 JOBS = Path(__file__).parent / "trainer_jobs"
 ROOT = Path(__file__).parent.parent
-_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
-ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
 ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 STEPS = 6  # 40 samples / 8 per step: an epoch ends at step 5
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from helpers import MPIEXEC
 
 from datastore.partition import Grid, block_bounds, split_sizes
+from staging.cluster import LAUNCH_ENV
 from trainer.geometry import (
     block_offsets,
     check_aligned,
@@ -38,8 +39,7 @@ ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(JOBS))
 import layers_job  # noqa: E402  (the case list, to parametrize over)
 
-_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
-ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
 ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 

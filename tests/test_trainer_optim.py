@@ -16,6 +16,7 @@ import torch
 from helpers import MPIEXEC
 from torch import nn
 
+from staging.cluster import LAUNCH_ENV
 from trainer.lion_cub import CommStats, majority, pack_bits, unpack_bits
 from trainer.optim import LARS, Lion, LRSchedule, lr_at, set_lr, split_decay_groups
 from trainer.reduce import plan_buckets
@@ -26,8 +27,7 @@ ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(JOBS))
 import optim_job  # noqa: E402  (the case lists, to parametrize over)
 
-_LAUNCH_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE")
-ENV = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
 ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 

@@ -15,8 +15,35 @@ from helpers import MPIEXEC
 
 from datastore.order import Schedule
 from datastore.world import detect_world
+from staging.cluster import (
+    LAUNCH_ENV,
+    env_world,
+    launched_by_mpi,
+    local_rank,
+    local_size,
+    torchrun_world,
+)
 
-JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "world_job.py")
+JOBS = os.path.join(os.path.dirname(__file__), "mpi_jobs")
+JOB = os.path.join(JOBS, "world_job.py")
+DETECT_JOB = os.path.join(JOBS, "detect_world_job.py")
+
+# what each launcher sets for rank 3 of 8, rank 1 of 4 on its node
+MPICH = {"PMI_RANK": "3", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}
+OPEN_MPI = {
+    "OMPI_COMM_WORLD_RANK": "3",
+    "OMPI_COMM_WORLD_SIZE": "8",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+}
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+SRUN = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "8",
+    "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_LOCALID": "1",
+    "PMIX_RANK": "3",
+}
 
 
 def free_port() -> int:
@@ -41,6 +68,56 @@ def test_given_must_be_complete_and_in_range():
         detect_world(rank=1, env={})
     with pytest.raises(ValueError, match="0 <= rank < world"):
         detect_world(rank=2, world=2, env={})
+
+
+@pytest.mark.parametrize(
+    ("env", "mpi", "per_node", "launched"),
+    [
+        (MPICH, True, 4, None),
+        (OPEN_MPI, True, 4, None),
+        (TORCHRUN, False, 4, (3, 8, "torchrun environment")),
+        (SRUN, True, 1, (3, 8, "Slurm environment")),  # srun says ranks per node as "4(x2)"
+    ],
+)
+def test_each_launcher_and_without_launch_env_a_plain_process(env, mpi, per_node, launched):
+    assert launched_by_mpi(env) == mpi and env_world(env) == launched
+    assert (local_rank(env), local_size(env)) == (1, per_node)
+    plain = {k: v for k, v in env.items() if k not in LAUNCH_ENV}
+    assert not launched_by_mpi(plain) and env_world(plain) is None
+    assert (local_rank(plain), local_size(plain), torchrun_world(plain)) == (None, 1, None)
+    assert detect_world(env=plain).source == "single process"
+
+
+def test_torchrun_world():
+    assert torchrun_world(TORCHRUN) == (3, 8)
+    assert torchrun_world({"RANK": "0"}) is None and torchrun_world({}) is None
+
+
+@pytest.mark.mpi
+def test_detect_world_under_mpiexec_is_mpi_after_torch_init_or_with_rank_given(tmp_path):
+    """Traps 5 and 11 at the source: under ``mpiexec``, ``detect_world`` returns MPI's
+    communicator after ``init_process_group`` and with ``rank``/``world`` given; rank or size
+    disagreements are a ``ValueError`` naming both sides."""
+    out = tmp_path / "seen"
+    job = [DETECT_JOB, *(str(free_port()) for _ in range(4)), str(out)]
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", *job]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"seen.{rank}.json").read_text())
+        mpi = {"rank": rank, "size": 2, "comm": True}
+        assert seen["plain"] == {**mpi, "source": "MPI launcher"}
+        assert seen["torch"] == {**mpi, "source": "MPI launcher"}
+        assert seen["torch+given"] == {**mpi, "source": "MPI launcher (rank and world given)"}
+        assert seen["given"] == {**mpi, "source": "MPI launcher (rank and world given)"}
+        assert seen["sub_job"] == {"rank": 0, "size": 1, "source": "given", "comm": False}
+        error = seen["given_wrong_rank"]["error"]
+        assert f"rank={1 - rank} was given, but this is MPI rank {rank} of 2" in error
+        error = seen["torch_swapped"]["error"]
+        assert f"torch.distributed says rank {1 - rank} of 2, MPI says rank {rank} of 2" in error
+        error = seen["torch_other_size"]["error"]
+        assert f"torch.distributed says rank 0 of 1, MPI says rank {rank} of 2" in error
 
 
 @pytest.mark.mpi

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from datastore.order import rank_layout
 from datastore.partition import Grid, block_coords, block_index
-from staging.cluster import launched_by_mpi
+from staging.cluster import launched_by_mpi, torchrun_world
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -232,6 +232,7 @@ def init_distributed(
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     env = os.environ if env is None else env
+    torchrun = torchrun_world(env)
     if launched_by_mpi(env):
         from mpi4py import MPI
 
@@ -246,8 +247,8 @@ def init_distributed(
             addr = hosts[0]
         port = comm.bcast(_free_port() if rank == 0 else None, root=0)
         init_method = f"tcp://{addr}:{port}"
-    elif "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    elif torchrun is not None:
+        rank, world = torchrun
         init_method = "env://"
         addr = env.get("MASTER_ADDR", "")
     else:

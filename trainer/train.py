@@ -48,7 +48,7 @@ from torch import nn
 from datastore import DataStoreLoader
 from datastore.partition import Grid, block_bounds
 from datastore.readers import open_dataset
-from staging.cluster import launched_by_mpi
+from staging.cluster import launched_by_mpi, torchrun_world
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.comm import all_reduce_sum
 from trainer.config import TrainConfig
@@ -94,7 +94,7 @@ def start_grid(cfg: TrainConfig) -> ProcessGrid | None:
     """The process grid when the run is distributed (a launcher's variables, or a spatial
     split), else ``None`` (one plain process)."""
     env = os.environ
-    launched = launched_by_mpi(env) or ("RANK" in env and "WORLD_SIZE" in env)
+    launched = launched_by_mpi(env) or torchrun_world(env) is not None
     if not (launched or dist.is_initialized() or cfg.spatial_parts != (1, 1, 1)):
         return None
     timeout = datetime.timedelta(seconds=cfg.comm_timeout)
