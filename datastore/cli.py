@@ -61,7 +61,7 @@ def _abort_peers() -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
         sys.stderr.flush()
-        mpi.COMM_WORLD.Abort(1)
+        mpi.COMM_WORLD.Abort(Exit.FAILED)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,21 @@ def test_the_checker_sees_an_import_of_a_higher_layer(tmp_path, module, line, ex
     target = tmp_path / module
     target.write_text(target.read_text() + "\n" + line + "\n")
     assert up() == [expected]
+
+
+def test_the_exit_codes_are_one_enum_and_the_readme_lists_them():
+    from staging.exitcodes import Exit
+
+    readme = (REPO / "README.md").read_text()
+    listed = readme[readme.index("Exit codes:") :].split("\n\n")[0]
+    assert [int(c) for c in re.findall(r"`(\d+)`", listed)] == [
+        e for e in Exit if e != Exit.INTERRUPTED
+    ]
+    defined = [
+        f"{name}: class {node.name}"
+        for name, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+        and any(getattr(b, "id", getattr(b, "attr", "")) == "IntEnum" for b in node.bases)
+    ]
+    assert defined == ["staging.exitcodes: class Exit"]

@@ -41,6 +41,8 @@ import sys
 import h5py
 import numpy as np
 
+from staging.exitcodes import Exit
+
 __all__ = [
     "GROWTH",
     "PARAMS",
@@ -225,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         write_split(a.out, a.samples, n_val, a.size, a.seed)
     except (ValueError, OSError) as exc:
         print(f"trainer.cosmology: {exc}", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     print(f"wrote {a.samples} training and {n_val} validation samples of {a.size}^3 to {a.out}")
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

@@ -362,7 +362,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         last = None
         try:
             for last in stream_stage(request, context.is_active, self._config.allowed_roots):
-                if last.done and last.exit_code == 0 and request.load:
+                if last.done and last.exit_code == Exit.OK and request.load:
                     self.residency.load(resolve_dataset(request.dest, self._config.allowed_roots))
                 yield last
         except ServiceError as exc:
