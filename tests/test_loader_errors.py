@@ -1,10 +1,13 @@
 """The same documented errors embedded and remote: a missing dataset, a path outside the
-service's roots, a service that is not there (a real ``datastore serve`` subprocess)."""
+service's roots, a service that is not there (a real ``datastore serve`` subprocess); the same
+from the service's ``Client``, never a raw ``grpc.RpcError``."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 
 import h5py
 import numpy as np
@@ -12,7 +15,9 @@ import pytest
 
 from datastore import DataStoreLoader
 from datastore.errors import DatasetNotFound, DataStoreError, PathNotAllowed, ServiceUnavailable
+from datastore.service.client import Client
 from tests.test_service_basic import Server, wait_serving
+from tests.test_service_stream import assert_same, batches
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +27,15 @@ def allowed(tmp_path_factory):
     root, outside = tmp / "root", tmp / "outside"
     for d in (root, outside):
         d.mkdir()
-        with h5py.File(d / "d.h5", "w") as f:
-            f["x"] = np.zeros((4, 3), np.float32)
+        for name in ("d.h5", "e.h5"):
+            with h5py.File(d / name, "w") as f:
+                f["x"] = np.arange(12, dtype=np.float32).reshape(4, 3) + len(name)
+    (root / "links").mkdir()  # under the root by name, its files outside once resolved
+    for name in ("d.h5", "e.h5"):
+        (root / "links" / name).symlink_to(outside / name)
+    for name, target in (("gone.json", root / "gone.h5"), ("away.json", outside / "d.h5")):
+        spec = {"format": "hdf5", "paths": [str(target)]}
+        (root / name).write_text(json.dumps(spec))
     runtime = tmp / "runtime"
     runtime.mkdir()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "XDG_STATE_HOME": str(tmp / "state")}
@@ -35,11 +47,20 @@ def allowed(tmp_path_factory):
     s.proc.wait(10)
 
 
-def test_a_missing_dataset_is_dataset_not_found_in_both_modes(allowed):
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("nope.h5", r"nope\.h5"),  # no such file
+        ("nope-*.h5", r"nope-\*\.h5"),  # a glob that matches nothing
+        ("nope.json", r"nope\.json"),  # no such spec file
+        ("gone.json", r"gone\.h5"),  # a spec naming a file that is not there
+    ],
+)
+def test_a_missing_dataset_is_dataset_not_found_in_both_modes(allowed, name, says):
     root, _, sock = allowed
-    missing = str(root / "nope.h5")
+    missing = str(root / name)
     for kw in ({}, {"address": str(sock)}):
-        with pytest.raises(DatasetNotFound, match=r"nope\.h5") as e:
+        with pytest.raises(DatasetNotFound, match=says) as e:
             DataStoreLoader(missing, batch_size=2, **kw)
         assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, DataStoreError)
 
@@ -53,8 +74,58 @@ def test_a_path_outside_the_allowed_roots_is_path_not_allowed(allowed):
         assert [tuple(b["x"].shape) for b in ok] == [(2, 3), (2, 3)]
 
 
-def test_no_service_at_the_address_says_so(tmp_path):
-    sock = tmp_path / "nobody.sock"
-    with pytest.raises(ServiceUnavailable, match="is `datastore serve` running at") as e:
-        DataStoreLoader(str(tmp_path / "d.h5"), batch_size=2, address=str(sock), timeout=5)
-    assert isinstance(e.value, ConnectionError) and str(sock) in str(e.value)
+@pytest.mark.parametrize(
+    ("name", "reads"),
+    [("links", r"outside/d\.h5' \(through '.*links/d\.h5'\)"), ("away.json", r"outside/d\.h5'")],
+)
+def test_a_dataset_whose_files_lie_outside_the_allowed_roots_is_path_not_allowed(
+    allowed, name, reads
+):
+    """Under the root by name, but reading files outside it: through links in a directory, or
+    a spec file naming another place. Embedded (no roots) it reads them."""
+    root, _, sock = allowed
+    with pytest.raises(PathNotAllowed, match=reads + ", outside the allowed roots"):
+        DataStoreLoader(str(root / name), batch_size=2, address=str(sock))
+    with DataStoreLoader(str(root / name), batch_size=2) as embedded:
+        assert batches(embedded)  # its two files are two samples: one batch
+
+
+def test_a_glob_under_the_root_is_served_as_embedded(allowed):
+    root, _, sock = allowed
+    pattern = str(root / "[de].h5")
+    local = DataStoreLoader(pattern, batch_size=2, seed=4)
+    with DataStoreLoader(pattern, batch_size=2, seed=4, address=str(sock)) as remote:
+        assert_same(batches(remote), batches(local))
+    local.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("where", ["socket", "tcp"])
+def test_no_service_at_the_address_says_so(tmp_path, where):
+    address = str(tmp_path / "nobody.sock") if where == "socket" else f"127.0.0.1:{free_port()}"
+    says = f"is `datastore serve` running at {address}\\?"
+    with pytest.raises(ServiceUnavailable, match=says) as e:
+        DataStoreLoader(str(tmp_path / "d.h5"), batch_size=2, address=address, timeout=5)
+    assert isinstance(e.value, ConnectionError)
+    kw = {"socket": address} if where == "socket" else {"tcp": address}
+    with Client(**kw, timeout_s=5) as c, pytest.raises(ServiceUnavailable, match=says):
+        c.status()
+
+
+def test_the_client_raises_the_same_errors(allowed):
+    root, outside, sock = allowed
+    with Client(sock) as c:
+        with pytest.raises(DatasetNotFound, match=r"no dataset at .*nope\.h5"):
+            c.load(str(root / "nope.h5"))
+        with pytest.raises(PathNotAllowed, match="outside the allowed roots"):
+            c.load(str(outside / "d.h5"))
+        with pytest.raises(PathNotAllowed, match="outside the allowed roots"):
+            c.load(str(root / "links"))
+        with pytest.raises(ValueError, match="dataset_path must be absolute"):
+            c.load("d.h5")
+        assert c.load(str(root / "d.h5"), wait=True).dataset.num_samples == 4

@@ -14,10 +14,10 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 from helpers import MPIEXEC, stage_sharded
 
+from datastore.errors import ServiceUnavailable
 from datastore.loader import DataStoreLoader
 from datastore.service.client import Client
 from tests.test_service_stream import assert_same, batches
@@ -78,5 +78,5 @@ def test_shutdown_of_one_service_stops_the_store(store):
         assert c.shutdown(reason="test").accepted
     assert proc.wait(30) == 0
     assert not any(s.exists() for s in sockets)
-    with Client(sockets[0], timeout_s=2) as c, pytest.raises(grpc.RpcError):
+    with Client(sockets[0], timeout_s=2) as c, pytest.raises(ServiceUnavailable):
         c.status()

@@ -169,7 +169,7 @@ def test_the_peer_api_answers_only_the_store_and_what_a_node_owns(store):
 def _load(client, template, errors):
     try:
         client.load(template)
-    except grpc.RpcError as exc:
+    except ServiceUnavailable as exc:
         errors.append(exc)
 
 
@@ -193,7 +193,7 @@ def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(st
     with Client(s.sockets[0], timeout_s=20) as c:
         assert c.status().nodes == 2  # still serving
         assert c.unload(template).bytes_freed > 0
-        errors: list[grpc.RpcError] = []
+        errors: list[ServiceUnavailable] = []
         waiting = threading.Thread(target=_load, args=(c, template, errors))
         waiting.start()
         time.sleep(0.5)  # the load now waits for node 1 to describe its shard...
@@ -202,7 +202,7 @@ def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(st
         assert time.monotonic() - t0 < 1.0
         waiting.join(20)
     (e,) = errors
-    assert e.code() == grpc.StatusCode.UNAVAILABLE and "node 1 (127.0.0.1:" in e.details()
+    assert e.grpc_status == grpc.StatusCode.UNAVAILABLE and "node 1 (127.0.0.1:" in str(e)
     s.start(1)  # restarted: reloads its shard from the state file, and is reached again
     _job(src, template, s, None, epochs=1)
 

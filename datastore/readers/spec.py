@@ -191,6 +191,8 @@ class DatasetSpec:
         try:
             with open(path, "rb") as fh:
                 raw = fh.read()
+        except FileNotFoundError:
+            raise DatasetMissing(path, "no such spec file") from None
         except OSError as exc:
             raise DatasetError(path, f"cannot read spec file: {exc.strerror or exc}") from None
         try:

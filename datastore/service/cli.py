@@ -276,6 +276,7 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
     reason it failed is printed (one line on stderr)."""
     import grpc
 
+    from datastore.errors import DataStoreError
     from datastore.service.auth import read_token
     from datastore.service.client import Client
     from datastore.service.paths import default_socket
@@ -298,16 +299,17 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
     with client:
         try:
             return call(client), Exit.OK
-        except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+        except (DataStoreError, ValueError) as exc:
+            code = getattr(exc, "grpc_status", None)  # set by raise_for: the call failed
+            if code is None:
+                raise
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 msg = (
                     f"no service answers at {client.target}: {code.name} "
                     "(is `datastore serve` running? start it, or pass --socket)"
                 )
             else:
-                details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-                msg = f"the service at {client.target} refused: {code.name}: {details}"
+                msg = f"the service at {client.target} refused: {code.name}: {exc.grpc_details}"
             print(f"datastore {command}: {msg}", file=sys.stderr)
             return None, Exit.FAILED
 

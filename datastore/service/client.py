@@ -84,6 +84,9 @@ def target_of(address: str | os.PathLike) -> str:
 class Client:
     """A connection to one service, over its Unix socket or over TCP with a token.
 
+    A failed call raises what :func:`raise_for` maps its gRPC status to (``ServiceUnavailable``,
+    ``DatasetNotFound``, ``PathNotAllowed``, ``ValueError``, ``DataStoreError``).
+
     Args:
         socket: the Unix socket path (ignored with ``tcp``).
         tcp: ``HOST:PORT``. Default: none.
@@ -104,38 +107,36 @@ class Client:
         if tcp is None and socket is None:
             raise ValueError("a socket path or a TCP address is needed")
         self.target = tcp if tcp is not None else unix_target(socket)  # type: ignore[arg-type]
+        self.address = tcp if tcp is not None else os.fspath(socket)  # type: ignore[arg-type]
         self._channel = open_channel(self.target, tls_ca if tcp is not None else None)
         self._stub = pb_grpc.DataStoreStub(self._channel)
         self._metadata = bearer(token) if token else None
         self._timeout = timeout_s
 
+    def _call(self, method: str, request: Any) -> Any:
+        """The reply of ``method``; a failure as :func:`raise_for` maps it."""
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=self._timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise raise_for(exc, self.address) from None
+
     def status(self) -> Any:
         """The ``Status`` reply."""
-        return self._stub.Status(pb.StatusRequest(), timeout=self._timeout, metadata=self._metadata)
+        return self._call("Status", pb.StatusRequest())
 
     def load(self, path: str, *, wait: bool = False) -> Any:
         """The ``LoadDataset`` reply for the dataset at ``path`` (on the service's node)."""
-        return self._stub.LoadDataset(
-            pb.LoadDatasetRequest(dataset_path=path, wait=wait),
-            timeout=self._timeout,
-            metadata=self._metadata,
-        )
+        return self._call("LoadDataset", pb.LoadDatasetRequest(dataset_path=path, wait=wait))
 
     def unload(self, path: str) -> Any:
         """The ``UnloadDataset`` reply for the resident dataset at ``path``."""
-        return self._stub.UnloadDataset(
-            pb.UnloadDatasetRequest(dataset_path=path),
-            timeout=self._timeout,
-            metadata=self._metadata,
-        )
+        return self._call("UnloadDataset", pb.UnloadDatasetRequest(dataset_path=path))
 
     def shutdown(self, *, grace_s: float = 0.0, reason: str = "") -> Any:
         """Ask the service to drain and exit."""
-        return self._stub.Shutdown(
-            pb.ShutdownRequest(grace_s=grace_s, reason=reason),
-            timeout=self._timeout,
-            metadata=self._metadata,
-        )
+        return self._call("Shutdown", pb.ShutdownRequest(grace_s=grace_s, reason=reason))
 
     def close(self) -> None:
         self._channel.close()
@@ -149,27 +150,40 @@ class Client:
 
 def raise_for(exc: grpc.RpcError, address: str) -> Exception:
     """The ``datastore.errors`` error for a failed call to the service at ``address`` (the
-    same types the embedded loader raises for the same fault)."""
+    same types the embedded loader raises for the same fault), to raise in its place.
+
+    ``UNAVAILABLE`` is a ``ServiceUnavailable`` ("is `datastore serve` running at ADDRESS?"
+    when nobody listens there), ``NOT_FOUND`` a ``DatasetNotFound``, ``PERMISSION_DENIED`` a
+    ``PathNotAllowed``, a refused argument a ``ValueError`` with the service's message; any
+    other status a ``DataStoreError``. The status stays readable for callers that report it (the
+    CLI): ``grpc_status`` (a ``grpc.StatusCode``) and ``grpc_details`` on the error returned.
+    """
     code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
+    details = str(exc.details()) if hasattr(exc, "details") else str(exc)
+    err: Exception
     if code == grpc.StatusCode.UNAVAILABLE:
         if "connect" in details.lower():  # nobody listens there (not a peer of it down)
-            return ServiceUnavailable(
+            err = ServiceUnavailable(
                 f"no answer from {address} ({details}): is `datastore serve` running at {address}?"
             )
-        return ServiceUnavailable(f"datastore serve at {address}: {details}")
-    if code == grpc.StatusCode.NOT_FOUND:
-        return DatasetNotFound(details)
-    if code == grpc.StatusCode.PERMISSION_DENIED:
-        return PathNotAllowed(details)
-    if code in (
+        else:
+            err = ServiceUnavailable(f"datastore serve at {address}: {details}")
+    elif code == grpc.StatusCode.NOT_FOUND:
+        err = DatasetNotFound(details)
+    elif code == grpc.StatusCode.PERMISSION_DENIED:
+        err = PathNotAllowed(details)
+    elif code in (
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.OUT_OF_RANGE,
         grpc.StatusCode.FAILED_PRECONDITION,
     ):
-        return ValueError(details)
-    name = code.name if code is not None else "error"
-    return DataStoreError(f"datastore serve at {address}: {name}: {details}")
+        err = ValueError(details)
+    else:
+        name = code.name if code is not None else "error"
+        err = DataStoreError(f"datastore serve at {address}: {name}: {details}")
+    status = code if code is not None else grpc.StatusCode.UNKNOWN
+    err.grpc_status, err.grpc_details = status, details  # type: ignore[attr-defined]
+    return err
 
 
 @dataclass

@@ -14,6 +14,7 @@ the node-local copies they were opened from) in the background.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import threading
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from datastore.delivery import Delivered, delivered_fields, fill_batch, spatial_grid
+from datastore.errors import DatasetNotFound
 from datastore.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
@@ -44,13 +46,15 @@ def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
         raise ServiceError("INVALID_ARGUMENT", f"dataset_path must be absolute, got {path!r}")
     real = os.path.realpath(path)
     if roots and not within_roots(real, roots):
-        allowed = ", ".join(str(r) for r in roots)
-        raise ServiceError(
-            "PERMISSION_DENIED", f"{path!r} is outside the allowed roots ({allowed})"
-        )
-    if not os.path.exists(real):
+        raise ServiceError("PERMISSION_DENIED", f"{path!r} is {_outside(roots)}")
+    pattern = any(c in real for c in "*?[")  # a glob, as the readers take it
+    if not (os.path.exists(real) or (pattern and glob.glob(real))):
         raise ServiceError("NOT_FOUND", f"no dataset at {path!r} on this node")
     return real
+
+
+def _outside(roots: tuple[Path, ...]) -> str:
+    return f"outside the allowed roots ({', '.join(str(r) for r in roots)})"
 
 
 @dataclass
@@ -160,18 +164,34 @@ def _packed(fields: list[Delivered], n: int) -> tuple[np.ndarray, dict[str, np.n
     return buf, arrays
 
 
-def _reader(path: str) -> Any:
+def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
+    """The dataset's reader; refused when a file it reads lies outside ``roots`` (a link, or
+    a spec file naming another place), with the status the loader's errors map to."""
     try:
-        return open_dataset(path)
+        reader = open_dataset(path)
+    except DatasetNotFound as exc:  # a spec naming a file that is not there
+        raise ServiceError("NOT_FOUND", str(exc)) from exc
     except (ValueError, TypeError) as exc:
         raise ServiceError("INVALID_ARGUMENT", str(exc)) from exc
     except OSError as exc:
         raise ServiceError("NOT_FOUND", f"cannot open {path!r}: {exc}") from exc
+    if roots:
+        real = {f: os.path.realpath(f) for f in reader.files}
+        outside = [f for f, r in real.items() if not within_roots(r, roots)]
+        if outside:
+            reader.close()
+            f = outside[0]
+            via = f" (through {f!r})" if real[f] != f else ""
+            raise ServiceError(
+                "PERMISSION_DENIED", f"{path!r} reads {real[f]!r}{via}, {_outside(roots)}"
+            )
+    return reader
 
 
-def listing(path: str) -> tuple[bool, list[str], dict[str, Any]]:
-    """``(shardable, local file names, field signature)`` of the dataset at ``path`` here."""
-    reader = _reader(path)
+def listing(path: str, roots: tuple[Path, ...] = ()) -> tuple[bool, list[str], dict[str, Any]]:
+    """``(shardable, local file names, field signature)`` of the dataset at ``path`` here
+    (refused when it reads a file outside ``roots``)."""
+    reader = _reader(path, roots)
     try:
         root = path if os.path.isdir(path) else os.path.dirname(path)
         ok = getattr(reader, "format", None) in SHARDABLE and hasattr(reader, "files")
@@ -197,6 +217,8 @@ class Residency:
         on_event: ``on_event(name, **fields)`` for the log. Default: nothing.
         threads: reads at a time when loading. Default: ``4``.
         link: the other services of a multi-node store. Default: none (one node).
+        roots: a dataset reading a file outside these (a link, a spec file naming another
+            place) is refused. Default: any.
     """
 
     def __init__(
@@ -206,8 +228,9 @@ class Residency:
         on_event: Any = None,
         threads: int = 4,
         link: Peers | None = None,
+        roots: tuple[Path, ...] = (),
     ) -> None:
-        self.link = link
+        self.link, self.roots = link, roots
         self.node = link.node if link is not None else 0
         self.budget = budget
         self.state_file = state_file
@@ -303,7 +326,7 @@ class Residency:
         ``template``; ``None`` when every node holds every sample (or there is one node)."""
         if self.link is None or self.link.nodes == 1:
             return None
-        mine = listing(path)
+        mine = listing(path, self.roots)
         every = [
             mine if n == self.node else self.link.describe(n, template)
             for n in range(self.link.nodes)
@@ -316,12 +339,13 @@ class Residency:
             )
         holders = [held for _, held, _ in every]
         names = sorted(set().union(*holders))
-        return LocalView(_reader(path), names, mine[1]), owners_by_holders(names, holders)
+        view = LocalView(_reader(path, self.roots), names, mine[1])
+        return view, owners_by_holders(names, holders)
 
     def _load_locked(
         self, path: str, template: str, sharded: tuple[Any, np.ndarray] | None
     ) -> Resident:
-        reader, owner = sharded if sharded is not None else (_reader(path), None)
+        reader, owner = sharded if sharded is not None else (_reader(path, self.roots), None)
         keys = np.arange(len(reader)) if owner is None else np.flatnonzero(owner == self.node)
         need = len(keys) * sum(fi.nbytes for fi in reader.fields.values())
         room = self._make_room_locked(need)

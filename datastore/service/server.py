@@ -190,7 +190,11 @@ class Servicer(pb_grpc.DataStoreServicer):
         self._log = log
         self.link: Peers | None = MpiPeers(comm, self.answer) if comm is not None else peers
         self.residency = Residency(
-            config.memory_budget, config.state_file, on_event=log.info, link=self.link
+            config.memory_budget,
+            config.state_file,
+            on_event=log.info,
+            link=self.link,
+            roots=config.allowed_roots,
         )
         self.sessions = Sessions(
             self.residency,
@@ -208,7 +212,7 @@ class Servicer(pb_grpc.DataStoreServicer):
             return None
         path = self._resolve(request["path"])
         if kind == "describe":
-            return listing(path)
+            return listing(path, self._config.allowed_roots)
         if kind == "fetch":
             r = self.residency.load(path, request["path"])
             return r.blocks(
