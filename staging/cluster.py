@@ -35,7 +35,7 @@ _LOCAL_RANK = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "S
 # every variable of a launcher this module reads: drop them to start a child as a plain process
 LAUNCH_ENV = (
     *_LAUNCHER_VARS,
-    *("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "RANK", "WORLD_SIZE"),
+    *("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_STEP_TASKS_PER_NODE", "RANK", "WORLD_SIZE"),
     *_LOCAL_SIZE,
     *_LOCAL_RANK,
 )
@@ -77,8 +77,28 @@ def _first_int(names: tuple[str, ...], env: Mapping[str, str] | None) -> int | N
 
 
 def local_size(env: Mapping[str, str] | None = None) -> int:
-    """Ranks on this node, as the launcher says (torchrun, MPICH, Open MPI); 1 if unknown."""
-    return max(1, _first_int(_LOCAL_SIZE, env) or 1)
+    """Ranks on this node, as the launcher says (torchrun, MPICH, Open MPI, Slurm); 1 if
+    unknown."""
+    env = os.environ if env is None else env
+    return max(1, _first_int(_LOCAL_SIZE, env) or _slurm_tasks_here(env) or 1)
+
+
+def _slurm_tasks_here(env: Mapping[str, str]) -> int | None:
+    """This node's entry of Slurm's ``SLURM_STEP_TASKS_PER_NODE`` (``"4(x2),3"``: 4 tasks on
+    each of nodes 0 and 1, 3 on node 2), by ``SLURM_NODEID``; ``None`` if either is missing."""
+    spec, node = env.get("SLURM_STEP_TASKS_PER_NODE", ""), env.get("SLURM_NODEID", "")
+    if not spec or not node.isdigit():
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        tasks, _, times = part.partition("(x")
+        if not tasks.isdigit() or not (times == "" or times.endswith(")")):
+            return None
+        repeat = times[:-1] if times else "1"
+        if not repeat.isdigit():
+            return None
+        counts += [int(tasks)] * int(repeat)
+    return counts[int(node)] if int(node) < len(counts) else None
 
 
 def local_rank(env: Mapping[str, str] | None = None) -> int | None:

@@ -42,6 +42,8 @@ SRUN = {
     "SLURM_NTASKS": "8",
     "SLURM_STEP_NUM_TASKS": "8",
     "SLURM_LOCALID": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "2,4(x2)",
+    "SLURM_NODEID": "1",
     "PMIX_RANK": "3",
 }
 
@@ -76,7 +78,7 @@ def test_given_must_be_complete_and_in_range():
         (MPICH, True, 4, None),
         (OPEN_MPI, True, 4, None),
         (TORCHRUN, False, 4, (3, 8, "torchrun environment")),
-        (SRUN, True, 1, (3, 8, "Slurm environment")),  # srun says ranks per node as "4(x2)"
+        (SRUN, True, 4, (3, 8, "Slurm environment")),
     ],
 )
 def test_each_launcher_and_without_launch_env_a_plain_process(env, mpi, per_node, launched):
@@ -86,6 +88,14 @@ def test_each_launcher_and_without_launch_env_a_plain_process(env, mpi, per_node
     assert not launched_by_mpi(plain) and env_world(plain) is None
     assert (local_rank(plain), local_size(plain), torchrun_world(plain)) == (None, 1, None)
     assert detect_world(env=plain).source == "single process"
+
+
+@pytest.mark.parametrize(
+    ("tasks", "node", "here"),
+    [("4", "0", 4), ("4(x3)", "2", 4), ("2,4(x2),3", "3", 3), ("2,4(x2)", "5", 1), ("x", "0", 1)],
+)
+def test_ranks_per_node_from_slurm(tasks, node, here):
+    assert local_size({"SLURM_STEP_TASKS_PER_NODE": tasks, "SLURM_NODEID": node}) == here
 
 
 def test_torchrun_world():
