@@ -89,16 +89,16 @@ def _slurm_tasks_here(env: Mapping[str, str]) -> int | None:
     spec, node = env.get("SLURM_STEP_TASKS_PER_NODE", ""), env.get("SLURM_NODEID", "")
     if not spec or not node.isdigit():
         return None
-    counts: list[int] = []
+    left = int(node)  # nodes still to skip
     for part in spec.split(","):
         tasks, _, times = part.partition("(x")
-        if not tasks.isdigit() or not (times == "" or times.endswith(")")):
+        repeat = times[:-1] if times.endswith(")") else ("1" if not times else "")
+        if not (tasks.isdigit() and repeat.isdigit()):
             return None
-        repeat = times[:-1] if times else "1"
-        if not repeat.isdigit():
-            return None
-        counts += [int(tasks)] * int(repeat)
-    return counts[int(node)] if int(node) < len(counts) else None
+        if left < int(repeat):
+            return int(tasks)
+        left -= int(repeat)
+    return None
 
 
 def local_rank(env: Mapping[str, str] | None = None) -> int | None:

@@ -92,7 +92,14 @@ def test_each_launcher_and_without_launch_env_a_plain_process(env, mpi, per_node
 
 @pytest.mark.parametrize(
     ("tasks", "node", "here"),
-    [("4", "0", 4), ("4(x3)", "2", 4), ("2,4(x2),3", "3", 3), ("2,4(x2)", "5", 1), ("x", "0", 1)],
+    [
+        ("4", "0", 4),
+        ("4(x3)", "2", 4),
+        ("2,4(x2),3", "3", 3),
+        ("2,4(x2)", "5", 1),
+        ("x", "0", 1),
+        ("8(x1000000000000)", "7", 8),
+    ],
 )
 def test_ranks_per_node_from_slurm(tasks, node, here):
     assert local_size({"SLURM_STEP_TASKS_PER_NODE": tasks, "SLURM_NODEID": node}) == here
