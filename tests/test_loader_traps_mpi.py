@@ -1,5 +1,7 @@
 """Ranks that disagree or stop early raise the same clear error on every rank, never hang
-(issue 11, traps 6, 9, 10): real ``mpiexec -n 2`` ranks (``tests/mpi_jobs/traps_job.py``)."""
+(issue 11, traps 6, 9, 10): real ``mpiexec -n 2`` ranks (``tests/mpi_jobs/traps_job.py``).
+Traps 1, 3, 4 and 12 again through the MPI exchange, over epochs, and a rank that goes on to
+the next epoch after its peer stopped (``tests/mpi_jobs/traps_epochs_job.py``)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from helpers import MPIEXEC
 from datastore.order import Schedule
 
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "traps_job.py")
+EPOCHS_JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "traps_epochs_job.py")
 N, D = 16, 8
 
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
@@ -24,13 +27,14 @@ pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """``a.h5`` (N samples) and ``b.h5`` (N + 4): random ``x`` volumes and ``idx``."""
+    """``a.h5`` (N samples) and ``b.h5`` (N + 4): random ``x`` volumes (D voxels wide) and
+    ``idx``; ``c.h5``: N samples 2 voxels wide."""
     tmp = tmp_path_factory.mktemp("trapsmpi")
     rng = np.random.default_rng(5)
     paths = []
-    for name, n in (("a.h5", N), ("b.h5", N + 4)):
+    for name, n, d in (("a.h5", N, D), ("b.h5", N + 4, D), ("c.h5", N, 2)):
         with h5py.File(tmp / name, "w") as f:
-            f["x"] = rng.standard_normal((n, 1, D, D, D), dtype=np.float32)
+            f["x"] = rng.standard_normal((n, 1, d, d, d), dtype=np.float32)
             f["idx"] = np.arange(n, dtype=np.int64)
         paths.append(str(tmp / name))
     return paths
@@ -39,9 +43,9 @@ def data(tmp_path_factory):
 class Job:
     """One ``mpiexec -n 2`` run of the job: each rank's JSON row and stderr lines."""
 
-    def __init__(self, case: str, *paths: str) -> None:
+    def __init__(self, case: str, *paths: str, job: str = JOB) -> None:
         out = os.path.join(os.path.dirname(paths[0]), case)
-        cmd = [MPIEXEC, "-prepend-rank", "-n", "2", sys.executable, "-m", "mpi4py", JOB, case]
+        cmd = [MPIEXEC, "-prepend-rank", "-n", "2", sys.executable, "-m", "mpi4py", job, case]
         t0 = time.monotonic()
         proc = subprocess.run(
             [*cmd, out, *paths], capture_output=True, text=True, timeout=60
@@ -194,3 +198,167 @@ def test_6_the_timeout_names_the_peer_that_stopped_answering(request, case):
     assert zero["error"][0] == "ExchangeTimeout"
     assert zero["peers"] == [1], zero  # ExchangeTimeout.peer: the rank still awaited
     assert "rank 1" in zero["error"][1]
+
+
+# -- 10, one rank alone: geometry refused on every rank -------------------------------------
+def test_10_one_rank_whose_geometry_cannot_work_takes_both_down(data):
+    """Same arguments on both ranks (parts (2, 1, 1), halo 2), but rank 1's volumes are 2
+    voxels wide: only rank 1 finds halo 2 wider than its blocks of 1; rank 0 raises too."""
+    job = Job("one_bad_geometry", data[0], data[2])
+    assert job.seconds < 30
+    want = "halo[0]=2 is wider than the smallest neighbouring block (1 voxels"
+    kind, text = job.rows[1]["error"]
+    assert kind == "ValueError" and text.startswith(want), text
+    kind, zero = job.rows[0]["error"]
+    assert kind == "ValueError" and zero == f"rank 1 refused: {text}"
+    assert all(r["ids"] == [] for r in job.rows)
+    assert job.raised(0, f"ValueError: rank 1 refused: {want}")
+    assert job.raised(1, f"ValueError: {want}")
+
+
+def test_10_one_rank_asking_for_other_parts_is_a_mismatch_on_both(data):
+    job = Job("one_bad_parts", data[0])  # rank 1 alone: parts (3, 1, 1)
+    assert job.rows[0]["error"] == job.rows[1]["error"]
+    kind, text = job.rows[0]["error"]
+    assert kind == "RankMismatch" and text.startswith("ranks disagree on spatial: ranks 0: ")
+    assert "'parts': (2, 1, 1)" in text and "ranks 1: {'parts': (3, 1, 1)" in text
+
+
+def test_10_parts_the_ranks_cannot_hold_are_refused_on_both(data):
+    job = Job("parts_world", data[0])  # parts (3, 1, 1) on 2 ranks, on both
+    for r in job.rows:
+        assert r["error"] == ["ValueError", "world size 2 is not a multiple of 3 spatial blocks"]
+        assert r["ids"] == []
+
+
+# -- 1, 3, 4, 12 through the MPI exchange, over epochs ----------------------------------------
+def padded_order(seed: int, epoch: int, global_batch: int) -> np.ndarray:
+    """The epoch's permutation, its tail padded with its first samples: (steps, global_batch)."""
+    perm = Schedule(N, 1, seed=seed).order(epoch)
+    pad = -N % global_batch
+    return np.concatenate([perm, perm[:pad]]).reshape(-1, global_batch)
+
+
+@pytest.mark.parametrize("case", ["consume_spatial", "consume_data"])
+def test_1_3_4_12_over_the_mpi_exchange(data, case):
+    """3 epochs as ``islice(loader, len(loader))`` each, no set_epoch (1): epochs 0, 1, 2 in
+    the schedule's order, the position moving on at each epoch's last batch. Every batch holds
+    the file's bytes (with spatial: the whole box, zero border included, cut by np.pad here).
+    Epoch 0's batches are kept and still hold their bytes after epochs 1 and 2 (3); epochs 1
+    and 2 are edited in place (``x.mul_(0).add_(7)``, ``idx.mul_(0)``) and no edit reaches a
+    later batch (12). ``consume_data``: global batch 6 over 16 samples, drop_last=False: the
+    exact ``valid`` mask (4)."""
+    job = Job(case, data[0], job=EPOCHS_JOB)
+    assert job.seconds < 30
+    spatial = case == "consume_spatial"
+    gb = 2 if spatial else 6
+    steps = N // gb if spatial else -(-N // gb)
+    for r in job.rows:
+        assert r["error"] is None, r["error"]
+        assert r["source"] == "mpi" and r["len"] == steps
+        assert len(r["epochs"]) == 3
+        for epoch, row in enumerate(r["epochs"]):
+            order = padded_order(3, epoch, gb)
+            assert len(order) == steps
+            share = slice(0, gb) if spatial else slice(3 * r["rank"], 3 * r["rank"] + 3)
+            assert row["ids"] == order[:, share].tolist(), (r["rank"], epoch)
+            assert row["bad"] == 0, (r["rank"], epoch)
+            want = [[epoch, i + 1] for i in range(steps - 1)] + [[epoch + 1, 0]]
+            assert row["positions"] == want
+            assert row["after"] == [epoch + 1, epoch + 1, 0]
+            if spatial:
+                assert row["valid"] == []
+            else:
+                assert row["valid"] == [
+                    [step * gb + share.start + j < N for j in range(3)] for step in range(steps)
+                ]
+        assert r["kept"] == steps and r["kept_bad"] == 0
+    if not spatial:  # the real samples of both ranks: the dataset once per epoch
+        for epoch in range(3):
+            row = [r["epochs"][epoch] for r in job.rows]
+            real = [
+                i
+                for rr in row
+                for ids, mask in zip(rr["ids"], rr["valid"], strict=True)
+                for i, m in zip(ids, mask, strict=True)
+                if m
+            ]
+            assert sorted(real) == list(range(N))
+        assert job.rows[1]["epochs"][0]["valid"][-1] == [True, False, False]
+
+
+# -- 6, the next epoch after a peer stopped ---------------------------------------------------
+TIMEOUT = 5.0  # traps_epochs_job.py's
+
+
+def check_stopped_epoch(zero: dict, one: dict) -> int:
+    """Epoch 0: rank 1 took one batch and broke; rank 0 got the schedule's first batches with
+    the right bytes, then a RankMismatch naming rank 1 and the step, well within the timeout.
+    Returns K, the batches rank 0 took (its position is epoch 0, step K)."""
+    first = Schedule(N, 4, seed=1).order(0).reshape(-1, 4)
+    t0, t1 = zero["tries"][0], one["tries"][0]
+    assert t1["error"] is None and t1["ids"] == [first[0][2:].tolist()] and t1["bad"] == 0
+    assert t1["position"] == [0, 1]
+    k = len(t0["ids"])
+    assert 1 <= k < len(first)
+    assert t0["ids"] == [s[:2].tolist() for s in first[:k]] and t0["bad"] == 0
+    err = t0["error"]
+    assert err["kind"] == "RankMismatch" and err["value_error"]
+    assert err["text"].startswith(f"rank 1 stopped iterating before step {k} while this rank")
+    assert err["seconds"] < TIMEOUT - 1  # told by the stop protocol, not by the timeout
+    assert t0["position"] == [0, k]
+    return k
+
+
+def test_6_going_on_to_the_next_epoch_after_a_peer_stopped_times_out_naming_it(data):
+    """Rank 1 breaks after its first batch, then never iterates again (it stays alive); rank 0
+    tries the epoch, then the next. What is asserted: rank 0's first try ends with the stop
+    protocol's RankMismatch (the loader's rule: ranks stop at the same step or the one that
+    went on is told); its second try waits at the start check for rank 1 and gets an
+    ExchangeTimeout (a TimeoutError) naming step K and rank 1 within 1-2x ``timeout``: no
+    hang, no batch, and its position stays where it was (epoch 0, step K)."""
+    job = Job("stop_idle", data[0], job=EPOCHS_JOB)
+    assert job.seconds < 30
+    zero, one = job.rows
+    assert zero["error"] is None and one["error"] is None
+    assert len(one["tries"]) == 1 and len(zero["tries"]) == 2
+    k = check_stopped_epoch(zero, one)
+    again = zero["tries"][1]
+    assert again["ids"] == [] and again["position"] == [0, k]
+    err = again["error"]
+    assert err["kind"] == "ExchangeTimeout" and err["timeout_error"]
+    assert err["step"] == k and err["peers"] == [1]
+    assert f"at step {k} " in err["text"] and "rank 1" in err["text"]
+    assert TIMEOUT <= err["seconds"] < 2 * TIMEOUT
+    assert job.raised(0, "datastore.errors.ExchangeTimeout: the start of epoch 0 at step")
+
+
+def test_6_ranks_that_both_go_on_after_a_stop_are_told_at_once(data):
+    """Both ranks loop over 2 epochs; rank 1 breaks after its first batch each time. The
+    second iteration starts with the ranks at different positions (rank 0 at step K, rank 1 at
+    step 1): both get a RankMismatch naming the positions, at once. (When rank 0 took exactly
+    one batch, K = 1, the positions agree: rank 1 takes the next batch and breaks again, and
+    rank 0 is told by the stop protocol as in the first try.)"""
+    job = Job("stop_again", data[0], job=EPOCHS_JOB)
+    assert job.seconds < 30
+    zero, one = job.rows
+    assert zero["error"] is None and one["error"] is None
+    assert len(one["tries"]) == len(zero["tries"]) == 2
+    k = check_stopped_epoch(zero, one)
+    z, o = zero["tries"][1], one["tries"][1]
+    assert z["bad"] == o["bad"] == 0
+    assert z["seconds"] < TIMEOUT - 1 and o["seconds"] < TIMEOUT - 1
+    if k != 1:
+        text = (
+            f"ranks start iterating at different positions (rank 0 at epoch 0 step {k}, "
+            "rank 1 at epoch 0 step 1)"
+        )
+        for t in (z, o):
+            assert t["ids"] == [] and t["error"]["kind"] == "RankMismatch"
+            assert t["error"]["text"].startswith(text)
+        assert z["position"] == [0, k] and o["position"] == [0, 1]
+    else:
+        first = Schedule(N, 4, seed=1).order(0).reshape(-1, 4)
+        assert o["error"] is None and o["ids"] == [first[1][2:].tolist()]
+        assert z["error"]["kind"] == "RankMismatch"
+        assert z["error"]["text"].startswith("rank 1 stopped iterating before step ")

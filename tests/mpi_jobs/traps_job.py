@@ -40,6 +40,13 @@ def build(case: str, path: str, other: str, rank: int) -> DataStoreLoader:
         kw["spatial"] = {"parts": (4, 1, 1), "halo": (3, 1, 1)}  # blocks of 2 along axis 0
     elif case == "one_bad":
         kw["prefetch"] = 2 if rank == 0 else 0
+    elif case == "one_bad_geometry":  # same arguments; rank 1's volumes are 2 voxels wide
+        kw["spatial"] = {"parts": (2, 1, 1), "halo": 2}
+        path = path if rank == 0 else other
+    elif case == "parts_world":  # 3 blocks on 2 ranks, on every rank
+        kw["spatial"] = {"parts": (3, 1, 1), "halo": 1}
+    elif case == "one_bad_parts":  # rank 1 alone asks for 3 blocks (2 ranks cannot hold them)
+        kw["spatial"] = {"parts": (2 if rank == 0 else 3, 1, 1), "halo": 1}
     elif case == "silent":
         kw["timeout"] = 3
     elif case == "stall":  # 8 steps: more than the 3 that prefetch keeps ahead
