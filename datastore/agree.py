@@ -13,7 +13,6 @@ The collectives are non-blocking (``Iallgather``, or ``async_op=True`` under
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -28,20 +27,16 @@ __all__ = ["Collective", "StepSync", "agree", "poll", "timeout_error"]
 def poll(
     done: Any,
     *,
-    deadline: float | None = None,
-    stop: threading.Event | None = None,
+    deadline: float,
     what: str = "a collective",
     step: int = -1,
     pending: Any = None,
-) -> bool:
-    """Wait until ``done()`` is true (``True``), or ``stop`` is set (``False``); past
-    ``deadline`` raise :class:`ExchangeTimeout` naming ``what``, ``step`` and the ranks
-    ``pending()`` still awaits."""
+) -> None:
+    """Wait until ``done()`` is true; past ``deadline`` raise :class:`ExchangeTimeout` naming
+    ``what``, ``step`` and the ranks ``pending()`` still awaits."""
     spins = 0
     while not done():
-        if stop is not None and stop.is_set():
-            return False
-        if deadline is not None and time.monotonic() > deadline:
+        if time.monotonic() > deadline:
             raise timeout_error(what, step, tuple(pending()) if pending is not None else ())
         spins += 1
         if spins > 100:  # past a short spin, yield the core to the threads doing the work
