@@ -29,8 +29,9 @@ Backward, ``H^T = P^T E_0^T E_1^T ... E_{d-1}^T``
     halos, which ``P^T`` drops). Both are kept so that each step is literally ``E_k^T``. What
     matters, and is tested, is the full extent of the slabs (corners) and the adding.
 
-Messages are ``torch.distributed.isend``/``irecv`` between *group* ranks of the spatial group
-on contiguous buffers of the tensor's device and dtype; no host round trip. Tags name the axis
+Messages go between *group* ranks of the spatial group on contiguous buffers of the tensor's
+device and dtype, through :mod:`trainer.comm`: directly over NCCL (device tensors) or gloo (CPU
+tensors), staged through page-locked host memory for CUDA tensors over gloo. Tags name the axis
 and direction, so the two messages between a pair of ranks cannot be confused.
 
 Limits: a halo is taken from the direct neighbour only, so along a split axis a block must own
@@ -43,9 +44,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from trainer.comm import exchange
 from trainer.grid import ProcessGrid
 
 __all__ = ["HaloExchange", "exchange_slices", "halo_exchange", "padded_shape"]
@@ -119,19 +120,17 @@ def _swap(
     are posted before any is waited for, so the two directions cannot deadlock.
     """
     lead = (slice(None),) * (t.dim() - grid.ndim)
-    group = grid.spatial_group
-    works, landed, sent = [], [], []
+    sends, recvs, landed = [], [], []
     for side, peer in enumerate(grid.neighbours[axis]):
         if peer is None:
             continue
         upward = side == 1
         buf = torch.empty_like(t[lead + recv[side]], memory_format=torch.contiguous_format)
-        works.append(dist.irecv(buf, group=group, group_src=peer, tag=_tag(axis, not upward)))
+        recvs.append((peer, buf, _tag(axis, not upward)))
         landed.append((recv[side], buf))
-        sent.append(t[lead + send[side]].contiguous())  # alive until the waits below
-        works.append(dist.isend(sent[-1], group=group, group_dst=peer, tag=_tag(axis, upward)))
-    for w in works:
-        w.wait(grid.timeout)  # raises after the timeout: a dead or stalled peer cannot hang us
+        sends.append((peer, t[lead + send[side]].contiguous(), _tag(axis, upward)))
+    # Waits carry the grid's timeout: a dead or stalled peer cannot hang us.
+    exchange(sends, recvs, grid.spatial_group, grid.timeout)
     for where, buf in landed:
         if accumulate:
             t[lead + where] += buf

@@ -20,14 +20,16 @@ Weights are equal on every rank: broadcast from global rank 0 when the layer is 
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.comm import all_reduce_sum, broadcast
 from trainer.geometry import check_aligned, conv_window
-from trainer.grid import ProcessGrid
+from trainer.grid import DEFAULT_TIMEOUT, ProcessGrid
 from trainer.halo import halo_exchange
 
 __all__ = ["DistConv3d", "broadcast_parameters", "sum_spatial_grads"]
@@ -47,13 +49,15 @@ def _strides(s: int | Sequence[int]) -> tuple[int, int, int]:
     return ss  # type: ignore[return-value]
 
 
-def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
+def broadcast_parameters(
+    module: nn.Module, src: int = 0, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+) -> None:
     """Copy every parameter and buffer of ``module`` from global rank ``src`` to all ranks."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, src=src)
+            broadcast(t.data, src, None, timeout)
 
 
 def sum_spatial_grads(params: Iterable[nn.Parameter], grid: ProcessGrid) -> None:
@@ -64,7 +68,7 @@ def sum_spatial_grads(params: Iterable[nn.Parameter], grid: ProcessGrid) -> None
     """
     for p in params:
         if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grid.spatial_group)
+            all_reduce_sum(p.grad, grid.spatial_group, grid.timeout)
 
 
 class DistConv3d(nn.Module):
@@ -116,7 +120,7 @@ class DistConv3d(nn.Module):
             dtype=dtype,
         )
         if broadcast:
-            broadcast_parameters(self.conv)
+            broadcast_parameters(self.conv, timeout=grid.timeout)
 
     @property
     def weight(self) -> nn.Parameter:

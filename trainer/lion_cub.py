@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from trainer.comm import all_gather, all_reduce_sum
 from trainer.grid import ProcessGrid
 from trainer.optim import _check_lion, lion_apply, lion_direction
 
@@ -129,21 +129,15 @@ class LionCub(torch.optim.Optimizer):
         self.momentum_sync_every = momentum_sync_every
         self.comm = CommStats()
 
-    def _collective(self, work: Any) -> None:
-        work.wait(self.grid.timeout)
-
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(self.grid.data_size)]
-        self._collective(dist.all_gather(out, t, group=self.grid.data_group, async_op=True))
+        out = all_gather(t, self.grid.data_group, self.grid.timeout)
         self.comm.bytes_sent += t.numel() * t.element_size()
         return out
 
     def _vote_sum(self, votes: torch.Tensor) -> torch.Tensor:
         """Sum of every data rank's ``int8`` votes."""
         if self.mode == "int8":
-            total = votes.clone()
-            work = dist.all_reduce(total, group=self.grid.data_group, async_op=True)
-            self._collective(work)
+            total = all_reduce_sum(votes.clone(), self.grid.data_group, self.grid.timeout)
             self.comm.bytes_sent += total.numel()
             return total
         n = votes.numel()
@@ -157,8 +151,7 @@ class LionCub(torch.optim.Optimizer):
 
     def _sync_momentum(self, moments: list[torch.Tensor]) -> None:
         flat = torch.cat([m.reshape(-1) for m in moments])
-        work = dist.all_reduce(flat, group=self.grid.data_group, async_op=True)
-        self._collective(work)
+        all_reduce_sum(flat, self.grid.data_group, self.grid.timeout)
         self.comm.bytes_sent += flat.numel() * flat.element_size()
         flat.div_(self.grid.data_size)
         offset = 0

@@ -115,10 +115,9 @@ class GlobalAvgPool(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
         spatial = tuple(range(x.dim() - grid.ndim, x.dim()))
         sums = x.sum(spatial, dtype=torch.float64)  # float64: exact counts, no half overflow
-        count = torch.full((1,), math.prod(x.shape[d] for d in spatial), dtype=torch.float64)
-        buf = all_reduce_sum(
-            torch.cat([sums.flatten(), count.to(x.device)]), grid.spatial_group, grid.timeout
-        )
+        voxels = math.prod(x.shape[d] for d in spatial)
+        count = torch.full((1,), voxels, dtype=torch.float64, device=x.device)
+        buf = all_reduce_sum(torch.cat([sums.flatten(), count]), grid.spatial_group, grid.timeout)
         ctx.shape, ctx.total = x.shape, float(buf[-1])
         return (buf[:-1] / ctx.total).view(sums.shape).to(x.dtype)
 
@@ -146,7 +145,7 @@ class GatherFlatten(torch.autograd.Function):
         nd = grid.ndim
         lead = tuple(x.shape[:-nd])
         # Blocks may differ in shape (uneven splits): share shapes, pad to the largest, gather.
-        shape = torch.tensor(x.shape[-nd:], dtype=torch.int64)
+        shape = torch.tensor(x.shape[-nd:], dtype=torch.int64, device=x.device)  # NCCL: on device
         shapes = [tuple(s.tolist()) for s in all_gather(shape, grid.spatial_group, grid.timeout)]
         offsets, whole_shape = block_offsets(grid.parts, shapes)
         biggest = [max(s[a] for s in shapes) for a in range(nd)]

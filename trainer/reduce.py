@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from trainer.comm import start_all_reduce
 from trainer.grid import ProcessGrid
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradientReducer", "plan_buckets"]
@@ -177,10 +177,10 @@ class GradientReducer:
 
     def _next_stage(self, b: _Bucket) -> None:
         if b.work is not None:
-            b.work.wait(self.grid.timeout)
+            b.work.wait()
             b.work = None
         if b.stages:
-            b.work = dist.all_reduce(b.flat, group=b.stages.pop(0), async_op=True)
+            b.work = start_all_reduce(b.flat, b.stages.pop(0), self.grid.timeout)
 
     def finish(self) -> None:
         """Wait for every reduction (with the grid's timeout) and write the results to ``.grad``.
