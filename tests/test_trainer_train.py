@@ -12,7 +12,9 @@ from trainer.__main__ import main
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import ConfigError, TrainConfig, load_config, parse_override
 from trainer.cosmology import write_split
-from trainer.train import lr_at, train
+from trainer.optim import lr_at
+from trainer.start import schedule_of
+from trainer.train import train
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,20 @@ def test_cli_exits_2_on_a_bad_config(tmp_path, capsys):
 
 def test_warmup_is_linear_then_flat():
     cfg = TrainConfig(data="d", lr=0.4, warmup=4)
-    assert [lr_at(s, cfg) for s in range(6)] == [0.1, 0.2, 0.30000000000000004, 0.4, 0.4, 0.4]
+    schedule = schedule_of(cfg, 100)
+    assert [lr_at(s, schedule) for s in range(6)] == [0.1, 0.2, 0.30000000000000004, 0.4, 0.4, 0.4]
+
+
+def test_the_schedule_keys_reach_the_learning_rate():
+    """lr scaled from base_batch to global_batch, warm-up, then cosine to final_lr."""
+    cfg = TrainConfig(
+        data="d", lr=0.1, base_batch=8, global_batch=16, warmup=2, lr_schedule="cosine",
+        final_lr=0.01,
+    )  # fmt: skip
+    s = schedule_of(cfg, 10)
+    assert [lr_at(i, s) for i in (0, 1)] == [0.1, 0.2]
+    assert lr_at(6, s) == pytest.approx(0.01 + (0.2 - 0.01) * 0.5)  # halfway through the decay
+    assert lr_at(10, s) == 0.01
 
 
 # -- checkpoints and resume --------------------------------------------------------------------

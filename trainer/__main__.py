@@ -1,7 +1,8 @@
 """``python -m trainer train --config cfg.toml --set key=value ...``.
 
-Exit codes: ``0`` trained; ``2`` bad configuration (one line on stderr naming the key) or
-unreadable data.
+Exit codes: ``0`` trained; ``2`` bad configuration (one line on stderr naming the key, or what
+cannot work: a field, a split the model cannot run, more ranks than GPUs for NCCL; the same on
+every rank) or unreadable data.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = train(cfg)
-    except DatasetError as exc:
+    except (ConfigError, DatasetError) as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
     if result["rank"] != 0:

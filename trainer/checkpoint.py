@@ -15,10 +15,12 @@ __all__ = ["CHECKPOINT_NAME", "load_checkpoint", "save_checkpoint"]
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
-def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any]) -> str:
-    """Write ``state`` (``torch.save``-able) to ``directory/checkpoint.pt`` atomically."""
+def save_checkpoint(
+    directory: str | os.PathLike, state: dict[str, Any], name: str = CHECKPOINT_NAME
+) -> str:
+    """Write ``state`` (``torch.save``-able) to ``directory/name`` atomically."""
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, CHECKPOINT_NAME)
+    path = os.path.join(directory, name)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as fh:
@@ -37,9 +39,11 @@ def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any]) -> str:
     return path
 
 
-def load_checkpoint(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The state in ``directory/checkpoint.pt``, or ``None`` if there is none."""
-    path = os.path.join(directory, CHECKPOINT_NAME)
+def load_checkpoint(
+    directory: str | os.PathLike, name: str = CHECKPOINT_NAME
+) -> dict[str, Any] | None:
+    """The state in ``directory/name``, or ``None`` if there is none."""
+    path = os.path.join(directory, name)
     if not os.path.exists(path):
         return None
     return torch.load(path, map_location="cpu", weights_only=True)

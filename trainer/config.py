@@ -3,6 +3,7 @@
 A config file is flat TOML whose keys are the fields of :class:`TrainConfig`::
 
     data = "cosmo32"            # directory with train.h5 and validation.h5
+    model = "cosmoflow"         # or "unet3d"
     width = 8
     epochs = 20
     global_batch = 16
@@ -24,9 +25,12 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.devices import BACKENDS
+from trainer.optim import DECAYS
+
 __all__ = ["MODELS", "OPTIMIZERS", "ConfigError", "TrainConfig", "load_config", "parse_override"]
 
-MODELS = ("cosmoflow",)
+MODELS = ("cosmoflow", "unet3d")
 OPTIMIZERS = ("sgd", "adam", "lars", "lion", "lion_cub")
 
 
@@ -39,24 +43,48 @@ class TrainConfig:
     """What to train, on what, and how.
 
     Args:
-        data: directory holding ``train.h5`` and ``validation.h5`` (``trainer.cosmology``).
-        model: one of :data:`MODELS`. Default: ``"cosmoflow"``.
-        width: filters of the first convolution block (CosmoFlow's ``conv_size``). Default: ``8``.
-        conv_blocks: CosmoFlow's convolution blocks (``0``: ``min(5, log2(side))``); each
-            halves the side, and with a spatial split every block must keep at least 2 voxels
-            per split axis before its pooling. Default: ``0``.
-        dropout: dropout after the dense hidden layers. Default: ``0.0``.
+        data: directory holding the datasets (``trainer.cosmology`` writes ``train.h5`` and
+            ``validation.h5``).
+        train_file, validation_file: the training and validation datasets, relative to
+            ``data`` (or absolute); any format ``datastore`` reads. Default: ``"train.h5"``,
+            ``"validation.h5"``.
+        input_field, target_field: the fields the model reads and predicts. The input has a
+            channel axis and 3 spatial axes; the target is a vector per sample for
+            ``cosmoflow``, a volume of the input's spatial shape for ``unet3d``. Default:
+            ``"x"``, ``"y"``.
+        model: one of :data:`MODELS`: ``cosmoflow`` regresses the target vector, ``unet3d``
+            predicts the target volume voxel by voxel. Default: ``"cosmoflow"``.
+        width: filters of the first level (CosmoFlow's ``conv_size``, the U-Net's ``base``).
+            Default: ``8``.
+        conv_blocks: CosmoFlow's convolution blocks or the U-Net's poolings (``0``: CosmoFlow
+            ``min(5, log2(side))``, U-Net ``min(3, log2(side) - 2)``); each halves the side,
+            and with a spatial split every block must keep at least 2 voxels per split axis
+            before each pooling (checked before training). Default: ``0``.
+        dropout: dropout after CosmoFlow's dense hidden layers. Default: ``0.0``.
         epochs: passes over the training set. Default: ``1``.
         steps: stop after this many steps in all (``0``: ``epochs`` full epochs). Default: ``0``.
         global_batch: samples per step over all data-parallel ranks. Default: ``16``.
-        lr: learning rate after warm-up. Default: ``1e-3``.
-        warmup: steps of linear warm-up from ``lr / warmup`` to ``lr``. Default: ``0``.
+        lr: peak learning rate (at ``base_batch``, scaled linearly to ``global_batch``).
+            Default: ``1e-3``.
+        base_batch: the batch ``lr`` was tuned for (``0``: ``global_batch``, no scaling).
+            Default: ``0``.
+        warmup: steps of linear warm-up to the peak. Default: ``0``.
+        lr_schedule: after the warm-up, ``constant``, ``linear`` or ``cosine`` decay to
+            ``final_lr`` at the last step (``trainer.optim.lr_at``). Default: ``"constant"``.
+        final_lr: the learning rate the decay ends at. Default: ``0.0``.
         optimizer: one of :data:`OPTIMIZERS`. Default: ``"adam"``.
         momentum: SGD and LARS momentum. Default: ``0.9``.
         weight_decay: L2 penalty. Default: ``0.0``.
         seed: model initialisation, dropout and shuffling. Default: ``0``.
         spatial_parts: blocks per spatial axis of every sample; their product must divide the
             number of ranks, the rest are data-parallel replicas. Default: ``(1, 1, 1)``.
+        device: ``auto`` (the rank's GPU if CUDA is available, else the CPU), ``cpu``, ``cuda``
+            or ``cuda:N`` (``trainer.devices``). Default: ``"auto"``.
+        backend: ``auto`` (NCCL on GPUs, gloo on CPUs), ``nccl`` or ``gloo`` (on GPUs: ranks
+            may share a GPU, messages staged through host memory). Default: ``"auto"``.
+        amp: bf16 autocast of the forward pass on a GPU (ignored on the CPU). Default: ``True``.
+        channels_last: the ``channels_last_3d`` memory format on a GPU. Default: ``True``.
+        cudnn_benchmark: let cuDNN pick the fastest convolution algorithms. Default: ``True``.
         checkpoint_dir: where ``checkpoint.pt`` is written and resumed from (``""``: never).
             Default: ``""``.
         checkpoint_interval: steps between checkpoints (``0``: only at the end). Default: ``0``.
@@ -71,6 +99,10 @@ class TrainConfig:
     """
 
     data: str
+    train_file: str = "train.h5"
+    validation_file: str = "validation.h5"
+    input_field: str = "x"
+    target_field: str = "y"
     model: str = "cosmoflow"
     width: int = 8
     conv_blocks: int = 0
@@ -79,12 +111,20 @@ class TrainConfig:
     steps: int = 0
     global_batch: int = 16
     lr: float = 1e-3
+    base_batch: int = 0
     warmup: int = 0
+    lr_schedule: str = "constant"
+    final_lr: float = 0.0
     optimizer: str = "adam"
     momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int = 0
     spatial_parts: tuple[int, int, int] = (1, 1, 1)
+    device: str = "auto"
+    backend: str = "auto"
+    amp: bool = True
+    channels_last: bool = True
+    cudnn_benchmark: bool = True
     checkpoint_dir: str = ""
     checkpoint_interval: int = 0
     log_file: str = ""
@@ -101,11 +141,22 @@ class TrainConfig:
             raise ConfigError("config key 'data': must name the dataset directory")
         _choice("model", self.model, MODELS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("lr_schedule", self.lr_schedule, DECAYS)
+        _choice("backend", self.backend, BACKENDS)
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(
+                f"config key 'device': {self.device!r} is not one of auto, cpu, cuda, cuda:N"
+            )
+        for key in ("train_file", "validation_file", "input_field", "target_field"):
+            if not getattr(self, key):
+                raise ConfigError(f"config key {key!r}: must not be empty")
         for key in ("width", "epochs", "global_batch"):
             _at_least(key, getattr(self, key), 1)
-        for key in ("steps", "warmup", "checkpoint_interval", "conv_blocks", "print_every"):
+        for key in (
+            "steps", "warmup", "checkpoint_interval", "conv_blocks", "print_every", "base_batch"
+        ):  # fmt: skip
             _at_least(key, getattr(self, key), 0)
-        for key in ("lr", "momentum", "weight_decay", "dropout"):
+        for key in ("lr", "momentum", "weight_decay", "dropout", "final_lr"):
             _at_least(key, getattr(self, key), 0)
         if self.comm_timeout <= 0:
             raise ConfigError(
@@ -138,8 +189,12 @@ def _at_least(key: str, value: float, low: float) -> None:
 
 
 def _coerce(key: str, value: Any, kind: Any) -> Any:
-    """``value`` as ``kind`` (int, float, str or a tuple of ints), or a ``ConfigError``."""
+    """``value`` as ``kind`` (bool, int, float, str or a tuple of ints), or a ``ConfigError``."""
     bad = ConfigError(f"config key {key!r}: expected {_name(kind)}, got {value!r}")
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad
@@ -163,7 +218,7 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
 def _name(kind: Any) -> str:
     if typing.get_origin(kind) is tuple:
         return f"a list of {len(typing.get_args(kind))} positive integers"
-    return {int: "an integer", float: "a number", str: "a string"}[kind]
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -30,6 +30,10 @@ samples do not depend on how many are written. The command line writes a train/v
 split as two files, ``OUT/train.h5`` (split 0) and ``OUT/validation.h5`` (split 1)::
 
     python -m trainer.cosmology OUT --samples 512 --val-samples 128 --size 32 --seed 0
+
+With ``--noise SIGMA`` each file also holds ``noisy``: ``x`` plus Gaussian noise of standard
+deviation ``SIGMA`` (:func:`noisy_copy`), the input of the U-Net's denoising task (recover ``x``
+from ``noisy``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ __all__ = [
     "gaussian_field",
     "lognormal_channels",
     "main",
+    "noisy_copy",
     "normalise_params",
     "power_spectrum",
     "radial_power",
@@ -164,8 +169,21 @@ def sample(seed: int, split: int, index: int, size: int) -> tuple[np.ndarray, np
     return x, normalise_params(params).astype(np.float32)
 
 
+def noisy_copy(x: np.ndarray, noise: float, seed: int, split: int, index: int) -> np.ndarray:
+    """``x`` plus Gaussian noise of standard deviation ``noise`` (float32), drawn from
+    ``default_rng([seed, split, index, 1])``: the input of the denoising task."""
+    rng = np.random.default_rng([seed, split, index, 1])
+    return (x + noise * rng.standard_normal(x.shape)).astype(np.float32)
+
+
 def write_dataset(
-    path: str | os.PathLike, n_samples: int, size: int, seed: int, *, split: int = 0
+    path: str | os.PathLike,
+    n_samples: int,
+    size: int,
+    seed: int,
+    *,
+    split: int = 0,
+    noise: float = 0.0,
 ) -> None:
     """Write ``n_samples`` samples of a ``size^3`` grid to one HDF5 file (module docstring).
 
@@ -176,23 +194,31 @@ def write_dataset(
         size: grid points per axis.
         seed: the dataset seed.
         split: the seed stream: ``0`` training, ``1`` validation (:data:`SPLITS`). Default: ``0``.
+        noise: when positive, also write ``noisy`` (:func:`noisy_copy` of ``x``), the input of
+            the U-Net's denoising task. Default: ``0.0``.
     """
     if n_samples < 1 or size < 2:
         raise ValueError(f"need n_samples >= 1 and size >= 2, got {n_samples}, {size}")
+    if noise < 0:
+        raise ValueError(f"noise must be >= 0, got {noise}")
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with h5py.File(tmp, "w") as f:
-            x = f.create_dataset(
-                "x", (n_samples, len(GROWTH), size, size, size), np.float32,
+            volume = dict(
+                shape=(n_samples, len(GROWTH), size, size, size), dtype=np.float32,
                 chunks=(1, len(GROWTH), size, size, size),
             )  # fmt: skip
+            x = f.create_dataset("x", **volume)
+            noisy = f.create_dataset("noisy", **volume) if noise > 0 else None
             y = f.create_dataset("y", (n_samples, len(PARAMS)), np.float32)
             for i in range(n_samples):
                 x[i], y[i] = sample(seed, split, i, size)
+                if noisy is not None:
+                    noisy[i] = noisy_copy(x[i], noise, seed, split, i)
             f.attrs.update(
                 params=list(PARAMS), ranges=PARAM_RANGES, growth=list(GROWTH),
-                seed=seed, split=split, size=size,
+                seed=seed, split=split, size=size, noise=noise,
             )  # fmt: skip
         os.replace(tmp, path)
     finally:
@@ -200,11 +226,13 @@ def write_dataset(
             os.unlink(tmp)
 
 
-def write_split(out_dir: str | os.PathLike, n_train: int, n_val: int, size: int, seed: int) -> None:
+def write_split(
+    out_dir: str | os.PathLike, n_train: int, n_val: int, size: int, seed: int, noise: float = 0.0
+) -> None:
     """``out_dir/train.h5`` (split 0) and ``out_dir/validation.h5`` (split 1)."""
     os.makedirs(out_dir, exist_ok=True)
-    write_dataset(os.path.join(out_dir, "train.h5"), n_train, size, seed, split=0)
-    write_dataset(os.path.join(out_dir, "validation.h5"), n_val, size, seed, split=1)
+    for name, n, split in (("train.h5", n_train, 0), ("validation.h5", n_val, 1)):
+        write_dataset(os.path.join(out_dir, name), n, size, seed, split=split, noise=noise)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,10 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--size", type=int, default=32, help="grid points per axis (default 32)")
     p.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
+    p.add_argument(
+        "--noise", type=float, default=0.0,
+        help="also write 'noisy', x plus Gaussian noise of this standard deviation: the "
+        "input of the U-Net's denoising task (default 0: not written)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     n_val = max(1, a.samples // 4) if a.val_samples is None else a.val_samples
     try:
-        write_split(a.out, a.samples, n_val, a.size, a.seed)
+        write_split(a.out, a.samples, n_val, a.size, a.seed, a.noise)
     except (ValueError, OSError) as exc:
         print(f"trainer.cosmology: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT

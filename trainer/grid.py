@@ -25,7 +25,8 @@ Groups
     rank of a block equals its rank in the spatial group, and ``neighbours`` are spatial ranks.
 
 Starting
-    :func:`init_distributed` starts the default ``gloo`` process group with a timeout, taking
+    :func:`init_distributed` starts the default process group (gloo, or NCCL bound to the
+    rank's GPU; ``trainer.devices`` chooses) with a timeout, taking
     rank and size from an MPI launcher (``mpiexec``/``srun``: rank 0 picks a free port and
     broadcasts it over MPI) or from torchrun's environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``), or as a single process. Launch MPI jobs with
@@ -42,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from datastore.order import rank_layout
@@ -215,6 +217,7 @@ def init_distributed(
     *,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     env: dict[str, str] | None = None,
+    device: torch.device | None = None,
 ) -> tuple[int, int]:
     """Start the default process group; returns ``(rank, world)``.
 
@@ -225,9 +228,13 @@ def init_distributed(
     single process on a free local port.
 
     Args:
-        backend: ``"gloo"`` (CPU) or ``"nccl"``. Default: ``"gloo"``.
-        timeout: for every collective and receive of the group. Default: 120 s.
+        backend: ``"gloo"`` (CPU, or GPUs shared through host memory) or ``"nccl"``.
+            Default: ``"gloo"``.
+        timeout: for every collective and receive of the group (NCCL's watchdog ends a
+            collective after it). Default: 120 s.
         env: environment to read. Default: ``os.environ``.
+        device: this rank's GPU, for NCCL: made the current device and bound to the group.
+            Default: ``None``.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -258,8 +265,12 @@ def init_distributed(
         # Gloo binds to the interface of the host name, which in containers may not route to
         # itself; on one host the loopback interface always does.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    bound: dict[str, Any] = {}
+    if backend == "nccl" and device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+        bound["device_id"] = device
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout, **bound
     )
     _started_with["timeout"] = timeout
     return rank, world

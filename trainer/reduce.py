@@ -90,6 +90,9 @@ class GradientReducer:
             ``None``, all of them (in a spatially split model every weight sees only its block).
         reduce_data: average over the data group too; ``False`` sums over the spatial group
             only (for a data-parallel exchange of its own, e.g. ``LionCub``). Default: ``True``.
+        overlap: start each bucket's reduction during backward, as soon as its gradients are
+            ready; ``False`` starts them all in :meth:`finish` (for measuring what the overlap
+            hides). Default: ``True``.
     """
 
     def __init__(
@@ -100,9 +103,11 @@ class GradientReducer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         spatially_partial: Iterable[nn.Parameter] | None = None,
         reduce_data: bool = True,
+        overlap: bool = True,
     ) -> None:
         self.grid = grid
         self.reduce_data = reduce_data
+        self.overlap = overlap
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         partial = (
             {id(p) for p in params}
@@ -158,6 +163,8 @@ class GradientReducer:
         b.flat[b.offsets[j] : b.offsets[j] + p.numel()].view_as(p).copy_(p.grad)
         b.ready.add(id(p))
         b.pending -= 1
+        if not self.overlap:
+            return
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             self._start(self._next)
 

@@ -1,115 +1,86 @@
-"""The training loop, one process or a hybrid data x spatial grid: ``DataStoreLoader`` batches,
-MSE, checkpoints.
+"""The training loop, one process or a hybrid data x spatial grid, on a GPU or the CPU:
+``DataStoreLoader`` batches, MSE, validation against baselines, checkpoints.
 
-Hybrid parallel: under an MPI launcher (``mpiexec -n W python -m mpi4py -m trainer train``),
-torchrun, or with ``spatial_parts`` other than ``[1, 1, 1]``, the driver starts
-``torch.distributed`` and a :class:`~trainer.grid.ProcessGrid` of ``W / prod(spatial_parts)``
-data-parallel replicas x ``spatial_parts`` blocks. Each rank's loader delivers its block of
-every sample of its share of the global batch (no halo: ``DistConv3d`` exchanges its own), the
-model is built from :class:`~trainer.dist_models.DistLayers` (the dense head replicated), and a
-:class:`~trainer.reduce.GradientReducer` sums the split layers' gradients over the spatial
-group and averages every gradient over the data group (``lion_cub`` votes over the data group
-instead). Weights are equal on every rank (seeded alike); rank 0 logs (the loss averaged over
-the data ranks, its own data wait) and writes checkpoints, every rank resumes from them.
+Start (``trainer.start``): the rank's device and backend, the process group and every check,
+agreed on by all ranks, then the :class:`~trainer.grid.ProcessGrid` of ``W / prod(spatial_parts)``
+data-parallel replicas x ``spatial_parts`` blocks.
 
-``train(cfg)`` reads ``cfg.data/train.h5`` through the embedded ``DataStoreLoader`` (fields
-``x`` and ``y``), trains the model on the mean squared error with SGD (momentum) or Adam, and
-after every epoch and at the end (once when they coincide) compares the validation MSE on
-``cfg.data/validation.h5`` with the baseline that predicts the mean training target.
+Data: the training and the validation loaders are ``DataStoreLoader``s over
+``data/train_file`` and ``data/validation_file`` (fields ``input_field`` and
+``target_field``), embedded or streamed from ``datastore serve`` at ``data_address``. With a
+grid every rank gets its block of every sample of its share of the global batch (no halo:
+``DistConv3d`` exchanges its own), and the data ranks hold the dataset once between them
+through the loader's exchange (MPI, or ``torch.distributed``). On a GPU the loader delivers
+batches on the device (``device=``, from pinned buffers on a side stream).
+
+Model: ``cosmoflow`` (regression of the target vector) or ``unet3d`` (voxel-wise target), from
+:class:`~trainer.dist_models.DistLayers` on a grid; on a GPU in ``channels_last_3d`` with bf16
+autocast (``amp``) and ``cudnn.benchmark``. A :class:`~trainer.reduce.GradientReducer` sums the
+split layers' gradients over the spatial group and averages every gradient over the data
+group, bucket by bucket as backward produces them (``lion_cub`` votes over the data group
+instead). Loss and metrics: ``trainer.metrics``. Learning rate: ``trainer.optim.lr_at`` of
+``trainer.start.schedule_of``.
+
+Validation, after every epoch and at the end (once when they coincide), through the validation
+loader's blocks (every sample once: ``drop_last=False``, the padding masked): the MSE per
+target channel, next to predicting the mean training target (accumulated over the first
+epoch's batches) and, for the U-Net when input and target have the same channels, predicting
+the input.
 
 Resume: with ``checkpoint_dir`` set, training starts from ``checkpoint.pt`` when there is one
-(model, optimizer, loader position, step, torch RNG) and writes it every
-``checkpoint_interval`` steps and at the end. A resumed run continues exactly as an
-uninterrupted one: the same batches, losses and parameters, bit for bit.
+(model, optimizer, loader position, step, torch RNG, the target sums) and writes it every
+``checkpoint_interval`` steps and at the end; rank 0 prints ``resumed from step N``. A resumed
+run continues exactly as an uninterrupted one. ``lion_cub``'s momenta differ between data
+ranks: each data rank's first rank writes ``optimizer.dR.pt`` beside it, and every rank
+resumes its own.
 
-Log (``log_file``, JSON lines, appended):
+Log (``log_file``, JSON lines, appended; rank 0):
 
 - per step: ``{"step", "epoch", "loss", "lr", "samples_per_s", "data_wait"}``, where
   ``data_wait`` is the share of the step spent blocked in ``next(loader)``;
 - per validation: ``{"event": "validation", "step", "val_mse", "baseline_mse", "ratio",
-  "val_mse_per_target", "baseline_per_target"}`` (also printed);
-- per checkpoint: ``{"event": "checkpoint", "step", "path"}``.
+  "val_mse_per_target", "baseline_per_target"}`` (plus ``"identity_mse"`` where it applies;
+  also printed);
+- ``{"event": "resumed", "step"}`` and per checkpoint ``{"event": "checkpoint", "step",
+  "path"}``.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import json
-import os
+import math
 import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from datastore import DataStoreLoader
-from datastore.partition import Grid, block_bounds
-from datastore.readers import open_dataset
-from staging.cluster import launched_by_mpi, torchrun_world
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.comm import all_reduce_sum
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.dist_models import DistLayers
-from trainer.grid import ProcessGrid, init_distributed
+from trainer.grid import ProcessGrid
 from trainer.lion_cub import LionCub
-from trainer.models import CosmoFlow, LayerFactory
-from trainer.optim import LARS, Lion, split_decay_groups
+from trainer.metrics import Sums, local_loss, task_of
+from trainer.models import CosmoFlow, LayerFactory, UNet3D
+from trainer.optim import LARS, Lion, lr_at, set_lr, split_decay_groups
 from trainer.reduce import GradientReducer
+from trainer.start import Run, data_paths, schedule_of, start
 
-__all__ = [
-    "build_model",
-    "build_optimizer",
-    "data_paths",
-    "lr_at",
-    "read_field",
-    "start_grid",
-    "train",
-]
-
-FIELDS = ["x", "y"]
+__all__ = ["build_model", "build_optimizer", "train"]
 
 
-def data_paths(data: str) -> tuple[str, str]:
-    """``(train.h5, validation.h5)`` in directory ``data``."""
-    return os.path.join(data, "train.h5"), os.path.join(data, "validation.h5")
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of step ``step`` (0-based): linear warm-up over ``cfg.warmup``, then flat."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    return cfg.lr
-
-
-def read_field(path: str, name: str) -> np.ndarray:
-    """Every sample of field ``name`` in the dataset at ``path``, stacked."""
-    with open_dataset(path) as ds:
-        return np.stack([ds.read(i, name) for i in range(len(ds))])
-
-
-def start_grid(cfg: TrainConfig) -> ProcessGrid | None:
-    """The process grid when the run is distributed (a launcher's variables, or a spatial
-    split), else ``None`` (one plain process)."""
-    env = os.environ
-    launched = launched_by_mpi(env) or torchrun_world(env) is not None
-    if not (launched or dist.is_initialized() or cfg.spatial_parts != (1, 1, 1)):
-        return None
-    timeout = datetime.timedelta(seconds=cfg.comm_timeout)
-    init_distributed(timeout=timeout)
-    return ProcessGrid.create(cfg.spatial_parts, timeout=timeout)
-
-
-def build_model(
-    cfg: TrainConfig, in_channels: int, size: int, n_out: int, layers: LayerFactory | None = None
-) -> nn.Module:
-    """The model ``cfg.model`` for ``(in_channels, size, size, size)`` inputs."""
-    n_conv = cfg.conv_blocks or min(5, int(np.log2(size)))
+def build_model(cfg: TrainConfig, run: Run, layers: LayerFactory | None = None) -> nn.Module:
+    """The model ``cfg.model`` for ``run``'s fields and depth (on the CPU)."""
+    channels, spatial = run.inputs[1][0], run.inputs[1][1:]
+    if cfg.model == "unet3d":
+        return UNet3D(channels, run.targets[1][0], base=cfg.width, depth=run.depth, layers=layers)
     return CosmoFlow(
-        in_channels, n_out, input_size=size, conv_size=cfg.width, n_conv=n_conv,
-        dropout=cfg.dropout, layers=layers,
+        channels, run.targets[1][0], input_size=spatial[0], conv_size=cfg.width,
+        n_conv=run.depth, dropout=cfg.dropout, layers=layers,
     )  # fmt: skip
 
 
@@ -130,28 +101,19 @@ def build_optimizer(
     return torch.optim.Adam(params, lr=lr, weight_decay=wd)
 
 
-def _evaluate(
-    model: nn.Module, x: np.ndarray, y: np.ndarray, batch: int, grid: ProcessGrid | None
-) -> np.ndarray:
-    """The mean squared error of each target over the samples ``(x, y)``.
-
-    On a grid, data rank ``d`` predicts samples ``d::D`` from its block of them; the squared
-    errors are summed over the data group, so every rank returns the same numbers.
-    """
-    n = len(y)
-    if grid is not None:
-        own = block_bounds(Grid(x.shape[2:], grid.parts), grid.spatial_rank)
-        x, y = x[grid.data_rank :: grid.data_size][(..., *own)], y[grid.data_rank :: grid.data_size]
-    model.eval()
-    total = torch.zeros(y.shape[1], dtype=torch.float64)
-    with torch.no_grad():
-        for i in range(0, len(x), batch):
-            pred = model(torch.from_numpy(np.ascontiguousarray(x[i : i + batch])))
-            total += ((pred.double() - torch.from_numpy(y[i : i + batch])) ** 2).sum(0)
-    model.train()
-    if grid is not None:
-        all_reduce_sum(total, grid.data_group, grid.timeout)
-    return total.numpy() / n
+def _loader(cfg: TrainConfig, path: str, run: Run, validation: bool) -> DataStoreLoader:
+    """This rank's loader of the training or the validation dataset."""
+    kw: dict[str, Any] = dict(
+        global_batch_size=cfg.global_batch, fields=[cfg.input_field, cfg.target_field],
+        seed=cfg.seed, timeout=cfg.comm_timeout,
+    )  # fmt: skip
+    if validation:
+        kw.update(shuffle=False, drop_last=False)
+    if run.grid is not None and run.grid.spatial_size > 1:
+        kw["spatial"] = {"parts": run.grid.parts, "halo": (0, 0, 0)}
+    if run.device.type == "cuda":
+        kw.update(device=run.device, pin_memory=True)
+    return DataStoreLoader(path, address=cfg.data_address or None, **kw)
 
 
 def _batches(loader: DataStoreLoader) -> Iterator[tuple[dict[str, torch.Tensor] | None, float]]:
@@ -186,129 +148,235 @@ class _Log:
             self.fh.close()
 
 
-def _loader(cfg: TrainConfig, path: str, grid: ProcessGrid | None) -> Any:
-    """This rank's ``DataStoreLoader`` (embedded, or the service at ``cfg.data_address``)."""
-    kw: dict[str, Any] = dict(global_batch_size=cfg.global_batch, fields=FIELDS, seed=cfg.seed)
-    if grid is not None:
-        kw.update(rank=grid.rank, world=grid.world)
-        if grid.spatial_size > 1:
-            kw["spatial"] = {"parts": grid.parts, "halo": (0, 0, 0)}
-    return DataStoreLoader(path, address=cfg.data_address or None, **kw)
+class _Trainer:
+    """One run's state and its steps (``train`` drives it)."""
+
+    def __init__(self, cfg: TrainConfig, run: Run) -> None:
+        self.cfg, self.run, grid = cfg, run, run.grid
+        self.grid = grid
+        self.lead = grid is None or grid.rank == 0
+        self.task = task_of(cfg.model)
+        self.gpu = run.device.type == "cuda"
+        if self.gpu:
+            torch.cuda.set_device(run.device)
+            torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+        self.amp = self.gpu and cfg.amp
+        self.memory_format = (
+            torch.channels_last_3d if self.gpu and cfg.channels_last else torch.contiguous_format
+        )
+        torch.manual_seed(cfg.seed)  # the same weights on every rank
+        train_path, val_path = data_paths(cfg)
+        self.loader = _loader(cfg, train_path, run, validation=False)
+        self.val_loader = _loader(cfg, val_path, run, validation=True)
+        self.layers = None if grid is None else DistLayers(grid, grid.spatial_group)
+        model = build_model(cfg, run, self.layers)
+        self.model = model.to(run.device, memory_format=self.memory_format)
+        self.opt = build_optimizer(cfg, self.model, grid)
+        self.reducer = None
+        if grid is not None:
+            self.reducer = GradientReducer(
+                self.model, grid, spatially_partial=self.layers.spatially_partial(),  # type: ignore[union-attr]
+                reduce_data=cfg.optimizer != "lion_cub",
+            )  # fmt: skip
+        self.schedule = schedule_of(cfg, run.total_steps)
+        self.whole_voxels = math.prod(run.targets[1][1:]) if self.task == "voxel" else 1
+        self.target_sums = Sums(run.targets[1][0], run.device)
+        self.step, self.resumed_from = 0, None
+
+    # -- reductions over the world ----------------------------------------------------------------
+    def _world_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.grid is not None:
+            all_reduce_sum(t, None, self.grid.timeout)
+        return t
+
+    def mean_loss(self, loss: torch.Tensor) -> float:
+        """The replica MSE averaged over the data ranks."""
+        if self.grid is None:
+            return loss.item()
+        total = float(self._world_sum(loss.detach().double().reshape(1)))
+        # Voxel losses are per-block shares (sum over the sample's blocks); vector losses are
+        # replicated on every block.
+        per = self.grid.data_size if self.task == "voxel" else self.grid.world
+        return total / per
+
+    # -- steps ------------------------------------------------------------------------------------
+    def _inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = batch[self.cfg.input_field].to(self.run.device, non_blocking=True)
+        y = batch[self.cfg.target_field].to(self.run.device, non_blocking=True)
+        if self.memory_format is not torch.contiguous_format:
+            x = x.contiguous(memory_format=self.memory_format)
+        return x, y
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.amp):
+            return self.model(x)
+
+    def train_step(self, batch: dict[str, torch.Tensor], epoch: int) -> tuple[float, float]:
+        """One optimizer step; ``(mean loss, learning rate)``."""
+        x, y = self._inputs(batch)
+        if epoch == 0:
+            self.target_sums.add(y)
+        lr = lr_at(self.step, self.schedule)
+        set_lr(self.opt, lr)
+        self.opt.zero_grad(set_to_none=True)
+        loss = local_loss(self._forward(x), y, self.task, self.whole_voxels)
+        loss.backward()
+        if self.reducer is not None:
+            self.reducer.finish()
+        self.opt.step()
+        self.step += 1
+        return self.mean_loss(loss), lr
+
+    def validate(self) -> dict[str, Any]:
+        """Metrics of the validation set (module docstring); the same on every rank."""
+        grid, timeout = self.grid, self.grid.timeout if self.grid else None
+        reduce = grid is not None
+        mean = self.target_sums.mean(None, timeout, reduce).to(self.run.device)
+        channels = self.run.targets[1][0]
+        model_err, base_err = Sums(channels, self.run.device), Sums(channels, self.run.device)
+        identity = None
+        if self.task == "voxel" and self.run.inputs[1][0] == channels:
+            identity = Sums(channels, self.run.device)
+        view = (1, channels, *[1] * (len(self.run.targets[1]) - 1))
+        self.model.eval()
+        with torch.no_grad():
+            for batch in self.val_loader:
+                x, y = self._inputs(batch)
+                valid = batch.get("valid")
+                pred = self._forward(x).float()
+                model_err.add((pred - y).square(), valid)
+                base_err.add((y - mean.view(view)).square(), valid)
+                if identity is not None:
+                    identity.add((x.float() - y).square(), valid)
+        self.model.train()
+        per_target = _ratio(model_err.reduced(None, timeout, reduce))
+        baseline = _ratio(base_err.reduced(None, timeout, reduce))
+        record = {
+            "event": "validation", "step": self.step, "val_mse": float(per_target.mean()),
+            "baseline_mse": float(baseline.mean()),
+            "ratio": float(per_target.mean() / baseline.mean()),
+            "val_mse_per_target": per_target.tolist(), "baseline_per_target": baseline.tolist(),
+        }  # fmt: skip
+        if identity is not None:
+            record["identity_mse"] = float(_ratio(identity.reduced(None, timeout, reduce)).mean())
+        return record
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _own_optimizer(self) -> bool:
+        """Whether each data rank keeps optimizer state of its own (``lion_cub``'s momenta)."""
+        return isinstance(self.opt, LionCub) and self.grid is not None and self.grid.data_size > 1
+
+    def save(self) -> str | None:
+        """Write the checkpoint (rank 0; with ``lion_cub`` every data rank's momenta first)."""
+        cfg, grid = self.cfg, self.grid
+        if self._own_optimizer():
+            assert grid is not None
+            if grid.spatial_rank == 0:
+                state = {"step": self.step, "optimizer": self.opt.state_dict()}
+                save_checkpoint(cfg.checkpoint_dir, state, f"optimizer.d{grid.data_rank}.pt")
+            self._world_sum(torch.zeros(1, device=self.run.device))  # every file is written
+        if not self.lead:  # the model is replicated: rank 0 writes for all
+            return None
+        state = {
+            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+            "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), "step": self.step,
+            "targets": self.target_sums.state_dict(), "config": cfg.to_dict(),
+        }  # fmt: skip
+        return save_checkpoint(cfg.checkpoint_dir, state)
+
+    def resume(self) -> bool:
+        """Load the checkpoint in ``checkpoint_dir`` if there is one."""
+        saved = load_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        if saved is None:
+            return False
+        self.model.load_state_dict(saved["model"])
+        optimizer = saved["optimizer"]
+        if self._own_optimizer():
+            assert self.grid is not None
+            name = f"optimizer.d{self.grid.data_rank}.pt"
+            own = load_checkpoint(self.cfg.checkpoint_dir, name)
+            if own is None or own["step"] != saved["step"]:
+                raise ConfigError(
+                    f"{self.cfg.checkpoint_dir}/{name}: missing or not from step "
+                    f"{saved['step']}; lion_cub resumes each data rank's own momenta, so the "
+                    "run must resume with the data ranks it was saved with"
+                )
+            optimizer = own["optimizer"]
+        self.opt.load_state_dict(optimizer)
+        self.loader.load_state_dict(saved["loader"])
+        torch.set_rng_state(saved["rng"])
+        self.target_sums.load_state_dict(saved["targets"])
+        self.step = self.resumed_from = saved["step"]
+        return True
+
+    def close(self) -> None:
+        self.loader.close()
+        self.val_loader.close()
+        if self.reducer is not None:
+            self.reducer.remove()
+
+
+def _ratio(sums: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """Per-channel mean squared error from ``Sums.reduced``."""
+    total, count = sums
+    return total / max(count, 1.0)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; return ``{"steps", "losses" (this run's, averaged over the data
-    ranks), "val_mse", "baseline_mse", "resumed_from", "rank"}``."""
-    train_path, val_path = data_paths(cfg.data)
-    grid = start_grid(cfg)
-    lead = grid is None or grid.rank == 0
-    torch.manual_seed(cfg.seed)  # the same weights on every rank
-    loader = _loader(cfg, train_path, grid)
-    with open_dataset(train_path) as ds:
-        xinfo, yinfo = ds.fields["x"], ds.fields["y"]
-    layers = None if grid is None else DistLayers(grid, grid.spatial_group)
-    model = build_model(cfg, xinfo.shape[0], xinfo.shape[1], yinfo.shape[0], layers)
-    opt = build_optimizer(cfg, model, grid)
-    reducer = None
-    if grid is not None:
-        reducer = GradientReducer(
-            model, grid, spatially_partial=layers.spatially_partial(),  # type: ignore[union-attr]
-            reduce_data=cfg.optimizer != "lion_cub",
-        )  # fmt: skip
-    val_x, val_y = read_field(val_path, "x"), read_field(val_path, "y")
-    y_mean = read_field(train_path, "y").mean(axis=0)
-    baseline_per_target = ((val_y - y_mean) ** 2).mean(axis=0)
-    baseline = float(baseline_per_target.mean())
-    total = cfg.steps or cfg.epochs * len(loader)
-    step, resumed_from = 0, None
-    saved = load_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        loader.load_state_dict(saved["loader"])
-        torch.set_rng_state(saved["rng"])
-        step = resumed_from = saved["step"]
-    log = _Log(cfg.log_file if lead else "")
+    ranks), "val_mse", "baseline_mse", "identity_mse", "resumed_from", "rank"}``."""
+    run = start(cfg)
+    t = _Trainer(cfg, run)
+    log = _Log(cfg.log_file if t.lead else "")
     losses: list[float] = []
-    val_mse, validated_at, checkpointed_at = float("nan"), None, None
-
-    def validate() -> None:
-        nonlocal val_mse, validated_at
-        per_target = _evaluate(model, val_x, val_y, cfg.global_batch, grid)
-        val_mse, validated_at = float(per_target.mean()), step
-        log.write(
-            {"event": "validation", "step": step, "val_mse": val_mse,
-             "baseline_mse": baseline, "ratio": val_mse / baseline,
-             "val_mse_per_target": per_target.tolist(),
-             "baseline_per_target": baseline_per_target.tolist()},
-            echo=lead,
-        )  # fmt: skip
-
-    def checkpoint() -> None:
-        nonlocal checkpointed_at
-        checkpointed_at = step
-        if not lead:  # the model is replicated: rank 0 writes for all
-            return
-        state = {
-            "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "loader": loader.state_dict(), "rng": torch.get_rng_state(), "step": step,
-            "config": cfg.to_dict(),
-        }  # fmt: skip
-        path = save_checkpoint(cfg.checkpoint_dir, state)
-        log.write({"event": "checkpoint", "step": step, "path": path})
-
-    def mean_loss(loss: torch.Tensor) -> float:
-        if grid is None:
-            return loss.item()
-        t = loss.detach().double().reshape(1)
-        return float(all_reduce_sum(t, grid.data_group, grid.timeout)) / grid.data_size
-
-    loss_fn = nn.MSELoss()
-    model.train()
-    batches = _batches(loader)
+    last: dict[str, Any] = {}
+    validated_at = checkpointed_at = None
+    batches = _batches(t.loader)
     try:
-        while step < total:
+        if t.resume():
+            log.write({"event": "resumed", "step": t.step})
+            if t.lead:
+                print(f"resumed from step {t.step}", flush=True)
+        while t.step < run.total_steps:
             t0 = time.perf_counter()
-            epoch = loader.epoch  # the batch's: handing out an epoch's last batch moves it on
+            epoch = t.loader.epoch  # the batch's: handing out an epoch's last batch moves it on
             batch, wait = next(batches)
             if batch is None:  # an epoch ended
-                validate()
+                last, validated_at = t.validate(), t.step
+                log.write(last, echo=t.lead)
                 continue
-            lr = lr_at(step, cfg)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(batch["x"]), batch["y"])
-            loss.backward()
-            if reducer is not None:
-                reducer.finish()
-            opt.step()
-            step += 1
-            losses.append(mean_loss(loss))
+            loss, lr = t.train_step(batch, epoch)
+            losses.append(loss)
             seconds = time.perf_counter() - t0
             log.write(
-                {"step": step, "epoch": epoch, "loss": losses[-1], "lr": lr,
+                {"step": t.step, "epoch": epoch, "loss": loss, "lr": lr,
                  "samples_per_s": cfg.global_batch / seconds, "data_wait": wait / seconds},
-                echo=lead and cfg.print_every > 0 and step % cfg.print_every == 0,
+                echo=t.lead and cfg.print_every > 0 and t.step % cfg.print_every == 0,
             )  # fmt: skip
-            if (
-                cfg.checkpoint_dir
-                and cfg.checkpoint_interval
-                and step % cfg.checkpoint_interval == 0
-            ):
-                checkpoint()
+            every = cfg.checkpoint_interval
+            if cfg.checkpoint_dir and every and t.step % every == 0:
+                _checkpoint(t, log)
+                checkpointed_at = t.step
         batches.close()
-        if validated_at != step:
-            validate()
-        if cfg.checkpoint_dir and checkpointed_at != step:
-            checkpoint()
+        if validated_at != t.step:
+            last = t.validate()
+            log.write(last, echo=t.lead)
+        if cfg.checkpoint_dir and checkpointed_at != t.step:
+            _checkpoint(t, log)
     finally:
-        batches.close()
+        with contextlib.suppress(Exception):
+            batches.close()
         log.close()
-        loader.close()
-        if reducer is not None:
-            reducer.remove()
+        t.close()
     return {
-        "steps": step, "losses": losses, "val_mse": val_mse, "baseline_mse": baseline,
-        "resumed_from": resumed_from, "rank": 0 if grid is None else grid.rank,
+        "steps": t.step, "losses": losses, "val_mse": last.get("val_mse", float("nan")),
+        "baseline_mse": last.get("baseline_mse", float("nan")),
+        "identity_mse": last.get("identity_mse"), "resumed_from": t.resumed_from,
+        "rank": 0 if run.grid is None else run.grid.rank,
     }  # fmt: skip
+
+
+def _checkpoint(t: _Trainer, log: _Log) -> None:
+    path = t.save()
+    if path is not None:
+        log.write({"event": "checkpoint", "step": t.step, "path": path})

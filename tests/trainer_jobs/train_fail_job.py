@@ -12,14 +12,15 @@ import torch.distributed as dist
 
 import trainer.train
 from trainer.__main__ import main
+from trainer.optim import LRSchedule
 
 _lr_at = trainer.train.lr_at
 
 
-def failing_lr_at(step: int, cfg: trainer.train.TrainConfig) -> float:
+def failing_lr_at(step: int, schedule: LRSchedule) -> float:
     if step == 2 and dist.get_rank() == 1:
         raise RuntimeError("rank 1 fails on purpose at step 2")
-    return _lr_at(step, cfg)
+    return _lr_at(step, schedule)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,177 @@
+"""Starting a run: the rank's device and backend, the process group, and every check before any
+layer communicates, agreed on by all ranks.
+
+:func:`start` picks the device and backend (``trainer.devices``), starts ``torch.distributed``
+when the run is distributed (a launcher's variables, an initialized group, or a spatial split),
+then checks on every rank: GPUs per node for NCCL, the datasets and their fields, the world
+against ``spatial_parts``, the model's blocks at every level (``trainer.preflight``), the global
+batch against the data ranks and the dataset, and the learning-rate schedule. The ranks then
+agree (``datastore.agree``: one round of small messages with a deadline) on the outcome and on
+the configuration itself: one rank's failure, or ranks started with different configurations,
+is the same :class:`~trainer.config.ConfigError` on every rank. Only then is the
+:class:`~trainer.grid.ProcessGrid` created.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from datastore.agree import Collective, agree
+from datastore.readers import open_dataset
+from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
+from trainer.config import ConfigError, TrainConfig
+from trainer.devices import check_gpus, pick_backend, pick_device
+from trainer.grid import ProcessGrid, init_distributed
+from trainer.optim import LRSchedule
+from trainer.preflight import check_run
+
+__all__ = ["Field", "Run", "data_paths", "field_of", "schedule_of", "start"]
+
+Field = tuple[str, tuple[int, ...], tuple[int, ...]]
+"""``(name, per-sample shape, spatial axes)``."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """What :func:`start` settled.
+
+    Attributes:
+        device: this rank's device.
+        backend: the process group's backend (``"gloo"`` also without a group).
+        grid: the process grid; ``None`` for one plain process.
+        depth: the model's poolings.
+        inputs, targets: the input and target fields.
+        samples: training samples.
+        total_steps: steps of the whole run.
+    """
+
+    device: torch.device
+    backend: str
+    grid: ProcessGrid | None
+    depth: int
+    inputs: Field
+    targets: Field
+    samples: int
+    total_steps: int
+
+
+def data_paths(cfg: TrainConfig) -> tuple[str, str]:
+    """The training and validation datasets (``train_file``/``validation_file`` under ``data``)."""
+    return os.path.join(cfg.data, cfg.train_file), os.path.join(cfg.data, cfg.validation_file)
+
+
+def field_of(path: str, name: str, what: str) -> tuple[Field, int]:
+    """``((name, shape, spatial axes), samples)`` of field ``name`` in the dataset at ``path``.
+
+    Raises:
+        ValueError: naming the dataset and the fields it has, when ``name`` is not one.
+    """
+    with open_dataset(path) as ds:
+        if name not in ds.fields:
+            raise ValueError(
+                f"{what} field {name!r} is not in {path} (its fields: {', '.join(ds.fields)})"
+            )
+        info = ds.fields[name]
+        return (name, info.shape, info.spatial_axes), len(ds)
+
+
+def schedule_of(cfg: TrainConfig, total_steps: int) -> LRSchedule:
+    """The learning-rate schedule of ``cfg`` over ``total_steps``."""
+    return LRSchedule(
+        cfg.lr, global_batch=cfg.global_batch, base_batch=cfg.base_batch or cfg.global_batch,
+        warmup_steps=cfg.warmup, total_steps=total_steps, decay=cfg.lr_schedule,
+        final_lr=cfg.final_lr,
+    )  # fmt: skip
+
+
+def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpus: int):
+    """Every check of the module docstring; ``(depth, inputs, targets, samples, total)``."""
+    check_gpus(backend, device, ranks_per_node=local_size(), gpus=gpus)
+    train_path, val_path = data_paths(cfg)
+    inputs, samples = field_of(train_path, cfg.input_field, "input")
+    targets, _ = field_of(train_path, cfg.target_field, "target")
+    for field, what in ((inputs, "input"), (targets, "target")):
+        other, _ = field_of(val_path, field[0], what)
+        if other[1] != field[1]:
+            raise ValueError(
+                f"{what} field {field[0]!r}: {val_path} has shape {other[1]}, {train_path} "
+                f"{field[1]}"
+            )
+    depth = check_run(cfg.model, inputs, targets, cfg.spatial_parts, cfg.conv_blocks, world)
+    data_ranks = world // (cfg.spatial_parts[0] * cfg.spatial_parts[1] * cfg.spatial_parts[2])
+    if cfg.global_batch % data_ranks:
+        raise ValueError(
+            f"config key 'global_batch': {cfg.global_batch} samples do not split evenly over "
+            f"{data_ranks} data-parallel ranks"
+        )
+    if cfg.global_batch > samples:
+        raise ValueError(
+            f"config key 'global_batch': {cfg.global_batch} is more than the {samples} "
+            f"training samples in {train_path}"
+        )
+    total = cfg.steps or cfg.epochs * (samples // cfg.global_batch)
+    schedule_of(cfg, total)  # a decay needs more steps than the warm-up
+    return depth, inputs, targets, samples, total
+
+
+def _agree(cfg: TrainConfig, error: BaseException | None) -> None:
+    """Raise the same ``ConfigError`` on every rank if any rank failed or configs differ."""
+    if launched_by_mpi():
+        from mpi4py import MPI
+
+        coll, group = Collective(comm=MPI.COMM_WORLD), None
+    else:
+        group = dist.new_group(backend="gloo")  # small CPU messages, whatever the backend
+        coll = Collective(group=group)
+    fingerprint = {"configuration": json.dumps(cfg.to_dict(), sort_keys=True)}
+    try:
+        agree(coll, fingerprint, error, cfg.comm_timeout, "the trainer's start-up check")
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise ConfigError(str(exc)) from None
+    finally:
+        coll.close()
+        if group is not None:
+            dist.destroy_process_group(group)
+
+
+def start(cfg: TrainConfig) -> Run:
+    """Pick the device, start the process group and the grid, check everything (module
+    docstring).
+
+    Raises:
+        ConfigError: on every rank alike, naming what cannot work.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    error: BaseException | None = None
+    device, backend = torch.device("cpu"), "gloo"
+    try:
+        device = pick_device(cfg.device, gpus=gpus, local_rank=local_rank())
+        backend = pick_backend(cfg.backend, device)
+    except ValueError as exc:
+        error = exc
+    launched = launched_by_mpi() or torchrun_world() is not None
+    distributed = launched or dist.is_initialized() or cfg.spatial_parts != (1, 1, 1)
+    timeout = datetime.timedelta(seconds=cfg.comm_timeout)
+    if distributed:
+        init_distributed(backend, timeout=timeout, device=device)
+    world = dist.get_world_size() if distributed else 1
+    found: Any = None
+    if error is None:
+        try:
+            found = _check(cfg, world, device, backend, gpus)
+        except (ValueError, OSError) as exc:
+            error = exc
+    if distributed:
+        _agree(cfg, error)
+    elif error is not None:
+        raise ConfigError(str(error)) from None
+    grid = ProcessGrid.create(cfg.spatial_parts, timeout=timeout) if distributed else None
+    depth, inputs, targets, samples, total = found
+    return Run(device, backend, grid, depth, inputs, targets, samples, total)
