@@ -165,3 +165,62 @@ def test_cosmoflow_learns_the_parameters(small, tmp_path, capsys):
     assert len(losses) == 120 and len(vals) == 10  # after each epoch
     assert sum(losses[-12:]) < 0.8 * sum(losses[:12])
     assert vals[-1]["ratio"] < 0.8, vals[-1]
+
+
+def test_unet_learns_to_denoise(tmp_path, capsys):
+    """The U-Net recovers the clean field from one with noise 0.3 (the identity's MSE 0.09):
+    after 6 epochs of 96 samples of 16^3 its validation MSE is below both baselines (measured:
+    0.056 vs 0.090 for the identity and 0.166 for the mean)."""
+    from trainer.cosmology import write_split
+
+    write_split(tmp_path, 96, 16, 16, seed=0, noise=0.3)
+    log = tmp_path / "log.jsonl"
+    sets = [
+        f"data={tmp_path}", "model=unet3d", "input_field=noisy", "target_field=x", "width=8",
+        "epochs=6", "global_batch=8", "lr=1e-3", "warmup=5", f"log_file={log}",
+    ]  # fmt: skip
+    assert main(["train", *(a for s in sets for a in ("--set", s))]) == 0
+    vals = [json.loads(r) for r in log.read_text().splitlines() if '"validation"' in r]
+    last = vals[-1]
+    assert last["identity_mse"] == pytest.approx(0.09, rel=0.05)  # the noise's variance
+    assert last["val_mse"] < 0.8 * last["identity_mse"], last
+    assert last["val_mse"] < 0.6 * last["baseline_mse"], last
+    assert len(last["val_mse_per_target"]) == 4  # one per channel
+
+
+def test_a_users_own_hdf5_with_its_own_names(tmp_path, capsys):
+    """Any file and field names: volumes under 'runs/a.h5' with fields 'density' and 'params'."""
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "runs").mkdir()
+    for name, n in (("a.h5", 16), ("b.h5", 8)):
+        with h5py.File(tmp_path / "runs" / name, "w") as f:
+            f["density"] = rng.standard_normal((n, 2, 8, 8, 8), dtype=np.float32)
+            f["params"] = rng.uniform(-1, 1, (n, 5)).astype(np.float32)
+    base = [
+        f"data={tmp_path}", "train_file=runs/a.h5", "validation_file=runs/b.h5",
+        "input_field=density", "target_field=params", "width=2", "steps=3", "global_batch=4",
+    ]  # fmt: skip
+    assert main(["train", *(a for s in base for a in ("--set", s))]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("trained 3 steps")
+    bad = [*base, "target_field=label"]
+    assert main(["train", *(a for s in bad for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert "target field 'label' is not in" in err and "(its fields: density, params)" in err
+
+
+def test_resuming_says_so(tiny, tmp_path, capsys):
+    sets = [f"data={tiny}", "width=2", "global_batch=8", f"checkpoint_dir={tmp_path}"]
+    assert main(["train", *(a for s in [*sets, "steps=2"] for a in ("--set", s))]) == 0
+    assert "resumed" not in capsys.readouterr().out
+    assert main(["train", *(a for s in [*sets, "steps=4"] for a in ("--set", s))]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "resumed from step 2"
+
+
+def test_cuda_is_refused_clearly_without_a_gpu(tiny, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["train", "--set", f"data={tiny}", "--set", "device=cuda"]) == 2
+    assert "device 'cuda': CUDA is not available" in capsys.readouterr().err

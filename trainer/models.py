@@ -144,6 +144,9 @@ class UNet3D(nn.Module):
         out_channels: output channels. Default: ``1``.
         base: channels of the first level. Default: ``8``.
         depth: poolings (the input side must be divisible by ``2**depth``). Default: ``3``.
+        residual: add the input to the output (``in_channels == out_channels``): the network
+            learns the correction, as denoisers do; the last convolution starts at zero, so the
+            untrained model is the identity. Default: ``False``.
         layers: the layer factory. Default: :class:`TorchLayers`.
     """
 
@@ -154,11 +157,16 @@ class UNet3D(nn.Module):
         *,
         base: int = 8,
         depth: int = 3,
+        residual: bool = False,
         layers: LayerFactory | None = None,
     ) -> None:
         super().__init__()
         layers = TorchLayers() if layers is None else layers
-        self.depth = depth
+        if residual and in_channels != out_channels:
+            raise ValueError(
+                f"residual needs in_channels == out_channels, got {in_channels}, {out_channels}"
+            )
+        self.depth, self.residual = depth, residual
         widths = [base * 2**i for i in range(depth + 1)]
         self.down = nn.ModuleList()
         cin = in_channels
@@ -172,12 +180,16 @@ class UNet3D(nn.Module):
             self.up.append(layers.conv_transpose3d(2 * w, w, 2))
             self.merge.append(_DoubleConv(layers, 2 * w, w))
         self.out = layers.conv3d(widths[0], out_channels, 1)
+        if residual:  # start as the identity: the correction grows from zero
+            with torch.no_grad():
+                self.out.weight.zero_()
+                self.out.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(N, C_in, D, H, W)`` to ``(N, C_out, D, H, W)``."""
         if any(s % 2**self.depth for s in x.shape[2:]):
             raise ValueError(f"spatial shape {tuple(x.shape[2:])} not divisible by 2**depth")
-        skips = []
+        skips, inputs = [], x
         for i, block in enumerate(self.down):
             x = block(x)
             if i < self.depth:
@@ -185,4 +197,5 @@ class UNet3D(nn.Module):
                 x = self.pool[i](x)
         for up, merge, skip in zip(self.up, self.merge, reversed(skips), strict=True):
             x = merge(torch.cat([up(x), skip], dim=1))
-        return self.out(x)
+        out = self.out(x)
+        return out + inputs if self.residual else out

@@ -77,7 +77,10 @@ def build_model(cfg: TrainConfig, run: Run, layers: LayerFactory | None = None) 
     """The model ``cfg.model`` for ``run``'s fields and depth (on the CPU)."""
     channels, spatial = run.inputs[1][0], run.inputs[1][1:]
     if cfg.model == "unet3d":
-        return UNet3D(channels, run.targets[1][0], base=cfg.width, depth=run.depth, layers=layers)
+        out = run.targets[1][0]
+        return UNet3D(
+            channels, out, base=cfg.width, depth=run.depth, residual=channels == out, layers=layers
+        )
     return CosmoFlow(
         channels, run.targets[1][0], input_size=spatial[0], conv_size=cfg.width,
         n_conv=run.depth, dropout=cfg.dropout, layers=layers,

@@ -1,0 +1,184 @@
+"""What the driver checks before training: device and backend choice, GPUs per node, the model's
+blocks at every level, fields and world (pure functions); and under real ``mpiexec``, a
+configuration that cannot work is one clear error on every rank within seconds, not one rank's
+traceback while the others wait out the halo timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import MPIEXEC
+
+from staging.cluster import LAUNCH_ENV
+from trainer.cosmology import write_split
+from trainer.devices import check_gpus, pick_backend, pick_device
+from trainer.preflight import check_fields, check_run, check_world, level_blocks, model_depth
+
+ROOT = Path(__file__).parent.parent
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+CUDA0, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+# -- devices and backends ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("setting", "gpus", "local_rank", "want"),
+    [
+        ("auto", 0, 3, CPU),
+        ("auto", 4, 3, torch.device("cuda", 3)),
+        ("auto", 4, 5, torch.device("cuda", 1)),  # ranks beyond the GPUs share them round-robin
+        ("auto", 2, None, CUDA0),
+        ("cuda", 2, 1, torch.device("cuda", 1)),
+        ("cuda:1", 2, 0, torch.device("cuda", 1)),
+        ("cpu", 8, 0, CPU),
+    ],
+)
+def test_the_rank_gets_its_gpu(setting, gpus, local_rank, want):
+    assert pick_device(setting, gpus=gpus, local_rank=local_rank) == want
+
+
+@pytest.mark.parametrize(
+    ("setting", "gpus", "message"),
+    [
+        ("cuda", 0, "device 'cuda': CUDA is not available"),
+        ("cuda:2", 2, "device 'cuda:2': this node has 2 GPU(s)"),
+        ("cuda:x", 2, "expected cuda:N"),
+        ("tpu", 2, "expected auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_a_device_that_is_not_there_is_named(setting, gpus, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pick_device(setting, gpus=gpus, local_rank=0)
+
+
+def test_backends_follow_the_device():
+    assert pick_backend("auto", CUDA0) == "nccl"
+    assert pick_backend("auto", CPU) == "gloo"
+    assert pick_backend("gloo", CUDA0) == "gloo"  # GPUs shared through host memory
+    with pytest.raises(ValueError, match="backend 'nccl' needs a CUDA device"):
+        pick_backend("nccl", CPU)
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        pick_backend("mpi", CPU)
+
+
+def test_nccl_needs_a_gpu_per_rank_and_says_how_to_share():
+    check_gpus("nccl", CUDA0, ranks_per_node=4, gpus=4)
+    check_gpus("gloo", CUDA0, ranks_per_node=4, gpus=1)
+    check_gpus("gloo", CPU, ranks_per_node=64, gpus=0)
+    with pytest.raises(ValueError, match=r"4 ranks on this node but 2 GPU\(s\).*backend = 'gloo'"):
+        check_gpus("nccl", CUDA0, ranks_per_node=4, gpus=2)
+
+
+# -- the model's blocks ------------------------------------------------------------------------
+def test_block_lengths_through_the_levels():
+    # 32 split in 2 along depth: 16 | 16, then 8 | 8, 4 | 4, 2 | 2 (3 poolings)
+    levels = level_blocks((32, 32, 32), (2, 1, 1), 3)
+    assert [lv[0] for lv in levels] == [(16, 16), (8, 8), (4, 4), (2, 2)]
+    assert [lv[1] for lv in levels] == [(32,), (16,), (8,), (4,)]
+    # an uneven split whose blocks stay even: 48 in 4 -> 12 each -> 6 -> 3 (2 poolings)
+    assert level_blocks((48, 8, 8), (4, 1, 1), 2)[-1][0] == (3, 3, 3, 3)
+
+
+@pytest.mark.parametrize(
+    ("shape", "parts", "depth", "message"),
+    [
+        ((16, 16, 16), (2, 1, 1), 4, "level 3: a block of 1 voxel along split axis 0 cannot be "
+         "pooled"),
+        ((16, 16, 16), (1, 1, 4), 3, "level 2: a block of 1 voxel along split axis 2"),
+        ((24, 24, 24), (2, 1, 1), 3, "level 2: block 0 along split axis 0 has 3 voxels, an odd"),
+        ((32, 32, 32), (3, 1, 1), 2, "level 0: block 0 along split axis 0 has 11 voxels"),
+        ((20, 20, 20), (1, 1, 1), 3, "side 20 along axis 0 is not divisible by 2**3"),
+    ],
+)  # fmt: skip
+def test_a_split_the_model_cannot_run_is_named(shape, parts, depth, message):
+    with pytest.raises(ValueError, match=message.replace("*", r"\*")):
+        level_blocks(shape, parts, depth)
+
+
+def test_default_depths():
+    assert model_depth("cosmoflow", 128, 0) == 5
+    assert model_depth("cosmoflow", 16, 0) == 4
+    assert model_depth("unet3d", 128, 0) == 3
+    assert model_depth("unet3d", 16, 0) == 2
+    assert model_depth("unet3d", 16, 1) == 1
+
+
+def test_fields_must_suit_the_model():
+    x = ("x", (4, 16, 16, 16), (1, 2, 3))
+    check_fields("cosmoflow", x, ("y", (3,), ()))
+    check_fields("unet3d", x, ("clean", (1, 16, 16, 16), (1, 2, 3)))
+    with pytest.raises(ValueError, match="target field 'y': unet3d predicts a volume"):
+        check_fields("unet3d", x, ("y", (3,), ()))
+    with pytest.raises(ValueError, match="target field 'x': cosmoflow predicts a vector"):
+        check_fields("cosmoflow", x, x)
+    with pytest.raises(ValueError, match=r"input field 'y': expected \(channels, depth"):
+        check_fields("cosmoflow", ("y", (3,), ()), ("y", (3,), ()))
+    with pytest.raises(ValueError, match="cosmoflow needs a cube"):
+        check_fields("cosmoflow", ("x", (4, 16, 16, 8), (1, 2, 3)), ("y", (3,), ()))
+
+
+def test_world_must_hold_whole_replicas():
+    assert check_world(8, (2, 2, 1)) == 2
+    with pytest.raises(ValueError, match=r"6 rank\(s\) cannot hold .* multiple of 4"):
+        check_world(6, (2, 2, 1))
+    x, y = ("x", (4, 32, 32, 32), (1, 2, 3)), ("y", (3,), ())
+    assert check_run("cosmoflow", x, y, (2, 1, 1), 4, 4) == 4
+    with pytest.raises(ValueError, match="level 4"):  # 5 poolings of 16: 16, 8, 4, 2, 1
+        check_run("cosmoflow", x, y, (2, 1, 1), 0, 4)
+
+
+# -- refused on every rank alike, under mpiexec ------------------------------------------------
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cosmo")
+    write_split(out, 16, 4, 16, 0)
+    return out
+
+
+def launch(n: int, sets: list[str], per_rank: bool = False) -> subprocess.CompletedProcess:
+    argv = [a for s in sets for a in ("--set", s)]
+    assert MPIEXEC, "mpiexec not found next to the interpreter (pip install mpich)"
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "trainer", "train", *argv]
+    if per_rank:  # rank 1 gets another learning rate: an MPMD launch
+        other = [a for s in [*sets, "lr=0.5"] for a in ("--set", s)]
+        cmd = [
+            MPIEXEC, "-n", "1", sys.executable, "-m", "mpi4py", "-m", "trainer", "train", *argv,
+            ":", "-n", "1", sys.executable, "-m", "mpi4py", "-m", "trainer", "train", *other,
+        ]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["spatial_parts=[2,1,1]"], "level 3: a block of 1 voxel along split axis 0"),
+        (["conv_blocks=3", "global_batch=3"],
+         "global_batch': 3 samples do not split evenly over 2"),
+        (["spatial_parts=[4,1,1]", "conv_blocks=2"], "cannot hold data x spatial replicas of 4"),
+        (["input_field=rho"], "input field 'rho' is not in"),
+    ],
+)  # fmt: skip
+def test_a_bad_setup_is_one_error_on_every_rank(data, sets, message):
+    t0 = time.monotonic()
+    proc = launch(2, [f"data={data}", "width=2", "steps=2", "comm_timeout=60", *sets])
+    assert time.monotonic() - t0 < 60  # not the 60 s timeout: nobody waits for a failed rank
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    # One line per rank (the two may share a line of the merged stream), no traceback.
+    assert proc.stderr.count("trainer: ") == 2, proc.stderr
+    assert proc.stderr.count(message) == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.mpi
+def test_ranks_started_with_different_configs_are_refused(data):
+    proc = launch(2, [f"data={data}", "width=2", "steps=2", "conv_blocks=3"], per_rank=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("trainer: ") == 2, proc.stderr
+    assert proc.stderr.count("ranks disagree on configuration") == 2, proc.stderr
