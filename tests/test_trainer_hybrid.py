@@ -137,3 +137,64 @@ def test_failing_rank_ends_the_job(data, tmp_path):
     assert "fails on purpose at step 2" in proc.stdout + proc.stderr
     steps, _ = records(tmp_path / "f.log")
     assert len(steps) == 2
+
+
+def test_the_data_ranks_share_the_dataset_through_the_exchange(grid_run):
+    _, events = records(grid_run / "run.log")
+    start = events[0]
+    assert start["event"] == "start" and start["world"] == 4
+    assert start["spatial_parts"] == [2, 1, 1] and start["data_source"] == "mpi"
+
+
+@pytest.fixture(scope="module")
+def noisy(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("noisy")
+    write_split(out, 16, 4, 16, 0, noise=0.3)
+    return out
+
+
+def test_unet_split_in_two_follows_one_process(noisy, tmp_path):
+    """The U-Net's every activation split over 2 ranks (BatchNorm over the sample's blocks):
+    the same losses and validation as one process, the voxel loss being the sum of the
+    blocks' shares."""
+    more = ["model=unet3d", "input_field=noisy", "target_field=x", "width=4", "steps=4",
+            "global_batch=4", "lr=1e-3"]  # fmt: skip
+    one = launch(1, args(noisy, tmp_path, "one", *more))
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = launch(2, args(noisy, tmp_path, "two", *more, "spatial_parts=[1,2,1]"))
+    assert two.returncode == 0, two.stdout + two.stderr
+    (a, ea), (b, eb) = records(tmp_path / "one.log"), records(tmp_path / "two.log")
+    assert len(a) == len(b) == 4
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+    va = [e for e in ea if e["event"] == "validation"]
+    vb = [e for e in eb if e["event"] == "validation"]
+    for key in ("val_mse", "baseline_mse", "identity_mse"):
+        assert vb[-1][key] == pytest.approx(va[-1][key], rel=1e-5), key
+
+
+def test_lion_cub_resume_is_exact_on_every_data_rank(data, tmp_path):
+    """Each data rank keeps its own momenta: a resumed run reloads every rank's own, so it
+    equals the uninterrupted run (losses and weights)."""
+    more = ["optimizer=lion_cub", "lr=1e-3"]
+    whole = launch(2, args(data, tmp_path, "w", *more, f"checkpoint_dir={tmp_path}/w"))
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    ck = f"checkpoint_dir={tmp_path}/r"
+    first = launch(2, args(data, tmp_path, "a", *more, ck, "steps=3"))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert sorted(os.listdir(tmp_path / "r")) == [
+        "checkpoint.pt", "optimizer.d0.pt", "optimizer.d1.pt",
+    ]  # fmt: skip
+    rest = launch(2, args(data, tmp_path, "b", *more, ck))
+    assert rest.returncode == 0, rest.stdout + rest.stderr
+    assert "resumed from step 3" in rest.stdout
+    (w, _), (a, _), (b, _) = (records(tmp_path / f"{n}.log") for n in "wab")
+    assert a + b == w
+    got = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
+    want = torch.load(tmp_path / "w" / "checkpoint.pt", weights_only=True)
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    for d in (0, 1):
+        mine = torch.load(tmp_path / "r" / f"optimizer.d{d}.pt", weights_only=True)
+        ref = torch.load(tmp_path / "w" / f"optimizer.d{d}.pt", weights_only=True)
+        for key, state in ref["optimizer"]["state"].items():
+            assert torch.equal(mine["optimizer"]["state"][key]["exp_avg"], state["exp_avg"])

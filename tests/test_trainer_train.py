@@ -142,7 +142,10 @@ def test_log_records_steps_validation_and_checkpoints(tiny, tmp_path):
     assert [r["step"] for r in steps] == list(range(1, 16))
     assert [r["epoch"] for r in steps] == [0] * 5 + [1] * 5 + [2] * 5
     assert all(r["samples_per_s"] > 0 and 0 <= r["data_wait"] <= 1 for r in steps)
-    events = [(r["event"], r["step"]) for r in records if "event" in r]
+    start = records[0]
+    assert start["event"] == "start" and start["device"] == "cpu" and start["world"] == 1
+    assert start["data_source"] == "local" and start["total_steps"] == 15
+    events = [(r["event"], r["step"]) for r in records[1:] if "event" in r]
     assert events == [
         ("checkpoint", 5), ("validation", 5), ("checkpoint", 10), ("validation", 10),
         ("checkpoint", 15), ("validation", 15),

@@ -41,7 +41,9 @@ Log (``log_file``, JSON lines, appended; rank 0):
 - per validation: ``{"event": "validation", "step", "val_mse", "baseline_mse", "ratio",
   "val_mse_per_target", "baseline_per_target"}`` (plus ``"identity_mse"`` where it applies;
   also printed);
-- ``{"event": "resumed", "step"}`` and per checkpoint ``{"event": "checkpoint", "step",
+- ``{"event": "start", "device", "backend", "world", "spatial_parts", "data_source" (the
+  loader's source: ``local``, ``mpi``, ``torch.distributed`` or ``service``), "total_steps"}``,
+  ``{"event": "resumed", "step"}`` and per checkpoint ``{"event": "checkpoint", "step",
   "path"}``.
 """
 
@@ -336,6 +338,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     validated_at = checkpointed_at = None
     batches = _batches(t.loader)
     try:
+        log.write(
+            {"event": "start", "device": str(run.device), "backend": run.backend,
+             "world": 1 if run.grid is None else run.grid.world, "spatial_parts": cfg.spatial_parts,
+             "data_source": t.loader.source, "total_steps": run.total_steps}
+        )  # fmt: skip
         if t.resume():
             log.write({"event": "resumed", "step": t.step})
             if t.lead:

@@ -6,7 +6,11 @@ after ``GradientReducer`` (head not spatially partial), and a small U-Net (Batch
 world, transposed convolution) output block and gradients, for two steps of SGD. Rank 0 writes
 the worst errors over all ranks as JSON ``{case: {check: value}}``.
 
-Usage: dist_model_job.py OUT_JSON
+With DEVICE ``cuda`` the split models run on the GPU (every rank on GPU 0 over gloo: messages
+staged through pinned host memory), against the same CPU references; the 8-rank case splits
+all three axes.
+
+Usage: dist_model_job.py OUT_JSON [DEVICE]
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from trainer.reduce import GradientReducer
 F64 = torch.float64
 SIDE, C_IN, N_LOCAL = 8, 2, 2
 # parts per world size; the data-parallel size is world // prod(parts).
-CASES = {2: [(2, 1, 1)], 4: [(2, 1, 1), (2, 2, 1)]}
+CASES = {2: [(2, 1, 1)], 4: [(2, 1, 1), (2, 2, 1)], 8: [(2, 2, 2)]}
+CUDA_CASES = {2: [(2, 1, 1), (1, 1, 2)], 4: [(2, 1, 1), (2, 2, 1)], 8: [(2, 2, 2)]}
 
 
 def cosmoflow(layers) -> nn.Module:
@@ -56,12 +61,12 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max())
 
 
-def check_case(pg: ProcessGrid) -> dict[str, float]:
+def check_case(pg: ProcessGrid, device: torch.device) -> dict[str, float]:
     n_total = N_LOCAL * pg.data_size
     x, y = batch(n_total)
     mine = slice(pg.data_rank * N_LOCAL, (pg.data_rank + 1) * N_LOCAL)
     own = block_bounds(Grid((SIDE,) * 3, pg.parts), pg.spatial_rank)
-    xb = x[mine][(..., *own)]
+    xb = x[mine][(..., *own)].to(device)
     out: dict[str, float] = {}
     for name, build, loss_of in (
         ("cosmoflow", cosmoflow, lambda o, sl: ((o - y[sl]) ** 2).mean()),
@@ -69,7 +74,7 @@ def check_case(pg: ProcessGrid) -> dict[str, float]:
     ):
         ref = build(TorchLayers())
         layers = DistLayers(pg, dist.group.WORLD)
-        model = build(layers)
+        model = build(layers).to(device)
         ref_params, params = list(ref.parameters()), list(model.parameters())
         assert [p.shape for p in ref_params] == [p.shape for p in params]
         reducer = GradientReducer(model, pg, spatially_partial=layers.spatially_partial())
@@ -81,16 +86,16 @@ def check_case(pg: ProcessGrid) -> dict[str, float]:
             ref_out = ref(x)
             ref_loss = loss_of(ref_out, slice(None))
             ref_loss.backward()
-            got = model(xb)
+            got = model(xb).cpu()
             want = ref_out[mine] if name == "cosmoflow" else ref_out[mine][(..., *own)]
             out[f"{name} output step {step}"] = max_err(got, want.detach())
             # Every local loss is a mean over the rank's samples (a block's share for the U-Net,
             # whose loss the reducer's spatial sum completes); the reducer averages over D.
             scale = 1.0 if name == "cosmoflow" else xb[0, 0].numel() / x[0, 0].numel()
-            (loss_of(got, mine) * scale).backward()
+            (loss_of(got, mine) * scale).backward()  # back through .cpu() to the device
             reducer.finish()
             out[f"{name} grads step {step}"] = max(
-                max_err(p.grad, r.grad) for p, r in zip(params, ref_params, strict=True)
+                max_err(p.grad.cpu(), r.grad) for p, r in zip(params, ref_params, strict=True)
             )
             ref_opt.step()
             opt.step()
@@ -101,11 +106,14 @@ def check_case(pg: ProcessGrid) -> dict[str, float]:
 def main() -> None:
     torch.set_default_dtype(F64)
     out_path = sys.argv[1]
-    _, world = init_distributed()
+    device = torch.device(sys.argv[2] if len(sys.argv) > 2 else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _, world = init_distributed()  # gloo: CUDA tensors are staged through host memory
     results = {}
-    for parts in CASES[world]:
+    for parts in (CUDA_CASES if device.type == "cuda" else CASES)[world]:
         pg = ProcessGrid.create(parts)
-        checks = check_case(pg)
+        checks = check_case(pg, device)
         key = f"parts={parts}, data={pg.data_size}"
         results[key] = {k: worst(v) for k, v in checks.items()}
     if dist.get_rank() == 0:

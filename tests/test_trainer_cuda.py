@@ -1,0 +1,90 @@
+"""The trainer on a GPU: one rank on NCCL (bf16 autocast, channels_last_3d, batches delivered
+on the device), ranks sharing one GPU over gloo (messages staged through pinned host memory)
+following the one-rank run, and Lion Cub's exact resume there. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import MPIEXEC
+
+from staging.cluster import LAUNCH_ENV
+from trainer.cosmology import write_split
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ROOT = Path(__file__).parent.parent
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cosmo")
+    write_split(out, 32, 8, 16, 0, noise=0.3)
+    return out
+
+
+def launch(n: int, sets: list[str]) -> subprocess.CompletedProcess:
+    argv = ["-m", "trainer", "train", *(a for s in sets for a in ("--set", s))]
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+
+
+def log_of(path: Path) -> tuple[list[float], list[dict]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], [r for r in rows if r.get("event")]
+
+
+def base(data: Path, log: Path, *more: str) -> list[str]:
+    return [
+        f"data={data}", "width=4", "conv_blocks=3", "global_batch=8", "steps=8", "lr=1e-3",
+        f"log_file={log}", *more,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["cosmoflow", "unet3d"])
+def test_one_rank_trains_on_the_gpu_over_nccl(data, tmp_path, model):
+    fields = ["input_field=noisy", "target_field=x"] if model == "unet3d" else []
+    proc = launch(1, base(data, tmp_path / "log", f"model={model}", *fields))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses, events = log_of(tmp_path / "log")
+    start = events[0]
+    assert start["device"] == "cuda:0" and start["backend"] == "nccl", start
+    assert len(losses) == 8 and all(map(torch.isfinite, torch.tensor(losses)))
+    val = [e for e in events if e["event"] == "validation"][-1]
+    assert val["val_mse"] > 0
+
+
+def test_ranks_sharing_the_gpu_follow_one_rank(data, tmp_path):
+    """float32 (amp off) so that the split and the whole model compute alike."""
+    more = ["amp=false", "backend=gloo"]
+    one = launch(1, base(data, tmp_path / "one", *more))
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = launch(4, base(data, tmp_path / "four", *more, "spatial_parts=[2,1,1]"))
+    assert two.returncode == 0, two.stdout + two.stderr
+    (a, _), (b, events) = log_of(tmp_path / "one"), log_of(tmp_path / "four")
+    assert events[0]["backend"] == "gloo" and events[0]["device"] == "cuda:0"
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-3
+
+
+def test_lion_cub_resume_on_the_gpu_is_exact(data, tmp_path):
+    more = ["optimizer=lion_cub", "backend=gloo", "amp=false", "cudnn_benchmark=false"]
+    whole = launch(2, base(data, tmp_path / "w", *more, f"checkpoint_dir={tmp_path}/w"))
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    ck = f"checkpoint_dir={tmp_path}/r"
+    first = launch(2, base(data, tmp_path / "a", *more, ck, "steps=4"))
+    rest = launch(2, base(data, tmp_path / "b", *more, ck))
+    assert first.returncode == 0 and rest.returncode == 0, rest.stdout + rest.stderr
+    (w, _), (a, _), (b, _) = (log_of(tmp_path / n) for n in "wab")
+    assert len(a + b) == len(w)
+    assert max(abs(x - y) for x, y in zip(a + b, w, strict=True)) < 1e-4  # cuDNN may vary
