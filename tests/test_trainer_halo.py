@@ -1,6 +1,8 @@
 """Halo exchange and DistConv3d under real ``mpiexec`` ranks on gloo, against single-process
-references: the dot-product adjoint test, forward halos vs ``extract_block``, conv outputs and
-every gradient vs ``torch.nn.Conv3d``; and a failing or stalled rank ends the job quickly."""
+references: the dot-product adjoint test, forward halos vs ``extract_block`` (whole, and split
+into start and finish as the overlapped convolution uses it), conv outputs and every gradient
+vs ``torch.nn.Conv3d`` with and without overlap; and a failing or stalled rank ends the job
+quickly."""
 
 from __future__ import annotations
 
@@ -63,25 +65,32 @@ def cases(kind: str) -> list:
             data = n // (parts[0] * parts[1] * parts[2])
             name = f"parts={tuple(parts)}, data={data}"
             marks = [pytest.mark.slow] if n > 4 else []
-            for arg in halos if kind == "halo" else kernels:
-                key = f"halo {tuple(arg)}, {name}" if kind == "halo" else f"conv k={arg}, {name}"
-                out.append(pytest.param(n, key, id=f"{n}ranks-{key}", marks=marks))
+            if kind == "halo":
+                keys = [f"halo {tuple(h)}, {name}" for h in halos]
+            else:
+                keys = [
+                    f"conv k={k} overlap={o}, {name}" for k in kernels for o in spatial_job.OVERLAPS
+                ]
+            out += [pytest.param(n, key, id=f"{n}ranks-{key}", marks=marks) for key in keys]
     return out
 
 
 @pytest.mark.parametrize(("n", "key"), cases("halo"))
 def test_halo_adjoint_and_forward(n, key, tmp_path_factory):
     r = results(n, tmp_path_factory)[key]
-    # <H x, y> == <x, H^T y> summed over the spatial group (float64, random x and y per rank).
-    assert r["adjoint_rel"] < 1e-12, r
-    # The halo holds exactly the neighbours' voxels, corners included, zero outside the volume.
-    assert r["forward_abs"] == 0.0, r
+    for split in ("", "split_"):  # halo_exchange; start_halo_exchange + finish_halo_exchange
+        # <H x, y> == <x, H^T y> summed over the spatial group (float64, random x, y per rank).
+        assert r[f"{split}adjoint_rel"] < 1e-12, r
+        # The halo holds exactly the neighbours' voxels, corners included, zero outside.
+        assert r[f"{split}forward_abs"] == 0.0, r
 
 
 @pytest.mark.parametrize(("n", "key"), cases("conv"))
 def test_dist_conv3d_matches_conv3d(n, key, tmp_path_factory):
     r = results(n, tmp_path_factory)[key]
     assert r["same_weights"] == 0.0, r  # broadcast from rank 0 despite different seeds
+    assert r["overlapped"] == 0.0, r  # overlap=True overlaps wherever an axis exchanges
+    assert r["wait_count"] == 0.0, r  # wait_clock: one wait per exchanging axis and pass
     for check in ("output_rel", "input_grad_rel", "weight_grad_rel", "bias_grad_rel"):
         assert r[check] < 1e-5, (check, r)  # float32; weight/bias summed over the spatial group
     assert r["data_sum_rel"] < 1e-5, r  # then summed over the data group: both samples' grads
@@ -110,4 +119,4 @@ def test_torchrun_launch_passes_the_same_checks(tmp_path, tmp_path_factory):
     assert got.keys() == results(2, tmp_path_factory).keys()
     for key, r in got.items():
         for check, err in r.items():
-            assert err < (1e-12 if check == "adjoint_rel" else 1e-5), (key, check, err)
+            assert err < (1e-12 if check.endswith("adjoint_rel") else 1e-5), (key, check, err)

@@ -1,4 +1,5 @@
-"""Spatial layers: the pure block geometry in one process, then strided ``DistConv3d``, pools,
+"""Spatial layers: the pure block geometry in one process (with the interior and shell of the
+overlapped convolution), then strided ``DistConv3d`` (stride 1 with and without overlap), pools,
 ``DistBatchNorm3d``, ``global_avg_pool`` and ``gather_flatten`` under real ``mpiexec`` ranks on
 gloo (one job per rank count: tests/trainer_jobs/layers_job.py) against single-process torch."""
 
@@ -21,13 +22,17 @@ from datastore.partition import Grid, block_bounds, split_sizes
 from staging.cluster import LAUNCH_ENV
 from trainer.geometry import (
     block_offsets,
+    box_size,
     check_aligned,
     check_pool_blocks,
     check_pool_windows,
+    conv_input_box,
     conv_out_size,
     conv_window,
+    interior_box,
     owned_outputs,
     pool_out_size,
+    shell_slabs,
 )
 from trainer.grid import ProcessGrid, neighbours_of, spatial_coords_of
 from trainer.layers import DistConv3d
@@ -142,6 +147,126 @@ def test_block_offsets_reject_a_non_box():
         block_offsets((2,), [(3,), (3,), (3,)])
 
 
+def test_interior_box_examples():
+    sides = [(True, True), (False, True), (False, False)]
+    assert interior_box((8, 8, 8), (1, 1, 1), sides) == ((1, 7), (0, 7), (0, 8))
+    assert interior_box((8, 8, 8), (2, 1, 0), sides) == ((2, 6), (0, 7), (0, 8))
+    # n < 2h with two neighbours: empty along that axis (start == stop), never inverted
+    assert interior_box((3, 2, 1), (2, 2, 0), [(True, True)] * 3) == ((2, 2), (2, 2), (0, 1))
+    assert interior_box((4, 4, 4), (1, 1, 1), [(False, False)] * 3) == ((0, 4),) * 3
+    with pytest.raises(ValueError, match="length mismatch"):
+        interior_box((4, 4), (1, 1, 1), sides)
+
+
+def test_shell_slabs_examples():
+    inner = ((1, 3), (0, 2), (1, 4))
+    assert shell_slabs((4, 2, 5), inner) == [
+        (0, 0, ((0, 1), (0, 2), (0, 5))),
+        (0, 1, ((3, 4), (0, 2), (0, 5))),
+        # axis 1: the interior covers it whole, no slab
+        (2, 0, ((1, 3), (0, 2), (0, 1))),
+        (2, 1, ((1, 3), (0, 2), (4, 5))),
+    ]
+    assert shell_slabs((3, 3, 3), ((0, 3),) * 3) == []
+    assert box_size(((2, 2), (0, 3), (0, 3))) == 0
+    with pytest.raises(ValueError, match="does not lie in the block"):
+        shell_slabs((3, 3, 3), ((0, 4), (0, 3), (0, 3)))
+
+
+def _blocks_and_sides():
+    """300 random blocks: 1..5 voxels, halos 0..2 (at most the block), random neighbour sides."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(300):
+        owned = tuple(int(v) for v in torch.randint(1, 6, (3,), generator=gen))
+        halo = tuple(
+            min(int(v), n)
+            for v, n in zip(torch.randint(0, 3, (3,), generator=gen), owned, strict=True)
+        )
+        sides = [tuple(bool(b) for b in torch.randint(0, 2, (2,), generator=gen)) for _ in owned]
+        out.append((owned, halo, sides))
+    return out
+
+
+def test_interior_and_shell_tile_the_block_and_nest():
+    """Interior and slabs cover every output once, and wrapping the interior in the slabs of the
+    last axis, then the one before, ... (torch.cat) gives the block in order."""
+    for owned, halo, sides in _blocks_and_sides():
+        inner = interior_box(owned, halo, sides)
+        slabs = shell_slabs(owned, inner)
+        count = torch.zeros(owned, dtype=torch.int64)
+        for box in [inner] + [b for _, _, b in slabs]:
+            count[tuple(slice(a, b) for a, b in box)] += 1
+        assert bool((count == 1).all()), (owned, halo, sides)
+        ids = torch.arange(math.prod(owned)).view(owned)
+        cut = {(axis, side): box for axis, side, box in slabs}
+
+        def piece(box, ids=ids):
+            return ids[tuple(slice(a, b) for a, b in box)] if box and box_size(box) else None
+
+        core = piece(inner)
+        for axis in (2, 1, 0):
+            pieces = [piece(cut.get((axis, 0))), core, piece(cut.get((axis, 1)))]
+            pieces = [p for p in pieces if p is not None]
+            core = torch.cat(pieces, axis) if pieces else None
+        assert core is not None and torch.equal(core, ids), (owned, halo, sides)
+
+
+def test_interior_reads_no_received_halo_and_is_the_largest_such_box():
+    for owned, halo, sides in _blocks_and_sides():
+        inner = interior_box(owned, halo, sides)
+        window = conv_input_box(inner, halo)
+        for axis, (n, h, (lo, hi)) in enumerate(zip(owned, halo, sides, strict=True)):
+            (a, b), (wa, wb) = inner[axis], window[axis]
+            assert (wa, wb) == (a, b + 2 * h)  # output o reads [o, o + 2h] of the padded block
+            if a == b:
+                continue
+            # the padded block's received halo slabs are [0, h) (low) and [h + n, n + 2h) (high)
+            assert not lo or wa >= h
+            assert not hi or wb <= h + n
+            # one output more on either side would read a received halo voxel
+            assert a == 0 or (lo and a - 1 < h)
+            assert b == n or (hi and b + 1 + 2 * h > h + n)
+
+
+@pytest.mark.parametrize("kernel", [(3, 3, 3), (5, 3, 1), (1, 5, 3)])
+def test_interior_from_the_unfilled_block_and_shell_give_the_global_conv(kernel):
+    """One process, a volume cut into 2 x 3 x 2 blocks: per block, the interior from the
+    zero-padded block alone and the shell from the block with its halo give its slice of the
+    global "same" convolution (what DistConv3d's overlapped forward computes)."""
+    halo = tuple(k // 2 for k in kernel)
+    shape, parts = (7, 9, 6), (2, 3, 2)
+    v = torch.randn(1, 2, *shape, dtype=torch.float64)
+    w = torch.randn(3, 2, *kernel, dtype=torch.float64)
+    ref = F.conv3d(v, w, padding=halo)
+    grid = Grid(shape, parts, halo, "zero")
+    whole = F.pad(v, [p for h in reversed(halo) for p in (h, h)])
+    for r in range(math.prod(parts)):
+        bounds = block_bounds(grid, r)
+        coords = spatial_coords_of(parts, r)
+        owned = tuple(b.stop - b.start for b in bounds)
+        sides = [
+            (c > 0 and h > 0, c < p - 1 and h > 0)
+            for c, p, h in zip(coords, parts, halo, strict=True)
+        ]
+        filled = whole[
+            (..., *(slice(b.start, b.stop + 2 * h) for b, h in zip(bounds, halo, strict=True)))
+        ]
+        unfilled = F.pad(v[(..., *bounds)], [p for h in reversed(halo) for p in (h, h)])
+
+        def conv(t, box):
+            return F.conv3d(t[(..., *(slice(a, b) for a, b in conv_input_box(box, halo)))], w)
+
+        inner = interior_box(owned, halo, sides)
+        want = ref[(..., *bounds)]
+        if box_size(inner):
+            got = conv(unfilled, inner)
+            torch.testing.assert_close(got, want[(..., *(slice(a, b) for a, b in inner))])
+        for _, _, box in shell_slabs(owned, inner):
+            got = conv(filled, box)
+            torch.testing.assert_close(got, want[(..., *(slice(a, b) for a, b in box))])
+
+
 def _grid(parts, spatial_rank) -> ProcessGrid:
     """A grid without process groups: any communication attempt would fail."""
     return ProcessGrid(
@@ -165,6 +290,20 @@ def test_layers_reject_a_misaligned_block_before_communicating():
         pool(torch.zeros(1, 1, 4, 3, 4))
     with pytest.raises(ValueError, match="DistAvgPool3d: stride 1 < kernel 2 along axis 0"):
         DistAvgPool3d(2, _grid((2, 1, 1), 0), stride=(1, 2, 2))
+
+
+def test_dist_conv3d_overlaps_for_stride_1_with_a_split_axis_only():
+    def conv(parts, **kw):
+        return DistConv3d(1, 1, kw.pop("k", 3), _grid(parts, 0), broadcast=False, **kw)
+
+    assert conv((2, 1, 1)).overlapped()
+    assert conv((1, 1, 2), k=(1, 1, 3)).overlapped()
+    assert not conv((2, 1, 1), overlap=False).overlapped()
+    assert not conv((2, 1, 1), stride=2).overlapped()
+    assert not conv((2, 1, 1), stride=(1, 2, 1)).overlapped()
+    assert not conv((1, 1, 1)).overlapped()  # nothing to exchange
+    assert not conv((2, 1, 1), k=(1, 3, 3)).overlapped()  # the split axis has no halo
+    assert not conv((2, 1, 1), k=1).overlapped()
 
 
 # ---- real ranks ----------------------------------------------------------------------------

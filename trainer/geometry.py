@@ -17,6 +17,18 @@ Halo of a strided convolution
     stride 1 both are ``p``. For ``k = 3, s = 2`` and an even block they are ``(1, 0)``; a
     negative right width means the last voxels of the block are read by no owned output.
     Outside the global volume the window is zero padding, as torch's.
+
+Interior and shell of a stride-1 convolution (overlap of the halo exchange)
+    Boxes are ``((start, stop), ...)`` per spatial axis. A stride-1 "same" convolution of a
+    block of ``n`` voxels with halo ``h = k // 2`` has ``n`` outputs; output ``o`` reads
+    ``[o, o + 2h]`` of the padded block (:func:`conv_input_box`), the owned voxels being
+    ``[h, h + n)``. Along a side with a neighbour the first (last) ``h`` outputs read the halo
+    slab that neighbour sends; every other output reads owned voxels or the global zero
+    padding. The *interior* (:func:`interior_box`) is the box of outputs that read no received
+    halo on any axis: it can be computed before the halos arrive. The *shell*
+    (:func:`shell_slabs`) is the rest, cut axis by axis into at most two slabs per axis, so
+    that wrapping the interior in the slabs of the last axis, then of the one before, and so
+    on (``torch.cat`` along that axis) rebuilds the whole output block.
 """
 
 from __future__ import annotations
@@ -27,15 +39,23 @@ from collections.abc import Sequence
 from trainer.grid import spatial_coords_of
 
 __all__ = [
+    "Box",
     "block_offsets",
+    "box_size",
     "check_aligned",
     "check_pool_blocks",
     "check_pool_windows",
+    "conv_input_box",
     "conv_out_size",
     "conv_window",
+    "interior_box",
     "owned_outputs",
     "pool_out_size",
+    "shell_slabs",
 ]
+
+Box = tuple[tuple[int, int], ...]
+"""``((start, stop), ...)``: a half-open range per spatial axis."""
 
 
 def conv_out_size(n: int, kernel: int, stride: int) -> int:
@@ -164,3 +184,74 @@ def block_offsets(
     starts = [[sum(ls[:c]) for c in range(len(ls))] for ls in lengths]  # type: ignore[arg-type]
     offsets = [tuple(starts[a][c[a]] for a in range(len(parts))) for c in coords]
     return offsets, tuple(sum(ls) for ls in lengths)  # type: ignore[arg-type]
+
+
+def box_size(box: Box) -> int:
+    """Number of voxels of ``box`` (0 if it is empty along any axis)."""
+    return math.prod(max(b - a, 0) for a, b in box)
+
+
+def interior_box(owned: Sequence[int], halo: Sequence[int], sides: Sequence[Sequence[bool]]) -> Box:
+    """The stride-1 outputs of a block that read no halo received from a neighbour.
+
+    Args:
+        owned: spatial shape of the block (= its outputs for stride 1).
+        halo: halo width per axis (``kernel // 2``).
+        sides: per axis, ``(low, high)``: whether a neighbour sends a halo on that side.
+
+    Returns:
+        Per axis ``(start, stop)`` in output coordinates: ``start = h`` with a low neighbour
+        (else 0), ``stop = n - h`` with a high neighbour (else ``n``); when the two meet
+        (``n < 2h``) the interior is empty there (``stop == start``).
+    """
+    if not len(owned) == len(halo) == len(sides):
+        raise ValueError(f"length mismatch: owned {owned}, halo {halo}, sides {sides}")
+    box = []
+    for n, h, (lo, hi) in zip(owned, halo, sides, strict=True):
+        if n < 1 or h < 0:
+            raise ValueError(f"need blocks of >= 1 voxel and halos >= 0; got {n}, {h}")
+        start = min(h if lo else 0, n)
+        stop = max(n - h if hi else n, start)
+        box.append((start, stop))
+    return tuple(box)
+
+
+def shell_slabs(shape: Sequence[int], interior: Box) -> list[tuple[int, int, Box]]:
+    """The outputs of a block outside ``interior``, as disjoint slabs, axis by axis.
+
+    The slabs of axis ``k`` span the interior along the axes before ``k``, the whole block along
+    the axes after it, and ``[0, start_k)`` (side 0) or ``[stop_k, n_k)`` (side 1) along ``k``.
+    Together with the interior they tile the block exactly once, and for ``k`` from the last
+    axis to the first, ``[low slab of k, core, high slab of k]`` concatenated along ``k`` is
+    again a box (the core spanning the whole block along ``k`` and after), ending in the block.
+
+    Args:
+        shape: spatial shape of the output block.
+        interior: from :func:`interior_box` (``0 <= start <= stop <= n`` per axis).
+
+    Returns:
+        ``(axis, side, box)`` for every non-empty slab, by axis, low side first.
+    """
+    if len(shape) != len(interior):
+        raise ValueError(f"length mismatch: shape {tuple(shape)}, interior {interior}")
+    for n, (a, b) in zip(shape, interior, strict=True):
+        if not 0 <= a <= b <= n:
+            raise ValueError(f"interior {interior} does not lie in the block {tuple(shape)}")
+    out = []
+    for axis, (n, (a, b)) in enumerate(zip(shape, interior, strict=True)):
+        for side, span in enumerate(((0, a), (b, n))):
+            box = (*interior[:axis], span, *((0, m) for m in shape[axis + 1 :]))
+            if box_size(box):
+                out.append((axis, side, box))
+    return out
+
+
+def conv_input_box(box: Box, halo: Sequence[int]) -> Box:
+    """The padded-block voxels that the stride-1 outputs ``box`` read: ``[a, b + 2h)``.
+
+    Padded-block coordinates put the owned voxels at ``[h, h + n)``, so output ``o`` (kernel
+    ``2h + 1``) reads ``[o, o + 2h]``.
+    """
+    if len(box) != len(halo):
+        raise ValueError(f"length mismatch: box {box}, halo {tuple(halo)}")
+    return tuple((a, b + 2 * h) for (a, b), h in zip(box, halo, strict=True))

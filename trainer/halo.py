@@ -34,24 +34,89 @@ device and dtype, through :mod:`trainer.comm`: directly over NCCL (device tensor
 tensors), staged through page-locked host memory for CUDA tensors over gloo. Tags name the axis
 and direction, so the two messages between a pair of ranks cannot be confused.
 
+Split forward, for overlap (:func:`start_halo_exchange`, :func:`finish_halo_exchange`)
+    ``start`` returns ``P x`` (the zero-padded block, halos still zero) and posts ``E_j`` of the
+    first exchanging axis ``j`` without waiting; ``finish`` waits for it, then runs the other
+    axes as above and returns ``H x``. Between the two, the caller may compute anything that
+    reads no halo received from a neighbour (``DistConv3d``'s interior outputs). As autograd
+    Functions, ``start`` is ``P`` (backward ``P^T``, the crop) and ``finish`` is
+    ``E_{d-1} ... E_j`` on its input (backward ``E_j^T ... E_{d-1}^T``, blocking as always; the
+    backward is not overlapped). ``finish(start(x))`` is ``halo_exchange(x)``, forward and
+    backward.
+
+Timing: :data:`wait_clock` adds up the host seconds spent blocked in the exchanges' waits
+(``time.perf_counter`` around ``Pending.wait``), forward and backward apart, so a benchmark
+can report the exposed share of the halo exchange (``wait_clock.reset()`` before a step).
+On NCCL a wait only orders the CUDA stream and returns at once; there the host clock sees
+nothing and device time (CUDA events) is the measure.
+
 Limits: a halo is taken from the direct neighbour only, so along a split axis a block must own
 at least ``halo[axis]`` voxels (``Grid`` enforces ``halo <= n // parts``); no periodic wrap.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from trainer.comm import exchange
+from trainer.comm import Pending, start_exchange
 from trainer.grid import ProcessGrid
 
-__all__ = ["HaloExchange", "exchange_slices", "halo_exchange", "padded_shape"]
+__all__ = [
+    "HaloExchange",
+    "StartedHalo",
+    "WaitClock",
+    "exchange_axes",
+    "exchange_slices",
+    "finish_halo_exchange",
+    "halo_exchange",
+    "padded_shape",
+    "start_halo_exchange",
+    "wait_clock",
+]
 
 Slabs = dict[str, tuple[slice, ...]]
+
+
+@dataclass
+class WaitClock:
+    """Host seconds blocked in halo-exchange waits (``time.perf_counter`` around each wait).
+
+    Attributes:
+        forward_s, backward_s: seconds blocked in forward (``H``) and backward (``H^T``).
+        forward_waits, backward_waits: how many waits (one per exchanging axis and pass).
+    """
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    forward_waits: int = 0
+    backward_waits: int = 0
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.forward_s = self.backward_s = 0.0
+        self.forward_waits = self.backward_waits = 0
+
+    def wait(self, pending: Pending, backward: bool = False) -> None:
+        """``pending.wait()``, timed into the forward or backward counters."""
+        start = time.perf_counter()
+        pending.wait()
+        seconds = time.perf_counter() - start
+        if backward:
+            self.backward_s += seconds
+            self.backward_waits += 1
+        else:
+            self.forward_s += seconds
+            self.forward_waits += 1
+
+
+wait_clock = WaitClock()
+"""The process-wide clock of every halo exchange's waits (see the module docstring)."""
 
 
 def padded_shape(owned: Sequence[int], halo: Sequence[int]) -> tuple[int, ...]:
@@ -106,19 +171,20 @@ def _tag(axis: int, upward: bool) -> int:
     return 2 * axis + (0 if upward else 1)
 
 
-def _swap(
+Landed = list[tuple[tuple[slice, ...], torch.Tensor]]
+
+
+def _post(
     t: torch.Tensor,
     grid: ProcessGrid,
     axis: int,
     send: tuple[tuple[slice, ...], tuple[slice, ...]],
     recv: tuple[tuple[slice, ...], tuple[slice, ...]],
-    accumulate: bool,
-) -> None:
-    """Send ``t[send[lo/hi]]`` to the low/high neighbour, receive into ``t[recv[lo/hi]]``.
-
-    The received slabs are copied (``accumulate=False``) or added; all transfers along the axis
-    are posted before any is waited for, so the two directions cannot deadlock.
-    """
+) -> tuple[Pending, Landed]:
+    """Post sends of ``t[send[lo/hi]]`` to the low/high neighbour and receives into fresh
+    buffers for ``t[recv[lo/hi]]``; all transfers along the axis are posted before any is
+    waited for, so the two directions cannot deadlock. Returns the pending transfers and
+    ``(where, buffer)`` of what lands after the wait."""
     lead = (slice(None),) * (t.dim() - grid.ndim)
     sends, recvs, landed = [], [], []
     for side, peer in enumerate(grid.neighbours[axis]):
@@ -130,12 +196,32 @@ def _swap(
         landed.append((recv[side], buf))
         sends.append((peer, t[lead + send[side]].contiguous(), _tag(axis, upward)))
     # Waits carry the grid's timeout: a dead or stalled peer cannot hang us.
-    exchange(sends, recvs, grid.spatial_group, grid.timeout)
+    return start_exchange(sends, recvs, grid.spatial_group, grid.timeout), landed
+
+
+def _land(t: torch.Tensor, grid: ProcessGrid, landed: Landed, accumulate: bool) -> None:
+    """Copy (``accumulate=False``) or add the received buffers into their slabs of ``t``."""
+    lead = (slice(None),) * (t.dim() - grid.ndim)
     for where, buf in landed:
         if accumulate:
             t[lead + where] += buf
         else:
             t[lead + where] = buf
+
+
+def _swap(
+    t: torch.Tensor,
+    grid: ProcessGrid,
+    axis: int,
+    send: tuple[tuple[slice, ...], tuple[slice, ...]],
+    recv: tuple[tuple[slice, ...], tuple[slice, ...]],
+    accumulate: bool,
+) -> None:
+    """Send ``t[send[lo/hi]]`` to the low/high neighbour, receive into ``t[recv[lo/hi]]``
+    (copied, or added with ``accumulate``, which is the backward)."""
+    pending, landed = _post(t, grid, axis, send, recv)
+    wait_clock.wait(pending, backward=accumulate)
+    _land(t, grid, landed, accumulate)
 
 
 def _check(x: torch.Tensor, grid: ProcessGrid, halo: Sequence[int]) -> tuple[int, ...]:
@@ -154,25 +240,37 @@ def _pad_spec(halo: Sequence[int]) -> list[int]:
     return [w for h in reversed(halo) for w in (h, h)]
 
 
-def _forward(x: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]) -> torch.Tensor:
-    owned = tuple(x.shape[-grid.ndim :])
-    t = F.pad(x, _pad_spec(halo)) if any(halo) else x.clone()
-    for axis in range(grid.ndim):
-        if halo[axis] == 0 or grid.parts[axis] == 1:
-            continue
+def exchange_axes(grid: ProcessGrid, halo: Sequence[int]) -> list[int]:
+    """The axes that exchange anything: split (``parts > 1``) with a halo ``> 0``."""
+    return [a for a in range(grid.ndim) if halo[a] > 0 and grid.parts[a] > 1]
+
+
+def _exchange(t: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...], axes: Sequence[int]):
+    """``E_k`` for ``k`` in ``axes`` (in order) on the padded block ``t``, in place."""
+    owned = tuple(n - 2 * h for n, h in zip(t.shape[-grid.ndim :], halo, strict=True))
+    for axis in axes:
         s = exchange_slices(owned, halo, axis)
         _swap(t, grid, axis, (s["edge_lo"], s["edge_hi"]), (s["halo_lo"], s["halo_hi"]), False)
+
+
+def _pad(x: torch.Tensor, halo: tuple[int, ...]) -> torch.Tensor:
+    """``P``: a new tensor, ``x`` zero-padded by ``halo``."""
+    return F.pad(x, _pad_spec(halo)) if any(halo) else x.clone()
+
+
+def _forward(x: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]) -> torch.Tensor:
+    t = _pad(x, halo)
+    _exchange(t, grid, halo, exchange_axes(grid, halo))
     return t
 
 
-def _adjoint(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]) -> torch.Tensor:
+def _adjoint_exchange(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...], axes):
+    """``E_k^T`` for ``k`` in ``reversed(axes)`` on a copy of the padded gradient ``g``."""
     padded = tuple(g.shape[-grid.ndim :])
     owned = tuple(n - 2 * h for n, h in zip(padded, halo, strict=True))
     g = g.clone(memory_format=torch.contiguous_format)
     lead = (slice(None),) * (g.dim() - grid.ndim)
-    for axis in reversed(range(grid.ndim)):
-        if halo[axis] == 0 or grid.parts[axis] == 1:
-            continue
+    for axis in reversed(axes):
         s = exchange_slices(owned, halo, axis)
         halos = (s["halo_lo"], s["halo_hi"])
         # Receive into fresh buffers before zeroing: _swap sends copies, then adds.
@@ -180,8 +278,19 @@ def _adjoint(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]) -> torch
         for side, peer in enumerate(grid.neighbours[axis]):
             if peer is not None:
                 g[lead + halos[side]] = 0
-    inner = tuple(slice(h, h + n) for n, h in zip(owned, halo, strict=True))
+    return g
+
+
+def _crop(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]) -> torch.Tensor:
+    """``P^T``: drop the halo."""
+    padded = tuple(g.shape[-grid.ndim :])
+    lead = (slice(None),) * (g.dim() - grid.ndim)
+    inner = tuple(slice(h, n - h) for n, h in zip(padded, halo, strict=True))
     return g[lead + inner].contiguous()
+
+
+def _adjoint(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]) -> torch.Tensor:
+    return _crop(_adjoint_exchange(g, grid, halo, exchange_axes(grid, halo)), grid, halo)
 
 
 class HaloExchange(torch.autograd.Function):
@@ -212,3 +321,96 @@ def halo_exchange(x: torch.Tensor, grid: ProcessGrid, halo: Sequence[int]) -> to
         ``(..., *(owned + 2 * halo))``, differentiable (backward is the exact adjoint).
     """
     return HaloExchange.apply(x, grid, _check(x, grid, halo))
+
+
+@dataclass(eq=False)
+class StartedHalo:
+    """A halo exchange between :func:`start_halo_exchange` and :func:`finish_halo_exchange`.
+
+    Attributes:
+        grid, halo: as given to ``start``.
+        axes: the exchanging axes (:func:`exchange_axes`); ``axes[0]`` is posted by ``start``.
+        pending, landed: the posted transfers of ``axes[0]`` and where their buffers land.
+        finished: set by ``finish`` (a started exchange is finished once).
+    """
+
+    grid: ProcessGrid
+    halo: tuple[int, ...]
+    axes: list[int]
+    pending: Pending | None = None
+    landed: Landed = field(default_factory=list)
+    finished: bool = False
+
+
+class _HaloStart(torch.autograd.Function):
+    """``P`` (backward ``P^T``); posts the first axis' exchange from the padded block."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, started: StartedHalo):
+        ctx.grid, ctx.halo = started.grid, started.halo
+        t = _pad(x, started.halo)
+        if started.axes:
+            axis = started.axes[0]
+            s = exchange_slices(tuple(x.shape[-started.grid.ndim :]), started.halo, axis)
+            edges, halos = (s["edge_lo"], s["edge_hi"]), (s["halo_lo"], s["halo_hi"])
+            started.pending, started.landed = _post(t, started.grid, axis, edges, halos)
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return _crop(grad, ctx.grid, ctx.halo), None
+
+
+class _HaloFinish(torch.autograd.Function):
+    """``E_{d-1} ... E_j`` with ``E_j`` posted by ``_HaloStart`` (backward: their adjoints)."""
+
+    @staticmethod
+    def forward(ctx: Any, padded: torch.Tensor, started: StartedHalo):
+        grid, halo, axes = started.grid, started.halo, started.axes
+        ctx.grid, ctx.halo, ctx.axes = grid, halo, axes
+        t = padded.clone(memory_format=torch.contiguous_format)  # the input stays P x
+        if axes:
+            assert started.pending is not None
+            wait_clock.wait(started.pending)
+            _land(t, grid, started.landed, False)
+            _exchange(t, grid, halo, axes[1:])
+        started.pending, started.landed, started.finished = None, [], True
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return _adjoint_exchange(grad, ctx.grid, ctx.halo, ctx.axes), None
+
+
+def start_halo_exchange(
+    x: torch.Tensor, grid: ProcessGrid, halo: Sequence[int]
+) -> tuple[torch.Tensor, StartedHalo]:
+    """Zero-pad ``x`` by ``halo`` and post the exchange of the first exchanging axis.
+
+    Collective over ``grid.spatial_group`` as :func:`halo_exchange`; every rank must then call
+    :func:`finish_halo_exchange` (once) on what this returns.
+
+    Returns:
+        ``(padded, started)``: ``padded`` is ``P x``, differentiable (its halos are zero and
+        must not be read as halos, nor written: the transfers posted read its edge slabs);
+        ``started`` is the handle for ``finish``.
+    """
+    halo = _check(x, grid, halo)
+    started = StartedHalo(grid, halo, exchange_axes(grid, halo))
+    return _HaloStart.apply(x, started), started
+
+
+def finish_halo_exchange(padded: torch.Tensor, started: StartedHalo) -> torch.Tensor:
+    """Wait for the first axis, exchange the others; ``H x`` from ``padded = P x``.
+
+    Args:
+        padded: the first output of :func:`start_halo_exchange`.
+        started: its second output.
+
+    Returns:
+        A new tensor equal to ``halo_exchange(x)``; differentiable, with the exact adjoint
+        (not overlapped: the backward exchanges block).
+    """
+    if started.finished:
+        raise RuntimeError("this halo exchange was already finished")
+    return _HaloFinish.apply(padded, started)

@@ -15,6 +15,18 @@ of ``s`` voxels (checked). Its forward and every gradient equal the single-proce
   the whole sample is their sum over the spatial group (:func:`sum_spatial_grads`), to be
   averaged over the data group afterwards as in plain data parallelism.
 
+Overlap (``overlap=True``, the default; stride 1 on every axis and at least one exchanging axis)
+    The forward hides the first exchanging axis' halo transfer behind the *interior* outputs,
+    those that read no halo received from a neighbour (``trainer.geometry.interior_box``):
+    zero-pad the block, post the first axis' exchange (``trainer.halo.start_halo_exchange``),
+    convolve the interior from the padded block, wait, exchange the other axes (blocking, one
+    after another, so that corners arrive by hops), then convolve the *shell*
+    (``trainer.geometry.shell_slabs``, at most two slabs per axis) and concatenate. The
+    exchanges of the second and third split axes are not overlapped, nor is any part of the
+    backward: the halo's adjoint runs blocking as without overlap. Outputs and gradients are
+    those of the path without overlap up to rounding (the same sums, cut into pieces).
+    Strided layers, and blocks with no split axis, take the path without overlap.
+
 Weights are equal on every rank: broadcast from global rank 0 when the layer is built.
 """
 
@@ -25,12 +37,21 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from trainer.comm import all_reduce_sum, broadcast
-from trainer.geometry import check_aligned, conv_window
+from trainer.geometry import (
+    Box,
+    box_size,
+    check_aligned,
+    conv_input_box,
+    conv_window,
+    interior_box,
+    shell_slabs,
+)
 from trainer.grid import DEFAULT_TIMEOUT, ProcessGrid
-from trainer.halo import halo_exchange
+from trainer.halo import exchange_axes, finish_halo_exchange, halo_exchange, start_halo_exchange
 
 __all__ = ["DistConv3d", "broadcast_parameters", "sum_spatial_grads"]
 
@@ -86,6 +107,10 @@ class DistConv3d(nn.Module):
         broadcast: copy the weights from global rank 0 at construction (collective over the
             default group). Default: ``True``; pass ``False`` when weights are loaded afterwards
             on every rank, or were seeded identically.
+        overlap: overlap the first split axis' halo transfer with the interior outputs in
+            forward (stride 1 only; see the module docstring; the backward is not overlapped).
+            Default: ``True``. Host seconds blocked in halo waits add up in
+            ``trainer.halo.wait_clock`` either way.
         device, dtype: of the parameters. Default: torch's defaults.
     """
 
@@ -99,6 +124,7 @@ class DistConv3d(nn.Module):
         stride: int | Sequence[int] = 1,
         bias: bool = True,
         broadcast: bool = True,
+        overlap: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -109,6 +135,7 @@ class DistConv3d(nn.Module):
         self.grid = grid
         self.halo = tuple(k // 2 for k in ks)
         self.stride = _strides(stride)
+        self.overlap = bool(overlap)
         self.conv = nn.Conv3d(
             in_channels,
             out_channels,
@@ -141,6 +168,8 @@ class DistConv3d(nn.Module):
         owned = tuple(x.shape[-3:])
         g = self.grid
         check_aligned(owned, g.parts, g.spatial_coords, self.stride, "DistConv3d")
+        if self.overlapped():
+            return self._overlapped_forward(x)
         t = halo_exchange(x, g, self.halo)
         ks = self.conv.kernel_size
         # Keep the window the owned outputs read: [h - left, h + n + right) of the padded block.
@@ -150,7 +179,45 @@ class DistConv3d(nn.Module):
             window.append(slice(h - left, h + n + right))
         return self.conv(t[(..., *window)])
 
+    def overlapped(self) -> bool:
+        """Whether ``forward`` overlaps the halo exchange (``overlap``, stride 1, a split axis)."""
+        stride1 = all(s == 1 for s in self.stride)
+        return self.overlap and stride1 and bool(exchange_axes(self.grid, self.halo))
+
+    def _conv_box(self, padded: torch.Tensor, box: Box) -> torch.Tensor:
+        """The stride-1 outputs ``box`` from the padded block (valid conv of their window)."""
+        window = tuple(slice(a, b) for a, b in conv_input_box(box, self.halo))
+        return F.conv3d(padded[(..., *window)], self.conv.weight, self.conv.bias)
+
+    def _overlapped_forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.grid
+        owned = tuple(x.shape[-3:])
+        sides = [
+            tuple(peer is not None and h > 0 for peer in pair)
+            for pair, h in zip(g.neighbours, self.halo, strict=True)
+        ]
+        inner = interior_box(owned, self.halo, sides)
+        padded, started = start_halo_exchange(x, g, self.halo)
+        # Reads owned voxels and global zero padding only: runs while the first axis travels.
+        core = self._conv_box(padded, inner) if box_size(inner) else None
+        full = finish_halo_exchange(padded, started)
+        slabs = {(axis, side): box for axis, side, box in shell_slabs(owned, inner)}
+        for axis in reversed(range(3)):
+            lo, hi = slabs.get((axis, 0)), slabs.get((axis, 1))
+            pieces = [
+                self._conv_box(full, lo) if lo else None,
+                core,
+                self._conv_box(full, hi) if hi else None,
+            ]
+            pieces = [p for p in pieces if p is not None]
+            if len(pieces) > 1:
+                core = torch.cat(pieces, dim=x.dim() - 3 + axis)
+            elif pieces:
+                core = pieces[0]
+        assert core is not None and tuple(core.shape[-3:]) == owned
+        return core
+
     def extra_repr(self) -> str:
         g = self.grid
         where = f"parts={g.parts}, spatial_rank={g.spatial_rank}"
-        return f"{where}, halo={self.halo}, stride={self.stride}"
+        return f"{where}, halo={self.halo}, stride={self.stride}, overlap={self.overlapped()}"

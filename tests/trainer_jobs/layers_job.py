@@ -2,9 +2,10 @@
 (float64), for every split in ``CASES[N]``; rank 0 writes the worst errors over all ranks as JSON
 ``{case: {check: error}}`` (``case`` as :func:`case_keys` lists them).
 
-Checked: strided ``DistConv3d``, ``DistMaxPool3d``/``DistAvgPool3d``, ``DistBatchNorm3d`` with
-statistics over the spatial group and over the world (two steps: running statistics, then
-outputs and gradients; then evaluation mode), ``global_avg_pool``, ``gather_flatten``, and a
+Checked: strided ``DistConv3d`` (stride 1 with and without overlapping the halo exchange),
+``DistMaxPool3d``/``DistAvgPool3d``, ``DistBatchNorm3d`` with statistics over the spatial group
+and over the world (two steps: running statistics, then outputs and gradients; then evaluation
+mode), ``global_avg_pool``, ``gather_flatten``, and a
 small CosmoFlow-like chain of them ending in a dense layer. Output blocks are cut from the
 reference by the ownership rule of ``trainer.geometry``; ``tiles`` checks that they cover the
 reference output exactly once.
@@ -39,7 +40,15 @@ CASES = {
 # Axis length by blocks along it: split axes end in a shorter (odd) block, 7 -> (4, 3),
 # 15 -> (4, 4, 4, 3); axis 1 has even lengths, 8 -> (4, 4); unsplit axes are odd.
 LENGTHS = ({1: 5, 2: 7, 4: 15}, {1: 6, 2: 8, 4: 16}, {1: 5, 2: 7, 4: 15})
-CONVS = [(3, 1), (3, 2), (5, 2), (1, 2)]  # (kernel, stride)
+CONVS = [(3, 1), (5, 1), (3, 2), (5, 2), (1, 2)]  # (kernel, stride)
+# k5 s1 on the 4-voxel middle blocks of 15 -> (4, 4, 4, 3): an empty interior, all shell
+
+
+def overlaps(stride: int) -> tuple[bool, ...]:
+    """``DistConv3d(overlap=...)`` values checked: both for stride 1, the default otherwise."""
+    return (False, True) if stride == 1 else (True,)
+
+
 # (kind, kernel, stride); stride > kernel needs no halo either
 POOLS = [("max", 2, 2), ("avg", 2, 2), ("max", (1, 2, 1), 2), ("avg", (2, 1, 1), (2, 2, 2))]
 # stats group names; "world" spans the data groups too
@@ -55,7 +64,7 @@ def case_keys(world: int) -> list[str]:
     out = []
     for parts in CASES[world]:
         name = case_name(parts, world)
-        out += [f"conv k={k} s={s}, {name}" for k, s in CONVS]
+        out += [f"conv k={k} s={s} overlap={o}, {name}" for k, s in CONVS for o in overlaps(s)]
         out += [f"{kind}pool k={k} s={s}, {name}" for kind, k, s in POOLS]
         out += [f"batchnorm stats={g}, {name}" for g in BNS]
         out += [f"batchnorm float32 mean=100, {name}"]
@@ -123,10 +132,12 @@ class Case:
         return spatial(whole, self.bounds).clone().requires_grad_()
 
 
-def check_conv(case: Case, k: int, s: int) -> dict[str, float]:
+def check_conv(case: Case, k: int, s: int, overlap: bool) -> dict[str, float]:
     pg = case.pg
     torch.manual_seed(pg.rank)  # differs per rank: the broadcast must make the weights equal
-    layer = DistConv3d(C_IN, C_OUT, k, pg, stride=s, dtype=DT)
+    layer = DistConv3d(C_IN, C_OUT, k, pg, stride=s, dtype=DT, overlap=overlap)
+    # overlap=True overlaps exactly for stride 1 (every case here splits an axis, k // 2 > 0)
+    overlapped = float(layer.overlapped() != (overlap and s == 1 and k > 1))
     ref = nn.Conv3d(C_IN, C_OUT, k, stride=s, padding=k // 2, dtype=DT)
     with torch.no_grad():
         ref.weight.copy_(layer.weight)
@@ -148,6 +159,7 @@ def check_conv(case: Case, k: int, s: int) -> dict[str, float]:
     (out * spatial(mine_g, where)).sum().backward()
     sum_spatial_grads(layer.parameters(), pg)
     errs = {
+        "overlapped": overlapped,
         "tiles": tiles(out, mine_out, pg),
         "output_rel": rel(out.detach(), spatial(mine_out, where)),
         "input_grad_rel": rel(x.grad, spatial(mine_v.grad, case.bounds)),
@@ -340,7 +352,8 @@ def main() -> None:
         case = Case(parts)
         name = case_name(parts, world)
         for k, s in CONVS:
-            put(f"conv k={k} s={s}, {name}", check_conv(case, k, s))
+            for o in overlaps(s):
+                put(f"conv k={k} s={s} overlap={o}, {name}", check_conv(case, k, s, o))
         for kind, k, s in POOLS:
             put(f"{kind}pool k={k} s={s}, {name}", check_pool(case, kind, k, s))
         for stats in BNS:

@@ -1,6 +1,7 @@
 """Under ``mpiexec -n N python -m mpi4py``: halo exchange and DistConv3d against single-process
 references, for every spatial split in CASES that fits N ranks; rank 0 writes the worst errors
-over all ranks as JSON ``{case: {check: error}}``.
+over all ranks as JSON ``{case: {check: error}}``. The halo is checked whole and split into
+start and finish (the overlapped path); DistConv3d with ``overlap`` on and off.
 
 Also runs under torchrun, or as one plain process (``CASES[1]``).
 
@@ -19,11 +20,18 @@ from torch import nn
 
 from datastore.partition import Grid, block_bounds, extract_block
 from trainer.grid import ProcessGrid, init_distributed
-from trainer.halo import halo_exchange
+from trainer.halo import (
+    exchange_axes,
+    finish_halo_exchange,
+    halo_exchange,
+    start_halo_exchange,
+    wait_clock,
+)
 from trainer.layers import DistConv3d, sum_spatial_grads
 
 SHAPE = (9, 8, 7)  # uneven on purpose: 9 into 4 gives (3, 2, 2, 2)
 N, C_IN, C_OUT = 2, 3, 4
+OVERLAPS = (False, True)  # DistConv3d(overlap=...) per conv case
 # (parts, halos, kernel sizes); the data-parallel size is world // prod(parts).
 CASES = {
     1: [((1, 1, 1), [(1, 1, 1), (2, 1, 0)], [3, 5])],  # one process, no launcher
@@ -63,33 +71,44 @@ def worst(value: float) -> float:
     return float(t)
 
 
+def _split_halo(x: torch.Tensor, pg: ProcessGrid, halo: tuple[int, ...]) -> torch.Tensor:
+    padded, started = start_halo_exchange(x, pg, halo)
+    return finish_halo_exchange(padded, started)
+
+
 def check_halo(pg: ProcessGrid, halo: tuple[int, ...]) -> dict[str, float]:
     grid = Grid(SHAPE, pg.parts, halo, "zero")
     s = pg.spatial_rank
-    # <H x, y> == <x, H^T y>, both sides summed over the spatial group; x, y differ per rank.
-    x = volume(100 + pg.rank, (N, C_IN, *SHAPE), torch.float64)
-    x = owned(x, grid, s).clone().requires_grad_()
-    hx = halo_exchange(x, pg, halo)
-    y = torch.randn(
-        hx.shape, generator=torch.Generator().manual_seed(200 + pg.rank), dtype=torch.float64
-    )
-    (hx * y).sum().backward()
-    sides = torch.stack([(hx * y).sum(), (x * x.grad).sum()]).detach()
-    dist.all_reduce(sides, group=pg.spatial_group)
-    adjoint = float((sides[0] - sides[1]).abs() / sides.abs().max())
-    # Forward values: the block with halo cut from the zero-padded whole volume.
-    v = volume(300 + pg.data_rank, (N, C_IN, *SHAPE), torch.float32)
-    got = halo_exchange(owned(v, grid, s).clone(), pg, halo)
-    want = torch.from_numpy(extract_block(v.numpy(), grid, s, spatial_axes=(2, 3, 4)))
-    forward = float((got - want).abs().max()) if got.shape == want.shape else math.inf
-    return {"adjoint_rel": worst(adjoint), "forward_abs": worst(forward)}
+    errs = {}
+    for prefix, fn in (("", halo_exchange), ("split_", _split_halo)):
+        # <H x, y> == <x, H^T y>, both sides summed over the spatial group; x, y differ per rank.
+        x = volume(100 + pg.rank, (N, C_IN, *SHAPE), torch.float64)
+        x = owned(x, grid, s).clone().requires_grad_()
+        hx = fn(x, pg, halo)
+        y = torch.randn(
+            hx.shape, generator=torch.Generator().manual_seed(200 + pg.rank), dtype=torch.float64
+        )
+        (hx * y).sum().backward()
+        sides = torch.stack([(hx * y).sum(), (x * x.grad).sum()]).detach()
+        dist.all_reduce(sides, group=pg.spatial_group)
+        adjoint = float((sides[0] - sides[1]).abs() / sides.abs().max())
+        # Forward values: the block with halo cut from the zero-padded whole volume.
+        v = volume(300 + pg.data_rank, (N, C_IN, *SHAPE), torch.float32)
+        got = fn(owned(v, grid, s).clone(), pg, halo)
+        want = torch.from_numpy(extract_block(v.numpy(), grid, s, spatial_axes=(2, 3, 4)))
+        forward = float((got - want).abs().max()) if got.shape == want.shape else math.inf
+        errs[f"{prefix}adjoint_rel"] = worst(adjoint)
+        errs[f"{prefix}forward_abs"] = worst(forward)
+    return errs
 
 
-def check_conv(pg: ProcessGrid, k: int) -> dict[str, float]:
+def check_conv(pg: ProcessGrid, k: int, overlap: bool) -> dict[str, float]:
     grid = Grid(SHAPE, pg.parts, (k // 2,) * 3, "zero")
     s = pg.spatial_rank
     torch.manual_seed(pg.rank)  # different init everywhere: the broadcast must make them equal
-    layer = DistConv3d(C_IN, C_OUT, k, pg)
+    layer = DistConv3d(C_IN, C_OUT, k, pg, overlap=overlap)
+    axes = exchange_axes(pg, layer.halo)
+    overlapped = float(layer.overlapped() != (overlap and bool(axes)))
     hi, lo = layer.weight.detach().clone(), layer.weight.detach().clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
@@ -109,11 +128,16 @@ def check_conv(pg: ProcessGrid, k: int) -> dict[str, float]:
         refs.append((v, g, out.detach(), ref.weight.grad.clone(), ref.bias.grad.clone()))
     v, g, out_ref, wg_ref, bg_ref = refs[pg.data_rank]
     x = owned(v.detach(), grid, s).clone().requires_grad_()
+    wait_clock.reset()
     out = layer(x)
     (out * owned(g, grid, s)).sum().backward()
+    # One timed wait per exchanging axis, forward and backward, on either path.
+    waits = abs(wait_clock.forward_waits - len(axes)) + abs(wait_clock.backward_waits - len(axes))
     sum_spatial_grads(layer.parameters(), pg)
     errs = {
         "same_weights": same_weights,
+        "overlapped": overlapped,
+        "wait_count": float(waits),
         "output_rel": rel(out.detach(), owned(out_ref, grid, s)),
         "input_grad_rel": rel(x.grad, owned(v.grad, grid, s)),
         "weight_grad_rel": rel(layer.weight.grad, wg_ref),
@@ -134,7 +158,8 @@ def main() -> None:
         for halo in halos:
             results[f"halo {halo}, {name}"] = check_halo(pg, halo)
         for k in kernels:
-            results[f"conv k={k}, {name}"] = check_conv(pg, k)
+            for overlap in OVERLAPS:
+                results[f"conv k={k} overlap={overlap}, {name}"] = check_conv(pg, k, overlap)
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
