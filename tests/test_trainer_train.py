@@ -227,3 +227,20 @@ def test_cuda_is_refused_clearly_without_a_gpu(tiny, capsys):
         pytest.skip("this machine has a GPU")
     assert main(["train", "--set", f"data={tiny}", "--set", "device=cuda"]) == 2
     assert "device 'cuda': CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["cosmoflow", "unet3d"])
+def test_the_example_configs_train(name, tmp_path, capsys):
+    """trainer/configs/*.toml load, and train on small data with their own keys."""
+    from pathlib import Path
+
+    from trainer.cosmology import write_split
+
+    path = Path(__file__).parent.parent / "trainer" / "configs" / f"{name}.toml"
+    write_split(tmp_path, 16, 4, 16, seed=0, noise=0.3)
+    sets = [f"data={tmp_path}", "steps=2", "global_batch=4", "width=2",
+            f"checkpoint_dir={tmp_path}/ck", f"log_file={tmp_path}/log"]  # fmt: skip
+    cfg = load_config(path, sets)
+    assert cfg.model == name
+    assert main(["train", "--config", str(path), *(a for s in sets for a in ("--set", s))]) == 0
+    assert "trained 2 steps" in capsys.readouterr().out

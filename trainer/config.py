@@ -85,6 +85,8 @@ class TrainConfig:
         amp: bf16 autocast of the forward pass on a GPU (ignored on the CPU). Default: ``True``.
         channels_last: the ``channels_last_3d`` memory format on a GPU. Default: ``True``.
         cudnn_benchmark: let cuDNN pick the fastest convolution algorithms. Default: ``True``.
+        halo_overlap: split convolutions compute their interior while the halo travels
+            (``DistConv3d(overlap=...)``). Default: ``True``.
         checkpoint_dir: where ``checkpoint.pt`` is written and resumed from (``""``: never).
             Default: ``""``.
         checkpoint_interval: steps between checkpoints (``0``: only at the end). Default: ``0``.
@@ -125,6 +127,7 @@ class TrainConfig:
     amp: bool = True
     channels_last: bool = True
     cudnn_benchmark: bool = True
+    halo_overlap: bool = True
     checkpoint_dir: str = ""
     checkpoint_interval: int = 0
     log_file: str = ""

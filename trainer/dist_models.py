@@ -52,11 +52,14 @@ class DistLayers:
         grid: this rank's process grid (3 spatial axes).
         stats_group: the group BatchNorm statistics span: ``grid.spatial_group`` (per replica)
             or a group of whole spatial groups, e.g. ``torch.distributed.group.WORLD``.
+        overlap: the convolutions overlap their halo transfer with the interior
+            (``DistConv3d(overlap=...)``). Default: ``True``.
     """
 
-    def __init__(self, grid: ProcessGrid, stats_group: Any) -> None:
+    def __init__(self, grid: ProcessGrid, stats_group: Any, *, overlap: bool = True) -> None:
         self.grid = grid
         self.stats_group = stats_group
+        self.overlap = overlap
         self._made: list[nn.Module] = []
 
     def _keep(self, module: nn.Module) -> nn.Module:
@@ -64,7 +67,9 @@ class DistLayers:
         return module
 
     def conv3d(self, cin: int, cout: int, k: int, stride: int = 1) -> nn.Module:
-        return self._keep(DistConv3d(cin, cout, k, self.grid, stride=stride, broadcast=False))
+        conv = DistConv3d(cin, cout, k, self.grid, stride=stride, broadcast=False,
+                          overlap=self.overlap)  # fmt: skip
+        return self._keep(conv)
 
     def maxpool3d(self, k: int) -> nn.Module:
         return DistMaxPool3d(k, self.grid)

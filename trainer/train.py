@@ -173,7 +173,9 @@ class _Trainer:
         train_path, val_path = data_paths(cfg)
         self.loader = _loader(cfg, train_path, run, validation=False)
         self.val_loader = _loader(cfg, val_path, run, validation=True)
-        self.layers = None if grid is None else DistLayers(grid, grid.spatial_group)
+        self.layers = None
+        if grid is not None:
+            self.layers = DistLayers(grid, grid.spatial_group, overlap=cfg.halo_overlap)
         model = build_model(cfg, run, self.layers)
         self.model = model.to(run.device, memory_format=self.memory_format)
         self.opt = build_optimizer(cfg, self.model, grid)
