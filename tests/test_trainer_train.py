@@ -238,7 +238,7 @@ def test_the_example_configs_train(name, tmp_path, capsys):
 
     path = Path(__file__).parent.parent / "trainer" / "configs" / f"{name}.toml"
     write_split(tmp_path, 16, 4, 16, seed=0, noise=0.3)
-    sets = [f"data={tmp_path}", "steps=2", "global_batch=4", "width=2",
+    sets = [f"data={tmp_path}", "steps=2", "warmup=1", "global_batch=4", "width=2",
             f"checkpoint_dir={tmp_path}/ck", f"log_file={tmp_path}/log"]  # fmt: skip
     cfg = load_config(path, sets)
     assert cfg.model == name

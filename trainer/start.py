@@ -117,7 +117,10 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
             f"training samples in {train_path}"
         )
     total = cfg.steps or cfg.epochs * (samples // cfg.global_batch)
-    schedule_of(cfg, total)  # a decay needs more steps than the warm-up
+    try:
+        schedule_of(cfg, total)
+    except ValueError as exc:  # a decay needs more steps than the warm-up
+        raise ValueError(f"config keys 'lr_schedule', 'warmup', 'steps': {exc}") from None
     return depth, inputs, targets, samples, total
 
 
