@@ -226,16 +226,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--sides", type=int, nargs="+", default=[128, 192, 256, 320, 384, 448, 512])
     p.add_argument("--cpu-side", type=int, default=64, help="case 2 side on the CPU")
-    p.add_argument("--halo-side", type=int, default=None, help="cases 3-4 side (GPU 128, CPU 32)")
-    p.add_argument("--job-steps", type=int, default=None, help="steps per job (GPU 10, CPU 3)")
+    p.add_argument("--halo-side", type=int, default=None, help="cases 3-4 side (GPU 128, CPU 64)")
+    p.add_argument("--job-steps", type=int, default=None, help="steps per job (GPU 10, CPU 5)")
     p.add_argument("--cases", default="1234", help="which cases to run")
     p.add_argument("--dir", default=None, help="where the dataset goes (default: a temp dir)")
     a = p.parse_args()
     device = torch.device(a.device)
     gpu = device.type == "cuda"
     for key, on_gpu, on_cpu in (("side", 128, 32), ("width", 32, 4), ("batch", 8, 4),
-                                ("samples", 64, 32), ("steps", 30, 5), ("halo_side", 128, 32),
-                                ("job_steps", 10, 3)):  # fmt: skip
+                                ("samples", 64, 32), ("steps", 30, 5), ("halo_side", 128, 64),
+                                ("job_steps", 10, 5)):  # fmt: skip
         if getattr(a, key) is None:
             setattr(a, key, on_gpu if gpu else on_cpu)
     a.threads = os.cpu_count() or 1

@@ -17,11 +17,13 @@ of ``s`` voxels (checked). Its forward and every gradient equal the single-proce
 
 Overlap (``overlap=True``; stride 1 on every axis and at least one exchanging axis)
     The forward hides the first exchanging axis' halo transfer behind the *interior* outputs,
-    those that read no halo received from a neighbour (``trainer.geometry.interior_box``):
-    zero-pad the block, post the first axis' exchange (``trainer.halo.start_halo_exchange``),
-    convolve the interior from the padded block, wait, exchange the other axes (blocking, one
-    after another, so that corners arrive by hops), then convolve the *shell*
-    (``trainer.geometry.shell_slabs``, at most two slabs per axis) and concatenate. The
+    those a valid convolution of the owned block alone gives (``trainer.geometry.interior_box``
+    with every side excluded): zero-pad the block, post the first axis' exchange
+    (``trainer.halo.start_halo_exchange``), convolve the interior from the block itself, wait,
+    exchange the other axes (blocking, one after another, so that corners arrive by hops), then
+    convolve the *shell* (``trainer.geometry.shell_slabs``, at most two slabs per axis, each
+    from a copy of its thin input window) and concatenate. Backward keeps the block and the
+    shell windows, not the padded block. The
     exchanges of the second and third split axes are not overlapped, nor is any part of the
     backward: the halo's adjoint runs blocking as without overlap. Outputs and gradients are
     those of the path without overlap up to rounding (the same sums, cut into pieces).
@@ -185,21 +187,23 @@ class DistConv3d(nn.Module):
         return self.overlap and stride1 and bool(exchange_axes(self.grid, self.halo))
 
     def _conv_box(self, padded: torch.Tensor, box: Box) -> torch.Tensor:
-        """The stride-1 outputs ``box`` from the padded block (valid conv of their window)."""
+        """The stride-1 outputs ``box`` from the padded block (valid conv of their window).
+
+        The window is copied, so backward keeps that thin slab alive, not the padded block.
+        """
         window = tuple(slice(a, b) for a, b in conv_input_box(box, self.halo))
-        return F.conv3d(padded[(..., *window)], self.conv.weight, self.conv.bias)
+        return F.conv3d(padded[(..., *window)].clone(), self.conv.weight, self.conv.bias)
 
     def _overlapped_forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.grid
         owned = tuple(x.shape[-3:])
-        sides = [
-            tuple(peer is not None and h > 0 for peer in pair)
-            for pair, h in zip(g.neighbours, self.halo, strict=True)
-        ]
-        inner = interior_box(owned, self.halo, sides)
+        # The interior is what the owned voxels alone give: a valid convolution of the block,
+        # whatever the sides (the global boundary's zero padding is left to the shell), so it
+        # reads x itself and backward keeps no padded copy for it.
+        inner = interior_box(owned, self.halo, [(h > 0, h > 0) for h in self.halo])
         padded, started = start_halo_exchange(x, g, self.halo)
-        # Reads owned voxels and global zero padding only: runs while the first axis travels.
-        core = self._conv_box(padded, inner) if box_size(inner) else None
+        # Reads owned voxels only: runs while the first axis travels.
+        core = F.conv3d(x, self.conv.weight, self.conv.bias) if box_size(inner) else None
         full = finish_halo_exchange(padded, started)
         slabs = {(axis, side): box for axis, side, box in shell_slabs(owned, inner)}
         for axis in reversed(range(3)):
