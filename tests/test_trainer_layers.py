@@ -297,7 +297,7 @@ def test_dist_conv3d_overlaps_for_stride_1_with_a_split_axis_only():
         kw.setdefault("overlap", True)
         return DistConv3d(1, 1, kw.pop("k", 3), _grid(parts, 0), broadcast=False, **kw)
 
-    assert not DistConv3d(1, 1, 3, _grid((2, 1, 1), 0), broadcast=False).overlap  # off by default
+    assert DistConv3d(1, 1, 3, _grid((2, 1, 1), 0), broadcast=False).overlap  # on by default
     assert conv((2, 1, 1)).overlapped()
     assert conv((1, 1, 2), k=(1, 1, 3)).overlapped()
     assert not conv((2, 1, 1), overlap=False).overlapped()

@@ -86,10 +86,9 @@ class TrainConfig:
         channels_last: the ``channels_last_3d`` memory format on a GPU. Default: ``True``.
         cudnn_benchmark: let cuDNN pick the fastest convolution algorithms. Default: ``True``.
         halo_overlap: split convolutions compute their interior while the halo travels
-            (``DistConv3d(overlap=...)``); it keeps a second copy of each padded block for
-            backward (measured on the CPU: peak memory per rank 0.68x of the whole sample at a
-            2-way split instead of 0.54x), so it is off until a GPU run shows it pays.
-            Default: ``False``.
+            (``DistConv3d(overlap=...)``; measured on the CPU at side 64: the step 10% shorter,
+            peak memory per rank 0.58x of the whole sample at a 2-way split instead of 0.54x).
+            Default: ``True``.
         checkpoint_dir: where ``checkpoint.pt`` is written and resumed from (``""``: never).
             Default: ``""``.
         checkpoint_interval: steps between checkpoints (``0``: only at the end). Default: ``0``.
@@ -130,7 +129,7 @@ class TrainConfig:
     amp: bool = True
     channels_last: bool = True
     cudnn_benchmark: bool = True
-    halo_overlap: bool = False
+    halo_overlap: bool = True
     checkpoint_dir: str = ""
     checkpoint_interval: int = 0
     log_file: str = ""

@@ -53,10 +53,10 @@ class DistLayers:
         stats_group: the group BatchNorm statistics span: ``grid.spatial_group`` (per replica)
             or a group of whole spatial groups, e.g. ``torch.distributed.group.WORLD``.
         overlap: the convolutions overlap their halo transfer with the interior
-            (``DistConv3d(overlap=...)``). Default: ``False``.
+            (``DistConv3d(overlap=...)``). Default: ``True``.
     """
 
-    def __init__(self, grid: ProcessGrid, stats_group: Any, *, overlap: bool = False) -> None:
+    def __init__(self, grid: ProcessGrid, stats_group: Any, *, overlap: bool = True) -> None:
         self.grid = grid
         self.stats_group = stats_group
         self.overlap = overlap

@@ -15,7 +15,7 @@ of ``s`` voxels (checked). Its forward and every gradient equal the single-proce
   the whole sample is their sum over the spatial group (:func:`sum_spatial_grads`), to be
   averaged over the data group afterwards as in plain data parallelism.
 
-Overlap (``overlap=True``; stride 1 on every axis and at least one exchanging axis)
+Overlap (``overlap=True``, the default; stride 1 on every axis and at least one exchanging axis)
     The forward hides the first exchanging axis' halo transfer behind the *interior* outputs,
     those a valid convolution of the owned block alone gives (``trainer.geometry.interior_box``
     with every side excluded): zero-pad the block, post the first axis' exchange
@@ -111,7 +111,7 @@ class DistConv3d(nn.Module):
             on every rank, or were seeded identically.
         overlap: overlap the first split axis' halo transfer with the interior outputs in
             forward (stride 1 only; see the module docstring; the backward is not overlapped).
-            It saves a second copy of the padded block for backward. Default: ``False``. Host
+            Default: ``True``. Host
             seconds blocked in halo waits add up in ``trainer.halo.wait_clock`` either way.
         device, dtype: of the parameters. Default: torch's defaults.
     """
@@ -126,7 +126,7 @@ class DistConv3d(nn.Module):
         stride: int | Sequence[int] = 1,
         bias: bool = True,
         broadcast: bool = True,
-        overlap: bool = False,
+        overlap: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
