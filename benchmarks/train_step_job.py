@@ -80,7 +80,7 @@ def main() -> None:
     y = torch.rand(batch, 3) * 2 - 1
     own = block_bounds(Grid((side,) * 3, split.parts), split.spatial_rank)
     xb = x[(..., *own)].contiguous()
-    layers = DistLayers(split, split.spatial_group)
+    layers = DistLayers(split, split.spatial_group, overlap=False)  # timed in _forward/_adjoint
     model = cosmoflow(side, width, layers)
     whole = saved_bytes(cosmoflow(side, width, TorchLayers()), x)
     part = saved_bytes(model, xb)
