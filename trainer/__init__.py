@@ -7,13 +7,19 @@
 - ``trainer.pool``: :class:`~trainer.pool.DistMaxPool3d`, :class:`~trainer.pool.DistAvgPool3d`,
   :func:`~trainer.pool.global_avg_pool` and :func:`~trainer.pool.gather_flatten`.
 - ``trainer.norm``: :class:`~trainer.norm.DistBatchNorm3d`, statistics over an explicit group.
-- ``trainer.geometry``: pure block geometry of the strided layers; ``trainer.comm``: group
-  collectives with a timeout.
+- ``trainer.geometry``: pure block geometry of the strided and overlapped layers.
+- ``trainer.comm``: every message, direct (gloo on CPU, NCCL on GPU) or staged through pinned
+  host memory (CUDA over gloo), with a timeout; ``trainer.devices``: the rank's device and
+  backend.
 - ``trainer.reduce``: :class:`~trainer.reduce.GradientReducer` (bucketed spatial sum and data
   average of weight gradients, overlapped with backward).
 - ``trainer.optim``: :func:`~trainer.optim.lr_at` (scaled LR, warmup, decay), ``LARS``, ``Lion``.
 - ``trainer.lion_cub``: :class:`~trainer.lion_cub.LionCub` (majority vote of Lion signs).
 - ``trainer.cosmology``: synthetic cosmology fields and their HDF5 train/validation files.
 - ``trainer.models``: ``CosmoFlow`` and ``UNet3D`` over a layer factory.
-- ``trainer.config``, ``trainer.train``, ``trainer.checkpoint``: ``python -m trainer train``.
+- ``trainer.preflight``: pure checks of a run (fields, world, the model's blocks at every level);
+  ``trainer.start``: device, process group and those checks agreed on by every rank.
+- ``trainer.metrics``: the tasks' losses and validation sums.
+- ``trainer.config``, ``trainer.train``, ``trainer.checkpoint``: ``python -m trainer train``;
+  ``trainer/configs/*.toml``: an example per model.
 """
