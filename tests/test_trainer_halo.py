@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import MPIEXEC
 
 from staging.cluster import LAUNCH_ENV
@@ -120,3 +121,31 @@ def test_torchrun_launch_passes_the_same_checks(tmp_path, tmp_path_factory):
     for key, r in got.items():
         for check, err in r.items():
             assert err < (1e-12 if check.endswith("adjoint_rel") else 1e-5), (key, check, err)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [2, 4])
+def test_halo_and_conv_on_cuda_pass_the_same_checks(n, tmp_path):
+    """The halo exchange (both forms) and DistConv3d (overlap on and off) on GPU tensors, every
+    rank on the one GPU over gloo (halos staged through pinned host memory): the same exact
+    halos and adjoint, and the same outputs and gradients as ``torch.nn.Conv3d``."""
+    out = tmp_path / "out.json"
+    proc = mpirun(n, "spatial_job.py", str(out), "cuda", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(out.read_text())
+    assert sorted(got) == sorted(
+        key for m, key in (p.values for p in cases("halo") + cases("conv")) if m == n
+    )
+    for key, r in got.items():
+        for check, err in r.items():
+            if check.endswith("adjoint_rel"):
+                assert err < 1e-12, (key, check, err)
+            elif check.endswith("forward_abs") or check in (
+                "same_weights",
+                "overlapped",
+                "wait_count",
+            ):
+                assert err == 0.0, (key, check, err)
+            else:
+                assert err < 1e-5, (key, check, err)

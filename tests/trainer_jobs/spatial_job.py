@@ -5,7 +5,10 @@ start and finish (the overlapped path); DistConv3d with ``overlap`` on and off.
 
 Also runs under torchrun, or as one plain process (``CASES[1]``).
 
-Usage: spatial_job.py OUT_JSON
+With DEVICE ``cuda`` the split tensors and layers live on the GPU (every rank on it, over gloo:
+messages staged through pinned host memory); the references stay on the CPU.
+
+Usage: spatial_job.py OUT_JSON [DEVICE]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from trainer.halo import (
 )
 from trainer.layers import DistConv3d, sum_spatial_grads
 
+DEVICE = torch.device("cpu")  # where the split tensors live (argv[2])
 SHAPE = (9, 8, 7)  # uneven on purpose: 9 into 4 gives (3, 2, 2, 2)
 N, C_IN, C_OUT = 2, 3, 4
 OVERLAPS = (False, True)  # DistConv3d(overlap=...) per conv case
@@ -83,18 +87,18 @@ def check_halo(pg: ProcessGrid, halo: tuple[int, ...]) -> dict[str, float]:
     for prefix, fn in (("", halo_exchange), ("split_", _split_halo)):
         # <H x, y> == <x, H^T y>, both sides summed over the spatial group; x, y differ per rank.
         x = volume(100 + pg.rank, (N, C_IN, *SHAPE), torch.float64)
-        x = owned(x, grid, s).clone().requires_grad_()
+        x = owned(x, grid, s).clone().to(DEVICE).requires_grad_()
         hx = fn(x, pg, halo)
         y = torch.randn(
             hx.shape, generator=torch.Generator().manual_seed(200 + pg.rank), dtype=torch.float64
-        )
+        ).to(DEVICE)
         (hx * y).sum().backward()
-        sides = torch.stack([(hx * y).sum(), (x * x.grad).sum()]).detach()
+        sides = torch.stack([(hx * y).sum(), (x * x.grad).sum()]).detach().cpu()
         dist.all_reduce(sides, group=pg.spatial_group)
         adjoint = float((sides[0] - sides[1]).abs() / sides.abs().max())
         # Forward values: the block with halo cut from the zero-padded whole volume.
         v = volume(300 + pg.data_rank, (N, C_IN, *SHAPE), torch.float32)
-        got = fn(owned(v, grid, s).clone(), pg, halo)
+        got = fn(owned(v, grid, s).clone().to(DEVICE), pg, halo).cpu()
         want = torch.from_numpy(extract_block(v.numpy(), grid, s, spatial_axes=(2, 3, 4)))
         forward = float((got - want).abs().max()) if got.shape == want.shape else math.inf
         errs[f"{prefix}adjoint_rel"] = worst(adjoint)
@@ -106,10 +110,10 @@ def check_conv(pg: ProcessGrid, k: int, overlap: bool) -> dict[str, float]:
     grid = Grid(SHAPE, pg.parts, (k // 2,) * 3, "zero")
     s = pg.spatial_rank
     torch.manual_seed(pg.rank)  # different init everywhere: the broadcast must make them equal
-    layer = DistConv3d(C_IN, C_OUT, k, pg, overlap=overlap)
+    layer = DistConv3d(C_IN, C_OUT, k, pg, overlap=overlap).to(DEVICE)
     axes = exchange_axes(pg, layer.halo)
     overlapped = float(layer.overlapped() != (overlap and bool(axes)))
-    hi, lo = layer.weight.detach().clone(), layer.weight.detach().clone()
+    hi, lo = layer.weight.detach().cpu(), layer.weight.detach().cpu()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     same_weights = float((hi - lo).abs().max())
@@ -127,10 +131,10 @@ def check_conv(pg: ProcessGrid, k: int, overlap: bool) -> dict[str, float]:
         (out * g).sum().backward()
         refs.append((v, g, out.detach(), ref.weight.grad.clone(), ref.bias.grad.clone()))
     v, g, out_ref, wg_ref, bg_ref = refs[pg.data_rank]
-    x = owned(v.detach(), grid, s).clone().requires_grad_()
+    x = owned(v.detach(), grid, s).clone().to(DEVICE).requires_grad_()
     wait_clock.reset()
     out = layer(x)
-    (out * owned(g, grid, s)).sum().backward()
+    (out * owned(g, grid, s).to(DEVICE)).sum().backward()
     # One timed wait per exchanging axis, forward and backward, on either path.
     waits = abs(wait_clock.forward_waits - len(axes)) + abs(wait_clock.backward_waits - len(axes))
     sum_spatial_grads(layer.parameters(), pg)
@@ -138,18 +142,25 @@ def check_conv(pg: ProcessGrid, k: int, overlap: bool) -> dict[str, float]:
         "same_weights": same_weights,
         "overlapped": overlapped,
         "wait_count": float(waits),
-        "output_rel": rel(out.detach(), owned(out_ref, grid, s)),
-        "input_grad_rel": rel(x.grad, owned(v.grad, grid, s)),
-        "weight_grad_rel": rel(layer.weight.grad, wg_ref),
-        "bias_grad_rel": rel(layer.bias.grad, bg_ref),
+        "output_rel": rel(out.detach().cpu(), owned(out_ref, grid, s)),
+        "input_grad_rel": rel(x.grad.cpu(), owned(v.grad, grid, s)),
+        "weight_grad_rel": rel(layer.weight.grad.cpu(), wg_ref),
+        "bias_grad_rel": rel(layer.bias.grad.cpu(), bg_ref),
     }
-    dist.all_reduce(layer.weight.grad, group=pg.data_group)
-    errs["data_sum_rel"] = rel(layer.weight.grad, sum(r[3] for r in refs))
+    weight_grad = layer.weight.grad.cpu()
+    dist.all_reduce(weight_grad, group=pg.data_group)
+    errs["data_sum_rel"] = rel(weight_grad, sum(r[3] for r in refs))
     return {key: worst(e) for key, e in errs.items()}
 
 
 def main() -> None:
+    global DEVICE
     torch.set_num_threads(1)
+    if len(sys.argv) > 2:  # every rank on this GPU, over gloo: halos staged through host memory
+        DEVICE = torch.device(sys.argv[2])
+        torch.cuda.set_device(DEVICE)
+        torch.backends.cudnn.allow_tf32 = False  # float32 really, for the 1e-5 tolerances
+        torch.backends.cuda.matmul.allow_tf32 = False
     rank, world = init_distributed()
     results: dict[str, dict[str, float]] = {}
     for parts, halos, kernels in CASES[world]:
