@@ -108,6 +108,12 @@ def add_parser(sub: Any) -> None:
         metavar="N",
         help="group ranks into nodes by rank // N instead of by shared memory",
     )
+    p.add_argument(
+        "--preserve-special-bits",
+        action="store_true",
+        help="keep setuid, setgid and sticky bits of source files and archive members (default: "
+        "dropped, so that staging never creates a setuid program)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument(
         "--progress-json",
@@ -152,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             progress_json=args.progress_json,
             quiet=args.quiet,
             ranks_per_node=args.ranks_per_node,
+            preserve_special_bits=args.preserve_special_bits,
         )
     except ValueError as exc:
         print(f"datastore stage: error: {exc}", file=sys.stderr)

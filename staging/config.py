@@ -42,6 +42,7 @@ class StageConfig:
     progress_json: bool = False
     quiet: bool = False
     ranks_per_node: int | None = None
+    preserve_special_bits: bool = False
 
     def __post_init__(self) -> None:
         if self.streams == 0:

@@ -296,8 +296,11 @@ class Engine:
         streams: int,
         policy: IoPolicy,
         on_bytes: Callable[[int], None] = lambda n: None,
+        special_bits: bool = False,
     ):
         self.dest, self.algo, self.streams, self.policy = dest, algo, streams, policy
+        # Permission bits written to DEST: setuid, setgid and sticky only when asked for.
+        self.mode_mask = 0o7777 if special_bits else 0o777
         self.on_bytes = on_bytes
         self.tmp = tmp_dir(dest)
         os.makedirs(self.tmp, exist_ok=True)
@@ -357,7 +360,7 @@ class Engine:
         fd = out.fd
         if out.direct and item.size % ALIGN:
             os.ftruncate(fd, item.size)  # drop the padding of the last direct write
-        os.fchmod(fd, item.mode & 0o7777)
+        os.fchmod(fd, item.mode & self.mode_mask)
         if item.mtime_ns:
             os.utime(fd, ns=(item.mtime_ns, item.mtime_ns))
         if not out.direct:

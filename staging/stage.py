@@ -178,11 +178,11 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     total = sum(g.nbytes for g in mine)
     policy = IoPolicy(cfg.io, meta_dir(dest), log=lay.is_leader and not cfg.quiet)
     with Progress(total, enabled=log.progress, json_lines=log.progress_json) as bar:
-        stats = (
-            Engine(dest, lay.rank, cfg.checksum, cfg.streams, policy, bar.advance).run(mine)
-            if mine
-            else Stats()
-        )
+        engine = Engine(
+            dest, lay.rank, cfg.checksum, cfg.streams, policy, bar.advance,
+            special_bits=cfg.preserve_special_bits,
+        ) if mine else None  # fmt: skip
+        stats = engine.run(mine) if engine is not None else Stats()
 
     # 5. the leader folds the node's journals into the manifest and clears the temp space
     node_comm.Barrier()

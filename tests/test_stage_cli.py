@@ -164,6 +164,35 @@ def test_modes_and_mtimes_preserved(tmp_path, run_stage, make_tree):
     assert modes == {mode for _, _, mode in TREE_FILES}
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_setuid_setgid_sticky_dropped_unless_asked(tmp_path, run_stage, keep):
+    """A setuid program in a source tree or an archive never becomes one in DEST by default."""
+    src = tmp_path / "src"
+    src.mkdir()
+    prog = src / "prog"
+    prog.write_bytes(b"#!/bin/sh\n")
+    prog.chmod(0o4755)
+    sticky = src / "sticky"
+    sticky.write_bytes(b"x")
+    sticky.chmod(0o1644)
+    archive = write_archive(
+        tmp_path / "bits.tar",
+        tar_bytes([(file_info("suid", mode=0o4755), b"a"), (file_info("sgid", mode=0o2750), b"b")]),
+    )
+    dest = tmp_path / "dest"
+    flag = ["--preserve-special-bits"] if keep else []
+    run_stage(src, archive, "--to", dest, "-q", *flag, check=0)
+    got = {
+        name: stat.S_IMODE((dest / path).stat().st_mode)
+        for name, path in (("prog", "src/prog"), ("sticky", "src/sticky"), ("suid", "suid"),
+                           ("sgid", "sgid"))
+    }  # fmt: skip
+    if keep:
+        assert got == {"prog": 0o4755, "sticky": 0o1644, "suid": 0o4755, "sgid": 0o2750}
+    else:
+        assert got == {"prog": 0o755, "sticky": 0o644, "suid": 0o755, "sgid": 0o750}
+
+
 # -- archives ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("suffix", ARCHIVE_SUFFIXES)
 def test_archive_unpacked_byte_for_byte(tmp_path, run_stage, make_tree, suffix):
