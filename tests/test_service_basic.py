@@ -274,6 +274,18 @@ def test_tcp_without_token_file_is_refused(tmp_path, env):
     assert not (tmp_path / "s.sock").exists()
 
 
+def test_a_token_file_others_can_read_is_refused(tmp_path, env):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o644)
+    sock = tmp_path / "s.sock"
+    r = cli("serve", "--socket", str(sock), "--tcp", "127.0.0.1:0", "--token-file",
+            str(token_file), env=env)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "readable by others: chmod 600 it" in r.stderr
+    assert not sock.exists()
+
+
 def test_status_when_nothing_listens(tmp_path, env):
     r = cli("status", "--socket", str(tmp_path / "none.sock"), "--timeout", "2", env=env)
     assert r.returncode == 1 and r.stdout == ""

@@ -26,7 +26,8 @@ calls in flight and exit 0, removing the socket (and its directory if serve crea
 exit codes:
   0  stopped cleanly
   1  could not listen (a live server holds the socket, an unsafe directory, a busy port)
-  2  bad usage (--tcp without --token-file, an unreadable or empty token file)
+  2  bad usage (--tcp without --token-file, an unreadable or empty token file, or one that
+     others can read)
 
 examples:
   datastore serve

@@ -555,12 +555,14 @@ def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
             log.error("bad_token_file", msg=f"cannot use token file: {exc}")
             _all_started(comm, False, log)
             return Exit.BAD_INPUT
-        if loose:
-            log.warning(
+        if loose:  # anyone who can read the secret could use the service
+            log.error(
                 "token_file_readable_by_others",
                 path=str(config.token_file),
-                msg="chmod 600 it: anyone who can read it can use the service",
+                msg=f"token file {config.token_file} is readable by others: chmod 600 it",
             )
+            _all_started(comm, False, log)
+            return Exit.BAD_INPUT
     try:
         claim = claim_socket(config.socket, private=config.private)
     except (AddressInUse, UnsafeDirectory, ValueError) as exc:
