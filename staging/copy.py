@@ -214,22 +214,37 @@ class Committer:
                 if job is None:
                     continue
             if job is None:
-                self._flush(batch)
+                self._flush_or_record(batch)
                 return
             tmp, _rel, rec, nbytes = job
             if tmp:
                 batch.append(job)
                 pending += nbytes
             if not tmp or pending >= self.batch_bytes or len(batch) >= self.batch_files:
-                self._flush(batch)
+                self._flush_or_record(batch)
                 batch, pending = [], 0
                 if "_drain" in rec:
                     rec["_drain"].set()
 
+    def _flush_or_record(self, batch: list[tuple[str, str, dict[str, Any], int]]) -> None:
+        try:
+            self._flush(batch)
+        except Exception as exc:  # a dead committer thread would leave drain() waiting for ever
+            self.errors.append(f"committing {len(batch)} file(s) failed: {exc}")
+            for tmp, *_ in batch:
+                _unlink(tmp)
+
     def _flush(self, batch: list[tuple[str, str, dict[str, Any], int]]) -> None:
         if not batch:
             return
-        syncfs(self.dest)  # every temp file of the batch is now on disk
+        try:
+            syncfs(self.dest)  # every temp file of the batch is now on disk
+        except OSError as exc:  # durability unknown: place none of them, and say so
+            why = exc.strerror or str(exc)
+            for tmp, rel, rec, _ in batch:
+                self.errors.append(f"{rec['source']}: cannot make {rel} durable: {why}")
+                _unlink(tmp)
+            return
         for tmp, rel, rec, _ in batch:
             final = os.path.join(self.dest, rel)
             parent = os.path.dirname(final)
