@@ -5,8 +5,6 @@ job quickly."""
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
 import os
 import subprocess
@@ -21,23 +19,13 @@ from helpers import MPIEXEC
 from staging.cluster import LAUNCH_ENV
 from trainer.cosmology import write_split
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
 
 JOBS = Path(__file__).parent / "trainer_jobs"
 ROOT = Path(__file__).parent.parent
 ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
 ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 STEPS = 6  # 40 samples / 8 per step: an epoch ends at step 5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_stale_shm():
-    """Aborted MPICH jobs leave /dev/shm segments; remove the ones these tests created."""
-    before = set(glob.glob("/dev/shm/mpich*"))
-    yield
-    for path in set(glob.glob("/dev/shm/mpich*")) - before:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,12 @@ prefetched from the known order like the rest of a batch.
 The requests are point-to-point MPI messages (pickled requests, raw replies) answered by a
 thread in each service, so no service ever waits in a collective on a client's behalf. Every
 wait has a deadline: a peer that died makes the request fail (``UNAVAILABLE``), never hang.
+
+Replies travel on a tag per request, taken from a cycle of ``tag_span`` tags, and carry the
+request's number (``rid``, never reused). A reply that comes after its request gave up stays in
+MPI's queue under its tag; when the cycle comes round to that tag again, the asker takes it,
+sees another ``rid``, and drops it (and the raw payload that follows it) before reading its
+own reply: a late answer can never pass for a new one.
 A dataset path may contain ``{node}``, filled in by each service with its own rank (several
 services on one host, as in tests).
 """
@@ -35,6 +41,7 @@ Listing = tuple[bool, list[str], dict[str, tuple[str, tuple[int, ...]]]]
 
 REQUEST = 1  # tag of every request; replies use a tag per request
 FIRST_REPLY_TAG = 100
+TAG_SPAN = 30000  # reply tags cycle through [FIRST_REPLY_TAG, +TAG_SPAN): MPI guarantees 32767
 IDLE_NAP = (0.0005, 0.02)  # seconds between polls for requests: while busy, idle at most
 
 
@@ -71,14 +78,23 @@ class MpiPeers:
         answer: ``answer(request) -> reply``: what this service replies to a peer's request; a
             reply is a picklable object, or a numpy array sent as raw bytes.
         timeout_s: how long a request may wait for its reply. Default: ``60``.
+        tag_span: how many reply tags to cycle through (tests make it small to wrap quickly).
+            Default: :data:`TAG_SPAN`.
     """
 
-    def __init__(self, comm: Any, answer: Callable[[dict], Any], timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        answer: Callable[[dict], Any],
+        timeout_s: float = 60.0,
+        tag_span: int = TAG_SPAN,
+    ) -> None:
         self.comm = comm.Dup()
         self.node, self.nodes = self.comm.Get_rank(), self.comm.Get_size()
         self._answer = answer
         self.timeout_s = timeout_s
-        self._tags = itertools.count(FIRST_REPLY_TAG)
+        self.tag_span = tag_span
+        self._rids = itertools.count()
         self._tag_lock = threading.Lock()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="datastore-peer")
@@ -87,12 +103,13 @@ class MpiPeers:
         self._thread.start()
 
     # -- asking --------------------------------------------------------------------------------
-    def _tag(self) -> int:
+    def _tag(self) -> tuple[int, int]:
+        """``(reply tag, request number)`` of a new request."""
         with self._tag_lock:
-            return FIRST_REPLY_TAG + (next(self._tags) - FIRST_REPLY_TAG) % 30000
+            rid = next(self._rids)
+        return FIRST_REPLY_TAG + rid % self.tag_span, rid
 
-    def _wait(self, req: Any, dest: int, what: str) -> Any:
-        deadline = time.monotonic() + self.timeout_s
+    def _wait(self, req: Any, dest: int, what: str, deadline: float) -> Any:
         while True:
             done, value = req.test()
             if done:
@@ -105,11 +122,23 @@ class MpiPeers:
                 )
             time.sleep(0.0002)
 
+    def _reply_to(self, dest: int, tag: int, rid: int, what: str, deadline: float) -> dict:
+        """The envelope ``{"rid", ...}`` of request ``rid``, dropping late replies to earlier
+        requests that used the same tag (and the raw payload that follows an ``"ok"``)."""
+        while True:
+            msg = self._wait(self.comm.irecv(source=dest, tag=tag), dest, what, deadline)
+            if msg["rid"] == rid:
+                return msg
+            if "ok" in msg:  # a stale raw reply: take its bytes off the queue too
+                stale = np.empty(msg["ok"], dtype=np.uint8)
+                self._wait(self.comm.Irecv(stale, source=dest, tag=tag), dest, what, deadline)
+
     def ask(self, dest: int, request: dict) -> Any:
         """Send ``request`` to node ``dest``; its pickled reply."""
-        tag = self._tag()
-        self.comm.send({**request, "tag": tag}, dest=dest, tag=REQUEST)
-        reply = self._wait(self.comm.irecv(source=dest, tag=tag), dest, request["kind"])
+        tag, rid = self._tag()
+        deadline = time.monotonic() + self.timeout_s
+        self.comm.send({**request, "tag": tag, "rid": rid}, dest=dest, tag=REQUEST)
+        reply = self._reply_to(dest, tag, rid, request["kind"], deadline)["reply"]
         if isinstance(reply, dict) and "error" in reply:
             raise ServiceError(reply["code"], f"node {dest}: {reply['error']}")
         return reply
@@ -120,13 +149,19 @@ class MpiPeers:
 
     def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
         """Send ``request`` to node ``dest`` and receive its raw reply into ``out`` (uint8)."""
-        tag = self._tag()
-        self.comm.send({**request, "tag": tag, "nbytes": out.nbytes}, dest=dest, tag=REQUEST)
-        status = self._wait(self.comm.irecv(source=dest, tag=tag), dest, request["kind"])
-        if status != "ok":
-            raise ServiceError(status["code"], f"node {dest}: {status['error']}")
-        req = self.comm.Irecv(out, source=dest, tag=tag)
+        tag, rid = self._tag()
         deadline = time.monotonic() + self.timeout_s
+        request = {**request, "tag": tag, "rid": rid, "nbytes": out.nbytes}
+        self.comm.send(request, dest=dest, tag=REQUEST)
+        status = self._reply_to(dest, tag, rid, request["kind"], deadline)
+        if "ok" not in status:
+            reply = status["reply"]
+            raise ServiceError(reply["code"], f"node {dest}: {reply['error']}")
+        if status["ok"] != out.nbytes:
+            raise ServiceError(
+                "INTERNAL", f"node {dest} sent {status['ok']} bytes, not {out.nbytes}"
+            )
+        req = self.comm.Irecv(out, source=dest, tag=tag)
         while not req.Test():
             if self._stop.is_set() or time.monotonic() > deadline:
                 req.Cancel()
@@ -157,7 +192,7 @@ class MpiPeers:
             self._pool.submit(self._reply, source, request)
 
     def _reply(self, source: int, request: dict) -> None:
-        tag = request["tag"]
+        tag, rid = request["tag"], request.get("rid")
         try:
             reply = self._answer(request)
         except ServiceError as exc:
@@ -167,10 +202,11 @@ class MpiPeers:
         if tag is None:
             return
         if isinstance(reply, np.ndarray):
-            self.comm.send("ok", dest=source, tag=tag)
-            self.comm.Send(np.ascontiguousarray(reply).view(np.uint8), dest=source, tag=tag)
+            raw = np.ascontiguousarray(reply).view(np.uint8)
+            self.comm.send({"rid": rid, "ok": raw.nbytes}, dest=source, tag=tag)
+            self.comm.Send(raw, dest=source, tag=tag)
         else:
-            self.comm.send(reply, dest=source, tag=tag)
+            self.comm.send({"rid": rid, "reply": reply}, dest=source, tag=tag)
 
     def close(self, *, stop_all: bool) -> None:
         """Stop answering; ``stop_all``: tell the other services to stop too (one MPI job
