@@ -114,6 +114,15 @@ def add_parser(sub: Any) -> None:
         help="keep setuid, setgid and sticky bits of source files and archive members (default: "
         "dropped, so that staging never creates a setuid program)",
     )
+    p.add_argument(
+        "--confine",
+        action="append",
+        default=[],
+        metavar="ROOT",
+        help="read only files that resolve beneath ROOT (repeatable): a source outside, or a "
+        "symlink inside a source tree that leads out, is skipped with an error "
+        "(`datastore serve --allow` passes its roots)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument(
         "--progress-json",
@@ -159,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             quiet=args.quiet,
             ranks_per_node=args.ranks_per_node,
             preserve_special_bits=args.preserve_special_bits,
+            confine=tuple(args.confine),
         )
     except ValueError as exc:
         print(f"datastore stage: error: {exc}", file=sys.stderr)

@@ -43,6 +43,7 @@ class StageConfig:
     quiet: bool = False
     ranks_per_node: int | None = None
     preserve_special_bits: bool = False
+    confine: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.streams == 0:

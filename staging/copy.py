@@ -26,6 +26,7 @@ from typing import Any
 
 from staging.archive import DECODE_ERRORS, normalize_name, open_stream
 from staging.checksum import LEAF_BYTES, combine, leaf_ranges, new_hasher
+from staging.confine import beneath, opened_path
 from staging.directio import ALIGN, IoPolicy, aligned_buffer, read_at, write_at
 from staging.durable import start_writeback, syncfs
 from staging.manifest import Journal, meta_dir
@@ -312,10 +313,12 @@ class Engine:
         policy: IoPolicy,
         on_bytes: Callable[[int], None] = lambda n: None,
         special_bits: bool = False,
+        confine: tuple[str, ...] = (),
     ):
         self.dest, self.algo, self.streams, self.policy = dest, algo, streams, policy
         # Permission bits written to DEST: setuid, setgid and sticky only when asked for.
         self.mode_mask = 0o7777 if special_bits else 0o777
+        self.confine = confine
         self.on_bytes = on_bytes
         self.tmp = tmp_dir(dest)
         os.makedirs(self.tmp, exist_ok=True)
@@ -336,7 +339,7 @@ class Engine:
             if entry is None:
                 direct = self.algo != "none" and self.policy.read_direct(path)
                 flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-                entry = self._sources[path] = [Fd(os.open(path, flags), direct), 0]
+                entry = self._sources[path] = [Fd(self._open_source(path, flags), direct), 0]
             entry[1] += 1
         try:
             yield entry[0]
@@ -346,6 +349,15 @@ class Engine:
                 if entry[1] == 0:
                     del self._sources[path]
                     os.close(entry[0].fd)
+
+    def _open_source(self, path: str, flags: int) -> int:
+        """Open ``path``; with ``confine``, refuse what the descriptor really is outside the
+        roots (a link swapped in after planning)."""
+        fd = os.open(path, flags | os.O_NONBLOCK)  # a FIFO swapped in must not block us
+        if self.confine and not beneath(opened_path(fd), self.confine):
+            os.close(fd)
+            raise PermissionError(errno.EACCES, "resolves outside the allowed roots", path)
+        return fd
 
     def _open_tmp(self, path: str, flags: int) -> Fd:
         direct = self.algo != "none" and self.policy.write_direct

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from staging.archive import (
@@ -18,6 +19,7 @@ from staging.archive import (
     list_members,
     normalize_name,
 )
+from staging.confine import beneath
 from staging.directio import reads_direct
 
 __all__ = ["Group", "Item", "Plan", "archive_record", "assign", "build_plan", "split_by_bytes"]
@@ -73,8 +75,9 @@ def _ident(st: os.stat_result) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 
-def _walk_dir(root: str, prefix: str, errors: list[str]) -> list[Item]:
-    """Items for a directory tree; symlinks are followed (a staged copy stands on its own)."""
+def _walk_dir(root: str, prefix: str, errors: list[str], confine: Sequence[str] = ()) -> list[Item]:
+    """Items for a directory tree; symlinks are followed (a staged copy stands on its own),
+    but with ``confine`` only to paths beneath those roots (``staging.confine``)."""
     items: list[Item] = [Item(dest=prefix, kind="dir", source=root, ident="dir")]
     stack = [(root, prefix)]
     while stack:
@@ -90,6 +93,9 @@ def _walk_dir(root: str, prefix: str, errors: list[str]) -> list[Item]:
                 st = e.stat(follow_symlinks=True)
             except OSError:
                 errors.append(f"{e.path}: broken symlink or unreadable entry, skipped")
+                continue
+            if confine and e.is_symlink() and not beneath(e.path, confine):
+                errors.append(f"{e.path}: a symlink out of the allowed roots, skipped")
                 continue
             if stat.S_ISDIR(st.st_mode):
                 items.append(Item(dest=dest, kind="dir", source=e.path, ident="dir"))
@@ -170,7 +176,11 @@ def _group_from_record(path: str, rec: dict) -> Group:
 
 
 def build_plan(
-    sources: list[str], unpack: bool = True, known: dict | None = None, io: str = "auto"
+    sources: list[str],
+    unpack: bool = True,
+    known: dict | None = None,
+    io: str = "auto",
+    confine: Sequence[str] = (),
 ) -> Plan:
     """Walk ``sources`` into groups of items; a bad source becomes an error, not an exception.
 
@@ -178,7 +188,8 @@ def build_plan(
     an archive is unpacked into DEST itself (``unpack=False`` copies it as a file). Two sources
     that would write the same path are an error for the later one. ``known`` maps archive paths
     to their manifest records: an unchanged archive is not read again. ``io`` is the I/O
-    policy (``staging.directio``) for reading tar headers.
+    policy (``staging.directio``) for reading tar headers. ``confine``: roots every source and
+    every symlink inside a source tree must resolve beneath (``staging.confine``).
     """
     known = known or {}
     plan = Plan()
@@ -191,6 +202,9 @@ def build_plan(
         except OSError as exc:
             plan.errors.append(f"{src}: source not found or unreadable ({exc.strerror})")
             continue
+        if confine and not beneath(path, confine):
+            plan.errors.append(f"{src}: outside the allowed roots, skipped")
+            continue
         name = os.path.basename(path.rstrip("/"))
         if name == RESERVED:
             plan.errors.append(f"{src}: the name {RESERVED} is reserved for staging metadata")
@@ -202,7 +216,8 @@ def build_plan(
             elif kind:
                 group = _archive_group(path, kind, st, io)
             elif stat.S_ISDIR(st.st_mode):
-                group = Group(source=path, items=tuple(_walk_dir(path, name, plan.errors)))
+                items = _walk_dir(path, name, plan.errors, confine)
+                group = Group(source=path, items=tuple(items))
             elif stat.S_ISREG(st.st_mode):
                 group = Group(source=path, items=(_file_item(path, name, st),))
             else:

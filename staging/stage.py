@@ -134,7 +134,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
 
     # 2. rank 0 plans (the sources are shared), everyone gets the plan
     plan = (
-        build_plan(list(cfg.sources), cfg.unpack, manifest.archives, cfg.io)
+        build_plan(list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine)
         if lay.rank == 0
         else None
     )
@@ -180,7 +180,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     with Progress(total, enabled=log.progress, json_lines=log.progress_json) as bar:
         engine = Engine(
             dest, lay.rank, cfg.checksum, cfg.streams, policy, bar.advance,
-            special_bits=cfg.preserve_special_bits,
+            special_bits=cfg.preserve_special_bits, confine=cfg.confine,
         ) if mine else None  # fmt: skip
         stats = engine.run(mine) if engine is not None else Stats()
 

@@ -209,6 +209,27 @@ def test_paths_outside_the_allowed_roots_are_refused(service, root, env):
     assert len(r.stderr.strip().splitlines()) == 1 and not (root / "data" / "d").exists()
 
 
+def test_a_symlink_inside_an_allowed_tree_cannot_reach_outside(service, root):
+    """A tree under the allowed root holding a link to a file outside it: the file is not
+    copied (an error names the link), the rest of the tree is."""
+    sock, _ = service
+    secret = root / "secret.txt"
+    secret.write_text("not for clients")
+    tree = root / "data" / "linked"
+    tree.mkdir()
+    (tree / "ok.txt").write_text("fine")
+    (tree / "leak.txt").symlink_to(secret)
+    (tree / "inside.txt").symlink_to(tree / "ok.txt")  # a link within the root is followed
+    dest = root / "data" / "linked-dst"
+    *_, last = stage_call(sock, sources=[str(tree)], dest=str(dest))
+    assert last.exit_code != 0
+    errors = json.loads(last.summary_json)["errors"]
+    assert any("leak.txt: a symlink out of the allowed roots" in e for e in errors), errors
+    assert not (dest / "linked" / "leak.txt").exists()
+    assert (dest / "linked" / "ok.txt").read_text() == "fine"
+    assert (dest / "linked" / "inside.txt").read_text() == "fine"
+
+
 def test_unreachable_service_is_one_line_naming_the_address(tmp_path, env):
     sock = tmp_path / "nobody.sock"
     r = cli_stage(tmp_path, "--to", tmp_path / "d", f"--service={sock}", env=env)

@@ -193,6 +193,24 @@ def test_setuid_setgid_sticky_dropped_unless_asked(tmp_path, run_stage, keep):
         assert got == {"prog": 0o755, "sticky": 0o644, "suid": 0o755, "sgid": 0o750}
 
 
+def test_confine_keeps_reads_beneath_the_roots(tmp_path, run_stage):
+    root = tmp_path / "root"
+    (root / "tree").mkdir(parents=True)
+    (root / "tree" / "a").write_text("a")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("outside")
+    (root / "tree" / "out").symlink_to(outside)
+    open_dest = tmp_path / "open"
+    run_stage(root / "tree", "--to", open_dest, "-q", check=0)  # no --confine: links followed
+    assert (open_dest / "tree" / "out").read_text() == "outside"
+    dest = tmp_path / "dest"
+    r = run_stage(root / "tree", outside, "--to", dest, "--confine", root, check=2)
+    assert "tree/out: a symlink out of the allowed roots, skipped" in r.stderr
+    assert "outside.txt: outside the allowed roots, skipped" in r.stderr
+    assert (dest / "tree" / "a").read_text() == "a"
+    assert not (dest / "tree" / "out").exists() and not (dest / "outside.txt").exists()
+
+
 # -- archives ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("suffix", ARCHIVE_SUFFIXES)
 def test_archive_unpacked_byte_for_byte(tmp_path, run_stage, make_tree, suffix):

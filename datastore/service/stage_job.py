@@ -64,6 +64,8 @@ def stage_argv(request: Any, allowed_roots: Sequence[Path | str] = ()) -> list[s
                 )
     argv = [sys.executable, "-m", "datastore", "stage", *sources, "--to", dest]
     argv.append("--progress-json")
+    for root in allowed_roots:  # no symlink inside a source may lead out of the roots
+        argv += ["--confine", os.fspath(root)]
     if request.verify:
         argv.append("--verify")
     if not request.unpack:

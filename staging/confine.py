@@ -1,0 +1,30 @@
+"""Confining a stage's reads to allowed roots: no symlink inside a source may lead out of them.
+
+``datastore serve --allow ROOT`` stages trees on behalf of clients; a symlink inside ROOT that
+points elsewhere would otherwise hand them any file the service can read. ``--confine ROOT``
+(what the service passes) makes the plan skip, with an error, every source entry whose resolved
+path is not beneath a root, and the copy engine check the descriptor it actually opened
+(``/proc/self/fd``), so a link swapped in after planning is refused too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+__all__ = ["beneath", "opened_path"]
+
+
+def beneath(path: str, roots: Sequence[str]) -> bool:
+    """Whether ``path``, every symlink resolved, is one of ``roots`` or lies under one."""
+    real = os.path.realpath(path)
+    for root in roots:
+        r = os.path.realpath(root)
+        if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
+            return True
+    return False
+
+
+def opened_path(fd: int) -> str:
+    """The path the open descriptor ``fd`` refers to (Linux ``/proc/self/fd``)."""
+    return os.readlink(f"/proc/self/fd/{fd}")
