@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from datastore.keyindex import KeyIndex
+
 __all__ = ["Counters", "SlotSpec", "Store"]
 
 
@@ -77,7 +79,7 @@ class Store:
         spill_dir: str | None = None,
     ):
         self.keys = np.asarray(keys, dtype=np.int64)
-        self._slot = {int(k): i for i, k in enumerate(self.keys)}
+        self._slot = KeyIndex(self.keys)  # no Python object per key
         self.fields, self._fill = fields, fill
         self.counters = Counters()
         per_slot = sum(s.nbytes for s in fields.values())
@@ -111,7 +113,7 @@ class Store:
         return out
 
     def __contains__(self, key: int) -> bool:
-        return int(key) in self._slot
+        return key in self._slot
 
     def resident(self, key: int) -> bool:
         """Whether ``key`` has a slot of its own (RAM or spill), rather than a re-read scratch."""
