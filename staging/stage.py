@@ -132,14 +132,11 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         log.errors(errors)
         return Exit.FAILED
 
-    # 2. rank 0 plans (the sources are shared), everyone gets the plan
-    plan = (
-        build_plan(list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine)
-        if lay.rank == 0
-        else None
-    )
-    plan = comm.bcast(plan, root=0)
-    groups = assign(plan, lay.nodes)[lay.node] if cfg.mode == "shard" else plan.groups
+    # 2. rank 0 plans (the sources are shared); each node's leader gets its node's groups
+    plan = Plan()
+    if lay.rank == 0:
+        plan = build_plan(list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine)
+    groups = _node_groups(plan, cfg.mode, comm, lay)
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
     work = NodeWork()
@@ -194,7 +191,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         final = Manifest.load(dest)
         final.shard = {"mode": cfg.mode, "node": lay.node, "nodes": lay.nodes}
         if not node_errors:
-            for g in plan.groups:
+            for g in groups:
                 if g.ident:
                     final.archives[g.source] = archive_record(g)
         final.save(dest)
@@ -211,6 +208,25 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.rank == 0:
         log.summary(plan, every, elapsed, lay)
     return code
+
+
+def _node_groups(plan: Plan, mode: str, comm: Any, lay: Layout) -> list[Group]:
+    """This node's groups on its leader (``[]`` on the other ranks): in shard mode rank 0
+    scatters each node its share, so no rank receives the whole plan but rank 0; in
+    replicate mode every node needs every group."""
+    if lay.size == 1:
+        return assign(plan, 1)[0] if mode == "shard" else plan.groups
+    from mpi4py import MPI
+
+    leaders = comm.Split(0 if lay.local_rank == 0 else MPI.UNDEFINED, lay.rank)
+    if leaders == MPI.COMM_NULL:
+        return []
+    try:  # leaders are ordered by rank, as layout() numbers the nodes
+        if mode == "shard":
+            return leaders.scatter(assign(plan, lay.nodes) if lay.rank == 0 else None, root=0)
+        return leaders.bcast(plan.groups if lay.rank == 0 else None, root=0)
+    finally:
+        leaders.Free()
 
 
 def _max_op(comm: Any) -> Any:
