@@ -68,12 +68,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
         s = x.sum(dims, dtype=torch.float64)
         centred = x - _per_channel((s / n).to(x.dtype), x.dim())
         q = centred.square().sum(dims, dtype=torch.float64) + s * s / n
+        if n <= 1 and dist.get_world_size(group) == 1:  # every rank holds >= 1 value
+            raise ValueError(f"expected more than 1 value per channel in training, got {n}")
         count = torch.full((1,), float(n), dtype=torch.float64, device=x.device)
         stats = all_reduce_sum(torch.cat([s, q, count]), group, timeout)
         c = x.shape[1]
-        total = float(stats[-1])
-        if total <= 1:
-            raise ValueError(f"expected more than 1 value per channel in training, got {total}")
+        total = stats[-1]  # a tensor: no host sync per layer on a GPU
         mean = stats[:c] / total
         var = (stats[c : 2 * c] / total - mean * mean).clamp_min(0)
         invstd = (var + eps).rsqrt()
@@ -103,7 +103,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sums = all_reduce_sum(torch.cat([sum_dy, sum_dy_xhat]), ctx.group, ctx.timeout)
             c = dy.shape[1]
-            mean_dy, mean_dy_xhat = sums[:c] / ctx.total, sums[c:] / ctx.total
+            means = (sums.double() / ctx.total).to(dy.dtype)  # total: a float64 tensor
+            mean_dy, mean_dy_xhat = means[:c], means[c:]
             scale = invstd if weight is None else invstd * weight
             grad_x = _per_channel(scale, nd) * (
                 dy - _per_channel(mean_dy, nd) - xhat * _per_channel(mean_dy_xhat, nd)
