@@ -1,0 +1,297 @@
+"""Soak: a campaign with faults for a set time, then check that nothing was lost or left behind.
+
+What runs (all real processes, ``--seconds`` long; default 1800, the tests run 45)
+--------------------------------------------------------------------------------
+- One ``datastore serve --allow ROOT --session-idle 3`` and ``--clients`` trainer-like clients,
+  each ``DataStoreLoader(train.h5, batch_size=4, seed=i, address=SOCKET)`` iterating epochs and
+  writing, after each epoch it got to the end of, the sample keys it saw (the ``idx`` field)
+  to its own log, fsynced.
+- Every 1-4 s a random client is killed with SIGKILL and started again.
+- Half-way the service is stopped with SIGTERM and started again on the same socket (it reloads
+  the resident dataset from its state file); clients that fail meanwhile are started again.
+- Between those, stage rounds into fresh destinations under ROOT: one killed with SIGKILL
+  mid-copy then resumed; one run with a file-size limit (``RLIMIT_FSIZE``: writes fail, as on a
+  full disk) that must fail cleanly, then run again without it; each destination then checked
+  with ``datastore stage --verify``.
+
+Checks at the end (each a line ``ok`` / ``FAILED``; exit 1 if any failed)
+-----------------------------------------------------------------------
+- every epoch a client finished saw every sample exactly once;
+- every staged destination verifies against its manifest, and holds no temporary file;
+- the full-disk stage failed with a non-zero exit and left no partial file under a final name;
+- after the clients are gone and their sessions expired, the service's RSS and open file
+  descriptors are within 10 % (RSS: 10 % or 8 MiB) of what they were after its restart,
+  once warm;
+- the service stops on SIGTERM with exit 0 within its grace + 5 s, removing its socket, and no
+  ``/dev/shm/datastore.*`` segment of it is left.
+
+Usage::
+
+    python benchmarks/soak.py --seconds 1800          # the documented run
+    python benchmarks/soak.py --seconds 45 --json     # what tests/test_soak.py runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+REPO = str(Path(__file__).resolve().parent.parent)
+SAMPLES, BATCH, SAMPLE_BYTES = 64, 4, 64 << 10
+
+CLIENT = """
+import json, os, sys
+from datastore import DataStoreLoader
+path, address, out, seed = sys.argv[1:5]
+loader = DataStoreLoader(path, batch_size=4, seed=int(seed), address=address, timeout=20,
+                         fields=["idx", "x"])
+with open(out, "a") as fh:
+    while True:
+        epoch, keys = loader.epoch, []
+        for batch in loader:
+            keys += batch["idx"].tolist()
+        fh.write(json.dumps({"epoch": epoch, "keys": keys}) + "\\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+"""
+
+
+def _env(work: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
+    env.update(PYTHONPATH=REPO, XDG_STATE_HOME=str(work / "state"), OMP_NUM_THREADS="1")
+    env["XDG_RUNTIME_DIR"] = str(work / "run")
+    return env
+
+
+def _usage(pid: int) -> tuple[int, int]:
+    """``(RSS bytes, open file descriptors)`` of process ``pid``."""
+    with open(f"/proc/{pid}/status") as fh:
+        rss = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Service:
+    """One ``datastore serve`` subprocess."""
+
+    def __init__(self, work: Path, root: Path, grace: float = 2.0) -> None:
+        self.work, self.root, self.grace = work, root, grace
+        self.socket = work / "run" / "ds.sock"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(self.socket)]
+        cmd += ["--allow", str(self.root), "--session-idle", "3", "--grace", str(self.grace)]
+        log = open(self.work / "serve.log", "ab")  # noqa: SIM115 (the child holds it)
+        self.proc = subprocess.Popen(cmd, env=_env(self.work), stderr=log, stdout=log)
+        log.close()
+        from datastore.service.paths import socket_answers
+
+        deadline = time.monotonic() + 60
+        while not (self.socket.exists() and socket_answers(self.socket)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"datastore serve did not start (see {self.work}/serve.log)")
+            time.sleep(0.1)
+
+    def stop(self) -> tuple[int | None, float]:
+        """SIGTERM; ``(exit code or None if it had to be killed, seconds it took)``."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = self.proc.wait(self.grace + 5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            code = None
+        return code, time.monotonic() - t0
+
+
+def _write_dataset(path: Path) -> None:
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f["idx"] = np.arange(SAMPLES, dtype=np.int64)
+        f.create_dataset("x", data=rng.integers(0, 255, (SAMPLES, SAMPLE_BYTES), dtype=np.uint8))
+
+
+def _write_tree(root: Path, files: int = 40, size: int = 256 << 10) -> None:
+    rng = np.random.default_rng(1)
+    for i in range(files):
+        sub = root / f"d{i % 4}"
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"f{i:03d}.bin").write_bytes(rng.bytes(size))
+
+
+def _stage(src: Path, dest: Path, env: dict[str, str], *extra: str, **kw: Any):
+    cmd = [sys.executable, "-m", "datastore", "stage", str(src), "--to", str(dest), "-q", *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
+
+
+def _limit_file_size() -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100 << 10, 100 << 10))
+
+
+def _stage_round(k: int, src: Path, root: Path, env: dict[str, str], rng: random.Random):
+    """A stage killed mid-copy and resumed, and a 'full disk' stage then rerun; the checks."""
+    out: dict[str, Any] = {}
+    killed = root / f"dest-killed-{k}"
+    p = _stage(src, killed, env)
+    time.sleep(rng.uniform(0.05, 0.4))
+    p.kill()
+    p.wait()
+    out["resumed"] = _stage(src, killed, env).wait(120)
+    full = root / f"dest-full-{k}"
+    p = _stage(src, full, env, preexec_fn=_limit_file_size)
+    out["full_disk_exit"] = p.wait(120)
+    big = [f for f in full.rglob("*.bin") if f.stat().st_size != 256 << 10]
+    out["partial_files"] = len(big)
+    out["rerun"] = _stage(src, full, env).wait(120)
+    for name, dest in (("killed", killed), ("full", full)):
+        verify = subprocess.run(
+            [sys.executable, "-m", "datastore", "stage", "--to", str(dest), "--verify", "-q"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        out[f"verify_{name}"] = verify.returncode
+        out[f"tmp_left_{name}"] = len(list((dest / ".datastore" / "tmp").glob("*")))
+    return out
+
+
+def soak(seconds: float, clients: int, work: Path, seed: int = 0) -> dict[str, Any]:
+    """Run the soak in ``work``; the figures and the checks (module docstring)."""
+    rng = random.Random(seed)
+    root = work / "root"
+    (work / "run").mkdir(parents=True, mode=0o700)
+    root.mkdir()
+    data = root / "train.h5"
+    _write_dataset(data)
+    src = root / "src"
+    _write_tree(src)
+    env = _env(work)
+    service = Service(work, root)
+    service.start()
+    logs = [work / f"client{i}.jsonl" for i in range(clients)]
+
+    def client(i: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-c", CLIENT, str(data), str(service.socket), str(logs[i]), str(i)]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    procs = [client(i) for i in range(clients)]
+    report: dict[str, Any] = {"seconds": seconds, "clients": clients, "kills": 0, "restarts": 0}
+    stage_rounds: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    restarted = False
+    baseline: tuple[int, int] | None = None
+    next_kill = t0 + rng.uniform(1, 4)
+    while time.monotonic() - t0 < seconds:
+        now = time.monotonic()
+        if not restarted and now - t0 > seconds / 2:
+            code, took = service.stop()
+            report["restart_stop"] = {"exit": code, "seconds": round(took, 2)}
+            service.start()
+            restarted = True
+            baseline_at = time.monotonic() + min(10.0, seconds / 6)  # warm again first
+        if restarted and baseline is None and time.monotonic() > baseline_at:
+            baseline = _usage(service.proc.pid)  # type: ignore[union-attr]
+        if now > next_kill:
+            i = rng.randrange(clients)
+            procs[i].kill()
+            procs[i].wait()
+            procs[i] = client(i)
+            report["kills"] += 1
+            next_kill = now + rng.uniform(1, 4)
+        for i, p in enumerate(procs):  # a client that failed (service restarting) starts again
+            if p.poll() is not None:
+                procs[i] = client(i)
+                report["restarts"] += 1
+        if len(stage_rounds) < 1 + int((now - t0) / 20):
+            stage_rounds.append(_stage_round(len(stage_rounds), src, root, env, rng))
+        time.sleep(0.2)
+    for p in procs:
+        p.kill()
+        p.wait()
+    time.sleep(3 + 2.5)  # --session-idle 3: the killed clients' sessions expire
+    end = _usage(service.proc.pid)  # type: ignore[union-attr]
+    baseline = baseline or end
+    pid = service.proc.pid  # type: ignore[union-attr]
+    code, took = service.stop()
+    report["final_stop"] = {"exit": code, "seconds": round(took, 2)}
+    report["usage"] = {"rss_start": baseline[0], "rss_end": end[0], "fds_start": baseline[1],
+                       "fds_end": end[1]}  # fmt: skip
+    epochs, bad = 0, 0
+    for log in logs:
+        if not log.exists():
+            continue
+        for line in log.read_text().splitlines():
+            rec = json.loads(line)
+            epochs += 1
+            bad += sorted(rec["keys"]) != list(range(SAMPLES))
+    report["epochs"], report["bad_epochs"] = epochs, bad
+    report["stage_rounds"] = stage_rounds
+    segments = glob.glob(f"/dev/shm/datastore.{os.getuid()}.{pid}.*")
+    report["checks"] = {
+        "every finished epoch had every sample once": epochs > 0 and bad == 0,
+        "staged destinations verify, no temp files": all(
+            r["resumed"] == 0
+            and r["rerun"] == 0
+            and r["verify_killed"] == 0
+            and r["verify_full"] == 0
+            and r["tmp_left_killed"] == 0
+            and r["tmp_left_full"] == 0
+            for r in stage_rounds
+        ),
+        "a full disk fails the stage, no partial file": all(
+            r["full_disk_exit"] != 0 and r["partial_files"] == 0 for r in stage_rounds
+        ),
+        "RSS and descriptors back within 10 %": (
+            end[0] <= max(baseline[0] * 1.1, baseline[0] + (8 << 20))
+            and end[1] <= baseline[1] * 1.1
+        ),
+        "service stops on SIGTERM, exit 0, within grace + 5 s": code == 0
+        and report["restart_stop"]["exit"] == 0,
+        "socket and shared memory removed": not service.socket.exists() and not segments,
+    }
+    return report
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=1800)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="datastore-soak-", dir=a.dir))
+    try:
+        report = soak(a.seconds, a.clients, work, a.seed)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if a.json:
+        print(json.dumps(report))
+    else:
+        for key in ("seconds", "clients", "kills", "restarts", "epochs", "bad_epochs",
+                    "restart_stop", "final_stop", "usage"):  # fmt: skip
+            print(f"{key}: {report[key]}")
+        print(f"stage rounds: {len(report['stage_rounds'])}")
+        for name, ok in report["checks"].items():
+            print(f"{'ok    ' if ok else 'FAILED'} {name}")
+    return 0 if all(report["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
