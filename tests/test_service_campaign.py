@@ -584,6 +584,35 @@ def test_hostile_requests_are_refused_and_the_service_serves_on(start, tmp_path,
     assert max(len(line) for line in s.stderr.splitlines()) < 10_000  # nothing huge was logged
 
 
+def test_a_fifo_is_refused_at_once_and_status_answers(start, tmp_path, env):
+    """LoadDataset (and OpenSession) of a FIFO under an allowed root: opening it would block
+    until a writer comes; it is refused at once, the service answers Status meanwhile, and the
+    embedded loader refuses it alike."""
+    root = tmp_path / "allowed"
+    root.mkdir()
+    fifo = root / "samples.h5"
+    os.mkfifo(fifo)
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock), "--allow", str(root))
+    t0 = time.monotonic()
+    with grpc.insecure_channel(target_of(sock)) as ch:
+        ds = pb_grpc.DataStoreStub(ch)
+        for call in (
+            lambda: ds.LoadDataset(pb.LoadDatasetRequest(dataset_path=str(fifo)), timeout=10),
+            lambda: ds.OpenSession(
+                pb.OpenSessionRequest(dataset_path=str(fifo), global_batch=1), timeout=10
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a regular file or directory" in err.value.details()
+        assert ds.Status(pb.StatusRequest(), timeout=5).pid > 0
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ValueError, match="not a regular file or directory"):
+        DataStoreLoader(str(fifo), batch_size=1)
+
+
 def test_prometheus_metrics_agree_with_status(start, tmp_path):
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"

@@ -219,15 +219,20 @@ def _is_glob(path: str) -> bool:
 
 
 def _matches(path: str) -> list[str]:
-    """The existing paths ``path`` names: itself, or a glob's matches sorted by name."""
+    """The existing paths ``path`` names: itself, or a glob's matches sorted by name; each a
+    regular file or a directory (opening a FIFO or a device would block or mislead)."""
     if _is_glob(path):
         found = sorted(glob.glob(path))
         if not found:
             raise DatasetMissing(path, "the glob matches nothing")
-        return found
-    if not os.path.exists(path):
+    elif not os.path.exists(path):
         raise DatasetMissing(path, "no such file or directory")
-    return [path]
+    else:
+        found = [path]
+    for f in found:
+        if not (os.path.isfile(f) or os.path.isdir(f)):
+            raise DatasetError(f, "not a regular file or directory (a FIFO, socket or device)")
+    return found
 
 
 def _listdir(path: str, suffixes: tuple[str, ...]) -> list[str]:

@@ -50,6 +50,12 @@ def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
     pattern = any(c in real for c in "*?[")  # a glob, as the readers take it
     if not (os.path.exists(real) or (pattern and glob.glob(real))):
         raise ServiceError("NOT_FOUND", f"no dataset at {path!r} on this node")
+    if os.path.exists(real) and not (os.path.isfile(real) or os.path.isdir(real)):
+        # Opening a FIFO blocks until a writer comes: the service would hang with it.
+        raise ServiceError(
+            "INVALID_ARGUMENT", f"{path!r} is not a regular file or directory (a FIFO, socket "
+            "or device)"
+        )  # fmt: skip
     return real
 
 
