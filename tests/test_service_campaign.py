@@ -613,6 +613,28 @@ def test_a_fifo_is_refused_at_once_and_status_answers(start, tmp_path, env):
         DataStoreLoader(str(fifo), batch_size=1)
 
 
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_stream_cut_by_its_session_closing_is_an_error_not_a_short_epoch(
+    start, tmp_path, transport
+):
+    """The session is closed under an open stream (as its expiry or a shutdown would): the
+    client gets ABORTED naming the cause, never an epoch that simply ends early."""
+    path = make_dataset(tmp_path / "data.h5")
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock))
+    loader = DataStoreLoader(str(path), batch_size=1, address=str(sock), transport=transport)
+    it = iter(loader)
+    next(it)
+    with grpc.insecure_channel(target_of(sock)) as ch:
+        stub = pb_grpc.DataStoreStub(ch)
+        stub.CloseSession(pb.CloseSessionRequest(session_id=loader.session_id), timeout=10)
+    with pytest.raises(Exception, match=r"ABORTED.*stopped before its last batch") as err:
+        for _ in range(SAMPLES):
+            next(it)
+    assert not isinstance(err.value, StopIteration)
+    loader.close()
+
+
 def test_prometheus_metrics_agree_with_status(start, tmp_path):
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"

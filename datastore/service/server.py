@@ -282,7 +282,8 @@ class Servicer(pb_grpc.DataStoreServicer):
                     self._counters.bytes += nbytes
                 yield batch
         except ServiceError as exc:
-            self._refuse(context, "StreamBatches", exc)
+            if context.is_active():  # else the client went away: nobody to tell
+                self._refuse(context, "StreamBatches", exc)
         except (ValueError, OSError) as exc:  # a sample that cannot be read
             self._refuse(context, "StreamBatches", ServiceError("DATA_LOSS", str(exc)))
         finally:

@@ -160,13 +160,13 @@ class Session:
         with self.lock:
             return 0.0 if self.streams else time.monotonic() - self.last_active
 
-    def close(self) -> None:
+    def close(self, why: str = "the session was closed") -> None:
         with self.lock:
             self.closed = True
             streams, self.streams = list(self.streams), set()
             rings, self.rings = list(self.rings.values()), {}
         for s in streams:
-            s.close()
+            s.close(why)
         for ring in rings:
             ring.close()
 
@@ -255,12 +255,12 @@ class Sessions:
             raise ServiceError("NOT_FOUND", f"no session {sid!r}")
         return s
 
-    def close(self, sid: str) -> None:
+    def close(self, sid: str, why: str = "the session was closed") -> None:
         with self._lock:
             s = self._by_id.pop(sid, None)
         if s is None:
             raise ServiceError("NOT_FOUND", f"no session {sid!r}")
-        s.close()
+        s.close(why)
         self.residency.release(s.resident)
 
     def all(self) -> list[Session]:
@@ -273,7 +273,7 @@ class Sessions:
                 idle = s.idle_s()
                 if idle > self.idle_s:
                     try:
-                        self.close(s.session_id)
+                        self.close(s.session_id, "the session expired")
                     except ServiceError:
                         continue  # closed meanwhile
                     self._event("session_expired", session=s.session_id, idle_s=round(idle, 1))
@@ -283,5 +283,5 @@ class Sessions:
         with self._lock:
             sessions, self._by_id = list(self._by_id.values()), {}
         for s in sessions:
-            s.close()
+            s.close("the service is stopping")
             self.residency.release(s.resident)

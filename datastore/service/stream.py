@@ -32,6 +32,7 @@ import numpy as np
 
 from datastore.delivery import Delivered, Gather, fill_batch
 from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service.errors import ServiceError
 from datastore.service.shm import Segment
 from datastore.service.wire import MAX_MESSAGE, ChunkedBatch, batch_message, chunk_messages
 
@@ -208,6 +209,7 @@ class Stream:
         self.epoch, self.start, self.end, self._steps_per_epoch, self.rank = steps
         self._on_stall = on_stall
         self.stop = threading.Event()
+        self.why = ""  # why the stream was stopped from outside (a closed session, a shutdown)
         self._ready: queue.Queue = queue.Queue()
         self.ring = ring
         self._metas = self._tensor_metas()
@@ -260,7 +262,13 @@ class Stream:
 
     # -- the call ------------------------------------------------------------------------------
     def messages(self) -> Iterator[tuple[Any, int]]:
-        """``(Batch, payload bytes)`` in step order, until the end, ``stop`` or an error."""
+        """``(Batch, payload bytes)`` in step order, until the end or an error.
+
+        Raises:
+            ServiceError: ``ABORTED`` when the stream is stopped before its last batch (its
+                session closed or expired, the service stopping): a client must never take
+                a cut epoch for a whole one.
+        """
         self._worker.start()
         try:
             while not self.stop.is_set():
@@ -277,6 +285,11 @@ class Stream:
                     self._until_mapped()
                     return
                 yield from self._message(slot, message)
+            raise ServiceError(
+                "ABORTED",
+                f"the stream of epoch {self.epoch} stopped before its last batch: "
+                f"{self.why or 'stopped'}",
+            )
         finally:
             self.close()
 
@@ -337,9 +350,11 @@ class Stream:
             message.tensors.add(meta=meta, shm=region)
         yield message, self._nbytes, True
 
-    def close(self) -> None:
+    def close(self, why: str = "") -> None:
         """Stop producing; safe to call twice, from any thread. Slots still filling or ready
-        go back to the ring."""
+        go back to the ring. ``why``: the reason the call reports if it had batches left."""
+        if why and not self.stop.is_set():
+            self.why = why
         self.stop.set()
         if self._worker.is_alive() and threading.current_thread() is not self._worker:
             self._worker.join()
