@@ -635,6 +635,31 @@ def test_a_stream_cut_by_its_session_closing_is_an_error_not_a_short_epoch(
     loader.close()
 
 
+def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path):
+    """Shutdown(grace_s=inf or < 0) is INVALID_ARGUMENT and the service serves on; with a client
+    that holds a stream open and reads no more, Shutdown(grace_s=2) ends the service within
+    grace + a few seconds, exit 0."""
+    path = make_dataset(tmp_path / "data.h5")
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock))
+    with grpc.insecure_channel(target_of(sock)) as ch:
+        stub = pb_grpc.DataStoreStub(ch)
+        for bad in (float("inf"), float("nan"), -1.0, 1e9):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Shutdown(pb.ShutdownRequest(grace_s=bad), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "grace_s must be 0..3600 s" in err.value.details()
+        assert s.proc.poll() is None
+    stuck = DataStoreLoader(str(path), batch_size=1, address=str(sock), transport="shm")
+    next(iter(stuck))  # the stream stays open, its slots held
+    t0 = time.monotonic()
+    with grpc.insecure_channel(target_of(sock)) as ch:
+        pb_grpc.DataStoreStub(ch).Shutdown(pb.ShutdownRequest(grace_s=2), timeout=10)
+    assert s.proc.wait(20) == 0
+    assert time.monotonic() - t0 < 2 + 5
+    stuck.close()
+
+
 def test_prometheus_metrics_agree_with_status(start, tmp_path):
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"

@@ -21,6 +21,7 @@ client that cancels or dies stops production.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -62,6 +63,10 @@ MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_REQUEST),
 ]
+
+
+MAX_GRACE_S = 3600.0
+"""The longest drain ``--grace`` or ``Shutdown(grace_s)`` may ask for."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +122,10 @@ class ServeConfig:
             raise ValueError("--tls-cert is for --tcp (the Unix socket needs no TLS)")
         if self.tcp is not None and ":" not in self.tcp:
             raise ValueError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
-        if self.grace_s < 0 or self.workers < 1:
-            raise ValueError("grace_s must be >= 0 and workers >= 1")
+        if not (math.isfinite(self.grace_s) and 0 <= self.grace_s <= MAX_GRACE_S):
+            raise ValueError(f"--grace must be 0..{MAX_GRACE_S:g} seconds, got {self.grace_s}")
+        if self.workers < 1:
+            raise ValueError("--workers must be >= 1")
         if self.memory_budget is not None and self.memory_budget < 0:
             raise ValueError("the memory budget must be >= 0")
         if self.session_idle_s <= 0:
@@ -378,7 +385,13 @@ class Servicer(pb_grpc.DataStoreServicer):
             self._log.warning("stage_cancelled", dest=request.dest)
 
     def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
-        grace = request.grace_s if request.grace_s > 0 else None
+        g = request.grace_s
+        if not (math.isfinite(g) and 0 <= g <= MAX_GRACE_S):
+            self._refuse(
+                context, "Shutdown",
+                ServiceError("INVALID_ARGUMENT", f"grace_s must be 0..{MAX_GRACE_S:g} s, got {g}"),
+            )  # fmt: skip
+        grace = g if g > 0 else None
         self._log.info(
             "shutdown_requested", peer=context.peer(), reason=request.reason, grace_s=grace
         )
@@ -694,8 +707,12 @@ def _run(
         log.info("draining", why=stop.why, grace_s=grace)
         health_servicer.enter_graceful_shutdown()
         t0 = time.monotonic()
-        for done in [server.stop(grace) for server in servers]:
-            done.wait()
+        stopping = [server.stop(grace) for server in servers]
+        for done in stopping:  # calls in flight get the grace...
+            done.wait(max(0.0, t0 + grace + 1 - time.monotonic()))
+        servicer.sessions.close_all()  # ...then open streams end (ABORTED) and handlers return
+        for done in stopping:
+            done.wait(5)
         with counters.lock:
             calls = counters.calls
         log.info(
