@@ -576,7 +576,7 @@ def test_hostile_requests_are_refused_and_the_service_serves_on(start, tmp_path,
     assert len(_varint(-1)) == 10
     assert pb.OpenSessionRequest.FromString(negative).global_batch == 2**32 - 1
     assert refused(negative)[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused(b"\xff\xff\xff")[0] == grpc.StatusCode.INTERNAL  # not a message at all
+    assert refused(b"\xff\xff\xff")[0] == grpc.StatusCode.INVALID_ARGUMENT  # not a message
 
     code, msg = refused(req(dataset_path="/" + "x" * (8 << 20)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, msg

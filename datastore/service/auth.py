@@ -71,10 +71,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
             self._on_denied(handler_call_details.method)
         why = "missing token" if got is None else "wrong token"
         deny = _deny(f"{why}: send metadata 'authorization: Bearer <token>'")
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
+        # The request stays raw bytes: nothing a caller without the token sends is decoded.
+        kwargs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
         if handler.unary_stream:

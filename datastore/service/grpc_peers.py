@@ -204,6 +204,8 @@ class PeersServicer:
         answer: ``answer(request) -> reply`` as :class:`~datastore.service.peers.MpiPeers`
             takes it (``{"kind": "describe" | "fetch", ...}``).
         spatial_of: a ``SpatialLayout`` as the dict ``answer`` takes.
+        on_error: told of an unexpected exception (logged there; the peer gets ``INTERNAL``
+            without Python's text). Default: nothing.
     """
 
     def __init__(
@@ -212,9 +214,10 @@ class PeersServicer:
         nodes: int,
         answer: Callable[[dict], Any],
         spatial_of: Callable[[Any], dict[str, Any] | None],
+        on_error: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
         self.node, self.nodes = node, nodes
-        self._answer, self._spatial_of = answer, spatial_of
+        self._answer, self._spatial_of, self._on_error = answer, spatial_of, on_error
 
     def _check(self, header: Any, context: grpc.ServicerContext) -> None:
         if (header.to_node, header.nodes) != (self.node, self.nodes):
@@ -231,7 +234,8 @@ class PeersServicer:
         except ServiceError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         except Exception as exc:  # a peer's bad request must not kill this service
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            self._on_error(exc)
+            context.abort(grpc.StatusCode.INTERNAL, "internal error (the service's log says why)")
 
     def Describe(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._check(request.header, context)

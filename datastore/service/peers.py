@@ -198,7 +198,7 @@ class MpiPeers:
         except ServiceError as exc:
             reply = {"error": str(exc), "code": exc.code}
         except Exception as exc:  # a peer's bad request must not kill this service
-            reply = {"error": f"{type(exc).__name__}: {exc}", "code": "INTERNAL"}
+            reply = {"error": f"internal error: {type(exc).__name__}", "code": "INTERNAL"}
         if tag is None:
             return
         if isinstance(reply, np.ndarray):

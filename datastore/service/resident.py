@@ -38,22 +38,41 @@ from datastore.store import SlotSpec, Store
 __all__ = ["Residency", "Resident", "resolve_dataset"]
 
 
+MAX_PATH = 4096
+"""The longest dataset path a request may name, in bytes (Linux's ``PATH_MAX``)."""
+
+
+def shown(path: str, limit: int = 120) -> str:
+    """``path`` for a message: its start when long (a refusal never echoes megabytes)."""
+    return repr(path) if len(path) <= limit else f"{path[:limit]!r}... ({len(path)} characters)"
+
+
 def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
-    """The real path of a dataset a client named; refused outside ``roots`` (when given)."""
+    """The real path of a dataset a client named; refused outside ``roots`` (when given).
+
+    Checked before anything is resolved: a path longer than :data:`MAX_PATH` bytes or with a
+    NUL byte is ``INVALID_ARGUMENT`` (resolving a path costs time in its length).
+    """
     if not path:
         raise ServiceError("INVALID_ARGUMENT", "dataset_path is empty")
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH:
+        raise ServiceError(
+            "INVALID_ARGUMENT", f"dataset_path {shown(path)} is longer than {MAX_PATH} bytes"
+        )
+    if "\0" in path:
+        raise ServiceError("INVALID_ARGUMENT", f"dataset_path {shown(path)} holds a NUL byte")
     if not os.path.isabs(path):
-        raise ServiceError("INVALID_ARGUMENT", f"dataset_path must be absolute, got {path!r}")
+        raise ServiceError("INVALID_ARGUMENT", f"dataset_path must be absolute, got {shown(path)}")
     real = os.path.realpath(path)
     if roots and not within_roots(real, roots):
-        raise ServiceError("PERMISSION_DENIED", f"{path!r} is {_outside(roots)}")
+        raise ServiceError("PERMISSION_DENIED", f"{shown(path)} is {_outside(roots)}")
     pattern = any(c in real for c in "*?[")  # a glob, as the readers take it
     if not (os.path.exists(real) or (pattern and glob.glob(real))):
-        raise ServiceError("NOT_FOUND", f"no dataset at {path!r} on this node")
+        raise ServiceError("NOT_FOUND", f"no dataset at {shown(path)} on this node")
     if os.path.exists(real) and not (os.path.isfile(real) or os.path.isdir(real)):
         # Opening a FIFO blocks until a writer comes: the service would hang with it.
         raise ServiceError(
-            "INVALID_ARGUMENT", f"{path!r} is not a regular file or directory (a FIFO, socket "
+            "INVALID_ARGUMENT", f"{shown(path)} is not a regular file or directory (a FIFO, socket "
             "or device)"
         )  # fmt: skip
     return real
@@ -133,13 +152,27 @@ class Resident:
     def blocks(self, samples: list[int], names: list[str], spatial: Any, block: int) -> np.ndarray:
         """What a peer asked for: ``block`` of every field of ``samples``, packed as
         :func:`_packed` lays it out."""
+        n = self.num_samples
+        outside = [i for i in samples if not 0 <= i < n]
+        if outside:
+            raise ServiceError("OUT_OF_RANGE", f"sample {outside[0]} is outside 0..{n - 1}")
+        unknown = [f for f in names if f not in self.reader.fields]
+        if unknown:
+            known = ", ".join(self.reader.fields)
+            raise ServiceError("NOT_FOUND", f"no field {unknown[0]!r} (fields: {known})")
         stray = [i for i in samples if self.owner is not None and self.owner[i] != self.node]
         if stray:
             raise ServiceError(
                 "FAILED_PRECONDITION", f"sample {stray[0]} is not on node {self.node}"
             )
-        info = {n: self.reader.fields[n] for n in names}
-        grid: Grid | None = spatial_grid(info, spatial)
+        info = {f: self.reader.fields[f] for f in names}
+        try:
+            grid: Grid | None = spatial_grid(info, spatial)
+        except ValueError as exc:  # parts of 0, a halo wider than a block, ...
+            raise ServiceError("INVALID_ARGUMENT", str(exc)) from None
+        blocks = grid.nblocks if grid is not None else 1
+        if not 0 <= block < blocks:
+            raise ServiceError("OUT_OF_RANGE", f"block {block} is outside 0..{blocks - 1}")
         fields = delivered_fields(info, grid, block)
         buf, arrays = _packed(fields, len(samples))
         fill_batch(samples, fields, self.sample, arrays)

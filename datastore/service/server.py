@@ -44,6 +44,7 @@ from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import TokenInterceptor, read_token
 from datastore.service.errors import ServiceError
 from datastore.service.grpc_peers import GrpcPeers, PeersServicer, add_peers_to_server
+from datastore.service.guard import GuardInterceptor
 from datastore.service.logs import JsonLog
 from datastore.service.metrics import serve_metrics
 from datastore.service.paths import AddressInUse, UnsafeDirectory, claim_socket, unix_target
@@ -226,6 +227,10 @@ class Servicer(pb_grpc.DataStoreServicer):
                 request["samples"], request["fields"], request["spatial"], request["block"]
             )
         raise ServiceError("INVALID_ARGUMENT", f"unknown peer request {kind!r}")
+
+    def internal_error(self, exc: BaseException) -> None:
+        """Log an unexpected exception of a call in full; its caller gets only ``INTERNAL``."""
+        self._log.error("internal_error", msg=f"{type(exc).__name__}: {exc}")
 
     def _resolve(self, path: str) -> str:
         """The real path of the dataset a client or peer named (``{node}``: this node)."""
@@ -494,7 +499,9 @@ def _add_services(
     ]
     link = servicer.link
     if peers and isinstance(link, GrpcPeers):
-        answering = PeersServicer(link.node, link.nodes, servicer.answer, spatial_of)
+        answering = PeersServicer(
+            link.node, link.nodes, servicer.answer, spatial_of, servicer.internal_error
+        )
         add_peers_to_server(answering, server)
         names.append(pb.DESCRIPTOR.services_by_name["Peers"].full_name)
     reflection.enable_server_reflection(names, server)
@@ -631,7 +638,8 @@ def _run(
     )
     metrics_server = None
 
-    servers = [_new_server(config.workers, [_CountCalls(counters)])]
+    guard = GuardInterceptor(servicer.internal_error)
+    servers = [_new_server(config.workers, [_CountCalls(counters), guard])]
     old_umask = os.umask(0o177)  # the socket is born 0600
     try:
         servers[0].add_insecure_port(listen[0])
@@ -642,7 +650,7 @@ def _run(
         denied = TokenInterceptor(
             token, on_denied=lambda method: log.warning("unauthenticated", method=method)
         )
-        tcp_server = _new_server(config.workers, [_CountCalls(counters), denied])
+        tcp_server = _new_server(config.workers, [_CountCalls(counters), denied, guard])
         try:
             if config.tls_cert is not None:
                 assert config.tls_key is not None

@@ -1,0 +1,94 @@
+"""Every call's request decoded by the service itself, and no Python exception text to clients.
+
+gRPC decodes a request before the handler runs and answers ``INTERNAL`` ("Exception
+deserializing request!") when it cannot; an exception a handler did not expect becomes
+``UNKNOWN`` with Python's text. :class:`GuardInterceptor` registers each handler to take raw
+bytes, decodes them itself (a request that does not decode is ``INVALID_ARGUMENT``), and turns
+an unexpected exception into ``INTERNAL`` with a short message, logging the exception through
+``on_error``. Installed after the token check, so a caller without the token gets
+``UNAUTHENTICATED`` before anything of its request is decoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+__all__ = ["GuardInterceptor"]
+
+INTERNAL_MESSAGE = "internal error (the service's log says why)"
+
+
+def _decode(raw: bytes, deserializer: Any, context: grpc.ServicerContext) -> Any:
+    if deserializer is None:
+        return raw
+    try:
+        return deserializer(raw)
+    except (DecodeError, ValueError, TypeError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request does not decode")
+
+
+class GuardInterceptor(grpc.ServerInterceptor):
+    """Decodes requests itself and hides unexpected exceptions (module docstring).
+
+    Args:
+        on_error: told of every unexpected exception (for the log).
+    """
+
+    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
+        self._on_error = on_error
+
+    def _failed(self, exc: Exception, context: grpc.ServicerContext) -> None:
+        if context.code() is not None:  # the handler aborted on purpose: keep its status
+            raise exc
+        self._on_error(exc)
+        context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+    def _requests(self, raw: Iterator[bytes], decode: Any, context: Any) -> Iterator[Any]:
+        for r in raw:
+            yield _decode(r, decode, context)
+
+    def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        decode, encode = handler.request_deserializer, handler.response_serializer
+        guard = self
+
+        def unary_unary(raw: bytes, context: Any) -> Any:
+            request = _decode(raw, decode, context)
+            try:
+                return handler.unary_unary(request, context)
+            except Exception as exc:
+                guard._failed(exc, context)
+
+        def unary_stream(raw: bytes, context: Any) -> Iterator[Any]:
+            request = _decode(raw, decode, context)
+            try:
+                yield from handler.unary_stream(request, context)
+            except Exception as exc:
+                guard._failed(exc, context)
+
+        def stream_unary(raw: Iterator[bytes], context: Any) -> Any:
+            try:
+                return handler.stream_unary(guard._requests(raw, decode, context), context)
+            except Exception as exc:
+                guard._failed(exc, context)
+
+        def stream_stream(raw: Iterator[bytes], context: Any) -> Iterator[Any]:
+            try:
+                yield from handler.stream_stream(guard._requests(raw, decode, context), context)
+            except Exception as exc:
+                guard._failed(exc, context)
+
+        kw = {"request_deserializer": None, "response_serializer": encode}
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+        return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
