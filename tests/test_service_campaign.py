@@ -660,6 +660,26 @@ def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path)
     stuck.close()
 
 
+def test_shared_memory_rings_count_in_the_memory_budget(start, tmp_path):
+    """A budget that holds the dataset and nothing more: a shared-memory stream's ring does
+    not fit beside it (RESOURCE_EXHAUSTED, the client raises), an inline stream needs no ring
+    and streams; with room for both, shared memory streams too."""
+    path = make_dataset(tmp_path / "data.h5")
+    dataset_bytes = SAMPLES * 2 * 6 * 6 * 6 * 4 + SAMPLES * 8  # x float32 and idx int64
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock), "--memory-budget", str(dataset_bytes))
+    shm = DataStoreLoader(str(path), batch_size=4, address=str(sock), transport="shm")
+    with pytest.raises(Exception, match=r"RESOURCE_EXHAUSTED.*shared-memory ring"):
+        list(shm)
+    shm.close()
+    with DataStoreLoader(str(path), batch_size=4, address=str(sock), transport="inline") as job:
+        assert len(list(job)) == SAMPLES // 4
+    roomy = tmp_path / "roomy.sock"
+    start("--socket", str(roomy), "--memory-budget", str(4 * dataset_bytes))
+    with DataStoreLoader(str(path), batch_size=4, address=str(roomy), transport="shm") as job:
+        assert len(list(job)) == SAMPLES // 4
+
+
 def test_prometheus_metrics_agree_with_status(start, tmp_path):
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"

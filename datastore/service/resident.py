@@ -276,6 +276,7 @@ class Residency:
         self._event = on_event or (lambda *_a, **_k: None)
         self._threads = threads
         self._lock = threading.Lock()
+        self.ring_bytes = 0  # clients' shared-memory rings, counted in the budget too
         self._by_path: dict[str, Resident] = {}
 
     # -- use -----------------------------------------------------------------------------------
@@ -421,12 +422,34 @@ class Residency:
                 seconds=round(time.perf_counter() - t0, 3),
             )
 
+    def reserve_ring(self, nbytes: int) -> None:
+        """Count a client's shared-memory ring of ``nbytes`` in the budget, evicting idle
+        datasets to make room.
+
+        Raises:
+            ServiceError: ``RESOURCE_EXHAUSTED`` when it does not fit even then.
+        """
+        with self._lock:
+            room = self._make_room_locked(nbytes)
+            if room is not None and room < nbytes:
+                raise ServiceError(
+                    "RESOURCE_EXHAUSTED",
+                    f"a shared-memory ring of {nbytes} bytes does not fit under the memory "
+                    f"budget of {self.budget} bytes ({self.budget - room} in use)",
+                )
+            self.ring_bytes += nbytes
+
+    def release_ring(self, nbytes: int) -> None:
+        """Give back what :meth:`reserve_ring` counted."""
+        with self._lock:
+            self.ring_bytes -= nbytes
+
     def _make_room_locked(self, need: int) -> int | None:
         """Evict unused datasets, least recently used first, until ``need`` fits; the budget
         the new dataset gets (``None``: no limit)."""
         if self.budget is None:
             return None
-        used = sum(r.budgeted for r in self._by_path.values())
+        used = sum(r.budgeted for r in self._by_path.values()) + self.ring_bytes
         idle = sorted(
             (r for r in self._by_path.values() if not r.sessions), key=lambda r: r.last_used
         )

@@ -70,6 +70,7 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
     gather: Gather | None = None  # the service's batch copies
+    residency: Any = None  # counts the shared-memory rings in the memory budget
 
     @property
     def blocks(self) -> int:
@@ -125,7 +126,16 @@ class Session:
                 prefetch = int(r.prefetch) or 2
                 nslots = prefetch + (prefetch + 2 if shared_memory else 1)
                 batch = sched.local_batch(lay.data_world)
-                ring = SlotRing(fields, batch, nslots, shared_memory)
+                ring_bytes = nslots * batch * sum(f.nbytes for f in fields) if shared_memory else 0
+                if ring_bytes and self.residency is not None:
+                    self.residency.reserve_ring(ring_bytes)
+                try:
+                    ring = SlotRing(fields, batch, nslots, shared_memory)
+                except BaseException:
+                    if ring_bytes and self.residency is not None:
+                        self.residency.release_ring(ring_bytes)
+                    raise
+                ring.budgeted = ring_bytes
                 self.rings[(int(r.rank), shared_memory)] = ring
             ring.keep_only(list(r.held))
             s = Stream(
@@ -169,6 +179,8 @@ class Session:
             s.close(why)
         for ring in rings:
             ring.close()
+            if ring.budgeted and self.residency is not None:
+                self.residency.release_ring(ring.budgeted)
 
 
 class Sessions:
@@ -245,7 +257,7 @@ class Sessions:
         except (ValueError, TypeError) as exc:
             raise ServiceError("INVALID_ARGUMENT", str(exc)) from exc
         session = Session(uuid.uuid4().hex, r, resident, schedule, world, grid, info, spatial)
-        session.gather = self.gather
+        session.gather, session.residency = self.gather, self.residency
         return session
 
     def get(self, sid: str) -> Session:

@@ -75,6 +75,7 @@ class SlotRing:
     """
 
     def __init__(self, fields: list[Delivered], batch_size: int, nslots: int, shared: bool):
+        self.budgeted = 0  # bytes the residency counts for this ring (its shared memory)
         self.fields = fields
         self.segment: Segment | None = None
         self.at: dict[str, int] = {}  # where each field starts in a shared-memory slot
