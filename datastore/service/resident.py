@@ -284,18 +284,23 @@ class Residency:
         """The resident copy of the dataset at real path ``path`` (``template``: as clients
         name it), loaded if need be; counted as used by one more session until :meth:`release`."""
         template = template or path
-        asked, sharded = False, None
+        opened: tuple[Any, np.ndarray | None] | None = None
         while True:
             with self._lock:
-                r = self._by_path.get(path)  # (or loaded by another call while we asked)
-                if r is not None or asked:
-                    if r is None:
-                        r = self._load_locked(path, template, sharded)
+                r = self._by_path.get(path)  # (or loaded by another call while we opened it)
+                if r is None and opened is not None:
+                    r, opened = self._load_locked(path, template, opened), None
+                if r is not None:
                     r.sessions += 1
                     r.last_used = time.time()
-                    return r
-            # asking the peers who holds what may wait for one: never with the lock held
-            sharded, asked = self._shards(path, template), True
+                    break
+            # Opening a dataset (its files' metadata, the peers' listings) may take long:
+            # never with the lock held, which Status and every other call need.
+            sharded = self._shards(path, template)
+            opened = sharded if sharded is not None else (_reader(path, self.roots), None)
+        if opened is not None:  # another call loaded it meanwhile
+            opened[0].close()
+        return r
 
     def release(self, r: Resident) -> None:
         with self._lock:
@@ -383,9 +388,9 @@ class Residency:
         return view, owners_by_holders(names, holders)
 
     def _load_locked(
-        self, path: str, template: str, sharded: tuple[Any, np.ndarray] | None
+        self, path: str, template: str, opened: tuple[Any, np.ndarray | None]
     ) -> Resident:
-        reader, owner = sharded if sharded is not None else (_reader(path, self.roots), None)
+        reader, owner = opened
         keys = np.arange(len(reader)) if owner is None else np.flatnonzero(owner == self.node)
         need = len(keys) * sum(fi.nbytes for fi in reader.fields.values())
         room = self._make_room_locked(need)
