@@ -359,8 +359,10 @@ class Engine:
             raise PermissionError(errno.EACCES, "resolves outside the allowed roots", path)
         return fd
 
-    def _open_tmp(self, path: str, flags: int) -> Fd:
-        direct = self.algo != "none" and self.policy.write_direct
+    def _open_tmp(self, path: str, flags: int, size: int | None = None) -> Fd:
+        """A temporary file to write; ``size``: the file's, when known (small files are
+        written through the page cache: see ``IoPolicy.writes_direct``)."""
+        direct = self.algo != "none" and self.policy.writes_direct(size)
         return Fd(os.open(path, flags | (os.O_DIRECT if direct else 0), 0o600), direct)
 
     def _fail(self, item: Item, exc: BaseException) -> None:
@@ -402,7 +404,7 @@ class Engine:
     def _copy_small(self, item: Item, src_path: str, src_off: int) -> None:
         tmp = self._tmp_path(item)
         try:
-            fd = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            fd = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, item.size)
             try:
                 with self._source(src_path) as src:
                     d = copy_range(src, fd, src_off, 0, item.size, self.algo)
@@ -435,7 +437,7 @@ class Engine:
             view = buf[rel : rel + item.size]
             tmp = self._tmp_path(item)
             try:
-                out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, item.size)
                 try:
                     digest = None
                     if self.algo != "none":

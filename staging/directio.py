@@ -7,8 +7,10 @@ into and writes from the copy buffer itself. The rules: buffer address, file off
 aligned to ``ALIGN``; a short tail is written padded and the file truncated to its size after.
 
 Policy (``--io``): ``auto`` writes DEST directly when its filesystem accepts ``O_DIRECT`` and
-reads directly only from local block-device filesystems; network and parallel filesystems
-(Lustre, GPFS, NFS, ...) are read buffered, since ``O_DIRECT`` there is often many times slower.
+the file is at least :data:`DIRECT_WRITE_MIN` bytes (smaller files go through the page cache,
+made durable by one ``syncfs`` per batch), and reads directly only from local block-device
+filesystems; network and parallel filesystems (Lustre, GPFS, NFS, ...) are read buffered, since
+``O_DIRECT`` there is often many times slower.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ __all__ = [
 ]
 
 ALIGN = 4096
+DIRECT_WRITE_MIN = 32 << 20
+"""Under ``--io auto``, files from this size on are written with ``O_DIRECT``."""
 IO_MODES = ("auto", "direct", "buffered")
 LOCAL_FS = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "jfs", "reiserfs", "bcachefs"}
@@ -129,6 +133,16 @@ class IoPolicy:
         self.write_direct = mode != "buffered" and _accepts_direct(dest_dir)
         if mode != "buffered" and not self.write_direct and log:
             _note(f"{dest_dir}: filesystem refuses O_DIRECT; writing through the page cache")
+
+    def writes_direct(self, size: int | None = None) -> bool:
+        """Whether a file of ``size`` bytes (``None``: unknown, large) is written with
+        ``O_DIRECT``: under ``auto`` only from :data:`DIRECT_WRITE_MIN` bytes on. Small files
+        go through the page cache, whose writeback ``syncfs`` makes durable in one batch:
+        measured on the reference VM, 1,000 files of 512 KiB staged cold in 0.87-0.96 s
+        buffered against 1.38 s direct (``cp -r``: 0.93-1.06 s)."""
+        if not self.write_direct:
+            return False
+        return self.mode == "direct" or size is None or size >= DIRECT_WRITE_MIN
 
     def read_direct(self, path: str) -> bool:
         """Whether to read ``path`` with ``O_DIRECT``."""
