@@ -1,9 +1,20 @@
 """The sample order: which samples each rank gets at every step, as pure functions.
 
-The global order of an epoch is a function of ``(seed, epoch)`` alone: a permutation taken by
-sorting 64-bit keys drawn from PCG64 (``random_raw`` of a ``SeedSequence([seed, epoch])``),
-whose stream NumPy keeps stable across versions (unlike ``Generator.permutation``), so every
-rank, node and NumPy version computes the same order without talking to the others.
+The global order of an epoch is a function of ``(seed, epoch)`` alone: position ``p`` of the
+epoch holds sample ``sample_at(p)``, a keyed bijection of ``[0, N)`` (:func:`sample_at`), so
+every rank, node and NumPy version computes the same order without talking to the others, and
+a rank computes only the positions it needs: O(its share) time and memory per epoch, never
+the whole permutation (10^8 samples on 4,096 ranks: 24,414 positions per rank per epoch).
+
+The bijection is a balanced Feistel network on ``2 * h`` bits (``4**h >= N``, so the domain is
+less than ``4 N``): the position splits into halves ``(L, R)``; each of :data:`ROUNDS` rounds
+maps ``(L, R)`` to ``(R, L xor F(R, k_i))``, ``F`` the splitmix64 finaliser of ``R + k_i``
+masked to ``h`` bits, a permutation of the domain whatever ``F`` is. Round keys are the 64-bit
+words of ``blake2b("seed:epoch")``. Cycle walking keeps it inside ``[0, N)``: a position whose
+image is ``>= N`` is mapped again until it lands below ``N`` (fewer than 4 rounds of the
+network on average), which restricts the domain's permutation to a permutation of ``[0, N)``.
+Everything is explicit uint64 arithmetic and a standard hash: the same numbers on every
+platform and NumPy version.
 
 Step ``s`` of an epoch is the global batch ``order[s*B:(s+1)*B]`` for a global batch of ``B``
 samples. Data-parallel rank ``r`` of ``W`` takes the contiguous slice ``[r*B/W:(r+1)*B/W]`` of
@@ -23,12 +34,14 @@ for ``S`` spatial blocks per sample (``rank_layout``).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "ROUNDS",
     "TAILS",
     "EpochPosition",
     "RankLayout",
@@ -37,19 +50,76 @@ __all__ = [
     "contiguous_owners",
     "epoch_order",
     "rank_layout",
+    "round_keys",
+    "sample_at",
     "state",
 ]
 
 TAILS = ("drop", "pad")
 
 
+ROUNDS = 6
+_M1, _M2, _GOLDEN = (
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(0x94D049BB133111EB),
+    np.uint64(0x9E3779B97F4A7C15),
+)
+
+
+def round_keys(seed: int, epoch: int) -> np.ndarray:
+    """The :data:`ROUNDS` 64-bit round keys of ``(seed, epoch)``."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8 * ROUNDS).digest()
+    return np.frombuffer(digest, dtype="<u8").astype(np.uint64)
+
+
+def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
+    """splitmix64's finaliser of ``x + key`` (uint64, wrapping)."""
+    z = (x + key) * _GOLDEN
+    z ^= z >> np.uint64(30)
+    z *= _M1
+    z ^= z >> np.uint64(27)
+    z *= _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def _feistel(x: np.ndarray, half: int, keys: np.ndarray) -> np.ndarray:
+    """The Feistel permutation of ``[0, 4**half)`` (module docstring) applied to ``x``."""
+    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
+    left, right = x >> shift, x & mask
+    for k in keys:
+        left, right = right, left ^ (_mix(right, k) & mask)
+    return (left << shift) | right
+
+
+def sample_at(
+    positions: np.ndarray | int, num_samples: int, seed: int, epoch: int, shuffle: bool = True
+) -> np.ndarray:
+    """The samples at ``positions`` (each in ``[0, num_samples)``) of ``epoch``'s order.
+
+    A bijection of ``[0, num_samples)`` for every ``(seed, epoch)`` (module docstring); the
+    identity when not shuffling. O(len(positions)) time and memory.
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    if pos.size and (pos.min() < 0 or pos.max() >= num_samples):
+        raise IndexError(f"positions outside 0..{num_samples - 1}")
+    if not shuffle or num_samples <= 1:
+        return pos.copy()
+    half = max(1, (int(num_samples - 1).bit_length() + 1) // 2)
+    keys = round_keys(seed, epoch)
+    out = _feistel(pos.astype(np.uint64), half, keys)
+    n = np.uint64(num_samples)
+    outside = np.flatnonzero(out >= n)
+    while outside.size:  # cycle walking: map again until inside [0, N)
+        out[outside] = _feistel(out[outside], half, keys)
+        outside = outside[out[outside] >= n]
+    return out.astype(np.int64)
+
+
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """The permutation of ``range(num_samples)`` for ``epoch`` (identity when not shuffling)."""
-    if not shuffle:
-        return np.arange(num_samples, dtype=np.int64)
-    bits = np.random.PCG64(np.random.SeedSequence([seed & (2**63 - 1), epoch]))
-    keys = bits.random_raw(num_samples)
-    return np.argsort(keys, kind="stable").astype(np.int64)
+    """The whole permutation of ``range(num_samples)`` for ``epoch`` (identity when not
+    shuffling): :func:`sample_at` of every position. O(N): for tests and tools; the loaders
+    compute only their positions (:meth:`Schedule.rank_samples`)."""
+    return sample_at(np.arange(num_samples, dtype=np.int64), num_samples, seed, epoch, shuffle)
 
 
 @dataclass(frozen=True)
@@ -88,20 +158,41 @@ class Schedule:
         full, rest = divmod(self.num_samples, self.global_batch)
         return full + (1 if rest and self.tail == "pad" else 0)
 
-    def order(self, epoch: int) -> np.ndarray:
-        """Every sample of ``epoch`` in order, tail dropped or padded: ``steps * B`` indices."""
-        perm = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
-        need = self.steps_per_epoch * self.global_batch
-        if need <= len(perm):
-            return perm[:need]
-        return np.concatenate([perm, np.resize(perm, need - len(perm))])
+    def at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The samples at ``positions`` of the epoch's padded sequence (position ``p >= N``
+        repeats position ``p mod N``: the padding of the last batch)."""
+        return sample_at(positions % self.num_samples, self.num_samples, self.seed, epoch,
+                         self.shuffle)  # fmt: skip
 
-    def global_batch_at(self, epoch: int, step: int, order: np.ndarray | None = None) -> np.ndarray:
-        """The ``B`` sample indices of ``step`` (pass ``order(epoch)`` to avoid recomputing it)."""
+    def order(self, epoch: int) -> np.ndarray:
+        """Every sample of ``epoch`` in order, tail dropped or padded: ``steps * B`` indices.
+        O(N): for tests and tools; loaders use :meth:`global_batch_at`/:meth:`rank_samples`."""
+        need = self.steps_per_epoch * self.global_batch
+        return self.at(epoch, np.arange(need, dtype=np.int64))
+
+    def global_batch_at(self, epoch: int, step: int) -> np.ndarray:
+        """The ``B`` sample indices of ``step``: O(B)."""
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} outside 0..{self.steps_per_epoch - 1}")
-        full = self.order(epoch) if order is None else order
-        return full[step * self.global_batch : (step + 1) * self.global_batch]
+        first = step * self.global_batch
+        return self.at(epoch, np.arange(first, first + self.global_batch, dtype=np.int64))
+
+    def rank_epoch(self, epoch: int, data_rank: int, data_world: int) -> np.ndarray:
+        """``(steps, B / data_world)``: data rank ``data_rank``'s samples at every step of
+        ``epoch``, in O(N / data_world) time and memory."""
+        b = self.local_batch(data_world)
+        starts = np.arange(self.steps_per_epoch, dtype=np.int64) * self.global_batch
+        positions = (starts + data_rank * b)[:, None] + np.arange(b, dtype=np.int64)
+        return self.at(epoch, positions.reshape(-1)).reshape(self.steps_per_epoch, b)
+
+    def rank_samples(self, epoch: int, step: int, data_rank: int, data_world: int) -> np.ndarray:
+        """Data rank ``data_rank``'s share of step ``step``: O(B / data_world), computed without
+        the rest of the global batch."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} outside 0..{self.steps_per_epoch - 1}")
+        b = self.local_batch(data_world)
+        first = step * self.global_batch + data_rank * b
+        return self.at(epoch, np.arange(first, first + b, dtype=np.int64))
 
     def local_batch(self, data_world: int) -> int:
         """Samples per step on each of ``data_world`` ranks; they must divide the global batch."""
@@ -118,11 +209,6 @@ class Schedule:
         b = self.local_batch(data_world)
         first = step * self.global_batch + data_rank * b
         return np.arange(first, first + b) < self.num_samples
-
-    def rank_batch(self, global_batch: np.ndarray, data_rank: int, data_world: int) -> np.ndarray:
-        """Data rank ``data_rank``'s contiguous share of a global batch."""
-        b = self.local_batch(data_world)
-        return global_batch[data_rank * b : (data_rank + 1) * b]
 
 
 @dataclass(frozen=True)

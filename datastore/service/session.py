@@ -102,12 +102,10 @@ class Session:
         end = steps if r.max_batches == 0 else min(steps, r.start_step + r.max_batches)
         lay = rank_layout(r.rank, self.world, self.blocks)
         epoch = int(r.epoch)
-        order = self.schedule.order(epoch)
         sched = self.schedule
 
         def plan(step: int) -> np.ndarray:
-            g = sched.global_batch_at(epoch, step, order)
-            return sched.rank_batch(g, lay.data_rank, lay.data_world)
+            return sched.rank_samples(epoch, step, lay.data_rank, lay.data_world)
 
         fields = self.fields_of(lay.spatial_rank)
 

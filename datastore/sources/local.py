@@ -77,7 +77,6 @@ def filled_batches(
     ``deliver(step, global_batch, arrays)`` (an exchange) into a buffer of ``ring``; without
     ``sync``, ``deliver(step, rank_samples, arrays)`` (a local source). With ``sync``, every
     rank starts at the same position and stops at the same step."""
-    order = schedule.order(epoch)
     if sync is not None:
         sync.start(epoch, start)
     for step in range(start, schedule.steps_per_epoch):
@@ -86,9 +85,10 @@ def filled_batches(
                 return
         elif stop.is_set():
             return
-        g = schedule.global_batch_at(epoch, step, order)
-        what = (
-            g if sync is not None else schedule.rank_batch(g, layout.data_rank, layout.data_world)
+        what = (  # an exchange needs the whole global batch; a local source its share only
+            schedule.global_batch_at(epoch, step)
+            if sync is not None
+            else schedule.rank_samples(epoch, step, layout.data_rank, layout.data_world)
         )
         buf = ring.take()
         try:

@@ -79,9 +79,8 @@ def check(path: str, out: str, gb: str, parts: str, halo: str, budget: str, epoc
     want = {f.name: np.empty((b, *f.shape), f.dtype) for f in mine}
     steps, bad = 0, []
     for epoch in range(int(epochs)):
-        order = sched.order(epoch)
         for step in range(sched.steps_per_epoch):
-            batch = sched.global_batch_at(epoch, step, order)
+            batch = sched.global_batch_at(epoch, step)
             for a in bufs.values():
                 a.fill(SENTINEL)  # what a consumer's edits or an earlier batch left there
             ex.step(step, batch, bufs)
@@ -107,17 +106,27 @@ def skip(path: str, out: str, gb: str, timeout: str, at: str) -> dict:
     rank = dist.get_rank()
     b = sched.local_batch(data_world)
     bufs = {f.name: np.empty((b, *f.shape), f.dtype) for f in mine}
-    order = sched.order(0)
+    owner = contiguous_owners(sched.num_samples, dist.get_world_size())
+
+    def crosses(step: int) -> bool:  # a rank needs a sample the other holds
+        return any(
+            (owner[sched.rank_samples(0, step, r, data_world)] != r).any()
+            for r in range(data_world)
+        )
+
+    # The first step from ``at`` on whose exchange needs rank 1: where its peer must notice.
+    expected = next(s for s in range(int(at), sched.steps_per_epoch) if crosses(s))
     for step in range(sched.steps_per_epoch):
         if rank == 1 and step == int(at):
             time.sleep(float(timeout) + 1.5)  # stops taking part: its peers must not hang
             return {"skipped": step}
         t0 = time.monotonic()
         try:
-            ex.step(step, sched.global_batch_at(0, step, order), bufs)
+            ex.step(step, sched.global_batch_at(0, step), bufs)
         except ExchangeTimeout as exc:
             return {
                 "error": str(exc),
+                "expected_step": expected,
                 "step": exc.step,
                 "peers": list(exc.peers),
                 "waited": time.monotonic() - t0,
