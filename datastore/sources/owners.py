@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from datastore.delivery import Copy, Delivered, Gather, box_copies
-from datastore.exchange import Message, plan
+from datastore.exchange import Message, rank_plan
 from datastore.store import Store
 
 __all__ = ["Owners"]
@@ -44,8 +44,8 @@ class Owners:
         self.seconds = 0.0  # time spent in step()
 
     def messages(self, batch: np.ndarray) -> list[Message]:
-        """Every message of the step of global ``batch``."""
-        return plan(batch, self.owner, self.data_world, self.spatial_size)
+        """The messages this rank sends or receives at the step of global ``batch``."""
+        return rank_plan(batch, self.owner, self.data_world, self.spatial_size, self.rank)
 
     def own_copies(self, msgs: list[Message], out: dict[str, np.ndarray]) -> list[Copy]:
         """The copies of the samples this rank owns and consumes itself, into ``out``."""
