@@ -58,7 +58,7 @@ __all__ = [
 TAILS = ("drop", "pad")
 
 
-ROUNDS = 6
+ROUNDS = 8  # 6 left tiny datasets visibly skewed (chi-square per cell 2.8 at N = 5)
 _M1, _M2, _GOLDEN = (
     np.uint64(0xBF58476D1CE4E5B9),
     np.uint64(0x94D049BB133111EB),

@@ -45,6 +45,17 @@ def test_sample_at_is_the_permutation_position_by_position(n):
         sample_at(np.array([n]), n, 5, 2)
 
 
+def test_tiny_datasets_are_shuffled_evenly():
+    """Over many seeds each position holds each sample equally often: chi-square per cell of
+    the (position, sample) counts about 1 (measured 0.58 with 8 rounds; 6 rounds gave 2.77)."""
+    n, seeds = 5, 20000
+    counts = np.zeros((n, n))
+    for s in range(seeds):
+        counts[np.arange(n), epoch_order(n, s, 0)] += 1
+    expected = seeds / n
+    assert ((counts - expected) ** 2 / expected).sum() / n**2 < 1.5
+
+
 def test_the_order_looks_random():
     """Fixed seeds, so nothing here can be flaky: samples move a third of the epoch on average
     (uniform: N/3), consecutive positions are not correlated, and two epochs agree at about one
@@ -143,9 +154,9 @@ def test_contiguous_owners(n, owners):
     assert counts.max() - counts.min() <= 1
 
 
-ORDER_0_0 = [8, 3, 0, 7, 1, 5, 9, 4, 2, 6]
-ORDER_0_1 = [8, 5, 0, 9, 1, 2, 3, 7, 4, 6]
-ORDER_42_0 = [0, 2, 3, 5, 7, 1, 9, 8, 4, 6]
+ORDER_0_0 = [0, 9, 1, 8, 4, 7, 6, 3, 2, 5]
+ORDER_0_1 = [5, 8, 7, 0, 2, 1, 4, 9, 3, 6]
+ORDER_42_0 = [6, 4, 7, 0, 1, 3, 9, 5, 2, 8]
 
 
 def test_a_ranks_epoch_plan_does_not_grow_with_the_whole_dataset():
