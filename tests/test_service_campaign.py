@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from datastore.errors import DataStoreError
 from datastore.loader import DataStoreLoader
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
@@ -584,33 +585,39 @@ def test_hostile_requests_are_refused_and_the_service_serves_on(start, tmp_path,
     assert max(len(line) for line in s.stderr.splitlines()) < 10_000  # nothing huge was logged
 
 
+@pytest.mark.timeout(60)  # a regression would block on the FIFO: fail, do not hang
 def test_a_fifo_is_refused_at_once_and_status_answers(start, tmp_path, env):
-    """LoadDataset (and OpenSession) of a FIFO under an allowed root: opening it would block
-    until a writer comes; it is refused at once, the service answers Status meanwhile, and the
-    embedded loader refuses it alike."""
+    """LoadDataset (and OpenSession) of a FIFO under an allowed root, as data or as a spec
+    file: opening it would block until a writer comes; it is refused at once, the service
+    answers Status meanwhile, and the embedded loader refuses it alike (a spec file is opened
+    non-blocking and checked on its descriptor)."""
     root = tmp_path / "allowed"
     root.mkdir()
-    fifo = root / "samples.h5"
-    os.mkfifo(fifo)
+    fifos = [root / "samples.h5", root / "spec.json"]
+    for fifo in fifos:
+        os.mkfifo(fifo)
     sock = tmp_path / "s.sock"
     start("--socket", str(sock), "--allow", str(root))
     t0 = time.monotonic()
     with grpc.insecure_channel(target_of(sock)) as ch:
         ds = pb_grpc.DataStoreStub(ch)
-        for call in (
-            lambda: ds.LoadDataset(pb.LoadDatasetRequest(dataset_path=str(fifo)), timeout=10),
-            lambda: ds.OpenSession(
-                pb.OpenSessionRequest(dataset_path=str(fifo), global_batch=1), timeout=10
-            ),
-        ):
-            with pytest.raises(grpc.RpcError) as err:
-                call()
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "not a regular file or directory" in err.value.details()
+        calls = [
+            call.future(request, timeout=10)
+            for fifo in fifos
+            for call, request in (
+                (ds.LoadDataset, pb.LoadDatasetRequest(dataset_path=str(fifo))),
+                (ds.OpenSession, pb.OpenSessionRequest(dataset_path=str(fifo), global_batch=1)),
+            )
+        ]
         assert ds.Status(pb.StatusRequest(), timeout=5).pid > 0
-    assert time.monotonic() - t0 < 10
-    with pytest.raises(ValueError, match="not a regular file or directory"):
-        DataStoreLoader(str(fifo), batch_size=1)
+        for call in calls:
+            assert call.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is not a regular file or directory" in call.details()
+            assert str(root) in call.details()
+    assert time.monotonic() - t0 < 5
+    for fifo in fifos:
+        with pytest.raises(ValueError, match="not a regular file"):
+            DataStoreLoader(str(fifo), batch_size=1)
 
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])
@@ -628,23 +635,27 @@ def test_a_stream_cut_by_its_session_closing_is_an_error_not_a_short_epoch(
     with grpc.insecure_channel(target_of(sock)) as ch:
         stub = pb_grpc.DataStoreStub(ch)
         stub.CloseSession(pb.CloseSessionRequest(session_id=loader.session_id), timeout=10)
-    with pytest.raises(Exception, match=r"ABORTED.*stopped before its last batch") as err:
+    with pytest.raises(DataStoreError, match=r"ABORTED.*stopped before its last batch") as err:
         for _ in range(SAMPLES):
             next(it)
-    assert not isinstance(err.value, StopIteration)
+    assert err.value.grpc_status == grpc.StatusCode.ABORTED
+    assert "the session was closed" in err.value.grpc_details
     loader.close()
 
 
-def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path):
-    """Shutdown(grace_s=inf or < 0) is INVALID_ARGUMENT and the service serves on; with a client
-    that holds a stream open and reads no more, Shutdown(grace_s=2) ends the service within
-    grace + a few seconds, exit 0."""
+def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path, env):
+    """Shutdown(grace_s=inf, nan, < 0 or > 3600) is INVALID_ARGUMENT and the service serves on
+    (so is --grace at start: exit 2); with a client that holds a stream open and reads no more,
+    Shutdown(grace_s=2) ends the service within grace + a few seconds, exit 0."""
+    for bad in ("inf", "nan", "-1", "3601"):
+        r = cli("serve", "--socket", str(tmp_path / "g.sock"), f"--grace={bad}", env=env)
+        assert r.returncode == 2 and "--grace must be 0..3600 seconds" in r.stderr, r.stderr
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"
     s = start("--socket", str(sock))
     with grpc.insecure_channel(target_of(sock)) as ch:
         stub = pb_grpc.DataStoreStub(ch)
-        for bad in (float("inf"), float("nan"), -1.0, 1e9):
+        for bad in (float("inf"), float("nan"), -1.0, 3601.0, 1e9):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Shutdown(pb.ShutdownRequest(grace_s=bad), timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -658,6 +669,45 @@ def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path)
     assert s.proc.wait(20) == 0
     assert time.monotonic() - t0 < 2 + 5
     stuck.close()
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "Shutdown"])
+def test_stopping_after_streaming_takes_the_grace_and_a_few_seconds(start, tmp_path, stop):
+    """After streaming traffic (a whole epoch read, then one stream per transport left open
+    by a client that reads no more), SIGTERM or Shutdown with --grace 2 ends the service within
+    grace + a few seconds, exit 0, its socket and segments removed; the stuck clients get an
+    error, not a hang."""
+    path = tmp_path / "data.h5"
+    with h5py.File(path, "w") as f:  # 1 MiB samples: more than gRPC's flow control takes
+        f["x"] = np.ones((32, 1, 64, 64, 64), np.float32)
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock), "--grace", "2")
+    with DataStoreLoader(str(path), batch_size=4, address=str(sock)) as job:
+        assert len(list(job)) == 32 // 4
+    stuck = [
+        DataStoreLoader(str(path), batch_size=1, address=str(sock), transport=t, prefetch=1)
+        for t in ("shm", "inline")
+    ]
+    its = [iter(loader) for loader in stuck]
+    for it in its:
+        next(it)
+    until(lambda: status(sock).clients == 2, 10, "both streams open")
+    t0 = time.monotonic()
+    if stop == "SIGTERM":
+        s.proc.send_signal(signal.SIGTERM)
+    else:
+        with grpc.insecure_channel(target_of(sock)) as ch:
+            pb_grpc.DataStoreStub(ch).Shutdown(pb.ShutdownRequest(), timeout=10)
+    assert s.proc.wait(20) == 0
+    assert time.monotonic() - t0 < 2 + 4
+    assert not sock.exists() and segments(s.proc.pid) == []
+    assert [e["event"] for e in s.logs()[-2:]] == ["draining", "stopped"]
+    assert s.logs()[-2]["grace_s"] == 2
+    for it, loader in zip(its, stuck, strict=True):
+        with pytest.raises(DataStoreError):
+            for _ in range(32):
+                next(it)
+        loader.close()
 
 
 def test_shared_memory_rings_count_in_the_memory_budget(start, tmp_path):

@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    """``(tcp address, token, dataset path, socket)`` of one peered service."""
+    """``(tcp address, token, dataset path, socket, log file)`` of one peered service."""
     tmp = tmp_path_factory.mktemp("requests")
     data = tmp / "allowed" / "data.h5"
     data.parent.mkdir()
@@ -51,12 +51,14 @@ def service(tmp_path_factory):
     cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock), "--tcp", tcp,
            "--token-file", str(token_file), "--peers", tcp, "--node", "0",
            "--allow", str(data.parent)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp / "serve.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 60
     while not sock.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
-    yield tcp, token, str(data), sock
+    yield tcp, token, str(data), sock, log
     proc.terminate()
     proc.wait(30)
 
@@ -91,26 +93,35 @@ def fetch(tcp: str, token: str, **kw) -> grpc.RpcError:
     ids=["sample", "field", "block", "parts-0", "halo-too-wide", "nul"],
 )  # fmt: skip
 def test_bad_fetches_get_the_right_status(service, kw, code, says):
-    tcp, token, path, _ = service
+    tcp, token, path, *_ = service
     err = fetch(tcp, token, **{"dataset_path": path, **kw})
     assert err.code() == getattr(grpc.StatusCode, code), err.details()
     assert says in err.details(), err.details()
     assert "Traceback" not in err.details() and "Error:" not in err.details()
 
 
-def test_nothing_is_decoded_without_the_token(service):
-    tcp, *_ = service
+@pytest.mark.parametrize(
+    "method",
+    ["/datastore.v1.DataStore/OpenSession", "/datastore.v1.DataStore/StreamBatches",
+     "/datastore.v1.DataStore/Stage", "/datastore.v1.Peers/FetchBlocks"],
+)  # fmt: skip
+def test_nothing_is_decoded_without_the_token(service, method):
+    """Bytes that do not decode, sent raw over TCP: UNAUTHENTICATED without the token (or with
+    another), whatever the kind of call; INVALID_ARGUMENT once the token is right."""
+    tcp, token, *_ = service
     with grpc.insecure_channel(tcp) as ch:
-        raw = ch.unary_unary("/datastore.v1.DataStore/OpenSession", request_serializer=None,
-                             response_deserializer=None)  # fmt: skip
-        for metadata in (None, (("authorization", "Bearer nope"),)):
+        raw = ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+        for metadata in (None, (("authorization", "Bearer nope"),), (("authorization", token),)):
             with pytest.raises(grpc.RpcError) as err:
                 raw(b"\xff\xff\xff\xff", timeout=10, metadata=metadata)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            raw(b"\xff\xff\xff\xff", timeout=10, metadata=(("authorization", f"Bearer {token}"),))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
 
 
 def test_a_request_that_does_not_decode_is_invalid(service):
-    _, _, _, sock = service
+    _, _, _, sock, _ = service
     with grpc.insecure_channel(f"unix://{sock}") as ch:
         raw = ch.unary_unary("/datastore.v1.DataStore/LoadDataset", request_serializer=None,
                              response_deserializer=None)  # fmt: skip
@@ -119,24 +130,68 @@ def test_a_request_that_does_not_decode_is_invalid(service):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_a_long_path_is_refused_at_once_without_echoing_it(service):
-    _, _, _, sock = service
-    long_path = "/a" * 150_000  # 300 KB, 150,000 components
+LONG = "/a" * 150_000  # 300 KB, 150,000 components: resolving it took seconds
+
+
+def _load(stub, path):
+    return stub.LoadDataset(pb.LoadDatasetRequest(dataset_path=path), timeout=10)
+
+
+def _open(stub, path):
+    return stub.OpenSession(pb.OpenSessionRequest(dataset_path=path, global_batch=1), timeout=10)
+
+
+def _unload(stub, path):
+    return stub.UnloadDataset(pb.UnloadDatasetRequest(dataset_path=path), timeout=10)
+
+
+def _stage_from(stub, path):
+    return list(stub.Stage(pb.StageRequest(sources=[path], dest="/tmp/dest"), timeout=10))
+
+
+def _stage_to(stub, path):
+    return list(stub.Stage(pb.StageRequest(sources=["/tmp/src"], dest=path), timeout=10))
+
+
+@pytest.mark.parametrize("call", [_load, _open, _unload, _stage_from, _stage_to])
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [(LONG, "is longer than 4096 bytes"), ("/tmp/x\x00y", "holds a NUL byte")],
+    ids=["long", "nul"],
+)
+def test_a_bad_path_is_refused_at_once_without_echoing_it(service, call, path, says):
+    _, _, _, sock, log = service
     with grpc.insecure_channel(f"unix://{sock}") as ch:
         stub = pb_grpc.DataStoreStub(ch)
         t0 = time.monotonic()
-        for request in (
-            lambda: stub.LoadDataset(pb.LoadDatasetRequest(dataset_path=long_path), timeout=10),
-            lambda: stub.OpenSession(
-                pb.OpenSessionRequest(dataset_path=long_path, global_batch=1), timeout=10
-            ),
+        with pytest.raises(grpc.RpcError) as err:
+            call(stub, path)
+        assert time.monotonic() - t0 < 1
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert says in err.value.details()
+    assert len(err.value.details()) < 400
+    assert max(len(line) for line in log.read_text().splitlines()) < 10_000  # nor the log
+
+
+def test_names_a_client_sent_are_not_echoed_whole(service):
+    """An unknown session id or field name of 100,000 characters: the refusal quotes its
+    start (a whole one would not even fit in gRPC's status); a job id that long is cut in the
+    log."""
+    _, _, path, sock, log = service
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        stub = pb_grpc.DataStoreStub(ch)
+        close = pb.CloseSessionRequest(session_id="s" * 100_000)
+        open_ = pb.OpenSessionRequest(dataset_path=path, global_batch=1, fields=["f" * 100_000])
+        for call, code in (
+            (lambda: stub.CloseSession(close, timeout=10), grpc.StatusCode.NOT_FOUND),
+            (lambda: stub.OpenSession(open_, timeout=10), grpc.StatusCode.INVALID_ARGUMENT),
         ):
             with pytest.raises(grpc.RpcError) as err:
-                request()
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "longer than 4096 bytes" in err.value.details()
+                call()
+            assert err.value.code() == code, err.value.details()
+            assert "(100000 characters)" in err.value.details()
             assert len(err.value.details()) < 400
-        assert time.monotonic() - t0 < 2
-        with pytest.raises(grpc.RpcError) as err:
-            stub.LoadDataset(pb.LoadDatasetRequest(dataset_path="/tmp/x\x00y"), timeout=10)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        job = pb.OpenSessionRequest(dataset_path=path, global_batch=1, job_id="j" * 100_000)
+        sid = stub.OpenSession(job, timeout=10).session_id
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+    assert max(len(line) for line in log.read_text().splitlines()) < 10_000

@@ -39,6 +39,7 @@ import itertools
 import json
 import operator
 import os
+import stat
 import tomllib
 from dataclasses import dataclass
 from typing import Any
@@ -189,8 +190,7 @@ class DatasetSpec:
         """Read a spec file: ``.json`` or ``.toml`` (see the module docstring)."""
         path = os.fspath(path)
         try:
-            with open(path, "rb") as fh:
-                raw = fh.read()
+            raw = _read_regular(path)
         except FileNotFoundError:
             raise DatasetMissing(path, "no such spec file") from None
         except OSError as exc:
@@ -212,6 +212,19 @@ class DatasetSpec:
             "fields": [{"name": f.name, "spatial_axes": list(f.spatial_axes)} for f in self.fields],
             "label": self.label,
         }
+
+
+def _read_regular(path: str) -> bytes:
+    """The bytes of the regular file ``path``: opened non-blocking and checked on the open
+    descriptor, so a FIFO (whose open would wait for a writer) or a device is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DatasetError(path, "not a regular file (a FIFO, socket, device or directory)")
+        with open(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
 
 
 def _is_glob(path: str) -> bool:

@@ -1,4 +1,9 @@
-"""Structured logs: one JSON object per line on stderr (``ts``, ``level``, ``event``, fields)."""
+"""Structured logs: one JSON object per line on stderr (``ts``, ``level``, ``event``, fields).
+
+A field may carry what a client sent (a job id, a stage's paths): a string is cut after
+:data:`MAX_CHARS` characters and a list after :data:`MAX_ITEMS` items, each saying how long it
+was, so no client can make a line megabytes long.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,21 @@ import threading
 import time
 from typing import Any, TextIO
 
-__all__ = ["JsonLog"]
+__all__ = ["MAX_CHARS", "MAX_ITEMS", "JsonLog"]
+
+MAX_CHARS = 1000
+"""The most characters of a string field a line holds."""
+MAX_ITEMS = 100
+"""The most items of a list field a line holds."""
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_CHARS:
+        return f"{value[:MAX_CHARS]}... ({len(value)} characters)"
+    if isinstance(value, list):
+        items = [_bounded(v) for v in value[:MAX_ITEMS]]
+        return items if len(value) <= MAX_ITEMS else [*items, f"... ({len(value)} items)"]
+    return value
 
 
 class JsonLog:
@@ -31,7 +50,7 @@ class JsonLog:
             "level": level,
             "component": self._component,
             "event": event,
-            **fields,
+            **{k: _bounded(v) for k, v in fields.items()},
         }
         line = json.dumps(record, default=str, separators=(",", ":"))
         stream = self._stream or sys.stderr

@@ -4,6 +4,10 @@ The default socket is ``$XDG_RUNTIME_DIR/datastore/datastore.sock`` or, without 
 directory, ``/tmp/datastore-$UID/datastore.sock``. The directory is private (0700, owned by
 this user; anything else is refused) and the socket is 0600, so only its user reaches it.
 
+A path a client names is checked before anything resolves it (:func:`checked_path`): at most
+:data:`MAX_PATH` bytes (so at most 2,048 components: resolving costs time in the length), no
+NUL byte, absolute; a message quotes at most its first 120 characters (:func:`shown`).
+
 A path is claimed with an ``flock`` on ``<socket>.lock`` held for the server's life: a second
 server on the same path fails at once, and a socket left by a dead server (``kill -9``) is
 found stale (the lock is free and nothing answers on it) and removed on the next start.
@@ -22,14 +26,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from datastore.service.errors import ServiceError
+
 __all__ = [
+    "MAX_PATH",
     "SOCKET_NAME",
     "AddressInUse",
     "Claim",
     "UnsafeDirectory",
+    "checked_path",
     "claim_socket",
     "default_socket",
     "default_state_file",
+    "shown",
     "socket_answers",
     "unix_target",
     "within_roots",
@@ -37,6 +46,8 @@ __all__ = [
 
 SOCKET_NAME = "datastore.sock"
 MAX_UNIX_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
+MAX_PATH = 4096
+"""The longest path a request may name, in bytes (Linux's ``PATH_MAX``)."""
 
 
 class AddressInUse(RuntimeError):
@@ -68,6 +79,35 @@ def default_state_file(socket: Path, env: dict[str, str] | None = None) -> Path:
     base = Path(env.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
     digest = hashlib.sha1(os.fsencode(os.path.abspath(socket))).hexdigest()[:12]
     return base / "datastore" / f"resident-{digest}.json"
+
+
+def shown(text: str, limit: int = 120) -> str:
+    """``text`` (a path, a name a client sent) for a message: its start when long, so a
+    refusal never echoes megabytes."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def checked_path(path: str, what: str) -> None:
+    """Refuse a path a client named that is unfit to resolve.
+
+    Args:
+        path: the path.
+        what: its name in a refusal (``"dataset_path"``, ``"a source"``...).
+
+    Raises:
+        ServiceError: ``INVALID_ARGUMENT``: empty, longer than :data:`MAX_PATH` bytes, holding
+            a NUL byte, or relative.
+    """
+    if not path:
+        raise ServiceError("INVALID_ARGUMENT", f"{what} is empty")
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH:
+        raise ServiceError(
+            "INVALID_ARGUMENT", f"{what} {shown(path)} is longer than {MAX_PATH} bytes"
+        )
+    if "\0" in path:
+        raise ServiceError("INVALID_ARGUMENT", f"{what} {shown(path)} holds a NUL byte")
+    if not os.path.isabs(path):
+        raise ServiceError("INVALID_ARGUMENT", f"{what} must be absolute, got {shown(path)}")
 
 
 def within_roots(path: str, roots: Sequence[Path | str]) -> bool:

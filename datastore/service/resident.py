@@ -30,7 +30,7 @@ from datastore.errors import DatasetNotFound
 from datastore.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
-from datastore.service.paths import within_roots
+from datastore.service.paths import checked_path, shown, within_roots
 from datastore.service.peers import Peers
 from datastore.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store import SlotSpec, Store
@@ -38,31 +38,12 @@ from datastore.store import SlotSpec, Store
 __all__ = ["Residency", "Resident", "resolve_dataset"]
 
 
-MAX_PATH = 4096
-"""The longest dataset path a request may name, in bytes (Linux's ``PATH_MAX``)."""
-
-
-def shown(path: str, limit: int = 120) -> str:
-    """``path`` for a message: its start when long (a refusal never echoes megabytes)."""
-    return repr(path) if len(path) <= limit else f"{path[:limit]!r}... ({len(path)} characters)"
-
-
 def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
     """The real path of a dataset a client named; refused outside ``roots`` (when given).
 
-    Checked before anything is resolved: a path longer than :data:`MAX_PATH` bytes or with a
-    NUL byte is ``INVALID_ARGUMENT`` (resolving a path costs time in its length).
+    Checked before anything is resolved (:func:`~datastore.service.paths.checked_path`).
     """
-    if not path:
-        raise ServiceError("INVALID_ARGUMENT", "dataset_path is empty")
-    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH:
-        raise ServiceError(
-            "INVALID_ARGUMENT", f"dataset_path {shown(path)} is longer than {MAX_PATH} bytes"
-        )
-    if "\0" in path:
-        raise ServiceError("INVALID_ARGUMENT", f"dataset_path {shown(path)} holds a NUL byte")
-    if not os.path.isabs(path):
-        raise ServiceError("INVALID_ARGUMENT", f"dataset_path must be absolute, got {shown(path)}")
+    checked_path(path, "dataset_path")
     real = os.path.realpath(path)
     if roots and not within_roots(real, roots):
         raise ServiceError("PERMISSION_DENIED", f"{shown(path)} is {_outside(roots)}")
@@ -159,7 +140,7 @@ class Resident:
         unknown = [f for f in names if f not in self.reader.fields]
         if unknown:
             known = ", ".join(self.reader.fields)
-            raise ServiceError("NOT_FOUND", f"no field {unknown[0]!r} (fields: {known})")
+            raise ServiceError("NOT_FOUND", f"no field {shown(unknown[0])} (fields: {known})")
         stray = [i for i in samples if self.owner is not None and self.owner[i] != self.node]
         if stray:
             raise ServiceError(

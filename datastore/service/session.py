@@ -25,6 +25,7 @@ from datastore.order import Schedule, rank_layout
 from datastore.partition import Grid
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
+from datastore.service.paths import shown
 from datastore.service.peers import node_path
 from datastore.service.resident import Residency, Resident, resolve_dataset
 from datastore.service.stream import SlotRing, Stream
@@ -220,8 +221,10 @@ class Sessions:
         if world > MAX_WORLD:
             raise ServiceError("INVALID_ARGUMENT", f"world_size {world} above {MAX_WORLD}")
         spatial = spatial_of(r.spatial)
+        if spatial and 0 in spatial["parts"]:
+            raise ServiceError("INVALID_ARGUMENT", "spatial parts must be 1 or more, got a 0")
         blocks = math.prod(spatial["parts"]) if spatial else 1
-        if blocks < 1 or world % blocks:
+        if world % blocks:
             raise ServiceError(
                 "INVALID_ARGUMENT",
                 f"world_size {world} is not a multiple of the {blocks} spatial blocks",
@@ -243,7 +246,7 @@ class Sessions:
         if missing:
             raise ServiceError(
                 "INVALID_ARGUMENT",
-                f"no field {missing[0]!r} in the dataset (it has {', '.join(every)})",
+                f"no field {shown(missing[0])} in the dataset (it has {', '.join(every)})",
             )
         info = {n: every[n] for n in names}
         try:
@@ -262,14 +265,14 @@ class Sessions:
         with self._lock:
             s = self._by_id.get(sid)
         if s is None:
-            raise ServiceError("NOT_FOUND", f"no session {sid!r}")
+            raise ServiceError("NOT_FOUND", f"no session {shown(sid)}")
         return s
 
     def close(self, sid: str, why: str = "the session was closed") -> None:
         with self._lock:
             s = self._by_id.pop(sid, None)
         if s is None:
-            raise ServiceError("NOT_FOUND", f"no session {sid!r}")
+            raise ServiceError("NOT_FOUND", f"no session {shown(sid)}")
         s.close(why)
         self.residency.release(s.resident)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
-from datastore.service.paths import within_roots
+from datastore.service.paths import checked_path, shown, within_roots
 from staging.cluster import LAUNCH_ENV
 
 __all__ = ["KILL_AFTER_S", "stage_argv", "stream_stage"]
@@ -43,7 +43,8 @@ def stage_argv(request: Any, allowed_roots: Sequence[Path | str] = ()) -> list[s
     """The ``datastore stage`` command line of a ``StageRequest``, once it is found valid.
 
     Raises:
-        ServiceError: ``INVALID_ARGUMENT`` (no source, a relative path) or
+        ServiceError: ``INVALID_ARGUMENT`` (no source, a path that is relative, holds a NUL
+            byte or is longer than :data:`~datastore.service.paths.MAX_PATH` bytes) or
             ``PERMISSION_DENIED`` (a path outside ``allowed_roots``, when any are given).
     """
     sources, dest = list(request.sources), request.dest
@@ -51,16 +52,16 @@ def stage_argv(request: Any, allowed_roots: Sequence[Path | str] = ()) -> list[s
         raise ServiceError("INVALID_ARGUMENT", "Stage needs at least one source")
     if not dest:
         raise ServiceError("INVALID_ARGUMENT", "Stage needs a destination")
-    for p in (*sources, dest):
-        if not os.path.isabs(p):
-            raise ServiceError("INVALID_ARGUMENT", f"not an absolute path: {p!r}")
+    for p in sources:
+        checked_path(p, "a source")
+    checked_path(dest, "dest")
     if allowed_roots:
         for p in (*sources, dest):
             if not within_roots(p, allowed_roots):
                 roots = ", ".join(str(r) for r in allowed_roots)
                 raise ServiceError(
                     "PERMISSION_DENIED",
-                    f"{p} is outside the paths this service stages from and to ({roots})",
+                    f"{shown(p)} is outside the paths this service stages from and to ({roots})",
                 )
     argv = [sys.executable, "-m", "datastore", "stage", *sources, "--to", dest]
     argv.append("--progress-json")
