@@ -26,6 +26,14 @@ ROOT = Path(__file__).parent.parent
 SAMPLES = 8
 
 
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,7 +63,8 @@ def service(tmp_path_factory):
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 60
-    while not sock.exists():
+    host, port = tcp.rsplit(":", 1)
+    while not (sock.exists() and _accepts(host, int(port))):  # the Unix socket comes first
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     yield tcp, token, str(data), sock, log
