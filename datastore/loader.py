@@ -32,7 +32,14 @@ from datastore.delivery import Delivered, Gather, delivered_fields, parse_spatia
 from datastore.device import DeviceStage, parse_device
 from datastore.errors import ExchangeTimeout, InsufficientMemory
 from datastore.memory import available_memory, parse_size
-from datastore.order import EpochPosition, RankLayout, Schedule, contiguous_owners, rank_layout
+from datastore.order import (
+    EpochPosition,
+    RangeOwners,
+    RankLayout,
+    Schedule,
+    owned_keys,
+    rank_layout,
+)
 from datastore.readers import open_dataset
 from datastore.ring import BufferRing
 from datastore.shards import shard_layout
@@ -328,7 +335,7 @@ class DataStoreLoader(EpochPosition):
         exchanging = self._coll is not None
         owner = None
         if exchanging:
-            owner = contiguous_owners(len(reader), self.world.size)
+            owner = RangeOwners(len(reader), self.world.size)  # O(ranks), not O(samples)
             sharded = shard_layout(reader, _root(dataset), self._coll)
             if sharded is not None:  # each node holds its share (datastore stage --mode shard)
                 self.reader, owner = sharded
@@ -345,7 +352,7 @@ class DataStoreLoader(EpochPosition):
             by_block = {k: delivered_fields(info, grid, k) for k in range(blocks)}
             mine = by_block[layout.spatial_rank]
             if owner is not None:
-                keys = np.flatnonzero(owner == self.world.rank)
+                keys = owned_keys(owner, self.world.rank)
                 per_key = sum(
                     int(np.prod(fi.shape)) * np.dtype(fi.dtype).itemsize for fi in info.values()
                 )
@@ -374,7 +381,9 @@ class DataStoreLoader(EpochPosition):
         if o.preload:
             self.store.preload(threads=max(4, self.gather.threads))
 
-    def _make_exchange(self, owner: np.ndarray, layout: RankLayout, by_block: dict) -> Any:
+    def _make_exchange(
+        self, owner: np.ndarray | RangeOwners, layout: RankLayout, by_block: dict
+    ) -> Any:
         o = self.options
         args = (owner, layout.data_world, layout.spatial_size, self.store, by_block, self.gather)
         if self._coll.comm is not None:

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datastore.order import (
+    RangeOwners,
     Schedule,
     check_state,
     contiguous_owners,
     epoch_order,
+    owned_keys,
     rank_layout,
     sample_at,
     state,
@@ -152,6 +154,13 @@ def test_contiguous_owners(n, owners):
     assert np.all(np.diff(own) >= 0)  # contiguous ranges, in order
     counts = np.bincount(own, minlength=owners)
     assert counts.max() - counts.min() <= 1
+    ranges = RangeOwners(n, owners)  # the same owners, without an entry per sample
+    assert np.array_equal(ranges[np.arange(n)], own) and len(ranges) == n
+    if n:
+        assert ranges[n - 1] == own[-1] and isinstance(ranges[0], int)
+    for r in range(owners):
+        assert np.array_equal(owned_keys(ranges, r), np.flatnonzero(own == r))
+        assert np.array_equal(owned_keys(own, r), np.flatnonzero(own == r))
 
 
 ORDER_0_0 = [0, 9, 1, 8, 4, 7, 6, 3, 2, 5]

@@ -7,6 +7,7 @@ import numpy as np
 
 from datastore.delivery import Copy, Delivered, Gather, box_copies
 from datastore.exchange import Message, rank_plan
+from datastore.order import RangeOwners
 from datastore.store import Store
 
 __all__ = ["Owners"]
@@ -17,7 +18,9 @@ class Owners:
 
     Args:
         rank: this rank in the exchange's communicator or group.
-        owner: ``owner[sample]``, the rank that stores each sample.
+        owner: ``owner[sample]``, the rank that stores each sample: a
+            :class:`~datastore.order.RangeOwners` (contiguous shares, O(ranks) memory) or an
+            array (a sharded dataset's per-file owners).
         data_world, spatial_size: the data x spatial grid (ranks spatial-fastest).
         store: this rank's store of the whole samples it owns.
         fields: ``{block: fields as that block receives them}``.
@@ -28,7 +31,7 @@ class Owners:
     def __init__(
         self,
         rank: int,
-        owner: np.ndarray,
+        owner: np.ndarray | RangeOwners,
         data_world: int,
         spatial_size: int,
         store: Store,
