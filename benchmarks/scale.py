@@ -38,7 +38,8 @@ import numpy as np
 from common import machine_info
 
 from datastore.keyindex import KeyIndex
-from datastore.order import Schedule, contiguous_owners
+from datastore.order import Schedule
+from datastore.ownership import contiguous_owners
 
 MIB = 1 << 20
 

@@ -143,6 +143,38 @@ class Collective:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    # Rooted at rank 0, and like allgather only once allgather_ints showed all ranks are here.
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0; ``None`` elsewhere."""
+        if self.comm is not None:
+            return self.comm.gather(obj, root=0)
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out
+
+    def bcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.comm is not None:
+            return self.comm.bcast(obj, root=0)
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """``objs[r]`` (given on rank 0) on each rank ``r``."""
+        if self.comm is not None:
+            return self.comm.scatter(objs, root=0)
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        src = dist.get_global_rank(self.group, 0)
+        dist.scatter_object_list(box, objs if self.rank == 0 else None, src=src, group=self.group)
+        return box[0]
+
 
 def _digest(value: str) -> int:
     return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "little") >> 1

@@ -32,14 +32,8 @@ from datastore.delivery import Delivered, Gather, delivered_fields, parse_spatia
 from datastore.device import DeviceStage, parse_device
 from datastore.errors import ExchangeTimeout, InsufficientMemory
 from datastore.memory import available_memory, parse_size
-from datastore.order import (
-    EpochPosition,
-    RangeOwners,
-    RankLayout,
-    Schedule,
-    owned_keys,
-    rank_layout,
-)
+from datastore.order import EpochPosition, RankLayout, Schedule, parse_shuffle, rank_layout
+from datastore.ownership import Homes, RangeOwners, RunOwners, owned_keys
 from datastore.readers import open_dataset
 from datastore.ring import BufferRing
 from datastore.shards import shard_layout
@@ -61,7 +55,7 @@ class LoaderOptions:
     global_batch_size: int | None
     fields: tuple[str, ...] | None
     seed: int
-    shuffle: bool
+    shuffle: str
     drop_last: bool
     spatial: dict[str, Any] | None
     prefetch: int
@@ -97,6 +91,7 @@ class LoaderOptions:
                 **kw,
                 "fields": None if kw["fields"] is None else tuple(kw["fields"]),
                 "seed": int(kw["seed"]),
+                "shuffle": parse_shuffle(kw["shuffle"]),
                 "spatial": parse_spatial(kw["spatial"]),
                 "device": None if device is None or device.type == "cpu" else device,
                 "timeout": float(kw["timeout"]),
@@ -145,7 +140,14 @@ class DataStoreLoader(EpochPosition):
             ``global_batch_size`` instead, the samples per step over all data-parallel ranks.
         fields: fields to deliver. Default: all.
         seed: shuffle seed, the same on every rank. Default: ``0``.
-        shuffle: a new permutation every epoch. Default: ``True``.
+        shuffle: the order of every epoch (``datastore.order``). ``"global"`` (or ``True``):
+            a new permutation of the whole dataset, the same for any world size.
+            ``"shard"``: each data rank draws a permutation of the samples its own ranks
+            hold, so no sample crosses between data ranks (the local source reads only its
+            share). ``"window:K"``: the same samples read in shuffled windows of ``K``
+            consecutive ones, shuffled within (a streaming loader's shuffle buffer).
+            ``"none"`` (or ``False``): storage order. ``"shard"`` and ``"window:K"`` are for
+            the embedded store. Default: ``True``.
         drop_last: drop the last partial global batch, else pad it with the epoch's first
             samples and add ``batch["valid"]``, a bool tensor that is ``False`` for the
             padding repeats. Every rank gets the same number of batches. Default: ``True``.
@@ -198,7 +200,7 @@ class DataStoreLoader(EpochPosition):
         global_batch_size: int | None = None,
         fields: list[str] | None = None,
         seed: int = 0,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
         drop_last: bool = True,
         spatial: dict[str, Any] | None = None,
         rank: int | None = None,
@@ -249,6 +251,11 @@ class DataStoreLoader(EpochPosition):
         self.options: LoaderOptions | None = None
         try:
             self.options = LoaderOptions.of(**kw)
+            if address is not None and self.options.shuffle not in ("global", "none"):
+                raise ValueError(
+                    f"shuffle={self.options.shuffle!r} is for the embedded store: a "
+                    "service's sessions shuffle globally (True) or not at all (False)"
+                )
         except (ValueError, TypeError) as exc:
             error = exc
         self._broken: str | None = None
@@ -312,15 +319,23 @@ class DataStoreLoader(EpochPosition):
         elif error is not None:
             raise error
 
-    def _layout(self, info: dict[str, Any]) -> tuple[Any, RankLayout, Schedule]:
+    def _layout(
+        self, info: dict[str, Any], owner: RunOwners | None
+    ) -> tuple[Any, RankLayout, Schedule]:
         o = self.options
         grid = spatial_grid(info, o.spatial)
         blocks = grid.nblocks if grid is not None else 1
         layout = rank_layout(self.world.rank, self.world.size, blocks)
         gb = o.global_batch_size or o.batch_size * layout.data_world  # type: ignore[operator]
-        schedule = Schedule(
-            len(self.reader), gb, o.seed, o.shuffle, "pad" if not o.drop_last else "drop"
-        )
+        homes = None
+        if o.shuffle == "shard" or o.shuffle.startswith("window"):  # each data rank its own
+            homes = (
+                Homes(owner, layout.data_world, blocks)
+                if owner is not None
+                else Homes.contiguous(len(self.reader), layout.data_world)
+            )
+        tail = "pad" if not o.drop_last else "drop"
+        schedule = Schedule(len(self.reader), gb, o.seed, o.shuffle, tail, homes)
         schedule.local_batch(layout.data_world)
         if not o.drop_last and VALID in info:
             raise ValueError(
@@ -347,7 +362,7 @@ class DataStoreLoader(EpochPosition):
                 if n not in info:
                     raise ValueError(f"no field {n!r} in the dataset (it has {', '.join(info)})")
             info = {n: info[n] for n in names}
-            grid, layout, schedule = self._layout(info)
+            grid, layout, schedule = self._layout(info, owner)
             blocks = grid.nblocks if grid is not None else 1
             by_block = {k: delivered_fields(info, grid, k) for k in range(blocks)}
             mine = by_block[layout.spatial_rank]
@@ -356,6 +371,9 @@ class DataStoreLoader(EpochPosition):
                 per_key = sum(
                     int(np.prod(fi.shape)) * np.dtype(fi.dtype).itemsize for fi in info.values()
                 )
+            elif schedule.homes is not None:  # only this rank's home
+                keys = schedule.homes.keys_of(layout.data_rank)
+                per_key = sum(f.nbytes for f in mine)
             else:
                 keys = np.arange(len(self.reader))
                 per_key = sum(f.nbytes for f in mine)
@@ -368,7 +386,7 @@ class DataStoreLoader(EpochPosition):
         self.fields: list[Delivered] = mine
         self.batch_size = schedule.local_batch(layout.data_world)
         if owner is None:
-            local = LocalSource(self.reader, mine, o.memory_budget, o.spill_dir, self.gather)
+            local = LocalSource(self.reader, mine, o.memory_budget, o.spill_dir, self.gather, keys)
             self.store = local.store
             self._deliver = lambda _step, samples, out: local.deliver(samples, out)
             self._sync = None
@@ -381,9 +399,7 @@ class DataStoreLoader(EpochPosition):
         if o.preload:
             self.store.preload(threads=max(4, self.gather.threads))
 
-    def _make_exchange(
-        self, owner: np.ndarray | RangeOwners, layout: RankLayout, by_block: dict
-    ) -> Any:
+    def _make_exchange(self, owner: RunOwners, layout: RankLayout, by_block: dict) -> Any:
         o = self.options
         args = (owner, layout.data_world, layout.spatial_size, self.store, by_block, self.gather)
         if self._coll.comm is not None:

@@ -25,6 +25,12 @@ The tail of an epoch (``N mod B`` samples) is dropped (``tail="drop"``) or fille
 first samples of the same epoch's order (``tail="pad"``): either way every rank gets the same
 number of equal batches, so no rank waits at a collective for a batch that never comes.
 
+That is ``shuffle="global"``. Two more keep each data rank on the samples its own ranks hold
+(its *home*, ``datastore.ownership.Homes``), so no sample crosses between data ranks:
+``"shard"`` draws a keyed bijection of the home every epoch, ``"window:K"`` reads the home in
+shuffled windows of ``K`` consecutive samples (:func:`home_order`). Both trade mixing for
+traffic and depend on the world size; ``"none"`` keeps storage order.
+
 Resuming is O(1) in the number of batches seen: the state is ``(epoch, step)``; the epoch's
 order is recomputed and iteration starts at ``step``, with nothing replayed.
 
@@ -34,23 +40,26 @@ for ``S`` spatial blocks per sample (``rank_layout``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from datastore.ownership import Homes
+
 __all__ = [
     "ROUNDS",
+    "SHUFFLES",
     "TAILS",
     "EpochPosition",
-    "RangeOwners",
     "RankLayout",
     "Schedule",
     "check_state",
-    "contiguous_owners",
     "epoch_order",
-    "owned_keys",
+    "home_order",
+    "parse_shuffle",
     "rank_layout",
     "round_keys",
     "sample_at",
@@ -58,6 +67,29 @@ __all__ = [
 ]
 
 TAILS = ("drop", "pad")
+SHUFFLES = ("global", "shard", "window:K", "none")
+
+
+def parse_shuffle(value: Any) -> str:
+    """The canonical form of a ``shuffle`` argument: ``"global"`` (also ``True``),
+    ``"none"`` (also ``False``), ``"shard"`` or ``"window:K"`` for a whole ``K >= 1``.
+
+    Raises:
+        ValueError: anything else, named.
+    """
+    if value is True or value is False:
+        return "global" if value else "none"
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("global", "shard", "none"):
+            return v
+        kind, _, k = v.partition(":")
+        if kind == "window" and k.isdigit() and int(k) >= 1:
+            return f"window:{int(k)}"
+    raise ValueError(
+        f"shuffle must be True, False or one of {', '.join(SHUFFLES)} (K a whole number "
+        f">= 1), got {value!r}"
+    )
 
 
 ROUNDS = 8  # 6 left tiny datasets visibly skewed (chi-square per cell 2.8 at N = 5)
@@ -66,16 +98,20 @@ _M1, _M2, _GOLDEN = (
     np.uint64(0x94D049BB133111EB),
     np.uint64(0x9E3779B97F4A7C15),
 )
+_POW2 = np.left_shift(np.uint64(1), np.arange(64, dtype=np.uint64))
 
 
-def round_keys(seed: int, epoch: int) -> np.ndarray:
-    """The :data:`ROUNDS` 64-bit round keys of ``(seed, epoch)``."""
-    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8 * ROUNDS).digest()
+def round_keys(seed: int, epoch: int, stream: str = "") -> np.ndarray:
+    """The :data:`ROUNDS` 64-bit round keys of ``(seed, epoch)`` (and of one ``stream`` of
+    them: the global order has none; the per-rank orders of ``shuffle="shard"``/``"window"``
+    each their own)."""
+    text = f"{seed}:{epoch}" + (f":{stream}" if stream else "")
+    digest = hashlib.blake2b(text.encode(), digest_size=8 * ROUNDS).digest()
     return np.frombuffer(digest, dtype="<u8").astype(np.uint64)
 
 
-def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
-    """splitmix64's finaliser of ``x + key`` (uint64, wrapping)."""
+def _mix(x: np.ndarray, key: Any) -> np.ndarray:
+    """splitmix64's finaliser of ``x + key`` (uint64, wrapping; ``key`` broadcasts)."""
     z = (x + key) * _GOLDEN
     z ^= z >> np.uint64(30)
     z *= _M1
@@ -84,13 +120,35 @@ def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def _feistel(x: np.ndarray, half: int, keys: np.ndarray) -> np.ndarray:
-    """The Feistel permutation of ``[0, 4**half)`` (module docstring) applied to ``x``."""
-    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
+def _tagged(keys: np.ndarray, tags: np.ndarray) -> np.ndarray:
+    """Round keys of their own for each of ``tags`` (uint64): ``(ROUNDS, len(tags))``."""
+    return _mix(np.asarray(tags, dtype=np.uint64)[None, :], keys.reshape(ROUNDS, -1))
+
+
+def _feistel(x: np.ndarray, half: Any, keys: np.ndarray) -> np.ndarray:
+    """The Feistel permutation of ``[0, 4**half)`` (module docstring) applied to ``x``;
+    ``half`` and each round's key may be one per element."""
+    shift = np.asarray(half, dtype=np.uint64)
+    mask = (np.uint64(1) << shift) - np.uint64(1)
     left, right = x >> shift, x & mask
     for k in keys:
         left, right = right, left ^ (_mix(right, k) & mask)
     return (left << shift) | right
+
+
+def _permute(pos: np.ndarray, n: Any, keys: np.ndarray) -> np.ndarray:
+    """The keyed bijection of ``[0, n)`` at ``pos`` (all uint64 below ``n``); ``n`` may be one
+    per element, and ``keys`` ``(ROUNDS,)`` or ``(ROUNDS, len(pos))``."""
+    n = np.broadcast_to(np.asarray(n, dtype=np.uint64), pos.shape)
+    keys = np.broadcast_to(keys.reshape(ROUNDS, -1), (ROUNDS, pos.size))
+    bits = np.searchsorted(_POW2, np.maximum(n, np.uint64(1)) - np.uint64(1), side="right")
+    half = np.maximum(1, (bits + 1) // 2).astype(np.uint64)  # 4**half >= n
+    out = _feistel(pos, half, keys)
+    outside = np.flatnonzero(out >= n)
+    while outside.size:  # cycle walking: map again until inside [0, n)
+        out[outside] = _feistel(out[outside], half[outside], keys[:, outside])
+        outside = outside[out[outside] >= n[outside]]
+    return out
 
 
 def sample_at(
@@ -106,15 +164,41 @@ def sample_at(
         raise IndexError(f"positions outside 0..{num_samples - 1}")
     if not shuffle or num_samples <= 1:
         return pos.copy()
-    half = max(1, (int(num_samples - 1).bit_length() + 1) // 2)
-    keys = round_keys(seed, epoch)
-    out = _feistel(pos.astype(np.uint64), half, keys)
-    n = np.uint64(num_samples)
-    outside = np.flatnonzero(out >= n)
-    while outside.size:  # cycle walking: map again until inside [0, N)
-        out[outside] = _feistel(out[outside], half, keys)
-        outside = outside[out[outside] >= n]
-    return out.astype(np.int64)
+    flat = pos.reshape(-1).astype(np.uint64)
+    return _permute(flat, num_samples, round_keys(seed, epoch)).astype(np.int64).reshape(pos.shape)
+
+
+def home_order(
+    data_rank: np.ndarray, index: np.ndarray, sizes: np.ndarray, seed: int, epoch: int, window: int
+) -> np.ndarray:
+    """Where data rank ``d``'s ``index``-th sample of ``epoch`` sits in its home (each index in
+    ``[0, sizes[d])``): a bijection of each home, its own per rank and epoch.
+
+    ``window == 0`` (``shuffle="shard"``): the keyed bijection of the whole home.
+    ``window = K`` (``shuffle="window:K"``): the home, rotated by a keyed offset, is cut into
+    windows of ``K`` consecutive samples; the whole windows come in a keyed order, the partial
+    one last, and the samples of each window in a keyed order of their own: like a streaming
+    loader's ``K``-sample shuffle buffer over shuffled shards, each window one sequential read.
+    """
+    d = np.asarray(data_rank, dtype=np.int64)
+    j = np.asarray(index, dtype=np.int64).astype(np.uint64)
+    n = sizes[d].astype(np.uint64)
+    tags = d.astype(np.uint64)
+    if window == 0:
+        return _permute(j, n, _tagged(round_keys(seed, epoch, "home"), tags)).astype(np.int64)
+    k = np.uint64(window)
+    whole = n // k  # whole windows per home
+    q, o = j // k, j % k  # output window, place in it
+    in_whole = q < whole
+    size = np.where(in_whole, k, n - whole * k)  # the partial window holds the rest
+    w = np.where(in_whole, 0, q)
+    if in_whole.any():
+        keys = _tagged(round_keys(seed, epoch, "windows"), tags[in_whole])
+        w[in_whole] = _permute(q[in_whole], whole[in_whole], keys)
+    within_keys = _tagged(_tagged(round_keys(seed, epoch, "within"), tags), w)
+    stored = w * k + _permute(o, size, within_keys)
+    rotate = _mix(tags, round_keys(seed, epoch, "rotate")[0]) % np.maximum(n, np.uint64(1))
+    return ((stored + rotate) % np.maximum(n, np.uint64(1))).astype(np.int64)
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -132,39 +216,88 @@ class Schedule:
         num_samples: samples in the dataset.
         global_batch: samples per step over all data-parallel ranks together.
         seed: the shuffle seed. Default: ``0``.
-        shuffle: permute every epoch. Default: ``True``.
+        shuffle: ``"global"`` (or ``True``), ``"shard"``, ``"window:K"`` or ``"none"`` (or
+            ``False``); kept in its canonical form (:func:`parse_shuffle`). Default: ``True``.
         tail: ``"drop"`` the last partial batch or ``"pad"`` it. Default: ``"drop"``.
+        homes: what each data rank draws from; needed by (and only by) ``"shard"`` and
+            ``"window:K"``, whose epochs are as long as the smallest home allows (``drop``)
+            or the largest needs (``pad``, smaller homes repeat their first samples).
     """
 
     num_samples: int
     global_batch: int
     seed: int = 0
-    shuffle: bool = True
+    shuffle: Any = True
     tail: str = "drop"
+    homes: Homes | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shuffle", parse_shuffle(self.shuffle))
         if self.num_samples < 1:
             raise ValueError(f"the dataset has no samples (num_samples={self.num_samples})")
         if self.global_batch < 1:
             raise ValueError(f"global batch size must be >= 1, got {self.global_batch}")
         if self.tail not in TAILS:
             raise ValueError(f"tail must be one of {', '.join(TAILS)}, got {self.tail!r}")
-        if self.tail == "drop" and self.global_batch > self.num_samples:
+        local = self.shuffle == "shard" or self.shuffle.startswith("window")
+        if local != (self.homes is not None):
+            raise ValueError(f"shuffle={self.shuffle!r} {'needs' if local else 'takes no'} homes")
+        if self.homes is not None:
+            self._check_homes(self.homes)
+        elif self.tail == "drop" and self.global_batch > self.num_samples:
             raise ValueError(
                 f"global batch {self.global_batch} exceeds the {self.num_samples} samples: "
                 "with tail='drop' an epoch would have no batch (use tail='pad')"
             )
 
+    def _check_homes(self, homes: Homes) -> None:
+        if int(homes.sizes.sum()) != self.num_samples:
+            raise ValueError(f"the homes hold {homes.sizes.sum()} samples, not {self.num_samples}")
+        b = self.local_batch(homes.data_world)
+        empty = np.flatnonzero(homes.sizes == 0)
+        if empty.size:
+            raise ValueError(
+                f"with shuffle={self.shuffle!r} data rank {empty[0]} would draw from the "
+                "samples its ranks hold, and they hold none (use shuffle='global')"
+            )
+        smallest = int(np.argmin(homes.sizes))
+        if self.tail == "drop" and homes.sizes[smallest] < b:
+            raise ValueError(
+                f"with shuffle={self.shuffle!r} data rank {smallest} draws only from the "
+                f"{homes.sizes[smallest]} samples its ranks hold, fewer than its {b} per step: "
+                "an epoch would have no batch (use tail='pad', a smaller batch or "
+                "shuffle='global')"
+            )
+
+    @property
+    def window(self) -> int:
+        """``K`` of ``"window:K"``, else 0."""
+        return int(self.shuffle.partition(":")[2] or 0)
+
     @property
     def steps_per_epoch(self) -> int:
+        if self.homes is not None:
+            b = self.global_batch // self.homes.data_world
+            sizes = self.homes.sizes
+            return int(sizes.min() // b if self.tail == "drop" else -(-sizes.max() // b))
         full, rest = divmod(self.num_samples, self.global_batch)
         return full + (1 if rest and self.tail == "pad" else 0)
 
     def at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """The samples at ``positions`` of the epoch's padded sequence (position ``p >= N``
-        repeats position ``p mod N``: the padding of the last batch)."""
-        return sample_at(positions % self.num_samples, self.num_samples, self.seed, epoch,
-                         self.shuffle)  # fmt: skip
+        repeats position ``p mod N``: the padding of the last batch). With homes, position
+        ``p`` of step ``s`` is data rank ``d``'s ``j``-th sample of the epoch, drawn from its
+        home (a smaller home repeats from its start)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.homes is None:
+            return sample_at(positions % self.num_samples, self.num_samples, self.seed, epoch,
+                             self.shuffle == "global")  # fmt: skip
+        homes = self.homes
+        b = self.global_batch // homes.data_world
+        step, within = np.divmod(positions, self.global_batch)
+        d, i = np.divmod(within, b)
+        j = (step * b + i) % homes.sizes[d]
+        return homes.sample(d, home_order(d, j, homes.sizes, self.seed, epoch, self.window))
 
     def order(self, epoch: int) -> np.ndarray:
         """Every sample of ``epoch`` in order, tail dropped or padded: ``steps * B`` indices.
@@ -203,12 +336,18 @@ class Schedule:
                 f"global batch {self.global_batch} is not divisible by {data_world} "
                 "data-parallel ranks: every rank must get the same number of samples"
             )
+        if self.homes is not None and data_world != self.homes.data_world:
+            raise ValueError(
+                f"the homes are for {self.homes.data_world} data-parallel ranks, not {data_world}"
+            )
         return self.global_batch // data_world
 
     def valid(self, step: int, data_rank: int, data_world: int) -> np.ndarray:
         """Which of data rank ``data_rank``'s samples at ``step`` are real (``True``) rather
         than the repeats that pad the epoch's last batch (``tail="pad"``)."""
         b = self.local_batch(data_world)
+        if self.homes is not None:
+            return step * b + np.arange(b) < self.homes.sizes[data_rank]
         first = step * self.global_batch + data_rank * b
         return np.arange(first, first + b) < self.num_samples
 
@@ -236,52 +375,6 @@ def rank_layout(rank: int, world: int, spatial_size: int = 1) -> RankLayout:
     )
 
 
-def contiguous_owners(num_samples: int, owners: int) -> np.ndarray:
-    """The owner of every sample when ``owners`` ranks hold contiguous, balanced ranges.
-
-    Contiguous ranges keep a rank's reads sequential in files with a sample axis; the first
-    ``num_samples % owners`` owners hold one sample more.
-    """
-    if owners < 1:
-        raise ValueError(f"owners must be >= 1, got {owners}")
-    sizes = np.full(owners, num_samples // owners, dtype=np.int64)
-    sizes[: num_samples % owners] += 1
-    return np.repeat(np.arange(owners, dtype=np.int64), sizes)
-
-
-class RangeOwners:
-    """:func:`contiguous_owners` without an entry per sample: ``owner[i]`` by binary search over
-    the ``owners + 1`` range bounds (O(P) memory, where the array costs 8 B per sample: 800 MB
-    per rank for 10^8 samples)."""
-
-    def __init__(self, num_samples: int, owners: int) -> None:
-        if owners < 1:
-            raise ValueError(f"owners must be >= 1, got {owners}")
-        sizes = np.full(owners, num_samples // owners, dtype=np.int64)
-        sizes[: num_samples % owners] += 1
-        self.bounds = np.concatenate([[0], np.cumsum(sizes)])
-        self.num_samples = num_samples
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: Any) -> Any:
-        """The owner of sample ``index`` (an int or an array of them)."""
-        owner = np.searchsorted(self.bounds, index, side="right") - 1
-        return int(owner) if np.ndim(owner) == 0 else owner
-
-    def keys_of(self, rank: int) -> np.ndarray:
-        """The samples ``rank`` owns: one contiguous range."""
-        return np.arange(self.bounds[rank], self.bounds[rank + 1], dtype=np.int64)
-
-
-def owned_keys(owner: Any, rank: int) -> np.ndarray:
-    """The samples ``rank`` owns, from a :class:`RangeOwners` or an array of owners."""
-    if isinstance(owner, RangeOwners):
-        return owner.keys_of(rank)
-    return np.flatnonzero(np.asarray(owner) == rank)
-
-
 def state(schedule: Schedule, epoch: int, step: int) -> dict[str, Any]:
     """The resumable position: everything that fixes the sample sequence, plus where we are."""
     return {
@@ -293,17 +386,24 @@ def state(schedule: Schedule, epoch: int, step: int) -> dict[str, Any]:
         "seed": schedule.seed,
         "shuffle": schedule.shuffle,
         "tail": schedule.tail,
+        "homes": schedule.homes.digest() if schedule.homes is not None else None,
     }
 
 
 def check_state(schedule: Schedule, saved: dict[str, Any]) -> tuple[int, int]:
     """``(epoch, step)`` of a saved state, refusing one that would change the sequence."""
-    for key in ("num_samples", "global_batch", "seed", "shuffle", "tail"):
-        if saved.get(key) != getattr(schedule, key):
-            raise ValueError(
-                f"cannot resume: saved {key}={saved.get(key)!r} but this loader has "
-                f"{key}={getattr(schedule, key)!r} (the sample sequence would differ)"
+    now = state(schedule, 0, 0)
+    saved = {**saved, "homes": saved.get("homes")}
+    with contextlib.suppress(ValueError):  # positions saved before "shard" said True/False
+        saved["shuffle"] = parse_shuffle(saved.get("shuffle"))
+    for key in ("num_samples", "global_batch", "seed", "shuffle", "tail", "homes"):
+        if saved.get(key) != now[key]:
+            what = (
+                "homes: the data ranks hold other shards (another world size or layout)"
+                if key == "homes"
+                else f"saved {key}={saved.get(key)!r} but this loader has {key}={now[key]!r}"
             )
+            raise ValueError(f"cannot resume: {what} (the sample sequence would differ)")
     epoch, step = int(saved["epoch"]), int(saved["step"])
     if not 0 <= step <= schedule.steps_per_epoch:
         raise ValueError(f"cannot resume: step {step} outside 0..{schedule.steps_per_epoch}")

@@ -3,12 +3,16 @@
 After ``datastore stage --mode shard`` each node holds a share of a dataset's files under the
 same path: files of one sample each (``.npy``/``.npz`` files, one HDF5 file per sample), or
 HDF5 shards of several samples each (``part-000.h5``...), moved whole. Every rank lists its
-local files (names relative to the dataset path) with their sample counts and all ranks exchange
-the lists. If they differ, the dataset is sharded: the sorted union of the names, each file's
-samples in a row, is the global index (the same order as one directory holding every file), a
-sample is owned by the ranks that have its file locally (a node's samples split in contiguous
-ranges among them), and an owner reads only its own files through ``LocalView``. If every rank
-sees the same files, nothing changes.
+local files (names relative to the dataset path) with their sample counts. If the lists
+differ, the dataset is sharded: the sorted union of the names, each file's samples in a row,
+is the global index (the same order as one directory holding every file), a sample is owned by
+the ranks that have its file locally (a node's samples split in contiguous ranges among them),
+and an owner reads only its own files through ``LocalView``. If every rank sees the same files,
+nothing changes.
+
+No rank receives every rank's list: rank 0 gathers them and plans, then broadcasts the owners
+as runs (``datastore.ownership.RunOwners``: at most files + ranks of them) and scatters to
+each rank where its own files start in the global index.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.order import contiguous_owners
+from datastore.ownership import RunOwners
 
 __all__ = [
     "SHARDABLE",
@@ -47,8 +51,9 @@ def _starts(counts: np.ndarray) -> np.ndarray:
 
 def owners_by_holders(
     names: list[str], holders: list[list[str]], counts: Sequence[int] | None = None
-) -> np.ndarray:
-    """The owner rank of every sample of the files ``names`` (the sorted union of ``holders``).
+) -> RunOwners:
+    """The owner rank of every sample of the files ``names`` (the sorted union of ``holders``),
+    as runs.
 
     ``holders[r]`` lists the files rank ``r`` has locally; ``counts[k]`` is the number of samples
     of ``names[k]`` (default: one each), which follow each other in the global index. Ranks with
@@ -61,57 +66,75 @@ def owners_by_holders(
     for rank, held in enumerate(holders):
         groups.setdefault(tuple(sorted(held)), []).append(rank)
     index = {n: i for i, n in enumerate(names)}
-    owner = np.full(int(starts[-1]), -1, dtype=np.int64)
     taken = np.zeros(len(names), dtype=bool)
+    run_starts, run_ranks = [], []
     for held, ranks in groups.items():
-        files = sorted(k for k in (index[n] for n in held) if not taken[k])
+        files = np.array(sorted(k for k in (index[n] for n in held) if not taken[k]), np.int64)
         taken[files] = True
-        samples = np.concatenate(
-            [np.arange(starts[k], starts[k + 1]) for k in files] or [np.zeros(0, np.int64)]
-        )
-        owner[samples] = np.asarray(ranks, np.int64)[contiguous_owners(len(samples), len(ranks))]
-    return owner
+        if not files.size:
+            continue
+        begin = starts[files]  # where each of the group's files starts in the global index
+        at = _starts(counts[files])  # ... and in the group's own row of samples
+        total, n = int(at[-1]), len(ranks)
+        sizes = np.full(n, total // n, dtype=np.int64)
+        sizes[: total % n] += 1
+        shares = _starts(sizes)[:-1]  # where each rank's range starts in the group's row
+        cuts = np.union1d(at[:-1], shares[shares < total])
+        f = np.searchsorted(at, cuts, side="right") - 1
+        run_starts.append(begin[f] + cuts - at[f])
+        run_ranks.append(np.asarray(ranks, np.int64)[np.searchsorted(shares, cuts, "right") - 1])
+    if not run_starts:
+        return RunOwners([], [], 0)
+    first, rank = np.concatenate(run_starts), np.concatenate(run_ranks)
+    order = np.argsort(first, kind="stable")
+    return RunOwners(first[order], rank[order], int(starts[-1]))
 
 
 class LocalView:
     """A reader over the global index that reads only this rank's local samples.
 
     Args:
-        local: the reader of this rank's files (their samples in the order of ``local_names``).
-        names: every file of the dataset, in global order.
-        local_names: the files of ``local``, in its order.
-        counts: samples in each of ``names``. Default: one each.
+        local: the reader of this rank's files.
+        begins: where each of ``local``'s files starts in the global index, in its order.
+        counts: samples in each of ``local``'s files.
+        num_samples: samples in the global index.
     """
 
-    def __init__(
-        self,
+    def __init__(self, local: Any, begins: Sequence[int], counts: Sequence[int], num_samples: int):
+        self.local = local
+        self.fields = local.fields
+        begins, counts = np.asarray(begins, np.int64), np.asarray(counts, np.int64)
+        order = np.argsort(begins, kind="stable")
+        self._begin, self._count = begins[order], counts[order]
+        self._local_start = _starts(counts)[:-1][order]  # where each starts in ``local``
+        self._n = int(num_samples)
+
+    @classmethod
+    def of_names(
+        cls,
         local: Any,
         names: list[str],
         local_names: list[str],
         counts: Sequence[int] | None = None,
-    ):
-        self.local = local
-        self.fields = local.fields
-        self._names = list(names)
+    ) -> LocalView:
+        """The view of ``local`` (the files ``local_names``, in its order) in the global index
+        of the files ``names`` (``counts[k]`` samples in ``names[k]``; default: one each)."""
         counts = np.ones(len(names), np.int64) if counts is None else np.asarray(counts, np.int64)
-        self._starts = _starts(counts)
-        at = {n: k for k, n in enumerate(self._names)}
+        starts = _starts(counts)
+        at = {n: k for k, n in enumerate(names)}
         mine = np.array([at[n] for n in local_names], dtype=np.int64)
-        # where each global file's samples start in the local reader; -1: not on this node
-        self._local_start = np.full(len(names), -1, dtype=np.int64)
-        self._local_start[mine] = _starts(counts[mine])[:-1]
+        return cls(local, starts[mine], counts[mine], int(starts[-1]))
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return self._n
 
     def read(self, index: int, field: str, region: Any = None, out: Any = None) -> np.ndarray:
-        if not 0 <= index < len(self):
-            raise ValueError(f"sample {index} out of range [0, {len(self)})")
-        k = int(np.searchsorted(self._starts, index, side="right")) - 1
-        start = int(self._local_start[k])
-        if start < 0:
-            raise ValueError(f"sample {index} ({self._names[k]}) is not on this node")
-        local = start + index - int(self._starts[k])
+        if not 0 <= index < self._n:
+            raise ValueError(f"sample {index} out of range [0, {self._n})")
+        k = int(np.searchsorted(self._begin, index, side="right")) - 1
+        if k < 0 or index >= self._begin[k] + self._count[k]:
+            raise ValueError(f"sample {index} is not on this node")
+        local = int(self._local_start[k]) + index - int(self._begin[k])
         return self.local.read(local, field, region=region, out=out)
 
     def close(self) -> None:
@@ -136,9 +159,9 @@ def local_files(reader: Any, root: str) -> dict[str, int] | None:
     return {os.path.relpath(f, root): n for f, n in zip(files, counts, strict=True)}
 
 
-def plan_shards(every: list[Listing]) -> tuple[list[str], np.ndarray, np.ndarray] | None:
-    """``(names, samples per name, owner of every sample)`` from every rank's ``Listing``, or
-    ``None`` when some rank's dataset is not shardable or every rank holds the same files.
+def plan_shards(every: list[Listing]) -> tuple[list[str], np.ndarray, RunOwners] | None:
+    """``(names, samples per name, owners)`` from every rank's ``Listing``, or ``None`` when
+    some rank's dataset is not shardable or every rank holds the same files.
 
     Raises:
         ValueError: the ranks read different formats (a node's share of HDF5 shards of equal
@@ -174,17 +197,37 @@ def plan_shards(every: list[Listing]) -> tuple[list[str], np.ndarray, np.ndarray
     return names, counts, owner
 
 
-def shard_layout(reader: Any, root: str, comm: Any) -> tuple[Any, np.ndarray] | None:
-    """``(view, owner)`` when ranks hold different files of a shardable dataset, else ``None``.
+def shard_layout(reader: Any, root: str, comm: Any) -> tuple[LocalView, RunOwners] | None:
+    """``(view, owners)`` when ranks hold different files of a shardable dataset, else ``None``.
 
-    Collective over ``comm``. Refuses (``ValueError``) datasets whose formats, fields or file
-    sample counts differ by node (``plan_shards``).
+    Collective over ``comm`` (a ``datastore.agree.Collective``): rank 0 gathers the listings
+    and plans; every rank receives the owners as runs and where its own files start, never the
+    other ranks' lists. Refuses (``ValueError``, on every rank) datasets whose formats, fields
+    or file sample counts differ by node (:func:`plan_shards`).
     """
     local = local_files(reader, root)
     signature = {n: (str(f.dtype), tuple(f.shape)) for n, f in reader.fields.items()}
     fmt = getattr(reader, "format", None) if local is not None else None
-    plan = plan_shards(comm.allgather((fmt, local or {}, signature)))
-    if plan is None:
+    every = comm.gather((fmt, local or {}, signature))
+    head: tuple[str | None, Any] = (None, None)
+    begins: list[Any] | None = None
+    if every is not None:  # rank 0
+        try:
+            plan = plan_shards(every)
+        except ValueError as exc:
+            plan, head = None, (str(exc), None)
+        if plan is not None:
+            names, counts, owner = plan
+            starts = _starts(counts)
+            at = {n: k for k, n in enumerate(names)}
+            begins = [starts[[at[n] for n in held]] for _, held, _ in every]
+            head = (None, (owner.starts, owner.ranks, owner.num_samples))
+    error, runs = comm.bcast(head)
+    if error is not None:
+        raise ValueError(error)
+    if runs is None:
         return None
-    names, counts, owner = plan
-    return LocalView(reader, names, list(local or {}), counts), owner
+    mine = comm.scatter(begins)
+    owner = RunOwners(*runs)
+    view = LocalView(reader, mine, list((local or {}).values()), owner.num_samples)
+    return view, owner

@@ -10,16 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datastore.order import (
-    RangeOwners,
     Schedule,
     check_state,
-    contiguous_owners,
     epoch_order,
-    owned_keys,
     rank_layout,
     sample_at,
     state,
 )
+from datastore.ownership import RangeOwners, contiguous_owners, owned_keys
 
 
 def test_order_is_pinned_across_numpy_versions():

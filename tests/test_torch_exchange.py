@@ -15,7 +15,8 @@ import h5py
 import numpy as np
 import pytest
 
-from datastore.order import Schedule, contiguous_owners
+from datastore.order import Schedule
+from datastore.ownership import contiguous_owners
 from datastore.partition import Grid, extract_block
 from staging.cluster import LAUNCH_ENV
 

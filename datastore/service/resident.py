@@ -27,6 +27,7 @@ import numpy as np
 
 from datastore.delivery import Delivered, delivered_fields, fill_batch, spatial_grid
 from datastore.errors import DatasetNotFound
+from datastore.ownership import RunOwners
 from datastore.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
@@ -74,7 +75,7 @@ class Resident:
     reader: Any
     store: Store
     template: str = ""  # the path as clients name it (may hold ``{node}``)
-    owner: np.ndarray | None = None
+    owner: RunOwners | None = None
     node: int = 0
     link: Peers | None = None
     last_used: float = field(default_factory=time.time)
@@ -112,9 +113,10 @@ class Resident:
         if self.owner is None or self.link is None:
             return {}
         out: dict[tuple[int, str], np.ndarray] = {}
-        remote = [int(i) for i in samples if self.owner[int(i)] != self.node]
-        for dest in sorted({int(self.owner[i]) for i in remote}):
-            wanted = [i for i in remote if self.owner[i] == dest]
+        samples = np.asarray(samples, dtype=np.int64)
+        owners = self.owner[samples]
+        for dest in sorted(set(owners.tolist()) - {self.node}):
+            wanted = samples[owners == dest].tolist()
             buf, arrays = _packed(fields, len(wanted))
             request = {
                 "kind": "fetch",
@@ -141,7 +143,8 @@ class Resident:
         if unknown:
             known = ", ".join(self.reader.fields)
             raise ServiceError("NOT_FOUND", f"no field {shown(unknown[0])} (fields: {known})")
-        stray = [i for i in samples if self.owner is not None and self.owner[i] != self.node]
+        where = self.owner[samples].tolist() if self.owner is not None and samples else []
+        stray = [i for i, o in zip(samples, where, strict=True) if o != self.node]
         if stray:
             raise ServiceError(
                 "FAILED_PRECONDITION", f"sample {stray[0]} is not on node {self.node}"
@@ -265,7 +268,7 @@ class Residency:
         """The resident copy of the dataset at real path ``path`` (``template``: as clients
         name it), loaded if need be; counted as used by one more session until :meth:`release`."""
         template = template or path
-        opened: tuple[Any, np.ndarray | None] | None = None
+        opened: tuple[Any, RunOwners | None] | None = None
         while True:
             with self._lock:
                 r = self._by_path.get(path)  # (or loaded by another call while we opened it)
@@ -347,7 +350,7 @@ class Residency:
             r.close()
 
     # -- internals -----------------------------------------------------------------------------
-    def _shards(self, path: str, template: str) -> tuple[Any, np.ndarray] | None:
+    def _shards(self, path: str, template: str) -> tuple[Any, RunOwners] | None:
         """``(reader of the global index, owner)`` when the nodes hold different files of
         ``template``; ``None`` when every node holds every sample (or there is one node)."""
         if self.link is None or self.link.nodes == 1:
@@ -365,14 +368,14 @@ class Residency:
             )
         holders = [held for _, held, _ in every]
         names = sorted(set().union(*holders))
-        view = LocalView(_reader(path, self.roots), names, mine[1])
+        view = LocalView.of_names(_reader(path, self.roots), names, mine[1])
         return view, owners_by_holders(names, holders)
 
     def _load_locked(
-        self, path: str, template: str, opened: tuple[Any, np.ndarray | None]
+        self, path: str, template: str, opened: tuple[Any, RunOwners | None]
     ) -> Resident:
         reader, owner = opened
-        keys = np.arange(len(reader)) if owner is None else np.flatnonzero(owner == self.node)
+        keys = np.arange(len(reader)) if owner is None else owner.keys_of(self.node)
         need = len(keys) * sum(fi.nbytes for fi in reader.fields.values())
         room = self._make_room_locked(need)
         r = _open(path, room, keys, reader)

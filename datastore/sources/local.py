@@ -30,6 +30,7 @@ class LocalSource:
         fields: the fields as this rank receives them.
         budget, spill_dir: the store's memory policy (``datastore.store``).
         gather: the batch copies.
+        keys: the samples this rank may need. Default: all.
     """
 
     def __init__(
@@ -39,11 +40,13 @@ class LocalSource:
         budget: int | None,
         spill_dir: str | None,
         gather: Gather,
+        keys: np.ndarray | None = None,
     ) -> None:
         self.reader, self.gather = reader, gather
         self.fields = {f.name: f for f in fields}
         specs = {f.name: SlotSpec(f.shape, f.dtype) for f in fields}
-        self.store = Store(np.arange(len(reader)), specs, self._read, budget, spill_dir)
+        keys = np.arange(len(reader)) if keys is None else keys
+        self.store = Store(keys, specs, self._read, budget, spill_dir)
 
     def _read(self, index: int, name: str, out: np.ndarray) -> None:
         f = self.fields[name]

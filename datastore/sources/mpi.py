@@ -21,7 +21,7 @@ import numpy as np
 
 from datastore.agree import poll
 from datastore.delivery import Delivered, Gather, covered, pad_copies
-from datastore.order import RangeOwners
+from datastore.ownership import RunOwners
 from datastore.sources.owners import Owners
 from datastore.store import Store
 
@@ -42,7 +42,7 @@ class MpiExchange(Owners):
     def __init__(
         self,
         comm: Any,
-        owner: np.ndarray | RangeOwners,
+        owner: RunOwners,
         data_world: int,
         spatial_size: int,
         store: Store,

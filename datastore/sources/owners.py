@@ -7,7 +7,7 @@ import numpy as np
 
 from datastore.delivery import Copy, Delivered, Gather, box_copies
 from datastore.exchange import Message, rank_plan
-from datastore.order import RangeOwners
+from datastore.ownership import RunOwners
 from datastore.store import Store
 
 __all__ = ["Owners"]
@@ -19,8 +19,8 @@ class Owners:
     Args:
         rank: this rank in the exchange's communicator or group.
         owner: ``owner[sample]``, the rank that stores each sample: a
-            :class:`~datastore.order.RangeOwners` (contiguous shares, O(ranks) memory) or an
-            array (a sharded dataset's per-file owners).
+            :class:`~datastore.ownership.RunOwners`: contiguous shares (O(ranks)) or a sharded
+            dataset's runs of files (O(files)).
         data_world, spatial_size: the data x spatial grid (ranks spatial-fastest).
         store: this rank's store of the whole samples it owns.
         fields: ``{block: fields as that block receives them}``.
@@ -31,7 +31,7 @@ class Owners:
     def __init__(
         self,
         rank: int,
-        owner: np.ndarray | RangeOwners,
+        owner: RunOwners,
         data_world: int,
         spatial_size: int,
         store: Store,

@@ -108,7 +108,7 @@ class ServiceSource:
             global_batch=gb,
             world_size=self.world_size,
             spatial=layout,
-            shuffle=options.shuffle,
+            shuffle=options.shuffle == "global",
             drop_last=options.drop_last,
             job_id=job_id or os.environ.get("SLURM_JOB_ID", ""),
             fields=list(options.fields or ()),

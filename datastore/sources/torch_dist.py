@@ -29,7 +29,7 @@ import torch.distributed as dist
 from datastore.agree import timeout_error
 from datastore.delivery import Copy, Delivered, Gather, covered, pad_copies
 from datastore.errors import DataStoreError
-from datastore.order import RangeOwners
+from datastore.ownership import RunOwners
 from datastore.sources.owners import Owners
 from datastore.store import Store
 
@@ -70,7 +70,7 @@ class TorchExchange(Owners):
     def __init__(
         self,
         group: Any,
-        owner: np.ndarray | RangeOwners,
+        owner: RunOwners,
         data_world: int,
         spatial_size: int,
         store: Store,

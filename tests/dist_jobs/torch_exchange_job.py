@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from datastore.delivery import Gather, delivered_fields, fill_batch
 from datastore.errors import ExchangeTimeout
-from datastore.order import Schedule, contiguous_owners
+from datastore.order import Schedule
+from datastore.ownership import RangeOwners
 from datastore.partition import Grid
 from datastore.readers.base import FieldInfo
 from datastore.sources.torch_dist import TorchExchange, gloo_group
@@ -54,8 +55,8 @@ def setup(path: str, gb: int, parts: str, halo: str, budget: int | None, timeout
         grid = Grid(volume, tuple(int(p) for p in parts.split(",")), (int(halo),) * len(volume))
     blocks = 1 if grid is None else grid.nblocks
     by_block = {k: delivered_fields(info, grid, k) for k in range(blocks)}
-    owner = contiguous_owners(n, world)
-    keys = np.flatnonzero(owner == rank)
+    owner = RangeOwners(n, world)
+    keys = owner.keys_of(rank)
     h5 = h5py.File(path, "r")
 
     def read(key: int, name: str, out: np.ndarray) -> None:
@@ -106,7 +107,7 @@ def skip(path: str, out: str, gb: str, timeout: str, at: str) -> dict:
     rank = dist.get_rank()
     b = sched.local_batch(data_world)
     bufs = {f.name: np.empty((b, *f.shape), f.dtype) for f in mine}
-    owner = contiguous_owners(sched.num_samples, dist.get_world_size())
+    owner = RangeOwners(sched.num_samples, dist.get_world_size())
 
     def crosses(step: int) -> bool:  # a rank needs a sample the other holds
         return any(

@@ -1,0 +1,203 @@
+"""The shuffle knob: ``global``, ``shard`` and ``window:K`` orders, homes and runs of owners."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datastore import DataStoreLoader
+from datastore.order import Schedule, check_state, home_order, parse_shuffle, state
+from datastore.ownership import Homes, RangeOwners, RunOwners, contiguous_owners
+from datastore.shards import owners_by_holders
+
+
+def test_parse_shuffle_canonical_forms_and_refusals():
+    assert [parse_shuffle(v) for v in (True, False, "global", " Shard ", "none")] == [
+        "global",
+        "none",
+        "global",
+        "shard",
+        "none",
+    ]
+    assert parse_shuffle("window:08") == "window:8"
+    for bad in ("window", "window:0", "window:-2", "window:x", "random", 1, None):
+        with pytest.raises(ValueError, match="shuffle must be"):
+            parse_shuffle(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=5), st.integers(0, 9), st.integers(0, 6))
+def test_home_order_is_a_bijection_of_every_home(sizes, epoch, window):
+    sizes = np.asarray(sizes, dtype=np.int64)
+    for d, n in enumerate(sizes.tolist()):
+        got = home_order(np.full(n, d), np.arange(n), sizes, 7, epoch, window)
+        assert sorted(got.tolist()) == list(range(n))
+        again = home_order(np.full(n, d), np.arange(n), sizes, 7, epoch, window)
+        assert np.array_equal(got, again)  # a pure function of (seed, epoch, rank)
+
+
+def test_home_orders_differ_by_rank_epoch_and_seed():
+    sizes = np.array([50, 50])
+    j = np.arange(50)
+    a = home_order(np.zeros(50, np.int64), j, sizes, 1, 0, 0)
+    assert not np.array_equal(a, home_order(np.ones(50, np.int64), j, sizes, 1, 0, 0))
+    assert not np.array_equal(a, home_order(np.zeros(50, np.int64), j, sizes, 1, 1, 0))
+    assert not np.array_equal(a, home_order(np.zeros(50, np.int64), j, sizes, 2, 0, 0))
+
+
+@pytest.mark.parametrize("n,k", [(40, 8), (43, 8), (7, 3), (5, 9)])
+def test_a_window_is_k_consecutive_samples_of_the_home(n, k):
+    """``window:K`` hands out the home in windows of K consecutive samples (cyclically, after
+    the rotation), each shuffled; whole windows first, the partial one last."""
+    got = home_order(np.zeros(n, np.int64), np.arange(n), np.array([n]), 3, 2, k)
+    for start in range(0, n, k):
+        w = np.sort(got[start : start + k])
+        size = len(w)
+        # a cyclic interval of `size` consecutive indices modulo n
+        gaps = np.diff(np.concatenate([w, [w[0] + n]]))
+        assert sorted(gaps.tolist()) == [1] * (size - 1) + [n - size + 1], (start, w)
+    if n > k:  # the windows are not visited in storage order every time
+        firsts = [int(got[s]) // k for s in range(0, n - n % k, k)]
+        assert len(set(firsts)) > 1
+
+
+def test_run_owners_merge_look_up_and_list():
+    own = RunOwners.of_array([0, 0, 1, 1, 1, 0, 2, 2])
+    assert own.starts.tolist() == [0, 2, 5, 6] and own.ranks.tolist() == [0, 1, 0, 2]
+    assert own[np.arange(8)].tolist() == [0, 0, 1, 1, 1, 0, 2, 2] and own[5] == 0
+    assert own.keys_of(0).tolist() == [0, 1, 5] and own.keys_of(3).tolist() == []
+    assert own.counts(4).tolist() == [3, 3, 2, 0]
+    with pytest.raises(IndexError):
+        own[8]
+    with pytest.raises(ValueError, match="start at sample 0"):
+        RunOwners([1], [0], 4)
+    assert RangeOwners(3, 5).counts(5).tolist() == [1, 1, 1, 0, 0]  # empty ranks have no run
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 4), st.integers(0, 3)), min_size=1, max_size=12),
+    st.lists(st.integers(1, 3), min_size=1, max_size=4),
+)
+def test_owners_by_holders_as_runs_equal_the_per_sample_rule(files, per_node):
+    """Files go to the first node holding them; a node's samples split in contiguous ranges
+    over its ranks: the runs say exactly what an owner per sample would."""
+    nodes = len(per_node)
+    names = [f"f{i:02d}" for i in range(len(files))]
+    counts = [c for c, _ in files]
+    holders = []
+    for node, ranks in enumerate(per_node):
+        held = [nm for nm, (_, where) in zip(names, files, strict=True) if where % nodes == node]
+        holders += [held] * ranks
+    if not any(holders):
+        return
+    names = sorted({n for h in holders for n in h})
+    counts = [counts[int(n[1:])] for n in names]
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    want = np.full(int(starts[-1]), -1)
+    rank0 = 0
+    for ranks in per_node:  # the reference: an owner per sample
+        held = holders[rank0]
+        samples = np.concatenate(
+            [np.arange(starts[k], starts[k + 1]) for k, n in enumerate(names) if n in held]
+            or [np.zeros(0, np.int64)]
+        )
+        want[samples] = rank0 + contiguous_owners(len(samples), ranks)
+        rank0 += ranks
+    got = owners_by_holders(names, holders, counts)
+    assert got[np.arange(len(want))].tolist() == want.tolist()
+    for r in range(rank0):
+        assert got.keys_of(r).tolist() == np.flatnonzero(want == r).tolist()
+
+
+def test_homes_group_a_data_ranks_spatial_ranks_in_storage_order():
+    own = RunOwners.of_array([2, 2, 0, 1, 3, 3, 1, 0, 2])  # ranks 0,1: data rank 0; 2,3: 1
+    homes = Homes(own, data_world=2, spatial_size=2)
+    assert homes.sizes.tolist() == [4, 5]
+    assert homes.keys_of(0).tolist() == [2, 3, 6, 7]
+    assert homes.keys_of(1).tolist() == [0, 1, 4, 5, 8]
+    assert homes.sample([1, 0], [4, 0]).tolist() == [8, 2]
+    assert Homes.contiguous(10, 3).keys_of(2).tolist() == [7, 8, 9]
+
+
+@pytest.mark.parametrize("shuffle", ["shard", "window:3"])
+@pytest.mark.parametrize("tail", ["drop", "pad"])
+def test_a_local_shuffle_keeps_every_data_rank_in_its_home(shuffle, tail):
+    own = RunOwners.of_array([0] * 10 + [1] * 7 + [2] * 9)
+    homes = Homes(own, data_world=3)
+    sched = Schedule(26, 6, seed=4, shuffle=shuffle, tail=tail, homes=homes)
+    assert sched.steps_per_epoch == (3 if tail == "drop" else 5)  # 7 // 2, 10 / 2
+    for epoch in range(2):
+        whole = sched.order(epoch).reshape(sched.steps_per_epoch, 6)
+        for d in range(3):
+            mine = sched.rank_epoch(epoch, d, 3)
+            assert np.array_equal(mine, whole[:, 2 * d : 2 * d + 2])
+            assert set(mine.ravel().tolist()) <= set(homes.keys_of(d).tolist())
+            for step in range(sched.steps_per_epoch):
+                assert np.array_equal(sched.rank_samples(epoch, step, d, 3), mine[step])
+            if tail == "pad":  # every home sample once among the real ones; repeats marked
+                valid = np.stack([sched.valid(s, d, 3) for s in range(sched.steps_per_epoch)])
+                real = mine[valid]
+                assert sorted(real.tolist()) == homes.keys_of(d).tolist()
+                assert valid.sum() == homes.sizes[d]
+            else:  # distinct, from the home
+                assert len(set(mine.ravel().tolist())) == mine.size
+    assert not np.array_equal(sched.order(0), sched.order(1))
+
+
+def test_a_local_shuffle_refuses_homes_too_small_or_empty_and_foreign_worlds():
+    own = RunOwners.of_array([0] * 10 + [1] * 1)
+    with pytest.raises(ValueError, match="data rank 1 draws only from the 1 samples"):
+        Schedule(11, 4, shuffle="shard", homes=Homes(own, 2))
+    Schedule(11, 4, shuffle="shard", tail="pad", homes=Homes(own, 2))
+    with pytest.raises(ValueError, match=r"data rank 2 would draw .* they hold none"):
+        Schedule(11, 3, shuffle="shard", tail="pad", homes=Homes(own, 3))
+    with pytest.raises(ValueError, match="needs homes"):
+        Schedule(11, 2, shuffle="window:4")
+    with pytest.raises(ValueError, match="takes no homes"):
+        Schedule(11, 2, shuffle=True, homes=Homes(own, 2))
+    sched = Schedule(11, 2, shuffle="shard", tail="pad", homes=Homes(own, 2))
+    with pytest.raises(ValueError, match="homes are for 2 data-parallel ranks, not 1"):
+        sched.rank_samples(0, 0, 0, 1)
+
+
+def test_resuming_refuses_other_homes_and_reads_old_true():
+    a = Schedule(12, 4, shuffle="shard", homes=Homes.contiguous(12, 2))
+    b = Schedule(12, 4, shuffle="shard", homes=Homes(RunOwners.of_array([0] * 5 + [1] * 7), 2))
+    assert check_state(a, state(a, 3, 1)) == (3, 1)
+    with pytest.raises(ValueError, match="other shards"):
+        check_state(b, state(a, 3, 1))
+    g = Schedule(12, 4)
+    old = {**state(g, 2, 1), "shuffle": True}  # saved before the knob
+    del old["homes"]
+    assert check_state(g, old) == (2, 1)
+    with pytest.raises(ValueError, match="shuffle"):
+        check_state(a, state(g, 0, 0))
+
+
+def test_the_local_source_holds_only_its_home_with_shard(tmp_path):
+    """Ranks reading for themselves (no exchange) with ``shuffle="shard"`` read and keep only
+    their contiguous share: each sample once per epoch over the ranks, none twice."""
+    import h5py
+
+    x = np.arange(24 * 3, dtype=np.float32).reshape(24, 3)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["x"] = x
+    seen = []
+    for rank in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # two ranks, no exchange: known
+            loader = DataStoreLoader(
+                str(tmp_path / "d.h5"), batch_size=3, rank=rank, world=2, shuffle="shard"
+            )
+        with loader:
+            assert sorted(loader.store.keys.tolist()) == list(range(12 * rank, 12 * rank + 12))
+            got = [int(v) // 3 for b in loader for v in b["x"][:, 0].tolist()]
+            assert sorted(got) == list(range(12 * rank, 12 * rank + 12))
+            seen += got
+            assert loader.store.counters.bytes_read == 12 * 3 * 4  # its 12 samples, once
+    assert sorted(seen) == list(range(24))
