@@ -87,9 +87,10 @@ def add_parser(sub: Any) -> None:
         "--io",
         choices=IO_MODES,
         default="auto",
-        help="auto (default): direct I/O (O_DIRECT, no page cache) for DEST and for sources on "
-        "local disks, buffered reads from network and parallel filesystems; direct or "
-        "buffered: force one for all",
+        help="auto (default): probes decide per destination and source file: large files "
+        "written direct (O_DIRECT) where that measured no slower, small ones through the page "
+        "cache; sources on local disks read direct unless already in the page cache, network "
+        "and parallel filesystems read buffered; direct or buffered: force one for all",
     )
     p.add_argument(
         "--dry-run",

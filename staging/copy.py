@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import queue
@@ -132,6 +133,17 @@ def copy_range(src: Fd, dst: Fd, src_off: int, dst_off: int, length: int, algo: 
         write_at(dst.fd, buf, want, dst_off + done, dst.direct)
         done += want
     return h.digest() if h is not None else b""
+
+
+def _set_direct(fd: int) -> bool:
+    """Switch ``fd`` to ``O_DIRECT``; ``False`` where its filesystem refuses."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    return True
 
 
 _kernel_ok = hasattr(os, "copy_file_range")
@@ -337,9 +349,16 @@ class Engine:
         with self._lock:
             entry = self._sources.get(path)
             if entry is None:
-                direct = self.algo != "none" and self.policy.read_direct(path)
-                flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-                entry = self._sources[path] = [Fd(self._open_source(path, flags), direct), 0]
+                fd = self._open_source(path, os.O_RDONLY)
+                try:
+                    size = os.fstat(fd).st_size
+                    direct = self.algo != "none" and self.policy.read_direct(path, fd, size)
+                    if direct:  # not shared yet: safe to switch
+                        direct = _set_direct(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                entry = self._sources[path] = [Fd(fd, direct), 0]
             entry[1] += 1
         try:
             yield entry[0]

@@ -6,15 +6,22 @@ memory runs below 1 GB/s) that costs more than the disk. With ``O_DIRECT`` the d
 into and writes from the copy buffer itself. The rules: buffer address, file offset and length
 aligned to ``ALIGN``; a short tail is written padded and the file truncated to its size after.
 
-Policy (``--io``): ``auto`` writes DEST directly when its filesystem accepts ``O_DIRECT`` and
-the file is at least :data:`DIRECT_WRITE_MIN` bytes (smaller files go through the page cache,
-made durable by one ``syncfs`` per batch), and reads directly only from local block-device
-filesystems; network and parallel filesystems (Lustre, GPFS, NFS, ...) are read buffered, since
-``O_DIRECT`` there is often many times slower.
+Policy (``--io``): ``auto`` decides per destination and per source file by short probes.
+
+- Writes: files under :data:`DIRECT_WRITE_MIN` bytes go through the page cache (made durable
+  by one ``syncfs`` per batch). Larger ones go direct when DEST's filesystem accepts
+  ``O_DIRECT`` and a probe (:func:`probe_writes`: 16 MiB each way, best of 2, made durable)
+  found direct writes there no slower than buffered ones.
+- Reads: directly only from local block-device filesystems (network and parallel filesystems,
+  Lustre, GPFS, NFS, ..., are read buffered, since ``O_DIRECT`` there is often many times
+  slower), and only when the file is not already in the page cache (:func:`cached`: a few
+  ``RWF_NOWAIT`` reads spread over it): a warm source is copied from memory, not re-read from
+  the device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import io
@@ -22,6 +29,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 
 __all__ = [
     "ALIGN",
@@ -29,7 +37,9 @@ __all__ = [
     "DirectReader",
     "IoPolicy",
     "aligned_buffer",
+    "cached",
     "fs_type",
+    "probe_writes",
     "read_at",
     "reads_direct",
     "write_at",
@@ -123,8 +133,58 @@ def reads_direct(path: str, mode: str = "auto", log: bool = True) -> bool:
         return _read_by_dev[key]
 
 
+_PROBE_SPOTS = 8
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+def cached(fd: int, size: int) -> bool:
+    """Whether the file open at ``fd`` (buffered) is in the page cache: ``RWF_NOWAIT`` reads of
+    one page at :data:`_PROBE_SPOTS` places spread over it all return at once. ``False`` when
+    the kernel cannot tell (no ``RWF_NOWAIT``)."""
+    if not _NOWAIT or size <= 0:
+        return False
+    page = bytearray(ALIGN)
+    spots = {min(size - 1, size * k // _PROBE_SPOTS) & ~(ALIGN - 1) for k in range(_PROBE_SPOTS)}
+    try:
+        for off in sorted(spots):
+            want = min(ALIGN, size - off)
+            if os.preadv(fd, [memoryview(page)[:want]], off, _NOWAIT) < want:
+                return False
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
+        return False
+    return True
+
+
+PROBE_WRITE_BYTES = 16 << 20
+
+
+def probe_writes(directory: str, nbytes: int = PROBE_WRITE_BYTES) -> tuple[float, float]:
+    """Seconds to write ``nbytes`` durably in ``directory`` with ``O_DIRECT`` and through the
+    page cache (best of 2 each, 1 MiB writes); leaves nothing behind."""
+    buf = aligned_buffer(1 << 20)
+    buf[:] = os.urandom(len(buf))
+    best = {True: float("inf"), False: float("inf")}
+    path = os.path.join(directory, f".datastore-write-probe-{os.getpid()}")
+    try:
+        for direct in (True, False, True, False):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT * direct))
+            try:
+                t0 = time.perf_counter()
+                for off in range(0, nbytes, len(buf)):
+                    write_at(fd, buf, len(buf), off, direct)
+                os.fdatasync(fd)
+                best[direct] = min(best[direct], time.perf_counter() - t0)
+            finally:
+                os.close(fd)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return best[True], best[False]
+
+
 class IoPolicy:
-    """Decides, once per filesystem, whether reads and writes there go direct; logs fallbacks."""
+    """Decides, once per filesystem, whether reads and writes there go direct (under ``auto``
+    by probes, module docstring); logs fallbacks."""
 
     def __init__(self, mode: str, dest_dir: str, log: bool = True):
         if mode not in IO_MODES:
@@ -133,6 +193,10 @@ class IoPolicy:
         self.write_direct = mode != "buffered" and _accepts_direct(dest_dir)
         if mode != "buffered" and not self.write_direct and log:
             _note(f"{dest_dir}: filesystem refuses O_DIRECT; writing through the page cache")
+        self.probe: tuple[float, float] | None = None
+        if mode == "auto" and self.write_direct:
+            self.probe = probe_writes(dest_dir)
+            self.write_direct = self.probe[0] <= self.probe[1]
 
     def writes_direct(self, size: int | None = None) -> bool:
         """Whether a file of ``size`` bytes (``None``: unknown, large) is written with
@@ -144,9 +208,12 @@ class IoPolicy:
             return False
         return self.mode == "direct" or size is None or size >= DIRECT_WRITE_MIN
 
-    def read_direct(self, path: str) -> bool:
-        """Whether to read ``path`` with ``O_DIRECT``."""
-        return reads_direct(path, self.mode, self.log)
+    def read_direct(self, path: str, fd: int | None = None, size: int = 0) -> bool:
+        """Whether to read ``path`` with ``O_DIRECT``; under ``auto``, given its buffered
+        descriptor ``fd``, not when it is in the page cache already."""
+        if not reads_direct(path, self.mode, self.log):
+            return False
+        return self.mode == "direct" or fd is None or not cached(fd, size)
 
 
 class DirectReader(io.RawIOBase):

@@ -11,7 +11,17 @@ import pytest
 from helpers import run_stage, tree_bytes
 
 from staging.copy import extents
-from staging.directio import ALIGN, DirectReader, aligned_buffer, read_at, write_at
+from staging.directio import (
+    ALIGN,
+    DirectReader,
+    IoPolicy,
+    aligned_buffer,
+    cached,
+    probe_writes,
+    read_at,
+    reads_direct,
+    write_at,
+)
 from staging.plan import Item
 
 
@@ -103,3 +113,57 @@ def test_filesystem_without_direct_io_falls_back_and_says_so(make_tree, tmp_path
         assert tree_bytes(mnt / "dest" / "src") == tree_bytes(src)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def _cold(path) -> None:
+    """Push ``path``'s clean pages out of the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_cached_tells_a_warm_file_from_a_cold_one(tmp_path):
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT on this platform")
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(3 * 2**20 + 123))
+    _cold(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if cached(fd, size):
+            pytest.skip("this filesystem keeps pages after POSIX_FADV_DONTNEED")
+        policy = IoPolicy("auto", str(tmp_path), log=False)
+        if not reads_direct(str(path), "auto", log=False):
+            pytest.skip("this filesystem is not read direct under auto")
+        assert policy.read_direct(str(path), fd, size)  # cold: from the device, direct
+        os.pread(fd, size, 0)  # now warm
+        assert cached(fd, size)
+        assert not policy.read_direct(str(path), fd, size)  # warm: copied from memory
+        assert IoPolicy("direct", str(tmp_path), log=False).read_direct(str(path), fd, size)
+    finally:
+        os.close(fd)
+    assert not cached(-1, 0)  # an empty file: nothing to tell
+
+
+def test_the_write_probe_times_both_ways_and_leaves_nothing(tmp_path):
+    direct, buffered = probe_writes(str(tmp_path), 2 << 20)
+    assert 0 < direct < 60 and 0 < buffered < 60
+    assert os.listdir(tmp_path) == []
+    policy = IoPolicy("auto", str(tmp_path), log=False)
+    assert policy.probe is not None and policy.write_direct == (policy.probe[0] <= policy.probe[1])
+    assert policy.writes_direct(1 << 30) == policy.write_direct
+    assert not policy.writes_direct(1 << 20)  # small files: the page cache
+    assert IoPolicy("buffered", str(tmp_path), log=False).probe is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_warm_source_is_staged_exactly(make_tree, tmp_path):
+    src = make_tree(tmp_path / "src")
+    tree_bytes(src)  # read it all: warm
+    run_stage(src, "--to", tmp_path / "dest", check=0)
+    assert tree_bytes(tmp_path / "dest" / "src") == tree_bytes(src)
+    run_stage("--verify", "--to", tmp_path / "dest", check=0)
