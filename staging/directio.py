@@ -193,10 +193,9 @@ class IoPolicy:
         self.write_direct = mode != "buffered" and _accepts_direct(dest_dir)
         if mode != "buffered" and not self.write_direct and log:
             _note(f"{dest_dir}: filesystem refuses O_DIRECT; writing through the page cache")
-        self.probe: tuple[float, float] | None = None
-        if mode == "auto" and self.write_direct:
-            self.probe = probe_writes(dest_dir)
-            self.write_direct = self.probe[0] <= self.probe[1]
+        self.dest_dir = dest_dir
+        self.probe: tuple[float, float] | None = None  # measured at the first large file
+        self._probe_lock = threading.Lock()
 
     def writes_direct(self, size: int | None = None) -> bool:
         """Whether a file of ``size`` bytes (``None``: unknown, large) is written with
@@ -206,7 +205,15 @@ class IoPolicy:
         buffered against 1.38 s direct (``cp -r``: 0.93-1.06 s)."""
         if not self.write_direct:
             return False
-        return self.mode == "direct" or size is None or size >= DIRECT_WRITE_MIN
+        if self.mode == "direct":
+            return True
+        if size is not None and size < DIRECT_WRITE_MIN:
+            return False
+        with self._probe_lock:
+            if self.probe is None:
+                self.probe = probe_writes(self.dest_dir)
+                self.write_direct = self.probe[0] <= self.probe[1]
+        return self.write_direct
 
     def read_direct(self, path: str, fd: int | None = None, size: int = 0) -> bool:
         """Whether to read ``path`` with ``O_DIRECT``; under ``auto``, given its buffered
