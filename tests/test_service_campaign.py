@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 import urllib.request
@@ -31,7 +33,7 @@ from datastore.loader import DataStoreLoader
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.cli import format_status, status_dict
-from datastore.service.client import target_of
+from datastore.service.client import RemoteBatches, open_channel, stream_batches, target_of
 from datastore.service.session import MAX_GLOBAL_BATCH
 from tests.test_service_basic import REPO, Server, cli, wait_serving
 
@@ -618,6 +620,112 @@ def test_a_fifo_is_refused_at_once_and_status_answers(start, tmp_path, env):
     for fifo in fifos:
         with pytest.raises(ValueError, match="not a regular file"):
             DataStoreLoader(str(fifo), batch_size=1)
+
+
+SLOW_SAMPLES = 50_000  # members of the slow tar: indexing them takes the service seconds
+
+
+def many_member_tar(path: Path, n: int) -> Path:
+    """An uncompressed tar of ``n`` one-byte ``.npy`` samples (``s00000000.npy`` ...; sample
+    ``i`` holds ``i % 256``). Its reader reads every member's header on open, in Python: seconds
+    for 50,000. Written from one member's bytes with numpy (``tarfile`` would take as long to
+    write it as the service takes to read it)."""
+    buf = io.BytesIO()
+    np.save(buf, np.uint8(0))
+    data = buf.getvalue()
+    info = tarfile.TarInfo("s00000000.npy")
+    info.size = len(data)
+    member = info.tobuf(tarfile.USTAR_FORMAT) + data + bytes(512 - len(data))
+    rec = np.tile(np.frombuffer(member, np.uint8), (n, 1))  # header, data padded to 512
+    i = np.arange(n)
+    for d in range(8):  # the name's digits
+        rec[:, 8 - d] = ord("0") + i // 10**d % 10
+    rec[:, 512 + len(data) - 1] = i % 256
+    rec[:, 148:156] = np.frombuffer(b"        ", np.uint8)  # the checksum counts as spaces
+    check = rec[:, :512].sum(axis=1, dtype=np.int64)
+    for d in range(6):  # ... then is written as six octal digits, a NUL and a space
+        rec[:, 153 - d] = ord("0") + (check >> (3 * d) & 7)
+    rec[:, 154] = 0
+    path.write_bytes(rec.tobytes() + bytes(1024))
+    return path
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["LoadDataset", "OpenSession"])
+def test_a_slow_dataset_open_blocks_no_other_client(start, tmp_path, call):
+    """While one client's LoadDataset (or OpenSession) spends seconds opening a dataset (a tar
+    of 50,000 members: its index reads every member's header), Status from another client
+    answers at once, without that dataset (it is not resident yet), and a third client opens a
+    session on a resident dataset and streams the embedded loader's first batch; all before the
+    slow call returns, which then gives the whole dataset."""
+    root = tmp_path / "allowed"
+    root.mkdir()
+    fast = make_dataset(root / "fast.h5")
+    slow = many_member_tar(root / "slow.tar", SLOW_SAMPLES)
+    local = DataStoreLoader(str(fast), batch_size=4, seed=3, exchange=False)
+    want = {k: v.numpy() for k, v in next(iter(local)).items()}
+    local.close()
+    resident = os.path.realpath(fast)  # as the service names it
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock), "--allow", str(root))
+    opener, watcher, streamer = (open_channel(target_of(sock)) for _ in range(3))
+    try:
+        ds = pb_grpc.DataStoreStub(watcher)
+        ds.LoadDataset(pb.LoadDatasetRequest(dataset_path=str(fast), wait=True), timeout=10)
+        calls = ds.Status(pb.StatusRequest(), timeout=10).calls_served
+        slow_call = (
+            pb_grpc.DataStoreStub(opener).LoadDataset.future(
+                pb.LoadDatasetRequest(dataset_path=str(slow)), timeout=50
+            )
+            if call == "LoadDataset"
+            else pb_grpc.DataStoreStub(opener).OpenSession.future(
+                pb.OpenSessionRequest(dataset_path=str(slow), global_batch=1), timeout=50
+            )
+        )
+        t_slow = time.monotonic()
+        # Status until the service has taken the slow call (calls_served counts a call as it
+        # arrives: one more than these Status calls)
+        polls = 0
+        while True:
+            t0 = time.monotonic()
+            reply = ds.Status(pb.StatusRequest(), timeout=10)
+            polls += 1
+            assert time.monotonic() - t0 < 2, f"Status took {time.monotonic() - t0:.1f} s"
+            assert [d.path for d in reply.datasets] == [resident]  # slow: not resident yet
+            if reply.calls_served > calls + polls:
+                break
+            assert time.monotonic() - t_slow < 5, "the service never took the slow call"
+            time.sleep(0.02)
+        assert not slow_call.done()
+        # a third client streams a batch of the resident dataset meanwhile
+        opened = pb_grpc.DataStoreStub(streamer).OpenSession(
+            pb.OpenSessionRequest(
+                dataset_path=str(fast), seed=3, global_batch=4, world_size=1, shuffle=True
+            ),
+            timeout=5,
+        )
+        request = pb.StreamBatchesRequest(
+            session_id=opened.session_id, rank=0, epoch=0, transport=pb.TRANSPORT_INLINE
+        )
+        batches = RemoteBatches(stream_batches(streamer), request)
+        first = next(iter(batches))
+        batches.close()
+        assert not slow_call.done(), "the slow call returned first: it proves nothing"
+        assert (first.header.step, first.header.epoch) == (0, 0)
+        assert list(first.header.sample_indices) == want["idx"].tolist()
+        assert first.arrays.keys() == want.keys()
+        for name, a in want.items():
+            assert first.arrays[name].tobytes() == a.tobytes(), name
+        assert opened.num_samples == SAMPLES
+        # the slow call then succeeds, with every member
+        reply = slow_call.result()
+        got = reply.dataset.num_samples if call == "LoadDataset" else reply.num_samples
+        assert got == SLOW_SAMPLES
+        listed = {d.path: d.num_samples for d in ds.Status(pb.StatusRequest(), timeout=10).datasets}
+        assert listed == {resident: SAMPLES, os.path.realpath(slow): SLOW_SAMPLES}
+    finally:
+        for ch in (opener, watcher, streamer):
+            ch.close()
 
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])

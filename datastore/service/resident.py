@@ -377,11 +377,12 @@ class Residency:
         reader, owner = opened
         keys = np.arange(len(reader)) if owner is None else owner.keys_of(self.node)
         need = len(keys) * sum(fi.nbytes for fi in reader.fields.values())
-        room = self._make_room_locked(need)
+        evicted: list[Resident] = []
+        room = self._make_room_locked(need, evicted)
         r = _open(path, room, keys, reader)
         r.template, r.owner, r.node, r.link = template, owner, self.node, self.link
         r.loader = threading.Thread(
-            target=self._preload, args=(r,), name="datastore-load", daemon=True
+            target=self._preload, args=(r, evicted), name="datastore-load", daemon=True
         )
         self._by_path[path] = r
         self._save_locked()
@@ -396,7 +397,9 @@ class Residency:
         r.loader.start()
         return r
 
-    def _preload(self, r: Resident) -> None:
+    def _preload(self, r: Resident, evicted: list[Resident]) -> None:
+        for victim in evicted:  # their memory goes before this dataset's comes
+            victim.close()
         t0 = time.perf_counter()
         try:
             r.store.preload(self._threads, stop=r.stop)
@@ -418,24 +421,33 @@ class Residency:
         Raises:
             ServiceError: ``RESOURCE_EXHAUSTED`` when it does not fit even then.
         """
-        with self._lock:
-            room = self._make_room_locked(nbytes)
-            if room is not None and room < nbytes:
-                raise ServiceError(
-                    "RESOURCE_EXHAUSTED",
-                    f"a shared-memory ring of {nbytes} bytes does not fit under the memory "
-                    f"budget of {self.budget} bytes ({self.budget - room} in use)",
-                )
-            self.ring_bytes += nbytes
+        evicted: list[Resident] = []
+        try:
+            with self._lock:
+                room = self._make_room_locked(nbytes, evicted)
+                if room is not None and room < nbytes:
+                    raise ServiceError(
+                        "RESOURCE_EXHAUSTED",
+                        f"a shared-memory ring of {nbytes} bytes does not fit under the memory "
+                        f"budget of {self.budget} bytes ({self.budget - room} in use)",
+                    )
+                self.ring_bytes += nbytes
+        finally:
+            for victim in evicted:
+                victim.close()
 
     def release_ring(self, nbytes: int) -> None:
         """Give back what :meth:`reserve_ring` counted."""
         with self._lock:
             self.ring_bytes -= nbytes
 
-    def _make_room_locked(self, need: int) -> int | None:
+    def _make_room_locked(self, need: int, evicted: list[Resident]) -> int | None:
         """Evict unused datasets, least recently used first, until ``need`` fits; the budget
-        the new dataset gets (``None``: no limit)."""
+        the new dataset gets (``None``: no limit).
+
+        The evicted datasets are told to stop loading and added to ``evicted``, for the caller
+        to close once the lock is released: closing one that is still loading waits for its
+        reads in flight (seconds), and Status and every other call need the lock."""
         if self.budget is None:
             return None
         used = sum(r.budgeted for r in self._by_path.values()) + self.ring_bytes
@@ -445,9 +457,10 @@ class Residency:
         while used + need > self.budget and idle:
             victim = idle.pop(0)
             del self._by_path[victim.path]
+            victim.stop.set()
             freed = victim.budgeted
             used -= freed
-            victim.close()
+            evicted.append(victim)
             self._event("dataset_evicted", dataset=victim.path, bytes_freed=freed)
         return max(0, min(need, self.budget - used))
 

@@ -1,0 +1,83 @@
+"""The resident datasets of ``datastore serve`` (``Residency``), in this process: what the
+service's calls share under one lock."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import h5py
+import numpy as np
+
+from datastore.service import resident
+from datastore.service.resident import Residency
+
+SAMPLES = 16
+SAMPLE_BYTES = 4 * 4 * 4 * 4  # "x" (4, 4, 4) float32
+
+
+def make_dataset(path, seed):
+    with h5py.File(path, "w") as f:
+        f["x"] = np.random.default_rng(seed).standard_normal((SAMPLES, 4, 4, 4), np.float32)
+    return str(path)
+
+
+def test_evicting_a_loading_dataset_holds_no_lock_while_its_reads_finish(tmp_path, monkeypatch):
+    """Dataset a is still loading, its read in flight held up (on a slow disk, a large sample),
+    when dataset b's load evicts it (a budget with room for one). Closing a waits for that read;
+    it happens outside the lock that every call takes (Status's ``all()`` answers at once, and
+    b's load returns), in b's loader, before b reads anything: a's memory goes before b's
+    comes. Once the read ends, a is closed and b loads whole."""
+    a, b = make_dataset(tmp_path / "a.h5", 1), make_dataset(tmp_path / "b.h5", 2)
+    gate, reading = threading.Event(), threading.Event()
+    open_reader = resident._reader
+
+    def held_up(path, roots=()):
+        reader = open_reader(path, roots)
+        if path == a:
+            read = reader.read
+
+            def slow_read(*args, **kw):
+                reading.set()
+                assert gate.wait(30)
+                return read(*args, **kw)
+
+            reader.read = slow_read
+        return reader
+
+    monkeypatch.setattr(resident, "_reader", held_up)
+    residency = Residency(budget=SAMPLES * SAMPLE_BYTES * 3 // 2, threads=1)
+
+    def listed() -> list[str] | None:
+        """The resident paths, or ``None`` when the lock is not had within 2 s."""
+        out: list[list[str]] = []
+        t = threading.Thread(target=lambda: out.append([r.path for r in residency.all()]))
+        t.start()
+        t.join(2)
+        return out[0] if out else None
+
+    try:
+        ra = residency.load(a)
+        assert reading.wait(10)  # a's loader is in its first read, held there
+        loads_b = threading.Thread(target=residency.load, args=(b,), daemon=True)
+        loads_b.start()
+        deadline = time.monotonic() + 10
+        while (got := listed()) != [b]:
+            assert got is not None, "the lock was held while the evicted dataset's read ran"
+            assert got == [a] and time.monotonic() < deadline, got
+            time.sleep(0.01)
+        loads_b.join(2)
+        assert not loads_b.is_alive(), "b's load waited for a's read"
+        (rb,) = residency.all()
+        assert ra.stop.is_set() and ra.store._ram  # told to stop, not closed yet: its read runs
+        assert rb.loading and rb.store.filled_bytes() == 0  # b reads nothing before a is closed
+    finally:
+        gate.set()
+    try:
+        assert rb.wait(10)
+        assert not ra.loading and ra.store._ram == {}  # closed: its memory is freed
+        assert rb.store.filled_bytes() == SAMPLES * SAMPLE_BYTES
+        with h5py.File(b) as f:
+            assert np.array_equal(rb.sample(3, "x"), f["x"][3])
+    finally:
+        residency.close()
