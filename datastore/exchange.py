@@ -4,9 +4,11 @@ Every rank owns some samples (``owner[i]``). At each step, the consumer of ``(da
 block k)`` needs block ``k`` of each sample in ``d``'s share of the global batch. ``plan`` (a
 pure function) lists the messages ``(src, dst, sample, block, position)`` of a step, sorted by
 ``(src, dst, position)``; :func:`rank_plan` lists only those a rank sends or receives, in the
-same order, so sender and receiver agree on every message without talking about it. A rank's
-plan costs O(B) array work and a Python object per message of its own (its share of the batch
-and what it sends), not one per message of the whole step.
+same order, so sender and receiver agree on every message without talking about it.
+:class:`EpochPlan` lists the same messages without looking at the global batch at all: what a
+rank consumes is its own slice of the step, and what it sends comes from where its own samples
+sit in the epoch (the inverse of the order, computed once per epoch for its N/P samples), so a
+rank's plan costs O(N/P) per epoch, not O(B) per step (O(N) per epoch).
 
 The exchanges (``datastore.sources.mpi``, ``datastore.sources.torch_dist``) move them.
 """
@@ -14,10 +16,13 @@ The exchanges (``datastore.sources.mpi``, ``datastore.sources.torch_dist``) move
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Message", "plan", "rank_plan"]
+from datastore.order import RankLayout, Schedule
+
+__all__ = ["EpochPlan", "Message", "plan", "rank_plan"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +72,48 @@ def rank_plan(
                 out.append(Message(rank, dst, int(batch[i]), kk, pos))
     out.sort(key=lambda m: (m.src, m.dst, m.pos))
     return out
+
+
+class EpochPlan:
+    """:func:`rank_plan` of every step of ``epoch`` for ``layout``'s rank, which owns
+    ``owned`` (its samples, by ``owner``), computed from its own share only.
+
+    With a global (or no) shuffle, the positions of the rank's samples in the epoch are
+    computed once (:meth:`Schedule.positions_of`) and each step takes those inside it; with
+    homes (``shuffle="shard"``/``"window:K"``) a rank sends only within its data rank, whose
+    slice of the step is all there is to look at.
+    """
+
+    def __init__(
+        self, schedule: Schedule, owner: Any, layout: RankLayout, epoch: int, owned: np.ndarray
+    ) -> None:
+        self.schedule, self.owner, self.layout, self.epoch = schedule, owner, layout, epoch
+        self.b = schedule.local_batch(layout.data_world)
+        self.positions = self.samples = None
+        if schedule.homes is None:
+            self.positions, self.samples = schedule.positions_of(epoch, owned)
+
+    def messages(self, step: int) -> list[Message]:
+        """The messages ``layout``'s rank sends or receives at ``step``, as :func:`rank_plan`."""
+        lay, b, rank, s = self.layout, self.b, self.layout.rank, self.layout.spatial_size
+        mine = self.schedule.rank_samples(self.epoch, step, lay.data_rank, lay.data_world)
+        owners = np.asarray(self.owner[mine]).reshape(-1)
+        out = [  # what this rank consumes
+            Message(o, rank, sample, lay.spatial_rank, pos)
+            for pos, (sample, o) in enumerate(zip(mine.tolist(), owners.tolist(), strict=True))
+        ]
+        if self.positions is None:  # homes: only this data rank's slice holds what it sends
+            here = np.flatnonzero(owners == rank)
+            at, sent = here + lay.data_rank * b, mine[here]
+        else:
+            B = self.schedule.global_batch
+            lo, hi = np.searchsorted(self.positions, [step * B, (step + 1) * B])
+            at, sent = self.positions[lo:hi] - step * B, self.samples[lo:hi]
+        for i, sample in zip(at.tolist(), sent.tolist(), strict=True):
+            dd, pos = divmod(i, b)
+            for kk in range(s):
+                dst = dd * s + kk
+                if dst != rank:
+                    out.append(Message(rank, dst, sample, kk, pos))
+        out.sort(key=lambda m: (m.src, m.dst, m.pos))
+        return out

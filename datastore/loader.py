@@ -31,6 +31,7 @@ from datastore.agree import Collective, StepSync, agree
 from datastore.delivery import Delivered, Gather, delivered_fields, parse_spatial, spatial_grid
 from datastore.device import DeviceStage, parse_device
 from datastore.errors import ExchangeTimeout, InsufficientMemory
+from datastore.exchange import EpochPlan
 from datastore.memory import available_memory, parse_size
 from datastore.order import EpochPosition, RankLayout, Schedule, parse_shuffle, rank_layout
 from datastore.ownership import Homes, RangeOwners, RunOwners, owned_keys
@@ -388,13 +389,16 @@ class DataStoreLoader(EpochPosition):
         if owner is None:
             local = LocalSource(self.reader, mine, o.memory_budget, o.spill_dir, self.gather, keys)
             self.store = local.store
-            self._deliver = lambda _step, samples, out: local.deliver(samples, out)
+            sched, d, w = schedule, layout.data_rank, layout.data_world
+            self._deliver = lambda epoch, step, out: local.deliver(
+                sched.rank_samples(epoch, step, d, w), out
+            )
             self._sync = None
         else:
             specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in info.items()}
             self.store = Store(keys, specs, self._read_sample, o.memory_budget, o.spill_dir)
             self._exchange = self._make_exchange(owner, layout, by_block)
-            self._deliver = self._exchange.step
+            self._deliver = _Planned(schedule, owner, layout, keys, self._exchange)
             self._sync = StepSync(self._coll, o.timeout)
         if o.preload:
             self.store.preload(threads=max(4, self.gather.threads))
@@ -456,7 +460,7 @@ class DataStoreLoader(EpochPosition):
         if self._source is not None:
             return self._source.batches(epoch, start, stop, self.ring)
         return filled_batches(
-            self.schedule, self.layout, epoch, start, stop, self.ring, self._deliver, self._sync
+            self.schedule, epoch, start, stop, self.ring, self._deliver, self._sync
         )
 
     def _produce(self, epoch: int, start: int, q: queue.Queue, stop: threading.Event) -> None:
@@ -571,6 +575,23 @@ class DataStoreLoader(EpochPosition):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Planned:
+    """An exchange's deliveries, planned an epoch at a time (:class:`EpochPlan`)."""
+
+    def __init__(
+        self, schedule: Schedule, owner: Any, layout: RankLayout, owned: np.ndarray, ex: Any
+    ) -> None:
+        self.schedule, self.owner, self.layout, self.owned, self.ex = (
+            schedule, owner, layout, owned, ex
+        )  # fmt: skip
+        self.plan: EpochPlan | None = None
+
+    def __call__(self, epoch: int, step: int, out: dict[str, np.ndarray]) -> None:
+        if self.plan is None or self.plan.epoch != epoch:
+            self.plan = EpochPlan(self.schedule, self.owner, self.layout, epoch, self.owned)
+        self.ex.step(step, self.plan.messages(step), out)
 
 
 def _root(dataset: Any) -> str:

@@ -60,6 +60,7 @@ __all__ = [
     "epoch_order",
     "home_order",
     "parse_shuffle",
+    "position_of",
     "rank_layout",
     "round_keys",
     "sample_at",
@@ -136,17 +137,29 @@ def _feistel(x: np.ndarray, half: Any, keys: np.ndarray) -> np.ndarray:
     return (left << shift) | right
 
 
-def _permute(pos: np.ndarray, n: Any, keys: np.ndarray) -> np.ndarray:
-    """The keyed bijection of ``[0, n)`` at ``pos`` (all uint64 below ``n``); ``n`` may be one
-    per element, and ``keys`` ``(ROUNDS,)`` or ``(ROUNDS, len(pos))``."""
+def _feistel_inverse(x: np.ndarray, half: Any, keys: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_feistel`: its rounds undone in reverse order."""
+    shift = np.asarray(half, dtype=np.uint64)
+    mask = (np.uint64(1) << shift) - np.uint64(1)
+    left, right = x >> shift, x & mask
+    for k in keys[::-1]:
+        left, right = right ^ (_mix(left, k) & mask), left
+    return (left << shift) | right
+
+
+def _permute(pos: np.ndarray, n: Any, keys: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """The keyed bijection of ``[0, n)`` at ``pos`` (all uint64 below ``n``), or its
+    ``inverse``; ``n`` may be one per element, and ``keys`` ``(ROUNDS,)`` or
+    ``(ROUNDS, len(pos))``."""
+    network = _feistel_inverse if inverse else _feistel
     n = np.broadcast_to(np.asarray(n, dtype=np.uint64), pos.shape)
     keys = np.broadcast_to(keys.reshape(ROUNDS, -1), (ROUNDS, pos.size))
     bits = np.searchsorted(_POW2, np.maximum(n, np.uint64(1)) - np.uint64(1), side="right")
     half = np.maximum(1, (bits + 1) // 2).astype(np.uint64)  # 4**half >= n
-    out = _feistel(pos, half, keys)
+    out = network(pos, half, keys)
     outside = np.flatnonzero(out >= n)
     while outside.size:  # cycle walking: map again until inside [0, n)
-        out[outside] = _feistel(out[outside], half[outside], keys[:, outside])
+        out[outside] = network(out[outside], half[outside], keys[:, outside])
         outside = outside[out[outside] >= n[outside]]
     return out
 
@@ -166,6 +179,19 @@ def sample_at(
         return pos.copy()
     flat = pos.reshape(-1).astype(np.uint64)
     return _permute(flat, num_samples, round_keys(seed, epoch)).astype(np.int64).reshape(pos.shape)
+
+
+def position_of(
+    samples: np.ndarray, num_samples: int, seed: int, epoch: int, shuffle: bool = True
+) -> np.ndarray:
+    """Where each of ``samples`` sits in ``epoch``'s order: the inverse of :func:`sample_at`,
+    also O(len(samples))."""
+    smp = np.asarray(samples, dtype=np.int64)
+    if not shuffle or num_samples <= 1:
+        return smp.copy()
+    flat = smp.reshape(-1).astype(np.uint64)
+    back = _permute(flat, num_samples, round_keys(seed, epoch), inverse=True)
+    return back.astype(np.int64).reshape(smp.shape)
 
 
 def home_order(
@@ -298,6 +324,28 @@ class Schedule:
         d, i = np.divmod(within, b)
         j = (step * b + i) % homes.sizes[d]
         return homes.sample(d, home_order(d, j, homes.sizes, self.seed, epoch, self.window))
+
+    def positions_of(self, epoch: int, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions, samples)``: every position of the epoch's padded sequence that holds
+        one of ``samples`` (a padded epoch repeats some), sorted by position. O(len(samples)):
+        what a rank that owns ``samples`` sends in the whole epoch, without the epoch's order.
+        Global and unshuffled orders only (with homes, a data rank's step is all there is)."""
+        if self.homes is not None:
+            raise ValueError("positions_of needs a global order (no homes)")
+        smp = np.asarray(samples, dtype=np.int64)
+        first = position_of(smp, self.num_samples, self.seed, epoch, self.shuffle == "global")
+        total = self.steps_per_epoch * self.global_batch
+        pos, out = [first], [smp]
+        k = 1
+        while k * self.num_samples < total:  # the padding repeats position p mod N
+            again = first + k * self.num_samples
+            pos.append(again)
+            out.append(smp)
+            k += 1
+        pos_all, smp_all = np.concatenate(pos), np.concatenate(out)
+        keep = pos_all < total  # the dropped tail holds none
+        order = np.argsort(pos_all[keep], kind="stable")
+        return pos_all[keep][order], smp_all[keep][order]
 
     def order(self, epoch: int) -> np.ndarray:
         """Every sample of ``epoch`` in order, tail dropped or padded: ``steps * B`` indices.

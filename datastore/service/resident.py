@@ -143,8 +143,10 @@ class Resident:
         if unknown:
             known = ", ".join(self.reader.fields)
             raise ServiceError("NOT_FOUND", f"no field {shown(unknown[0])} (fields: {known})")
-        where = self.owner[samples].tolist() if self.owner is not None and samples else []
-        stray = [i for i, o in zip(samples, where, strict=True) if o != self.node]
+        stray = []
+        if self.owner is not None and samples:
+            where = np.asarray(self.owner[samples]).reshape(-1).tolist()
+            stray = [i for i, o in zip(samples, where, strict=True) if o != self.node]
         if stray:
             raise ServiceError(
                 "FAILED_PRECONDITION", f"sample {stray[0]} is not on node {self.node}"

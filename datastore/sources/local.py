@@ -15,7 +15,7 @@ import numpy as np
 
 from datastore.agree import StepSync
 from datastore.delivery import Copy, Delivered, Gather, covered
-from datastore.order import RankLayout, Schedule
+from datastore.order import Schedule
 from datastore.ring import Buffer, BufferRing
 from datastore.store import SlotSpec, Store
 
@@ -68,7 +68,6 @@ class LocalSource:
 
 def filled_batches(
     schedule: Schedule,
-    layout: RankLayout,
     epoch: int,
     start: int,
     stop: threading.Event,
@@ -76,10 +75,9 @@ def filled_batches(
     deliver: Any,
     sync: StepSync | None = None,
 ) -> Iterator[tuple[int, Buffer]]:
-    """``(step, buffer)`` of ``epoch`` from ``start``: each step's global batch delivered by
-    ``deliver(step, global_batch, arrays)`` (an exchange) into a buffer of ``ring``; without
-    ``sync``, ``deliver(step, rank_samples, arrays)`` (a local source). With ``sync``, every
-    rank starts at the same position and stops at the same step."""
+    """``(step, buffer)`` of ``epoch`` from ``start``: each step delivered by
+    ``deliver(epoch, step, arrays)`` into a buffer of ``ring``. With ``sync`` (an exchange),
+    every rank starts at the same position and stops at the same step."""
     if sync is not None:
         sync.start(epoch, start)
     for step in range(start, schedule.steps_per_epoch):
@@ -88,14 +86,9 @@ def filled_batches(
                 return
         elif stop.is_set():
             return
-        what = (  # an exchange needs the whole global batch; a local source its share only
-            schedule.global_batch_at(epoch, step)
-            if sync is not None
-            else schedule.rank_samples(epoch, step, layout.data_rank, layout.data_world)
-        )
         buf = ring.take()
         try:
-            deliver(step, what, buf.arrays)
+            deliver(epoch, step, buf.arrays)
         except BaseException:
             ring.give_back(buf)
             raise

@@ -21,6 +21,7 @@ import numpy as np
 
 from datastore.agree import poll
 from datastore.delivery import Delivered, Gather, covered, pad_copies
+from datastore.exchange import Message
 from datastore.ownership import RunOwners
 from datastore.sources.owners import Owners
 from datastore.store import Store
@@ -80,18 +81,17 @@ class MpiExchange(Owners):
     def step(
         self,
         step: int,
-        batch: np.ndarray,
+        msgs: list[Message],
         out: dict[str, np.ndarray],
     ) -> None:
-        """Deliver this rank's share of global ``batch`` into ``out`` (whole boxes, zero halo
-        included); :class:`~datastore.errors.ExchangeTimeout` names the step and the peers
-        if the messages do not arrive within the timeout."""
+        """Deliver this rank's share of a step (its messages ``msgs``) into ``out`` (whole
+        boxes, zero halo included); :class:`~datastore.errors.ExchangeTimeout` names the step
+        and the peers if the messages do not arrive within the timeout."""
         t0 = time.perf_counter()
         me = self.rank
         requests: list[Any] = []
         peers: list[int] = []
         copies = []
-        msgs = self.messages(batch)
         for m in msgs:  # receives first, in plan order (MPI matches same-pair messages in order)
             if m.dst == me and m.src != me:
                 for f in self.mine:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from datastore.agree import timeout_error
 from datastore.delivery import Copy, Delivered, Gather, covered, pad_copies
 from datastore.errors import DataStoreError
+from datastore.exchange import Message
 from datastore.ownership import RunOwners
 from datastore.sources.owners import Owners
 from datastore.store import Store
@@ -88,10 +89,10 @@ class TorchExchange(Owners):
         """The global rank of group rank ``rank`` (what ``isend``/``irecv`` take)."""
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
-    def step(self, step: int, batch: np.ndarray, out: dict[str, np.ndarray]) -> None:
-        """Deliver this rank's share of global ``batch`` into ``out`` (whole boxes, zero halo
-        included); :class:`~datastore.errors.ExchangeTimeout` names the step and the peers if
-        the messages do not arrive within the timeout."""
+    def step(self, step: int, msgs: list[Message], out: dict[str, np.ndarray]) -> None:
+        """Deliver this rank's share of a step (its messages ``msgs``) into ``out`` (whole
+        boxes, zero halo included); :class:`~datastore.errors.ExchangeTimeout` names the step
+        and the peers if the messages do not arrive within the timeout."""
         if self._failed is not None:
             raise DataStoreError(
                 f"the torch.distributed exchange failed at step {self._failed} and cannot be "
@@ -104,7 +105,6 @@ class TorchExchange(Owners):
         unpack: list[Copy] = []  # received into a staging array: copied after the wait
         copies: list[Copy] = []  # zero halo and this rank's own samples: while messages travel
         sent: list[np.ndarray] = []
-        msgs = self.messages(batch)
         for m in msgs:  # receives first, in plan order (gloo matches a pair's messages in order)
             if m.dst == me and m.src != me:
                 for f in self.mine:

@@ -84,7 +84,7 @@ def check(path: str, out: str, gb: str, parts: str, halo: str, budget: str, epoc
             batch = sched.global_batch_at(epoch, step)
             for a in bufs.values():
                 a.fill(SENTINEL)  # what a consumer's edits or an earlier batch left there
-            ex.step(step, batch, bufs)
+            ex.step(step, ex.messages(batch), bufs)
             ids = batch[d * b : (d + 1) * b]
             fill_batch(ids, mine, lambda i, name: whole[name][i], want)
             for name in bufs:
@@ -123,7 +123,7 @@ def skip(path: str, out: str, gb: str, timeout: str, at: str) -> dict:
             return {"skipped": step}
         t0 = time.monotonic()
         try:
-            ex.step(step, sched.global_batch_at(0, step), bufs)
+            ex.step(step, ex.messages(sched.global_batch_at(0, step)), bufs)
         except ExchangeTimeout as exc:
             return {
                 "error": str(exc),
