@@ -89,6 +89,9 @@ class EpochPlan:
     ) -> None:
         self.schedule, self.owner, self.layout, self.epoch = schedule, owner, layout, epoch
         self.b = schedule.local_batch(layout.data_world)
+        # this rank's samples at every step, and their owners: O(N/R), once per epoch
+        self.mine = schedule.rank_epoch(epoch, layout.data_rank, layout.data_world)
+        self.owners = np.asarray(owner[self.mine.reshape(-1)]).reshape(self.mine.shape)
         self.positions = self.samples = None
         if schedule.homes is None:
             self.positions, self.samples = schedule.positions_of(epoch, owned)
@@ -96,8 +99,7 @@ class EpochPlan:
     def messages(self, step: int) -> list[Message]:
         """The messages ``layout``'s rank sends or receives at ``step``, as :func:`rank_plan`."""
         lay, b, rank, s = self.layout, self.b, self.layout.rank, self.layout.spatial_size
-        mine = self.schedule.rank_samples(self.epoch, step, lay.data_rank, lay.data_world)
-        owners = np.asarray(self.owner[mine]).reshape(-1)
+        mine, owners = self.mine[step], self.owners[step]
         out = [  # what this rank consumes
             Message(o, rank, sample, lay.spatial_rank, pos)
             for pos, (sample, o) in enumerate(zip(mine.tolist(), owners.tolist(), strict=True))
