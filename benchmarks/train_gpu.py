@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 from common import machine_info, median, spread, venv_tool
@@ -196,22 +197,21 @@ def case_exposed(a: argparse.Namespace, device: torch.device) -> None:
     side = a.halo_side
     print(f"\n3. exposed halo share, 2-way split, side {side}, batch 1 (host waits / step)")
     for overlap in (False, True):
-        shares, steps = [], []
-        for _ in range(a.reps):
-            r = job(a, 2, side, "2,1,1", overlap, True, dev)
-            shares.append(r["halo_share"])
-            steps.append(r["step_s"] * 1e3)
-        print(f"   overlap={overlap!s:5s}: {median(shares):.3f} (range {spread(shares, '{:.3f}')}),"
-              f" step {median(steps):.0f} ms (range {spread(steps, '{:.0f}')})")  # fmt: skip
+        _exposed(a, "halo_share", overlap, lambda o: job(a, 2, side, "2,1,1", o, True, dev))
     print(f"\n4. exposed all-reduce share, 2 data ranks, side {side} (finish() / step)")
     for overlap in (False, True):
-        shares, steps = [], []
-        for _ in range(a.reps):
-            r = job(a, 2, side, "1,1,1", False, overlap, dev)
-            shares.append(r["reduce_share"])
-            steps.append(r["step_s"] * 1e3)
-        print(f"   overlap={overlap!s:5s}: {median(shares):.3f} (range {spread(shares, '{:.3f}')}),"
-              f" step {median(steps):.0f} ms (range {spread(steps, '{:.0f}')})")  # fmt: skip
+        _exposed(a, "reduce_share", overlap, lambda o: job(a, 2, side, "1,1,1", False, o, dev))
+
+
+def _exposed(a: argparse.Namespace, key: str, overlap: bool, run: Any) -> None:
+    """One row of cases 3 and 4: ``run(overlap)`` ``a.reps`` times, its ``key`` share."""
+    shares, steps = [], []
+    for _ in range(a.reps):
+        r = run(overlap)
+        shares.append(r[key])
+        steps.append(r["step_s"] * 1e3)
+    print(f"   overlap={overlap!s:5s}: {median(shares):.3f} (range {spread(shares, '{:.3f}')}),"
+          f" step {median(steps):.0f} ms (range {spread(steps, '{:.0f}')})")  # fmt: skip
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from train_step_job import saved_bytes  # the same measure as the CPU step benchmark
 
 from datastore.partition import Grid, block_bounds
 from trainer.comm import all_reduce_sum
@@ -37,20 +38,6 @@ from trainer.grid import ProcessGrid, init_distributed
 from trainer.halo import wait_clock
 from trainer.models import CosmoFlow
 from trainer.reduce import GradientReducer
-
-
-def saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves for backward in one forward."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return sum(seen.values())
 
 
 def slowest(v: float, grid: ProcessGrid) -> float:

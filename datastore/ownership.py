@@ -151,8 +151,8 @@ class Homes:
         self.data_world = data_world
         self.run_sample = owner.starts[order]  # the first sample of each run
         self.run_home = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        self.sizes = np.bincount(home, weights=owner.ends - owner.starts, minlength=data_world)
-        self.sizes = self.sizes.astype(np.int64)
+        lengths_by_home = np.bincount(home, weights=owner.ends - owner.starts, minlength=data_world)
+        self.sizes = lengths_by_home.astype(np.int64)
         self.base = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
 
     @classmethod

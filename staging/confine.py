@@ -15,7 +15,7 @@ from collections.abc import Sequence
 __all__ = ["beneath", "opened_path"]
 
 
-def beneath(path: str, roots: Sequence[str]) -> bool:
+def beneath(path: str, roots: Sequence[str | os.PathLike]) -> bool:
     """Whether ``path``, every symlink resolved, is one of ``roots`` or lies under one."""
     real = os.path.realpath(path)
     for root in roots:

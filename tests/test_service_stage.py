@@ -26,7 +26,7 @@ from datastore.service import stage_job
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.errors import ServiceError
-from datastore.service.paths import within_roots
+from staging.confine import beneath
 from staging.manifest import lock_dest, meta_dir
 from staging.progress import Progress
 
@@ -300,7 +300,7 @@ def test_request_validation():
     with pytest.raises(ServiceError) as err:
         stage_job.stage_argv(pb.StageRequest(sources=["/a"], dest="/d"), ["/a"])
     assert err.value.code == "PERMISSION_DENIED"
-    assert within_roots("/a/b", ["/a/"]) and not within_roots("/ab", ["/a"])
+    assert beneath("/a/b", ["/a/"]) and not beneath("/ab", ["/a"])
 
 
 def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):

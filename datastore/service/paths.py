@@ -22,7 +22,6 @@ import hashlib
 import os
 import socket
 import stat
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +40,6 @@ __all__ = [
     "shown",
     "socket_answers",
     "unix_target",
-    "within_roots",
 ]
 
 SOCKET_NAME = "datastore.sock"
@@ -108,16 +106,6 @@ def checked_path(path: str, what: str) -> None:
         raise ServiceError("INVALID_ARGUMENT", f"{what} {shown(path)} holds a NUL byte")
     if not os.path.isabs(path):
         raise ServiceError("INVALID_ARGUMENT", f"{what} must be absolute, got {shown(path)}")
-
-
-def within_roots(path: str, roots: Sequence[Path | str]) -> bool:
-    """Whether ``path``, symlinks resolved, lies under one of ``roots`` (resolved too)."""
-    real = os.path.realpath(path)
-    for root in roots:
-        r = os.path.realpath(root)
-        if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
-            return True
-    return False
 
 
 def unix_target(path: Path | str) -> str:

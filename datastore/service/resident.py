@@ -31,10 +31,11 @@ from datastore.ownership import RunOwners
 from datastore.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
-from datastore.service.paths import checked_path, shown, within_roots
+from datastore.service.paths import checked_path, shown
 from datastore.service.peers import Peers
 from datastore.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store import SlotSpec, Store
+from staging.confine import beneath
 
 __all__ = ["Residency", "Resident", "resolve_dataset"]
 
@@ -46,7 +47,7 @@ def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
     """
     checked_path(path, "dataset_path")
     real = os.path.realpath(path)
-    if roots and not within_roots(real, roots):
+    if roots and not beneath(real, roots):
         raise ServiceError("PERMISSION_DENIED", f"{shown(path)} is {_outside(roots)}")
     pattern = any(c in real for c in "*?[")  # a glob, as the readers take it
     if not (os.path.exists(real) or (pattern and glob.glob(real))):
@@ -202,7 +203,7 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
         raise ServiceError("NOT_FOUND", f"cannot open {path!r}: {exc}") from exc
     if roots:
         real = {f: os.path.realpath(f) for f in reader.files}
-        outside = [f for f, r in real.items() if not within_roots(r, roots)]
+        outside = [f for f, r in real.items() if not beneath(r, roots)]
         if outside:
             reader.close()
             f = outside[0]

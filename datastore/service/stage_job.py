@@ -30,8 +30,9 @@ from typing import Any
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
-from datastore.service.paths import checked_path, shown, within_roots
+from datastore.service.paths import checked_path, shown
 from staging.cluster import LAUNCH_ENV
+from staging.confine import beneath
 
 __all__ = ["KILL_AFTER_S", "stage_argv", "stream_stage"]
 
@@ -57,7 +58,7 @@ def stage_argv(request: Any, allowed_roots: Sequence[Path | str] = ()) -> list[s
     checked_path(dest, "dest")
     if allowed_roots:
         for p in (*sources, dest):
-            if not within_roots(p, allowed_roots):
+            if not beneath(p, allowed_roots):
                 roots = ", ".join(str(r) for r in allowed_roots)
                 raise ServiceError(
                     "PERMISSION_DENIED",
