@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="passed through to datastore stage --streams",
     )
+    p.add_argument(
+        "--io", default="auto", help="passed through to datastore stage --io (default auto)"
+    )
     p.add_argument("--warm", action="store_true", help="do not drop the page cache")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
     args = p.parse_args(argv)
@@ -282,6 +285,7 @@ def build_cases(args: argparse.Namespace, work: str, out: str) -> list[Case]:
         ensure_tar(tar, work, tree, remade)
     ds = shlex.quote(venv_tool("datastore"))
     streams = f" --streams {args.streams}" if args.streams else ""
+    streams += f" --io {args.io}" if args.io != "auto" else ""
     q = shlex.quote
     o = q(out)
     specs = {
@@ -402,7 +406,8 @@ def report(
                 "",
                 f"- disk: {disk}",
                 f"- page cache: {cache.note}",
-                f"- reps {args.reps}, scale {args.scale:g}, streams {streams}, work dir {work}",
+                f"- reps {args.reps}, scale {args.scale:g}, streams {streams}, --io {args.io}, "
+                f"work dir {work}",
                 f"- machine: {machine_info()}",
             ]
         )

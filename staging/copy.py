@@ -32,6 +32,7 @@ from staging.directio import ALIGN, IoPolicy, aligned_buffer, read_at, write_at
 from staging.durable import start_writeback, syncfs
 from staging.manifest import Journal, meta_dir
 from staging.plan import Group, Item
+from staging.splice import splice_range
 
 __all__ = ["Engine", "Stats", "hash_range", "tmp_dir", "within"]
 
@@ -111,26 +112,35 @@ class Fd:
 def copy_range(src: Fd, dst: Fd, src_off: int, dst_off: int, length: int, algo: str) -> bytes:
     """Copy ``length`` bytes between files and return their digest (``b""`` if none).
 
-    With ``algo == "none"`` the kernel copies (``os.copy_file_range``); otherwise the bytes pass
-    once through this thread's buffer and are hashed on the way. ``dst_off`` must be
+    Between two buffered descriptors the kernel moves the bytes (``staging.splice``) and the
+    digest is taken of what landed in the destination (read back from its page cache, so
+    ``dst`` must be readable). Otherwise, or where ``splice`` is refused, the bytes pass once
+    through this thread's buffer and are hashed on the way; ``dst_off`` must then be
     ``ALIGN``-aligned when ``dst`` is direct.
     """
-    if algo == "none" and _kernel_copy(src.fd, dst.fd, src_off, dst_off, length):
-        return b""
     h = new_hasher(algo) if algo != "none" else None
+    kernel = not (src.direct or dst.direct)
     buf = _buffer(length)
     done = 0
-    while done < length:
+    while done < length:  # in pieces: the disk writes one while the next is copied
         want = min(BUF_BYTES, length - done)
-        data = read_at(src.fd, buf, src_off + done, want, src.direct)
-        if len(data) < want:
-            raise OSError(
-                errno.EIO,
-                f"source ended {length - done - len(data)} bytes early (changed while staging?)",
-            )
+        s_off, d_off = src_off + done, dst_off + done
+        kernel = kernel and splice_range(src.fd, dst.fd, s_off, d_off, want)
+        if kernel:
+            data = read_at(dst.fd, buf, d_off, want, False) if h is not None else b""
+        else:
+            data = read_at(src.fd, buf, s_off, want, src.direct)
+            if len(data) < want:
+                raise OSError(
+                    errno.EIO,
+                    f"source ended {length - done - len(data)} bytes early "
+                    "(changed while staging?)",
+                )
+            write_at(dst.fd, buf, want, d_off, dst.direct)
         if h is not None:
             h.update(data)
-        write_at(dst.fd, buf, want, dst_off + done, dst.direct)
+        if not dst.direct:
+            start_writeback(dst.fd, d_off, want)
         done += want
     return h.digest() if h is not None else b""
 
@@ -142,29 +152,6 @@ def _set_direct(fd: int) -> bool:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        return False
-    return True
-
-
-_kernel_ok = hasattr(os, "copy_file_range")
-
-
-def _kernel_copy(src: int, dst: int, src_off: int, dst_off: int, length: int) -> bool:
-    """``copy_file_range`` the whole range; ``False`` (and never again) if the kernel refuses."""
-    global _kernel_ok
-    if not _kernel_ok:
-        return False
-    done = 0
-    try:
-        while done < length:
-            n = os.copy_file_range(src, dst, length - done, src_off + done, dst_off + done)
-            if n == 0:
-                raise OSError(errno.EIO, "source ended early (changed while staging?)")
-            done += n
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP) or done:
-            raise
-        _kernel_ok = False
         return False
     return True
 
@@ -339,6 +326,7 @@ class Engine:
         self._lock = threading.Lock()
         self._sources: dict[str, list] = {}  # path -> [Fd, users]
         self._direct_from_512 = True  # direct writes from 512-aligned addresses (tar data)
+        self._archives: set[str] = set()  # uncompressed tars: read direct when cold (auto)
 
     # -- bookkeeping -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -352,7 +340,10 @@ class Engine:
                 fd = self._open_source(path, os.O_RDONLY)
                 try:
                     size = os.fstat(fd).st_size
-                    direct = self.algo != "none" and self.policy.read_direct(path, fd, size)
+                    archive = path in self._archives
+                    direct = self.algo != "none" and self.policy.read_direct(
+                        path, fd, size, archive
+                    )
                     if direct:  # not shared yet: safe to switch
                         direct = _set_direct(fd)
                 except BaseException:
@@ -378,10 +369,9 @@ class Engine:
             raise PermissionError(errno.EACCES, "resolves outside the allowed roots", path)
         return fd
 
-    def _open_tmp(self, path: str, flags: int, size: int | None = None) -> Fd:
-        """A temporary file to write; ``size``: the file's, when known (small files are
-        written through the page cache: see ``IoPolicy.writes_direct``)."""
-        direct = self.algo != "none" and self.policy.writes_direct(size)
+    def _open_tmp(self, path: str, flags: int) -> Fd:
+        """A temporary file to write (direct as ``IoPolicy.writes_direct`` says)."""
+        direct = self.algo != "none" and self.policy.writes_direct()
         return Fd(os.open(path, flags | (os.O_DIRECT if direct else 0), 0o600), direct)
 
     def _fail(self, item: Item, exc: BaseException) -> None:
@@ -423,7 +413,7 @@ class Engine:
     def _copy_small(self, item: Item, src_path: str, src_off: int) -> None:
         tmp = self._tmp_path(item)
         try:
-            fd = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, item.size)
+            fd = self._open_tmp(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
             try:
                 with self._source(src_path) as src:
                     d = copy_range(src, fd, src_off, 0, item.size, self.algo)
@@ -456,7 +446,7 @@ class Engine:
             view = buf[rel : rel + item.size]
             tmp = self._tmp_path(item)
             try:
-                out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, item.size)
+                out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 try:
                     digest = None
                     if self.algo != "none":
@@ -621,6 +611,7 @@ class Engine:
     def run(self, groups: list[Group]) -> Stats:
         """Stage ``groups`` (already filtered to what this rank must write)."""
         self.committer = Committer(self.dest, self.journal)
+        self._archives = {g.source for g in groups if g.ident and not g.stream}
         futures: list[Future] = []
         try:
             with ThreadPoolExecutor(self.streams, thread_name_prefix="stream") as pool:

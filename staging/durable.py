@@ -41,10 +41,11 @@ def syncfs(path: str) -> None:
         os.close(fd)
 
 
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing ``fd``'s dirty pages now, without waiting for them."""
+def start_writeback(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages (``length`` bytes from ``offset``;
+    0: to the end) now, without waiting for them."""
     if _sync_file_range is not None:
-        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def fsync_dir(path: str) -> None:

@@ -17,7 +17,6 @@ from staging.directio import (
     IoPolicy,
     aligned_buffer,
     cached,
-    probe_writes,
     read_at,
     reads_direct,
     write_at,
@@ -107,10 +106,13 @@ def test_filesystem_without_direct_io_falls_back_and_says_so(make_tree, tmp_path
         pytest.skip(f"cannot mount a ramfs here: {mount.stderr.strip()}")
     try:
         src = make_tree(tmp_path / "src")
-        proc = run_stage(src, "--to", mnt / "dest", check=0)
+        proc = run_stage(src, "--to", mnt / "dest", "--io", "direct", check=0)
         assert "refuses O_DIRECT; writing through the page cache" in proc.stderr
         assert "reports no capacity; skipping the free-space check" in proc.stderr
         assert tree_bytes(mnt / "dest" / "src") == tree_bytes(src)
+        proc = run_stage(src, "--to", mnt / "auto", check=0)  # auto never asks for O_DIRECT
+        assert "O_DIRECT" not in proc.stderr
+        assert tree_bytes(mnt / "auto" / "src") == tree_bytes(src)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
 
@@ -139,26 +141,32 @@ def test_cached_tells_a_warm_file_from_a_cold_one(tmp_path):
         policy = IoPolicy("auto", str(tmp_path), log=False)
         if not reads_direct(str(path), "auto", log=False):
             pytest.skip("this filesystem is not read direct under auto")
-        assert policy.read_direct(str(path), fd, size)  # cold: from the device, direct
+        assert policy.read_direct(str(path), fd, size, archive=True)  # cold: direct
         os.pread(fd, size, 0)  # now warm
         assert cached(fd, size)
-        assert not policy.read_direct(str(path), fd, size)  # warm: copied from memory
+        assert not policy.read_direct(str(path), fd, size, archive=True)  # warm: from memory
         assert IoPolicy("direct", str(tmp_path), log=False).read_direct(str(path), fd, size)
     finally:
         os.close(fd)
     assert not cached(-1, 0)  # an empty file: nothing to tell
 
 
-def test_the_write_probe_times_both_ways_and_leaves_nothing(tmp_path):
-    direct, buffered = probe_writes(str(tmp_path), 2 << 20)
-    assert 0 < direct < 60 and 0 < buffered < 60
-    assert os.listdir(tmp_path) == []
-    policy = IoPolicy("auto", str(tmp_path), log=False)
-    assert not policy.writes_direct(1 << 20) and policy.probe is None  # small: no probe
-    big = policy.writes_direct(1 << 30)  # the first large file probes
-    assert policy.probe is not None and big == (policy.probe[0] <= policy.probe[1])
-    assert IoPolicy("buffered", str(tmp_path), log=False).probe is None
-    assert os.listdir(tmp_path) == []
+def test_auto_reads_only_a_cold_archive_direct_and_writes_through_the_page_cache(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    _cold(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        auto = IoPolicy("auto", str(tmp_path), log=False)
+        assert not auto.writes_direct()
+        assert not auto.read_direct(str(path), fd, 1 << 20)  # a plain file: the kernel copies
+        buffered = IoPolicy("buffered", str(tmp_path), log=False)
+        assert not buffered.read_direct(str(path), fd, 1 << 20, archive=True)
+        assert not buffered.writes_direct()
+        if reads_direct(str(path), "direct", log=False):
+            assert IoPolicy("direct", str(tmp_path), log=False).writes_direct()
+    finally:
+        os.close(fd)
 
 
 def test_a_warm_source_is_staged_exactly(make_tree, tmp_path):
