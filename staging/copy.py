@@ -394,14 +394,18 @@ class Engine:
             "link": item.link if item.kind == "symlink" else None,
         }
 
-    def _finish(self, item: Item, out: Fd, tmp: str, digest: str | None) -> None:
+    def _finish(
+        self, item: Item, out: Fd, tmp: str, digest: str | None, written_back: bool = False
+    ) -> None:
+        """Close a finished temp file and hand it to the committer; ``written_back``: its
+        writeback already started (``copy_range`` starts it piece by piece)."""
         fd = out.fd
         if out.direct and item.size % ALIGN:
             os.ftruncate(fd, item.size)  # drop the padding of the last direct write
         os.fchmod(fd, item.mode & self.mode_mask)
         if item.mtime_ns:
             os.utime(fd, ns=(item.mtime_ns, item.mtime_ns))
-        if not out.direct:
+        if not (out.direct or written_back):
             start_writeback(fd)
         os.close(fd)
         self.committer.add(tmp, item.dest, self._record(item, digest, item.size), item.size)
@@ -422,7 +426,7 @@ class Engine:
                 raise
             self.on_bytes(item.size)
             digest = combine(self.algo, [d]) if self.algo != "none" else None
-            self._finish(item, fd, tmp, digest)
+            self._finish(item, fd, tmp, digest, written_back=True)
         except (OSError, ValueError) as exc:
             _unlink(tmp)
             self._fail(item, exc)
@@ -532,7 +536,7 @@ class Engine:
                     os.close(fd.fd)
                     return  # the temp file and its leaf log stay: a re-run resumes them
                 digest = combine(self.algo, digests) if self.algo != "none" else None
-                self._finish(item, fd, tmp, digest)
+                self._finish(item, fd, tmp, digest, written_back=True)
                 _unlink(log.path)
 
         return [pool.submit(leaf, i, off, n) for i, (off, n) in enumerate(leaves)]

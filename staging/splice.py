@@ -17,6 +17,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import threading
 
 __all__ = ["PIPE_BYTES", "splice_range"]
 
@@ -26,14 +27,38 @@ _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _REFUSED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV)
 
 
-def _pipe(length: int) -> tuple[int, int, int]:
-    """A pipe as large as the copy wants (up to :data:`PIPE_BYTES`): ``(read, write, size)``."""
-    r, w = os.pipe()
-    try:
-        size = fcntl.fcntl(w, _F_SETPIPE_SZ, max(4096, min(PIPE_BYTES, length)))
-    except OSError:  # capped by the user's pipe quota: the default size still works
-        size = fcntl.fcntl(w, getattr(fcntl, "F_GETPIPE_SZ", 1032))
-    return r, w, size
+class _Pipes:
+    """Pipes kept for reuse: as many as copies ever ran at once, each emptied before it
+    comes back (a copy that fails mid-way closes its pipe instead)."""
+
+    def __init__(self) -> None:
+        self._free: list[tuple[int, int, int]] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[int, int, int]:
+        """``(read, write, capacity)`` of a free pipe, made if none is."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        r, w = os.pipe()
+        try:
+            size = fcntl.fcntl(w, _F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:  # capped by the user's pipe quota: the default size still works
+            size = fcntl.fcntl(w, getattr(fcntl, "F_GETPIPE_SZ", 1032))
+        return r, w, size
+
+    def give(self, pipe: tuple[int, int, int]) -> None:
+        with self._lock:
+            self._free.append(pipe)
+
+
+_pipes = _Pipes()
+
+
+def _close(pipe: tuple[int, int, int]) -> None:
+    for fd in pipe[:2]:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def splice_range(src: int, dst: int, src_off: int, dst_off: int, length: int) -> bool:
@@ -44,7 +69,8 @@ def splice_range(src: int, dst: int, src_off: int, dst_off: int, length: int) ->
     """
     if not hasattr(os, "splice"):
         return False
-    r, w, size = _pipe(length)
+    pipe = _pipes.take()
+    r, w, size = pipe
     done = 0
     try:
         while done < length:
@@ -55,14 +81,14 @@ def splice_range(src: int, dst: int, src_off: int, dst_off: int, length: int) ->
                     moved += os.splice(r, dst, got - moved, offset_dst=dst_off + done + moved)
             except OSError as exc:
                 if exc.errno in _REFUSED and done == 0:
+                    _close(pipe)
                     return False
                 raise
             if got == 0:
                 raise OSError(errno.EIO, "source ended early (changed while staging?)")
             done += got
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(r)
-        with contextlib.suppress(OSError):
-            os.close(w)
+    except BaseException:
+        _close(pipe)  # it may hold bytes: never reuse it
+        raise
+    _pipes.give(pipe)
     return True
