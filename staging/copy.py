@@ -109,8 +109,17 @@ class Fd:
     direct: bool = False
 
 
-def copy_range(src: Fd, dst: Fd, src_off: int, dst_off: int, length: int, algo: str) -> bytes:
-    """Copy ``length`` bytes between files and return their digest (``b""`` if none).
+def copy_range(
+    src: Fd,
+    dst: Fd,
+    src_off: int,
+    dst_off: int,
+    length: int,
+    algo: str,
+    write_lock: threading.Lock | None = None,
+) -> bytes:
+    """Copy ``length`` bytes between files and return their digest (``b""`` if none);
+    ``write_lock``: held while writing ``dst`` in the kernel (``staging.splice.splice_range``).
 
     Between two buffered descriptors the kernel moves the bytes (``staging.splice``) and the
     digest is taken of what landed in the destination (read back from its page cache, so
@@ -125,7 +134,7 @@ def copy_range(src: Fd, dst: Fd, src_off: int, dst_off: int, length: int, algo: 
     while done < length:  # in pieces: the disk writes one while the next is copied
         want = min(BUF_BYTES, length - done)
         s_off, d_off = src_off + done, dst_off + done
-        kernel = kernel and splice_range(src.fd, dst.fd, s_off, d_off, want)
+        kernel = kernel and splice_range(src.fd, dst.fd, s_off, d_off, want, write_lock)
         if kernel:
             data = read_at(dst.fd, buf, d_off, want, False) if h is not None else b""
         else:
@@ -503,7 +512,7 @@ class Engine:
         os.ftruncate(fd.fd, item.size)
         digests: list[bytes] = [b""] * len(leaves)
         state = {"left": len(leaves), "failed": False}
-        guard = threading.Lock()
+        guard, writing = threading.Lock(), threading.Lock()
 
         def leaf(i: int, off: int, length: int) -> None:
             try:
@@ -518,7 +527,9 @@ class Engine:
                         self.stats.resumed_bytes += length
                 else:
                     with self._source(src_path) as src:
-                        digests[i] = copy_range(src, fd, src_off + off, off, length, self.algo)
+                        digests[i] = copy_range(
+                            src, fd, src_off + off, off, length, self.algo, writing
+                        )
                     log.record(i, digests[i])
                 self.on_bytes(length)
             except (OSError, ValueError) as exc:
