@@ -80,17 +80,17 @@ def add_parser(sub: Any) -> None:
         "--checksum",
         choices=("xxh3", "blake2b", "none"),
         default="xxh3",
-        help="hash computed while copying (default xxh3); 'none' lets the kernel "
-        "copy (copy_file_range) and --verify then checks sizes only",
+        help="hash computed while copying (default xxh3); 'none': no hash, and --verify "
+        "then checks sizes only",
     )
     p.add_argument(
         "--io",
         choices=IO_MODES,
         default="auto",
-        help="auto (default): probes decide per destination and source file: large files "
-        "written direct (O_DIRECT) where that measured no slower, small ones through the page "
-        "cache; sources on local disks read direct unless already in the page cache, network "
-        "and parallel filesystems read buffered; direct or buffered: force one for all",
+        help="auto (default): the kernel copies files through the page cache (splice), "
+        "writeback started as each piece lands; an uncompressed tar on a local disk is read "
+        "with O_DIRECT unless it is in the page cache already; direct: O_DIRECT for every "
+        "read and write; buffered: never O_DIRECT",
     )
     p.add_argument(
         "--dry-run",
