@@ -291,17 +291,21 @@ def assign(plan: Plan, nodes: int) -> list[list[Group]]:
         zip((i.source for i in items), split_by_bytes([i.size for i in items], nodes), strict=False)
     )
     shards: list[list[Group]] = [[] for _ in range(nodes)]
-    for g in plan.groups:
-        for n in range(nodes):
-            mine = []
-            for i in g.items:
-                if i.kind == "dir":
-                    mine.append(i)
-                elif i.kind == "hardlink":  # lives where its target lives
-                    if where[f"{g.source}::{i.link}"] == n:
-                        mine.append(i)
-                elif where[i.source] == n:
-                    mine.append(i)
-            if any(i.kind != "dir" for i in mine) or all(i.kind == "dir" for i in g.items):
-                shards[n].append(Group(g.source, tuple(mine), g.stream, g.ident))
+    for g in plan.groups:  # one pass over the items: O(items + dirs x nodes holding items)
+        dirs: list[int] = []
+        own: dict[int, list[int]] = {}
+        for k, i in enumerate(g.items):
+            if i.kind == "dir":
+                dirs.append(k)
+                continue
+            # a hardlink lives where its target lives
+            n = where[f"{g.source}::{i.link}"] if i.kind == "hardlink" else where[i.source]
+            own.setdefault(n, []).append(k)
+        if not own:  # directories only: every node makes them
+            for n in range(nodes):
+                shards[n].append(Group(g.source, g.items, g.stream, g.ident))
+            continue
+        for n in sorted(own):
+            mine = tuple(g.items[k] for k in heapq.merge(dirs, own[n]))
+            shards[n].append(Group(g.source, mine, g.stream, g.ident))
     return shards
