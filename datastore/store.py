@@ -162,17 +162,25 @@ class Store:
         """Read every slot that is kept (RAM and spill) now, ``threads`` reads at a time
         (readers are thread-safe; those that release the GIL, like npy, read in parallel).
         Returns early, leaving the rest to be read on first use, once ``stop`` is set."""
-        kept = [int(k) for k in self.keys[: self.ram_slots + self.spill_slots]]
+        kept = (int(k) for k in self.keys[: self.ram_slots + self.spill_slots])
+        take, failed = threading.Lock(), threading.Event()
 
-        def fill(key: int) -> None:
-            if stop is not None and stop.is_set():
-                return
-            for field in self.fields:
-                self.get(key, field)
+        def fill() -> None:  # each worker takes the next key: nothing queued to drain on stop
+            while not (failed.is_set() or (stop is not None and stop.is_set())):
+                with take:
+                    key = next(kept, None)
+                if key is None:
+                    return
+                try:
+                    for field in self.fields:
+                        self.get(key, field)
+                except BaseException:
+                    failed.set()
+                    raise
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            for _ in pool.map(fill, kept):
-                pass
+            for job in [pool.submit(fill) for _ in range(max(1, threads))]:
+                job.result()
 
     def filled_bytes(self) -> int:
         """Bytes of the slots read so far (RAM and spill)."""
