@@ -2,7 +2,8 @@
 
 After ``datastore stage --mode shard`` each node holds a share of a dataset's files under the
 same path: files of one sample each (``.npy``/``.npz`` files, one HDF5 file per sample), or
-HDF5 shards of several samples each (``part-000.h5``...), moved whole. Every rank lists its
+shards of several samples each (HDF5 ``part-000.h5``..., tar ``shard-000000.tar``...), moved
+whole. Every rank lists its
 local files (names relative to the dataset path) with their sample counts. If the lists
 differ, the dataset is sharded: the sorted union of the names, each file's samples in a row,
 is the global index (the same order as one directory holding every file), a sample is owned by
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 SHARDABLE = ("npy", "hdf5-per-sample")  # one sample per file (also the service's node shards)
-SHARD_SETS = ("hdf5",)  # several samples per file: the loader shards these by whole files
+SHARD_SETS = ("hdf5", "tar")  # several samples per file: the loader shards these by whole files
 
 Listing = tuple[str | None, dict[str, int], dict[str, Any]]
 """``(format or None when not shardable, {local file: samples}, {field: (dtype, shape)})``."""

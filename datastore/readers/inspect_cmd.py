@@ -34,7 +34,7 @@ def add_parser(sub: Any) -> None:
         "inspect",
         help="describe a dataset: format, samples, fields (dtype, shape, spatial axes), bytes",
         description="Detect the format of a dataset (HDF5, one HDF5 file per sample, zarr, "
-        "LMDB, .npy/.npz files, tar shards of .npy/.npz) or read a spec file (.json/.toml), "
+        "LMDB, .npy/.npz files, WebDataset-style tar shards) or read a spec file (.json/.toml), "
         "and print its sample count, fields and size. Every file of a set of files is "
         "looked into; the first that does not match the others is named.",
         epilog=EPILOG,

@@ -17,7 +17,7 @@ READERS: dict[str, tuple[str, str]] = {
     "zarr": ("datastore.readers.zarr_reader", "ZarrReader"),
     "lmdb": ("datastore.readers.lmdb_reader", "LmdbReader"),
     "npy": ("datastore.readers.npy_reader", "NpyReader"),
-    "tar": ("datastore.readers.npy_reader", "TarReader"),
+    "tar": ("datastore.readers.tar_reader", "TarReader"),
 }
 
 

@@ -12,8 +12,9 @@ Formats (every field has the same dtype and per-sample shape in every sample):
 - ``lmdb``: an LMDB environment written by ``write_lmdb`` (``lmdb_format`` documents records).
 - ``npy``: ``.npy`` files, one per sample, holding the one field the spec names (``"data"`` when
   it names none); or ``.npz`` files, one per sample, whose keys are the fields.
-- ``tar``: uncompressed tar shards whose members are ``.npy`` or ``.npz`` files, one per sample
-  (fields as for ``npy``), read at their offsets in the tar without extracting.
+- ``tar``: uncompressed tar shards whose members sharing a key are one sample (WebDataset's
+  layout: ``000123.x.npy``, ``000123.cls``, ``000123.json``; ``tar_reader`` names the fields),
+  read at their offsets in the tar without extracting.
 
 Paths may be files, directories (their files with the format's suffixes, sorted by name; names
 starting with ``.`` skipped) or globs (matches sorted by name). A spec with no fields selects
