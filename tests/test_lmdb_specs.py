@@ -196,6 +196,23 @@ def test_pickle_is_refused_without_allow_pickle(tmp_path):
         DatasetSpec.load(spec)
 
 
+def test_the_service_unpickles_nothing_a_client_names(tmp_path):
+    from datastore.service.errors import ServiceError
+    from datastore.service.resident import listing
+
+    spec = write(tmp_path, "pickle")
+    with pytest.raises(ServiceError) as exc:
+        listing(str(spec))
+    assert exc.value.code == "INVALID_ARGUMENT"
+    assert str(exc.value) == (
+        f'{spec}: value = "pickle" is refused here: datastore serve unpickles nothing a client '
+        "names (it would run code that the data chose); read it with the embedded loader, or "
+        "convert it once with write_lmdb (docs/loader.md)"
+    )
+    (tmp_path / "npy").mkdir()
+    assert listing(str(write(tmp_path / "npy", "npy")))[2] == {"x": ("float32", SHAPE)}
+
+
 # -- a spec that does not match the records ------------------------------------------------------
 def test_a_raw_shape_that_does_not_match_names_the_key(tmp_path):
     spec = write(tmp_path, "raw")
