@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import re
 import subprocess
@@ -213,6 +212,16 @@ def test_the_service_unpickles_nothing_a_client_names(tmp_path):
     assert listing(str(write(tmp_path / "npy", "npy")))[2] == {"x": ("float32", SHAPE)}
 
 
+def test_a_pickled_lmdb_converts_once_to_our_own(tmp_path):
+    with open_dataset(str(write(tmp_path, "pickle"))) as r:  # the snippet of docs/loader.md
+        axes = {name: f.spatial_axes for name, f in r.fields.items()}
+        write_lmdb(tmp_path / "own", (r.read_sample(i) for i in range(len(r))), spatial_axes=axes)
+    with open_dataset(str(tmp_path / "own")) as own:
+        assert len(own) == N and own.fields["x"].spatial_axes == (1, 2, 3)
+        assert all(own.read(i, "x").tobytes() == X[i].tobytes() for i in range(N))
+        assert [int(own.read(i, "label")) for i in range(N)] == LABELS.tolist()
+
+
 # -- a spec that does not match the records ------------------------------------------------------
 def test_a_raw_shape_that_does_not_match_names_the_key(tmp_path):
     spec = write(tmp_path, "raw")
@@ -379,13 +388,14 @@ def test_every_spec_file_example_in_the_docs_is_a_valid_spec():
     text = DOCS.read_text()
     section = text[text.index("## Spec files") :]
     section = section[: section.index("\n## ", 1)]
-    examples = re.findall(r"```toml\n(.*?)```", section, re.S)
+    examples = [tomllib.loads(t) for t in re.findall(r"```toml\n(.*?)```", section, re.S)]
+    examples += [json.loads(t) for t in re.findall(r"```json\n(.*?)```", section, re.S)]
     formats = set()
     for example in examples:
-        spec = DatasetSpec.from_dict(tomllib.loads(example), base_dir="/data")
+        spec = DatasetSpec.from_dict(example, base_dir="/data")
         formats.add(spec.format if spec.lmdb is None else f"lmdb-{spec.lmdb.value}")
+    assert len(examples) == 12
     assert formats == {
         "hdf5", "hdf5-per-sample", "zarr", "npy", "tar",
         "lmdb", "lmdb-raw", "lmdb-npy", "lmdb-msgpack", "lmdb-pickle",
     }  # fmt: skip
-    assert os.path.exists(DOCS)
