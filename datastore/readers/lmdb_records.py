@@ -13,6 +13,7 @@ import pickle
 from typing import Any
 
 import lmdb
+import msgpack
 import numpy as np
 
 from datastore.readers.base import DatasetError, FieldInfo, default_spatial_axes
@@ -141,8 +142,6 @@ class SpecRecords:
             if value == "npy":
                 return npy_in_buffer(buf)
             if value == "msgpack":
-                import msgpack
-
                 return msgpack.unpackb(buf, raw=True, strict_map_key=False)
             return pickle.loads(buf)
         except Exception as exc:  # foreign bytes: any decoder error means the same
