@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from datastore.readers.base import DatasetError, FieldInfo, Reader
     from datastore.readers.lmdb_format import write_lmdb
+    from datastore.readers.lmdb_layout import LmdbLayout, RecordField
     from datastore.readers.registry import open_dataset
     from datastore.readers.spec import FORMATS, DatasetSpec, FieldSpec, detect
 
@@ -31,7 +32,9 @@ __all__ = [
     "DatasetSpec",
     "FieldInfo",
     "FieldSpec",
+    "LmdbLayout",
     "Reader",
+    "RecordField",
     "detect",
     "open_dataset",
     "write_lmdb",
@@ -42,6 +45,8 @@ _MODULE_OF = {
     "FieldInfo": "base",
     "Reader": "base",
     "write_lmdb": "lmdb_format",
+    "LmdbLayout": "lmdb_layout",
+    "RecordField": "lmdb_layout",
     "open_dataset": "registry",
     "FORMATS": "spec",
     "DatasetSpec": "spec",

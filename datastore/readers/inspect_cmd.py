@@ -26,6 +26,13 @@ examples:
   datastore inspect /l/ssd/cosmo/train.h5
   datastore inspect '/l/ssd/cosmo/val/*.npy' --json
   datastore inspect cosmo-spec.toml
+  datastore inspect lmdb-spec.toml    # an LMDB of raw, .npy, msgpack or pickled records
+
+spec files (.toml or .json; every key, with an example for each format: docs/loader.md):
+  format = "lmdb"
+  paths = "train.lmdb"
+  [lmdb]
+  value = "npy"
 """
 
 

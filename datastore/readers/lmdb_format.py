@@ -69,7 +69,11 @@ def parse_meta(raw: bytes | None, path: str) -> tuple[int, dict[str, FieldMeta]]
     """``(num_samples, {name: FieldMeta})`` from the ``__meta__`` record; ``DatasetError``
     naming ``path`` (and the field) for a missing or malformed record."""
     if raw is None:
-        raise DatasetError(path, "no __meta__ record: not a dataset written by write_lmdb")
+        raise DatasetError(
+            path,
+            "no __meta__ record: not a dataset written by write_lmdb; describe its records in "
+            "a spec file with an lmdb table (docs/loader.md, Spec files)",
+        )
     try:
         meta = json.loads(bytes(raw))
     except (ValueError, UnicodeDecodeError) as exc:

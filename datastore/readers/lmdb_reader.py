@@ -1,10 +1,12 @@
-"""The ``lmdb`` reader, for datasets in the encoding of ``lmdb_format``.
+"""The ``lmdb`` reader: datasets in the encoding of ``lmdb_format``, or any LMDB whose records a
+spec's ``lmdb`` table describes (``lmdb_layout``; read by ``lmdb_records.SpecRecords``).
 
 Each read is one read-only transaction with ``buffers=True``: the record is a view of LMDB's
 memory map, copied (the region of it) into the caller's buffer before the transaction ends. An
 uncompressed record is therefore read only where the region touches it (page granularity); a
 record encoded by a codec is decoded whole, since a record is one value, and its region copied
-out. The environment is opened read-only without LMDB's lock
+out; so is a msgpack or pickle record. The environment (a directory holding ``data.mdb``, or
+one file written with ``subdir=False``) is opened read-only without LMDB's lock
 file, once per process and shared by the readers of that process (py-lmdb allows one open
 per process); LMDB transactions are safe from several threads. A forked child closes the
 environments it inherited and reopens its own.
@@ -23,6 +25,7 @@ from numcodecs.compat import ensure_ndarray
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader
 from datastore.readers.lmdb_format import META_KEY, parse_meta, sample_key
+from datastore.readers.lmdb_records import SpecRecords
 from datastore.readers.spec import DatasetSpec, resolve_paths
 
 __all__ = ["LmdbReader"]
@@ -40,7 +43,12 @@ def _acquire_env(path: str) -> lmdb.Environment:
         if entry is None:
             try:
                 env = lmdb.open(
-                    path, readonly=True, lock=False, readahead=False, subdir=True, max_readers=1024
+                    path,
+                    readonly=True,
+                    lock=False,
+                    readahead=False,
+                    subdir=os.path.isdir(path),
+                    max_readers=1024,
                 )
             except lmdb.Error as exc:
                 raise DatasetError(path, f"not a readable LMDB environment: {exc}") from None
@@ -75,32 +83,51 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class LmdbReader(Reader):
-    """``lmdb``: fields, dtypes, shapes, spatial axes and codecs come from ``__meta__``."""
+    """``lmdb``: fields, dtypes, shapes, spatial axes and codecs come from ``__meta__``, or,
+    with a spec's ``lmdb`` table, from the table and the first record."""
 
     def __init__(self, spec: DatasetSpec):
         super().__init__(spec)
         self.files = resolve_paths(spec)
         root = self.files[0]
+        self._records: SpecRecords | None = None
+        self._codecs: dict[str, dict[str, Any] | None] = {}
         env = _acquire_env(root)
         try:
-            with env.begin() as txn:
-                n, metas = parse_meta(txn.get(META_KEY), root)
+            with env.begin(buffers=True) as txn:
+                if spec.lmdb is not None:
+                    self._records = SpecRecords(spec.lmdb, txn, root)
+                    available, n = self._records.fields, len(self._records)
+                else:
+                    n, metas = parse_meta(txn.get(META_KEY), root)
+                    available = {
+                        name: FieldInfo(name, m.dtype, m.shape, m.spatial_axes, None)
+                        for name, m in metas.items()
+                    }
+                    self._codecs = {name: m.codec for name, m in metas.items()}
         except lmdb.Error as exc:
-            raise DatasetError(root, f"cannot read the __meta__ record: {exc}") from None
+            raise DatasetError(root, f"cannot read the environment: {exc}") from None
         finally:
             _release_env(root)
-        available = {
-            name: FieldInfo(name, m.dtype, m.shape, m.spatial_axes, None)
-            for name, m in metas.items()
-        }
         self._select_fields(available, root)
-        self._codecs = {name: metas[name].codec for name in self.fields}
+        self._codecs = {name: self._codecs.get(name) for name in self.fields}
         self._length = n
 
     @property
     def codecs(self) -> dict[str, dict[str, Any] | None]:
         """``{field: numcodecs config or None}``."""
         return dict(self._codecs)
+
+    def check_files(self) -> None:
+        """With a spec's ``lmdb`` table: every raw record's size, every npy record's header."""
+        if self._records is None:
+            return
+        env = self._handles()[0]
+        try:
+            with env.begin(buffers=True) as txn:
+                self._records.check_all(txn)
+        except lmdb.Error as exc:
+            raise DatasetError(self.files[0], f"cannot read the environment: {exc}") from None
 
     def _open(self) -> tuple[lmdb.Environment, dict[str, Any]]:
         codecs = {
@@ -114,10 +141,15 @@ class LmdbReader(Reader):
     def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
         env, codecs = self._handles()
         root, codec = self.files[0], codecs[info.name]
+        records = self._records
+        key = sample_key(index, info.name) if records is None else records.keys[index]
         with env.begin(buffers=True) as txn:
-            buf = txn.get(sample_key(index, info.name))
+            buf = txn.get(key)
             if buf is None:
-                raise DatasetError(root, f"no record for sample {index}", info.name)
+                raise DatasetError(root, f"no record for sample {index} (key {key!r})", info.name)
+            if records is not None:  # raw, npy: a view of the map; msgpack, pickle: decoded
+                np.copyto(out, records.array(buf, info, key)[sel])
+                return
             if codec is None:  # a view of the memory map: only the region's pages are read
                 np.copyto(out, self._as_array(buf, info, root, index)[sel])
                 return

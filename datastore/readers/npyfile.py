@@ -7,6 +7,7 @@ every function takes ``(path, base, size)``: the bytes ``[base, base + size)`` o
   ``RawArray`` at ``base + header length``.
 - ``.npz`` written by ``np.savez`` (members stored): each member's data lies uncompressed at a
   fixed offset (the zip local header, then the ``.npy`` header), also a ``RawArray``.
+- ``.npy`` bytes in memory (an LMDB record): ``npy_in_buffer``, a view of them.
 - ``.npz`` written by ``np.savez_compressed`` (members deflated): a ``ZippedArray``, which must
   decode the whole member to read any region of it.
 """
@@ -24,7 +25,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-__all__ = ["RawArray", "ZippedArray", "locate_npy", "locate_npz"]
+__all__ = ["RawArray", "ZippedArray", "locate_npy", "locate_npz", "npy_in_buffer"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra length
 
@@ -235,3 +236,26 @@ def locate_npz(
                     raise ValueError(f"member {info.filename}: truncated array data")
                 out[key] = RawArray(path, base + start, dtype, shape, fortran)
     return out
+
+
+def npy_in_buffer(buf: bytes | memoryview) -> np.ndarray:
+    """The array of the ``.npy`` bytes ``buf`` (what ``np.save`` writes), as a read-only view
+    of ``buf``. Raises ``ValueError`` (the reason) for bytes that are not exactly one array."""
+    head = bytes(buf[:12])
+    if head[:6] != b"\x93NUMPY" or len(head) < 10:
+        raise ValueError("not .npy bytes (no \\x93NUMPY magic)")
+    small = head[6] == 1  # format 1.0: a 2-byte header length; 2.0 and 3.0: 4 bytes
+    start = (
+        10 + int.from_bytes(head[8:10], "little")
+        if small
+        else 12 + int.from_bytes(head[8:12], "little")
+    )
+    shape, fortran, dtype = _header(io.BytesIO(bytes(buf[:start])))
+    size = len(buf) - start
+    if size != _nbytes(shape, dtype):
+        raise ValueError(
+            f"the .npy header declares {dtype.str} {shape} ({_nbytes(shape, dtype)} bytes of "
+            f"data), the record holds {size}"
+        )
+    flat = np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)), offset=start)
+    return flat.reshape(shape, order="F" if fortran else "C")

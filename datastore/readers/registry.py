@@ -27,9 +27,17 @@ def reader_class(fmt: str) -> type[Reader]:
     return getattr(importlib.import_module(module), name)
 
 
-def open_dataset(spec_or_path: DatasetSpec | str | os.PathLike) -> Reader:
+def open_dataset(
+    spec_or_path: DatasetSpec | str | os.PathLike, *, allow_pickle: bool = True
+) -> Reader:
     """A reader for a ``DatasetSpec``; for a path: a spec file (``.json``/``.toml``) is loaded,
     anything else is detected (``detect``).
+
+    Args:
+        spec_or_path: the dataset.
+        allow_pickle: ``False`` refuses pickled LMDB records even when the spec allows them
+            (``datastore serve``: a client's spec file must not run code in the service).
+            Default: ``True``, as the spec says.
 
     Raises:
         DatasetError: naming the file (and field) for any input that cannot be read as asked.
@@ -42,4 +50,12 @@ def open_dataset(spec_or_path: DatasetSpec | str | os.PathLike) -> Reader:
         spec = DatasetSpec.load(path) if is_spec_file else detect(path)
     else:
         raise DatasetError(None, f"expected a DatasetSpec or a path, got {spec_or_path!r}")
+    if not allow_pickle and spec.lmdb is not None and spec.lmdb.value == "pickle":
+        where = spec.paths[0] if isinstance(spec_or_path, DatasetSpec) else spec_or_path
+        raise DatasetError(
+            where,
+            'value = "pickle" is refused here: datastore serve unpickles nothing a client names '
+            "(it would run code that the data chose); read it with the embedded loader, or "
+            "convert it once with write_lmdb (docs/loader.md)",
+        )
     return reader_class(spec.format)(spec)

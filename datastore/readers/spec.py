@@ -9,7 +9,10 @@ Formats (every field has the same dtype and per-sample shape in every sample):
   as a dataset without a sample axis. Detection tells a set of shards from a set of samples
   by the files' shapes (the rules: ``hdf5_reader.set_format``).
 - ``zarr``: a zarr group (format 2 or 3), one array per field with a leading sample axis.
-- ``lmdb``: an LMDB environment written by ``write_lmdb`` (``lmdb_format`` documents records).
+- ``lmdb``: an LMDB environment written by ``write_lmdb`` (``lmdb_format`` documents records),
+  or any LMDB whose records the spec's ``lmdb`` table describes (``lmdb_layout``: raw bytes,
+  ``.npy`` bytes, msgpack, or pickle with ``allow_pickle``); a directory holding ``data.mdb``
+  or one file (an environment written with ``subdir=False``).
 - ``npy``: ``.npy`` files, one per sample, holding the one field the spec names (``"data"`` when
   it names none); or ``.npz`` files, one per sample, whose keys are the fields.
 - ``tar``: uncompressed tar shards whose members sharing a key are one sample (WebDataset's
@@ -21,7 +24,7 @@ starting with ``.`` skipped) or globs (matches sorted by name). A spec with no f
 every field in the data, with the default spatial axes (the last three of a per-sample array of
 three or more axes); a ``FieldSpec`` is taken literally: ``FieldSpec("x")`` is not spatial.
 
-A spec file (``DatasetSpec.load``) is JSON or TOML::
+A spec file (``DatasetSpec.load``) is JSON or TOML (docs/loader.md has one for each format)::
 
     format = "hdf5-per-sample"
     paths = ["cosmo/train"]          # relative to the spec file
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from datastore.readers.base import DatasetError, DatasetMissing
+from datastore.readers.lmdb_layout import LmdbLayout
 
 __all__ = [
     "FORMATS",
@@ -113,12 +117,16 @@ class DatasetSpec:
         fields: ``FieldSpec`` s (or bare names) to read. Default: ``()``, every field in the data
             with default spatial axes.
         label: the field that is the training target, if any. Default: ``None``.
+        lmdb: ``lmdb`` only: how the records of an LMDB not written by ``write_lmdb`` are
+            read (an ``LmdbLayout``, or the dict of a spec file's ``lmdb`` table).
+            Default: ``None``, the records of ``write_lmdb``.
     """
 
     format: str
     paths: tuple[str, ...]
     fields: tuple[FieldSpec, ...] = ()
     label: str | None = None
+    lmdb: LmdbLayout | None = None
 
     def __post_init__(self) -> None:
         paths = self.paths
@@ -148,8 +156,17 @@ class DatasetSpec:
                 raise DatasetError(where, f"label must be a field name, got {self.label!r}")
             if fields and self.label not in names:
                 raise DatasetError(where, f"label is not among the fields {names}", self.label)
+        lmdb = self.lmdb
+        if lmdb is not None:
+            if self.format != "lmdb":
+                raise DatasetError(where, f"an lmdb table is for format lmdb, not {self.format}")
+            if isinstance(lmdb, dict):
+                lmdb = LmdbLayout.from_dict(lmdb, where)
+            if not isinstance(lmdb, LmdbLayout):
+                raise DatasetError(where, f"lmdb must be an LmdbLayout or a dict, got {lmdb!r}")
         object.__setattr__(self, "paths", paths)
         object.__setattr__(self, "fields", fields)
+        object.__setattr__(self, "lmdb", lmdb)
 
     @classmethod
     def from_dict(
@@ -158,9 +175,11 @@ class DatasetSpec:
         """A spec from a plain dict (a parsed spec file); relative paths join ``base_dir``."""
         if not isinstance(d, dict):
             raise DatasetError(where, "a dataset spec must be a table/object")
-        unknown = sorted(set(d) - {"format", "paths", "fields", "label"})
+        unknown = sorted(set(d) - {"format", "paths", "fields", "label", "lmdb"})
         if unknown:
-            raise DatasetError(where, f"unknown key(s) {unknown} (format, paths, fields, label)")
+            raise DatasetError(
+                where, f"unknown key(s) {unknown} (format, paths, fields, label, lmdb)"
+            )
         if "format" not in d or "paths" not in d:
             raise DatasetError(where, "a dataset spec needs 'format' and 'paths'")
         paths = d["paths"]
@@ -181,8 +200,10 @@ class DatasetSpec:
             if not isinstance(f, dict) or "name" not in f or set(f) - {"name", "spatial_axes"}:
                 raise DatasetError(where, f"a field is a name or {{name, spatial_axes}}, got {f!r}")
             fields.append(FieldSpec(f["name"], tuple(f.get("spatial_axes", ()))))
+        lmdb = d.get("lmdb")
         try:
-            return cls(d["format"], tuple(paths), tuple(fields), d.get("label"))
+            layout = None if lmdb is None else LmdbLayout.from_dict(lmdb)
+            return cls(d["format"], tuple(paths), tuple(fields), d.get("label"), layout)
         except DatasetError as exc:
             raise DatasetError(where, exc.reason, exc.field) from None
 
@@ -207,12 +228,15 @@ class DatasetSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as plain data (``json.dumps`` it to write a spec file)."""
-        return {
+        d = {
             "format": self.format,
             "paths": list(self.paths),
             "fields": [{"name": f.name, "spatial_axes": list(f.spatial_axes)} for f in self.fields],
             "label": self.label,
         }
+        if self.lmdb is not None:
+            d["lmdb"] = self.lmdb.to_dict()
+        return d
 
 
 def _read_regular(path: str) -> bytes:
@@ -265,13 +289,14 @@ def _listdir(path: str, suffixes: tuple[str, ...]) -> list[str]:
 
 
 def resolve_paths(spec: DatasetSpec) -> list[str]:
-    """The files a spec reads, in order (for ``zarr`` and ``lmdb``: the one directory)."""
+    """The files a spec reads, in order (for ``zarr`` and ``lmdb``: the one directory; an
+    ``lmdb`` environment may be one file)."""
     out: list[str] = []
     for path in spec.paths:
         for m in _matches(path):
             if spec.format in ("zarr", "lmdb"):
-                if not os.path.isdir(m):
-                    raise DatasetError(m, f"a {spec.format} dataset is a directory")
+                if spec.format == "zarr" and not os.path.isdir(m):
+                    raise DatasetError(m, "a zarr dataset is a directory")
                 out.append(m)
             elif os.path.isdir(m):
                 found = _listdir(m, SUFFIXES[spec.format])
@@ -284,7 +309,8 @@ def resolve_paths(spec: DatasetSpec) -> list[str]:
                 out.append(m)
     if spec.format in ("zarr", "lmdb") and len(out) != 1:
         raise DatasetError(
-            spec.paths[0], f"a {spec.format} dataset is one directory; the paths name {len(out)}"
+            spec.paths[0],
+            f"a {spec.format} dataset is one directory (or LMDB file); the paths name {len(out)}",
         )
     return out
 

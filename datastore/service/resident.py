@@ -192,9 +192,10 @@ def _packed(fields: list[Delivered], n: int) -> tuple[np.ndarray, dict[str, np.n
 
 def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
     """The dataset's reader; refused when a file it reads lies outside ``roots`` (a link, or
-    a spec file naming another place), with the status the loader's errors map to."""
+    a spec file naming another place, or pickled records), with the status the loader's errors
+    map to."""
     try:
-        reader = open_dataset(path)
+        reader = open_dataset(path, allow_pickle=False)
     except DatasetNotFound as exc:  # a spec naming a file that is not there
         raise ServiceError("NOT_FOUND", str(exc)) from exc
     except (ValueError, TypeError) as exc:
