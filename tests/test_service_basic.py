@@ -16,9 +16,12 @@ import stat
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import grpc
+import h5py
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -101,7 +104,7 @@ def stub(target: str) -> tuple[grpc.Channel, pb_grpc.DataStoreStub]:
 
 @pytest.fixture
 def env(tmp_path):
-    e = dict(os.environ)
+    e = {k: v for k, v in os.environ.items() if k != "DATASTORE_ADDRESS"}
     e["XDG_RUNTIME_DIR"] = str(tmp_path / "runtime")  # never the real default directory
     (tmp_path / "runtime").mkdir()
     return e
@@ -261,6 +264,9 @@ def test_tcp_needs_the_token_on_every_call(start, tmp_path, env):
 
     ok = cli("status", "--tcp", tcp, "--token-file", str(token_file), "--json", env=env)
     assert ok.returncode == 0 and json.loads(ok.stdout)["pid"] == s.proc.pid
+    via_env = {**env, "DATASTORE_ADDRESS": tcp}  # HOST:PORT from the environment
+    ok = cli("status", "--token-file", str(token_file), "--json", env=via_env)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["pid"] == s.proc.pid, ok.stderr
     bad = cli("status", "--tcp", tcp, env=env)
     assert bad.returncode == 1 and "refused: UNAUTHENTICATED: missing token" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
@@ -334,3 +340,68 @@ def test_tcp_over_tls(start, tmp_path, env):
     assert plain.returncode == 1 and len(plain.stderr.strip().splitlines()) == 1
     half = cli("serve", "--socket", str(tmp_path / "t.sock"), "--tls-cert", str(cert), env=env)
     assert half.returncode == 2 and "--tls-key" in half.stderr
+
+
+def test_version(env):
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    version = pyproject["project"]["version"]
+    r = cli("--version", env=env)
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"datastore {version}\n", "")
+
+
+def make_dataset(path: Path, n: int = 8) -> str:
+    """``n`` samples of 64 float32 (256 bytes each) in one HDF5 file; its real path."""
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(n * 64, dtype=np.float32).reshape(n, 4, 4, 4)
+    return os.path.realpath(path)
+
+
+def test_status_json_writes_integers_as_numbers(start, tmp_path, env):
+    data = make_dataset(tmp_path / "d.h5")
+    sock = str(tmp_path / "s.sock")
+    start("--socket", sock, "--memory-budget", "64M")
+    loaded = cli("load", data, "--wait", "--address", sock, env=env)
+    assert loaded.returncode == 0, loaded.stderr
+    r = cli("status", "--address", sock, "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert '"memory_budget": 67108864,' in r.stdout  # a number, not the string "67108864"
+    d = json.loads(r.stdout)
+    [x] = d["datasets"]
+    assert (x["path"], x["num_samples"], x["bytes_total"], x["bytes_resident"]) == (
+        data, 8, 8 * 256, 8 * 256,
+    )  # fmt: skip
+    assert (d["memory_budget"], d["bytes_resident"], d["nodes"]) == (64 << 20, 8 * 256, 1)
+    numbers = [d[k] for k in ("pid", "clients", "batches_served", "bytes_served",
+                              "calls_served", "bytes_exchanged", "node")]  # fmt: skip
+    numbers += [x[k] for k in ("sessions", "hits", "misses", "local_samples")]
+    assert all(type(v) is int for v in numbers)
+    assert type(d["uptime_s"]) is float and type(x["loading"]) is bool
+
+
+def test_client_commands_take_the_address_from_the_environment(start, tmp_path, env):
+    data = make_dataset(tmp_path / "d.h5")
+    sock = str(tmp_path / "s.sock")
+    s = start("--socket", sock)  # not the default socket: that one stays absent
+    via_env = {**env, "DATASTORE_ADDRESS": sock}
+    st = cli("status", "--json", env=via_env)
+    assert st.returncode == 0 and json.loads(st.stdout)["pid"] == s.proc.pid, st.stderr
+    ld = cli("load", data, "--wait", env=via_env)
+    assert ld.returncode == 0 and ld.stdout.startswith(f"{data}: resident, "), ld.stderr
+    un = cli("unload", data, env=via_env)
+    assert un.returncode == 0 and un.stdout.startswith(f"{data}: unloaded, "), un.stderr
+    # --address (or --socket) wins over the environment
+    elsewhere = {**env, "DATASTORE_ADDRESS": str(tmp_path / "none.sock")}
+    assert cli("status", "--address", sock, env=elsewhere).returncode == 0
+    assert cli("status", "--socket", sock, env=elsewhere).returncode == 0
+    # neither, and nothing at the default socket: one line naming both ways, exit 1
+    default = Path(env["XDG_RUNTIME_DIR"]) / "datastore" / "datastore.sock"
+    stage = ["stage", data, "--to", str(tmp_path / "dest"), "--service"]
+    for args in (["status"], ["load", data], ["unload", data], stage):
+        r = cli(*args, env=env)
+        option = "--service" if args[0] == "stage" else "--address"
+        assert (r.returncode, r.stdout) == (1, "")
+        assert r.stderr == (
+            f"datastore {args[0]}: no service named ({option} ADDRESS or $DATASTORE_ADDRESS) "
+            f"and none at the default socket {default} (is `datastore serve` running?)\n"
+        )
+    assert not (tmp_path / "dest").exists()
