@@ -15,8 +15,10 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import tomllib
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -28,6 +30,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+from datastore.service.calls import CallCounter
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-t0ken"
@@ -405,3 +408,98 @@ def test_client_commands_take_the_address_from_the_environment(start, tmp_path, 
             f"and none at the default socket {default} (is `datastore serve` running?)\n"
         )
     assert not (tmp_path / "dest").exists()
+
+
+def test_clients_are_the_open_sessions_streaming_or_not(start, tmp_path, env):
+    """``StatusResponse.clients``: clients with an open session (the proto), not streams."""
+    data = make_dataset(tmp_path / "d.h5")
+    sock = str(tmp_path / "s.sock")
+    start("--socket", sock)
+
+    def clients_and_streams() -> tuple[int, list[int]]:
+        r = cli("status", "--address", sock, "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)
+        return d["clients"], [x["streams"] for x in d["sessions"]]
+
+    assert clients_and_streams() == (0, [])
+    ch, ds = stub(f"unix://{sock}")
+    with ch:
+        opened = [
+            ds.OpenSession(pb.OpenSessionRequest(dataset_path=data, global_batch=2), timeout=10)
+            for _ in range(2)
+        ]
+        assert clients_and_streams() == (2, [0, 0])  # two sessions, neither streaming
+        first = pb.StreamBatchesRequest(
+            session_id=opened[0].session_id, transport=pb.TRANSPORT_INLINE
+        )
+        assert len(list(ds.StreamBatches(iter([first]), timeout=10))) == 4  # a whole epoch
+        assert clients_and_streams() == (2, [0, 0])  # its stream ended, its session is open
+        ds.CloseSession(pb.CloseSessionRequest(session_id=opened[0].session_id), timeout=10)
+        assert clients_and_streams() == (1, [0])
+        ds.CloseSession(pb.CloseSessionRequest(session_id=opened[1].session_id), timeout=10)
+        assert clients_and_streams() == (0, [])
+
+
+def test_calls_in_flight_count_as_clients_but_not_the_asker(tmp_path):
+    """A real gRPC server with :class:`CallCounter`: a ``LoadDataset`` and a ``Stage`` in
+    flight are clients; a session's ``StreamBatches`` is not (its session is), nor is the
+    ``Status`` call asking; a call counts until it ends, cancelled or not."""
+    counter = CallCounter()
+    entered, release = threading.Semaphore(0), threading.Event()
+
+    def held(request, context):
+        entered.release()
+        release.wait(30)
+        return b""
+
+    def held_stream(requests, context):
+        yield held(requests, context)
+
+    handlers = {
+        "LoadDataset": grpc.unary_unary_rpc_method_handler(held),
+        "Stage": grpc.unary_stream_rpc_method_handler(held_stream),
+        "StreamBatches": grpc.stream_stream_rpc_method_handler(held_stream),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            lambda request, context: str(counter.in_flight).encode()
+        ),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(8), interceptors=[counter])
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("datastore.v1.DataStore", handlers)]
+    )
+    target = f"unix://{tmp_path}/calls.sock"
+    server.add_insecure_port(target)
+    server.start()
+    ch = grpc.insecure_channel(target)
+
+    def method(name: str, kind: str = "unary_unary"):
+        return getattr(ch, kind)(f"/datastore.v1.DataStore/{name}")
+
+    def asked() -> int:
+        return int(method("Status")(b"", timeout=10))
+
+    def until(n: int) -> None:  # a call's end reaches the counter just after its client
+        deadline = time.monotonic() + 10
+        while (got := asked()) != n:
+            assert time.monotonic() < deadline, f"{got} clients, not {n}"
+            time.sleep(0.05)
+
+    try:
+        assert asked() == 0
+        load = method("LoadDataset").future(b"", timeout=30)
+        stage = method("Stage", "unary_stream")(b"", timeout=30)
+        stream = method("StreamBatches", "stream_stream")(iter([b""]), timeout=30)
+        for _ in range(3):
+            assert entered.acquire(timeout=10)
+        assert asked() == 2  # LoadDataset and Stage
+        stage.cancel()
+        until(1)
+        release.set()
+        assert load.result() == b"" and list(stream) == [b""]
+        until(0)
+        assert counter.in_flight == 0 and counter.served >= 6
+    finally:
+        release.set()
+        ch.close()
+        server.stop(None)
