@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 
+from datastore._version import __version__
 from datastore.readers import inspect_cmd
 from datastore.service import cli as service_cli
 from staging import cli as stage_cli
@@ -20,6 +21,7 @@ def parser() -> argparse.ArgumentParser:
         prog="datastore",
         description="Stage datasets to node-local storage and feed them to distributed trainers.",
     )
+    p.add_argument("--version", action="version", version=f"datastore {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     stage_cli.add_parser(sub)
     sub.choices["stage"].set_defaults(func=_stage)

@@ -37,6 +37,7 @@ from datastore.order import EpochPosition, RankLayout, Schedule, parse_shuffle, 
 from datastore.ownership import Homes, RangeOwners, RunOwners, owned_keys
 from datastore.readers import open_dataset
 from datastore.ring import BufferRing
+from datastore.service.paths import named_address
 from datastore.shards import shard_layout
 from datastore.sources.local import LocalSource, filled_batches
 from datastore.store import Counters, SlotSpec, Store
@@ -244,8 +245,7 @@ class DataStoreLoader(EpochPosition):
             "exchange": exchange,
         }
         self.transform, self.collate = transform, collate
-        if address is None:
-            address = os.environ.get("DATASTORE_ADDRESS") or None
+        address = named_address(address)
         self.world: World = detect_world(rank, world, comm)
         self._coll = self._collective(group, exchange, address is not None)
         error: BaseException | None = None

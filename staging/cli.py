@@ -20,8 +20,9 @@ exit codes:
      (the other sources are still staged)
   3  not enough free space in DEST (checked before anything is copied)
   4  --verify found missing or changed files
-  with --service: the stage's code; 1 also when no service answers, 2 when it refuses the
-  request (a path outside its --allow roots), 130 on Ctrl-C (the service stops the stage)
+  with --service: the stage's code; 1 also when no service answers or none is named, 2 when
+  it refuses the request (a path outside its --allow roots), 130 on Ctrl-C (the service
+  stops the stage)
 
 examples:
   datastore stage /lustre/proj/cosmo.tar.zst /lustre/proj/labels --to /l/ssd/cosmo

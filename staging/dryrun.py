@@ -11,7 +11,7 @@ from staging.exitcodes import Exit
 from staging.manifest import Manifest, meta_dir
 from staging.plan import assign, build_plan
 from staging.probe import measure
-from staging.progress import human_bytes
+from staging.progress import MIB, human_bytes
 from staging.stage import up_to_date
 
 __all__ = ["dry_run"]
@@ -43,8 +43,8 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
                     "bytes": nbytes,
                     "skipped": skipped,
                     "estimate_s": round(seconds, 2),
-                    "read_mb_per_s": round(probe.read_bps / 1e6, 1),
-                    "write_mb_per_s": round(probe.write_bps / 1e6, 1),
+                    "read_mib_per_s": round(probe.read_bps / MIB, 1),
+                    "write_mib_per_s": round(probe.write_bps / MIB, 1),
                     "items": [{"dest": i.dest, "source": i.source, "bytes": i.size} for i in copy],
                     "errors": plan.errors,
                 }
@@ -58,8 +58,8 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
             f"{skipped} unchanged would be skipped"
         )
         print(
-            f"estimated time: {seconds:.1f} s (probed read {probe.read_bps / 1e6:.0f} MB/s, "
-            f"write {probe.write_bps / 1e6:.0f} MB/s, {probe.per_file_s * 1e3:.2f} ms per file)"
+            f"estimated time: {seconds:.1f} s (probed read {probe.read_bps / MIB:.0f} MiB/s, "
+            f"write {probe.write_bps / MIB:.0f} MiB/s, {probe.per_file_s * 1e3:.2f} ms per file)"
         )
         for e in plan.errors:
             print(f"datastore stage: error: {e}", file=sys.stderr)

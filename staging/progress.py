@@ -21,9 +21,11 @@ import threading
 import time
 from typing import Any, TextIO
 
-__all__ = ["Progress", "human_bytes", "progress_line"]
+__all__ = ["MIB", "Progress", "bar_columns", "human_bytes", "progress_line"]
 
 INTERVAL_S = 0.25
+MIB = 1 << 20
+"""Sizes and rates for people are in binary units: KiB, MiB, GiB, and MiB/s."""
 
 
 def human_bytes(n: float) -> str:
@@ -33,6 +35,26 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def bar_columns() -> tuple[Any, ...]:
+    """The progress bar's columns: bar, bytes done of the total, rate, time left; sizes and
+    rate in binary units (rich's own rate column counts in MB/s)."""
+    from rich.progress import BarColumn, ProgressColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class Bytes(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            total = human_bytes(task.total) if task.total is not None else "?"
+            return Text(f"{human_bytes(task.completed)} / {total}", style="progress.download")
+
+    class Rate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            shown = "?" if speed is None else f"{human_bytes(speed)}/s"
+            return Text(shown, style="progress.data.speed")
+
+    return BarColumn(), Bytes(), Rate(), TimeRemainingColumn()
 
 
 def progress_line(bytes_done: int, bytes_total: int) -> str:
@@ -83,22 +105,9 @@ class Progress:
             with self._lock:
                 self._emit()
         elif self.enabled and self.total:
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
             from rich.progress import Progress as Bar
 
-            self._bar = Bar(
-                "staging",
-                BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-                transient=True,
-            )
+            self._bar = Bar("staging", *bar_columns(), transient=True)
             self._bar.start()
             self._task = self._bar.add_task("staging", total=self.total)
         return self

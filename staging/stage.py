@@ -24,7 +24,7 @@ from staging.directio import IoPolicy
 from staging.exitcodes import Exit
 from staging.manifest import Manifest, lock_dest, meta_dir
 from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, split_by_bytes
-from staging.progress import Progress, human_bytes
+from staging.progress import MIB, Progress, human_bytes
 
 __all__ = ["stage", "summary_line"]
 
@@ -259,7 +259,7 @@ class _Log:
             "files": total.files,
             "bytes": total.bytes,
             "seconds": round(elapsed, 3),
-            "mb_per_s": round(total.bytes / elapsed / 1e6, 1) if elapsed > 0 else 0.0,
+            "mib_per_s": round(total.bytes / elapsed / MIB, 1) if elapsed > 0 else 0.0,
             "skipped": total.skipped,
             "skipped_bytes": total.skipped_bytes,
             "resumed_bytes": total.resumed_bytes,
@@ -282,7 +282,7 @@ def summary_line(doc: dict[str, Any]) -> str:
     """The summary for people, from the ``--json`` summary ``doc``."""
     line = (
         f"staged {doc['files']} files, {human_bytes(doc['bytes'])} in {doc['seconds']:.2f} s "
-        f"({doc['mb_per_s']:.0f} MB/s) on {doc['nodes']} node(s), {doc['ranks']} rank(s); "
+        f"({doc['mib_per_s']:.0f} MiB/s) on {doc['nodes']} node(s), {doc['ranks']} rank(s); "
         f"skipped {doc['skipped']} unchanged ({human_bytes(doc['skipped_bytes'])})"
     )
     if doc["resumed_bytes"]:

@@ -112,8 +112,7 @@ def test_no_service_at_the_address_says_so(tmp_path, where):
     with pytest.raises(ServiceUnavailable, match=says) as e:
         DataStoreLoader(str(tmp_path / "d.h5"), batch_size=2, address=address, timeout=5)
     assert isinstance(e.value, ConnectionError)
-    kw = {"socket": address} if where == "socket" else {"tcp": address}
-    with Client(**kw, timeout_s=5) as c, pytest.raises(ServiceUnavailable, match=says):
+    with Client(address, timeout_s=5) as c, pytest.raises(ServiceUnavailable, match=says):
         c.status()
 
 

@@ -15,16 +15,22 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
+import tomllib
+from concurrent import futures
 from pathlib import Path
 
 import grpc
+import h5py
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+from datastore.service.calls import CallCounter
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-t0ken"
@@ -101,7 +107,7 @@ def stub(target: str) -> tuple[grpc.Channel, pb_grpc.DataStoreStub]:
 
 @pytest.fixture
 def env(tmp_path):
-    e = dict(os.environ)
+    e = {k: v for k, v in os.environ.items() if k != "DATASTORE_ADDRESS"}
     e["XDG_RUNTIME_DIR"] = str(tmp_path / "runtime")  # never the real default directory
     (tmp_path / "runtime").mkdir()
     return e
@@ -261,6 +267,9 @@ def test_tcp_needs_the_token_on_every_call(start, tmp_path, env):
 
     ok = cli("status", "--tcp", tcp, "--token-file", str(token_file), "--json", env=env)
     assert ok.returncode == 0 and json.loads(ok.stdout)["pid"] == s.proc.pid
+    via_env = {**env, "DATASTORE_ADDRESS": tcp}  # HOST:PORT from the environment
+    ok = cli("status", "--token-file", str(token_file), "--json", env=via_env)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["pid"] == s.proc.pid, ok.stderr
     bad = cli("status", "--tcp", tcp, env=env)
     assert bad.returncode == 1 and "refused: UNAUTHENTICATED: missing token" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
@@ -334,3 +343,163 @@ def test_tcp_over_tls(start, tmp_path, env):
     assert plain.returncode == 1 and len(plain.stderr.strip().splitlines()) == 1
     half = cli("serve", "--socket", str(tmp_path / "t.sock"), "--tls-cert", str(cert), env=env)
     assert half.returncode == 2 and "--tls-key" in half.stderr
+
+
+def test_version(env):
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    version = pyproject["project"]["version"]
+    r = cli("--version", env=env)
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"datastore {version}\n", "")
+
+
+def make_dataset(path: Path, n: int = 8) -> str:
+    """``n`` samples of 64 float32 (256 bytes each) in one HDF5 file; its real path."""
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(n * 64, dtype=np.float32).reshape(n, 4, 4, 4)
+    return os.path.realpath(path)
+
+
+def test_status_json_writes_integers_as_numbers(start, tmp_path, env):
+    data = make_dataset(tmp_path / "d.h5")
+    sock = str(tmp_path / "s.sock")
+    start("--socket", sock, "--memory-budget", "64M")
+    loaded = cli("load", data, "--wait", "--address", sock, env=env)
+    assert loaded.returncode == 0, loaded.stderr
+    r = cli("status", "--address", sock, "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert '"memory_budget": 67108864,' in r.stdout  # a number, not the string "67108864"
+    d = json.loads(r.stdout)
+    [x] = d["datasets"]
+    assert (x["path"], x["num_samples"], x["bytes_total"], x["bytes_resident"]) == (
+        data, 8, 8 * 256, 8 * 256,
+    )  # fmt: skip
+    assert (d["memory_budget"], d["bytes_resident"], d["nodes"]) == (64 << 20, 8 * 256, 1)
+    numbers = [d[k] for k in ("pid", "clients", "batches_served", "bytes_served",
+                              "calls_served", "bytes_exchanged", "node")]  # fmt: skip
+    numbers += [x[k] for k in ("sessions", "hits", "misses", "local_samples")]
+    assert all(type(v) is int for v in numbers)
+    assert type(d["uptime_s"]) is float and type(x["loading"]) is bool
+
+
+def test_client_commands_take_the_address_from_the_environment(start, tmp_path, env):
+    data = make_dataset(tmp_path / "d.h5")
+    sock = str(tmp_path / "s.sock")
+    s = start("--socket", sock)  # not the default socket: that one stays absent
+    via_env = {**env, "DATASTORE_ADDRESS": sock}
+    st = cli("status", "--json", env=via_env)
+    assert st.returncode == 0 and json.loads(st.stdout)["pid"] == s.proc.pid, st.stderr
+    ld = cli("load", data, "--wait", env=via_env)
+    assert ld.returncode == 0 and ld.stdout.startswith(f"{data}: resident, "), ld.stderr
+    un = cli("unload", data, env=via_env)
+    assert un.returncode == 0 and un.stdout.startswith(f"{data}: unloaded, "), un.stderr
+    # --address (or --socket) wins over the environment
+    elsewhere = {**env, "DATASTORE_ADDRESS": str(tmp_path / "none.sock")}
+    assert cli("status", "--address", sock, env=elsewhere).returncode == 0
+    assert cli("status", "--socket", sock, env=elsewhere).returncode == 0
+    # neither, and nothing at the default socket: one line naming both ways, exit 1
+    default = Path(env["XDG_RUNTIME_DIR"]) / "datastore" / "datastore.sock"
+    stage = ["stage", data, "--to", str(tmp_path / "dest"), "--service"]
+    for args in (["status"], ["load", data], ["unload", data], stage):
+        r = cli(*args, env=env)
+        option = "--service" if args[0] == "stage" else "--address"
+        assert (r.returncode, r.stdout) == (1, "")
+        assert r.stderr == (
+            f"datastore {args[0]}: no service named ({option} ADDRESS or $DATASTORE_ADDRESS) "
+            f"and none at the default socket {default} (is `datastore serve` running?)\n"
+        )
+    assert not (tmp_path / "dest").exists()
+
+
+def test_clients_are_the_open_sessions_streaming_or_not(start, tmp_path, env):
+    """``StatusResponse.clients``: clients with an open session (the proto), not streams."""
+    data = make_dataset(tmp_path / "d.h5")
+    sock = str(tmp_path / "s.sock")
+    start("--socket", sock)
+
+    def clients_and_streams() -> tuple[int, list[int]]:
+        r = cli("status", "--address", sock, "--json", env=env)
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)
+        return d["clients"], [x["streams"] for x in d["sessions"]]
+
+    assert clients_and_streams() == (0, [])
+    ch, ds = stub(f"unix://{sock}")
+    with ch:
+        opened = [
+            ds.OpenSession(pb.OpenSessionRequest(dataset_path=data, global_batch=2), timeout=10)
+            for _ in range(2)
+        ]
+        assert clients_and_streams() == (2, [0, 0])  # two sessions, neither streaming
+        first = pb.StreamBatchesRequest(
+            session_id=opened[0].session_id, transport=pb.TRANSPORT_INLINE
+        )
+        assert len(list(ds.StreamBatches(iter([first]), timeout=10))) == 4  # a whole epoch
+        assert clients_and_streams() == (2, [0, 0])  # its stream ended, its session is open
+        ds.CloseSession(pb.CloseSessionRequest(session_id=opened[0].session_id), timeout=10)
+        assert clients_and_streams() == (1, [0])
+        ds.CloseSession(pb.CloseSessionRequest(session_id=opened[1].session_id), timeout=10)
+        assert clients_and_streams() == (0, [])
+
+
+def test_calls_in_flight_count_as_clients_but_not_the_asker(tmp_path):
+    """A real gRPC server with :class:`CallCounter`: a ``LoadDataset`` and a ``Stage`` in
+    flight are clients; a session's ``StreamBatches`` is not (its session is), nor is the
+    ``Status`` call asking; a call counts until it ends, cancelled or not."""
+    counter = CallCounter()
+    entered, release = threading.Semaphore(0), threading.Event()
+
+    def held(request, context):
+        entered.release()
+        release.wait(30)
+        return b""
+
+    def held_stream(requests, context):
+        yield held(requests, context)
+
+    handlers = {
+        "LoadDataset": grpc.unary_unary_rpc_method_handler(held),
+        "Stage": grpc.unary_stream_rpc_method_handler(held_stream),
+        "StreamBatches": grpc.stream_stream_rpc_method_handler(held_stream),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            lambda request, context: str(counter.in_flight).encode()
+        ),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(8), interceptors=[counter])
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("datastore.v1.DataStore", handlers)]
+    )
+    target = f"unix://{tmp_path}/calls.sock"
+    server.add_insecure_port(target)
+    server.start()
+    ch = grpc.insecure_channel(target)
+
+    def method(name: str, kind: str = "unary_unary"):
+        return getattr(ch, kind)(f"/datastore.v1.DataStore/{name}")
+
+    def asked() -> int:
+        return int(method("Status")(b"", timeout=10))
+
+    def until(n: int) -> None:  # a call's end reaches the counter just after its client
+        deadline = time.monotonic() + 10
+        while (got := asked()) != n:
+            assert time.monotonic() < deadline, f"{got} clients, not {n}"
+            time.sleep(0.05)
+
+    try:
+        assert asked() == 0
+        load = method("LoadDataset").future(b"", timeout=30)
+        stage = method("Stage", "unary_stream")(b"", timeout=30)
+        stream = method("StreamBatches", "stream_stream")(iter([b""]), timeout=30)
+        for _ in range(3):
+            assert entered.acquire(timeout=10)
+        assert asked() == 2  # LoadDataset and Stage
+        stage.cancel()
+        until(1)
+        release.set()
+        assert load.result() == b"" and list(stream) == [b""]
+        until(0)
+        assert counter.in_flight == 0 and counter.served >= 6
+    finally:
+        release.set()
+        ch.close()
+        server.stop(None)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from helpers import make_tree, random_bytes, run_stage, tree_bytes
 from test_service_basic import Server, wait_serving
@@ -138,6 +139,25 @@ def test_stage_tree_and_tar_through_the_service(service, root):
     packed = {k: v for k, v in tree_bytes(dest).items() if not k.startswith(("tree/", "big"))}
     assert packed == tree_bytes(data / "packed")  # the tar was unpacked into DEST
     assert (dest / "big.bin").read_bytes() == (data / "big.bin").read_bytes()
+
+
+def test_load_makes_dest_resident_once_staged(service, root):
+    """``StageRequest.load``: once the stage exits 0, DEST is opened as a dataset and read in,
+    as ``datastore load DEST`` would (the last message comes after that)."""
+    sock, _ = service
+    data = root / "data"
+    (data / "samples").mkdir()
+    sources = []
+    for i in range(4):
+        sources.append(str(data / "samples" / f"s{i}.npy"))
+        np.save(sources[-1], np.full((2, 3), i, np.float32))
+    dest = data / "resident"
+    last = stage_call(sock, sources=sources, dest=str(dest), load=True)[-1]
+    assert last.done and last.exit_code == 0, last.message
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        reply = pb_grpc.DataStoreStub(ch).Status(pb.StatusRequest(), timeout=10)
+    [x] = [x for x in reply.datasets if x.path == str(dest)]
+    assert (x.num_samples, x.bytes_total, x.sessions) == (4, 4 * 2 * 3 * 4, 0)
 
 
 def test_cli_service_streams_progress_and_exits_with_the_stage_code(service, root, env):

@@ -29,6 +29,9 @@ from helpers import (
     write_archive,
 )
 
+from staging.progress import MIB, bar_columns
+from staging.stage import summary_line
+
 LEAF = 32 * 1024 * 1024  # the leaf size documented in staging/checksum.py
 N_TREE = len(TREE_FILES)
 TREE_TOTAL = sum(size for _, size, _ in TREE_FILES)
@@ -465,6 +468,47 @@ def test_stage_then_verify_in_one_run(tmp_path, run_stage, make_tree):
     proc = run_stage(src, "--to", dest, "--verify", check=0)
     assert f"verified {N_TREE} entries: 0 problem(s)" in proc.stdout.splitlines()
     assert proc.stdout.startswith(f"staged {N_TREE} files")
+
+
+# -- output for people: binary units ----------------------------------------------------------
+def test_summary_line_in_binary_units():
+    doc = {"files": 37, "bytes": 18 * MIB, "seconds": 0.11, "mib_per_s": 163.6, "skipped": 2,
+           "skipped_bytes": 1536, "resumed_bytes": 3 * MIB // 2, "ranks": 2, "nodes": 1,
+           "mode": "replicate", "errors": ["e"]}  # fmt: skip
+    assert summary_line(doc) == (
+        "staged 37 files, 18.0 MiB in 0.11 s (164 MiB/s) on 1 node(s), 2 rank(s); skipped 2 "
+        "unchanged (1.5 KiB); resumed 1.5 MiB of partial copies; 1 error(s)"
+    )
+
+
+def test_stage_summary_in_binary_units(tmp_path, run_stage, make_tree):
+    src = make_tree(tmp_path / "src")
+    proc = run_stage(src, "--to", tmp_path / "dest", check=0)
+    size = f"{TREE_TOTAL / 1024:.1f} KiB"
+    assert re.fullmatch(
+        rf"staged {N_TREE} files, {re.escape(size)} in \d+\.\d\d s \(\d+ MiB/s\) on 1 node\(s\), "
+        r"1 rank\(s\); skipped 0 unchanged \(0 B\)\n",
+        proc.stdout,
+    ), proc.stdout
+    doc = summary(run_stage(src, "--to", tmp_path / "json", "--json", check=0))
+    assert "mb_per_s" not in doc and type(doc["mib_per_s"]) is float
+    dry = run_stage(src, "--to", tmp_path / "dry", "--dry-run", check=0).stdout.splitlines()[-1]
+    assert re.fullmatch(r"estimated time: .* \(probed read \d+ MiB/s, write \d+ MiB/s, .*\)", dry)
+
+
+def test_progress_bar_in_binary_units():
+    """The bar's columns, rendered for a task that moved 2 MiB in the last second (rich's
+    clock given, so nothing depends on time)."""
+    from rich.progress import Progress as Bar
+
+    now = [0.0]
+    bar = Bar(*bar_columns(), get_time=lambda: now[0], disable=True)
+    task = bar.add_task("staging", total=4 * MIB)
+    for t, n in ((1.0, MIB // 2), (2.0, 2 * MIB)):
+        now[0] = t
+        bar.advance(task, n)
+    _, done, rate, _ = (str(c.render(bar.tasks[0])) for c in bar.columns)
+    assert (done, rate) == ("2.5 MiB / 4.0 MiB", "2.0 MiB/s")
 
 
 # -- debris -----------------------------------------------------------------------------------

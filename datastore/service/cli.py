@@ -40,35 +40,43 @@ examples:
       --peers n0:7433,n1:7433,n2:7433 --node 1                # one store, peering over gRPC
 """
 
-STATUS_EPILOG = """\
+ADDRESS_NOTE = """\
+The service is --address (or --socket/--tcp), else $DATASTORE_ADDRESS, else the default socket
+when one is there; with none of them the command says so and exits 1.
+"""
+
+STATUS_EPILOG = f"""\
+{ADDRESS_NOTE}
 exit codes:
   0  the service answered
-  1  no service answers (one line on stderr)
+  1  no service answers, or none is named (one line on stderr)
 
 examples:
   datastore status
-  datastore status --socket /l/ssd/run/datastore.sock --json
+  datastore status --address /l/ssd/run/datastore.sock --json
+  DATASTORE_ADDRESS=n0:7433 datastore status --token-file ~/.datastore-token
 """
 
-LOAD_EPILOG = """\
+LOAD_EPILOG = f"""\
 The dataset stays resident across jobs until it is unloaded or evicted (least recently used
 first, never while a session uses it) to make room under the service's memory budget.
-
+{ADDRESS_NOTE}
 exit codes:
   0  the dataset is resident (or being read in, without --wait)
-  1  no service answers, or it refused (one line on stderr: no such dataset, outside the
-     allowed roots, not a dataset...)
+  1  no service answers or none is named, or it refused (one line on stderr: no such
+     dataset, outside the allowed roots, not a dataset...)
 
 examples:
   datastore load /l/ssd/run/train.h5
-  datastore load /l/ssd/run/train.h5 --wait --socket /l/ssd/run/datastore.sock
+  datastore load /l/ssd/run/train.h5 --wait --address /l/ssd/run/datastore.sock
 """
 
-UNLOAD_EPILOG = """\
+UNLOAD_EPILOG = f"""\
+{ADDRESS_NOTE}
 exit codes:
   0  the dataset was dropped from memory
-  1  no service answers, or it refused (one line on stderr: not resident, used by an open
-     session...)
+  1  no service answers or none is named, or it refused (one line on stderr: not resident,
+     used by an open session...)
 
 examples:
   datastore unload /l/ssd/run/train.h5
@@ -212,12 +220,22 @@ def add_parser(sub: Any) -> None:
 
 
 def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
-    """``--socket``, ``--tcp``, ``--token-file`` and ``--timeout`` of the client commands."""
-    p.add_argument(
-        "--socket", type=Path, default=None, help=f"Unix socket path (default: {default})"
+    """The service's address (``--address``, or ``--socket``/``--tcp``), ``--token-file``,
+    ``--tls-ca`` and ``--timeout`` of the client commands."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--address",
+        default=None,
+        help="the service: a Unix socket path, unix://PATH or HOST:PORT (default: "
+        f"$DATASTORE_ADDRESS, else {default})",
     )
-    p.add_argument("--tcp", metavar="HOST:PORT", default=None, help="ask over TCP instead")
-    p.add_argument("--token-file", type=Path, default=None, help="the secret for --tcp")
+    where.add_argument(
+        "--socket", dest="address", type=_socket, metavar="PATH", help="as --address PATH"
+    )
+    where.add_argument(
+        "--tcp", dest="address", type=_tcp, metavar="HOST:PORT", help="as --address HOST:PORT"
+    )
+    p.add_argument("--token-file", type=Path, default=None, help="the secret for TCP")
     p.add_argument(
         "--tls-ca", type=Path, default=None, help="PEM certificate to check a TLS service against"
     )
@@ -229,6 +247,20 @@ def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
         metavar="SECONDS",
         help=f"how long to wait for an answer (default: {shown})",
     )
+
+
+def _socket(path: str) -> str:
+    """``--socket PATH``: a Unix socket, whatever its name looks like."""
+    from datastore.service.paths import unix_target
+
+    return unix_target(path)
+
+
+def _tcp(address: str) -> str:
+    """``--tcp HOST:PORT``, checked for its port."""
+    if ":" not in address:
+        raise argparse.ArgumentTypeError(f"wants HOST:PORT, got {address!r}")
+    return address
 
 
 def parse_bytes(text: str) -> int:
@@ -280,7 +312,7 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
     from datastore.errors import DataStoreError
     from datastore.service.auth import read_token
     from datastore.service.client import Client
-    from datastore.service.paths import default_socket
+    from datastore.service.paths import service_address
 
     token = None
     if args.token_file is not None:
@@ -289,11 +321,13 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
         except (OSError, ValueError) as exc:
             print(f"datastore {command}: cannot use token file: {exc}", file=sys.stderr)
             return None, Exit.BAD_INPUT
-    socket = args.socket or default_socket()
     try:
-        client = Client(
-            socket, tcp=args.tcp, token=token, timeout_s=args.timeout, tls_ca=args.tls_ca
-        )
+        address = service_address(args.address)
+    except ValueError as exc:
+        print(f"datastore {command}: {exc}", file=sys.stderr)
+        return None, Exit.FAILED
+    try:
+        client = Client(address, token=token, timeout_s=args.timeout, tls_ca=args.tls_ca)
     except OSError as exc:
         print(f"datastore {command}: cannot read --tls-ca: {exc}", file=sys.stderr)
         return None, Exit.BAD_INPUT
@@ -307,7 +341,7 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 msg = (
                     f"no service answers at {client.target}: {code.name} "
-                    "(is `datastore serve` running? start it, or pass --socket)"
+                    "(is `datastore serve` running? start it, or pass --address)"
                 )
             else:
                 msg = f"the service at {client.target} refused: {code.name}: {exc.grpc_details}"
@@ -357,12 +391,21 @@ def _absolute(path: str) -> str:
 
 
 def status_dict(reply: Any) -> dict[str, Any]:
-    """The ``Status`` reply as plain JSON-able data (field names as in the protocol)."""
-    from google.protobuf.json_format import MessageToDict
+    """A reply (``Status``) as plain JSON-able data: every field under its name in the
+    protocol, defaults included, integers as integers (protobuf's ``MessageToDict`` writes the
+    64-bit ones as strings). Nested messages become dicts, repeated fields lists."""
 
-    return MessageToDict(
-        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    def value(field: Any, v: Any) -> Any:
+        return status_dict(v) if field.message_type is not None else v
+
+    return {
+        f.name: (
+            [value(f, v) for v in getattr(reply, f.name)]
+            if f.is_repeated
+            else value(f, getattr(reply, f.name))
+        )
+        for f in reply.DESCRIPTOR.fields
+    }
 
 
 def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
@@ -389,22 +432,22 @@ def format_status(d: dict[str, Any], now: float | None = None) -> str:
     from staging.progress import human_bytes
 
     now = time.time() if now is None else now
-    budget = int(d["memory_budget"])
+    budget = d["memory_budget"]
     rows = [
-        ("service", f"datastore {d['version']}, pid {d['pid']}, up {float(d['uptime_s']):.1f} s"),
+        ("service", f"datastore {d['version']}, pid {d['pid']}, up {d['uptime_s']:.1f} s"),
         ("listen", ", ".join(d["listen"]) or "-"),
         ("memory budget", human_bytes(budget) if budget else "no limit"),
-        ("resident", human_bytes(int(d["bytes_resident"]))),
+        ("resident", human_bytes(d["bytes_resident"])),
         ("clients", str(d["clients"])),
         (
             "served",
-            f"{int(d['batches_served'])} batches, "
-            f"{human_bytes(int(d['bytes_served']))}, {int(d['calls_served'])} calls",
+            f"{d['batches_served']} batches, "
+            f"{human_bytes(d['bytes_served'])}, {d['calls_served']} calls",
         ),
     ]
-    if int(d["nodes"]) > 1:
-        store = f"node {int(d['node'])} of {int(d['nodes'])}, "
-        rows.append(("store", store + f"{human_bytes(int(d['bytes_exchanged']))} fetched"))
+    if d["nodes"] > 1:
+        store = f"node {d['node']} of {d['nodes']}, "
+        rows.append(("store", store + f"{human_bytes(d['bytes_exchanged'])} fetched"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
 
@@ -422,15 +465,15 @@ def format_status(d: dict[str, Any], now: float | None = None) -> str:
         ]
         table = []
         for x in d["datasets"]:
-            hits, misses = int(x["hits"]), int(x["misses"])
+            hits, misses = x["hits"], x["misses"]
             reads = hits + misses
             table.append(
                 [
                     x["path"],
                     x["format"] or "-",
-                    str(int(x["num_samples"])),
-                    human_bytes(int(x["bytes_total"])),
-                    human_bytes(int(x["bytes_resident"])),
+                    str(x["num_samples"]),
+                    human_bytes(x["bytes_total"]),
+                    human_bytes(x["bytes_resident"]),
                     "yes" if x["loading"] else "no",
                     str(x["sessions"]),
                     f"{100 * hits / reads:.1f}%" if reads else "-",
@@ -453,8 +496,8 @@ def format_status(d: dict[str, Any], now: float | None = None) -> str:
         ]
         table = []
         for x in sorted(d["sessions"], key=lambda x: (x["job_id"], x["session_id"])):
-            nbytes = int(x["bytes_served"])
-            seconds = now - float(x["opened_unix_s"])
+            nbytes = x["bytes_served"]
+            seconds = now - x["opened_unix_s"]
             rate = f"{human_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"
             table.append(
                 [
@@ -463,10 +506,10 @@ def format_status(d: dict[str, Any], now: float | None = None) -> str:
                     str(x["world_size"]),
                     str(x["global_batch"]),
                     str(x["streams"]),
-                    str(int(x["batches_served"])),
+                    str(x["batches_served"]),
                     human_bytes(nbytes),
                     rate,
-                    f"{float(x['stall_s']):.2f} s",
+                    f"{x['stall_s']:.2f} s",
                 ]
             )
         lines += _table(header, table, left=2)

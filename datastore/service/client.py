@@ -88,8 +88,8 @@ class Client:
     ``DatasetNotFound``, ``PathNotAllowed``, ``ValueError``, ``DataStoreError``).
 
     Args:
-        socket: the Unix socket path (ignored with ``tcp``).
-        tcp: ``HOST:PORT``. Default: none.
+        address: the service, as :func:`target_of` reads it: a Unix socket path,
+            ``unix://PATH`` or ``HOST:PORT``.
         token: the shared secret sent on every call (TCP). Default: none.
         timeout_s: deadline of each call; ``None``: none. Default: ``5.0``.
         tls_ca: PEM certificate(s) to check a TLS service against (TCP). Default: plaintext.
@@ -97,18 +97,16 @@ class Client:
 
     def __init__(
         self,
-        socket: Path | str | None = None,
+        address: Path | str,
         *,
-        tcp: str | None = None,
         token: str | None = None,
         timeout_s: float | None = 5.0,
         tls_ca: Path | str | None = None,
     ) -> None:
-        if tcp is None and socket is None:
-            raise ValueError("a socket path or a TCP address is needed")
-        self.target = tcp if tcp is not None else unix_target(socket)  # type: ignore[arg-type]
-        self.address = tcp if tcp is not None else os.fspath(socket)  # type: ignore[arg-type]
-        self._channel = open_channel(self.target, tls_ca if tcp is not None else None)
+        self.target = target_of(address)
+        self.address = os.fspath(address)
+        unix = self.target.startswith("unix:")
+        self._channel = open_channel(self.target, None if unix else tls_ca)
         self._stub = pb_grpc.DataStoreStub(self._channel)
         self._metadata = bearer(token) if token else None
         self._timeout = timeout_s

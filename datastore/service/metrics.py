@@ -38,7 +38,8 @@ class ServiceCollector:
                 "Memory budget for datasets (0: none).",
                 s.memory_budget,
             ),
-            ("datastore_streams", "Batch streams open now.", s.clients),
+            ("datastore_streams", "Batch streams open now.", sum(x.streams for x in s.sessions)),
+            ("datastore_clients", "Open sessions and calls in flight of other clients.", s.clients),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from datastore.service.errors import ServiceError
 
 __all__ = [
+    "ADDRESS_ENV",
     "MAX_PATH",
     "SOCKET_NAME",
     "AddressInUse",
@@ -37,12 +38,16 @@ __all__ = [
     "claim_socket",
     "default_socket",
     "default_state_file",
+    "named_address",
+    "service_address",
     "shown",
     "socket_answers",
     "unix_target",
 ]
 
 SOCKET_NAME = "datastore.sock"
+ADDRESS_ENV = "DATASTORE_ADDRESS"
+"""The environment variable naming the service clients call (a socket path or ``HOST:PORT``)."""
 MAX_UNIX_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
 MAX_PATH = 4096
 """The longest path a request may name, in bytes (Linux's ``PATH_MAX``)."""
@@ -67,6 +72,39 @@ def default_socket(env: dict[str, str] | None = None) -> Path:
     if runtime and Path(runtime).is_dir():
         return Path(runtime) / "datastore" / SOCKET_NAME
     return Path(f"/tmp/datastore-{os.getuid()}") / SOCKET_NAME
+
+
+def named_address(given: str | None, env: dict[str, str] | None = None) -> str | None:
+    """The service a client names: ``given``, else ``$DATASTORE_ADDRESS``; ``None`` when
+    neither is set (an empty value counts as unset)."""
+    env = os.environ if env is None else env
+    return given or env.get(ADDRESS_ENV) or None
+
+
+def service_address(
+    given: str | None, option: str = "--address", env: dict[str, str] | None = None
+) -> str:
+    """The service a client command calls: :func:`named_address`, else the default socket
+    when something is there.
+
+    Args:
+        given: the address on the command line (``option``), or ``None``.
+        option: the command's option for the address, named in the error.
+        env: the environment to read. Default: ``os.environ``.
+
+    Raises:
+        ValueError: no address is named and nothing is at the default socket.
+    """
+    named = named_address(given, env)
+    if named is not None:
+        return named
+    default = default_socket(env)
+    if not os.path.exists(default):
+        raise ValueError(
+            f"no service named ({option} ADDRESS or ${ADDRESS_ENV}) and none at the default "
+            f"socket {default} (is `datastore serve` running?)"
+        )
+    return str(default)
 
 
 def default_state_file(socket: Path, env: dict[str, str] | None = None) -> Path:

@@ -42,6 +42,7 @@ from datastore.service import SERVICE_NAME
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import TokenInterceptor, read_token
+from datastore.service.calls import CallCounter
 from datastore.service.errors import ServiceError
 from datastore.service.grpc_peers import GrpcPeers, PeersServicer, add_peers_to_server
 from datastore.service.guard import GuardInterceptor
@@ -148,21 +149,13 @@ class ServeConfig:
 
 
 class _Counters:
+    """The calls (received, and those standing for a client now) and what the streams sent."""
+
     def __init__(self) -> None:
+        self.calls = CallCounter()
         self.lock = threading.Lock()
-        self.calls = 0
         self.batches = 0
         self.bytes = 0
-
-
-class _CountCalls(grpc.ServerInterceptor):
-    def __init__(self, counters: _Counters) -> None:
-        self._counters = counters
-
-    def intercept_service(self, continuation, handler_call_details):
-        with self._counters.lock:
-            self._counters.calls += 1
-        return continuation(handler_call_details)
 
 
 def _returns_slots(requests: Any, stream: Stream) -> None:
@@ -333,11 +326,8 @@ class Servicer(pb_grpc.DataStoreServicer):
     def status(self) -> Any:
         """The ``StatusResponse``: what ``datastore status`` shows and the metrics read."""
         with self._counters.lock:
-            calls, batches, nbytes = (
-                self._counters.calls,
-                self._counters.batches,
-                self._counters.bytes,
-            )
+            batches, nbytes = self._counters.batches, self._counters.bytes
+        calls = self._counters.calls
         sessions = self.sessions.all()
         datasets = self.residency.all()
         return pb.StatusResponse(
@@ -363,10 +353,10 @@ class Servicer(pb_grpc.DataStoreServicer):
                 )
                 for x in sessions
             ],
-            clients=sum(len(x.streams) for x in sessions),
+            clients=len(sessions) + calls.in_flight,  # see datastore.service.calls
             batches_served=batches,
             bytes_served=nbytes,
-            calls_served=calls,
+            calls_served=calls.served,
             memory_budget=self._config.memory_budget or 0,
             bytes_resident=sum(r.budgeted for r in datasets),
             bytes_exchanged=self.link.bytes_received if self.link else 0,
@@ -639,7 +629,7 @@ def _run(
     metrics_server = None
 
     guard = GuardInterceptor(servicer.internal_error)
-    servers = [_new_server(config.workers, [_CountCalls(counters), guard])]
+    servers = [_new_server(config.workers, [counters.calls, guard])]
     old_umask = os.umask(0o177)  # the socket is born 0600
     try:
         servers[0].add_insecure_port(listen[0])
@@ -650,7 +640,7 @@ def _run(
         denied = TokenInterceptor(
             token, on_denied=lambda method: log.warning("unauthenticated", method=method)
         )
-        tcp_server = _new_server(config.workers, [_CountCalls(counters), denied, guard])
+        tcp_server = _new_server(config.workers, [counters.calls, denied, guard])
         try:
             if config.tls_cert is not None:
                 assert config.tls_key is not None
@@ -721,10 +711,11 @@ def _run(
         servicer.sessions.close_all()  # ...then open streams end (ABORTED) and handlers return
         for done in stopping:
             done.wait(5)
-        with counters.lock:
-            calls = counters.calls
         log.info(
-            "stopped", why=stop.why, drain_s=round(time.monotonic() - t0, 3), calls_served=calls
+            "stopped",
+            why=stop.why,
+            drain_s=round(time.monotonic() - t0, 3),
+            calls_served=counters.calls.served,
         )
         return Exit.OK
     finally:

@@ -18,7 +18,7 @@ from typing import Any
 
 from staging.exitcodes import Exit
 
-__all__ = ["UNSUPPORTED", "resolve_address", "run_remote"]
+__all__ = ["UNSUPPORTED", "run_remote"]
 
 # options of `datastore stage` the service request does not carry: (dest, default)
 UNSUPPORTED = {
@@ -28,14 +28,6 @@ UNSUPPORTED = {
     "dry_run": False,
     "ranks_per_node": None,
 }
-
-
-def resolve_address(given: str, env: dict[str, str] | None = None) -> str:
-    """The service's address: ``given``, else ``$DATASTORE_ADDRESS``, else the default socket."""
-    from datastore.service.paths import default_socket
-
-    env = os.environ if env is None else env
-    return given or env.get("DATASTORE_ADDRESS") or str(default_socket(env))
 
 
 def _fail(msg: str, code: int) -> int:
@@ -51,11 +43,15 @@ def run_remote(args: argparse.Namespace) -> int:
     from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
     from datastore.service.auth import bearer, read_token
     from datastore.service.client import target_of
+    from datastore.service.paths import service_address
 
     bad = ["--" + k.replace("_", "-") for k, v in UNSUPPORTED.items() if getattr(args, k) != v]
     if bad:
         return _fail(f"error: --service does not take {', '.join(bad)}", Exit.BAD_INPUT)
-    address = resolve_address(args.service)
+    try:
+        address = service_address(args.service, "--service")
+    except ValueError as exc:
+        return _fail(str(exc), Exit.FAILED)
     if os.path.exists(address) and not stat.S_ISSOCK(os.stat(address).st_mode):
         return _fail(
             f"error: --service {address}: not a socket (did it take a SRC? put --service "
