@@ -545,21 +545,30 @@ class Plan:
 
 
 def _choose_split(splits: list[Split], m: Machine, job: Job) -> tuple[Split, str]:
-    """The fewest blocks whose batches fit the GPU (the least halo), and why."""
+    """The fewest blocks (the least halo) whose batches fit the GPU, and why. A rank's batch
+    holds ``global_batch / world`` samples' worth of voxels whatever the split: a split is
+    needed where the global batch is smaller than the world, and does not make room on a GPU
+    (a smaller global batch, or more ranks, does)."""
     fit = [s for s in splits if s.fits_gpu]
-    chosen = fit[0] if fit else splits[-1]
+    chosen = fit[0] if fit else splits[0]
     name = "whole samples" if chosen.parts is None else f"spatial parts {chosen.parts}"
     why = (
         f"{name}: {chosen.blocks} block(s), {chosen.data_world} data ranks of "
         f"{chosen.local_batch} sample(s) a step"
     )
     if len(splits) > 1:
-        why += " (the fewest blocks that work)" if fit else " (the most blocks weighed)"
+        why += " (the fewest blocks that work)"
     if m.gpus_per_node:
         gpu, room = human_bytes(chosen.gpu_bytes), human_bytes(m.gpu_memory_per_rank)
-        why += f"; {gpu} a rank on its GPU of {room}" + ("" if fit else ": DOES NOT FIT")
+        why += f"; {gpu} a rank on its GPU of {room}"
+        if not fit:
+            why += (
+                ": DOES NOT FIT, and no split makes room (a rank's batch is global_batch / "
+                "ranks samples' worth of voxels whatever the split): lower the global batch "
+                "or add ranks"
+            )
         if job.activation_factor == 0:
-            why += ", batches only (activation_factor adds the model's memory)"
+            why += "; batches only (activation_factor adds the model's memory)"
     return chosen, why
 
 
