@@ -59,10 +59,9 @@ def _size(value: Any, name: str) -> int:
 
 def _rate(value: Any, name: str) -> float:
     """Bytes per second: ``"25G"``, ``"25GiB/s"`` (powers of 1024, as sizes) or a number."""
-    text = value if isinstance(value, int | float) else str(value).strip().removesuffix("/s")
-    if isinstance(text, float):
-        return _number(text, name)
-    return _number(_size(text, name), name)
+    if isinstance(value, str):
+        return _number(_size(value.strip().removesuffix("/s"), name), name)
+    return _number(value, name)
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -214,30 +213,28 @@ def _read_file(path: str) -> dict[str, Any]:
 
 
 def values_of(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every machine and job value, parsed, and where each came from (``default``, the file's
-    path, ``flag``)."""
+    """Every machine and job value, parsed, and where each came from (``flag``, the file's
+    path, ``default``)."""
     found = _read_file(args.machine) if args.machine else {}
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for key, (parse, default, _) in DEFAULTS.items():
-        flag = getattr(args, key)
-        if flag is not None:
-            raw, where, name = (tuple(flag) if key == "spatial" else flag), "flag", "--" + key
-            name = name.replace("_", "-")
+        flag = "--" + key.replace("_", "-")
+        given = getattr(args, key)
+        if given is not None:
+            raw = tuple(given) if key == "spatial" else given
+            values[key], origin[key] = parse(raw, flag), "flag"
         elif key in found:
-            raw, where, name = found[key], args.machine, f"{args.machine}: {key}"
-        elif default is not None:
-            values[key], origin[key] = (() if key == "spatial" else parse(default, key)), "default"
-            continue
-        elif key == "ranks_per_node":
-            continue  # one per GPU, below
+            values[key] = parse(found[key], f"{args.machine}: {key}")
+            origin[key] = args.machine
+        elif key == "ranks_per_node":  # one per GPU
+            values[key] = max(1, values["gpus_per_node"])
+            origin[key] = "default"
+        elif default is None:
+            raise ValueError(f"missing {flag} (or {key} = ... in the --machine file)")
         else:
-            flag_name = "--" + key.replace("_", "-")
-            raise ValueError(f"missing {flag_name} (or {key} = ... in the --machine file)")
-        values[key], origin[key] = parse(raw, name), where
-    if "ranks_per_node" not in values:
-        values["ranks_per_node"] = max(1, values["gpus_per_node"])
-        origin["ranks_per_node"] = "default"
+            values[key] = () if key == "spatial" else parse(default, key)
+            origin[key] = "default"
     return values, origin
 
 
@@ -326,13 +323,17 @@ def _parts(parts: tuple[int, ...] | None) -> str:
 
 
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    """Aligned columns, indented; the columns in ``right`` to the right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        "  "
-        + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in
-                    enumerate(zip(r, widths, strict=True))).rstrip()
-        for r in rows
-    ]  # fmt: skip
+
+    def line(r: list[str]) -> str:
+        cells = (
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        return "  " + "  ".join(cells).rstrip()
+
+    return [line(r) for r in rows]
 
 
 def _yes(ok: bool) -> str:
@@ -470,6 +471,8 @@ def run(args: argparse.Namespace) -> int:
     except (DatasetError, ValueError, OSError) as exc:
         print(f"datastore plan: error: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
-    text = plan_dict(plan, name, origin) if args.json else format_text(plan, name, origin)
-    print(json.dumps(text) if args.json else text)
+    if args.json:
+        print(json.dumps(plan_dict(plan, name, origin)))
+    else:
+        print(format_text(plan, name, origin))
     return Exit.OK
