@@ -36,7 +36,7 @@ What is done
 
 Usage::
 
-    python benchmarks/plan_check.py              # about 1.5 min on 2 cores
+    python benchmarks/plan_check.py              # about 30 s on 2 cores
     python benchmarks/plan_check.py --samples 48 --side 48 --out /tmp/plan_check.json
 """
 
