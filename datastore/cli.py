@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 
+from datastore import plan_cmd
 from datastore._version import __version__
 from datastore.readers import inspect_cmd
 from datastore.service import cli as service_cli
@@ -26,6 +27,7 @@ def parser() -> argparse.ArgumentParser:
     stage_cli.add_parser(sub)
     sub.choices["stage"].set_defaults(func=_stage)
     inspect_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     service_cli.add_parser(sub)
     return p
 

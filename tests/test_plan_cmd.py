@@ -1,0 +1,175 @@
+"""``datastore plan`` as a user runs it: a subprocess, on real files, flags and TOML files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from datastore.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = ["--nodes", "2", "--global-batch", "8", "--step-time", "0.1"]
+
+
+def plan(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("DATASTORE_DEBUG", None)
+    cmd = [sys.executable, "-m", "datastore", "plan", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+
+def plan_json(*args: str) -> dict:
+    proc = plan(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_scale_answers_within_2_s_and_2_gib():
+    """10^8 samples on 4,096 ranks, timed in a fresh parent whose only child is the CLI (the
+    children's peak RSS of this pytest process would count every earlier test's)."""
+    probe = (
+        "import json, resource, subprocess, sys, time\n"
+        "t = time.monotonic()\n"
+        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "wall = time.monotonic() - t\n"
+        "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024\n"
+        "print(json.dumps({'rc': p.returncode, 'wall': wall, 'rss': rss, 'out': p.stdout,"
+        " 'err': p.stderr}))\n"
+    )
+    cmd = [sys.executable, "-m", "datastore", "plan", "--samples", "100000000"]
+    cmd += ["--shape", "4,128,128,128", "--nodes", "1024", "--ranks-per-node", "4"]
+    cmd += ["--global-batch", "512", "--step-time", "0.3", "--halo", "1", "--json"]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    got = subprocess.run(
+        [sys.executable, "-c", probe, *cmd], capture_output=True, text=True, env=env, timeout=60
+    )
+    r = json.loads(got.stdout)
+    assert r["rc"] == 0, r["err"]
+    assert r["wall"] < 2.0
+    assert r["rss"] < 2 << 30
+    out = json.loads(r["out"])
+    assert out["machine"]["nodes"] * out["machine"]["ranks_per_node"] == 4096
+    assert out["split"]["parts"] == [2, 2, 2]  # 512 samples a step for 4,096 ranks: 8 blocks
+    assert out["split"]["local_batch"] == 1
+    assert out["recommended"]["shuffle"] == "window:4096"  # 3 PiB: no shard fits in memory
+
+
+def test_a_dataset_on_disk(tmp_path):
+    data = tmp_path / "npy"
+    data.mkdir()
+    for i in range(6):
+        np.save(data / f"s{i}.npy", np.full((2, 8, 8, 8), i, np.float32))
+    out = plan_json(str(data), *JOB, "--ranks-per-node", "2", "--gpus-per-node", "0")
+    ds = out["dataset"]
+    assert (ds["num_samples"], ds["files"], ds["sample_bytes"]) == (6, 6, 4096)
+    assert ds["stored_bytes"] == sum(os.path.getsize(data / f"s{i}.npy") for i in range(6))
+    assert ds["fields"] == {
+        "data": {"dtype": "<f4", "shape": [2, 8, 8, 8], "spatial_axes": [1, 2, 3]}
+    }
+    shard = next(s for s in out["staging"] if s["mode"] == "shard")
+    assert shard["bytes_per_node"] == ds["stored_bytes"] // 2  # 3 of the 6 files
+    rec = out["recommended"]
+    assert (rec["staging"], rec["shuffle"], rec["source"]) == ("replicate", "global", "serve")
+    assert rec["resident_bytes"] == 6 * 4096
+    # 4 ranks, 2 samples each a step; the service's rings: 2 ranks x (2 x 2 + 2) batches
+    assert rec["buffer_bytes"] == 2 * 6 * 2 * 4096
+
+
+def test_the_machine_file_and_flags_over_defaults(tmp_path):
+    machine = tmp_path / "m.toml"
+    machine.write_text(
+        'nodes = 4\nranks_per_node = 1\nnetwork_bw = "1G/s"\nglobal_batch = 8\n'
+        'step_time = "250ms"\nspatial = [[2, 1, 1], [1, 1, 1]]\nhalo = 1\n'
+    )
+    out = plan_json(
+        "--samples", "64", "--shape", "8,8,8", "--machine", str(machine), "--nodes", "2"
+    )
+    assert out["machine"]["nodes"] == 2  # the flag beats the file
+    assert out["machine"]["network_bw"] == 1 << 30
+    assert out["job"]["step_time"] == 0.25
+    assert [s["parts"] for s in out["splits"]] == [[1, 1, 1], [2, 1, 1]]
+    assert out["origin"]["nodes"] == "flag"
+    assert out["origin"]["network_bw"] == str(machine)
+    assert out["origin"]["pfs_read_bw"] == "default"
+    whole = out["splits"][0]
+    assert whole["rank_sample_bytes"] == 10 * 10 * 10 * 4  # (8 + 2 halo)^3 float32
+
+
+def test_the_text_tables():
+    proc = plan("--samples", "1000", "--sample-bytes", "1M", *JOB, "--memory-per-node", "768M")
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "staging (datastore stage; the busiest node)" in text
+    assert "replicate  1000.0 MiB" in text
+    lines = text.splitlines()
+    rec = lines.index(next(ln for ln in lines if ln.startswith("recommended:")))
+    assert lines[rec] == (
+        "recommended: datastore stage --mode shard; shuffle='global'; whole samples; via "
+        "datastore serve"
+    )
+    assert lines[rec + 1] == "  - replicate does not fit in memory (1.0 GiB a node)"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "missing the dataset: a DATASET path, or --samples"),
+        (("--samples", "-5", "--sample-bytes", "10", *JOB), "--samples must be a whole number"),
+        (("--samples", "10", "--sample-bytes", "10", "--global-batch", "8", "--step-time", "1"),
+         "missing --nodes (or nodes = ... in the --machine file)"),
+        (("--samples", "10", "--sample-bytes", "-1", *JOB), "--sample-bytes must be >= 0"),
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--memory-per-node=-1G"),
+         "--memory-per-node must be >= 0"),
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--network-bw", "0"),
+         "--network-bw must be a number > 0"),
+        (("--samples", "10", "--shape", "4,2,8,8", *JOB, "--spatial", "3,1,1"),
+         "parts[0]=3 > shape[0]=2: cannot split an axis of size 2 into 3 parts"),
+        (("--samples", "10", "--shape", "4,8,8,8", *JOB, "--spatial", "2,1"),
+         "spatial['parts'] (2, 1) has 2 axes, the volume (8, 8, 8) has 3"),
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--spatial", "2,1,1"),
+         "no delivered field has spatial axes"),
+        (("--samples", "10", "--sample-bytes", "1M", "--nodes", "3", "--global-batch", "8",
+          "--step-time", "1"), "the global batch 8 is not divisible by the 12 ranks"),
+        (("--samples", "10", "--shape", "4,8,8", "--dtype", "floaty", *JOB),
+         "--dtype: not a numpy dtype"),
+        (("/no/such/data.h5", *JOB), "/no/such/data.h5"),
+        (("/no/such/data.h5", "--samples", "3", *JOB), "give a DATASET path or its sizes"),
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--machine", "/no/m.toml"),
+         "--machine /no/m.toml: No such file or directory"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert main(["plan", *args]) == 2  # in-process: the subprocess case is the one below
+    err = capsys.readouterr().err
+    assert err.startswith("datastore plan: error: ")
+    assert message in err
+    assert err.count("\n") == 1
+
+
+def test_bad_input_in_a_process_has_no_traceback():
+    proc = plan("--samples", "10", "--shape", "4,8,8,8", *JOB, "--spatial", "2,1", "--halo", "x")
+    assert proc.returncode == 2
+    assert proc.stderr == "datastore plan: error: --halo needs whole numbers, got 'x'\n"
+
+
+def test_bad_machine_files(tmp_path, capsys):
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("nodes = 2\nnetwork_gbps = 5\n")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("nodes = \n")
+    negative = tmp_path / "negative.toml"
+    negative.write_text('nodes = 2\nnvme_per_node = "-3T"\n')
+    base = ["--samples", "10", "--sample-bytes", "1M", "--global-batch", "8"]
+    base += ["--step-time", "1", "--machine"]
+    for path, message in (
+        (unknown, "unknown key(s) network_gbps; the keys are nodes, "),
+        (broken, "not valid TOML"),
+        (negative, f"{negative}: nvme_per_node must be >= 0, got '-3T'"),
+    ):
+        assert main(["plan", *base, str(path)]) == 2
+        assert message in capsys.readouterr().err
