@@ -160,7 +160,8 @@ def block_reads(doc: dict[str, Any]) -> Figure | None:
         series.append((run["format"], (OURS, PEER, OTHER, REFERENCE)[i % 4], fractions))
     bars(ax, [f"k = {k}" for k in ks], series, "{:.3f}")
     bounds = [runs[0]["k"][k]["bound"] for k in ks]
-    ax.plot(range(len(ks)), bounds, "k_", ms=40, mew=2, label="target bound")
+    xs = range(len(ks))
+    ax.hlines(bounds, [x - 0.4 for x in xs], [x + 0.4 for x in xs], "k", lw=2, label="target bound")
     ax.legend(fontsize=7)
     ax.set_ylabel("block read time / full sample read time")
     ax.set_title(

@@ -114,6 +114,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
 )
 
 
+def results_file(results: Path, b: Benchmark) -> str:
+    """``b``'s results file as its command line names it: relative to the repository."""
+    return os.path.relpath(results / f"{b.name}.json", REPO)
+
+
 # ----------------------------------------------------------------------------- arguments
 
 
@@ -162,13 +167,12 @@ def run(benchmarks: list[Benchmark], quick: bool, results: Path) -> list[str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     failed = []
     for i, b in enumerate(benchmarks, 1):
-        out = results / f"{b.name}.json"
+        out = results_file(results, b)
         if b.needs_cuda and not cuda_available():
-            print(f"\n== [{i}/{len(benchmarks)}] {b.name}: skipped, needs a CUDA GPU; {out} is "
-                  "left as it is", flush=True)  # fmt: skip
+            print(f"\n== [{i}/{len(benchmarks)}] {b.name}: skipped, no CUDA GPU ({out} kept)")
             continue
-        cmd = b.command(quick, os.path.relpath(out, REPO))
-        print(f"\n== [{i}/{len(benchmarks)}] {b.name}: python {' '.join(cmd)}", flush=True)
+        cmd = b.command(quick, out)
+        print(f"\n== [{i}/{len(benchmarks)}] {b.name}: {shlex.join(['python', *cmd])}", flush=True)
         t0 = time.monotonic()
         rc = subprocess.run([sys.executable, *cmd], cwd=REPO, env=env).returncode
         took = time.monotonic() - t0
@@ -200,6 +204,11 @@ def load(path: Path, name: str) -> dict[str, Any]:
 def measured(b: Benchmark, doc: dict[str, Any] | None) -> bool:
     """Whether ``doc`` holds what ``b`` measures (a GPU benchmark: from a GPU run)."""
     return doc is not None and (not b.needs_cuda or bool(doc["results"].get("cuda")))
+
+
+def smoke(b: Benchmark, doc: dict[str, Any], results: Path) -> bool:
+    """Whether ``doc`` came from ``b``'s ``--quick`` command line."""
+    return doc["command"] == shlex.join(["python", *b.command(True, results_file(results, b))])
 
 
 def caption(function: Any) -> str:
@@ -240,18 +249,20 @@ def number(value: float | None, unit: str) -> str:
     return f"{value:.{digits}f} {unit}"
 
 
-def table(benchmarks: list[Benchmark], docs: dict[str, dict[str, Any]]) -> list[str]:
+def table(benchmarks: list[Benchmark], docs: dict[str, dict[str, Any]], results: Path) -> list[str]:
     rows = [
         "| benchmark | case | ours | peer | ratio | target |",
         "|---|---|---:|---:|---|---|",
     ]
     for b in benchmarks:
-        for r in docs[b.name]["ratios"] if b.name in docs else ():
+        doc = docs.get(b.name)
+        name = f"{b.name} (smoke size)" if doc and smoke(b, doc, results) else b.name
+        for r in doc["ratios"] if doc else ():
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x ({r['of']})"
             verdict = {True: ": PASS", False: ": MISS", None: ""}[r["pass"]]
             target = f"{r['target']}{verdict}" if r["target"] else ""
             rows.append(
-                f"| {b.name} | {r['case']} | {number(r['ours'], r['unit'])} "
+                f"| {name} | {r['case']} | {number(r['ours'], r['unit'])} "
                 f"| {number(r['peer'], r['unit'])} | {ratio} | {target} |"
             )
     return rows
@@ -261,17 +272,21 @@ def runs(benchmarks: list[Benchmark], docs: dict[str, dict[str, Any]], results: 
     lines = []
     for b in benchmarks:
         doc = docs.get(b.name)
-        full = " ".join(b.command(False, os.path.relpath(results / f"{b.name}.json", REPO)))
-        if doc is None:
-            lines.append(f"- **{b.name}**: no results yet (`python {full}`)")
-        elif not measured(b, doc):
+        full = shlex.join(["python", *b.command(False, results_file(results, b))])
+        if b.needs_cuda and not measured(b, doc):
+            ran = f"; the stored run ran on {doc['results'].get('device')}" if doc else ""
             lines.append(
-                f"- **{b.name}**: GPU figures not measured: the stored run "
-                f"(`{doc['command']}`, {doc['date']}) ran on {doc['results'].get('device')}; "
-                f"run `python {full}` on a machine with a CUDA GPU"
+                f"- **{b.name}**: GPU figures not measured: no results from a GPU run{ran} "
+                f"(`{full}` on a machine with a CUDA GPU)"
             )
+        elif doc is None:
+            lines.append(f"- **{b.name}**: no results yet (`{full}`)")
         else:
-            lines.append(f"- **{b.name}**: `{doc['command']}`, {doc['date']}; {doc['machine']}")
+            size = " Smoke-test size (`--quick`): a check that the run works, not a measurement."
+            lines.append(
+                f"- **{b.name}**: `{doc['command']}`, {doc['date']}; {doc['machine']}."
+                + (size if smoke(b, doc, results) else "")
+            )
     return lines
 
 
@@ -295,7 +310,7 @@ def block(
         "measured in one run, never absolute figures across runs. The sections after this one "
         "are written by hand: earlier runs and their analysis.",
         "",
-        *table(benchmarks, docs),
+        *table(benchmarks, docs, results),
         "",
         "Runs:",
         "",

@@ -195,13 +195,61 @@ def test_gpu_figures_only_from_a_gpu_run(bench, tmp_path):
     assert not (img / "bench-gpu_feed.png").exists()
     block = generated(page.read_text())
     assert "img/bench-gpu_feed.png" not in block
-    assert "- **gpu_feed**: GPU figures not measured: the stored run" in block
+    assert (
+        "- **gpu_feed**: GPU figures not measured: no results from a GPU run; the stored " in block
+    )
 
     (tmp_path / "results" / "gpu_feed.json").unlink()
     (tmp_path / "results" / "peers.json").unlink()
     block = generated(render(bench, tmp_path)[0].read_text())
     assert "- **peers**: no results yet (`python benchmarks/peers.py --json " in block
-    assert "| peers |" not in block and "- **gpu_feed**: no results yet" in block
+    assert "| peers |" not in block
+    assert "- **gpu_feed**: GPU figures not measured: no results from a GPU run (`python " in block
+
+
+def test_smoke_runs_are_marked(bench, tmp_path, monkeypatch):
+    (tmp_path / "results").mkdir()
+    stage = next(b for b in bench["report"].BENCHMARKS if b.name == "stage")
+    quick = stage.command(True, bench["report"].results_file(tmp_path / "results", stage))
+    monkeypatch.setattr(sys, "argv", [str(BENCH.parent / quick[0]), *quick[1:]])
+    write_all(bench, tmp_path / "results")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "benchmarks.md").write_text(PAGE)
+    block = generated(render(bench, tmp_path)[0].read_text())
+    rows = [ln.split(" | ")[0] for ln in block.splitlines() if ln.startswith("| stage")]
+    assert rows == ["| stage (smoke size)"] * 3
+    runs = [ln for ln in block.splitlines() if ln.startswith("- **stage**: `python ")]
+    assert len(runs) == 1 and runs[0].endswith("a check that the run works, not a measurement.")
+    assert "`python benchmarks/stage.py --scale 0.05 --reps 2 --dir " in runs[0]
+
+
+def test_run_goes_on_after_a_failure(bench, tmp_path):
+    """Benchmarks run in order, each to its results file; a failed one is named, the rest run."""
+    script = tmp_path / "fake.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(BENCH)!r})\n"
+        "from common import write_results\n"
+        "name, out = sys.argv[1], sys.argv[3]\n"
+        f"open({str(tmp_path / 'order')!r}, 'a').write(name + '\\n')\n"
+        "if name == 'bad':\n"
+        "    sys.exit(3)\n"
+        "write_results(out, name, {'n': 1}, [])\n"
+    )
+    report = bench["report"]
+    fakes = [
+        report.Benchmark(name, f"{script} {name} --json {{json}}", "unused")
+        for name in ("one", "bad", "two")
+    ]
+    assert report.run(fakes, False, tmp_path / "results") == ["bad"]
+    assert (tmp_path / "order").read_text() == "one\nbad\ntwo\n"
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["one.json", "two.json"]
+    doc = report.load(tmp_path / "results" / "two.json", "two")
+    assert doc["results"] == {"n": 1} and doc["ratios"] == []
+    assert (
+        doc["command"]
+        == f"python {script} two --json {report.results_file(tmp_path / 'results', fakes[2])}"
+    )
 
 
 def test_bad_page_or_results_fail_naming_the_file(bench, tmp_path):
