@@ -1,8 +1,12 @@
-# The two set-up commands of the README: `make demo` and `make test`.
+# The two set-up commands of the README: `make demo` and `make test`; `make bench` runs every
+# benchmark and regenerates docs/benchmarks.md's generated block and plots
+# (`make bench BENCH_ARGS=--quick` for smoke-test sizes, `BENCH_ARGS=--skip-run` to redraw only).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+BENCH_ARGS ?=
 
 .PHONY: demo test lint bench clean protos
 
@@ -22,8 +26,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-bench: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/stage.py
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/report.py $(BENCH_ARGS)
 
 # The generated code of protos/datastore/v1/*.proto, into datastore/service/_pb/v1/ (committed).
 # The include path maps protos/datastore/v1 to the package datastore.service._pb.v1, so the

@@ -1,6 +1,7 @@
 """What the benchmark scripts share: finding the venv's tools, the page cache, the machine, the
-statistics they print, the memcpy ceiling, simulated compute, a ``datastore serve`` subprocess,
-and the tuning of a torch ``DataLoader`` peer."""
+statistics they print, the JSON results they write (read by ``benchmarks/report.py``), the
+memcpy ceiling, simulated compute, a ``datastore serve`` subprocess, and the tuning of a torch
+``DataLoader`` peer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import platform
 import secrets
+import shlex
 import shutil
 import socket
 import statistics
@@ -31,6 +33,7 @@ __all__ = [
     "cores",
     "cpu_seconds",
     "free_port",
+    "key_ratio",
     "machine_info",
     "median",
     "memcpy_ceiling",
@@ -39,8 +42,10 @@ __all__ = [
     "read_tagged",
     "say",
     "spread",
+    "stats",
     "timed_epochs",
     "venv_tool",
+    "write_results",
 ]
 
 TAG = "@@ "  # a benchmark child's protocol lines on stdout start with this
@@ -78,8 +83,9 @@ class PageCache:
             print(f"NOTE: cannot drop the page cache ({exc}); cold runs are warm", flush=True)
 
 
-def machine_info(*extra: str) -> str:
-    """One line: cores, CPU model, kernel, Python, anything in ``extra``, and the date."""
+def machine_info(*extra: str, date: bool = True) -> str:
+    """One line: cores, CPU model, kernel, Python, anything in ``extra``, and the date (unless
+    ``date`` is false)."""
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -95,7 +101,7 @@ def machine_info(*extra: str) -> str:
         f"Python {platform.python_version()}",
         *extra,
     ]
-    return ", ".join(parts) + time.strftime(", date %Y-%m-%d %H:%M:%S %Z")
+    return ", ".join(parts) + (time.strftime(", date %Y-%m-%d %H:%M:%S %Z") if date else "")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -174,6 +180,70 @@ def parse_counts(text: str, auto: list[int], what: str) -> list[int]:
     if not counts or counts[0] < 0:
         raise SystemExit(f"{what}: non-negative integers, comma separated; got {text!r}")
     return counts
+
+
+# ----------------------------------------------------------------------------- JSON results
+
+
+def stats(xs: list[float]) -> dict[str, Any] | None:
+    """A repeated measurement as JSON: its median, min, max and every value (``None`` when
+    there is none)."""
+    if not xs:
+        return None
+    values = [float(x) for x in xs]
+    return {"median": median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def key_ratio(
+    case: str,
+    *,
+    ours: float,
+    peer: float | None,
+    unit: str,
+    ratio: float | None,
+    of: str,
+    target: str = "",
+    ok: bool | None = None,
+) -> dict[str, Any]:
+    """One row of the report's summary table: ours vs the peer (medians, in ``unit``), the
+    ratio and what it divides (``of``, e.g. ``"peer time / ours"``), and the target (``ok``:
+    met or not; ``None`` without a target)."""
+    return {
+        "case": case,
+        "ours": ours,
+        "peer": peer,
+        "unit": unit,
+        "ratio": ratio,
+        "of": of,
+        "target": target,
+        "pass": ok,
+    }
+
+
+def write_results(
+    path: str, benchmark: str, results: dict[str, Any], ratios: list[dict[str, Any]], *extra: str
+) -> None:
+    """Write a benchmark's results as JSON to ``path`` (through a temporary file, renamed: never
+    half-written), with what ``benchmarks/report.py`` reads beside them: the benchmark's name,
+    the command line that ran it, the machine (``extra`` added to it), the date, and its key
+    ``ratios`` (:func:`key_ratio` rows)."""
+    script = os.path.abspath(sys.argv[0])
+    if script.startswith(REPO + os.sep):
+        script = os.path.relpath(script, REPO)
+    doc = {
+        "benchmark": benchmark,
+        "command": shlex.join(["python", script, *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine_info(*extra, date=False),
+        "ratios": ratios,
+        "results": results,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- memcpy

@@ -61,6 +61,7 @@ Usage::
     python benchmarks/gpu_feed.py --quick                  # smoke run: S=32, few steps
     python benchmarks/gpu_feed.py --cases limits,gather    # the CPU half only
     python benchmarks/gpu_feed.py --json /tmp/feed.json --dir /scratch/feed --reps 5
+    python benchmarks/gpu_feed.py --json benchmarks/results/gpu_feed.json  # for report.py
 """
 
 from __future__ import annotations
@@ -86,12 +87,15 @@ import torch
 from common import (
     Service,
     cores,
+    key_ratio,
     machine_info,
     median,
     memcpy_gbps,
     parse_counts,
     spread,
+    stats,
     verdict,
+    write_results,
 )
 from loader import H5Samples
 from torch.utils.data import DataLoader
@@ -584,37 +588,77 @@ def as_json(
     h2d: dict[str, list[float]],
     gather: list[Gather],
     pinned: bool,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The results (every feed's samples/s with its range and ratio to (a), the machine's
+    limits, the gather by thread count) and the key ratios: each feed vs (a) (from a GPU run
+    only), the gather vs memcpy at the most threads. ``cuda``: whether the feeds ran on a GPU."""
     ceiling = next((median(f.rates) for f in feeds if f.case == "a" and f.rates), None)
-    return {
-        "args": dict(vars(args)),
+    results = {
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
         "device": device_name(device),
+        "cuda": device is not None and device.type == "cuda",
         "sample_bytes": sample_bytes(args.size),
         "feeds": {
             f.key: {
+                "case": f.case,
+                "workers": f.workers,
                 "title": f.title,
-                "samples_per_s": f.rates,
-                "median": median(f.rates) if f.rates else None,
+                "samples_per_s": stats(f.rates),
                 "ratio_to_ceiling": median(f.rates) / ceiling if f.rates and ceiling else None,
                 "target": TARGETS.get(f.case),
                 "error": f.error,
             }
             for f in feeds
         },
-        "memcpy_gbps": {"pinned": pinned, "by_threads": memcpy},
-        "host_to_device_gbps": h2d,
+        "memcpy_gbps": {"pinned": pinned, "by_threads": {n: stats(v) for n, v in memcpy.items()}},
+        "host_to_device_gbps": {k: stats(v) for k, v in h2d.items()},
         "gather": {
             g.threads: {
-                "loader_gbps": g.loader,
-                "memcpy_gbps": g.memcpy,
+                "loader_gbps": stats(g.loader),
+                "memcpy_gbps": stats(g.memcpy),
                 "ratio": g.ratio if g.loader else None,
                 "target": GATHER_TARGET,
                 "error": g.error,
             }
             for g in gather
         },
-        "machine": machine_info(f"torch {torch.__version__}"),
     }
+    ratios = []
+    best = max(
+        (f for f in feeds if f.case == "e" and f.rates), key=lambda f: median(f.rates), default=None
+    )
+    for f in feeds if results["cuda"] else ():  # a CPU smoke run's figures mean nothing
+        if ceiling and f.rates and f.case != "a" and (f.case != "e" or f is best):
+            r = median(f.rates) / ceiling
+            target = TARGETS.get(f.case)
+            ratios.append(
+                key_ratio(
+                    f"{f.title} vs (a) on {device_name(device)}",
+                    ours=median(f.rates),
+                    peer=ceiling,
+                    unit="samples/s",
+                    ratio=r,
+                    of="ours / resident samples/s",
+                    target=f">= {target}x" if target else "",
+                    ok=r >= target if target else None,
+                )
+            )
+    done = [g for g in gather if g.loader]
+    if done:
+        g = done[-1]
+        ratios.append(
+            key_ratio(
+                f"gather into the loader's batch buffers vs memcpy, threads={g.threads}",
+                ours=median(g.loader),
+                peer=median(g.memcpy),
+                unit="GB/s",
+                ratio=g.ratio,
+                of="ours / memcpy GB/s",
+                target=f">= {GATHER_TARGET}x",
+                ok=g.ratio >= GATHER_TARGET,
+            )
+        )
+    return results, ratios
 
 
 # ----------------------------------------------------------------------------- main
@@ -692,8 +736,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text, end="")
     print(f"(benchmark wall time {time.perf_counter() - t_start:.0f} s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(as_json(args, device, feeds, memcpy, h2d, gather, pinned), f, indent=2)
+        write_results(
+            args.json, "gpu_feed", *as_json(args, device, feeds, memcpy, h2d, gather, pinned),
+            f"torch {torch.__version__}", f"h5py {h5py.__version__}",
+        )  # fmt: skip
     failed = [f.key for f in feeds if f.error] + [f"gather{g.threads}" for g in gather if g.error]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)

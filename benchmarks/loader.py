@@ -59,6 +59,7 @@ Usage::
     python benchmarks/loader.py                  # full run (several minutes on 2 cores)
     python benchmarks/loader.py --quick          # smoke run: N=48, 1 rep
     python benchmarks/loader.py --cases 1,4 --out /tmp/loader.md
+    python benchmarks/loader.py --json benchmarks/results/loader.json   # for benchmarks/report.py
     python benchmarks/loader.py --workers 2,4,8 --memory-workers 0   # peer settings to try
 """
 
@@ -83,13 +84,16 @@ import torch
 from common import (
     PageCache,
     cores,
+    key_ratio,
     machine_info,
     median,
     memcpy_ceiling,
     parse_counts,
     spread,
+    stats,
     venv_tool,
     verdict,
+    write_results,
 )
 from torch.utils.data import DataLoader, Dataset
 
@@ -135,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: N=48, reps 1")
     p.add_argument("--warm", action="store_true", help="never drop the page cache")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.samples is None:
@@ -658,6 +663,10 @@ PHASES = {
     "cold": "epochs >= 2, cache dropped",
     "warm": "epochs >= 2, warm cache",
 }
+# (peer kind, phase, target) of every comparison of case 1, in the order reported
+COMPARE = [("disk", phase, TARGETS[phase]) for phase in PHASES] + [
+    ("memory", phase, MEMORY_TARGET) for phase in ("cold", "warm")
+]
 
 
 def timing(xs: list[float], payload: int, unit: float = 1.0, fmt: str = "{:.3f}") -> str:
@@ -671,9 +680,7 @@ def timing(xs: list[float], payload: int, unit: float = 1.0, fmt: str = "{:.3f}"
 def case1_rows(runs: LoaderRuns, payload: int) -> tuple[list[str], list[str]]:
     """Table rows and notes of case 1 for one format."""
     rows, t = [], runs.times
-    compare = [("disk", phase, TARGETS[phase]) for phase in PHASES]
-    compare += [("memory", phase, MEMORY_TARGET) for phase in ("cold", "warm")]
-    for kind, phase, target in compare:
+    for kind, phase, target in COMPARE:
         peer = runs.best(kind, phase)
         o, p = median(t["ours"][phase]), median(t[peer][phase])
         ratio = p / o
@@ -818,6 +825,119 @@ def report(
     )
 
 
+KEY_COMPARE = (("disk", "epoch1"), ("disk", "warm"), ("memory", "warm"))  # in the summary
+
+
+def as_json(
+    args: argparse.Namespace,
+    ceiling: float,
+    cache: PageCache,
+    c1: list[LoaderRuns],
+    c2: list[BlockRuns],
+    c3: dict[int, list[dict[str, Any]]],
+    c4: dict[str, Any] | None,
+    work: str,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The results of every case (seconds of every side and phase with their ranges, the
+    comparisons, block fractions, exchange shares, RSS) and the key ratios."""
+    n, h = args.samples, args.halo
+    payload = (n - n % BATCH) * XBYTES
+    results: dict[str, Any] = {
+        "samples": n,
+        "sample_bytes": XBYTES,
+        "epoch_bytes": payload,
+        "batch": BATCH,
+        "epochs": args.epochs,
+        "reps": args.reps,
+        "halo": h,
+        "depth": DEPTH,
+        "memcpy_gbps": ceiling,
+        "page_cache": cache.note,
+        "work_dir": work,
+        "loader": [],
+        "blocks": [],
+        "exchange": {},
+        "rss": c4,
+    }
+    ratios = []
+    for runs in c1:
+        compare = []
+        for kind, phase, target in COMPARE:
+            peer = runs.best(kind, phase)
+            o, p = median(runs.times["ours"][phase]), median(runs.times[peer][phase])
+            compare.append(
+                {
+                    "kind": kind,
+                    "phase": phase,
+                    "measure": PHASES[phase],
+                    "peer": peer,
+                    "peer_label": side_label(peer),
+                    "ratio": p / o,
+                    "target": target,
+                    "pass": p / o >= target,
+                }
+            )
+            if (kind, phase) in KEY_COMPARE:
+                ratios.append(
+                    key_ratio(
+                        f"{runs.fmt}, {PHASES[phase]}: vs {side_label(peer)}",
+                        ours=payload / o / 1e9,
+                        peer=payload / p / 1e9,
+                        unit="GB/s",
+                        ratio=p / o,
+                        of="peer time / ours",
+                        target=f">= {target:g}x",
+                        ok=p / o >= target,
+                    )
+                )
+        results["loader"].append(
+            {
+                "format": runs.fmt,
+                "seconds": {
+                    side: {phase: stats(t[phase]) for phase in PHASE_NAMES}
+                    for side, t in runs.times.items()
+                },
+                "labels": {side: side_label(side) for side in runs.sides},
+                "compare": compare,
+            }
+        )
+    for runs in c2:
+        full = median(runs.full)
+        blocks = {}
+        for k in KS:
+            b = median(runs.block[k])
+            bound = BLOCK_SLACK * (1 / k + 2 * h / DEPTH)
+            blocks[str(k)] = {
+                "seconds": stats(runs.block[k]),
+                "fraction": b / full,
+                "bound": bound,
+                "pass": b <= bound * full,
+            }
+        results["blocks"].append(
+            {"format": runs.fmt, "note": runs.note, "full_seconds": stats(runs.full), "k": blocks}
+        )
+        kmax = blocks[str(max(KS))]
+        ratios.append(
+            key_ratio(
+                f"{runs.fmt}: block 0 of k={max(KS)} (+halo {h}) vs the full sample",
+                ours=median(runs.block[max(KS)]) * 1e3,
+                peer=full * 1e3,
+                unit="ms",
+                ratio=kmax["fraction"],
+                of="block time / full",
+                target=f"<= {kmax['bound']:.3f}",
+                ok=kmax["pass"],
+            )
+        )
+    for r, reps in c3.items():
+        ok = [res for res in reps if "error" not in res]
+        results["exchange"][str(r)] = {
+            key: stats([res[key] for res in ok])
+            for key in ("exchange_share", "wait_share", "batch_ms", "exchange_ms", "mib_per_step")
+        } | {"target": EXCHANGE_TARGET, "errors": [res["error"] for res in reps if "error" in res]}
+    return results, ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rss_child:
@@ -839,6 +959,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.json:
+        write_results(
+            args.json, "loader", *as_json(args, ceiling, cache, c1, c2, c3, c4, work),
+            f"torch {torch.__version__}", f"h5py {h5py.__version__}",
+        )  # fmt: skip
     return 0
 
 

@@ -43,7 +43,7 @@ Usage::
 
     python benchmarks/peers.py                   # full run (about 2 min on 2 cores)
     python benchmarks/peers.py --quick           # smoke run: N=16, S=32, B=2, 1 rep
-    python benchmarks/peers.py --kinds mpi,grpc --layouts whole --out /tmp/peers.json
+    python benchmarks/peers.py --kinds mpi,grpc --layouts whole --json /tmp/peers.json
 """
 
 from __future__ import annotations
@@ -65,12 +65,15 @@ import numpy as np
 from common import (
     cpu_seconds,
     free_port,
+    key_ratio,
     machine_info,
     median,
     read_tagged,
     spread,
+    stats,
     timed_epochs,
     venv_tool,
+    write_results,
 )
 
 from staging.cluster import LAUNCH_ENV
@@ -100,7 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kinds", default=",".join(KINDS), help="stores, comma separated")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="whole,blocks")
     p.add_argument("--quick", action="store_true", help="smoke run: N=16, S=32, B=2, 1 rep")
-    p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--json", "--out", default=None, metavar="FILE", help="also write the results as JSON"
+    )
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.client:
@@ -374,6 +379,9 @@ class Job:
             "kind": self.kind,
             "layout": self.layout,
             "batches_per_s": self.batches_s,
+            "batches_per_s_reps": stats(
+                [b / s for b, s in zip(self.batches, self.seconds, strict=True)]
+            ),
             "delivered_gb_per_s": self.gb_s,
             "exchanged_bytes": median(self.exchanged),
             "exchange_gb_per_s": self.exchange_gb_s,
@@ -511,6 +519,44 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
     )
 
 
+def as_json(
+    args: argparse.Namespace,
+    jobs: dict[tuple[str, str], Job],
+    idle: dict[str, list[float]],
+    stage_s: float,
+    shares: list[int],
+    debris: list[str],
+    wall: float,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The results (every job's rates with their per-rep values, the ratios, idle CPU, what
+    was left behind) and the key ratios: gRPC peers vs MPI peers, per layout."""
+    results = {
+        "args": {k: v for k, v in vars(args).items() if k not in ("client", "json")},
+        "jobs": [j.summary() for j in jobs.values()],
+        "ratios": ratios(jobs, args.layouts),
+        "idle_cores": {k: median(v) for k, v in idle.items()},
+        "stage_s": stage_s,
+        "shares": shares,
+        "debris": debris,
+        "wall_s": wall,
+    }
+    key = []
+    for layout in args.layouts:
+        if ("grpc", layout) in jobs and ("mpi", layout) in jobs:
+            a, b = jobs["grpc", layout].batches_s, jobs["mpi", layout].batches_s
+            key.append(
+                key_ratio(
+                    f"{layout}: services peering over gRPC vs over MPI",
+                    ours=a,
+                    peer=b,
+                    unit="batches/s",
+                    ratio=a / b,
+                    of="gRPC / MPI batches/s",
+                )
+            )
+    return results, key
+
+
 def run_store(
     kind: str,
     template: str,
@@ -578,23 +624,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     wall = time.monotonic() - t_start
     print(f"(benchmark wall time {wall:.0f} s)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "args": {k: v for k, v in vars(args).items() if k != "client"},
-                    "jobs": [j.summary() for j in jobs.values()],
-                    "ratios": ratios(jobs, args.layouts),
-                    "idle_cores": {k: median(v) for k, v in idle.items()},
-                    "stage_s": stage_s,
-                    "shares": shares,
-                    "debris": debris,
-                    "wall_s": wall,
-                    "machine": machine_info(),
-                },
-                f,
-                indent=2,
-            )
+    if args.json:
+        results, key = as_json(args, jobs, idle, stage_s, shares, debris, wall)
+        write_results(args.json, "peers", results, key)
     return 1 if debris else 0
 
 

@@ -54,6 +54,7 @@ Usage::
     python benchmarks/service.py --quick         # smoke run: tiny sizes, 1 rep
     python benchmarks/service.py --samples 128 --reps 1 --out /tmp/service.md
     python benchmarks/service.py --cases 1 --clients 1 --kinds inline,bare   # one comparison
+    python benchmarks/service.py --json benchmarks/results/service.json # for benchmarks/report.py
 """
 
 from __future__ import annotations
@@ -79,14 +80,17 @@ from common import (
     PageCache,
     Service,
     cpu_seconds,
+    key_ratio,
     machine_info,
     median,
     memcpy_ceiling,
     read_tagged,
     say,
     spread,
+    stats,
     timed_epochs,
     verdict,
+    write_results,
 )
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -122,6 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: N=32, S=32, B=4, 1 rep")
     p.add_argument("--warm", action="store_true", help="never drop the page cache")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
     p.add_argument("--bare-server", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -521,6 +526,11 @@ def run_case2(args: argparse.Namespace, path: str, cache: PageCache) -> FirstBat
 
 # ----------------------------------------------------------------------------- the report
 
+COMPARE = (  # case 1's ratios: (case, ours, peer, target)
+    ("1a shm vs embedded", "shm", "embedded", TARGET_SHM),
+    ("1b inline vs bare gRPC", "inline", "bare", TARGET_INLINE),
+)
+
 
 def report(
     args: argparse.Namespace,
@@ -549,10 +559,7 @@ def report(
                 f"| {d.batches_s / n:.1f} | {median(d.client_cpu):.2f} "
                 f"| {median(d.server_cpu):.2f} |"
             )
-        for case, ours, peer, target in (
-            ("1a shm vs embedded", "shm", "embedded", TARGET_SHM),
-            ("1b inline vs bare gRPC", "inline", "bare", TARGET_INLINE),
-        ):
+        for case, ours, peer, target in COMPARE:
             if (ours, n) in c1 and (peer, n) in c1:
                 a, b = c1[ours, n].gb_s, c1[peer, n].gb_s
                 rows.append(
@@ -608,6 +615,90 @@ def report(
     )
 
 
+def as_json(
+    args: argparse.Namespace,
+    ceiling: float,
+    cache: PageCache,
+    c1: dict[tuple[str, int], Delivery],
+    c2: FirstBatch | None,
+    work: str,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The results (every delivery's GB/s, batches/s and CPU per GB with their ranges, the
+    ratios, the first-batch times) and the key ratios."""
+    results: dict[str, Any] = {
+        "samples": args.samples,
+        "side": args.side,
+        "batch": args.batch,
+        "epochs": args.epochs,
+        "reps": args.reps,
+        "clients": args.clients,
+        "kinds": args.kinds,
+        "memcpy_gbps": ceiling,
+        "page_cache": cache.note,
+        "work_dir": work,
+        "delivery": [
+            {
+                "kind": d.kind,
+                "clients": d.clients,
+                "gbps": stats(d.gbps),
+                "batches_per_s": stats(d.bps),
+                "client_cpu_s_per_gb": stats(d.client_cpu),
+                "server_cpu_s_per_gb": stats(d.server_cpu),
+            }
+            for d in c1.values()
+        ],
+        "compare": [],
+        "first_batch": None,
+    }
+    ratios = []
+    for n in args.clients if c1 else ():
+        for case, ours, peer, target in COMPARE:
+            if (ours, n) in c1 and (peer, n) in c1:
+                a, b = c1[ours, n].gb_s, c1[peer, n].gb_s
+                row = {"case": case, "clients": n, "ours": a, "peer": b, "ratio": a / b}
+                results["compare"].append(row | {"target": target, "pass": a / b >= target})
+                if n == min(args.clients):
+                    ratios.append(
+                        key_ratio(
+                            f"{case}, {n} client{'s' * (n > 1)}",
+                            ours=a,
+                            peer=b,
+                            unit="GB/s",
+                            ratio=a / b,
+                            of="ours / peer GB/s",
+                            target=f">= {target}x",
+                            ok=a / b >= target,
+                        )
+                    )
+    if c2 is not None:
+        results["first_batch"] = {
+            "jobs": {
+                j: {
+                    "label": name,
+                    "total_s": stats(c2.total[j]),
+                    "construct_s": stats(c2.construct[j]),
+                }
+                for j, name in JOBS.items()
+            },
+            "load_s": stats(c2.load),
+            "target": TARGET_FIRST,
+        }
+        cold, warm = median(c2.total["cold"]), median(c2.total["warm"])
+        ratios.append(
+            key_ratio(
+                "2 first batch: job 2 (dataset resident) vs job 1 (fresh service, cold)",
+                ours=warm,
+                peer=cold,
+                unit="s",
+                ratio=cold / warm,
+                of="job 1 time / job 2",
+                target=f">= {TARGET_FIRST:.0f}x",
+                ok=cold / warm >= TARGET_FIRST,
+            )
+        )
+    return results, ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.client:
@@ -636,6 +727,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.json:
+        write_results(
+            args.json, "service", *as_json(args, ceiling, cache, c1, c2, work),
+            f"grpcio {grpc.__version__}", f"h5py {h5py.__version__}",
+        )  # fmt: skip
     return 0
 
 

@@ -22,6 +22,7 @@ Usage::
 
     python benchmarks/shuffle.py                   # about a minute on 2 cores
     python benchmarks/shuffle.py --samples 100000 --ranks 16 --real-ranks 2
+    python benchmarks/shuffle.py --json benchmarks/results/shuffle.json  # for benchmarks/report.py
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import h5py
 import numpy as np
-from common import machine_info, spread, venv_tool
+from common import key_ratio, machine_info, spread, stats, venv_tool, write_results
 
 from datastore.order import Schedule
 from datastore.ownership import Homes, RangeOwners
@@ -57,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real-kib", type=int, default=32, help="KiB per sample of the MPI part")
     p.add_argument("--real-shuffles", default="global,shard,window:64,none")
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     return p.parse_args(argv)
 
 
@@ -106,7 +109,7 @@ def write_dataset(path: str, n: int, kib: int, classes: int) -> None:
         f["label"] = (np.arange(n) * classes // n).astype(np.int64)
 
 
-def real(args: argparse.Namespace, folder: str) -> dict[str, dict[str, float]]:
+def real(args: argparse.Namespace, folder: str) -> dict[str, dict[str, Any]]:
     path = os.path.join(folder, "sorted.h5")
     write_dataset(path, args.real_samples, args.real_kib, args.classes)
     cmd = [
@@ -128,6 +131,7 @@ def real(args: argparse.Namespace, folder: str) -> dict[str, dict[str, float]]:
             "sent_mib": statistics.mean(r["sent"][-1] for r in ranks) / 2**20,
             "epoch_s": statistics.median(later),
             "epoch_range": spread(later, "{:.3f}"),
+            "epoch_seconds": stats(later),
             "pairs": statistics.mean(pairs(lab, args.classes) for lab in labels),
             "classes": statistics.mean(len(np.unique(lab)) / args.classes for lab in labels),
         }
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{s:<14}{r['moved']:>8.3f}{r['pairs']:>9.2f}{r['classes']:>9.2f}"
             f"{r['plan_ms']:>9.2f}" + (f"   pairs {ratio(r['pairs'], g['pairs'])}" if g else "")
         )
+    res: dict[str, dict[str, Any]] = {}
     if args.real_ranks:
         print(
             f"\n2. mpiexec -n {args.real_ranks}: {args.real_samples} samples of "
@@ -171,7 +176,33 @@ def main(argv: list[str] | None = None) -> int:
                 f"{s:<14}{r['sent_mib']:>10.2f}{r['epoch_s']:>9.3f}  {r['epoch_range']:<16}"
                 f"{r['pairs']:>7.2f}{r['classes']:>9.2f}" + (vs if g else "")
             )
+    if args.json:
+        write_results(args.json, "shuffle", *as_json(args, sim, res))
     return 0
+
+
+def as_json(
+    args: argparse.Namespace, sim: dict[str, dict[str, float]], real: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The results of both parts and the key ratios: each other shuffle's epoch time on the
+    MPI ranks against ``"global"``'s."""
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    ratios = []
+    g = real.get("global")
+    for s, r in real.items():
+        if g and s != "global":
+            ratios.append(
+                key_ratio(
+                    f"shuffle={s!r} vs 'global', epoch on {args.real_ranks} MPI ranks "
+                    f"(pairs {r['pairs']:.2f} vs {g['pairs']:.2f})",
+                    ours=r["epoch_s"],
+                    peer=g["epoch_s"],
+                    unit="s",
+                    ratio=g["epoch_s"] / r["epoch_s"],
+                    of="peer time / ours",
+                )
+            )
+    return {"settings": settings, "simulated": sim, "real": real}, ratios
 
 
 if __name__ == "__main__":

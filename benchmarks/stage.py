@@ -37,6 +37,7 @@ Usage::
     python benchmarks/stage.py                       # full size, 5 reps, cold cache
     python benchmarks/stage.py --scale 0.05 --reps 2 # quick smoke run
     python benchmarks/stage.py --cases a,c --streams 16 --out /tmp/bench.md
+    python benchmarks/stage.py --json benchmarks/results/stage.json  # for benchmarks/report.py
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from common import PageCache, machine_info, venv_tool
+from common import PageCache, key_ratio, machine_info, stats, venv_tool, write_results
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 SMALL_FILES, SMALL_SIZE, SUBDIRS = 2000, 512 * KIB, 20
@@ -106,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--warm", action="store_true", help="do not drop the page cache")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in args.cases if c not in TARGETS]
@@ -415,6 +418,54 @@ def report(
     )
 
 
+def as_json(
+    cases: list[Case], args: argparse.Namespace, work: str, cache: PageCache, disk: str
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The results (per case: the commands, seconds of each side with their ranges, MB/s, the
+    ratio and the target) and the key ratios, for :func:`common.write_results`."""
+    results: dict[str, Any] = {
+        "cases": {},
+        "disk": disk,
+        "page_cache": cache.note,
+        "reps": args.reps,
+        "scale": args.scale,
+        "streams": args.streams,
+        "io": args.io,
+        "work_dir": work,
+    }
+    ratios = []
+    for c in cases:
+        s = summarize(c)
+        target, peer = TARGETS[c.key]
+        results["cases"][c.key] = {
+            "title": c.title,
+            "files": c.files,
+            "bytes": c.nbytes,
+            "ours_command": c.ours,
+            "peer_command": c.peer,
+            "peer_name": peer,
+            "seconds": {side: stats(c.times[side]) for side in ("ours", "peer", "floor")},
+            "ours_mbs": s["ours_mbs"],
+            "peer_mbs": s["peer_mbs"],
+            "ratio": s["ratio"],
+            "target": target,
+            "pass": s["verdict"] == "PASS",
+        }
+        ratios.append(
+            key_ratio(
+                f"{c.key}: {c.title} ({plural(c.files)}, {c.nbytes / MIB:.0f} MiB) vs `{peer}`",
+                ours=s["ours"],
+                peer=s["peer"],
+                unit="s",
+                ratio=s["ratio"],
+                of="peer time / ours",
+                target=f">= {target:g}x",
+                ok=s["verdict"] == "PASS",
+            )
+        )
+    return results, ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = os.path.abspath(args.dir)
@@ -434,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.json:
+        write_results(args.json, "stage", *as_json(cases, args, work, cache, disk))
     return 0
 
 

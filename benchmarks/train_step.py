@@ -27,6 +27,7 @@ Usage::
 
     python benchmarks/train_step.py            # about a minute on 2 cores
     python benchmarks/train_step.py --steps 10 --samples 64 --reps 1 --workers 2
+    python benchmarks/train_step.py --json benchmarks/results/train_step.json  # for report.py
 """
 
 from __future__ import annotations
@@ -40,9 +41,20 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
-from common import cores, machine_info, median, parse_counts, spread, venv_tool
+from common import (
+    cores,
+    key_ratio,
+    machine_info,
+    median,
+    parse_counts,
+    spread,
+    stats,
+    venv_tool,
+    write_results,
+)
 from loader import H5Samples
 
 from datastore import DataStoreLoader
@@ -86,6 +98,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=3, help="runs of each input pipeline")
     p.add_argument("--workers", default="auto", help="peer num_workers to try (default: auto)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     a = p.parse_args()
     c = cores()
     workers = parse_counts(a.workers, sorted({1, c, 2 * c}), "--workers")
@@ -158,6 +171,50 @@ def main() -> None:
             f"  {mode:6s}: {c['bytes_sent']} of {c['bytes_fp32']} bytes over {c['steps']} steps"
             f" ({c['params']} parameters): saved {c['bytes_saved']}, ratio {c['ratio']:.3f}"
         )
+    if a.json:
+        write_results(
+            a.json, "train_step", *as_json(a, runs, best, r), f"torch {torch.__version__}"
+        )
+
+
+def as_json(
+    a: argparse.Namespace,
+    runs: dict[str, list[tuple[float, float]]],
+    best: str,
+    job: dict[str, Any],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The results (per input pipeline: step ms and data-wait share with their ranges; the
+    MPI job's figures) and the key ratios: step time and data-wait share vs the fastest peer."""
+    pipelines = {
+        name: {
+            "step_ms": stats([t * 1e3 for t, _ in got]),
+            "wait_share": stats([w for _, w in got]),
+        }
+        for name, got in runs.items()
+    }
+    ours, peer = pipelines["DataStoreLoader"], pipelines[best]
+    settings = {k: v for k, v in vars(a).items() if k != "json"}
+    ratio = peer["step_ms"]["median"] / ours["step_ms"]["median"]
+    results = {"settings": settings, "pipelines": pipelines, "best_peer": best, "job": job}
+    key = [
+        key_ratio(
+            f"training step ({a.side}^3, batch {a.batch}, width {a.width}) vs {best}",
+            ours=ours["step_ms"]["median"],
+            peer=peer["step_ms"]["median"],
+            unit="ms",
+            ratio=ratio,
+            of="peer time / ours",
+        ),
+        key_ratio(
+            f"data-wait share of the training step vs {best}",
+            ours=ours["wait_share"]["median"],
+            peer=peer["wait_share"]["median"],
+            unit="share",
+            ratio=None,
+            of="",
+        ),
+    ]
+    return results, key
 
 
 if __name__ == "__main__":
