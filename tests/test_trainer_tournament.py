@@ -39,6 +39,11 @@ SAMPLES, VAL, STEPS, BATCH = 24, 8, 6, 4  # one epoch of 6 steps; rounds after s
 SCHEDULE = [[[0, 2]], [[0, 2]], [[1, 2]]]  # pairs_of(r, 3, seed=0) for r = 0, 1, 2
 
 
+def mpi(test):
+    """Runs real ranks under ``mpiexec`` (removing the MPICH segments an abort leaves)."""
+    return pytest.mark.mpi(pytest.mark.usefixtures("no_stale_mpich_shm")(test))
+
+
 # -- one process -------------------------------------------------------------------------------
 def test_pairing_schedule_is_fixed_by_the_seed():
     assert [pairs_of(r, 3, 0) for r in range(6)] == [
@@ -218,6 +223,7 @@ def rounds_of(records: list[dict]) -> list[dict]:
     return [r for r in records if r.get("event") == "round"]
 
 
+@mpi
 def test_rounds_follow_the_schedule(tourney):
     logs = tourney[0]
     for k in range(3):
@@ -230,6 +236,7 @@ def test_rounds_follow_the_schedule(tourney):
         assert len([r for r in logs[k] if "loss" in r]) == STEPS
 
 
+@mpi
 def test_the_loser_holds_the_winners_exact_state(tourney):
     logs = tourney[0]
     for i, pairs in enumerate(SCHEDULE):
@@ -248,6 +255,7 @@ def test_the_loser_holds_the_winners_exact_state(tourney):
     assert final[a]["val_mse_per_target"] == final[b]["val_mse_per_target"]
 
 
+@mpi
 def test_the_service_reads_each_sample_once_for_all_trainers(data, tourney):
     status = tourney[1]
     train, val = status[str(data / "train.h5")], status[str(data / "validation.h5")]
@@ -258,6 +266,7 @@ def test_the_service_reads_each_sample_once_for_all_trainers(data, tourney):
     assert val.hits > 3 * VAL * fields  # every trainer's validation and held-out batches
 
 
+@mpi
 def test_the_summary_names_the_best_trainer(tourney):
     logs, _, stdout = tourney
     (summary,) = logs["all"]
@@ -274,6 +283,7 @@ def test_the_summary_names_the_best_trainer(tourney):
     assert stdout.count("tournament of 3 trainers, 6 steps, 3 rounds: best validation MSE") == 1
 
 
+@mpi
 @pytest.mark.parametrize(
     "n, sets, message",
     [
