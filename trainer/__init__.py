@@ -22,4 +22,6 @@
 - ``trainer.metrics``: the tasks' losses and validation sums.
 - ``trainer.config``, ``trainer.train``, ``trainer.checkpoint``: ``python -m trainer train``;
   ``trainer/configs/*.toml``: an example per model.
+- ``trainer.tournament``: ``python -m trainer tournament`` (LTFB: trainers, one process each,
+  on one ``datastore serve``, the losers of each round taking their winners' state).
 """

@@ -1,17 +1,20 @@
-"""``python -m trainer train --config cfg.toml --set key=value ...``.
+"""``python -m trainer train --config cfg.toml --set key=value ...`` and
+``mpiexec -n K python -m mpi4py -m trainer tournament --config cfg.toml --set ...``.
 
 Exit codes: ``0`` trained; ``2`` bad configuration (one line on stderr naming the key, or what
-cannot work: a field, a split the model cannot run, more ranks than GPUs for NCCL; the same on
-every rank) or unreadable data.
+cannot work: a field, a split the model cannot run, more ranks than GPUs for NCCL, a
+tournament's trainers against its processes; the same on every rank) or unreadable data.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from staging.exitcodes import Exit
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config, load_tournament
 
 __all__ = ["main"]
 
@@ -20,32 +23,66 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer", description="Train a 3-D CNN.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train from a TOML config (trainer/config.py lists the keys)")
-    t.add_argument("--config", metavar="TOML", help="config file (flat TOML)")
-    t.add_argument(
-        "--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
-        help="override a config key (repeatable), e.g. --set lr=0.01 --set optimizer=sgd",
-    )  # fmt: skip
+    k = sub.add_parser(
+        "tournament",
+        help="K trainers, one process each, that pit their models against each other every N "
+        "steps (LTFB; keys in the config's [tournament] table, see docs/trainer.md)",
+    )
+    for cmd in (t, k):
+        cmd.add_argument("--config", metavar="TOML", help="config file (flat TOML)")
+        cmd.add_argument(
+            "--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+            help="override a config key (repeatable), e.g. --set lr=0.01 --set optimizer=sgd "
+            "(tournament keys: --set tournament.trainers=3)",
+        )  # fmt: skip
     a = p.parse_args(argv)
-    try:
-        cfg = load_config(a.config, a.overrides)
-    except ConfigError as exc:
-        print(f"trainer: {exc}", file=sys.stderr)
-        return Exit.BAD_INPUT
+    if a.command == "train":
+        return _run(load_config, _train, a)
+    return _run(load_tournament, _tournament, a)
+
+
+def _run(load: Callable[..., Any], go: Callable[[Any], int], a: argparse.Namespace) -> int:
+    """Load the config and run ``go``; a bad configuration is one line and exit code 2."""
     from datastore.readers import DatasetError
-    from trainer.train import train
 
     try:
-        result = train(cfg)
+        return go(load(a.config, a.overrides))
     except (ConfigError, DatasetError) as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
-    if result["rank"] != 0:
-        return Exit.OK
-    print(
-        f"trained {result['steps']} steps: validation MSE {result['val_mse']:.4f}, "
-        f"predict-the-mean baseline {result['baseline_mse']:.4f} "
-        f"(ratio {result['val_mse'] / result['baseline_mse']:.3f})"
-    )
+
+
+def _train(cfg: Any) -> int:
+    from trainer.train import train
+
+    result = train(cfg)
+    if result["rank"] == 0:
+        print(
+            f"trained {result['steps']} steps: validation MSE {result['val_mse']:.4f}, "
+            f"predict-the-mean baseline {result['baseline_mse']:.4f} "
+            f"(ratio {result['val_mse'] / result['baseline_mse']:.3f})"
+        )
+    return Exit.OK
+
+
+def _tournament(tc: Any) -> int:
+    from trainer.tournament import tournament
+
+    result = tournament(tc)
+    if result["rank"] == 0:
+        rows = result["trainers"]
+        best = rows[result["best"]]
+        print(
+            f"tournament of {len(rows)} trainers, {result['steps']} steps, "
+            f"{result['rounds']} rounds: best validation MSE {best['val_mse']:.4f} (trainer "
+            f"{best['trainer']}, lr {best['lr']:g}), predict-the-mean baseline "
+            f"{best['baseline_mse']:.4f} (ratio {best['val_mse'] / best['baseline_mse']:.3f})"
+        )
+        for r in rows:
+            print(
+                f"  trainer {r['trainer']}: lr {r['lr']:g}, validation MSE {r['val_mse']:.4f}, "
+                f"won {r['wins']}, lost {r['losses']}"
+            )
     return Exit.OK
 
 

@@ -14,6 +14,10 @@ A config file is flat TOML whose keys are the fields of :class:`TrainConfig`::
 ``spatial_parts=[1,1,1]``), or taken as a plain string for a string key (``optimizer=sgd``).
 An unknown key, a value of the wrong type or out of range raises :class:`ConfigError`
 naming the key. Paths are taken relative to the working directory.
+
+A tournament (:class:`TournamentConfig`, ``python -m trainer tournament``) reads the same file
+with a ``[tournament]`` table (``trainers``, ``interval``, ``lrs``, ``seed``,
+``holdout_batch``), overridden with ``--set tournament.KEY=VALUE``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,16 @@ from typing import Any
 from trainer.devices import BACKENDS
 from trainer.optim import DECAYS
 
-__all__ = ["MODELS", "OPTIMIZERS", "ConfigError", "TrainConfig", "load_config", "parse_override"]
+__all__ = [
+    "MODELS",
+    "OPTIMIZERS",
+    "ConfigError",
+    "TournamentConfig",
+    "TrainConfig",
+    "load_config",
+    "load_tournament",
+    "parse_override",
+]
 
 MODELS = ("cosmoflow", "unet3d")
 OPTIMIZERS = ("sgd", "adam", "lars", "lion", "lion_cub")
@@ -138,10 +151,7 @@ class TrainConfig:
     data_address: str = ""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            object.__setattr__(
-                self, f.name, _coerce(f.name, getattr(self, f.name), _types()[f.name])
-            )
+        _coerce_fields(self)
         if not self.data:
             raise ConfigError("config key 'data': must name the dataset directory")
         _choice("model", self.model, MODELS)
@@ -179,8 +189,103 @@ class TrainConfig:
         }
 
 
-def _types() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
+@dataclass(frozen=True)
+class TournamentConfig:
+    """A tournament of trainers (``python -m trainer tournament``, ``trainer.tournament``).
+
+    In a config file these keys sit in a ``[tournament]`` table beside the training keys; on
+    the command line they are ``--set tournament.KEY=VALUE``.
+
+    Args:
+        train: what every trainer trains; trainer ``k`` takes learning rate ``lrs[k]`` and
+            seed ``train.seed + k`` (its initial weights and its shuffle).
+        trainers: trainers in the tournament, one process each (the launcher's world size).
+            Default: ``2``.
+        interval: steps between rounds; a round follows every ``interval``-th step. Default:
+            ``10``.
+        lrs: each trainer's peak learning rate (``()``: ``train.lr`` for all). Default: ``()``.
+        seed: the pairing of every round and the order of the held-out batches. Default: ``0``.
+        holdout_batch: samples of a round's held-out batch, drawn from the validation split
+            (``0``: ``train.global_batch``). Default: ``0``.
+    """
+
+    train: TrainConfig
+    trainers: int = 2
+    interval: int = 10
+    lrs: tuple[float, ...] = ()
+    seed: int = 0
+    holdout_batch: int = 0
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self, prefix="tournament.", skip=("train",))
+        if self.trainers < 2:
+            raise ConfigError(
+                f"config key 'tournament.trainers': a tournament needs at least 2 trainers, "
+                f"got {self.trainers}"
+            )
+        if self.interval < 1:
+            raise ConfigError(
+                f"config key 'tournament.interval': rounds must be at least 1 step apart, "
+                f"got {self.interval}"
+            )
+        if self.lrs and len(self.lrs) != self.trainers:
+            raise ConfigError(
+                f"config key 'tournament.lrs': {len(self.lrs)} learning rates for "
+                f"{self.trainers} trainers (give one per trainer, or none)"
+            )
+        if any(lr <= 0 for lr in self.lrs):
+            raise ConfigError(f"config key 'tournament.lrs': must be positive, got {self.lrs}")
+        _at_least("tournament.holdout_batch", self.holdout_batch, 0)
+        t = self.train
+        if not t.data_address:
+            raise ConfigError(
+                "config key 'data_address': a tournament's trainers read through one "
+                "`datastore serve`; set it to the service's address"
+            )
+        if t.spatial_parts != (1, 1, 1):
+            raise ConfigError(
+                f"config key 'spatial_parts': each trainer of a tournament is one process, "
+                f"so it cannot split samples; got {list(t.spatial_parts)}"
+            )
+        if t.checkpoint_dir:
+            raise ConfigError(
+                "config key 'checkpoint_dir': a tournament does not checkpoint (it cannot "
+                "resume yet); leave it empty"
+            )
+
+    def trainer_config(self, k: int) -> TrainConfig:
+        """Trainer ``k``'s configuration: its learning rate, its seed and its own log."""
+        return dataclasses.replace(
+            self.train, lr=self.lrs[k] if self.lrs else self.train.lr, seed=self.train.seed + k,
+            log_file=trainer_log(self.train.log_file, k),
+        )  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (tuples as lists), the training keys under ``"train"``."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["train"], out["lrs"] = self.train.to_dict(), list(self.lrs)
+        return out
+
+
+def trainer_log(path: str, k: int) -> str:
+    """Trainer ``k``'s log beside ``path``: ``run.jsonl`` gives ``run.t1.jsonl``."""
+    if not path:
+        return ""
+    root, ext = os.path.splitext(path)
+    return f"{root}.t{k}{ext}"
+
+
+def _types(cls: type = TrainConfig) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce_fields(obj: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+    """Coerce every field of dataclass ``obj`` to its annotated type (``ConfigError``)."""
+    types = _types(type(obj))
+    for f in dataclasses.fields(obj):
+        if f.name not in skip:
+            value = _coerce(prefix + f.name, getattr(obj, f.name), types[f.name])
+            object.__setattr__(obj, f.name, value)
 
 
 def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
@@ -212,8 +317,14 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
         if not isinstance(value, str):
             raise bad
         return value
-    n = len(typing.get_args(kind))  # tuple[int, int, int]
-    if not isinstance(value, list | tuple) or len(value) != n:
+    if not isinstance(value, list | tuple):
+        raise bad
+    args = typing.get_args(kind)
+    if args[-1] is Ellipsis:  # tuple[float, ...]: any number of numbers
+        if any(isinstance(v, bool) or not isinstance(v, int | float) for v in value):
+            raise bad
+        return tuple(float(v) for v in value)
+    if len(value) != len(args):  # tuple[int, int, int]
         raise bad
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
         raise bad
@@ -222,17 +333,23 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
 
 def _name(kind: Any) -> str:
     if typing.get_origin(kind) is tuple:
-        return f"a list of {len(typing.get_args(kind))} positive integers"
+        args = typing.get_args(kind)
+        if args[-1] is Ellipsis:
+            return "a list of numbers"
+        return f"a list of {len(args)} positive integers"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"key=value"`` to ``(key, value)``: a TOML value, or the raw text for a string key."""
+def parse_override(text: str, types: dict[str, Any] | None = None) -> tuple[str, Any]:
+    """``"key=value"`` to ``(key, value)``: a TOML value, or the raw text for a string key.
+
+    ``types``: the keys allowed and their types. Default: :class:`TrainConfig`'s.
+    """
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"override {text!r}: expected key=value")
-    types = _types()
+    types = _types() if types is None else types
     if key not in types:
         raise ConfigError(f"unknown config key {key!r} (keys: {', '.join(types)})")
     try:
@@ -243,21 +360,20 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"config key {key!r}: cannot read {raw!r} as a value") from None
 
 
-def load_config(
-    path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()
-) -> TrainConfig:
-    """The config in TOML file ``path`` (optional) with ``key=value`` ``overrides`` applied."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                values = tomllib.load(fh)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read config file {os.fspath(path)}: {exc.strerror}"
-            ) from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {os.fspath(path)}: not valid TOML: {exc}") from None
+def _read(path: str | os.PathLike | None) -> dict[str, Any]:
+    """The TOML file at ``path`` as a dict (``{}`` for ``None``)."""
+    if path is None:
+        return {}
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {os.fspath(path)}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {os.fspath(path)}: not valid TOML: {exc}") from None
+
+
+def _train_config(values: dict[str, Any], overrides: typing.Sequence[str]) -> TrainConfig:
     types = _types()
     for key in values:
         if key not in types:
@@ -268,3 +384,33 @@ def load_config(
     if "data" not in values:
         raise ConfigError("config key 'data' is missing: name the dataset directory")
     return TrainConfig(**values)
+
+
+def load_config(
+    path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()
+) -> TrainConfig:
+    """The config in TOML file ``path`` (optional) with ``key=value`` ``overrides`` applied."""
+    return _train_config(_read(path), overrides)
+
+
+def load_tournament(
+    path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()
+) -> TournamentConfig:
+    """The tournament in TOML file ``path`` (its ``[tournament]`` table, the training keys
+    beside it) with ``overrides`` applied (``tournament.KEY=VALUE`` for the table's keys)."""
+    values = _read(path)
+    table = values.pop("tournament", {})
+    if not isinstance(table, dict):
+        raise ConfigError("config key 'tournament' must be a table ([tournament])")
+    types = {f"tournament.{k}": v for k, v in _types(TournamentConfig).items() if k != "train"}
+    for key in table:
+        if f"tournament.{key}" not in types:
+            raise ConfigError(f"unknown config key 'tournament.{key}' (keys: {', '.join(types)})")
+    rest = []
+    for text in overrides:
+        if text.partition("=")[0].strip().startswith("tournament."):
+            key, value = parse_override(text, types)
+            table[key.removeprefix("tournament.")] = value
+        else:
+            rest.append(text)
+    return TournamentConfig(_train_config(values, rest), **table)

@@ -9,7 +9,8 @@ batch against the data ranks and the dataset, and the learning-rate schedule. Th
 agree (``datastore.agree``: one round of small messages with a deadline) on the outcome and on
 the configuration itself: one rank's failure, or ranks started with different configurations,
 is the same :class:`~trainer.config.ConfigError` on every rank. Only then is the
-:class:`~trainer.grid.ProcessGrid` created.
+:class:`~trainer.grid.ProcessGrid` created. A tournament's ranks (``trainer.tournament``) are
+trainers of their own: each checks one process's run, and there is no grid.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import torch.distributed as dist
 from datastore.agree import Collective, agree
 from datastore.readers import open_dataset
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import ConfigError, TournamentConfig, TrainConfig
 from trainer.devices import check_gpus, pick_backend, pick_device
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.optim import LRSchedule
 from trainer.preflight import check_run
 
-__all__ = ["Field", "Run", "data_paths", "field_of", "schedule_of", "start"]
+__all__ = ["Field", "Run", "data_paths", "field_of", "make_resident", "schedule_of", "start"]
 
 Field = tuple[str, tuple[int, ...], tuple[int, ...]]
 """``(name, per-sample shape, spatial axes)``."""
@@ -124,7 +125,56 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
     return depth, inputs, targets, samples, total
 
 
-def _agree(cfg: TrainConfig, error: BaseException | None) -> None:
+def _check_tournament(tc: TournamentConfig, world: int, distributed: bool) -> None:
+    """A tournament's own checks: one process per trainer, a held-out batch that fits."""
+    k = tc.trainers
+    if not distributed:
+        raise ValueError(
+            f"a tournament of {k} trainers runs one process per trainer: launch {k} "
+            f"(mpiexec -n {k} python -m mpi4py -m trainer tournament ..., or torchrun "
+            f"--nproc-per-node {k} -m trainer tournament ...)"
+        )
+    if world != k:
+        raise ValueError(
+            f"config key 'tournament.trainers': {k} trainers but {world} processes were "
+            "launched (one process per trainer)"
+        )
+    _, val_path = data_paths(tc.train)
+    _, samples = field_of(val_path, tc.train.input_field, "input")
+    batch = tc.holdout_batch or tc.train.global_batch
+    if batch > samples:
+        raise ValueError(
+            f"config key 'tournament.holdout_batch': a held-out batch of {batch} is more than "
+            f"the {samples} validation samples in {val_path}"
+        )
+    make_resident(tc.train.data_address, data_paths(tc.train), tc.train.comm_timeout)
+
+
+def make_resident(address: str, paths: tuple[str, ...], timeout: float) -> None:
+    """Ask ``datastore serve`` at ``address`` to hold the datasets at ``paths`` and wait until
+    they are in memory (at most ``timeout`` seconds each): ranks that then open sessions start
+    on memory, and each sample is read from disk once, not by several sessions at a time. The
+    first caller starts the load; the others wait for the same one.
+
+    Raises:
+        ValueError: the service's refusal (not running, a path outside its roots, ...).
+    """
+    from datastore.errors import DataStoreError
+    from datastore.service.client import Client, target_of
+
+    target = target_of(address)
+    where = {"tcp": address}
+    if target.startswith("unix:"):  # unix://ABSOLUTE or unix:RELATIVE
+        where = {"socket": target.removeprefix("unix://").removeprefix("unix:")}
+    try:
+        with Client(**where, timeout_s=timeout) as client:  # type: ignore[arg-type]
+            for path in paths:
+                client.load(os.path.abspath(path), wait=True)
+    except DataStoreError as exc:
+        raise ValueError(f"config key 'data_address': {exc}") from None
+
+
+def _agree(cfg: TrainConfig, error: BaseException | None, fingerprint: dict[str, Any]) -> None:
     """Raise the same ``ConfigError`` on every rank if any rank failed or configs differ."""
     if launched_by_mpi():
         from mpi4py import MPI
@@ -133,7 +183,7 @@ def _agree(cfg: TrainConfig, error: BaseException | None) -> None:
     else:
         group = dist.new_group(backend="gloo")  # small CPU messages, whatever the backend
         coll = Collective(group=group)
-    fingerprint = {"configuration": json.dumps(cfg.to_dict(), sort_keys=True)}
+    fingerprint = {"configuration": json.dumps(fingerprint, sort_keys=True)}
     try:
         agree(coll, fingerprint, error, cfg.comm_timeout, "the trainer's start-up check")
     except (ValueError, OSError, RuntimeError) as exc:
@@ -144,9 +194,13 @@ def _agree(cfg: TrainConfig, error: BaseException | None) -> None:
             dist.destroy_process_group(group)
 
 
-def start(cfg: TrainConfig) -> Run:
+def start(cfg: TrainConfig, tournament: TournamentConfig | None = None) -> Run:
     """Pick the device, start the process group and the grid, check everything (module
     docstring).
+
+    With ``tournament`` (``cfg`` is its ``train``) every rank is a trainer of its own: the
+    checks are one process's, plus the tournament's (one process per trainer), the ranks
+    agree on the tournament's configuration, and there is no grid.
 
     Raises:
         ConfigError: on every rank alike, naming what cannot work.
@@ -168,13 +222,17 @@ def start(cfg: TrainConfig) -> Run:
     found: Any = None
     if error is None:
         try:
-            found = _check(cfg, world, device, backend, gpus)
+            if tournament is not None:
+                _check_tournament(tournament, world, distributed)
+            found = _check(cfg, 1 if tournament else world, device, backend, gpus)
         except (ValueError, OSError) as exc:
             error = exc
     if distributed:
-        _agree(cfg, error)
+        _agree(cfg, error, (tournament or cfg).to_dict())
     elif error is not None:
         raise ConfigError(str(error)) from None
-    grid = ProcessGrid.create(cfg.spatial_parts, timeout=timeout) if distributed else None
+    grid = None
+    if distributed and tournament is None:
+        grid = ProcessGrid.create(cfg.spatial_parts, timeout=timeout)
     depth, inputs, targets, samples, total = found
     return Run(device, backend, grid, depth, inputs, targets, samples, total)

@@ -53,7 +53,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import torch
@@ -72,7 +72,16 @@ from trainer.optim import LARS, Lion, lr_at, set_lr, split_decay_groups
 from trainer.reduce import GradientReducer
 from trainer.start import Run, data_paths, schedule_of, start
 
-__all__ = ["build_model", "build_optimizer", "train"]
+__all__ = [
+    "Log",
+    "Trainer",
+    "build_model",
+    "build_optimizer",
+    "fit",
+    "loader_of",
+    "timed_batches",
+    "train",
+]
 
 
 def build_model(cfg: TrainConfig, run: Run, layers: LayerFactory | None = None) -> nn.Module:
@@ -106,14 +115,17 @@ def build_optimizer(
     return torch.optim.Adam(params, lr=lr, weight_decay=wd)
 
 
-def _loader(cfg: TrainConfig, path: str, run: Run, validation: bool) -> DataStoreLoader:
-    """This rank's loader of the training or the validation dataset."""
+def loader_of(cfg: TrainConfig, path: str, run: Run, validation: bool) -> DataStoreLoader:
+    """This rank's loader of the dataset at ``path``: shuffled whole batches for training, or
+    every sample once in order for validation."""
     kw: dict[str, Any] = dict(
         global_batch_size=cfg.global_batch, fields=[cfg.input_field, cfg.target_field],
         seed=cfg.seed, timeout=cfg.comm_timeout,
     )  # fmt: skip
     if validation:
         kw.update(shuffle=False, drop_last=False)
+    if run.grid is None:  # one process (also one trainer of a tournament): the whole batch
+        kw.update(rank=0, world=1)
     if run.grid is not None and run.grid.spatial_size > 1:
         kw["spatial"] = {"parts": run.grid.parts, "halo": (0, 0, 0)}
     if run.device.type == "cuda":
@@ -121,7 +133,9 @@ def _loader(cfg: TrainConfig, path: str, run: Run, validation: bool) -> DataStor
     return DataStoreLoader(path, address=cfg.data_address or None, **kw)
 
 
-def _batches(loader: DataStoreLoader) -> Iterator[tuple[dict[str, torch.Tensor] | None, float]]:
+def timed_batches(
+    loader: DataStoreLoader,
+) -> Iterator[tuple[dict[str, torch.Tensor] | None, float]]:
     """``(batch, seconds blocked in next(loader))``; ``(None, s)`` at the end of each epoch."""
     while True:
         it = iter(loader)
@@ -136,12 +150,16 @@ def _batches(loader: DataStoreLoader) -> Iterator[tuple[dict[str, torch.Tensor] 
             it.close()  # stops the prefetch thread now, not at garbage collection
 
 
-class _Log:
-    def __init__(self, path: str) -> None:
+class Log:
+    """JSON lines appended to ``path`` (``""``: none), each record with ``label``'s keys."""
+
+    def __init__(self, path: str, label: dict[str, Any] | None = None) -> None:
         self.fh: TextIO | None = open(path, "a") if path else None  # noqa: SIM115
+        self.label = label or {}
 
     def write(self, record: dict[str, Any], echo: bool = False) -> None:
-        line = json.dumps(record)
+        """Append ``record``; ``echo`` also prints it."""
+        line = json.dumps({**self.label, **record})
         if self.fh is not None:
             self.fh.write(line + "\n")
             self.fh.flush()
@@ -153,8 +171,11 @@ class _Log:
             self.fh.close()
 
 
-class _Trainer:
-    """One run's state and its steps (``train`` drives it)."""
+class Trainer:
+    """One run's state and its steps (:func:`fit` drives it).
+
+    ``label``: keys added to every log record (a tournament's ``{"trainer": k}``).
+    """
 
     def __init__(self, cfg: TrainConfig, run: Run) -> None:
         self.cfg, self.run, grid = cfg, run, run.grid
@@ -171,8 +192,8 @@ class _Trainer:
         )
         torch.manual_seed(cfg.seed)  # the same weights on every rank
         train_path, val_path = data_paths(cfg)
-        self.loader = _loader(cfg, train_path, run, validation=False)
-        self.val_loader = _loader(cfg, val_path, run, validation=True)
+        self.loader = loader_of(cfg, train_path, run, validation=False)
+        self.val_loader = loader_of(cfg, val_path, run, validation=True)
         self.layers = None
         if grid is not None:
             self.layers = DistLayers(grid, grid.spatial_group, overlap=cfg.halo_overlap)
@@ -189,6 +210,7 @@ class _Trainer:
         self.whole_voxels = math.prod(run.targets[1][1:]) if self.task == "voxel" else 1
         self.target_sums = Sums(run.targets[1][0], run.device)
         self.step, self.resumed_from = 0, None
+        self.label: dict[str, Any] = {}
 
     # -- reductions over the world ----------------------------------------------------------------
     def _world_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -233,6 +255,16 @@ class _Trainer:
         self.opt.step()
         self.step += 1
         return self.mean_loss(loss), lr
+
+    def loss_on(self, batch: dict[str, torch.Tensor]) -> float:
+        """The model's loss on ``batch`` in evaluation mode, without training (one process: a
+        rank of a grid gets its share)."""
+        x, y = self._inputs(batch)
+        self.model.eval()
+        with torch.no_grad():
+            loss = local_loss(self._forward(x), y, self.task, self.whole_voxels)
+        self.model.train()
+        return float(loss)
 
     def validate(self) -> dict[str, Any]:
         """Metrics of the validation set (module docstring); the same on every rank."""
@@ -333,12 +365,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; return ``{"steps", "losses" (this run's, averaged over the data
     ranks), "val_mse", "baseline_mse", "identity_mse", "resumed_from", "rank"}``."""
     run = start(cfg)
-    t = _Trainer(cfg, run)
-    log = _Log(cfg.log_file if t.lead else "")
+    return fit(Trainer(cfg, run))
+
+
+AfterStep = Callable[[Trainer], dict[str, Any] | None]
+"""Called after every step; a record it returns goes into the log."""
+
+
+def fit(t: Trainer, after_step: AfterStep | None = None) -> dict[str, Any]:
+    """Run ``t`` to its last step (the module docstring: resume, steps, validation, checkpoints,
+    log), calling ``after_step(t)`` after every step; close ``t``. Returns :func:`train`'s
+    dict."""
+    cfg, run = t.cfg, t.run
+    log = Log(cfg.log_file if t.lead else "", t.label)
     losses: list[float] = []
     last: dict[str, Any] = {}
     validated_at = checkpointed_at = None
-    batches = _batches(t.loader)
+    batches = timed_batches(t.loader)
     try:
         log.write(
             {"event": "start", "device": str(run.device), "backend": run.backend,
@@ -365,6 +408,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                  "samples_per_s": cfg.global_batch / seconds, "data_wait": wait / seconds},
                 echo=t.lead and cfg.print_every > 0 and t.step % cfg.print_every == 0,
             )  # fmt: skip
+            extra = after_step(t) if after_step is not None else None
+            if extra is not None:
+                log.write(extra)
             every = cfg.checkpoint_interval
             if cfg.checkpoint_dir and every and t.step % every == 0:
                 _checkpoint(t, log)
@@ -388,7 +434,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _checkpoint(t: _Trainer, log: _Log) -> None:
+def _checkpoint(t: Trainer, log: Log) -> None:
     path = t.save()
     if path is not None:
         log.write({"event": "checkpoint", "step": t.step, "path": path})
