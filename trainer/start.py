@@ -160,14 +160,10 @@ def make_resident(address: str, paths: tuple[str, ...], timeout: float) -> None:
         ValueError: the service's refusal (not running, a path outside its roots, ...).
     """
     from datastore.errors import DataStoreError
-    from datastore.service.client import Client, target_of
+    from datastore.service.client import Client
 
-    target = target_of(address)
-    where = {"tcp": address}
-    if target.startswith("unix:"):  # unix://ABSOLUTE or unix:RELATIVE
-        where = {"socket": target.removeprefix("unix://").removeprefix("unix:")}
     try:
-        with Client(**where, timeout_s=timeout) as client:  # type: ignore[arg-type]
+        with Client(address, timeout_s=timeout) as client:
             for path in paths:
                 client.load(os.path.abspath(path), wait=True)
     except DataStoreError as exc:
