@@ -166,6 +166,31 @@ def test_the_peer_api_answers_only_the_store_and_what_a_node_owns(store):
         stranger.close(stop_all=False)
 
 
+@pytest.mark.mpi
+def test_describe_gives_the_whole_store_where_a_node_holds_a_share(store):
+    """What the trainer checks before training when its data comes from the service: each
+    node holds 10 of the 20 files, and every address form reaches the whole store."""
+    from trainer.start import describe
+
+    _, template, s = store
+    for node in range(2):
+        assert len(os.listdir(s.tmp / f"node{node}" / "src")) == 10
+    for address, token in [
+        (str(s.sockets[0]), None), (f"unix://{s.sockets[1]}", None), (s.addresses[1], TOKEN)
+    ]:  # fmt: skip
+        with Client.at(address, token=token, timeout_s=20) as c:
+            open_before = len(c.status().sessions)
+            samples, fields = c.describe(template)
+            assert len(c.status().sessions) == open_before  # its session is closed again
+        assert samples == 20 and list(fields) == ["data"]
+        f = fields["data"]
+        assert (str(f.dtype), f.shape, f.spatial_axes) == ("float32", (2, 6, 4, 4), (1, 2, 3))
+    found, samples = describe(template, str(s.sockets[1]), timeout=20)
+    assert (found, samples) == ({"data": ("data", (2, 6, 4, 4), (1, 2, 3))}, 20)
+    with pytest.raises(FileNotFoundError):
+        describe(str(s.tmp / "nowhere"), str(s.sockets[0]), timeout=20)
+
+
 def _load(client, template, errors):
     try:
         client.load(template)

@@ -130,3 +130,34 @@ def test_cli_writes_a_split_that_datastore_inspect_reads(tmp_path):
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert bad.returncode == 2 and "n_samples" in bad.stderr
+
+
+def test_per_sample_files_hold_the_same_samples_and_read_as_hdf5_per_sample(tmp_path):
+    out = tmp_path / "train"
+    cosmo.write_samples(out, 3, 8, seed=2, noise=0.1)
+    assert sorted(os.listdir(out)) == [f"sample-0000{i}.h5" for i in range(3)]
+    with open_dataset(str(out)) as ds:
+        assert (ds.format, len(ds)) == ("hdf5-per-sample", 3)
+        assert ds.fields["x"].shape == (4, 8, 8, 8) and ds.fields["x"].spatial_axes == (1, 2, 3)
+        assert ds.fields["y"].shape == (3,) and ds.fields["noisy"].shape == (4, 8, 8, 8)
+        for i in range(3):
+            x, y = cosmo.sample(2, 0, i, 8)
+            assert np.array_equal(ds.read(i, "x"), x) and np.array_equal(ds.read(i, "y"), y)
+            assert np.array_equal(ds.read(i, "noisy"), cosmo.noisy_copy(x, 0.1, 2, 0, i))
+    with h5py.File(out / "sample-00001.h5") as f:
+        assert (f.attrs["index"], f.attrs["seed"], f.attrs["split"]) == (1, 2, 0)
+    # a second write replaces the directory whole and leaves no temporary behind
+    cosmo.write_samples(out, 2, 8, seed=2)
+    assert sorted(os.listdir(tmp_path)) == ["train"] and len(os.listdir(out)) == 2
+    with pytest.raises(ValueError, match="n_samples"):
+        cosmo.write_samples(tmp_path / "none", 0, 8, seed=2)
+    assert sorted(os.listdir(tmp_path)) == ["train"]
+
+
+def test_cli_per_sample_writes_two_directories(tmp_path):
+    args = [str(tmp_path), "--samples", "3", "--val-samples", "2", "--size", "4", "--per-sample"]
+    assert cosmo.main(args) == 0
+    assert len(os.listdir(tmp_path / "train")) == 3
+    assert len(os.listdir(tmp_path / "validation")) == 2
+    with h5py.File(tmp_path / "validation" / "sample-00001.h5") as f:
+        assert np.array_equal(f["x"][...], cosmo.sample(0, 1, 1, 4)[0])

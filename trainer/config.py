@@ -111,8 +111,9 @@ class TrainConfig:
         comm_timeout: seconds a collective or halo receive may wait before the rank fails
             (a peer died or stalled). Default: ``120.0``.
         data_address: stream the training batches from ``datastore serve`` at this address
-            (socket path, ``unix://PATH`` or ``HOST:PORT``; ``""``: read them here with the
-            embedded loader). Default: ``""``.
+            (socket path, ``unix://PATH`` or ``HOST:PORT``; ``""``: ``$DATASTORE_ADDRESS`` if
+            set, else read them here with the embedded loader). The datasets' fields and sample
+            counts are then asked of the service too. Default: ``""``.
     """
 
     data: str

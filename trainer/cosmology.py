@@ -34,12 +34,19 @@ split as two files, ``OUT/train.h5`` (split 0) and ``OUT/validation.h5`` (split 
 With ``--noise SIGMA`` each file also holds ``noisy``: ``x`` plus Gaussian noise of standard
 deviation ``SIGMA`` (:func:`noisy_copy`), the input of the U-Net's denoising task (recover ``x``
 from ``noisy``).
+
+With ``--per-sample`` (``write_samples``) each split is a directory of one HDF5 file per sample
+instead, ``OUT/train/sample-00000.h5``... (``x`` ``(4, S, S, S)``, ``y`` ``(3,)``, ``noisy``),
+read as ``hdf5-per-sample``: the layout ``datastore stage --mode shard`` spreads over nodes and
+``datastore serve`` peers serve as one store (set ``train_file = "train"``,
+``validation_file = "validation"``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 import h5py
@@ -66,6 +73,7 @@ __all__ = [
     "shell_average",
     "wavenumbers",
     "write_dataset",
+    "write_samples",
     "write_split",
 ]
 
@@ -226,23 +234,76 @@ def write_dataset(
             os.unlink(tmp)
 
 
-def write_split(
-    out_dir: str | os.PathLike, n_train: int, n_val: int, size: int, seed: int, noise: float = 0.0
+def write_samples(
+    out_dir: str | os.PathLike,
+    n_samples: int,
+    size: int,
+    seed: int,
+    *,
+    split: int = 0,
+    noise: float = 0.0,
 ) -> None:
-    """``out_dir/train.h5`` (split 0) and ``out_dir/validation.h5`` (split 1)."""
+    """Write the samples of :func:`write_dataset` as one HDF5 file each, ``sample-00000.h5``...,
+    into the directory ``out_dir`` (replaced if it exists; written under a temporary name and
+    renamed, so a reader never sees half of it). Each file holds ``x``, ``y`` (and ``noisy``)
+    without the sample axis, and the attributes of :func:`write_dataset` plus ``index``."""
+    if n_samples < 1 or size < 2:
+        raise ValueError(f"need n_samples >= 1 and size >= 2, got {n_samples}, {size}")
+    if noise < 0:
+        raise ValueError(f"noise must be >= 0, got {noise}")
+    out = os.fspath(out_dir)
+    tmp = f"{out}.tmp{os.getpid()}"
+    try:
+        os.makedirs(tmp)
+        for i in range(n_samples):
+            x, y = sample(seed, split, i, size)
+            with h5py.File(os.path.join(tmp, f"sample-{i:05d}.h5"), "w") as f:
+                f.create_dataset("x", data=x)
+                f.create_dataset("y", data=y)
+                if noise > 0:
+                    f.create_dataset("noisy", data=noisy_copy(x, noise, seed, split, i))
+                f.attrs.update(
+                    params=list(PARAMS), ranges=PARAM_RANGES, growth=list(GROWTH),
+                    seed=seed, split=split, size=size, noise=noise, index=i,
+                )  # fmt: skip
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+
+
+def write_split(
+    out_dir: str | os.PathLike,
+    n_train: int,
+    n_val: int,
+    size: int,
+    seed: int,
+    noise: float = 0.0,
+    per_sample: bool = False,
+) -> None:
+    """``out_dir/train.h5`` (split 0) and ``out_dir/validation.h5`` (split 1); with
+    ``per_sample``, the directories ``out_dir/train`` and ``out_dir/validation``
+    (:func:`write_samples`)."""
     os.makedirs(out_dir, exist_ok=True)
-    for name, n, split in (("train.h5", n_train, 0), ("validation.h5", n_val, 1)):
-        write_dataset(os.path.join(out_dir, name), n, size, seed, split=split, noise=noise)
+    for name, n, split in (("train", n_train, 0), ("validation", n_val, 1)):
+        if per_sample:
+            write_samples(os.path.join(out_dir, name), n, size, seed, split=split, noise=noise)
+        else:
+            path = os.path.join(out_dir, f"{name}.h5")
+            write_dataset(path, n, size, seed, split=split, noise=noise)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.cosmology OUT --samples N --size S --seed K``."""
     p = argparse.ArgumentParser(
         prog="python -m trainer.cosmology",
-        description="Write OUT/train.h5 and OUT/validation.h5: lognormal density fields "
-        "(4 growth factors) labelled with their spectrum parameters in [-1, 1].",
+        description="Write OUT/train.h5 and OUT/validation.h5 (with --per-sample: OUT/train/ "
+        "and OUT/validation/): lognormal density fields (4 growth factors) labelled with their "
+        "spectrum parameters in [-1, 1].",
     )
-    p.add_argument("out", metavar="OUT", help="directory to write train.h5 and validation.h5 in")
+    p.add_argument("out", metavar="OUT", help="directory to write the two splits in")
     p.add_argument("--samples", type=int, default=512, help="training samples (default 512)")
     p.add_argument(
         "--val-samples", type=int, default=None, help="validation samples (default samples/4)"
@@ -254,10 +315,15 @@ def main(argv: list[str] | None = None) -> int:
         help="also write 'noisy', x plus Gaussian noise of this standard deviation: the "
         "input of the U-Net's denoising task (default 0: not written)",
     )  # fmt: skip
+    p.add_argument(
+        "--per-sample", action="store_true",
+        help="write OUT/train/ and OUT/validation/ as one HDF5 file per sample (the layout "
+        "`datastore stage --mode shard` spreads over nodes)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     n_val = max(1, a.samples // 4) if a.val_samples is None else a.val_samples
     try:
-        write_split(a.out, a.samples, n_val, a.size, a.seed, a.noise)
+        write_split(a.out, a.samples, n_val, a.size, a.seed, a.noise, a.per_sample)
     except (ValueError, OSError) as exc:
         print(f"trainer.cosmology: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT

@@ -3,7 +3,8 @@ layer communicates, agreed on by all ranks.
 
 :func:`start` picks the device and backend (``trainer.devices``), starts ``torch.distributed``
 when the run is distributed (a launcher's variables, an initialized group, or a spatial split),
-then checks on every rank: GPUs per node for NCCL, the datasets and their fields, the world
+then checks on every rank: GPUs per node for NCCL, the datasets and their fields (asked of
+``datastore serve`` when the data comes from it: a sharded dataset is whole only there), the world
 against ``spatial_parts``, the model's blocks at every level (``trainer.preflight``), the global
 batch against the data ranks and the dataset, and the learning-rate schedule. The ranks then
 agree (``datastore.agree``: one round of small messages with a deadline) on the outcome and on
@@ -33,7 +34,10 @@ from trainer.grid import ProcessGrid, init_distributed
 from trainer.optim import LRSchedule
 from trainer.preflight import check_run
 
-__all__ = ["Field", "Run", "data_paths", "field_of", "make_resident", "schedule_of", "start"]
+__all__ = [
+    "Field", "Run", "data_address", "data_paths", "describe", "field_of", "make_resident",
+    "schedule_of", "start",
+]  # fmt: skip
 
 Field = tuple[str, tuple[int, ...], tuple[int, ...]]
 """``(name, per-sample shape, spatial axes)``."""
@@ -68,19 +72,38 @@ def data_paths(cfg: TrainConfig) -> tuple[str, str]:
     return os.path.join(cfg.data, cfg.train_file), os.path.join(cfg.data, cfg.validation_file)
 
 
-def field_of(path: str, name: str, what: str) -> tuple[Field, int]:
-    """``((name, shape, spatial axes), samples)`` of field ``name`` in the dataset at ``path``.
+def data_address(cfg: TrainConfig) -> str | None:
+    """Where ``datastore serve`` runs: ``data_address``, else ``$DATASTORE_ADDRESS``, else
+    ``None`` (the embedded loader)."""
+    return cfg.data_address or os.environ.get("DATASTORE_ADDRESS") or None
+
+
+def describe(path: str, address: str | None, timeout: float) -> tuple[dict[str, Field], int]:
+    """``({name: Field}, samples)`` of the dataset at ``path``: opened here, or asked of the
+    service at ``address``, which sees the whole dataset where this node holds only its share
+    (``datastore stage --mode shard``)."""
+    if address is None:
+        with open_dataset(path) as ds:
+            info, samples = ds.fields, len(ds)
+    else:
+        from datastore.service.client import Client
+
+        with Client.at(address, timeout_s=timeout) as client:
+            samples, info = client.describe(os.path.abspath(path))
+    return {name: (name, f.shape, f.spatial_axes) for name, f in info.items()}, samples
+
+
+def field_of(fields: dict[str, Field], name: str, what: str, path: str) -> Field:
+    """Field ``name`` of the dataset at ``path`` whose fields are ``fields``.
 
     Raises:
         ValueError: naming the dataset and the fields it has, when ``name`` is not one.
     """
-    with open_dataset(path) as ds:
-        if name not in ds.fields:
-            raise ValueError(
-                f"{what} field {name!r} is not in {path} (its fields: {', '.join(ds.fields)})"
-            )
-        info = ds.fields[name]
-        return (name, info.shape, info.spatial_axes), len(ds)
+    if name not in fields:
+        raise ValueError(
+            f"{what} field {name!r} is not in {path} (its fields: {', '.join(fields)})"
+        )
+    return fields[name]
 
 
 def schedule_of(cfg: TrainConfig, total_steps: int) -> LRSchedule:
@@ -96,10 +119,13 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
     """Every check of the module docstring; ``(depth, inputs, targets, samples, total)``."""
     check_gpus(backend, device, ranks_per_node=local_size(), gpus=gpus)
     train_path, val_path = data_paths(cfg)
-    inputs, samples = field_of(train_path, cfg.input_field, "input")
-    targets, _ = field_of(train_path, cfg.target_field, "target")
+    address = data_address(cfg)
+    train_fields, samples = describe(train_path, address, cfg.comm_timeout)
+    val_fields, _ = describe(val_path, address, cfg.comm_timeout)
+    inputs = field_of(train_fields, cfg.input_field, "input", train_path)
+    targets = field_of(train_fields, cfg.target_field, "target", train_path)
     for field, what in ((inputs, "input"), (targets, "target")):
-        other, _ = field_of(val_path, field[0], what)
+        other = field_of(val_fields, field[0], what, val_path)
         if other[1] != field[1]:
             raise ValueError(
                 f"{what} field {field[0]!r}: {val_path} has shape {other[1]}, {train_path} "

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from datastore.errors import DatasetNotFound, DataStoreError, PathNotAllowed, ServiceUnavailable
+from datastore.readers.base import FieldInfo
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
@@ -111,6 +112,17 @@ class Client:
         self._metadata = bearer(token) if token else None
         self._timeout = timeout_s
 
+    @classmethod
+    def at(
+        cls, address: str | os.PathLike, *, token: str | None = None, timeout_s: float | None = 5.0
+    ) -> Client:
+        """A client of the service at ``address`` as loaders name it: a socket path,
+        ``unix://PATH`` or ``HOST:PORT`` (:func:`target_of`)."""
+        target = target_of(address)
+        if target.startswith("unix://"):
+            return cls(target.removeprefix("unix://"), token=token, timeout_s=timeout_s)
+        return cls(tcp=target, token=token, timeout_s=timeout_s)
+
     def _call(self, method: str, request: Any) -> Any:
         """The reply of ``method``; a failure as :func:`raise_for` maps it."""
         try:
@@ -127,6 +139,19 @@ class Client:
     def load(self, path: str, *, wait: bool = False) -> Any:
         """The ``LoadDataset`` reply for the dataset at ``path`` (on the service's node)."""
         return self._call("LoadDataset", pb.LoadDatasetRequest(dataset_path=path, wait=wait))
+
+    def describe(self, path: str) -> tuple[int, dict[str, FieldInfo]]:
+        """``(samples, {name: FieldInfo})`` of the dataset at ``path`` (on the service's node) as
+        the service serves it: on several nodes, the whole store's, not this node's share.
+        Opens a session and closes it (the dataset becomes resident, as for a first job)."""
+        request = pb.OpenSessionRequest(dataset_path=path, global_batch=1, world_size=1)
+        reply = self._call("OpenSession", request)
+        self._call("CloseSession", pb.CloseSessionRequest(session_id=reply.session_id))
+        fields = {
+            f.name: FieldInfo(f.name, np.dtype(f.dtype), tuple(f.shape), tuple(f.spatial_axes))
+            for f in reply.fields
+        }
+        return int(reply.num_samples), fields
 
     def unload(self, path: str) -> Any:
         """The ``UnloadDataset`` reply for the resident dataset at ``path``."""

