@@ -317,7 +317,7 @@ def test_the_systemd_unit_verifies_and_its_command_serves_and_stops(tmp_path):
             [sys.executable, "-m", "datastore", "status", "--socket", str(sock), "--json"],
             capture_output=True, text=True, env=_env(tmp_path, "-"), timeout=30,
         )  # fmt: skip
-        assert r.returncode == 0 and json.loads(r.stdout)["memory_budget"] == str(64 << 20)
+        assert r.returncode == 0 and json.loads(r.stdout)["memory_budget"] == 64 << 20
         proc.send_signal(signal.SIGTERM)  # KillSignal
         assert proc.wait(timeout=30) == 0, log.read_text()
         assert not sock.exists()

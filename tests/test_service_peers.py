@@ -178,7 +178,7 @@ def test_describe_gives_the_whole_store_where_a_node_holds_a_share(store):
     for address, token in [
         (str(s.sockets[0]), None), (f"unix://{s.sockets[1]}", None), (s.addresses[1], TOKEN)
     ]:  # fmt: skip
-        with Client.at(address, token=token, timeout_s=20) as c:
+        with Client(address, token=token, timeout_s=20) as c:
             open_before = len(c.status().sessions)
             samples, fields = c.describe(template)
             assert len(c.status().sessions) == open_before  # its session is closed again

@@ -88,7 +88,7 @@ def describe(path: str, address: str | None, timeout: float) -> tuple[dict[str, 
     else:
         from datastore.service.client import Client
 
-        with Client.at(address, timeout_s=timeout) as client:
+        with Client(address, timeout_s=timeout) as client:
             samples, info = client.describe(os.path.abspath(path))
     return {name: (name, f.shape, f.spatial_axes) for name, f in info.items()}, samples
 
@@ -166,7 +166,8 @@ def _check_tournament(tc: TournamentConfig, world: int, distributed: bool) -> No
             "launched (one process per trainer)"
         )
     _, val_path = data_paths(tc.train)
-    _, samples = field_of(val_path, tc.train.input_field, "input")
+    fields, samples = describe(val_path, data_address(tc.train), tc.train.comm_timeout)
+    field_of(fields, tc.train.input_field, "input", val_path)
     batch = tc.holdout_batch or tc.train.global_batch
     if batch > samples:
         raise ValueError(

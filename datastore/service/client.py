@@ -112,17 +112,6 @@ class Client:
         self._metadata = bearer(token) if token else None
         self._timeout = timeout_s
 
-    @classmethod
-    def at(
-        cls, address: str | os.PathLike, *, token: str | None = None, timeout_s: float | None = 5.0
-    ) -> Client:
-        """A client of the service at ``address`` as loaders name it: a socket path,
-        ``unix://PATH`` or ``HOST:PORT`` (:func:`target_of`)."""
-        target = target_of(address)
-        if target.startswith("unix://"):
-            return cls(target.removeprefix("unix://"), token=token, timeout_s=timeout_s)
-        return cls(tcp=target, token=token, timeout_s=timeout_s)
-
     def _call(self, method: str, request: Any) -> Any:
         """The reply of ``method``; a failure as :func:`raise_for` maps it."""
         try:
