@@ -1,22 +1,21 @@
-"""``make demo``: generate a small dataset on a stand-in parallel filesystem, stage it, read it.
+"""``make demo``: stage a small dataset, read it, then run a whole campaign on one store.
 
 Writes under ``./demo-data`` (``DATASTORE_DEMO_DIR`` overrides): ``pfs/`` plays the parallel
 filesystem (CosmoFlow-like volumes and labels in one HDF5 file, a tree of ``.npy`` volumes, and
 a ``.tar.zst`` shard of more volumes), ``ssd/`` plays node-local storage. The staged HDF5 is
-then read through ``DataStoreLoader``: one rank, then four MPI ranks as a 2 x 2 data x spatial
-grid, each receiving only its half of every volume plus a one-voxel halo. Last, ``datastore
-serve`` keeps the staged dataset resident while two jobs stream from it at once, ``datastore
-status`` shows both, and SIGTERM shuts the service down cleanly. Finally the trainer: a small
-synthetic cosmology dataset (``trainer.cosmology``), and ``python -m trainer train`` on four MPI
-ranks as a 2 x 2 data x spatial grid, fed by a ``datastore serve``, printing the loss,
-samples/s and the data-wait share.
+read through ``DataStoreLoader``: one rank, then four MPI ranks as a 2 x 2 data x spatial grid,
+each receiving only its half of every volume plus a one-voxel halo. Then the campaign
+(``deploy/campaign-local.sh`` with ``deploy/demo.jobs``): a small synthetic cosmology dataset is
+staged, one ``datastore serve`` holds it, an ensemble of three short trainings and a hybrid
+2 x 2 data x spatial training run at once against it, then a tournament of three trainers;
+``datastore status``, a clean shutdown, and a summary of what happened and how fast.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -99,73 +98,62 @@ def main() -> None:
     sh(*read)
     if mpiexec:  # 2 data-parallel ranks x 2 spatial blocks, one-voxel halo
         sh(mpiexec, "-n", "4", *read, "--parts", "2,1,1", "--halo", "1,1,1")
-    serve_two_jobs(root, train)
     if mpiexec:
-        train_on_grid(root, mpiexec)
+        campaign(root)
     print(f"\ndemo done: staged copy in {ssd}, shards in {root}/node0 and {root}/node1")
 
 
-def serve_two_jobs(root: str, train: str) -> None:
-    """Start the service, run two jobs on it at once, show its status, stop it with SIGTERM."""
-    ds = [sys.executable, "-m", "datastore"]
-    sock = os.path.join(root, "run", "datastore.sock")
-    service = start_service(root, sock)
-    read = [sys.executable, "-m", "datastore.demo_read", train, "--address", sock]
-    read += ["--step-ms", "400"]  # a trainer's compute step: the jobs overlap
-    jobs = [[*read, "--job", "job-a", "--epochs", "3"], [*read, "--job", "job-b", "--epochs", "2"]]
-    for job in jobs:
-        print(f"$ {' '.join(job)} &", flush=True)
-    running = [subprocess.Popen(job) for job in jobs]
-    time.sleep(2.0)
-    sh(*ds, "status", "--socket", sock)
-    if any(p.wait(120) != 0 for p in running):
-        service.kill()
-        sys.exit("demo: a job reading from the service failed")
-    sh(*ds, "status", "--socket", sock)
-    stop_service(service, sock)
-
-
-def start_service(root: str, sock: str) -> subprocess.Popen:
-    """``datastore serve`` on ``sock``, once its socket exists."""
-    env = {**os.environ, "XDG_STATE_HOME": os.path.join(root, "state")}
-    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", sock, "--memory-budget", "1G"]
-    print(f"\n$ {' '.join(cmd)} &", flush=True)
-    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(sock):
-        if service.poll() is not None or time.monotonic() > deadline:
-            sys.exit("demo: datastore serve did not start")
-        time.sleep(0.1)
-    return service
-
-
-def stop_service(service: subprocess.Popen, sock: str) -> None:
-    """SIGTERM, and check that the service exits 0 and removes its socket."""
-    print(f"\n$ kill -TERM {service.pid}", flush=True)
-    service.send_signal(signal.SIGTERM)
-    rc = service.wait(30)
-    print(f"datastore serve exited {rc}; socket removed: {not os.path.exists(sock)}", flush=True)
+def campaign(root: str) -> None:
+    """``deploy/campaign-local.sh`` with ``deploy/demo.jobs``, then a summary of its logs."""
+    deploy = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy")
+    work = os.path.join(root, "campaign")
+    env = {**os.environ, "PYTHON": sys.executable, "XDG_STATE_HOME": os.path.join(root, "state")}
+    cmd = ["bash", os.path.join(deploy, "campaign-local.sh"), "--jobs"]
+    cmd += [os.path.join(deploy, "demo.jobs"), "--work", work]
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, env=env).returncode
+    wall = time.perf_counter() - t0
     if rc != 0:
-        sys.exit(f"demo: datastore serve exited {rc}")
+        sys.exit(f"demo: the campaign failed with exit code {rc} (logs in {work})")
+    print(f"\ncampaign summary ({wall:.1f} s in all; logs in {work}/jobs):")
+    for line in summarize(os.path.join(work, "jobs")):
+        print(f"  {line}")
 
 
-def train_on_grid(root: str, mpiexec: str) -> None:
-    """Train CosmoFlow on a 2 x 2 data x spatial grid of MPI ranks, fed by ``datastore serve``."""
-    data = os.path.join(root, "cosmo-train")
-    sh(sys.executable, "-m", "trainer.cosmology", data, "--samples", "64", "--val-samples", "16",
-       "--size", "16", "--seed", "0")  # fmt: skip
-    sock = os.path.join(root, "run", "train.sock")
-    service = start_service(root, sock)
-    sets = [
-        f"data={data}", "spatial_parts=[2,1,1]", "width=4", "conv_blocks=3", "global_batch=8",
-        "epochs=2", "warmup=4", "print_every=2", f"data_address={sock}",
-    ]  # fmt: skip
-    train = [mpiexec, "-n", "4", sys.executable, "-m", "mpi4py", "-m", "trainer", "train"]
-    try:
-        sh(*train, *[a for s in sets for a in ("--set", s)])
-    finally:
-        if service.poll() is None:
-            stop_service(service, sock)
+def summarize(jobs: str) -> list[str]:
+    """One line per job of a campaign from its ``log.jsonl``: steps, last loss, samples/s,
+    data-wait share and validation; the tournament's winner."""
+    lines = []
+    for name in sorted(os.listdir(jobs)):
+        records = _records(os.path.join(jobs, name, "log.jsonl"))
+        steps = [r for r in records if "step" in r and "loss" in r]
+        val = [r for r in records if r.get("event") == "validation"]
+        match = [r for r in records if r.get("event") == "tournament"]
+        if match:
+            t = match[-1]
+            best = min(t["trainers"], key=lambda x: x["val_mse"])
+            lines.append(
+                f"{name}: {len(t['trainers'])} trainers, {t['steps']} steps, {t['rounds']} "
+                f"rounds; best validation MSE {best['val_mse']:.4f} (lr {best['lr']:g}), "
+                f"baseline {best['baseline_mse']:.4f}"
+            )
+        elif steps:
+            rate = np.median([r["samples_per_s"] for r in steps[1:] or steps])
+            wait = np.median([r["data_wait"] for r in steps[1:] or steps])
+            vtext = f", validation MSE {val[-1]['val_mse']:.4f}" if val else ""
+            lines.append(
+                f"{name}: {steps[-1]['step']} steps, loss {steps[-1]['loss']:.4f}, "
+                f"{rate:.1f} samples/s (median), data wait {wait:.1%}{vtext}"
+            )
+    return lines
+
+
+def _records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 if __name__ == "__main__":

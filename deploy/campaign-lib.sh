@@ -5,7 +5,8 @@
 #
 # The jobs file: one job per line, `PHASE RANKS NAME CONFIG [KEY=VALUE ...]`; `#` starts a
 # comment. The jobs of a phase run at once; phases run one after another, lowest first. CONFIG
-# is a trainer TOML file (relative to the jobs file, or absolute); each KEY=VALUE becomes
+# is a trainer TOML file (relative to the jobs file, or absolute), `tournament:FILE` for a
+# tournament of RANKS trainers (`trainer tournament`); each KEY=VALUE becomes
 # `--set KEY=VALUE` after the campaign's own `data`, `log_file` and `checkpoint_dir`, so a line
 # may override those too. Values hold no spaces. NAME names the job's output directory,
 # OUT/jobs/NAME (output.log: its stdout and stderr; log.jsonl; checkpoint.pt). A job that fails
@@ -34,7 +35,7 @@ usage_error() { fail "$*"; exit 2; }
 
 # read_jobs FILE: fill the JOB_* arrays; a malformed line exits 2 naming FILE:LINE.
 read_jobs() {
-    local file=$1 dir n=0 line phase ranks name config rest kv k sets
+    local file=$1 dir n=0 line phase ranks name config rest kv k sets kind
     [[ -f $file && -r $file ]] || usage_error "jobs file $file: not a readable file"
     dir=$(cd "$(dirname "$file")" && pwd)
     while IFS= read -r line || [[ -n $line ]]; do
@@ -50,11 +51,14 @@ read_jobs() {
             [[ ${JOB_NAME[$k]} != "$name" ]] || usage_error "$file:$n: job name '$name' is used twice"
         done
         [[ -n $config ]] || usage_error "$file:$n: CONFIG is missing (PHASE RANKS NAME CONFIG [KEY=VALUE ...])"
+        kind=
+        [[ $config != tournament:* ]] || kind=tournament: config=${config#tournament:}
         [[ $config == /* ]] || config=$dir/$config
         [[ -f $config && -r $config ]] || usage_error "$file:$n: config $config: not a readable file"
+        config=$kind$config
         read -r -a sets <<<"$rest"  # split on spaces, never globbed ([2,1,1] is a pattern)
         for kv in "${sets[@]}"; do
-            [[ $kv =~ ^[A-Za-z_][A-Za-z0-9_]*=.+ ]] || usage_error "$file:$n: '$kv' is not KEY=VALUE"
+            [[ $kv =~ ^[A-Za-z_][A-Za-z0-9_.]*=.+ ]] || usage_error "$file:$n: '$kv' is not KEY=VALUE"
         done
         JOB_PHASE+=("$((10#$phase))") JOB_RANKS+=("$ranks") JOB_NAME+=("$name")
         JOB_CONFIG+=("$config") JOB_SETS+=("$rest")
@@ -63,10 +67,17 @@ read_jobs() {
 }
 
 # trainer_args I: fill TRAINER_ARGS with the arguments of `python -m trainer` for job I.
+# CONFIG written `tournament:FILE` runs `trainer tournament` (one process per trainer, no
+# checkpoint) instead of `trainer train`.
 trainer_args() {
-    local i=$1 kv sets dir=$OUT/jobs/${JOB_NAME[$1]}
-    TRAINER_ARGS=(train --config "${JOB_CONFIG[$i]}" --set "data=$DATA"
-        --set "log_file=$dir/log.jsonl" --set "checkpoint_dir=$dir")
+    local i=$1 kv sets dir=$OUT/jobs/${JOB_NAME[$1]} config=${JOB_CONFIG[$1]}
+    if [[ $config == tournament:* ]]; then
+        TRAINER_ARGS=(tournament --config "${config#tournament:}" --set "data=$DATA"
+            --set "log_file=$dir/log.jsonl")
+    else
+        TRAINER_ARGS=(train --config "$config" --set "data=$DATA"
+            --set "log_file=$dir/log.jsonl" --set "checkpoint_dir=$dir")
+    fi
     read -r -a sets <<<"${JOB_SETS[$i]}"
     for kv in "${sets[@]}"; do TRAINER_ARGS+=(--set "$kv"); done
 }

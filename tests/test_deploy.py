@@ -124,6 +124,41 @@ def test_a_campaign_on_two_nodes_trains_every_job_through_the_services(tmp_path)
     _assert_nothing_left(out, mark)
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_demo_campaign_runs_an_ensemble_a_hybrid_job_and_a_tournament(tmp_path):
+    from datastore.demo import summarize
+
+    mark = uuid.uuid4().hex
+    work = tmp_path / "work"
+    r = subprocess.run(
+        ["bash", str(CAMPAIGN), "--jobs", str(DEPLOY / "demo.jobs"), "--work", str(work)],
+        capture_output=True, text=True, env=_env(tmp_path, mark), timeout=240,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    phase_1 = ("ensemble-0", "ensemble-1", "ensemble-2", "hybrid-2x2")
+    assert max(out.index(f"job {j} started") for j in phase_1) < min(
+        out.index(f"job {j} done") for j in phase_1
+    )  # all four at once
+    assert out.index("phase 2: tournament") > max(out.index(f"job {j} done") for j in phase_1)
+    hybrid = _log(work / "jobs" / "hybrid-2x2" / "log.jsonl")[0]
+    assert (hybrid["world"], hybrid["spatial_parts"], hybrid["data_source"]) == (
+        4, [2, 1, 1], "service"
+    )  # fmt: skip
+    first = [next(e["loss"] for e in _log(work / "jobs" / f"ensemble-{k}" / "log.jsonl")
+                  if "loss" in e) for k in range(3)]  # fmt: skip
+    assert len(set(first)) == 3  # three seeds, three different runs
+    (result,) = [e for e in _log(work / "jobs" / "tournament" / "log.jsonl")
+                 if e.get("event") == "tournament"]  # fmt: skip
+    assert [t["lr"] for t in result["trainers"]] == [3e-4, 1e-3, 3e-3]
+    assert result["steps"] == 8 and result["rounds"] == 4
+    lines = summarize(str(work / "jobs"))
+    assert [line.split(":")[0] for line in lines] == [*phase_1, "tournament"]
+    assert "3 trainers, 8 steps, 4 rounds" in lines[-1]
+    _assert_nothing_left(out, mark)
+
+
 def _write_jobs(path: Path, lines: list[str]) -> Path:
     config = DEPLOY / "configs" / "tiny-cosmoflow.toml"
     path.write_text("".join(f"{line.replace('CONFIG', str(config))}\n" for line in lines))

@@ -238,10 +238,10 @@ class TournamentConfig:
             raise ConfigError(f"config key 'tournament.lrs': must be positive, got {self.lrs}")
         _at_least("tournament.holdout_batch", self.holdout_batch, 0)
         t = self.train
-        if not t.data_address:
+        if not (t.data_address or os.environ.get("DATASTORE_ADDRESS")):
             raise ConfigError(
                 "config key 'data_address': a tournament's trainers read through one "
-                "`datastore serve`; set it to the service's address"
+                "`datastore serve`; set it (or DATASTORE_ADDRESS) to the service's address"
             )
         if t.spatial_parts != (1, 1, 1):
             raise ConfigError(

@@ -174,7 +174,7 @@ def _check_tournament(tc: TournamentConfig, world: int, distributed: bool) -> No
             f"config key 'tournament.holdout_batch': a held-out batch of {batch} is more than "
             f"the {samples} validation samples in {val_path}"
         )
-    make_resident(tc.train.data_address, data_paths(tc.train), tc.train.comm_timeout)
+    make_resident(data_address(tc.train) or "", data_paths(tc.train), tc.train.comm_timeout)
 
 
 def make_resident(address: str, paths: tuple[str, ...], timeout: float) -> None:
