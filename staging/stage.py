@@ -59,14 +59,19 @@ def clean_tmp(dest: str) -> None:
     tmp = tmp_dir(dest)
     if not os.path.isdir(tmp):
         return
-    names = set(os.listdir(tmp))
-    for name in names:
-        stem, ext = os.path.splitext(name)
-        keep = (ext == ".part" and stem + ".leaves" in names) or (
-            ext == ".leaves" and stem + ".part" in names
-        )
-        if not keep:
-            os.unlink(os.path.join(tmp, name))
+    for shard in [tmp, *(e.path for e in os.scandir(tmp) if e.is_dir(follow_symlinks=False))]:
+        names = set(os.listdir(shard))
+        for name in names:
+            path = os.path.join(shard, name)
+            if shard != tmp or not os.path.isdir(path):
+                stem, ext = os.path.splitext(name)
+                keep = (ext == ".part" and stem + ".leaves" in names) or (
+                    ext == ".leaves" and stem + ".part" in names
+                )
+                if not keep:
+                    os.unlink(path)
+        if shard != tmp and not os.listdir(shard):
+            os.rmdir(shard)
     if not os.listdir(tmp):
         os.rmdir(tmp)
 

@@ -43,7 +43,7 @@ def stage_cmd(src, dest, *more):
 
 def leaves_done(dest) -> int:
     tmp = dest / ".datastore" / "tmp"
-    logs = list(tmp.glob("*.leaves")) if tmp.exists() else []
+    logs = list(tmp.glob("*/*.leaves")) if tmp.exists() else []
     return max((len(p.read_text().splitlines()) - 1 for p in logs), default=0)
 
 
@@ -84,7 +84,7 @@ def test_corrupted_partial_leaf_is_recopied(big, tmp_path):
         time.sleep(0.002)
     job.send_signal(signal.SIGKILL)
     job.wait()
-    part = next((dest / ".datastore" / "tmp").glob("*.part"))
+    part = next((dest / ".datastore" / "tmp").glob("*/*.part"))
     with open(part, "r+b") as f:  # as if the data of a journaled leaf never reached the disk
         f.write(b"\0" * 4096)
     finish(big, dest)

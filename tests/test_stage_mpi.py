@@ -160,7 +160,7 @@ def test_killed_rank_ends_the_job(tmp_path):
     ]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
-    while not glob.glob(str(tmp_path / "node1" / ".datastore" / "tmp" / "*.part")):
+    while not glob.glob(str(tmp_path / "node1" / ".datastore" / "tmp" / "*" / "*.part")):
         assert time.monotonic() < deadline and job.poll() is None, "rank 1 never started copying"
         time.sleep(0.01)
     ranks = rank_pids(str(big))
