@@ -50,12 +50,24 @@ from dataclasses import dataclass
 
 import h5py
 import numpy as np
-from common import TAG, PageCache, Service, machine_info, median, say, spread
+from common import (
+    TAG,
+    PageCache,
+    Service,
+    key_ratio,
+    machine_info,
+    median,
+    say,
+    spread,
+    stats,
+    write_results,
+)
 
 MIB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MODES = ("service", "embedded")
+TIMES = ("first_batch_s", "loader_s", "wall_s")  # what each job reports, in seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-ms", type=float, default=0.0, help="compute per step (default 0)")
     p.add_argument("--warm", action="store_true", help="never drop the page cache")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # a child: JSON arguments
     args = p.parse_args(argv)
     if args.job is not None:
@@ -264,6 +277,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(report + "\n")
+    if args.json:
+        per_job = {
+            name: {f: stats([getattr(j, f) for j in jobs]) for f in TIMES}
+            for name, (jobs, _) in results.items()
+        }
+        ratios = [
+            key_ratio("ensemble: queue total", ours=svc_total, peer=emb_total, unit="s",
+                      ratio=emb_total / svc_total, of="embedded / service"),
+            key_ratio("ensemble: time to first batch", ours=median([j.first_batch_s for j in svc]),
+                      peer=median([j.first_batch_s for j in emb]), unit="s",
+                      ratio=ratio("first_batch_s"), of="embedded / service"),
+        ]  # fmt: skip
+        results_doc = {
+            "jobs": args.jobs, "at_once": args.at_once, "samples": args.samples,
+            "side": args.side, "batch": args.batch, "totals_s": {"service": svc_total,
+            "embedded": emb_total}, "load_s": load_s, "per_job": per_job,
+            "read_from_disk": read, "delivered": delivered,
+        }  # fmt: skip
+        write_results(args.json, "ensemble", results_doc, ratios)
     return 0
 
 

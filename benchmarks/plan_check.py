@@ -53,7 +53,7 @@ import threading
 import time
 from typing import Any
 
-from common import machine_info, median, venv_tool
+from common import key_ratio, machine_info, median, venv_tool, write_results
 from peers import Job, Store, clean_env, ensure_data, run_jobs
 
 from datastore.memory import available_memory
@@ -90,7 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="samples per rank per step")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs of each job")
     p.add_argument("--step-time", type=float, default=0.1, help="the step the shares are of")
-    p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--out",
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="also write the results as JSON (benchmarks/report.py reads it)",
+    )
     args = p.parse_args(argv)
     if args.samples < 4 * args.batch or args.samples % (2 * args.batch):
         p.error("--samples must be a multiple of 2 x --batch, and at least 4 x --batch")
@@ -232,14 +238,12 @@ def err(pred: float, meas: float) -> str:
     return f"{pred / meas - 1:+.1%}"
 
 
+SCALE = {"s": 1.0, "MiB": 1 / 2**20, "ms": 1e3, "%": 100.0}  # stored value -> shown unit
+
+
 def fmt(v: float, unit: str) -> str:
-    if unit == "MiB":
-        return f"{v / MIB:.1f} MiB"
-    if unit == "ms":
-        return f"{v * 1e3:.1f} ms"
-    if unit == "%":
-        return f"{100 * v:.1f}%"
-    return f"{v:.2f} s"
+    shown = v * SCALE[unit]
+    return f"{shown:.2f} s" if unit == "s" else f"{shown:.1f}{'' if unit == '%' else ' '}{unit}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,22 +335,22 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("\n" + "\n".join(lines))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "bandwidths": bw,
-                    "fixed_s": fixed,
-                    "rows": [
-                        {"quantity": n, "predicted": p, "measured": m, "unit": u}
-                        for n, p, m, u in rows
-                    ],
-                    "served": served,
-                    "plan_1_node": one,
-                    "plan_2_nodes": two,
-                },
-                f,
-                indent=2,
-            )
+        ratios = [
+            key_ratio(f"plan: {n}", ours=p * SCALE[u], peer=m * SCALE[u], unit=u,
+                      ratio=p / m if m else None, of="predicted / measured")
+            for n, p, m, u in rows
+        ]  # fmt: skip
+        doc = {
+            "bandwidths": bw,
+            "fixed_s": fixed,
+            "rows": [
+                {"quantity": n, "predicted": p, "measured": m, "unit": u} for n, p, m, u in rows
+            ],
+            "served": served,
+            "plan_1_node": one,
+            "plan_2_nodes": two,
+        }
+        write_results(args.out, "plan_check", doc, ratios)
     return 0
 
 

@@ -105,6 +105,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         figures=("training",),
     ),
     Benchmark(
+        "ensemble",
+        "benchmarks/ensemble.py --json {json}",
+        "benchmarks/ensemble.py --jobs 4 --samples 64 --side 16 --dir bench-data/quick/ensemble "
+        "--json {json}",
+    ),
+    Benchmark(
+        "plan_check",
+        "benchmarks/plan_check.py --json {json}",
+        "benchmarks/plan_check.py --samples 24 --side 32 --epochs 1 --dir bench-data/quick/plan "
+        "--json {json}",
+    ),
+    Benchmark(
         "gpu_feed",
         "benchmarks/gpu_feed.py --json {json}",
         "benchmarks/gpu_feed.py --quick --json {json}",
