@@ -91,6 +91,7 @@ class Store:
         self._scratch = threading.local()
         self._filled = {f: np.zeros(n, dtype=bool) for f in fields}
         self._lock = threading.Lock()
+        self._filling: dict[tuple[str, int], threading.Event] = {}  # slots being read now
         self.counters.bytes_resident = self.ram_slots * per_slot
         self.counters.bytes_spilled = self.spill_slots * per_slot
 
@@ -128,23 +129,39 @@ class Store:
 
     def get(self, key: int, field: str) -> np.ndarray:
         """The stored array of ``(key, field)``, read on first use. Valid until the next ``get``
-        on this thread when the slot is neither in RAM nor spilled."""
+        on this thread when the slot is neither in RAM nor spilled. A kept slot is read once:
+        a thread that misses on a slot another is filling waits for that read."""
         slot = self._slot[int(key)]
         place = self._place(field, slot)
         spec = self.fields[field]
-        if place is not None and self._filled[field][slot]:
-            with self._lock:
-                self.counters.hits += 1
-            return place
-        if place is None:
+        if place is None:  # neither in RAM nor spilled: this thread's scratch, every time
             place = self._scratch_for(field, spec)
-        self._fill(int(key), field, place)
+            self._read(int(key), field, place)
+            return place
+        while True:
+            with self._lock:
+                if self._filled[field][slot]:
+                    self.counters.hits += 1
+                    return place
+                busy = self._filling.get((field, slot))
+                if busy is None:
+                    busy = self._filling[(field, slot)] = threading.Event()
+                    break
+            busy.wait()  # filled, or its reader failed: look again (and read it ourselves)
+        try:
+            self._read(int(key), field, place)
+            self._filled[field][slot] = True
+        finally:
+            with self._lock:
+                del self._filling[(field, slot)]
+            busy.set()
+        return place
+
+    def _read(self, key: int, field: str, out: np.ndarray) -> None:
+        self._fill(key, field, out)
         with self._lock:
             self.counters.misses += 1
-            self.counters.bytes_read += spec.nbytes
-        if place is not self._scratch_for(field, spec):
-            self._filled[field][slot] = True
-        return place
+            self.counters.bytes_read += self.fields[field].nbytes
 
     def lasting(self, key: int, field: str) -> np.ndarray:
         """:meth:`get`, valid for good: a re-read scratch array is copied (for copies or sends

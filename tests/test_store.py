@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -58,3 +59,43 @@ def test_a_failing_read_stops_the_preload_and_is_raised():
     with pytest.raises(OSError, match="disk gone"):
         _store(100_000, fill).preload(threads=3)
     assert len(reads) < 100
+
+
+def test_threads_missing_on_one_slot_read_it_once():
+    started, release = threading.Event(), threading.Event()
+    reads = []
+
+    def fill(key: int, field: str, out: np.ndarray) -> None:
+        reads.append(key)
+        started.set()
+        release.wait(10)  # the first reader holds the slot while the others arrive
+        out[:] = key
+
+    store = _store(4, fill)
+    got: list[list[int]] = []
+    threads = [threading.Thread(target=lambda: got.append(store.get(6, "x").tolist()))
+               for _ in range(4)]  # fmt: skip
+    for t in threads:
+        t.start()
+    started.wait(10)
+    time.sleep(0.2)  # let the other three miss too (the asserts hold either way)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert reads == [6] and got == [[6] * 4] * 4
+    assert (store.counters.misses, store.counters.hits) == (1, 3)
+
+
+def test_a_failed_read_leaves_the_slot_to_the_next_reader():
+    calls = []
+
+    def fill(key: int, field: str, out: np.ndarray) -> None:
+        calls.append(key)
+        if len(calls) == 1:
+            raise OSError(5, "flaky disk")
+        out[:] = key
+
+    store = _store(2, fill)
+    with pytest.raises(OSError, match="flaky disk"):
+        store.get(3, "x")
+    assert store.get(3, "x").tolist() == [3] * 4 and calls == [3, 3]
