@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -96,6 +97,39 @@ def test_grid_fed_by_the_service(data, grid_run, tmp_path):
         service.terminate()
         service.wait(30)
     assert records(tmp_path / "s.log")[0] == records(grid_run / "run.log")[0]
+
+
+def test_one_process_fed_by_a_tcp_service_with_its_token(data, grid_run, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    token.chmod(0o600)
+    with socket.socket() as s:  # a free port for the TCP listener
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sock = tmp_path / "ds.sock"
+    env = {**ENV, "XDG_STATE_HOME": str(tmp_path / "state")}
+    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock),
+           "--tcp", f"127.0.0.1:{port}", "--token-file", str(token)]  # fmt: skip
+    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert service.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.1)
+        where = f"data_address=127.0.0.1:{port}"
+        proc = launch(1, args(data, tmp_path, "t", where, f"data_token_file={token}"))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        refused = launch(1, args(data, tmp_path, "n", where))  # no token: refused, named
+        missing = launch(1, args(data, tmp_path, "m", where, f"data_token_file={tmp_path}/x"))
+    finally:
+        service.terminate()
+        service.wait(30)
+    one, _ = records(tmp_path / "t.log")
+    grid, _ = records(grid_run / "run.log")
+    assert max(abs(a - b) for a, b in zip(one, grid, strict=True)) < 1e-4
+    assert refused.returncode == 2 and "data_address" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert missing.returncode == 2 and f"'data_token_file': {tmp_path}/x" in missing.stderr
 
 
 def test_grid_resume_equals_uninterrupted(data, grid_run, tmp_path):

@@ -114,6 +114,8 @@ class TrainConfig:
             (socket path, ``unix://PATH`` or ``HOST:PORT``; ``""``: ``$DATASTORE_ADDRESS`` if
             set, else read them here with the embedded loader). The datasets' fields and sample
             counts are then asked of the service too. Default: ``""``.
+        data_token_file: the file holding the token of a TCP ``datastore serve`` (the file
+            its ``--token-file`` names; ``""``: none). Default: ``""``.
     """
 
     data: str
@@ -150,6 +152,7 @@ class TrainConfig:
     print_every: int = 0
     comm_timeout: float = 120.0
     data_address: str = ""
+    data_token_file: str = ""
 
     def __post_init__(self) -> None:
         _coerce_fields(self)

@@ -35,7 +35,8 @@ from trainer.optim import LRSchedule
 from trainer.preflight import check_run
 
 __all__ = [
-    "Field", "Run", "data_address", "data_paths", "describe", "field_of", "make_resident",
+    "Field", "Run", "data_address", "data_paths", "data_token", "describe", "field_of",
+    "make_resident",
     "schedule_of", "start",
 ]  # fmt: skip
 
@@ -78,7 +79,26 @@ def data_address(cfg: TrainConfig) -> str | None:
     return cfg.data_address or os.environ.get("DATASTORE_ADDRESS") or None
 
 
-def describe(path: str, address: str | None, timeout: float) -> tuple[dict[str, Field], int]:
+def data_token(cfg: TrainConfig) -> str | None:
+    """The token of a TCP ``datastore serve``, read from ``data_token_file`` (``None``: none).
+
+    Raises:
+        ValueError: naming the config key, when the file cannot be read or is empty.
+    """
+    if not cfg.data_token_file:
+        return None
+    from datastore.service.auth import read_token
+
+    try:
+        return read_token(cfg.data_token_file)[0]
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"config key 'data_token_file': {cfg.data_token_file}: {why}") from None
+
+
+def describe(
+    path: str, address: str | None, timeout: float, token: str | None = None
+) -> tuple[dict[str, Field], int]:
     """``({name: Field}, samples)`` of the dataset at ``path``: opened here, or asked of the
     service at ``address``, which sees the whole dataset where this node holds only its share
     (``datastore stage --mode shard``)."""
@@ -86,10 +106,14 @@ def describe(path: str, address: str | None, timeout: float) -> tuple[dict[str, 
         with open_dataset(path) as ds:
             info, samples = ds.fields, len(ds)
     else:
+        from datastore.errors import DataStoreError
         from datastore.service.client import Client
 
-        with Client(address, timeout_s=timeout) as client:
-            samples, info = client.describe(os.path.abspath(path))
+        try:
+            with Client(address, token=token, timeout_s=timeout) as client:
+                samples, info = client.describe(os.path.abspath(path))
+        except DataStoreError as exc:
+            raise ValueError(f"config key 'data_address': {exc}") from None
     return {name: (name, f.shape, f.spatial_axes) for name, f in info.items()}, samples
 
 
@@ -119,9 +143,9 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
     """Every check of the module docstring; ``(depth, inputs, targets, samples, total)``."""
     check_gpus(backend, device, ranks_per_node=local_size(), gpus=gpus)
     train_path, val_path = data_paths(cfg)
-    address = data_address(cfg)
-    train_fields, samples = describe(train_path, address, cfg.comm_timeout)
-    val_fields, _ = describe(val_path, address, cfg.comm_timeout)
+    address, token = data_address(cfg), data_token(cfg)
+    train_fields, samples = describe(train_path, address, cfg.comm_timeout, token)
+    val_fields, _ = describe(val_path, address, cfg.comm_timeout, token)
     inputs = field_of(train_fields, cfg.input_field, "input", train_path)
     targets = field_of(train_fields, cfg.target_field, "target", train_path)
     for field, what in ((inputs, "input"), (targets, "target")):
@@ -166,7 +190,8 @@ def _check_tournament(tc: TournamentConfig, world: int, distributed: bool) -> No
             "launched (one process per trainer)"
         )
     _, val_path = data_paths(tc.train)
-    fields, samples = describe(val_path, data_address(tc.train), tc.train.comm_timeout)
+    address, token = data_address(tc.train), data_token(tc.train)
+    fields, samples = describe(val_path, address, tc.train.comm_timeout, token)
     field_of(fields, tc.train.input_field, "input", val_path)
     batch = tc.holdout_batch or tc.train.global_batch
     if batch > samples:
@@ -174,10 +199,12 @@ def _check_tournament(tc: TournamentConfig, world: int, distributed: bool) -> No
             f"config key 'tournament.holdout_batch': a held-out batch of {batch} is more than "
             f"the {samples} validation samples in {val_path}"
         )
-    make_resident(data_address(tc.train) or "", data_paths(tc.train), tc.train.comm_timeout)
+    make_resident(address or "", data_paths(tc.train), tc.train.comm_timeout, token)
 
 
-def make_resident(address: str, paths: tuple[str, ...], timeout: float) -> None:
+def make_resident(
+    address: str, paths: tuple[str, ...], timeout: float, token: str | None = None
+) -> None:
     """Ask ``datastore serve`` at ``address`` to hold the datasets at ``paths`` and wait until
     they are in memory (at most ``timeout`` seconds each): ranks that then open sessions start
     on memory, and each sample is read from disk once, not by several sessions at a time. The
@@ -190,7 +217,7 @@ def make_resident(address: str, paths: tuple[str, ...], timeout: float) -> None:
     from datastore.service.client import Client
 
     try:
-        with Client(address, timeout_s=timeout) as client:
+        with Client(address, token=token, timeout_s=timeout) as client:
             for path in paths:
                 client.load(os.path.abspath(path), wait=True)
     except DataStoreError as exc:

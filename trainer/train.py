@@ -70,7 +70,7 @@ from trainer.metrics import Sums, local_loss, task_of
 from trainer.models import CosmoFlow, LayerFactory, UNet3D
 from trainer.optim import LARS, Lion, lr_at, set_lr, split_decay_groups
 from trainer.reduce import GradientReducer
-from trainer.start import Run, data_address, data_paths, schedule_of, start
+from trainer.start import Run, data_address, data_paths, data_token, schedule_of, start
 
 __all__ = [
     "Log",
@@ -130,7 +130,7 @@ def loader_of(cfg: TrainConfig, path: str, run: Run, validation: bool) -> DataSt
         kw["spatial"] = {"parts": run.grid.parts, "halo": (0, 0, 0)}
     if run.device.type == "cuda":
         kw.update(device=run.device, pin_memory=True)
-    return DataStoreLoader(path, address=data_address(cfg), **kw)
+    return DataStoreLoader(path, address=data_address(cfg), token=data_token(cfg), **kw)
 
 
 def timed_batches(
