@@ -36,7 +36,7 @@ SCRIPTS = [
         "campaign-lib.sh", "campaign-local.sh", "serve-node.sh", "wait-service.sh",
         "campaign.sbatch", "campaign.flux", "stage.sbatch",
     )
-]  # fmt: skip
+] + [ROOT / "benchmarks" / "gpu_session.sh"]  # fmt: skip
 CAMPAIGN = DEPLOY / "campaign-local.sh"
 JOBS = ("cosmoflow-dp", "unet3d", "cosmoflow-split")  # deploy/campaign.jobs
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One run on the GPU machine: the CUDA tests and the GPU benchmarks, each step under its own time
+# limit within one budget, every log and JSON result written to $OUT (what `device` brings back).
+#
+# A session lent a GPU has about 15 minutes of device time, start-up included, and at most
+# 10 minutes a command: so everything goes in one command, the steps that say most come first,
+# and a step that fails or runs out of time leaves its log and the next step still runs.
+#
+# On the CPU machine, once:   ../shared/tools/gpu-wheels.sh --mpi    (fills .whl/)
+# Then one device run:        carry [".whl"], timeout_s 590, command
+#                             bash benchmarks/gpu_session.sh
+# Locally (no GPU), a smoke run of the same steps at toy sizes on the CPU:
+#                             GPU_SESSION_SMOKE=1 OUT=/tmp/gs bash benchmarks/gpu_session.sh
+#
+# Variables: OUT (default ./gpu-session-out), GPU_SESSION_BUDGET seconds for all steps
+# (default 540), GPU_SESSION_SMOKE=1 (CPU, toy sizes), PYTHON (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-$PWD/gpu-session-out}
+BUDGET=${GPU_SESSION_BUDGET:-540}
+SMOKE=${GPU_SESSION_SMOKE:-0}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 # a step cut off by its limit keeps what it printed
+start=$SECONDS
+
+if [ -d .whl ]; then # the GPU machine's image lacks these (../shared/reference/gpu.md)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        > "$OUT/wheels.log" 2>&1 || echo "wheels: install failed, see wheels.log"
+    export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    export PATH=/tmp/site/bin:$PATH
+else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+# step NAME LIMIT_S COMMAND...: run COMMAND into $OUT/NAME.log under min(LIMIT_S, budget left)
+step() {
+    local name=$1 limit=$2 left rc t0=$SECONDS
+    shift 2
+    left=$((BUDGET - (SECONDS - start)))
+    if [ "$left" -lt 15 ]; then
+        echo "== $name: skipped, budget spent" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    local why="rc $rc"
+    [ "$rc" -eq 124 ] && why="cut off at ${limit} s"
+    echo "== $name: $why, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+    tail -n 25 "$OUT/$name.log"
+}
+
+: > "$OUT/summary.txt"
+if [ "$SMOKE" = 1 ]; then
+    feed=(--quick --device cpu --width 4 --workers 2)
+    train=(--device cpu --reps 1 --samples 8 --steps 2 --sides 32 48 --cpu-side 32
+        --halo-side 32 --job-steps 2)
+else
+    # 48 samples of 32 MiB (1.5 GiB), one repetition: about a minute a case on an H100
+    feed=(--samples 48 --steps 24 --warmup 6 --reps 1 --workers "8,14")
+    train=(--reps 1 --steps 20 --sides 128 192 256 320 384)
+fi
+
+step env 60 bash -c "nvidia-smi || true; $PY -c 'import torch; print(torch.__version__, \
+torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\")'; \
+$PY deploy/check_mpi.py || true"
+step cuda-tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests
+step gpu-feed 200 "$PY" benchmarks/gpu_feed.py "${feed[@]}" --json "$OUT/gpu_feed.json"
+step train-gpu 200 "$PY" benchmarks/train_gpu.py "${train[@]}"
+mode=""
+[ "$SMOKE" = 1 ] && mode=" (CPU smoke run)"
+echo "== all steps: $((SECONDS - start)) s of a ${BUDGET} s budget$mode" | tee -a "$OUT/summary.txt"
