@@ -97,14 +97,15 @@ def test_each_spatial_rank_gets_its_block_with_halo(h5, parts, halo):
     path, x, _ = h5
     grid = Grid((D, D, D), parts, halo, "zero")
     for rank in range(grid.nblocks):
-        loader = DataStoreLoader(
-            str(path),
-            batch_size=4,
-            rank=rank,
-            world=grid.nblocks,
-            spatial={"parts": parts, "halo": halo},
-            fields=["x", "idx"],
-        )
+        with pytest.warns(UserWarning, match=f"{grid.nblocks} ranks .given. but no MPI"):
+            loader = DataStoreLoader(
+                str(path),
+                batch_size=4,
+                rank=rank,
+                world=grid.nblocks,
+                spatial={"parts": parts, "halo": halo},
+                fields=["x", "idx"],
+            )
         for batch in loader:
             for j, i in enumerate(batch["idx"].tolist()):
                 assert np.array_equal(
@@ -129,7 +130,10 @@ def test_bad_arguments_are_named(h5):
         DataStoreLoader(path, batch_size=4, fields=["z"])
     with pytest.raises(ValueError, match="exactly one of batch_size"):
         DataStoreLoader(path)
-    with pytest.raises(ValueError, match="not a multiple of 2 spatial blocks"):
+    with (
+        pytest.raises(ValueError, match="not a multiple of 2 spatial blocks"),
+        pytest.warns(UserWarning, match="3 ranks .given. but no MPI"),
+    ):
         DataStoreLoader(path, batch_size=2, rank=0, world=3, spatial={"parts": (2, 1, 1)})
 
 
