@@ -104,6 +104,7 @@ class LocalView:
     def __init__(self, local: Any, begins: Sequence[int], counts: Sequence[int], num_samples: int):
         self.local = local
         self.fields = local.fields
+        self.format = getattr(local, "format", "")  # what ``datastore status`` shows
         begins, counts = np.asarray(begins, np.int64), np.asarray(counts, np.int64)
         order = np.argsort(begins, kind="stable")
         self._begin, self._count = begins[order], counts[order]

@@ -117,7 +117,7 @@ def test_a_job_across_two_grpc_peers_gets_the_embedded_batches(store, spatial):
         assert (st.node, st.nodes) == (node, 2)
         assert st.bytes_exchanged > 0  # some of every batch lived on the other node
         (ds,) = st.datasets
-        assert ds.num_samples == 20 and ds.local_samples == 10
+        assert (ds.num_samples, ds.local_samples, ds.format) == (20, 10, "npy")
     table = subprocess.run(
         [sys.executable, "-m", "datastore", "status", "--socket", str(s.sockets[1])],
         capture_output=True,
