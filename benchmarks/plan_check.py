@@ -7,21 +7,25 @@ What is done
    - "parallel filesystem" read: the source files read once more in 1 MiB reads, as staging
      finds them (the page cache cannot be dropped here without root: warm);
    - "NVMe" write: 256 MiB written and ``fdatasync``-ed next to the destinations by one writer
-     (one node), and by two at once (each of two "nodes" sharing this one disk);
+     (one node), and by two at once (each of two "nodes" sharing this one disk); the median of
+     3 tries each (this disk's rate moves by tens of percent from one to the next);
    - "network": MPI point-to-point between two processes (``mpiexec -n 2``), 64 MiB messages
-     both ways;
-   - a stage's fixed cost: ``datastore stage`` of one small file, alone and under
-     ``mpiexec -n 2``, subtracted from the timed stages below (interpreter, MPI start-up).
+     both ways.
 
 2. **The model**: ``datastore plan SRC --json`` with those figures, for 1 node and for 2 nodes
-   of 1 rank each, global batch ``2 B``, step ``--step-time``.
+   of 1 rank each, global batch ``2 B``, step ``--step-time``; once with the link alone
+   (``--network-bw``), once with ``--exchange-bw``, the store's own exchange rate calibrated
+   on a separate job at ``--calibrate-batch`` samples a rank (half of ``B`` by default): the
+   bytes it exchanged per step over the time they added to its step.
 
 3. **Real runs** on a dataset of ``--samples`` ``.npy`` files, float32 (4, S, S, S), written by
    ``benchmarks/peers.py``'s generator:
 
    - staging: ``datastore stage SRC --to DEST`` (replicate, 1 node), then
      ``mpiexec -n 2 datastore stage SRC --to DEST/node{node} --ranks-per-node 1`` replicated
-     and ``--mode shard``, as ``tests/test_stage_mpi.py`` runs them;
+     and ``--mode shard``, as ``tests/test_stage_mpi.py`` runs them; the time is the stage's
+     own (``--json``'s ``seconds``: planning, copying, the final ``syncfs``; the interpreter's
+     and MPI's start-up left out, as the model leaves them out);
    - resident bytes: ``mpiexec -n 2 python -m mpi4py -m datastore serve`` over the replicated
      copies, then over the sharded ones (``benchmarks/peers.py``'s ``Store``); after a job, each
      service's ``datastore status --json`` (``datasets[].bytes_resident``);
@@ -36,7 +40,7 @@ What is done
 
 Usage::
 
-    python benchmarks/plan_check.py              # about 30 s on 2 cores
+    python benchmarks/plan_check.py              # about 25 s on 2 cores
     python benchmarks/plan_check.py --samples 48 --side 48 --out /tmp/plan_check.json
 """
 
@@ -88,8 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=96, help="samples (default 96)")
     p.add_argument("--side", type=int, default=64, help="a sample is (4,S,S,S) float32")
     p.add_argument("--batch", type=int, default=4, help="samples per rank per step")
-    p.add_argument("--epochs", type=int, default=3, help="timed epochs of each job")
+    p.add_argument("--epochs", type=int, default=8, help="timed epochs of each job")
     p.add_argument("--step-time", type=float, default=0.1, help="the step the shares are of")
+    p.add_argument(
+        "--calibrate-batch", type=int, default=None,
+        help="samples per rank of the job that measures --exchange-bw (default: batch / 2)",
+    )  # fmt: skip
     p.add_argument(
         "--out",
         "--json",
@@ -98,8 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also write the results as JSON (benchmarks/report.py reads it)",
     )
     args = p.parse_args(argv)
-    if args.samples < 4 * args.batch or args.samples % (2 * args.batch):
-        p.error("--samples must be a multiple of 2 x --batch, and at least 4 x --batch")
+    args.calibrate_batch = args.calibrate_batch or max(1, args.batch // 2)
+    for flag, b in (("--batch", args.batch), ("--calibrate-batch", args.calibrate_batch)):
+        if args.samples < 4 * b or args.samples % (2 * b):
+            p.error(f"--samples must be a multiple of 2 x {flag}, and at least 4 x {flag}")
     return args
 
 
@@ -152,24 +162,26 @@ def mpi_bw(env: dict[str, str]) -> float:
 
 
 def stage(src: str, dest: str, nodes: int, mode: str, env: dict[str, str]) -> float:
-    """Wall seconds of ``datastore stage SRC --to DEST`` (under ``mpiexec -n nodes``, one rank a
-    node, DEST a ``{node}`` template, when ``nodes > 1``)."""
-    cmd = [sys.executable, "-m", "datastore", "stage", src, "--to", dest, "--mode", mode, "-q"]
+    """The seconds ``datastore stage SRC --to DEST`` reports (under ``mpiexec -n nodes``, one
+    rank a node, DEST a ``{node}`` template, when ``nodes > 1``)."""
+    cmd = [sys.executable, "-m", "datastore", "stage", src, "--to", dest, "--mode", mode]
+    cmd += ["--json"]
     if nodes > 1:
         cmd = [venv_tool("mpiexec"), "-n", str(nodes), *cmd, "--ranks-per-node", "1"]
-    t0 = time.monotonic()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    seconds = time.monotonic() - t0
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout}{r.stderr}")
-    return seconds
+    return float(json.loads(r.stdout.strip().splitlines()[-1])["seconds"])
 
 
 # ----------------------------------------------------------------------------- the model
 
 
-def predict(src: str, nodes: int, bw: dict[str, float], args: argparse.Namespace) -> dict:
-    """``datastore plan SRC --json`` for ``nodes`` nodes of one rank on the measured machine."""
+def predict(
+    src: str, nodes: int, bw: dict[str, float], args: argparse.Namespace, exchange: bool = False
+) -> dict:
+    """``datastore plan SRC --json`` for ``nodes`` nodes of one rank on the measured machine
+    (``exchange``: with the store's calibrated exchange rate too)."""
     free = shutil.disk_usage(args.work).free
     cmd = [sys.executable, "-m", "datastore", "plan", src, "--json"]
     cmd += ["--nodes", str(nodes), "--ranks-per-node", "1", "--gpus-per-node", "0"]
@@ -178,6 +190,8 @@ def predict(src: str, nodes: int, bw: dict[str, float], args: argparse.Namespace
     cmd += ["--nvme-write-bw", str(bw["write1" if nodes == 1 else "write2"])]
     cmd += ["--network-bw", str(bw["network"]), "--global-batch", str(nodes * args.batch)]
     cmd += ["--step-time", str(args.step_time)]
+    if exchange:
+        cmd += ["--exchange-bw", str(bw["exchange"])]
     r = subprocess.run(cmd, env=args.env, capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         sys.exit(f"datastore plan failed ({r.returncode}): {r.stderr}")
@@ -203,13 +217,14 @@ def status_json(socket: str, env: dict[str, str]) -> dict:
     return json.loads(r.stdout)
 
 
-def run_store(template: str, src: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One 2-service store over ``template``: a job of 2 ranks, then each service's resident
-    bytes; per-step time and exchanged bytes per rank per step."""
+def run_store(template: str, src: str, args: argparse.Namespace, batch: int) -> dict[str, Any]:
+    """One 2-service store over ``template``: a job of 2 ranks taking ``batch`` samples each a
+    step, then each service's resident bytes; per-step time and exchanged bytes per rank per
+    step."""
     store = Store("mpi", template, src)
     job = Job("mpi", "whole")
     peer_args = argparse.Namespace(
-        samples=args.samples, batch=args.batch, epochs=args.epochs, layouts=["whole"]
+        samples=args.samples, batch=batch, epochs=args.epochs, layouts=["whole"]
     )
     try:
         run_jobs(store, peer_args, {("mpi", "whole"): job})
@@ -259,34 +274,29 @@ def main(argv: list[str] | None = None) -> int:
         print("measuring the machine ...", flush=True)
         bw = {
             "pfs": read_bw(src),
-            "write1": write_bw(work, 1),
-            "write2": write_bw(work, 2),
+            "write1": median([write_bw(work, 1) for _ in range(3)]),
+            "write2": median([write_bw(work, 2) for _ in range(3)]),
             "network": mpi_bw(env),
         }
-        tiny = os.path.join(tmp, "tiny")
-        os.makedirs(tiny)
-        with open(os.path.join(tiny, "one.bin"), "wb") as f:
-            f.write(b"x" * 4096)
-        fixed = {
-            1: stage(tiny, os.path.join(tmp, "t1"), 1, "replicate", env),
-            2: stage(tiny, os.path.join(tmp, "t2", "node{node}"), 2, "replicate", env),
-        }
-        print("predicting ...", flush=True)
-        one, two = predict(src, 1, bw, args), predict(src, 2, bw, args)
-
         print("staging ...", flush=True)
         for path in copies.values():
             shutil.rmtree(path, ignore_errors=True)
         staged = {
-            "rep1": stage(src, copies["rep1"], 1, "replicate", env) - fixed[1],
-            "rep2": stage(src, copies["rep2"] + "/node{node}", 2, "replicate", env) - fixed[2],
-            "shard2": stage(src, copies["shard2"] + "/node{node}", 2, "shard", env) - fixed[2],
+            "rep1": stage(src, copies["rep1"], 1, "replicate", env),
+            "rep2": stage(src, copies["rep2"] + "/node{node}", 2, "replicate", env),
+            "shard2": stage(src, copies["shard2"] + "/node{node}", 2, "shard", env),
         }
         print("serving ...", flush=True)
-        served = {
-            k: run_store(os.path.join(copies[k], "node{node}", "src"), src, args)
-            for k in ("rep2", "shard2")
-        }
+        served, calibration = {}, {}
+        for k in ("rep2", "shard2"):
+            template = os.path.join(copies[k], "node{node}", "src")
+            calibration[k] = run_store(template, src, args, args.calibrate_batch)
+            served[k] = run_store(template, src, args, args.batch)
+        added = calibration["shard2"]["step_s"] - calibration["rep2"]["step_s"]
+        bw["exchange"] = calibration["shard2"]["exchange_bytes"] / max(added, 1e-6)
+        print("predicting ...", flush=True)
+        one, two = predict(src, 1, bw, args), predict(src, 2, bw, args)
+        two_cal = predict(src, 2, bw, args, exchange=True)
     finally:
         for path in [tmp, *copies.values()]:
             shutil.rmtree(path, ignore_errors=True)
@@ -305,10 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     for k, mode in (("rep2", "replicate"), ("shard2", "shard")):
         pred = row(two, mode)["exchange_bytes"]
         rows.append((f"exchange/rank/step, {mode}", pred, served[k]["exchange_bytes"], "MiB"))
-    shard_row = row(two, "shard")
-    rows.append(("exchange time/step, shard", shard_row["exchange_s"], extra, "ms"))
     share = extra / args.step_time
-    rows.append(("exchange share, shard", shard_row["exchange_share"], share, "%"))
+    for plan, how in ((two, "link"), (two_cal, "calibrated exchange_bw")):
+        shard_row = row(plan, "shard")
+        rows.append((f"exchange time/step, shard ({how})", shard_row["exchange_s"], extra, "ms"))
+        rows.append((f"exchange share, shard ({how})", shard_row["exchange_share"], share, "%"))
 
     mb = 16 * args.side**3 / MIB
     lines = [
@@ -317,17 +328,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.batch} a rank, step {args.step_time} s",
         f"measured: read {bw['pfs'] / 1e9:.2f} GB/s (page cache, warm), write "
         f"{bw['write1'] / 1e9:.2f} GB/s (1 writer) / {bw['write2'] / 1e9:.2f} GB/s each (2), "
-        f"MPI {bw['network'] / 1e9:.2f} GB/s; stage start-up {fixed[1]:.2f} s (1 node), "
-        f"{fixed[2]:.2f} s (mpiexec -n 2), subtracted",
+        f"MPI {bw['network'] / 1e9:.2f} GB/s; staging times are the stages' own (--json)",
         "",
         "| quantity | predicted | measured | error |",
         "|---|---:|---:|---:|",
         *(f"| {n} | {fmt(p, u)} | {fmt(m, u)} | {err(p, m)} |" for n, p, m, u in rows),
         "",
         f"step time of the job (no compute): replicated {served['rep2']['step_s'] * 1e3:.1f} ms, "
-        f"sharded {served['shard2']['step_s'] * 1e3:.1f} ms; the exchange's effective rate "
-        f"{served['shard2']['exchange_bytes'] / extra / 1e9 if extra > 0 else float('nan'):.2f} "
-        "GB/s (pass it as --network-bw to fold the service's own costs in)",
+        f"sharded {served['shard2']['step_s'] * 1e3:.1f} ms; the store's exchange rate "
+        f"calibrated at batch {args.calibrate_batch} (given as --exchange-bw): "
+        f"{bw['exchange'] / 1e9:.2f} GB/s",
         f"recommended for 2 nodes: {two['recommended']['staging']}, "
         f"shuffle={two['recommended']['shuffle']!r}",
         "machine: " + machine_info(),
@@ -342,7 +352,6 @@ def main(argv: list[str] | None = None) -> int:
         ]  # fmt: skip
         doc = {
             "bandwidths": bw,
-            "fixed_s": fixed,
             "rows": [
                 {"quantity": n, "predicted": p, "measured": m, "unit": u} for n, p, m, u in rows
             ],

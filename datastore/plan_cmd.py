@@ -118,6 +118,13 @@ DEFAULTS: dict[str, tuple[Callable[[Any, str], Any], Any, str]] = {
     "pfs_read_bw": (_rate, "100G", "parallel filesystem read bandwidth, shared by the nodes"),
     "nvme_write_bw": (_rate, "2G", "one node's NVMe write bandwidth"),
     "network_bw": (_rate, "25G", "one node's network link bandwidth"),
+    "exchange_bw": (
+        _rate,
+        None,
+        "how fast a node's store exchanges samples end to end: "
+        "cutting, packing, the link, unpacking (measured: benchmarks/plan_check.py; "
+        "default: the link)",
+    ),
     "global_batch": (_count(1), None, "samples per step over all ranks"),
     "step_time": (_seconds, None, "seconds of one training step (0.25, 250ms)"),
     "spatial": (_splits, (), "a spatial split to weigh, e.g. 2,1,1 (repeat for several)"),
@@ -130,7 +137,7 @@ DEFAULTS: dict[str, tuple[Callable[[Any, str], Any], Any, str]] = {
 }
 MACHINE = (
     "nodes", "gpus_per_node", "ranks_per_node", "memory_per_node", "gpu_memory",
-    "nvme_per_node", "pfs_read_bw", "nvme_write_bw", "network_bw",
+    "nvme_per_node", "pfs_read_bw", "nvme_write_bw", "network_bw", "exchange_bw",
 )  # fmt: skip
 
 EPILOG = """\
@@ -146,6 +153,7 @@ bytes (per second). Every key of the file is a flag's name with underscores:
   pfs_read_bw = "80G"       # measured: the job's share of the filesystem
   nvme_write_bw = "5G"
   network_bw = "23G"
+  exchange_bw = "6G"        # measured: the store's own exchange rate (plan_check.py)
   global_batch = 256
   step_time = 0.4
 
@@ -229,6 +237,9 @@ def values_of(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]
             origin[key] = args.machine
         elif key == "ranks_per_node":  # one per GPU
             values[key] = max(1, values["gpus_per_node"])
+            origin[key] = "default"
+        elif key == "exchange_bw":  # the link, no cost of its own
+            values[key] = values["network_bw"]
             origin[key] = "default"
         elif default is None:
             raise ValueError(f"missing {flag} (or {key} = ... in the --machine file)")
@@ -353,8 +364,9 @@ def format_text(plan: Plan, name: str, origin: dict[str, str]) -> str:
         f"{human_bytes(ds.stored_bytes)} on disk",
         f"machine: {m.nodes:,} nodes x {m.ranks_per_node} ranks ({gpus}); per node "
         f"{human_bytes(m.memory_per_node)} memory, {human_bytes(m.nvme_per_node)} NVMe, "
-        f"NVMe write {_rate_text(m.nvme_write_bw)}, network {_rate_text(m.network_bw)}; "
-        f"PFS read {_rate_text(m.pfs_read_bw)} shared",
+        f"NVMe write {_rate_text(m.nvme_write_bw)}, network {_rate_text(m.network_bw)}"
+        + (f" (exchange {_rate_text(m.exchange_rate)})" if m.exchange_rate < m.network_bw else "")
+        + f"; PFS read {_rate_text(m.pfs_read_bw)} shared",
         f"job: global batch {job.global_batch:,}, step {job.step_time:.3g} s, prefetch "
         f"{job.prefetch}, halo {','.join(map(str, job.halo))} ({job.boundary})",
     ]

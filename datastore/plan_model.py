@@ -35,8 +35,10 @@ Exchange under a shuffle (per step, per rank; what crosses the network)
     ``"none"`` moves as many bytes but every global batch lies on one node, which sends it
     all. ``"shard"`` and ``"window:K"`` keep each data rank on its home (the samples its own
     ranks hold): nothing crosses the network unless a spatial group spans nodes. The time is
-    the busiest node link's bytes over ``network_bw``; its share of a step is that over
-    ``step_time`` (a share above 1: the exchange cannot keep up, whatever the prefetch).
+    the busiest node link's bytes over ``min(network_bw, exchange_bw)``, the store's own rate
+    (cutting blocks, packing, unpacking: measured, it can be well below the link); its share
+    of a step is that over ``step_time`` (a share above 1: the exchange cannot keep up,
+    whatever the prefetch).
 
 A spatial split of ``S`` blocks leaves ``W = N R / S`` data ranks, each taking
 ``global_batch / W`` samples a step; a rank's memory is that many blocks with halo
@@ -176,6 +178,8 @@ class Machine:
         pfs_read_bw: the parallel filesystem's read bandwidth, shared by every node of the job.
         nvme_write_bw: one node's NVMe write bandwidth.
         network_bw: one node's network link (each way).
+        exchange_bw: how fast a node's store exchanges samples end to end (cutting, packing,
+            the link, unpacking), as measured; ``None``: the link's rate.
     """
 
     nodes: int
@@ -187,6 +191,7 @@ class Machine:
     pfs_read_bw: float
     nvme_write_bw: float
     network_bw: float
+    exchange_bw: float | None = None
 
     def __post_init__(self) -> None:
         _set(self, "nodes", _whole("nodes", self.nodes, 1))
@@ -196,6 +201,14 @@ class Machine:
             _set(self, name, _whole(name, getattr(self, name), 0))
         for name in ("pfs_read_bw", "nvme_write_bw", "network_bw"):
             _set(self, name, _positive(name, getattr(self, name)))
+        if self.exchange_bw is not None:
+            _set(self, "exchange_bw", _positive("exchange_bw", self.exchange_bw))
+
+    @property
+    def exchange_rate(self) -> float:
+        """Bytes per second a node's exchange moves: its link, or the store's own rate if
+        slower."""
+        return min(self.network_bw, self.exchange_bw or self.network_bw)
 
     @property
     def world(self) -> int:
@@ -462,7 +475,7 @@ def exchange_cost(
         node_out = job.global_batch * split.sample_delivered_bytes * remote
     else:
         node_out = node_in
-    return round(per_rank), max(node_in, node_out) / m.network_bw
+    return round(per_rank), max(node_in, node_out) / m.exchange_rate
 
 
 def _buffers(m: Machine, job: Job, split: Split, source: str) -> int:

@@ -96,6 +96,7 @@ def test_the_machine_file_and_flags_over_defaults(tmp_path):
     assert out["origin"]["nodes"] == "flag"
     assert out["origin"]["network_bw"] == str(machine)
     assert out["origin"]["pfs_read_bw"] == "default"
+    assert (out["machine"]["exchange_bw"], out["origin"]["exchange_bw"]) == (1 << 30, "default")
     whole = out["splits"][0]
     assert whole["rank_sample_bytes"] == 10 * 10 * 10 * 4  # (8 + 2 halo)^3 float32
 

@@ -152,6 +152,17 @@ def test_exchange_per_shuffle():
     assert exchange_cost(m, job, s, "shard", "window:64") == (0, 0.0)
 
 
+def test_the_stores_own_exchange_rate_bounds_the_link():
+    job = Job(global_batch=16, step_time=0.01)
+    s = split_cost(flat(64, MIB), machine(), job, None)
+    slow = machine(exchange_bw=GIB / 4)  # the store moves a quarter of what the link could
+    assert slow.exchange_rate == GIB / 4
+    assert exchange_cost(slow, job, s, "shard", "global") == (3 * MIB // 2, 12 * MIB / GIB)
+    fast = machine(exchange_bw=8 * GIB)  # never faster than the link
+    assert exchange_cost(fast, job, s, "shard", "global") == (3 * MIB // 2, 3 * MIB / GIB)
+    assert machine().exchange_rate == machine().network_bw  # default: the link
+
+
 def test_layouts_memory_and_sources():
     ds, m, job = flat(64, MIB), machine(), Job(global_batch=16, step_time=0.01)
     rows = {(r.staging, r.shuffle): r for r in layouts(ds, m, job, split_cost(ds, m, job, None))}
@@ -275,6 +286,8 @@ def test_configs_refuse_bad_values():
         machine(memory_per_node=-5)
     with pytest.raises(PlanError, match="network_bw must be a finite number > 0"):
         machine(network_bw=math.inf)
+    with pytest.raises(PlanError, match="exchange_bw must be a finite number > 0"):
+        machine(exchange_bw=0)
     with pytest.raises(PlanError, match="step_time must be a finite number > 0, got 0"):
         Job(global_batch=1, step_time=0)
     with pytest.raises(PlanError, match="boundary must be one of"):
