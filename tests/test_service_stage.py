@@ -160,6 +160,47 @@ def test_load_makes_dest_resident_once_staged(service, root):
     assert (x.num_samples, x.bytes_total, x.sessions) == (4, 4 * 2 * 3 * 4, 0)
 
 
+def test_load_makes_each_staged_directory_resident_under_its_name(service, root):
+    """A directory source lands under its own name in DEST (as with ``cp -r``): ``load`` makes
+    that path resident; a staged directory that is no dataset fails the call, naming it, after
+    the others were loaded and with every file in place."""
+    sock, _ = service
+    data = root / "data"
+    for name, n in (("cosmo", 3), ("unet", 2)):
+        (data / "sets" / name).mkdir(parents=True)
+        for i in range(n):
+            np.save(data / "sets" / name / f"s{i}.npy", np.full((4,), i, np.int32))
+    (data / "sets" / "notes").mkdir()
+    (data / "sets" / "notes" / "README.txt").write_text("not samples")
+    dest = data / "landed"
+    sources = [str(data / "sets" / name) for name in ("cosmo", "unet")]
+    last = stage_call(sock, sources=sources, dest=str(dest), load=True)[-1]
+    assert last.done and last.exit_code == 0, last.message
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        reply = pb_grpc.DataStoreStub(ch).Status(pb.StatusRequest(), timeout=10)
+    got = {x.path: x.num_samples for x in reply.datasets}
+    assert (got.get(str(dest / "cosmo")), got.get(str(dest / "unet"))) == (3, 2)
+    assert str(dest) not in got
+
+    mixed = [str(data / "sets" / "notes"), str(data / "sets" / "cosmo")]
+    with pytest.raises(grpc.RpcError) as err:
+        stage_call(sock, sources=mixed, dest=str(data / "mixed"), load=True)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(data / "mixed" / "notes") in err.value.details()
+    assert (data / "mixed" / "notes" / "README.txt").read_text() == "not samples"
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        reply = pb_grpc.DataStoreStub(ch).Status(pb.StatusRequest(), timeout=10)
+    assert str(data / "mixed" / "cosmo") in {x.path for x in reply.datasets}
+
+
+def test_landed_paths_follow_cp_r(tmp_path):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "f.npy").write_bytes(b"")
+    (tmp_path / "a.tar").write_bytes(b"")
+    srcs = [str(tmp_path / "dir") + "/", str(tmp_path / "f.npy"), str(tmp_path / "a.tar")]
+    assert stage_job.landed(srcs, "/d") == ["/d/dir", "/d"]
+
+
 def test_cli_service_streams_progress_and_exits_with_the_stage_code(service, root, env):
     sock, s = service
     data = root / "data"

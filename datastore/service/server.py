@@ -53,7 +53,7 @@ from datastore.service.peers import MpiPeers, Peers, node_path
 from datastore.service.resident import Residency, Resident, listing, resolve_dataset
 from datastore.service.session import Sessions, spatial_of
 from datastore.service.shm import reclaim_stale
-from datastore.service.stage_job import stream_stage
+from datastore.service.stage_job import landed, stream_stage
 from datastore.service.stream import Stream, chunk_bytes
 from datastore.service.wire import MAX_MESSAGE, keep_large_blocks, serialize
 from staging.exitcodes import Exit
@@ -370,7 +370,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         try:
             for last in stream_stage(request, context.is_active, self._config.allowed_roots):
                 if last.done and last.exit_code == Exit.OK and request.load:
-                    self.residency.load(resolve_dataset(request.dest, self._config.allowed_roots))
+                    self._load_landed(request)
                 yield last
         except ServiceError as exc:
             self._refuse(context, "Stage", exc)
@@ -378,6 +378,18 @@ class Servicer(pb_grpc.DataStoreServicer):
             self._log.info("stage_done", dest=request.dest, exit_code=last.exit_code)
         else:
             self._log.warning("stage_cancelled", dest=request.dest)
+
+    def _load_landed(self, request: Any) -> None:
+        """Make what a stage put in DEST resident (:func:`landed`): every dataset among those
+        paths is loaded; the first that is not one then fails the call, naming it."""
+        failed = None
+        for path in landed(request.sources, request.dest):
+            try:
+                self.residency.load(resolve_dataset(path, self._config.allowed_roots))
+            except ServiceError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
         g = request.grace_s

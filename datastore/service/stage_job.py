@@ -34,7 +34,7 @@ from datastore.service.paths import checked_path, shown
 from staging.cluster import LAUNCH_ENV
 from staging.confine import beneath
 
-__all__ = ["KILL_AFTER_S", "stage_argv", "stream_stage"]
+__all__ = ["KILL_AFTER_S", "landed", "stage_argv", "stream_stage"]
 
 KILL_AFTER_S = 5.0
 POLL_S = 0.2
@@ -75,6 +75,19 @@ def stage_argv(request: Any, allowed_roots: Sequence[Path | str] = ()) -> list[s
     if request.streams:
         argv += ["--streams", str(request.streams)]
     return argv
+
+
+def landed(sources: Sequence[str], dest: str) -> list[str]:
+    """Where a finished stage put its sources, as datasets to make resident: each directory
+    source under its own name in ``dest``, and ``dest`` itself for the files and archives that
+    land (or are unpacked) straight into it."""
+    out: list[str] = []
+    for src in sources:
+        name = os.path.basename(os.path.abspath(src).rstrip("/"))
+        where = os.path.join(dest, name) if os.path.isdir(src) else dest
+        if where not in out:
+            out.append(where)
+    return out
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
