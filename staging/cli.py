@@ -148,12 +148,24 @@ def add_parser(sub: Any) -> None:
         metavar="PATH",
         help="the shared secret of a service reached over TCP (--service HOST:PORT)",
     )
+    p.add_argument(
+        "--load",
+        action="store_true",
+        help="with --service: once staged, make it resident in that service (each directory "
+        "source as DEST/NAME, DEST itself for files and archives)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Stage here (``--service`` is handed to the service by ``datastore.cli``)."""
+    if args.load:
+        print(
+            "datastore stage: error: --load needs --service (the service holds what it loads)",
+            file=sys.stderr,
+        )
+        return Exit.BAD_INPUT
     try:
         cfg = StageConfig(
             dest=args.dest,

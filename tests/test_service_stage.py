@@ -193,6 +193,27 @@ def test_load_makes_each_staged_directory_resident_under_its_name(service, root)
     assert str(data / "mixed" / "cosmo") in {x.path for x in reply.datasets}
 
 
+def test_cli_load_with_service_makes_the_staged_directory_resident(service, root, env):
+    sock, _ = service
+    data = root / "data"
+    (data / "cli-load" / "samples").mkdir(parents=True)
+    for i in range(3):
+        np.save(data / "cli-load" / "samples" / f"s{i}.npy", np.full((2,), i, np.int16))
+    dest = data / "cli-load-dst"
+    r = cli_stage(data / "cli-load" / "samples", "--to", dest, "--service", sock, "--load",
+                  env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    status = subprocess.run(
+        [sys.executable, "-m", "datastore", "status", "--socket", str(sock), "--json"],
+        env=env, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    paths = {d["path"]: d["num_samples"] for d in json.loads(status.stdout)["datasets"]}
+    assert paths.get(str(dest / "samples")) == 3
+    alone = cli_stage(data / "cli-load" / "samples", "--to", data / "x", "--load", env=env)
+    assert alone.returncode == 2 and "--load needs --service" in alone.stderr
+    assert not (data / "x").exists()
+
+
 def test_landed_paths_follow_cp_r(tmp_path):
     (tmp_path / "dir").mkdir()
     (tmp_path / "f.npy").write_bytes(b"")

@@ -72,6 +72,7 @@ def run_remote(args: argparse.Namespace) -> int:
         verify=args.verify,
         unpack=not args.no_unpack,
         streams=args.streams,
+        load=args.load,
     )
     target = target_of(address)
     with grpc.insecure_channel(target) as channel:
