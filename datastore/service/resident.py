@@ -19,6 +19,7 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from datastore.store import SlotSpec, Store
 from staging.confine import beneath
 
 __all__ = ["Residency", "Resident", "resolve_dataset"]
+
+DESCRIBE_THREADS = 16  # peers asked at once for their files of a dataset
 
 
 def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
@@ -360,10 +363,11 @@ class Residency:
         if self.link is None or self.link.nodes == 1:
             return None
         mine = listing(path, self.roots)
-        every = [
-            mine if n == self.node else self.link.describe(n, template)
-            for n in range(self.link.nodes)
-        ]
+        link, others = self.link, [n for n in range(self.link.nodes) if n != self.node]
+        with ThreadPoolExecutor(min(DESCRIBE_THREADS, len(others))) as pool:  # one wait, not N
+            asked = pool.map(lambda n: link.describe(n, template), others)
+            theirs = dict(zip(others, asked, strict=True))
+        every = [mine if n == self.node else theirs[n] for n in range(link.nodes)]
         if not all(ok for ok, _, _ in every) or all(held == mine[1] for _, held, _ in every):
             return None
         if any(sig != mine[2] for _, _, sig in every):
