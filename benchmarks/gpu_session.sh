@@ -9,6 +9,8 @@
 # On the CPU machine, once:   ../shared/tools/gpu-wheels.sh --mpi    (fills .whl/)
 # Then one device run:        carry [".whl"], timeout_s 590, command
 #                             bash benchmarks/gpu_session.sh
+# Afterwards, here: copy the returned gpu_feed.json to benchmarks/results/ and run
+#                             python benchmarks/report.py --skip-run   (docs/benchmarks.md, plots)
 # Locally (no GPU), a smoke run of the same steps at toy sizes on the CPU:
 #                             GPU_SESSION_SMOKE=1 OUT=/tmp/gs bash benchmarks/gpu_session.sh
 #
