@@ -141,7 +141,8 @@ def job(a, n: int, side: int, parts: str, halo: bool, reduce: bool, device: str)
         cmd = [sys.executable, *script]
     else:
         cmd = [venv_tool("mpiexec"), "-n", str(n), sys.executable, "-m", "mpi4py", *script]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(max(1, a.threads // n))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, a.threads // n))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     for _ in range(3):  # gloo's teardown at exit aborts now and then (pytorch/pytorch#190489)
         proc = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
         if proc.returncode == 0:
@@ -233,6 +234,8 @@ def main() -> None:
     a = p.parse_args()
     device = torch.device(a.device)
     gpu = device.type == "cuda"
+    if gpu and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     for key, on_gpu, on_cpu in (("side", 128, 32), ("width", 32, 4), ("batch", 8, 4),
                                 ("samples", 64, 32), ("steps", 30, 5), ("halo_side", 128, 64),
                                 ("job_steps", 10, 5)):  # fmt: skip

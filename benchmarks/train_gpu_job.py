@@ -80,6 +80,7 @@ def run(a: dict[str, Any], grid: ProcessGrid, device: torch.device) -> dict[str,
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             out = model(x)
         torch.nn.functional.mse_loss(out.float(), y).backward()
+        sync(device)
         t1 = time.perf_counter()
         reducer.finish()
         sync(device)

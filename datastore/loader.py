@@ -466,6 +466,8 @@ class DataStoreLoader(EpochPosition):
     def _produce(self, epoch: int, start: int, q: queue.Queue, stop: threading.Event) -> None:
         o, lay = self.options, self.layout
         try:
+            if self._stage is not None and self._stage.stream is not None:
+                torch.cuda.set_device(self._stage.device)
             batches = self._host_batches(epoch, start, stop)
             for step, buf in batches:
                 host = buf.tensors if self._stage is not None else buf.views()

@@ -75,6 +75,7 @@ def test_bad_device_and_threads_are_named(h5):
             DataStoreLoader(h5[0], batch_size=2, device="cuda")
 
 
+@pytest.mark.cuda
 @CUDA
 def test_device_batches_arrive_on_the_gpu_and_equal_the_host_ones(h5):
     path, _ = h5

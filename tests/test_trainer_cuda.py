@@ -24,7 +24,10 @@ pytestmark = [
 
 ROOT = Path(__file__).parent.parent
 ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+ENV.update(
+    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    OMP_NUM_THREADS="1",
+)
 
 
 @pytest.fixture(scope="module")

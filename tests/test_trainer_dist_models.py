@@ -21,7 +21,10 @@ pytestmark = pytest.mark.mpi
 JOBS = Path(__file__).parent / "trainer_jobs"
 ROOT = Path(__file__).parent.parent
 ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+ENV.update(
+    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    OMP_NUM_THREADS="1",
+)
 TOL = 1e-5
 
 
@@ -58,7 +61,7 @@ def test_dist_layers_on_cuda_equal_single_process(n, tmp_path):
     """The same on the GPU: every rank on GPU 0 over gloo (halos, BatchNorm sums, the gathered
     flatten and the gradient buckets staged through pinned host memory); splits along 1, 2 and
     3 axes and a 2 data x 2 spatial world."""
-    results = run_job(n, tmp_path / "out.json", "cuda")
+    results = run_job(n, tmp_path / "out.json", "cuda:0")
     want = {
         2: ["parts=(1, 1, 2), data=1", "parts=(2, 1, 1), data=1"],
         4: ["parts=(2, 1, 1), data=2", "parts=(2, 2, 1), data=1"],

@@ -29,7 +29,10 @@ import spatial_job  # noqa: E402  (the case list, to parametrize over)
 
 # No launcher variables leak in from an outer job: each test picks its launcher itself.
 ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+ENV.update(
+    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    OMP_NUM_THREADS="1",
+)
 
 
 def mpirun(n: int, job: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -131,7 +134,7 @@ def test_halo_and_conv_on_cuda_pass_the_same_checks(n, tmp_path):
     rank on the one GPU over gloo (halos staged through pinned host memory): the same exact
     halos and adjoint, and the same outputs and gradients as ``torch.nn.Conv3d``."""
     out = tmp_path / "out.json"
-    proc = mpirun(n, "spatial_job.py", str(out), "cuda", timeout=300)
+    proc = mpirun(n, "spatial_job.py", str(out), "cuda:0", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(out.read_text())
     assert sorted(got) == sorted(
