@@ -15,11 +15,11 @@
 #                             GPU_SESSION_SMOKE=1 OUT=/tmp/gs bash benchmarks/gpu_session.sh
 #
 # Variables: OUT (default ./gpu-session-out), GPU_SESSION_BUDGET seconds for all steps
-# (default 540), GPU_SESSION_SMOKE=1 (CPU, toy sizes), PYTHON (default python3).
+# (default 560), GPU_SESSION_SMOKE=1 (CPU, toy sizes), PYTHON (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/gpu-session-out}
-BUDGET=${GPU_SESSION_BUDGET:-540}
+BUDGET=${GPU_SESSION_BUDGET:-560}
 SMOKE=${GPU_SESSION_SMOKE:-0}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -67,9 +67,9 @@ fi
 step env 60 bash -c "nvidia-smi || true; $PY -c 'import torch; print(torch.__version__, \
 torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\")'; \
 $PY deploy/check_mpi.py || true"
-step cuda-tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests
-step gpu-feed 200 "$PY" benchmarks/gpu_feed.py "${feed[@]}" --json "$OUT/gpu_feed.json"
-step train-gpu 200 "$PY" benchmarks/train_gpu.py "${train[@]}"
+step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests
+step gpu-feed 170 "$PY" benchmarks/gpu_feed.py "${feed[@]}" --json "$OUT/gpu_feed.json"
+step train-gpu 140 "$PY" benchmarks/train_gpu.py "${train[@]}"
 mode=""
 [ "$SMOKE" = 1 ] && mode=" (CPU smoke run)"
 echo "== all steps: $((SECONDS - start)) s of a ${BUDGET} s budget$mode" | tee -a "$OUT/summary.txt"

@@ -15,12 +15,13 @@ service client registers its shared-memory segments with CUDA (:func:`register_h
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["DeviceStage", "parse_device", "register_host", "unregister_host"]
+__all__ = ["DeviceStage", "parse_device", "register_host", "tensors_in", "unregister_host"]
 
 
 def parse_device(device: Any) -> torch.device | None:
@@ -52,7 +53,24 @@ def register_host(array_ptr: int, nbytes: int) -> bool:
     if nbytes <= 0 or not torch.cuda.is_available():
         return False
     rc = torch.cuda.cudart().cudaHostRegister(array_ptr, nbytes, 0)
+    if int(rc) != 0:
+        _clear_last_error()
     return int(rc) == 0
+
+
+def _clear_last_error() -> None:
+    """Reset CUDA's last error after a failure we handled: the next kernel launch check in this
+    thread would otherwise report it. torch binds no ``cudaGetLastError``, so it is called in
+    the runtime library torch already loaded (none loaded: nothing to do)."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        lib.cudaGetLastError()
+        return
 
 
 def unregister_host(array_ptr: int) -> None:
@@ -93,8 +111,19 @@ class DeviceStage:
             return batch
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
-        values = batch.values() if isinstance(batch, dict) else [batch]
-        for t in values:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
+        for t in tensors_in(batch):
+            if t.is_cuda:
                 t.record_stream(current)
         return batch
+
+
+def tensors_in(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of a batch as a transform may return it: a tensor, or dicts, lists and
+    tuples of them, nested."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple):
+        return [t for item in batch for t in tensors_in(item)]
+    return []

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from datastore import DataStoreLoader
+from datastore.device import tensors_in
 from datastore.order import Schedule
 from datastore.partition import Grid, extract_block
 
@@ -65,6 +66,14 @@ def test_any_number_of_gather_threads_gives_the_same_bytes(h5, threads):
         assert np.array_equal(batch["x"].numpy(), x[batch["idx"].numpy()])
 
 
+def test_every_tensor_a_transform_returns_is_found_for_the_consumer_stream():
+    a, b, c = torch.zeros(1), torch.ones(2), torch.arange(3)
+    assert tensors_in(a)[0] is a
+    found = tensors_in({"x": (a, [b]), "y": c, "meta": "label", "n": 3})
+    assert [id(t) for t in found] == [id(a), id(b), id(c)]
+    assert tensors_in(("no", 1)) == []
+
+
 def test_bad_device_and_threads_are_named(h5):
     with pytest.raises(ValueError, match="threads"):
         DataStoreLoader(h5[0], batch_size=2, threads=0)
@@ -73,6 +82,56 @@ def test_bad_device_and_threads_are_named(h5):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             DataStoreLoader(h5[0], batch_size=2, device="cuda")
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "message"),
+    [
+        ({"fields": []}, ValueError, r"fields=\[\] names no field"),
+        ({"seed": "abc"}, ValueError, "seed must be an int, got 'abc'"),
+        ({"seed": 1.5}, ValueError, "seed must be an int, got 1.5"),
+        ({"drop_last": "no"}, ValueError, "drop_last must be True or False, got 'no'"),
+        ({"preload": "no"}, ValueError, "preload must be True or False"),
+        ({"exchange": "yes"}, ValueError, "exchange must be True, False or None"),
+        ({"timeout": "5"}, ValueError, "timeout must be a number of seconds, got '5'"),
+        ({"timeout": float("inf")}, ValueError, "timeout must be > 0 seconds and finite"),
+        ({"memory_budget": float("nan")}, ValueError, "memory_budget must be a finite size"),
+        ({"rank": "0", "world": "1"}, ValueError, "rank must be an int, got '0'"),
+        ({"transform": 5}, TypeError, "transform must be a function of the batch, got 5"),
+        ({"collate": "x"}, TypeError, "collate must be a function of the batch"),
+    ],
+)
+def test_careless_arguments_are_named_when_made(h5, kw, error, message):
+    with pytest.raises(error, match=message):
+        DataStoreLoader(h5[0], batch_size=2, **kw)
+
+
+def test_a_spill_dir_that_is_a_file_is_named(h5, tmp_path):
+    spill = tmp_path / "spill"
+    spill.write_bytes(b"")
+    with pytest.raises(ValueError, match=f"spill_dir '{spill}' is not a directory"):
+        DataStoreLoader(h5[0], batch_size=2, memory_budget=1, spill_dir=str(spill))
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (np.array([b"a", b"b", b"c"]), "has no torch tensor type"),
+        (np.zeros(3, dtype=[("a", "f4"), ("b", "i4")]), "has no torch tensor type"),
+        (np.arange(3, dtype=">f4"), "not in this machine's byte order"),
+    ],
+    ids=["bytes", "compound", "big-endian"],
+)
+def test_a_field_no_tensor_can_hold_is_named(tmp_path, data, says):
+    path = tmp_path / "odd.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(3, dtype=np.float32)
+        f["odd"] = data
+    with pytest.raises(ValueError, match=f"field 'odd': its dtype .*{says}"):
+        DataStoreLoader(str(path), batch_size=1)
+    loader = DataStoreLoader(str(path), batch_size=1, fields=["x"])  # the way out it names
+    assert len(list(loader)) == 3
+    loader.close()
 
 
 @pytest.mark.cuda

@@ -397,6 +397,27 @@ def test_killed_client_expires_and_the_other_job_streams_on(start, tmp_path, job
     assert s.proc.poll() is None
 
 
+def test_a_loader_whose_session_expired_reopens_and_carries_on(start, tmp_path):
+    """Between epochs the service closes the idle session; the next epoch reopens it and gets
+    the same batches, and the old session's mappings are dropped, not leaked."""
+    path = make_dataset(tmp_path / "data.h5")
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock), "--session-idle", "1")
+    loader = DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock), transport="shm")
+    try:
+        got = [(0, i, digest(b)) for i, b in enumerate(loader)]
+        first, old_maps = loader._source.session_id, loader._source._maps
+        until(lambda: not status(sock).sessions, 6, "the idle session closed")
+        loader.set_epoch(1)
+        got += [(1, i, digest(b)) for i, b in enumerate(loader)]
+        assert loader._source.session_id != first and loader._source._maps is not old_maps
+        assert old_maps._maps == {}  # the old session's mappings were dropped
+    finally:
+        loader.close()
+    assert got == embedded_hashes(path, epochs=2)
+    assert [x["event"] for x in s.logs()].count("session_expired") == 1
+
+
 def test_sigterm_with_open_streams_exits_cleanly(start, tmp_path, jobs):
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"

@@ -69,8 +69,8 @@ def test_one_rank_trains_on_the_gpu_over_nccl(data, tmp_path, model):
 
 
 def test_ranks_sharing_the_gpu_follow_one_rank(data, tmp_path):
-    """float32 (amp off) so that the split and the whole model compute alike."""
-    more = ["amp=false", "backend=gloo"]
+    """float32 (amp and TF32 off) so that the split and the whole model compute alike."""
+    more = ["amp=false", "tf32=false", "backend=gloo"]
     one = launch(1, base(data, tmp_path / "one", *more))
     assert one.returncode == 0, one.stdout + one.stderr
     two = launch(4, base(data, tmp_path / "four", *more, "spatial_parts=[2,1,1]"))
@@ -81,12 +81,33 @@ def test_ranks_sharing_the_gpu_follow_one_rank(data, tmp_path):
 
 
 def test_lion_cub_resume_on_the_gpu_is_exact(data, tmp_path):
-    more = ["optimizer=lion_cub", "backend=gloo", "amp=false", "cudnn_benchmark=false"]
+    more = [
+        "optimizer=lion_cub",
+        "backend=gloo",
+        "amp=false",
+        "tf32=false",
+        "cudnn_benchmark=false",
+    ]
     whole = launch(2, base(data, tmp_path / "w", *more, f"checkpoint_dir={tmp_path}/w"))
     assert whole.returncode == 0, whole.stdout + whole.stderr
     ck = f"checkpoint_dir={tmp_path}/r"
     first = launch(2, base(data, tmp_path / "a", *more, ck, "steps=4"))
     rest = launch(2, base(data, tmp_path / "b", *more, ck))
+    assert first.returncode == 0 and rest.returncode == 0, rest.stdout + rest.stderr
+    (w, _), (a, _), (b, _) = (log_of(tmp_path / n) for n in "wab")
+    assert len(a + b) == len(w)
+    assert max(abs(x - y) for x, y in zip(a + b, w, strict=True)) < 1e-4  # cuDNN may vary
+
+
+def test_resume_with_dropout_on_the_gpu_repeats_the_run(data, tmp_path):
+    """Dropout on the GPU draws from the device's generator: the checkpoint carries its state,
+    so the resumed steps drop the same units as the uninterrupted run."""
+    more = ["dropout=0.5", "amp=false", "tf32=false", "cudnn_benchmark=false"]
+    whole = launch(1, base(data, tmp_path / "w", *more, f"checkpoint_dir={tmp_path}/w"))
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    ck = f"checkpoint_dir={tmp_path}/r"
+    first = launch(1, base(data, tmp_path / "a", *more, ck, "steps=4"))
+    rest = launch(1, base(data, tmp_path / "b", *more, ck))
     assert first.returncode == 0 and rest.returncode == 0, rest.stdout + rest.stderr
     (w, _), (a, _), (b, _) = (log_of(tmp_path / n) for n in "wab")
     assert len(a + b) == len(w)

@@ -98,6 +98,8 @@ class TrainConfig:
         amp: bf16 autocast of the forward pass on a GPU (ignored on the CPU). Default: ``True``.
         channels_last: the ``channels_last_3d`` memory format on a GPU. Default: ``True``.
         cudnn_benchmark: let cuDNN pick the fastest convolution algorithms. Default: ``True``.
+        tf32: float32 convolutions and matmuls on a GPU may run in TF32 (10-bit mantissa, much
+            faster); ``False`` for float32 really, as equivalence checks need. Default: ``True``.
         halo_overlap: split convolutions compute their interior while the halo travels
             (``DistConv3d(overlap=...)``; measured on the CPU at side 64: the step 10% shorter,
             peak memory per rank 0.58x of the whole sample at a 2-way split instead of 0.54x).
@@ -145,6 +147,7 @@ class TrainConfig:
     amp: bool = True
     channels_last: bool = True
     cudnn_benchmark: bool = True
+    tf32: bool = True
     halo_overlap: bool = True
     checkpoint_dir: str = ""
     checkpoint_interval: int = 0

@@ -186,6 +186,7 @@ class Trainer:
         if self.gpu:
             torch.cuda.set_device(run.device)
             torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         self.amp = self.gpu and cfg.amp
         self.memory_format = (
             torch.channels_last_3d if self.gpu and cfg.channels_last else torch.contiguous_format
@@ -321,6 +322,8 @@ class Trainer:
             "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), "step": self.step,
             "targets": self.target_sums.state_dict(), "config": cfg.to_dict(),
         }  # fmt: skip
+        if self.run.device.type == "cuda":  # dropout on the GPU draws from the device's generator
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.run.device)
         return save_checkpoint(cfg.checkpoint_dir, state)
 
     def resume(self) -> bool:
@@ -344,6 +347,8 @@ class Trainer:
         self.opt.load_state_dict(optimizer)
         self.loader.load_state_dict(saved["loader"])
         torch.set_rng_state(saved["rng"])
+        if self.run.device.type == "cuda" and "cuda_rng" in saved:
+            torch.cuda.set_rng_state(saved["cuda_rng"], self.run.device)
         self.target_sums.load_state_dict(saved["targets"])
         self.step = self.resumed_from = saved["step"]
         return True

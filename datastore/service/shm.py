@@ -130,9 +130,14 @@ class ClientMaps:
             self._pinned.append(whole)
 
     def drop(self) -> None:
-        """Forget the mappings (each is unmapped once no tensor uses it)."""
+        """Forget the mappings (each is unmapped once no tensor uses it). Page-locked ones are
+        unregistered once every copy queued on the GPU is done (one may still read them)."""
         from datastore.device import unregister_host
 
+        if self._pinned:
+            import torch
+
+            torch.cuda.synchronize()
         for whole in self._pinned:
             unregister_host(whole.ctypes.data)
         self._pinned.clear()

@@ -113,6 +113,7 @@ class ServiceSource:
             job_id=job_id or os.environ.get("SLURM_JOB_ID", ""),
             fields=list(options.fields or ()),
         )
+        self._maps: Any = None  # the shared-memory mappings of the session (ClientMaps)
         reply = self._open()
         info = {
             f.name: FieldInfo(f.name, np.dtype(f.dtype), tuple(f.shape), tuple(f.spatial_axes))
@@ -137,6 +138,8 @@ class ServiceSource:
         except grpc.RpcError as exc:
             raise self._raise_for(exc, self.address) from None
         self.session_id = reply.session_id
+        if self._maps is not None:  # reopened: the old session's mappings go
+            self._maps.drop()
         self._maps = ClientMaps(pin=self.options.device is not None)
         self._kept = collections.deque()
         return reply
