@@ -37,9 +37,20 @@ __all__ = [
     "fill_batch",
     "parse_spatial",
     "spatial_grid",
+    "tensor_dtype_problem",
 ]
 
 _PIECE = 2 << 20  # bytes: copies larger than this are split between threads
+
+
+def tensor_dtype_problem(dtype: Any) -> str | None:
+    """Why a field of ``dtype`` cannot be delivered as a torch tensor, or ``None`` if it can."""
+    dt = np.dtype(dtype)
+    if dt.kind not in "biufc" or dt.itemsize > (16 if dt.kind == "c" else 8):
+        return f"its dtype {dt.str} ({dt.name}) has no torch tensor type (numbers and bools only)"
+    if not dt.isnative:
+        return f"its dtype {dt.str} is not in this machine's byte order, as torch tensors need"
+    return None
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,7 @@ class Delivered:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # exact: no int64 wrap-around
 
 
 def covered(f: Delivered) -> tuple[tuple[slice, ...], tuple[slice, ...]]:

@@ -15,6 +15,7 @@ spread over ``threads`` threads), the batch is copied to ``device`` on a side st
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -28,7 +29,14 @@ import numpy as np
 import torch
 
 from datastore.agree import Collective, StepSync, agree
-from datastore.delivery import Delivered, Gather, delivered_fields, parse_spatial, spatial_grid
+from datastore.delivery import (
+    Delivered,
+    Gather,
+    delivered_fields,
+    parse_spatial,
+    spatial_grid,
+    tensor_dtype_problem,
+)
 from datastore.device import DeviceStage, parse_device
 from datastore.errors import ExchangeTimeout, InsufficientMemory
 from datastore.exchange import EpochPlan
@@ -80,12 +88,28 @@ class LoaderOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if isinstance(kw["fields"], str):
             raise ValueError(f"fields must be a list of names, got the string {kw['fields']!r}")
+        if kw["fields"] is not None and len(kw["fields"]) == 0:
+            raise ValueError("fields=[] names no field: name at least one, or None for all")
+        seed = kw["seed"]
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        for name in ("drop_last", "preload", "pin_memory"):
+            if not isinstance(kw[name], bool | np.bool_):
+                raise ValueError(f"{name} must be True or False, got {kw[name]!r}")
+        if kw["exchange"] is not None and not isinstance(kw["exchange"], bool | np.bool_):
+            raise ValueError(f"exchange must be True, False or None, got {kw['exchange']!r}")
         if not isinstance(kw["prefetch"], int) or kw["prefetch"] < 1:
             raise ValueError(f"prefetch must be an int >= 1, got {kw['prefetch']!r}")
         if kw["threads"] is not None and (not isinstance(kw["threads"], int) or kw["threads"] < 1):
             raise ValueError(f"threads must be an int >= 1, got {kw['threads']!r}")
-        if not kw["timeout"] > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {kw['timeout']!r}")
+        timeout = kw["timeout"]
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float | np.number):
+            raise ValueError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be > 0 seconds and finite, got {timeout!r}")
+        spill = kw["spill_dir"]
+        if spill is not None and os.path.exists(spill) and not os.path.isdir(spill):
+            raise ValueError(f"spill_dir {os.fspath(spill)!r} is not a directory")
         device = parse_device(kw["device"])
         budget = kw["memory_budget"]
         return cls(
@@ -252,6 +276,9 @@ class DataStoreLoader(EpochPosition):
         self.options: LoaderOptions | None = None
         try:
             self.options = LoaderOptions.of(**kw)
+            for name, hook in (("transform", transform), ("collate", collate)):
+                if hook is not None and not callable(hook):
+                    raise TypeError(f"{name} must be a function of the batch, got {hook!r}")
             if address is not None and self.options.shuffle not in ("global", "none"):
                 raise ValueError(
                     f"shuffle={self.options.shuffle!r} is for the embedded store: a "
@@ -362,6 +389,9 @@ class DataStoreLoader(EpochPosition):
             for n in names:
                 if n not in info:
                     raise ValueError(f"no field {n!r} in the dataset (it has {', '.join(info)})")
+                problem = tensor_dtype_problem(info[n].dtype)
+                if problem is not None:
+                    raise ValueError(f"field {n!r}: {problem}; leave it out with fields=[...]")
             info = {n: info[n] for n in names}
             grid, layout, schedule = self._layout(info, owner)
             blocks = grid.nblocks if grid is not None else 1

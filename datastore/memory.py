@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 __all__ = ["available_memory", "parse_size"]
@@ -25,6 +26,8 @@ def parse_size(value: int | str, name: str = "size") -> int:
             raise ValueError(
                 f"{name} must be bytes or a size like '512M' or '64G', got {value!r}"
             ) from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite size like '512M' or '64G', got {value!r}")
     if number < 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
     return int(number)

@@ -273,7 +273,8 @@ class Schedule:
         elif self.tail == "drop" and self.global_batch > self.num_samples:
             raise ValueError(
                 f"global batch {self.global_batch} exceeds the {self.num_samples} samples: "
-                "with tail='drop' an epoch would have no batch (use tail='pad')"
+                "with tail='drop' (drop_last=True) an epoch would have no batch (use tail='pad': "
+                "drop_last=False)"
             )
 
     def _check_homes(self, homes: Homes) -> None:

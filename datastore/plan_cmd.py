@@ -80,7 +80,7 @@ def _ints(value: Any, name: str) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         items = [value]
     out = [_count(0)(v, name) for v in items if str(v).strip()]
-    if not out:
+    if not out or len(out) != len(items):  # "4,,8" is not (4, 8)
         raise ValueError(f"{name} needs whole numbers, got {value!r}")
     return tuple(out)
 
@@ -209,7 +209,7 @@ def _read_file(path: str) -> dict[str, Any]:
             values = tomllib.load(f)
     except OSError as exc:
         raise ValueError(f"--machine {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"--machine {path}: not valid TOML ({exc})") from None
     unknown = sorted(set(values) - set(DEFAULTS))
     if unknown:

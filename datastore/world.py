@@ -21,6 +21,7 @@ The source is kept (``World.source``) and printed by the loader, so a surprise i
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,10 @@ def detect_world(
     if comm is not None:
         return World(comm.Get_rank(), comm.Get_size(), "the given MPI communicator", comm)
     given = rank is not None or world is not None
+    for name, v in (("rank", rank), ("world", world)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+            raise ValueError(f"{name} must be an int, got {v!r}")
+    rank, world = (None if v is None else int(v) for v in (rank, world))
     if given and (rank is None or world is None or not 0 <= rank < world):
         raise ValueError(f"give both rank and world, with 0 <= rank < world (got {rank}, {world})")
     if launched_by_mpi(env):

@@ -43,6 +43,14 @@ def _positive(text: str) -> int:
     return n
 
 
+def _default_streams_text() -> str:
+    """The default for ``--help``: a bad ``DATASTORE_STREAMS`` is reported when staging."""
+    try:
+        return str(default_streams())
+    except ValueError:
+        return "4 per core"
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "stage",
@@ -67,7 +75,7 @@ def add_parser(sub: Any) -> None:
         type=_positive,
         default=0,
         metavar="N",
-        help=f"parallel I/O streams per rank (default here: {default_streams()})",
+        help=f"parallel I/O streams per rank (default here: {_default_streams_text()})",
     )
     p.add_argument("--no-unpack", action="store_true", help="copy archives as they are")
     p.add_argument(

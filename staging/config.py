@@ -21,6 +21,8 @@ def default_streams() -> int:
     """
     env = os.environ.get("DATASTORE_STREAMS")
     if env:
+        if not env.strip().isdigit() or int(env) < 1:
+            raise ValueError(f"DATASTORE_STREAMS must be a whole number >= 1, got {env!r}")
         return int(env)
     return max(4, min(32, 4 * (os.cpu_count() or 1)))
 

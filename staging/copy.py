@@ -393,7 +393,7 @@ class Engine:
         """``tmp/KK/KEY.part``: spread over up to 256 directories, since creating many files
         in one directory and renaming them out of it cost 0.42-0.47 s per 1,000 creations on
         the reference VM, against 0.13-0.28 s spread (ext4)."""
-        key = hashlib.sha1(item.dest.encode()).hexdigest()[:20]
+        key = hashlib.sha1(os.fsencode(item.dest)).hexdigest()[:20]  # any file name bytes
         shard = os.path.join(self.tmp, key[:2])
         if shard not in self._shards:
             os.makedirs(shard, exist_ok=True)

@@ -21,7 +21,7 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
     """Print the plan of ``node`` (of ``nodes``) against its DEST; writes nothing there."""
     dest = cfg.dest_for(node)
     manifest = Manifest.load(dest) if os.path.isdir(meta_dir(dest)) else Manifest()
-    plan = build_plan(list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine)
+    plan = build_plan(list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine, dest)
     groups = assign(plan, nodes)[node] if cfg.mode == "shard" else plan.groups
     copy, skipped = [], 0
     for item in (i for g in groups for i in g.items if i.kind != "dir"):

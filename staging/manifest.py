@@ -52,8 +52,13 @@ class Manifest:
         m = cls()
         path = os.path.join(meta_dir(dest), "manifest.json")
         if os.path.exists(path):
-            with open(path) as f:
-                doc = json.load(f)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    doc = json.load(f)
+            except ValueError as exc:  # JSON or UTF-8: a manifest someone else wrote over
+                raise ValueError(f"{path}: corrupt manifest ({exc})") from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("entries", {}), dict):
+                raise ValueError(f"{path}: corrupt manifest (not a datastore manifest)")
             if doc.get("version") != VERSION:
                 raise ValueError(f"{path}: unsupported manifest version {doc.get('version')!r}")
             m.entries = doc["entries"]

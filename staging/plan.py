@@ -182,6 +182,7 @@ def build_plan(
     known: dict | None = None,
     io: str = "auto",
     confine: Sequence[str] = (),
+    dest: str = "",
 ) -> Plan:
     """Walk ``sources`` into groups of items; a bad source becomes an error, not an exception.
 
@@ -190,7 +191,8 @@ def build_plan(
     that would write the same path are an error for the later one. ``known`` maps archive paths
     to their manifest records: an unchanged archive is not read again. ``io`` is the I/O
     policy (``staging.directio``) for reading tar headers. ``confine``: roots every source and
-    every symlink inside a source tree must resolve beneath (``staging.confine``).
+    every symlink inside a source tree must resolve beneath (``staging.confine``). ``dest``:
+    DEST, refused inside a directory source (the copy would copy itself, deeper every run).
     """
     known = known or {}
     plan = Plan()
@@ -207,6 +209,9 @@ def build_plan(
             plan.errors.append(f"{src}: outside the allowed roots, skipped")
             continue
         name = os.path.basename(path.rstrip("/"))
+        if dest and stat.S_ISDIR(st.st_mode) and beneath(dest, [path]):
+            plan.errors.append(f"{src}: DEST {dest} lies inside this source; skipped")
+            continue
         if name == RESERVED:
             plan.errors.append(f"{src}: the name {RESERVED} is reserved for staging metadata")
             continue

@@ -140,7 +140,9 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     # 2. rank 0 plans (the sources are shared); each node's leader gets its node's groups
     plan = Plan()
     if lay.rank == 0:
-        plan = build_plan(list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine)
+        plan = build_plan(
+            list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine, dest
+        )
     groups = _node_groups(plan, cfg.mode, comm, lay)
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work

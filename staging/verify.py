@@ -66,7 +66,10 @@ def verify_command(cfg: Any, comm: Any) -> int:
         if not os.path.exists(os.path.join(dest, ".datastore", "manifest.json")):
             err = f"{dest}: no manifest (nothing was staged here with datastore stage)"
         else:
-            checked, problems = verify_dest(dest, cfg.streams)
+            try:
+                checked, problems = verify_dest(dest, cfg.streams)
+            except (OSError, ValueError) as exc:  # a manifest that cannot be read
+                err = f"{dest}: {exc}"
             problems = [f"{dest}: {p}" for p in problems]
     results = comm.gather((checked, problems, err), root=0)
     code = Exit.OK

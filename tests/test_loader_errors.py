@@ -47,6 +47,19 @@ def allowed(tmp_path_factory):
     s.proc.wait(10)
 
 
+def test_a_field_no_tensor_can_hold_is_named_in_both_modes(allowed):
+    root, _, sock = allowed
+    path = root / "strings.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(4, dtype=np.float32)
+        f["name"] = np.array([b"a", b"b", b"c", b"d"])
+    for kw in ({}, {"address": str(sock)}):
+        with pytest.raises(
+            ValueError, match=r"field 'name': its dtype \|S1 .*no torch tensor type"
+        ):
+            DataStoreLoader(str(path), batch_size=2, **kw)
+
+
 @pytest.mark.parametrize(
     ("name", "says"),
     [

@@ -174,3 +174,36 @@ def test_bad_machine_files(tmp_path, capsys):
     ):
         assert main(["plan", *base, str(path)]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--samples", "10", "--sample-bytes", "1e400", *JOB), "--sample-bytes must be a finite"),
+        (("--samples", "10", "--sample-bytes", "nan", *JOB), "--sample-bytes must be a finite"),
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--pfs-read-bw", "infG"),
+         "--pfs-read-bw must be a finite"),
+        (("--samples", "10", "--shape", "4,,8", *JOB), "--shape needs whole numbers, got '4,,8'"),
+    ],
+)  # fmt: skip
+def test_odd_numbers_are_bad_input(args, message, capsys):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("datastore plan: error: ")
+    assert message in err
+
+
+def test_a_machine_file_that_is_not_text_is_named(tmp_path, capsys):
+    binary = tmp_path / "m.toml"
+    binary.write_bytes(b"\x89HDF\r\n")
+    assert (
+        main(["plan", "--samples", "10", "--sample-bytes", "1M", *JOB, "--machine", str(binary)])
+        == 2
+    )
+    assert f"--machine {binary}: not valid TOML" in capsys.readouterr().err
+
+
+def test_a_huge_sample_is_never_negative_bytes():
+    shape = "99999999,99999999,99999999"
+    out = plan_json("--samples", "100", "--shape", shape, *JOB)
+    assert all(s["gpu_bytes"] > 0 for s in out["splits"]), out["splits"]

@@ -301,6 +301,36 @@ def test_status_when_nothing_listens(tmp_path, env):
     assert r.stderr.count("\n") == 1 and "no service answers" in r.stderr
 
 
+@pytest.mark.parametrize("timeout", ["-1", "nan", "0"])
+def test_a_timeout_that_waits_for_nothing_is_bad_usage(tmp_path, env, timeout):
+    r = cli("status", "--socket", str(tmp_path / "none.sock"), "--timeout", timeout, env=env)
+    assert r.returncode == 2, r.stderr
+    assert (
+        f"argument --timeout: must be a finite number of seconds > 0, got {timeout!r}" in r.stderr
+    )
+    assert "no service answers" not in r.stderr
+
+
+@pytest.mark.parametrize("command", ["load", "unload"])
+def test_a_path_that_is_not_utf8_is_bad_usage(tmp_path, env, command):
+    path = str(tmp_path / os.fsdecode(b"x\xff.h5"))
+    r = subprocess.run(
+        [sys.executable, "-m", "datastore", command, path, "--socket", str(tmp_path / "s.sock")],
+        cwd=REPO, env=env, capture_output=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert b"not a UTF-8 path, which the service cannot be sent" in r.stderr
+    assert b"internal error" not in r.stderr
+
+
+def test_a_socket_in_a_missing_directory_cannot_listen(tmp_path, env):
+    sock = tmp_path / "no" / "such" / "s.sock"
+    r = cli("serve", "--socket", str(sock), env=env)
+    assert r.returncode == 1, r.stderr
+    assert "cannot_listen" in r.stderr and str(sock.parent) in r.stderr
+    assert "internal error" not in r.stderr
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_generated_code_is_up_to_date(tmp_path):
     """`make protos` into a temporary directory gives the committed files, byte for byte."""

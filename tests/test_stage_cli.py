@@ -726,3 +726,62 @@ def test_corrupt_archive(tmp_path, run_stage, name, make, member):
     assert snapshot(dest) == {"good.bin": ("file", b"staged anyway\n")}
     assert str(arc) not in json.dumps(manifest(dest))
     assert_clean_meta(dest)
+
+
+def test_a_bad_datastore_streams_is_bad_input(tmp_path, run_stage):
+    src = tmp_path / "a.bin"
+    src.write_bytes(b"x")
+    for value in ("abc", "0"):
+        proc = run_stage(src, "--to", tmp_path / "dest", env={"DATASTORE_STREAMS": value}, check=2)
+        want = f"DATASTORE_STREAMS must be a whole number >= 1, got {value!r}"
+        assert proc.stderr == f"datastore stage: error: {want}\n"
+
+
+@pytest.mark.parametrize("inner", ["", "inner"])
+def test_dest_inside_a_source_is_refused(tmp_path, run_stage, inner):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"a\n")
+    other = tmp_path / "other.txt"
+    other.write_bytes(b"staged anyway\n")
+    dest = src / inner if inner else src
+    for _ in range(2):  # it used to copy itself one level deeper every run
+        proc = run_stage(src, other, "--to", dest, check=2)
+        assert f"datastore stage: error: {src}: DEST {dest} lies inside this source" in proc.stderr
+    assert snapshot(dest)["other.txt"] == ("file", b"staged anyway\n")
+    assert not (dest / "src").exists()
+    assert {p.name for p in src.iterdir()} <= {"a.txt", META, "other.txt", inner}
+
+
+@pytest.mark.parametrize("text", [b"{bad", b"[]", b'{"entries": 5}', b"\xff\xfe"])
+def test_a_corrupt_manifest_is_named(tmp_path, run_stage, text):
+    src = tmp_path / "a.bin"
+    src.write_bytes(b"x")
+    dest = tmp_path / "dest"
+    run_stage(src, "--to", dest, check=0)
+    path = dest / META / "manifest.json"
+    path.write_bytes(text)
+    proc = run_stage("--verify", "--to", dest, check=1)
+    assert f"{path}: corrupt manifest" in proc.stderr
+    assert "internal error" not in proc.stderr
+    proc = run_stage(src, "--to", dest, check=1)
+    assert f"{path}: corrupt manifest" in proc.stderr
+    assert "internal error" not in proc.stderr
+    assert path.read_bytes() == text  # left as it was found
+
+
+def test_a_file_name_that_is_not_utf8_is_staged(tmp_path, run_stage):
+    src = tmp_path / "src"
+    src.mkdir()
+    odd = os.fsdecode(b"f\xff.bin")
+    (src / odd).write_bytes(b"odd\n")
+    (src / "ok.bin").write_bytes(b"ok\n")
+    dest = tmp_path / "dest"
+    run_stage(src, "--to", dest, check=0)
+    assert snapshot(dest) == {
+        "src": ("dir",),
+        "src/ok.bin": ("file", b"ok\n"),
+        f"src/{odd}": ("file", b"odd\n"),
+    }
+    assert_clean_meta(dest)
+    run_stage("--verify", "--to", dest, check=0)

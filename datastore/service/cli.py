@@ -242,7 +242,7 @@ def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
     shown = "5; none with --wait" if timeout is None else f"{timeout:g}"
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=timeout,
         metavar="SECONDS",
         help=f"how long to wait for an answer (default: {shown})",
@@ -254,6 +254,17 @@ def _socket(path: str) -> str:
     from datastore.service.paths import unix_target
 
     return unix_target(path)
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite number of seconds > 0 (0 or NaN would wait for nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 def _tcp(address: str) -> str:
@@ -361,6 +372,8 @@ def run_status(args: argparse.Namespace) -> int:
 def run_load(args: argparse.Namespace) -> int:
     from staging.progress import human_bytes
 
+    if _unsendable("load", args.path):
+        return Exit.BAD_INPUT
     if args.timeout is None:
         args.timeout = None if args.wait else 5.0
     reply, code = _ask(args, "load", lambda c: c.load(_absolute(args.path), wait=args.wait))
@@ -378,6 +391,8 @@ def run_load(args: argparse.Namespace) -> int:
 def run_unload(args: argparse.Namespace) -> int:
     from staging.progress import human_bytes
 
+    if _unsendable("unload", args.path):
+        return Exit.BAD_INPUT
     reply, code = _ask(args, "unload", lambda c: c.unload(_absolute(args.path)))
     if reply is None:
         return code
@@ -388,6 +403,18 @@ def run_unload(args: argparse.Namespace) -> int:
 def _absolute(path: str) -> str:
     """A path as the service wants it: absolute (a relative one is from here)."""
     return os.path.abspath(path)
+
+
+def _unsendable(command: str, path: str) -> bool:
+    """Say so (exit 2) when ``path`` cannot travel in a request: the protocol's strings are
+    UTF-8, and a file name of other bytes reaches Python as lone surrogates."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        print(f"datastore {command}: {path!r}: not a UTF-8 path, which the service cannot be sent",
+              file=sys.stderr)  # fmt: skip
+        return True
+    return False
 
 
 def status_dict(reply: Any) -> dict[str, Any]:

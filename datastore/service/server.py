@@ -588,7 +588,7 @@ def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
             return Exit.BAD_INPUT
     try:
         claim = claim_socket(config.socket, private=config.private)
-    except (AddressInUse, UnsafeDirectory, ValueError) as exc:
+    except (AddressInUse, UnsafeDirectory, ValueError, OSError) as exc:  # OSError: no such dir
         log.error("cannot_listen", socket=str(config.socket), msg=str(exc))
         _all_started(comm, False, log)
         return Exit.FAILED

@@ -20,7 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import Delivered, Gather, delivered_fields, spatial_grid
+from datastore.delivery import (
+    Delivered,
+    Gather,
+    delivered_fields,
+    spatial_grid,
+    tensor_dtype_problem,
+)
 from datastore.order import Schedule, rank_layout
 from datastore.partition import Grid
 from datastore.service._pb.v1 import datastore_pb2 as pb
@@ -249,6 +255,12 @@ class Sessions:
                 f"no field {shown(missing[0])} in the dataset (it has {', '.join(every)})",
             )
         info = {n: every[n] for n in names}
+        for n in names:
+            problem = tensor_dtype_problem(info[n].dtype)
+            if problem is not None:
+                raise ServiceError(
+                    "INVALID_ARGUMENT", f"field {shown(n)}: {problem}; leave it out with fields"
+                )
         try:
             grid = spatial_grid(info, spatial)
             tail = "drop" if r.drop_last else "pad"
