@@ -279,6 +279,13 @@ class DataStoreLoader(EpochPosition):
             for name, hook in (("transform", transform), ("collate", collate)):
                 if hook is not None and not callable(hook):
                     raise TypeError(f"{name} must be a function of the batch, got {hook!r}")
+            if transport != "auto":  # checked without an address too: never silently ignored
+                from datastore.service.client import TRANSPORTS
+
+                if transport not in TRANSPORTS:
+                    raise ValueError(
+                        f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
+                    )
             if address is not None and self.options.shuffle not in ("global", "none"):
                 raise ValueError(
                     f"shuffle={self.options.shuffle!r} is for the embedded store: a "
@@ -384,6 +391,8 @@ class DataStoreLoader(EpochPosition):
                 self.reader, owner = sharded
         error: BaseException | None = None
         try:
+            if not len(self.reader):
+                raise ValueError(f"{reader.location}: the dataset has no samples")
             info = self.reader.fields
             names = list(info) if o.fields is None else list(o.fields)
             for n in names:

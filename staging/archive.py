@@ -10,6 +10,7 @@ to validate, then extracted in one sequential pass.
 from __future__ import annotations
 
 import gzip
+import os
 import posixpath
 import tarfile
 import zlib
@@ -205,6 +206,38 @@ def open_stream(path: str, kind: str) -> Iterator[BinaryIO]:
 DECODE_ERRORS = (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile)
 
 
+def zst_truncated(path: str) -> bool:
+    """Whether a zstd frame of ``path`` is cut short (which zstandard's stream reader takes
+    for the end of the data). Walks the frame and block headers only."""
+    with open(path, "rb") as f:
+        fd, pos = f.fileno(), 0
+        size = os.fstat(fd).st_size
+        while pos < size:
+            head = os.pread(fd, 18, pos)  # the longest frame header
+            if len(head) < 4:
+                return True  # less than a magic number
+            magic = int.from_bytes(head[:4], "little")
+            if magic & 0xFFFFFFF0 == 0x184D2A50:  # a skippable frame: its size follows
+                pos += 8 + int.from_bytes(head[4:8], "little")
+                continue
+            if head[:4] != _MAGIC["zst"]:
+                return False  # not a frame: corrupt, as the decoder says
+            try:
+                pos += zstandard.frame_header_size(head)
+            except zstandard.ZstdError:
+                return True  # the header itself is cut
+            checksum, last = head[4] & 0x04, False
+            while not last:
+                block = os.pread(fd, 3, pos)
+                if len(block) < 3:
+                    return True
+                h = int.from_bytes(block, "little")
+                last, rle = bool(h & 1), (h >> 1) & 3 == 1  # an RLE block holds one byte
+                pos += 3 + (1 if rle else h >> 3)
+            pos += 4 if checksum else 0
+        return pos > size
+
+
 def list_members(path: str, kind: str, size: int, direct: bool = False) -> list[Member]:
     """Every member of the archive at ``path`` (``size`` bytes), validated by ``check_members``.
 
@@ -233,9 +266,13 @@ def list_members(path: str, kind: str, size: int, direct: bool = False) -> list[
                     if m is not None:
                         members.append(m)
     except DECODE_ERRORS as exc:
-        raise ArchiveError(
-            path, f"corrupt or truncated archive ({exc or type(exc).__name__})"
-        ) from exc
+        if not (kind == "zst" and zst_truncated(path)):
+            raise ArchiveError(
+                path, f"corrupt or truncated archive ({exc or type(exc).__name__})"
+            ) from exc
+        members = []
+    if kind == "zst" and zst_truncated(path):  # the decoder just stops where the bytes do
+        raise ArchiveError(path, "truncated archive (the zstd stream ends inside a frame)")
     if not members:
         raise ArchiveError(path, "no members: empty, corrupt or not a tar archive")
     check_members(path, members)

@@ -26,6 +26,7 @@ __all__ = ["META", "Journal", "Manifest", "lock_dest", "meta_dir"]
 
 META = ".datastore"
 VERSION = 1
+ENTRY_KEYS = {"kind", "source", "ident", "size", "hash"}  # what every entry has
 
 
 def meta_dir(dest: str) -> str:
@@ -61,8 +62,14 @@ class Manifest:
                 raise ValueError(f"{path}: corrupt manifest (not a datastore manifest)")
             if doc.get("version") != VERSION:
                 raise ValueError(f"{path}: unsupported manifest version {doc.get('version')!r}")
-            m.entries = doc["entries"]
-            m.archives = doc.get("archives", {})
+            m.entries, m.archives = doc.get("entries", {}), doc.get("archives", {})
+            for name, entry in m.entries.items():
+                if not (isinstance(entry, dict) and entry.keys() >= ENTRY_KEYS):
+                    raise ValueError(f"{path}: corrupt manifest (entry {name!r} is not an entry)")
+            if not isinstance(m.archives, dict) or not all(
+                isinstance(a, dict) for a in m.archives.values()
+            ):
+                raise ValueError(f"{path}: corrupt manifest (archives are not archive records)")
             m.shard = doc.get("shard")
             m.leaf_bytes = doc.get("leaf_bytes", LEAF_BYTES)
         for jpath in sorted(glob.glob(os.path.join(meta_dir(dest), "journal-*.jsonl"))):

@@ -7,6 +7,7 @@ rank that leaves early, so one failing rank cannot hang the others.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -122,8 +123,10 @@ def stage(cfg: StageConfig, comm: Any) -> int:
 
     # 1. every node's leader prepares its DEST and takes the lock
     lock_fd, manifest, err = None, Manifest(), None
+    made: list[str] = []  # DEST/.datastore and the parents this run creates, deepest first
     if lay.is_leader:
         try:
+            made = _absent(meta_dir(dest))
             os.makedirs(meta_dir(dest), exist_ok=True)
             lock_fd = lock_dest(dest)
             manifest = Manifest.load(dest)
@@ -134,6 +137,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             err = f"{dest}: cannot prepare destination ({getattr(exc, 'strerror', None) or exc})"
     errors = [e for e in comm.allgather(err) if e]
     if errors:
+        if lock_fd is not None:  # another node failed: nothing is staged here either
+            _unmake(dest, made)
         log.errors(errors)
         return Exit.FAILED
 
@@ -144,6 +149,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine, dest
         )
     groups = _node_groups(plan, cfg.mode, comm, lay)
+    planned = comm.bcast(bool(plan.groups) if lay.rank == 0 else None, root=0)
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
     work = NodeWork()
@@ -201,8 +207,11 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             for g in groups:
                 if g.ident:
                     final.archives[g.source] = archive_record(g)
-        final.save(dest)
+        if planned or not made:
+            final.save(dest)
         clean_tmp(dest)
+        if not planned:  # every source refused: leave nothing of DEST that this run made
+            _unmake(dest, made)
         os.close(lock_fd)
     elif lay.local_size > 1:
         node_comm.allreduce(len(stats.errors))
@@ -215,6 +224,29 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.rank == 0:
         log.summary(plan, every, elapsed, lay)
     return code
+
+
+def _absent(path: str) -> list[str]:
+    """``path`` and its ancestors that do not exist, deepest first."""
+    missing = []
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _unmake(dest: str, made: list[str]) -> None:
+    """Remove the lock and the directories this run made (``made``, deepest first), each only
+    once it is empty: whatever another run put there meanwhile stays."""
+    if not made:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(meta_dir(dest), "lock"))  # still held: released when closed
+    for path in made:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
 
 
 def _node_groups(plan: Plan, mode: str, comm: Any, lay: Layout) -> list[Group]:

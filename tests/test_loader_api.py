@@ -99,11 +99,18 @@ def test_bad_device_and_threads_are_named(h5):
         ({"rank": "0", "world": "1"}, ValueError, "rank must be an int, got '0'"),
         ({"transform": 5}, TypeError, "transform must be a function of the batch, got 5"),
         ({"collate": "x"}, TypeError, "collate must be a function of the batch"),
+        ({"transport": "bogus"}, ValueError, "transport must be one of auto, shm, inline, got"),
     ],
 )
 def test_careless_arguments_are_named_when_made(h5, kw, error, message):
     with pytest.raises(error, match=message):
         DataStoreLoader(h5[0], batch_size=2, **kw)
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm", "inline"])
+def test_a_known_transport_without_an_address_is_fine(h5, transport):
+    with DataStoreLoader(h5[0], batch_size=2, transport=transport) as loader:
+        assert loader.source == "local" and next(iter(loader))
 
 
 def test_a_spill_dir_that_is_a_file_is_named(h5, tmp_path):

@@ -60,6 +60,16 @@ def test_a_field_no_tensor_can_hold_is_named_in_both_modes(allowed):
             DataStoreLoader(str(path), batch_size=2, **kw)
 
 
+def test_a_dataset_with_no_samples_is_named_in_both_modes(allowed):
+    root, _, sock = allowed
+    path = root / "empty.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((0, 3), dtype=np.float32)
+    for kw in ({}, {"address": str(sock)}):
+        with pytest.raises(ValueError, match=r"empty\.h5'?: the dataset has no samples$"):
+            DataStoreLoader(str(path), batch_size=2, **kw)
+
+
 @pytest.mark.parametrize(
     ("name", "says"),
     [

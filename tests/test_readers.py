@@ -575,6 +575,20 @@ def test_truncated_and_garbage_npy(tmp_path, arrays):
         open_dataset(str(d))
 
 
+def test_a_malformed_npy_header_is_named(tmp_path, arrays):
+    d = tmp_path / "npy"
+    d.mkdir()
+    for i in range(N):
+        np.save(d / f"s{i}.npy", arrays["x"][i])
+    raw = (d / "s1.npy").read_bytes()
+    start = raw.index(b"'<f4'")  # a name where a literal belongs: what ast.literal_eval rejects
+    (d / "s1.npy").write_bytes(raw[:start] + b"float" + raw[start + 5 :])
+    with open_dataset(str(d)) as r, pytest.raises(DatasetError) as exc:
+        r.read(1, "data")
+    says = "field 'data': not a valid .npy file: its .npy header is malformed"
+    assert str(exc.value) == f"{d / 's1.npy'}: {says}"
+
+
 def test_samples_that_differ_from_sample_zero(tmp_path, arrays):
     d = tmp_path / "cosmo"
     d.mkdir()

@@ -295,6 +295,22 @@ def test_a_token_file_others_can_read_is_refused(tmp_path, env):
     assert not sock.exists()
 
 
+def test_a_state_file_that_is_a_directory_is_refused_at_start(tmp_path, env):
+    sock = tmp_path / "s.sock"
+    r = cli("serve", "--socket", str(sock), "--state-file", str(tmp_path), env=env)
+    assert r.returncode == 2, r.stderr
+    assert f"--state-file {tmp_path} is a directory" in r.stderr
+    assert "internal error" not in r.stderr and not sock.exists()
+
+
+def test_an_allowed_root_that_does_not_exist_is_refused_at_start(tmp_path, env):
+    sock, missing = tmp_path / "s.sock", tmp_path / "no-such-root"
+    r = cli("serve", "--socket", str(sock), "--allow", str(tmp_path), "--allow", str(missing),
+            env=env)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert f"--allow {missing}: no such directory" in r.stderr and not sock.exists()
+
+
 def test_status_when_nothing_listens(tmp_path, env):
     r = cli("status", "--socket", str(tmp_path / "none.sock"), "--timeout", "2", env=env)
     assert r.returncode == 1 and r.stdout == ""

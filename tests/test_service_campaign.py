@@ -478,6 +478,20 @@ def test_restart_reloads_what_was_resident_until_unloaded(start, tmp_path, env):
     assert not status(sock).datasets
 
 
+def test_a_state_file_that_cannot_be_written_fails_no_load(start, tmp_path, env):
+    path = make_dataset(tmp_path / "data.h5")
+    sock, state = tmp_path / "s.sock", tmp_path / "state.json"
+    s = start("--socket", str(sock), "--state-file", str(state))
+    state.mkdir()  # made a directory behind the service's back: the state cannot be replaced
+    loaded = cli("load", str(path), "--wait", "--socket", str(sock), env=env)
+    assert loaded.returncode == 0, loaded.stderr
+    assert status(sock).datasets[0].bytes_resident == SAMPLES * SAMPLE_BYTES
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(10) == 0, s.stderr
+    assert [x["path"] for x in s.logs() if x["event"] == "state_unwritable"] == [str(state)]
+    assert "internal" not in s.stderr and not list(tmp_path.glob(".state.json.*"))
+
+
 def test_next_start_removes_segments_of_a_killed_service(start, tmp_path):
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"

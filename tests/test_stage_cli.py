@@ -697,19 +697,22 @@ def _truncated(kind: str) -> bytes:
     return comp[: len(comp) // 2]
 
 
+CORRUPT = "corrupt or truncated archive"
+
+
 @pytest.mark.parametrize(
-    ("name", "make", "member"),
+    ("name", "make", "member", "says"),
     [
-        ("x.tar.gz", lambda: random_bytes(20_000, seed=66), None),
-        ("x.tar.zst", lambda: random_bytes(20_000, seed=67), None),
-        ("x.tar", lambda: random_bytes(20_000, seed=68), None),
-        ("t.tar", lambda: _truncated(".tar"), "b.bin"),
-        ("t.tar.gz", lambda: _truncated(".tar.gz"), None),
-        ("t.tar.zst", lambda: _truncated(".tar.zst"), None),
+        ("x.tar.gz", lambda: random_bytes(20_000, seed=66), None, CORRUPT),
+        ("x.tar.zst", lambda: random_bytes(20_000, seed=67), None, CORRUPT),
+        ("x.tar", lambda: random_bytes(20_000, seed=68), None, CORRUPT),
+        ("t.tar", lambda: _truncated(".tar"), "b.bin", CORRUPT),
+        ("t.tar.gz", lambda: _truncated(".tar.gz"), None, f"{CORRUPT} (Compressed file ended"),
+        ("t.tar.zst", lambda: _truncated(".tar.zst"), None, "truncated archive (the zstd stream"),
     ],
     ids=["random-gz", "random-zst", "random-tar", "truncated-tar", "truncated-gz", "truncated-zst"],
 )
-def test_corrupt_archive(tmp_path, run_stage, name, make, member):
+def test_corrupt_archive(tmp_path, run_stage, name, make, member, says):
     arc = tmp_path / name
     arc.write_bytes(make())
     good = tmp_path / "good.bin"
@@ -720,7 +723,7 @@ def test_corrupt_archive(tmp_path, run_stage, name, make, member):
     head = f"datastore stage: error: {arc}: "
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(head)]
     assert len(lines) == 1, proc.stderr
-    assert "corrupt or truncated" in lines[0]
+    assert says in lines[0] and "empty file" not in lines[0]
     if member is not None:
         assert f"member {member!r}" in lines[0]
     assert snapshot(dest) == {"good.bin": ("file", b"staged anyway\n")}
@@ -753,7 +756,30 @@ def test_dest_inside_a_source_is_refused(tmp_path, run_stage, inner):
     assert {p.name for p in src.iterdir()} <= {"a.txt", META, "other.txt", inner}
 
 
-@pytest.mark.parametrize("text", [b"{bad", b"[]", b'{"entries": 5}', b"\xff\xfe"])
+@pytest.mark.parametrize("inner", ["", "inner", "a/b/inner"])
+def test_a_run_that_refuses_every_source_leaves_nothing_in_it(tmp_path, run_stage, inner):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"a\n")
+    dest = src / inner if inner else src
+    proc = run_stage(src, "--to", dest, check=2)
+    assert f"datastore stage: error: {src}: DEST {dest} lies inside this source" in proc.stderr
+    assert sorted(str(p.relative_to(src)) for p in src.rglob("*")) == ["a.txt"]  # no .datastore
+    assert_clean_stderr(proc)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"{bad",
+        b"[]",
+        b'{"entries": 5}',
+        b"\xff\xfe",
+        b'{"version": 1, "entries": {"x": 5}}',
+        b'{"version": 1, "entries": {"x": {"kind": "file"}}}',
+        b'{"version": 1, "entries": {}, "archives": {"a.tar": []}}',
+    ],
+)
 def test_a_corrupt_manifest_is_named(tmp_path, run_stage, text):
     src = tmp_path / "a.bin"
     src.write_bytes(b"x")

@@ -172,10 +172,16 @@ def _header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
     if version not in ((1, 0), (2, 0)):
         raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
     with _HEADER_PARSE:
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        try:
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        except (ValueError, SyntaxError, TypeError, RecursionError) as exc:
+            # numpy's own reasons are kept; not ast.literal_eval's ("<ast.Name object at ...>")
+            why = str(exc)
+            why = f" ({why})" if why and "<ast." not in why and len(why) <= 200 else ""
+            raise ValueError(f"its .npy header is malformed{why}") from None
     if dtype.hasobject:
         raise ValueError("the array holds Python objects (pickled), which are not read")
     return tuple(shape), bool(fortran), dtype

@@ -27,7 +27,7 @@ exit codes:
   0  stopped cleanly
   1  could not listen (a live server holds the socket, an unsafe directory, a busy port)
   2  bad usage (--tcp without --token-file, an unreadable or empty token file, or one that
-     others can read)
+     others can read, an --allow root that does not exist, a --state-file that is a directory)
 
 examples:
   datastore serve

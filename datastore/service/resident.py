@@ -14,6 +14,7 @@ the node-local copies they were opened from) in the background.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -170,13 +171,13 @@ class Resident:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the background read is done; whether it is."""
-        if self.loader is not None:
+        if self.loader is not None and self.loader.ident is not None:  # (started)
             self.loader.join(timeout)
         return not self.loading
 
     def close(self) -> None:
         self.stop.set()
-        if self.loader is not None:
+        if self.loader is not None and self.loader.ident is not None:  # never started: no join
             self.loader.join()
         self.store.close()
         self.reader.close()
@@ -475,8 +476,13 @@ class Residency:
     def _save_locked(self) -> None:
         if self.state_file is None:
             return
-        self.state_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}")
         saved = sorted((r.path, r.template) for r in self._by_path.values())
-        tmp.write_text(json.dumps({"resident": saved}))
-        os.replace(tmp, self.state_file)
+        try:
+            self.state_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp.write_text(json.dumps({"resident": saved}))
+            os.replace(tmp, self.state_file)
+        except OSError as exc:  # only a restart misses it: the load or unload itself stands
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._event("state_unwritable", path=str(self.state_file), msg=str(exc))

@@ -144,8 +144,16 @@ class ServeConfig:
             raise ValueError("--peer-ca is for TLS (--tls-cert)")
         if self.peer_timeout_s <= 0:
             raise ValueError("the peer timeout must be > 0")
+        for r in self.allowed_roots:
+            if not os.path.exists(r):
+                raise ValueError(f"--allow {r}: no such directory")
         roots = tuple(Path(os.path.realpath(r)) for r in self.allowed_roots)
         object.__setattr__(self, "allowed_roots", roots)
+        state = self.state_file
+        if state is not None and state.is_dir():
+            raise ValueError(f"--state-file {state} is a directory: name a file in one")
+        if state is not None and state.parent.exists() and not state.parent.is_dir():
+            raise ValueError(f"--state-file {state}: {state.parent} is not a directory")
 
 
 class _Counters:

@@ -246,6 +246,10 @@ class Sessions:
         return session
 
     def _session(self, r: Any, resident: Resident, world: int, spatial: Any) -> Session:
+        if not len(resident.reader):
+            raise ServiceError(
+                "INVALID_ARGUMENT", f"{shown(r.dataset_path)}: the dataset has no samples"
+            )
         every = resident.reader.fields
         names = list(r.fields) or list(every)
         missing = [n for n in names if n not in every]
