@@ -163,6 +163,11 @@ def launch(n: int, sets: list[str], per_rank: bool = False) -> subprocess.Comple
          "global_batch': 3 samples do not split evenly over 2"),
         (["spatial_parts=[4,1,1]", "conv_blocks=2"], "cannot hold data x spatial replicas of 4"),
         (["input_field=rho"], "input field 'rho' is not in"),
+        # rank 0 alone writes the log: it used to fail at its first record, mid-training
+        (["log_file=/nonexistent-dir/run.jsonl"],
+         "config key 'log_file': the directory /nonexistent-dir does not exist"),
+        (["checkpoint_dir=/dev/null", "checkpoint_interval=1"],
+         "config key 'checkpoint_dir': /dev/null: /dev/null is not a directory"),
     ],
 )  # fmt: skip
 def test_a_bad_setup_is_one_error_on_every_rank(data, sets, message):
@@ -182,3 +187,15 @@ def test_ranks_started_with_different_configs_are_refused(data):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("trainer: ") == 2, proc.stderr
     assert proc.stderr.count("ranks disagree on configuration") == 2, proc.stderr
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_of_another_world_is_refused_on_every_rank(data, tmp_path):
+    sets = [f"data={data}", "width=2", "conv_blocks=3", "global_batch=4", "comm_timeout=60"]
+    sets.append(f"checkpoint_dir={tmp_path}")
+    assert launch(1, [*sets, "steps=1"]).returncode == 0
+    proc = launch(2, [*sets, "steps=2"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("trainer: ") == 2, proc.stderr
+    assert proc.stderr.count("it was written with 1 rank(s) (now 2)") == 2, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -150,6 +150,9 @@ def test_tournament_config(tmp_path):
         ("", ["data_address="], "'data_address': a tournament's trainers read through one"),
         ("", ["spatial_parts=[2,1,1]"], "'spatial_parts': each trainer of a tournament is one"),
         ("", ["checkpoint_dir=ck"], "'checkpoint_dir': a tournament does not checkpoint"),
+        ("", ["tournament.lrs=[nan, 1e-3]"], "'tournament.lrs': expected a finite number"),
+        ("", ["tournament.seed=-1"], "'tournament.seed': must be between 0 and 2**64 - 1"),
+        ("", [f"seed={2**64 - 1}"], "'seed': trainer k takes seed + k, and seed"),
     ],
 )
 def test_bad_tournament_settings_are_named(tmp_path, table, sets, message):
@@ -290,6 +293,7 @@ def test_the_summary_names_the_best_trainer(tourney):
         (2, ["tournament.trainers=1"], "'tournament.trainers': a tournament needs at least 2"),
         (2, ["tournament.interval=0"], "'tournament.interval': rounds must be at least 1 step"),
         (2, ["tournament.trainers=3"], "3 trainers but 2 processes were launched"),
+        (2, ["log_file=/nonexistent-dir/r.jsonl"], "the directory /nonexistent-dir does not"),
     ],
 )
 def test_bad_settings_are_one_error_on_every_rank(data, tmp_path, n, sets, message):
@@ -298,3 +302,27 @@ def test_bad_settings_are_one_error_on_every_rank(data, tmp_path, n, sets, messa
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("trainer: ") == n, proc.stderr
     assert proc.stderr.count(message) == n, proc.stderr
+
+
+@mpi
+def test_a_tournament_without_a_round_is_refused(data, tmp_path):
+    """Rounds further apart than the run is long: refused on every rank, not a run that
+    plays no round and exits 0."""
+    sock = tmp_path / "ds.sock"
+    env = {**ENV, "XDG_STATE_HOME": str(tmp_path / "state")}
+    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock)]
+    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert service.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.1)
+        sets = settings(data, tmp_path / "r.jsonl", sock, "tournament.trainers=2",
+                        "tournament.lrs=[]", "tournament.interval=100")  # fmt: skip
+        proc = launch(2, sets, timeout=60)
+    finally:
+        service.terminate()
+        service.wait(30)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    message = "'tournament.interval': rounds every 100 steps, but each trainer trains 6 steps"
+    assert proc.stderr.count(message) == 2, proc.stderr

@@ -61,6 +61,14 @@ def test_config_from_toml_with_overrides(tmp_path):
         (["data=1"], "config key 'data': expected a string"),
         (["data=d", "lr"], "expected key=value"),
         (["lr=1"], "config key 'data' is missing"),
+        (["data=d", "lr=nan"], "config key 'lr': expected a finite number, got nan"),
+        (["data=d", "lr=1e400"], "config key 'lr': expected a finite number, got inf"),
+        (["data=d", "dropout=nan"], "config key 'dropout': expected a finite number"),
+        (["data=d", "weight_decay=-inf"], "config key 'weight_decay': expected a finite number"),
+        (["data=d", "comm_timeout=inf"], "config key 'comm_timeout': expected a finite number"),
+        (["data=d", "comm_timeout=1e300"], "config key 'comm_timeout': must be positive and at"),
+        (["data=d", "seed=-1"], "config key 'seed': must be between 0 and 2**64 - 1, got -1"),
+        (["data=d", f"seed={2**64}"], "config key 'seed': must be between 0 and 2**64 - 1"),
     ],
 )
 def test_bad_config_names_the_key(overrides, message):
@@ -80,6 +88,71 @@ def test_cli_exits_2_on_a_bad_config(tmp_path, capsys):
     assert "cannot read config file" in capsys.readouterr().err
     assert main(["train", "--set", f"data={tmp_path}"]) == 2  # no train.h5 there
     assert "train.h5" in capsys.readouterr().err
+    path.write_bytes(b'data = "d"\nlr = 1e-3 \xff\n')  # not UTF-8
+    assert main(["train", "--config", str(path)]) == 2
+    assert "not valid TOML: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_output_paths_are_refused_before_training(tiny, tmp_path, capsys):
+    """A checkpoint_dir or log_file that cannot be written is named before the first step,
+    not a traceback when the first checkpoint or log record is written."""
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    base = [f"data={tiny}", "width=2", "global_batch=8", "steps=1"]
+    for sets, message in [
+        ([f"checkpoint_dir={afile}"], f"config key 'checkpoint_dir': {afile}: {afile} is not a "),
+        ([f"checkpoint_dir={afile}/ck"], f"{afile} is not a directory"),
+        ([f"log_file={tmp_path}/none/run.jsonl"], f"the directory {tmp_path}/none does not exist"),
+        ([f"log_file={tmp_path}"], f"config key 'log_file': {tmp_path} is a directory"),
+    ]:
+        assert main(["train", *(a for s in [*base, *sets] for a in ("--set", s))]) == 2, sets
+        out, err = capsys.readouterr()
+        assert message in err and err.count("\n") == 1 and "trained" not in out, err
+
+
+def test_a_checkpoint_of_another_run_is_refused(tiny, small, tmp_path, capsys):
+    sets = [f"data={tiny}", "width=2", "global_batch=8", f"checkpoint_dir={tmp_path}"]
+    assert main(["train", *(a for s in [*sets, "steps=2"] for a in ("--set", s))]) == 0
+    capsys.readouterr()
+    other = [*sets, "steps=4", "width=4", "optimizer=sgd"]
+    assert main(["train", *(a for s in other for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'checkpoint_dir': cannot resume" in err
+    assert "width=2 (now 4), optimizer='adam' (now 'sgd')" in err
+    # The same keys on other data: the model's shapes differ (caught when loading it).
+    data = [*sets, f"data={small}", "steps=4"]
+    assert main(["train", *(a for s in data for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'checkpoint_dir': cannot resume" in err and "size mismatch" in err
+    (tmp_path / "checkpoint.pt").write_text("not a checkpoint")
+    assert main(["train", *(a for s in [*sets, "steps=4"] for a in ("--set", s))]) == 2
+    assert "is not a checkpoint of this trainer" in capsys.readouterr().err
+
+
+def test_other_dtypes_train_and_a_constant_target_prints(tmp_path, capsys):
+    """float64 inputs and integer targets train as float32; a constant validation target
+    (baseline 0) prints its ratio instead of dividing by zero; an empty validation set is
+    named."""
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for name, n in (("train.h5", 8), ("validation.h5", 4)):
+        with h5py.File(tmp_path / name, "w") as f:
+            f["x"] = rng.standard_normal((n, 1, 8, 8, 8))  # float64
+            f["y"] = np.ones((n, 2), dtype=np.int32)
+    base = [f"data={tmp_path}", "width=2", "global_batch=4", "steps=2"]
+    assert main(["train", *(a for s in base for a in ("--set", s))]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("trained 2 steps") and "baseline 0.0000 (ratio inf)" in last
+    with h5py.File(tmp_path / "empty.h5", "w") as f:
+        f["x"] = np.zeros((0, 1, 8, 8, 8))
+        f["y"] = np.zeros((0, 2), dtype=np.int32)
+    assert (
+        main(["train", *(a for s in [*base, "validation_file=empty.h5"] for a in ("--set", s))])
+        == 2
+    )
+    assert "config key 'validation_file':" in capsys.readouterr().err
 
 
 def test_warmup_is_linear_then_flat():

@@ -9,6 +9,7 @@ tournament's trainers against its processes; the same on every rank) or unreadab
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -60,9 +61,16 @@ def _train(cfg: Any) -> int:
         print(
             f"trained {result['steps']} steps: validation MSE {result['val_mse']:.4f}, "
             f"predict-the-mean baseline {result['baseline_mse']:.4f} "
-            f"(ratio {result['val_mse'] / result['baseline_mse']:.3f})"
+            f"(ratio {_ratio(result['val_mse'], result['baseline_mse']):.3f})"
         )
     return Exit.OK
+
+
+def _ratio(mse: float, baseline: float) -> float:
+    """``mse / baseline``; a constant validation target has a baseline of 0."""
+    if baseline:
+        return mse / baseline
+    return math.inf if mse else math.nan
 
 
 def _tournament(tc: Any) -> int:
@@ -72,11 +80,12 @@ def _tournament(tc: Any) -> int:
     if result["rank"] == 0:
         rows = result["trainers"]
         best = rows[result["best"]]
+        ratio = _ratio(best["val_mse"], best["baseline_mse"])
         print(
             f"tournament of {len(rows)} trainers, {result['steps']} steps, "
             f"{result['rounds']} rounds: best validation MSE {best['val_mse']:.4f} (trainer "
             f"{best['trainer']}, lr {best['lr']:g}), predict-the-mean baseline "
-            f"{best['baseline_mse']:.4f} (ratio {best['val_mse'] / best['baseline_mse']:.3f})"
+            f"{best['baseline_mse']:.4f} (ratio {ratio:.3f})"
         )
         for r in rows:
             print(

@@ -12,8 +12,8 @@ A config file is flat TOML whose keys are the fields of :class:`TrainConfig`::
 
 ``--set key=value`` overrides a key; the value is read as a TOML value (``lr=1e-3``,
 ``spatial_parts=[1,1,1]``), or taken as a plain string for a string key (``optimizer=sgd``).
-An unknown key, a value of the wrong type or out of range raises :class:`ConfigError`
-naming the key. Paths are taken relative to the working directory.
+An unknown key, a value of the wrong type or out of range (NaN and infinities included) raises
+:class:`ConfigError` naming the key. Paths are taken relative to the working directory.
 
 A tournament (:class:`TournamentConfig`, ``python -m trainer tournament``) reads the same file
 with a ``[tournament]`` table (``trainers``, ``interval``, ``lrs``, ``seed``,
@@ -23,6 +23,7 @@ with a ``[tournament]`` table (``trainers``, ``interval``, ``lrs``, ``seed``,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -88,7 +89,7 @@ class TrainConfig:
         optimizer: one of :data:`OPTIMIZERS`. Default: ``"adam"``.
         momentum: SGD and LARS momentum. Default: ``0.9``.
         weight_decay: L2 penalty. Default: ``0.0``.
-        seed: model initialisation, dropout and shuffling. Default: ``0``.
+        seed: model initialisation, dropout and shuffling (0 to ``2**64 - 1``). Default: ``0``.
         spatial_parts: blocks per spatial axis of every sample; their product must divide the
             number of ranks, the rest are data-parallel replicas. Default: ``(1, 1, 1)``.
         device: ``auto`` (the rank's GPU if CUDA is available, else the CPU), ``cpu``, ``cuda``
@@ -111,7 +112,7 @@ class TrainConfig:
         print_every: rank 0 also prints every this many steps' log record (``0``: never).
             Default: ``0``.
         comm_timeout: seconds a collective or halo receive may wait before the rank fails
-            (a peer died or stalled). Default: ``120.0``.
+            (a peer died or stalled; at most a year). Default: ``120.0``.
         data_address: stream the training batches from ``datastore serve`` at this address
             (socket path, ``unix://PATH`` or ``HOST:PORT``; ``""``: ``$DATASTORE_ADDRESS`` if
             set, else read them here with the embedded loader). The datasets' fields and sample
@@ -180,9 +181,11 @@ class TrainConfig:
             _at_least(key, getattr(self, key), 0)
         for key in ("lr", "momentum", "weight_decay", "dropout", "final_lr"):
             _at_least(key, getattr(self, key), 0)
-        if self.comm_timeout <= 0:
+        _seed("seed", self.seed)
+        if not 0 < self.comm_timeout <= COMM_TIMEOUT_MAX:
             raise ConfigError(
-                f"config key 'comm_timeout': must be positive, got {self.comm_timeout}"
+                f"config key 'comm_timeout': must be positive and at most {COMM_TIMEOUT_MAX:.0f} "
+                f"seconds (a year), got {self.comm_timeout:g}"
             )
         if self.lr <= 0:
             raise ConfigError(f"config key 'lr': must be positive, got {self.lr}")
@@ -211,7 +214,8 @@ class TournamentConfig:
         interval: steps between rounds; a round follows every ``interval``-th step. Default:
             ``10``.
         lrs: each trainer's peak learning rate (``()``: ``train.lr`` for all). Default: ``()``.
-        seed: the pairing of every round and the order of the held-out batches. Default: ``0``.
+        seed: the pairing of every round and the order of the held-out batches (0 to
+            ``2**64 - 1``). Default: ``0``.
         holdout_batch: samples of a round's held-out batch, drawn from the validation split
             (``0``: ``train.global_batch``). Default: ``0``.
     """
@@ -243,7 +247,13 @@ class TournamentConfig:
         if any(lr <= 0 for lr in self.lrs):
             raise ConfigError(f"config key 'tournament.lrs': must be positive, got {self.lrs}")
         _at_least("tournament.holdout_batch", self.holdout_batch, 0)
+        _seed("tournament.seed", self.seed)
         t = self.train
+        if t.seed + self.trainers - 1 > SEED_MAX:
+            raise ConfigError(
+                f"config key 'seed': trainer k takes seed + k, and seed {t.seed} + "
+                f"{self.trainers - 1} is more than {SEED_MAX}"
+            )
         if not (t.data_address or os.environ.get("DATASTORE_ADDRESS")):
             raise ConfigError(
                 "config key 'data_address': a tournament's trainers read through one "
@@ -300,6 +310,17 @@ def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
         raise ConfigError(f"config key {key!r}: {value!r} is not one of {', '.join(options)}")
 
 
+COMM_TIMEOUT_MAX = 365 * 86400.0
+"""The longest ``comm_timeout``: waits take it as a deadline that must fit the clocks' range."""
+SEED_MAX = 2**64 - 1
+"""The largest seed: torch's generators and the service's sessions take an unsigned 64-bit one."""
+
+
+def _seed(key: str, value: int) -> None:
+    if not 0 <= value <= SEED_MAX:
+        raise ConfigError(f"config key {key!r}: must be between 0 and 2**64 - 1, got {value}")
+
+
 def _at_least(key: str, value: float, low: float) -> None:
     if value < low:
         raise ConfigError(f"config key {key!r}: must be >= {low}, got {value}")
@@ -319,7 +340,7 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad
-        return float(value)
+        return _finite(key, value)
     if kind is str:
         if not isinstance(value, str):
             raise bad
@@ -330,12 +351,24 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
     if args[-1] is Ellipsis:  # tuple[float, ...]: any number of numbers
         if any(isinstance(v, bool) or not isinstance(v, int | float) for v in value):
             raise bad
-        return tuple(float(v) for v in value)
+        return tuple(_finite(key, v) for v in value)
     if len(value) != len(args):  # tuple[int, int, int]
         raise bad
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
         raise bad
     return tuple(value)
+
+
+def _finite(key: str, value: float) -> float:
+    """``value`` as a float, or a ``ConfigError`` for NaN and infinities (``lr = nan``,
+    ``comm_timeout = inf``: no key means anything by them)."""
+    try:
+        out = float(value)
+    except OverflowError:  # an integer too large for a float
+        out = math.inf
+    if not math.isfinite(out):
+        raise ConfigError(f"config key {key!r}: expected a finite number, got {value!r}")
+    return out
 
 
 def _name(kind: Any) -> str:
@@ -378,6 +411,11 @@ def _read(path: str | os.PathLike | None) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {os.fspath(path)}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {os.fspath(path)}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8
+        raise ConfigError(
+            f"config file {os.fspath(path)}: not valid TOML: not UTF-8 text ({exc.reason} at "
+            f"byte {exc.start})"
+        ) from None
 
 
 def _train_config(values: dict[str, Any], overrides: typing.Sequence[str]) -> TrainConfig:

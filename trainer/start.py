@@ -6,7 +6,8 @@ when the run is distributed (a launcher's variables, an initialized group, or a 
 then checks on every rank: GPUs per node for NCCL, the datasets and their fields (asked of
 ``datastore serve`` when the data comes from it: a sharded dataset is whole only there), the world
 against ``spatial_parts``, the model's blocks at every level (``trainer.preflight``), the global
-batch against the data ranks and the dataset, and the learning-rate schedule. The ranks then
+batch against the data ranks and the dataset, the learning-rate schedule, the output paths
+(:func:`check_paths`) and a checkpoint it would resume (:func:`check_resume`). The ranks then
 agree (``datastore.agree``: one round of small messages with a deadline) on the outcome and on
 the configuration itself: one rank's failure, or ranks started with different configurations,
 is the same :class:`~trainer.config.ConfigError` on every rank. Only then is the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,16 +30,16 @@ import torch.distributed as dist
 from datastore.agree import Collective, agree
 from datastore.readers import open_dataset
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
-from trainer.config import ConfigError, TournamentConfig, TrainConfig
+from trainer.checkpoint import CHECKPOINT_NAME
+from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_log
 from trainer.devices import check_gpus, pick_backend, pick_device
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.optim import LRSchedule
 from trainer.preflight import check_run
 
 __all__ = [
-    "Field", "Run", "data_address", "data_paths", "data_token", "describe", "field_of",
-    "make_resident",
-    "schedule_of", "start",
+    "RESUME_KEYS", "Field", "Run", "check_paths", "check_resume", "data_address", "data_paths",
+    "data_token", "describe", "field_of", "make_resident", "schedule_of", "start",
 ]  # fmt: skip
 
 Field = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -145,7 +147,9 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
     train_path, val_path = data_paths(cfg)
     address, token = data_address(cfg), data_token(cfg)
     train_fields, samples = describe(train_path, address, cfg.comm_timeout, token)
-    val_fields, _ = describe(val_path, address, cfg.comm_timeout, token)
+    val_fields, val_samples = describe(val_path, address, cfg.comm_timeout, token)
+    if not val_samples:
+        raise ValueError(f"config key 'validation_file': {val_path} has no samples")
     inputs = field_of(train_fields, cfg.input_field, "input", train_path)
     targets = field_of(train_fields, cfg.target_field, "target", train_path)
     for field, what in ((inputs, "input"), (targets, "target")):
@@ -172,7 +176,83 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
         schedule_of(cfg, total)
     except ValueError as exc:  # a decay needs more steps than the warm-up
         raise ValueError(f"config keys 'lr_schedule', 'warmup', 'steps': {exc}") from None
+    check_resume(cfg, world)
     return depth, inputs, targets, samples, total
+
+
+RESUME_KEYS = (
+    "model", "width", "conv_blocks", "optimizer", "input_field", "target_field", "global_batch",
+    "seed", "spatial_parts",
+)  # fmt: skip
+"""The config keys a resumed run must share with the run that wrote its checkpoint: they shape
+the model's and the optimizer's state, or the sample sequence."""
+
+
+def check_resume(cfg: TrainConfig, world: int) -> None:
+    """Refuse a checkpoint in ``checkpoint_dir`` that this run cannot resume: unreadable,
+    written with other :data:`RESUME_KEYS` or by another number of ranks.
+
+    Raises:
+        ValueError: naming the checkpoint and what differs.
+    """
+    path = os.path.join(cfg.checkpoint_dir, CHECKPOINT_NAME) if cfg.checkpoint_dir else ""
+    if not path or not os.path.exists(path):
+        return
+    bad = f"config key 'checkpoint_dir': {path} is not a checkpoint of this trainer"
+    fix = "move it away or choose another checkpoint_dir"
+    if not zipfile.is_zipfile(path):  # what torch.save writes
+        raise ValueError(f"{bad} (not a file torch.save wrote); {fix}")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        config, saved_world = dict(saved["config"]), saved.get("world")
+    except Exception as exc:  # torch.load raises many kinds on a file that is not its own
+        raise ValueError(f"{bad} ({type(exc).__name__}: {exc}); {fix}") from None
+    now = cfg.to_dict()
+    differ = [
+        f"{key}={config.get(key)!r} (now {now[key]!r})"
+        for key in RESUME_KEYS
+        if config.get(key) != now[key]
+    ]
+    if saved_world is not None and saved_world != world:
+        differ.append(f"{saved_world} rank(s) (now {world})")
+    if differ:
+        raise ValueError(
+            f"config key 'checkpoint_dir': cannot resume {path}: it was written with "
+            f"{', '.join(differ)}; resume with the same settings or choose another "
+            "checkpoint_dir"
+        )
+
+
+def check_paths(cfg: TrainConfig, logs: list[str]) -> None:
+    """Refuse a ``checkpoint_dir`` that cannot be created or written, and log files (``logs``:
+    those this rank writes) that cannot be appended to, before any step is spent.
+
+    Raises:
+        ValueError: naming the config key and the path.
+    """
+    if cfg.checkpoint_dir:
+        _writable_dir("checkpoint_dir", cfg.checkpoint_dir)
+    for log in logs:
+        if os.path.isdir(log):
+            raise ValueError(f"config key 'log_file': {log} is a directory")
+        if os.path.exists(log) and not os.access(log, os.W_OK):
+            raise ValueError(f"config key 'log_file': {log} is not writable")
+        parent = os.path.dirname(log) or "."
+        if not os.path.isdir(parent):
+            raise ValueError(f"config key 'log_file': the directory {parent} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"config key 'log_file': the directory {parent} is not writable")
+
+
+def _writable_dir(key: str, path: str) -> None:
+    """``path`` is a writable directory, or can be made one (its first existing ancestor is)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"config key {key!r}: {path}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"config key {key!r}: {path}: {probe} is not writable")
 
 
 def _check_tournament(tc: TournamentConfig, world: int, distributed: bool) -> None:
@@ -269,12 +349,22 @@ def start(cfg: TrainConfig, tournament: TournamentConfig | None = None) -> Run:
     if distributed:
         init_distributed(backend, timeout=timeout, device=device)
     world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
     found: Any = None
     if error is None:
         try:
             if tournament is not None:
+                logs = [trainer_log(cfg.log_file, rank)] + ([cfg.log_file] if rank == 0 else [])
+                check_paths(cfg, [log for log in logs if log])
                 _check_tournament(tournament, world, distributed)
+            else:
+                check_paths(cfg, [cfg.log_file] if cfg.log_file and rank == 0 else [])
             found = _check(cfg, 1 if tournament else world, device, backend, gpus)
+            if tournament is not None and found[4] < tournament.interval:
+                raise ValueError(
+                    f"config key 'tournament.interval': rounds every {tournament.interval} "
+                    f"steps, but each trainer trains {found[4]} steps: no round would be played"
+                )
         except (ValueError, OSError) as exc:
             error = exc
     if distributed:

@@ -231,8 +231,9 @@ class Trainer:
 
     # -- steps ------------------------------------------------------------------------------------
     def _inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        x = batch[self.cfg.input_field].to(self.run.device, non_blocking=True)
-        y = batch[self.cfg.target_field].to(self.run.device, non_blocking=True)
+        # float32 whatever the dataset stores (float64, integers): the model's dtype
+        x = batch[self.cfg.input_field].to(self.run.device, torch.float32, non_blocking=True)
+        y = batch[self.cfg.target_field].to(self.run.device, torch.float32, non_blocking=True)
         if self.memory_format is not torch.contiguous_format:
             x = x.contiguous(memory_format=self.memory_format)
         return x, y
@@ -321,6 +322,7 @@ class Trainer:
             "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
             "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), "step": self.step,
             "targets": self.target_sums.state_dict(), "config": cfg.to_dict(),
+            "world": 1 if grid is None else grid.world,
         }  # fmt: skip
         if self.run.device.type == "cuda":  # dropout on the GPU draws from the device's generator
             state["cuda_rng"] = torch.cuda.get_rng_state(self.run.device)
@@ -331,6 +333,18 @@ class Trainer:
         saved = load_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
         if saved is None:
             return False
+        try:
+            self._load(saved)
+        except ConfigError:
+            raise
+        except (RuntimeError, ValueError, KeyError) as exc:  # trainer.start.check_resume missed it
+            raise ConfigError(
+                f"config key 'checkpoint_dir': cannot resume {self.cfg.checkpoint_dir}/"
+                f"checkpoint.pt: {exc}"
+            ) from None
+        return True
+
+    def _load(self, saved: dict[str, Any]) -> None:
         self.model.load_state_dict(saved["model"])
         optimizer = saved["optimizer"]
         if self._own_optimizer():
@@ -351,7 +365,6 @@ class Trainer:
             torch.cuda.set_rng_state(saved["cuda_rng"], self.run.device)
         self.target_sums.load_state_dict(saved["targets"])
         self.step = self.resumed_from = saved["step"]
-        return True
 
     def close(self) -> None:
         self.loader.close()
