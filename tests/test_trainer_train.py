@@ -102,12 +102,16 @@ def test_output_paths_are_refused_before_training(tiny, tmp_path, capsys):
     for sets, message in [
         ([f"checkpoint_dir={afile}"], f"config key 'checkpoint_dir': {afile}: {afile} is not a "),
         ([f"checkpoint_dir={afile}/ck"], f"{afile} is not a directory"),
-        ([f"log_file={tmp_path}/none/run.jsonl"], f"the directory {tmp_path}/none does not exist"),
+        ([f"log_file={afile}/run.jsonl"], f"config key 'log_file': {afile}: {afile} is not a "),
         ([f"log_file={tmp_path}"], f"config key 'log_file': {tmp_path} is a directory"),
     ]:
         assert main(["train", *(a for s in [*base, *sets] for a in ("--set", s))]) == 2, sets
         out, err = capsys.readouterr()
         assert message in err and err.count("\n") == 1 and "trained" not in out, err
+    # a log in a directory not made yet (the shipped configs' run/log.jsonl): made for it
+    log = tmp_path / "run" / "log.jsonl"
+    assert main(["train", *(a for s in [*base, f"log_file={log}"] for a in ("--set", s))]) == 0
+    assert '"loss"' in log.read_text()
 
 
 def test_a_checkpoint_of_another_run_is_refused(tiny, small, tmp_path, capsys):

@@ -237,11 +237,7 @@ def check_paths(cfg: TrainConfig, logs: list[str]) -> None:
             raise ValueError(f"config key 'log_file': {log} is a directory")
         if os.path.exists(log) and not os.access(log, os.W_OK):
             raise ValueError(f"config key 'log_file': {log} is not writable")
-        parent = os.path.dirname(log) or "."
-        if not os.path.isdir(parent):
-            raise ValueError(f"config key 'log_file': the directory {parent} does not exist")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"config key 'log_file': the directory {parent} is not writable")
+        _writable_dir("log_file", os.path.dirname(log) or ".")  # made when missing
 
 
 def _writable_dir(key: str, path: str) -> None:

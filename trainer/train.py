@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
@@ -154,6 +155,8 @@ class Log:
     """JSON lines appended to ``path`` (``""``: none), each record with ``label``'s keys."""
 
     def __init__(self, path: str, label: dict[str, Any] | None = None) -> None:
+        if path:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.fh: TextIO | None = open(path, "a") if path else None  # noqa: SIM115
         self.label = label or {}
 
