@@ -323,6 +323,9 @@ def test_unreachable_service_is_one_line_naming_the_address(tmp_path, env):
 def test_service_option_refuses_what_the_request_cannot_carry(tmp_path, env):
     r = cli_stage(tmp_path, "--to", tmp_path / "d", "--mode", "shard", "--service", env=env)
     assert r.returncode == 2 and "--service does not take --mode" in r.stderr
+    for flag in (["--confine", str(tmp_path)], ["--preserve-special-bits"]):  # never silently
+        r = cli_stage(tmp_path, "--to", tmp_path / "d", *flag, "--service", env=env)
+        assert r.returncode == 2 and f"--service does not take {flag[0]}" in r.stderr
     src = make_tree(tmp_path / "src")  # `--service SRC`: argparse took SRC for the address
     r = cli_stage("--service", src, "--to", tmp_path / "d", env=env)
     assert r.returncode == 2 and "not a socket" in r.stderr

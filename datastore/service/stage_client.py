@@ -27,6 +27,8 @@ UNSUPPORTED = {
     "io": "auto",
     "dry_run": False,
     "ranks_per_node": None,
+    "confine": [],  # the service confines every stage to its own --allow roots
+    "preserve_special_bits": False,  # the service always drops them
 }
 
 

@@ -425,7 +425,7 @@ class PeersStub:
                 request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeResponse.FromString,
                 _registered_method=True)
-        self.FetchBlocks = channel.unary_unary(
+        self.FetchBlocks = channel.unary_stream(
                 '/datastore.v1.Peers/FetchBlocks',
                 request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksRequest.SerializeToString,
                 response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksResponse.FromString,
@@ -448,7 +448,8 @@ class PeersServicer:
 
     def FetchBlocks(self, request, context):
         """One spatial block (with halo) of some fields of samples this node owns, packed
-        field-major: field after field, each (samples, *block shape), C order.
+        field-major: field after field, each (samples, *block shape), C order; streamed in
+        chunks of at most 4 MiB, to be concatenated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -462,7 +463,7 @@ def add_PeersServicer_to_server(servicer, server):
                     request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeRequest.FromString,
                     response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.DescribeResponse.SerializeToString,
             ),
-            'FetchBlocks': grpc.unary_unary_rpc_method_handler(
+            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchBlocks,
                     request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksRequest.FromString,
                     response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksResponse.SerializeToString,
@@ -520,7 +521,7 @@ class Peers:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/datastore.v1.Peers/FetchBlocks',
