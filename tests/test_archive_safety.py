@@ -185,12 +185,16 @@ def test_hostile_archive_refused_whole(tmp_path, run_stage, make_tree, case, suf
 
 
 def test_hostile_archive_alone_writes_nothing(tmp_path, run_stage):
-    """Without other sources, a refused archive leaves DEST with metadata only."""
+    """Without other sources, a refused archive leaves nothing: not even the DEST it made (an
+    existing DEST is left as it was)."""
     arc = _build(tmp_path, "through-symlink", ".tar")
     dest = tmp_path / "dest"
     proc = run_stage(arc, "--to", dest, check=2)
     assert f"{arc}: member 'link/file': path runs through symlink member 'link'" in proc.stderr
-    assert os.listdir(dest) == [META]
+    assert not dest.exists()
+    dest.mkdir()
+    run_stage(arc, "--to", dest, check=2)
+    assert os.listdir(dest) == []
 
 
 # -- check_members, the pure function ---------------------------------------------------------
