@@ -7,13 +7,14 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS ?=
+TORCH_INDEX ?=   # e.g. https://download.pytorch.org/whl/cpu: where torch comes from (default: pip's)
 
 .PHONY: demo test lint bench clean protos
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0        # CPU wheel first: pip must never pull a CUDA build
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))  # first: see README
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
