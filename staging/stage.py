@@ -153,6 +153,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
     work = NodeWork()
+    dirs: list[str] = []  # the directories of the plan this run creates, shallowest first
     if lay.is_leader:
         try:
             work = _node_work(groups, manifest, dest, lay.local_size)
@@ -174,12 +175,16 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                     path = os.path.join(dest, item.dest)
                     if not within(dest, path):
                         raise OSError(errno.EPERM, "refusing to write through a symlink", path)
+                    dirs.extend(reversed(_absent(path)))
                     os.makedirs(path, exist_ok=True)
         except OSError as exc:
             work.code, work.error = Exit.FAILED, f"{dest}: {exc.strerror}: {exc.filename}"
     work = node_comm.bcast(work, root=0)
     status = comm.allgather((work.code, work.error))
     if any(code for code, _ in status):
+        if lock_fd is not None:  # refused here or on another node: leave nothing this run made
+            _unmake(dest, made, dirs[::-1])
+            os.close(lock_fd)
         log.errors([e for _, e in status if e])
         return max(code for code, _ in status)
 
@@ -235,9 +240,14 @@ def _absent(path: str) -> list[str]:
     return missing
 
 
-def _unmake(dest: str, made: list[str]) -> None:
-    """Remove the lock and the directories this run made (``made``, deepest first), each only
-    once it is empty: whatever another run put there meanwhile stays."""
+def _unmake(dest: str, made: list[str], dirs: list[str] | None = None) -> None:
+    """Remove the directories of the plan this run made in DEST (``dirs``), then the lock and
+    the directories this run made for DEST (``made``), each deepest first and only once it is
+    empty: whatever another run put there meanwhile stays. A DEST that had ``.datastore``
+    (``made`` empty) keeps its lock, its manifest and its partial copies."""
+    for path in dirs or ():
+        with contextlib.suppress(OSError):  # not made after all, or no longer empty
+            os.rmdir(path)
     if not made:
         return
     with contextlib.suppress(FileNotFoundError):

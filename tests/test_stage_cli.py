@@ -669,9 +669,25 @@ def test_not_enough_space(tmp_path, run_stage):
         assert m, proc.stderr
         avail = float(m.group(1)) * (1024 if m.group(2) == "KiB" else 1024 * 1024)
         assert avail <= 4 << 20
-        assert os.listdir(mnt) == ["dest"]
-        assert os.listdir(dest) == [META]
-        assert meta_listing(dest) <= {"lock", "manifest.json"}
+        # The refused run leaves nothing it made: DEST, .datastore, DEST's missing parents
+        # (they used to stay behind, an empty DEST with a lock)...
+        assert os.listdir(mnt) == []
+        run_stage(src, "--to", mnt / "new" / "dest", check=3)
+        assert os.listdir(mnt) == []
+        # ... an existing DEST is left as it was ...
+        dest.mkdir()
+        run_stage(src, "--to", dest, check=3)
+        assert os.listdir(dest) == []
+        # ... and one staged before keeps what it has: files, manifest, lock.
+        small = tmp_path / "small"
+        small.mkdir()
+        (small / "c.bin").write_bytes(b"staged before\n")
+        run_stage(small, "--to", dest, check=0)
+        before = snapshot(dest), meta_listing(dest), (dest / META / "manifest.json").read_bytes()
+        run_stage(src, "--to", dest, check=3)
+        after = snapshot(dest), meta_listing(dest), (dest / META / "manifest.json").read_bytes()
+        assert after == before
+        assert before[0] == {"small": ("dir",), "small/c.bin": ("file", b"staged before\n")}
     finally:
         subprocess.run(["umount", str(mnt)], check=True, timeout=30)
 

@@ -135,6 +135,29 @@ def test_failing_rank_ends_all_ranks_quickly(dataset, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_node_out_of_space_leaves_no_dest_on_any_node(dataset, tmp_path):
+    """Node 0's DEST lies on a 4 MiB tmpfs: it refuses (exit 3), and node 1, which had made its
+    DEST and the plan's directories, removes them too (both used to stay behind)."""
+    for k in (0, 1):
+        (tmp_path / f"m{k}").mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(tmp_path / "m0")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {(mount.stderr + mount.stdout).strip()}")
+    try:
+        dest = str(tmp_path / "m{node}" / "dest")
+        proc = mpirun(2, str(dataset), "--to", dest, "--ranks-per-node", "1", timeout=60)
+        assert proc.returncode == 3, proc.stderr
+        assert "m0/dest: not enough space: need" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert os.listdir(tmp_path / "m0") == []
+        assert os.listdir(tmp_path / "m1") == []
+    finally:
+        subprocess.run(["umount", str(tmp_path / "m0")], check=True, timeout=30)
+
+
 def test_killed_rank_ends_the_job(tmp_path):
     big = tmp_path / "big.bin"
     with open(big, "wb") as f:

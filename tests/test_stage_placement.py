@@ -25,6 +25,22 @@ def test_symlinks_from_other_archives_cannot_redirect_a_write(tmp_path):
     assert not (dest / "l" / "evil").exists()
 
 
+def test_a_refused_placement_leaves_nothing_the_run_made(tmp_path):
+    """The directories made before the refusal, and the .datastore it made, go again: DEST is
+    as it was (they used to stay behind)."""
+    (tmp_path / "a" / "x" / "y").mkdir(parents=True)
+    (tmp_path / "a" / "x" / "y" / "f").write_bytes(b"f")
+    (tmp_path / "b" / "sub").mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "b").symlink_to(tmp_path / "out")
+    proc = run_stage(tmp_path / "a", tmp_path / "b", "--to", dest, check=1)
+    assert f"refusing to write through a symlink: {dest / 'b'}" in proc.stderr
+    assert os.listdir(dest) == ["b"]
+    assert os.listdir(tmp_path / "out") == []
+
+
 def test_directory_of_one_source_is_a_file_in_another(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "x.bin").write_bytes(b"x" * 10)

@@ -18,7 +18,18 @@ from helpers import MPIEXEC
 from staging.cluster import LAUNCH_ENV
 from trainer.cosmology import write_split
 from trainer.devices import check_gpus, pick_backend, pick_device
-from trainer.preflight import check_fields, check_run, check_world, level_blocks, model_depth
+from trainer.models import CosmoFlow, UNet3D, count_parameters
+from trainer.preflight import (
+    check_fields,
+    check_memory,
+    check_run,
+    check_world,
+    level_blocks,
+    model_depth,
+    model_parameters,
+    optimizer_copies,
+)
+from trainer.start import memory_of
 
 ROOT = Path(__file__).parent.parent
 ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
@@ -101,6 +112,14 @@ def test_a_split_the_model_cannot_run_is_named(shape, parts, depth, message):
         level_blocks(shape, parts, depth)
 
 
+def test_a_huge_conv_blocks_is_refused_at_once():
+    # 2**depth used to be computed first: 10**11 poolings hung, building a 12 GB integer.
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"side 16 along axis 0 is not divisible by 2\*\*10000"):
+        level_blocks((16, 16, 16), (1, 1, 1), 10**11)
+    assert time.perf_counter() - t0 < 0.1
+
+
 def test_default_depths():
     assert model_depth("cosmoflow", 128, 0) == 5
     assert model_depth("cosmoflow", 16, 0) == 4
@@ -131,6 +150,57 @@ def test_world_must_hold_whole_replicas():
     assert check_run("cosmoflow", x, y, (2, 1, 1), 4, 4) == 4
     with pytest.raises(ValueError, match="level 4"):  # 5 poolings of 16: 16, 8, 4, 2, 1
         check_run("cosmoflow", x, y, (2, 1, 1), 0, 4)
+
+
+# -- the model's memory -----------------------------------------------------------------------
+@pytest.mark.parametrize("width", [1, 2, 5, 8])
+@pytest.mark.parametrize("depth", [0, 1, 3, 4])
+def test_the_parameter_count_is_the_built_models(width, depth):
+    with torch.device("meta"):  # shapes only
+        cosmo = CosmoFlow(4, 3, input_size=32, conv_size=width, n_conv=depth)
+        assert count_parameters(cosmo) == model_parameters("cosmoflow", 4, 3, 32, width, depth)
+        if depth:
+            for cin, cout in ((4, 4), (4, 1)):
+                unet = UNet3D(cin, cout, base=width, depth=depth, residual=cin == cout)
+                n = model_parameters("unet3d", cin, cout, 32, width, depth)
+                assert count_parameters(unet) == n
+
+
+@pytest.mark.parametrize("width", [10**11, 2**100])
+def test_a_model_far_larger_than_memory_is_refused_without_building_it(width):
+    # torch cannot even describe it: building width 10**11 on "meta" overflows its sizes.
+    t0 = time.perf_counter()
+    n = model_parameters("cosmoflow", 4, 4, 128, width, 5)
+    with pytest.raises(ValueError, match=r"^config keys 'width', 'conv_blocks', 'model': a "
+                       rf"cosmoflow of width {width} with 5 poolings has .* parameters; with "
+                       r"their gradients and adam's 2 state copies \(4 bytes each\) training "
+                       r"needs .* TiB, more than the 64 GiB available on the host; choose a "
+                       "smaller width"):  # fmt: skip
+        check_memory("cosmoflow", width, 5, n, "adam", 2, "cpu", 64 << 30, 64 << 30)
+    assert time.perf_counter() - t0 < 0.1
+    assert n > width**2
+
+
+def test_only_what_cannot_fit_is_refused():
+    n = model_parameters("unet3d", 4, 4, 64, 8, 3)
+    need = n * 4 * (2 + optimizer_copies("adam", 0.9))
+    check_memory("unet3d", 8, 3, n, "adam", 2, "cpu", need, need)  # exactly fits
+    check_memory("unet3d", 8, 3, n, "adam", 2, "cpu", None, None)  # unknown: not checked
+    with pytest.raises(ValueError, match=r"more than the .* available on the host"):
+        check_memory("unet3d", 8, 3, n, "adam", 2, "cpu", need - 1, need)
+    # On a GPU: the device's free memory, and the host's for the parameters it builds first.
+    check_memory("unet3d", 8, 3, n, "sgd", 0, "cuda:0", n * 8, n * 4)
+    with pytest.raises(ValueError, match=r"and no sgd state .* more than the .* free on cuda:0"):
+        check_memory("unet3d", 8, 3, n, "sgd", 0, "cuda:0", n * 8 - 1, None)
+    with pytest.raises(ValueError, match="built on the host before it moves to cuda:0"):
+        check_memory("unet3d", 8, 3, n, "sgd", 0, "cuda:0", None, n * 4 - 1)
+    assert [optimizer_copies(o, m) for o, m in [("adam", 0), ("sgd", 0), ("sgd", 0.9),
+            ("lars", 0.9), ("lion", 0), ("lion_cub", 0)]] == [2, 0, 1, 1, 1, 1]  # fmt: skip
+
+
+def test_the_host_memory_is_what_the_loader_sees(monkeypatch):
+    monkeypatch.setenv("DATASTORE_MEMORY_AVAILABLE", "3G")
+    assert memory_of(CPU) == (3 << 30, 3 << 30)
 
 
 # -- refused on every rank alike, under mpiexec ------------------------------------------------
@@ -168,6 +238,12 @@ def launch(n: int, sets: list[str], per_rank: bool = False) -> subprocess.Comple
          "config key 'log_file': /dev/null: /dev/null is not a directory"),
         (["checkpoint_dir=/dev/null", "checkpoint_interval=1"],
          "config key 'checkpoint_dir': /dev/null: /dev/null is not a directory"),
+        # an out-of-memory traceback while the model was built
+        (["width=100000000000"],
+         "config keys 'width', 'conv_blocks', 'model': a cosmoflow of width 100000000000 with "
+         "4 poolings has 1.13e+25 parameters"),
+        (["width=1267650600228229401496703205376", "optimizer=sgd", "momentum=0"],
+         "a cosmoflow of width 1267650600228229401496703205376 with 4 poolings"),
     ],
 )  # fmt: skip
 def test_a_bad_setup_is_one_error_on_every_rank(data, sets, message):

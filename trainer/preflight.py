@@ -17,18 +17,31 @@ Block lengths follow the loader's split (``datastore.partition.split_sizes``: th
 CosmoFlow runs ``conv_blocks`` (convolution, pool) pairs; the U-Net two convolutions and a
 pool per level, ``depth`` times, then two convolutions at the bottom (the way up doubles the
 lengths back, which matches the skips exactly when every pooled block was even).
+
+A model larger than memory used to fail while it was built, with an out-of-memory traceback:
+:func:`model_parameters` counts the parameters of the model ``trainer.train.build_model`` would
+build (exact Python integers: nothing is allocated, and no width overflows), and
+:func:`check_memory` refuses a run whose parameters, gradients and optimizer state
+(:func:`optimizer_copies`) cannot fit in the memory it runs in. Activations, buffers and
+communication buckets are left out: only what cannot fit is refused.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from decimal import Decimal
 
 from datastore.partition import split_sizes
 
-__all__ = ["check_fields", "check_run", "check_world", "level_blocks", "model_depth"]
+__all__ = [
+    "check_fields", "check_memory", "check_run", "check_world", "level_blocks", "model_depth",
+    "model_parameters", "optimizer_copies",
+]  # fmt: skip
 
 KERNEL = 3  # both models' convolutions
+HEAD = (128, 64)  # CosmoFlow's dense hidden layers (trainer.models.CosmoFlow's fc1, fc2)
+PARAMETER_BYTES = 4  # float32 parameters, gradients and optimizer state (AMP keeps float32)
 
 
 def model_depth(model: str, side: int, conv_blocks: int) -> int:
@@ -60,7 +73,7 @@ def level_blocks(
             an odd block before a pooling (not the last along its axis).
     """
     for axis, n in enumerate(shape):
-        if n % 2**depth:
+        if depth >= int(n).bit_length() or n % 2**depth:  # never builds 2**depth for a huge depth
             raise ValueError(
                 f"side {n} along axis {axis} is not divisible by 2**{depth} ({depth} poolings)"
             )
@@ -160,3 +173,101 @@ def check_run(
     depth = model_depth(model, min(spatial), conv_blocks)
     level_blocks(spatial, parts, depth)
     return depth
+
+
+def model_parameters(
+    model: str, in_channels: int, out_channels: int, side: int, width: int, depth: int
+) -> int:
+    """Trainable parameters of ``model`` as ``trainer.train.build_model`` builds it, counted
+    without building it (the spatially split layers hold the same parameters on every rank).
+
+    Args:
+        model: ``"cosmoflow"`` or ``"unet3d"``.
+        in_channels, out_channels: the input's channels; the target's (CosmoFlow's outputs).
+        side: CosmoFlow's cube side (unused for the U-Net, whose parameters do not depend on it).
+        width: the first level's filters (config key ``width``).
+        depth: the poolings (:func:`model_depth`; checked by :func:`level_blocks` first).
+    """
+
+    def conv(cin: int, cout: int, k: int = KERNEL) -> int:
+        return cin * cout * k**3 + cout
+
+    widths = [width << i for i in range(depth + 1)]
+    if model == "cosmoflow":
+        total, cin = 0, in_channels
+        for cout in widths[:depth]:
+            total, cin = total + conv(cin, cout), cout
+        fc1, fc2 = HEAD
+        flat = cin * (side >> depth) ** 3
+        return total + conv(flat, fc1, 1) + conv(fc1, fc2, 1) + conv(fc2, out_channels, 1)
+
+    def double(cin: int, cout: int) -> int:  # two (convolution, BatchNorm's weight and bias)
+        return conv(cin, cout) + conv(cout, cout) + 4 * cout
+
+    total, cin = 0, in_channels
+    for w in widths:
+        total, cin = total + double(cin, w), w
+    for w in widths[:-1]:  # the stride-2 transposed convolution, then the merge
+        total += conv(2 * w, w, 2) + double(2 * w, w)
+    return total + conv(widths[0], out_channels, 1)
+
+
+def optimizer_copies(optimizer: str, momentum: float) -> int:
+    """Copies of the parameters ``optimizer`` keeps as state: Adam's two moments, SGD's momentum
+    buffer (none without momentum), LARS's momentum buffer, Lion's (and Lion Cub's) momentum."""
+    if optimizer == "adam":
+        return 2
+    if optimizer == "sgd":
+        return 1 if momentum else 0
+    return 1
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{Decimal(n) / (1 << shift):.3g} {unit}"
+    return f"{n} bytes"
+
+
+def _count(n: int) -> str:
+    return f"{n:,}" if n < 10**9 else f"{Decimal(n):.3g}"
+
+
+def check_memory(
+    model: str,
+    width: int,
+    depth: int,
+    params: int,
+    optimizer: str,
+    copies: int,
+    device: str,
+    device_memory: int | None,
+    host_memory: int | None,
+) -> None:
+    """Refuse a model whose parameters, gradients and ``copies`` optimizer state copies
+    (``PARAMETER_BYTES`` each) exceed ``device_memory``, the memory of ``device`` (``"cpu"``: the
+    host's available memory), or, on a GPU, whose parameters alone exceed ``host_memory`` (the
+    model is built on the CPU, then moved). ``None``: unknown, not checked.
+
+    Raises:
+        ValueError: naming the config keys, the estimate and the memory.
+    """
+    need = params * (2 + copies) * PARAMETER_BYTES
+    keys = "config keys 'width', 'conv_blocks', 'model'"
+    this = f"a {model} of width {width} with {depth} poolings has {_count(params)} parameters"
+    state = f"no {optimizer} state"
+    if copies:
+        state = f"{optimizer}'s {copies} state cop{'y' if copies == 1 else 'ies'}"
+    fix = "choose a smaller width or fewer conv_blocks"
+    if device_memory is not None and need > device_memory:
+        where = "available on the host" if device == "cpu" else f"free on {device}"
+        raise ValueError(
+            f"{keys}: {this}; with their gradients and {state} ({PARAMETER_BYTES} bytes each) "
+            f"training needs {_size(need)}, more than the {_size(device_memory)} {where}; {fix}"
+        )
+    built = params * PARAMETER_BYTES
+    if device != "cpu" and host_memory is not None and built > host_memory:
+        raise ValueError(
+            f"{keys}: {this} ({_size(built)}), built on the host before it moves to {device}: "
+            f"more than the {_size(host_memory)} available on the host; {fix}"
+        )

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from datastore.agree import Collective, agree
+from datastore.memory import available_memory
 from datastore.readers import open_dataset
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
 from trainer.checkpoint import CHECKPOINT_NAME
@@ -35,11 +36,11 @@ from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_l
 from trainer.devices import check_gpus, pick_backend, pick_device
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.optim import LRSchedule
-from trainer.preflight import check_run
+from trainer.preflight import check_memory, check_run, model_parameters, optimizer_copies
 
 __all__ = [
     "RESUME_KEYS", "Field", "Run", "check_paths", "check_resume", "data_address", "data_paths",
-    "data_token", "describe", "field_of", "make_resident", "schedule_of", "start",
+    "data_token", "describe", "field_of", "make_resident", "memory_of", "schedule_of", "start",
 ]  # fmt: skip
 
 Field = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -160,6 +161,13 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
                 f"{field[1]}"
             )
     depth = check_run(cfg.model, inputs, targets, cfg.spatial_parts, cfg.conv_blocks, world)
+    params = model_parameters(
+        cfg.model, inputs[1][0], targets[1][0], inputs[1][1], cfg.width, depth
+    )
+    copies = optimizer_copies(cfg.optimizer, cfg.momentum)
+    check_memory(
+        cfg.model, cfg.width, depth, params, cfg.optimizer, copies, str(device), *memory_of(device)
+    )
     data_ranks = world // (cfg.spatial_parts[0] * cfg.spatial_parts[1] * cfg.spatial_parts[2])
     if cfg.global_batch % data_ranks:
         raise ValueError(
@@ -178,6 +186,22 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
         raise ValueError(f"config keys 'lr_schedule', 'warmup', 'steps': {exc}") from None
     check_resume(cfg, world)
     return depth, inputs, targets, samples, total
+
+
+def memory_of(device: torch.device) -> tuple[int | None, int | None]:
+    """``(bytes device can still hold, bytes the host can)``: a GPU's free memory, else the
+    host's available memory (``datastore.memory.available_memory``); ``None``: unknown."""
+    host = available_memory()
+    if device.type != "cuda":
+        return host, host
+    try:
+        free = torch.cuda.mem_get_info(device)[0]
+    except Exception:  # no answer is no check, never a refused run
+        try:
+            free = torch.cuda.get_device_properties(device).total_memory
+        except Exception:
+            free = None
+    return free, host
 
 
 RESUME_KEYS = (
