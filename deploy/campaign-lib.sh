@@ -40,6 +40,8 @@ read_jobs() {
     dir=$(cd "$(dirname "$file")" && pwd)
     while IFS= read -r line || [[ -n $line ]]; do
         n=$((n + 1))
+        line=${line%$'\r'}  # CRLF line endings and a byte order mark (a file written on Windows)
+        ((n > 1)) || line=${line#$'\xef\xbb\xbf'}
         line=${line%%#*}
         [[ $line =~ ^[[:space:]]*$ ]] && continue
         read -r phase ranks name config rest <<<"$line"

@@ -38,10 +38,13 @@ source "$DEPLOY_DIR/campaign-lib.sh"
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "${BASH_SOURCE[0]}"; }
 while (($#)); do
     case $1 in
-        --nodes) NODES=${2:-} && shift ;;
-        --jobs) JOBS=${2:-} && shift ;;
-        --work) WORK=${2:-} && shift ;;
-        --src) SRC=${2:-} && shift ;;
+        --nodes | --jobs | --work | --src)
+            [[ -n ${2:-} && $2 != -* ]] || usage_error "$1 needs a value (see --help)"
+            ;;&
+        --nodes) NODES=$2 && shift ;;
+        --jobs) JOBS=$2 && shift ;;
+        --work) WORK=$2 && shift ;;
+        --src) SRC=$2 && shift ;;
         -h | --help) usage && exit 0 ;;
         *) usage_error "unknown argument '$1' (see --help)" ;;
     esac
@@ -70,21 +73,31 @@ if ((NODES > 1 || max_ranks > 1)); then
     command -v "$MPIEXEC" >/dev/null || usage_error "MPIEXEC $MPIEXEC: not found (needed for NODES > 1 and jobs of several ranks)"
 fi
 
-mkdir -p "$WORK" || usage_error "WORK $WORK: cannot create it"
-WORK=$(cd "$WORK" && pwd)
-OUT=$WORK
-mkdir -p "$OUT/logs" "$OUT/state"
+# the sockets' directory before WORK: a bad one leaves no WORK behind
 if [[ -n ${SOCKET_DIR:-} ]]; then
     OWN_SOCKET_DIR=0
     mkdir -p "$SOCKET_DIR" || usage_error "SOCKET_DIR $SOCKET_DIR: cannot create it"
 else
     OWN_SOCKET_DIR=1
-    SOCKET_DIR=$(mktemp -d "${TMPDIR:-/tmp}/datastore-campaign.XXXXXX") || exit 1
+    SOCKET_DIR=$(mktemp -d "${TMPDIR:-/tmp}/datastore-campaign.XXXXXX") ||
+        usage_error "TMPDIR ${TMPDIR:-/tmp}: cannot make the sockets' directory in it (or set SOCKET_DIR)"
 fi
 SOCKET_DIR=$(cd "$SOCKET_DIR" && pwd)
-SERVE_PIDS=()
-
+# refuse MESSAGE: usage_error, removing the sockets' directory made for the run
+refuse() {
+    ((OWN_SOCKET_DIR)) && rmdir "$SOCKET_DIR"
+    usage_error "$*"
+}
 socket_of() { echo "$SOCKET_DIR/node$1.sock"; }
+bytes=$(socket_of $((NODES - 1)) | tr -d '\n' | wc -c)
+((bytes <= 107)) || refuse "socket path $(socket_of $((NODES - 1))) is $bytes bytes, over the 107-byte limit of a Unix socket (set a shorter SOCKET_DIR or TMPDIR)"
+mkdir -p "$WORK" || refuse "WORK $WORK: cannot create it"
+if [[ ! -w $WORK ]] || ! mkdir -p "$WORK/logs" "$WORK/state"; then
+    refuse "WORK $WORK: cannot write in it"
+fi
+WORK=$(cd "$WORK" && pwd)
+OUT=$WORK
+SERVE_PIDS=()
 
 job_command() {
     local i=$1
@@ -188,8 +201,8 @@ for ((k = 0; k < NODES; k++)); do
             --peers "$(IFS=,; echo "${peers[*]}")")
     fi
     run_child "$OUT/logs/serve-node$k.log" "${serve[@]}" "${args[@]}"
+    SERVE_PIDS+=("$CHILD") # listed before it is forgotten: a signal between cannot lose it
     forget_child "$CHILD"
-    SERVE_PIDS+=("$CHILD")
     say "node $k: datastore serve pid $CHILD on $(socket_of "$k") (log: $OUT/logs/serve-node$k.log)"
 done
 for k in "${!SERVE_PIDS[@]}"; do

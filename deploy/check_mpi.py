@@ -95,8 +95,9 @@ def launcher_size(env: dict[str, str] | None = None) -> int | None:
     """The number of ranks a launcher says it started (PMI, PMIx, Open MPI, Slurm, Flux)."""
     env = dict(os.environ) if env is None else env
     for name in SIZE_VARS:
-        if env.get(name, "").isdigit():
-            return int(env[name])
+        value = env.get(name, "")
+        if value.isascii() and value.isdigit():  # not "²", a digit to isdigit() but not to int()
+            return int(value)
     return None
 
 

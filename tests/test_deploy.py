@@ -238,22 +238,49 @@ def test_a_bad_jobs_file_is_refused_before_anything_starts(tmp_path, line, messa
     assert not (tmp_path / "work").exists()
 
 
+def test_a_jobs_file_with_crlf_line_endings_and_a_byte_order_mark_is_read(tmp_path):
+    jobs = _write_jobs(
+        tmp_path / "dos.jobs", ["1 1 a CONFIG", "# a comment", "", "2 1 b CONFIG lr=0.1"]
+    )
+    jobs.write_bytes(b"\xef\xbb\xbf" + jobs.read_bytes().replace(b"\n", b"\r\n"))
+    script = 'source "$1"; read_jobs "$2"; printf "%s|" "${JOB_PHASE[@]}" "${JOB_CONFIG[@]}" '
+    script += '"${JOB_SETS[@]}"'
+    r = subprocess.run(
+        ["bash", "-c", script, "-", str(DEPLOY / "campaign-lib.sh"), str(jobs)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    config = str(DEPLOY / "configs" / "tiny-cosmoflow.toml")
+    assert r.stdout == f"1|2|{config}|{config}||lr=0.1|"
+
+
 def test_the_same_job_name_twice_and_bad_parameters_are_refused(tmp_path):
     jobs = _write_jobs(tmp_path / "twice.jobs", ["1 1 a CONFIG", "2 1 a CONFIG"])
     env = _env(tmp_path, "-")
+    (tmp_path / "a-file").touch()
+    (tmp_path / "no-logs").mkdir()
+    (tmp_path / "no-logs" / "logs").touch()  # so WORK/logs cannot be made
+    long_tmp = tmp_path / ("x" * 120)  # too long for the sockets' paths
+    long_tmp.mkdir()
     for args, extra, message in [
         (["--jobs", str(jobs)], {}, f"{jobs}:2: job name 'a' is used twice"),
         (["--nodes", "0"], {}, "NODES '0' is not a positive whole number"),
         (["--src", str(tmp_path / "missing")], {}, "not a directory"),
         ([], {"SERVE_TIMEOUT": "soon"}, "SERVE_TIMEOUT 'soon' is not a positive whole number"),
         (["--bogus"], {}, "unknown argument '--bogus'"),
+        (["--jobs", "--nodes", "2"], {}, "--jobs needs a value"),
+        (["--nodes"], {}, "--nodes needs a value"),  # not the default campaign
+        ([], {"SOCKET_DIR": str(tmp_path / "a-file")}, "/a-file: cannot create it"),
+        (["--work", str(tmp_path / "no-logs")], {}, "/no-logs: cannot write in it"),
+        ([], {"TMPDIR": str(tmp_path / "missing")}, "/missing: cannot make the sockets' dir"),
+        ([], {"TMPDIR": str(long_tmp)}, "over the 107-byte limit of a Unix socket"),
     ]:
         r = subprocess.run(
             ["bash", str(CAMPAIGN), "--work", str(tmp_path / "work"), *args],
             capture_output=True, text=True, env={**env, **extra}, timeout=60,
         )  # fmt: skip
         assert (r.returncode, message in r.stderr) == (2, True), r.stderr
-    assert not (tmp_path / "work").exists()
+    assert not (tmp_path / "work").exists() and os.listdir(long_tmp) == []
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -426,6 +453,7 @@ def test_check_mpi_warns_when_the_launcher_world_is_not_seen():
     together = m.advice(m.MpiReport(**base, world_size=4, launcher_size=4))
     assert together == ["the site's Cray MPICH: launch with srun (or the site's launcher)"]
     assert m.launcher_size({"SLURM_STEP_NUM_TASKS": "8"}) == 8 and m.launcher_size({}) is None
+    assert m.launcher_size({"PMI_SIZE": "\u00b2"}) is None  # a digit to isdigit(), not to int()
 
 
 @pytest.mark.mpi
