@@ -246,6 +246,7 @@ def list_members(path: str, kind: str, size: int, direct: bool = False) -> list[
     Raises ``ArchiveError`` for truncated or corrupt archives as well as unsafe ones.
     """
     members: list[Member] = []
+    error: Exception | None = None
     try:
         if kind == "tar":
             raw = DirectReader(path) if direct else open(path, "rb")  # noqa: SIM115
@@ -266,13 +267,13 @@ def list_members(path: str, kind: str, size: int, direct: bool = False) -> list[
                     if m is not None:
                         members.append(m)
     except DECODE_ERRORS as exc:
-        if not (kind == "zst" and zst_truncated(path)):
-            raise ArchiveError(
-                path, f"corrupt or truncated archive ({exc or type(exc).__name__})"
-            ) from exc
-        members = []
-    if kind == "zst" and zst_truncated(path):  # the decoder just stops where the bytes do
+        error = exc
+    if kind == "zst" and zst_truncated(path):  # the decoder may just stop where the bytes do
         raise ArchiveError(path, "truncated archive (the zstd stream ends inside a frame)")
+    if error is not None:
+        raise ArchiveError(
+            path, f"corrupt or truncated archive ({error or type(error).__name__})"
+        ) from error
     if not members:
         raise ArchiveError(path, "no members: empty, corrupt or not a tar archive")
     check_members(path, members)
