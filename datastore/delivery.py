@@ -32,6 +32,7 @@ from staging.cluster import local_size
 __all__ = [
     "Delivered",
     "Gather",
+    "chosen_fields",
     "covered",
     "delivered_fields",
     "fill_batch",
@@ -51,6 +52,26 @@ def tensor_dtype_problem(dtype: Any) -> str | None:
     if not dt.isnative:
         return f"its dtype {dt.str} is not in this machine's byte order, as torch tensors need"
     return None
+
+
+def chosen_fields(
+    info: dict[str, Any], names: Sequence[str] | None, show: Callable[[str], str] = repr
+) -> dict[str, Any]:
+    """The fields ``names`` (``None`` or empty: all) of a dataset with fields ``info``, each one
+    a batch can carry as a tensor.
+
+    Raises:
+        ValueError: a name the dataset lacks, or a field no tensor can hold (``show`` formats
+            a name for the message).
+    """
+    names = list(names or info)
+    for n in names:
+        if n not in info:
+            raise ValueError(f"no field {show(n)} in the dataset (it has {', '.join(info)})")
+        problem = tensor_dtype_problem(info[n].dtype)
+        if problem is not None:
+            raise ValueError(f"field {show(n)}: {problem}; leave it out with fields=[...]")
+    return {n: info[n] for n in names}
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,10 @@ from datastore.agree import Collective, StepSync, agree
 from datastore.delivery import (
     Delivered,
     Gather,
+    chosen_fields,
     delivered_fields,
     parse_spatial,
     spatial_grid,
-    tensor_dtype_problem,
 )
 from datastore.device import DeviceStage, parse_device
 from datastore.errors import ExchangeTimeout, InsufficientMemory
@@ -393,15 +393,7 @@ class DataStoreLoader(EpochPosition):
         try:
             if not len(self.reader):
                 raise ValueError(f"{reader.location}: the dataset has no samples")
-            info = self.reader.fields
-            names = list(info) if o.fields is None else list(o.fields)
-            for n in names:
-                if n not in info:
-                    raise ValueError(f"no field {n!r} in the dataset (it has {', '.join(info)})")
-                problem = tensor_dtype_problem(info[n].dtype)
-                if problem is not None:
-                    raise ValueError(f"field {n!r}: {problem}; leave it out with fields=[...]")
-            info = {n: info[n] for n in names}
+            info = chosen_fields(self.reader.fields, o.fields)  # fields=[] refused earlier
             grid, layout, schedule = self._layout(info, owner)
             blocks = grid.nblocks if grid is not None else 1
             by_block = {k: delivered_fields(info, grid, k) for k in range(blocks)}

@@ -40,10 +40,11 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    directory: str | os.PathLike, name: str = CHECKPOINT_NAME
+    directory: str | os.PathLike, name: str = CHECKPOINT_NAME, mmap: bool = False
 ) -> dict[str, Any] | None:
-    """The state in ``directory/name``, or ``None`` if there is none."""
+    """The state in ``directory/name``, or ``None`` if there is none (``mmap``: tensors are
+    mapped, read only when used)."""
     path = os.path.join(directory, name)
     if not os.path.exists(path):
         return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

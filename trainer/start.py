@@ -31,7 +31,7 @@ from datastore.agree import Collective, agree
 from datastore.memory import available_memory
 from datastore.readers import open_dataset
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
-from trainer.checkpoint import CHECKPOINT_NAME
+from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_log
 from trainer.devices import check_gpus, pick_backend, pick_device
 from trainer.grid import ProcessGrid, init_distributed
@@ -227,7 +227,7 @@ def check_resume(cfg: TrainConfig, world: int) -> None:
     if not zipfile.is_zipfile(path):  # what torch.save writes
         raise ValueError(f"{bad} (not a file torch.save wrote); {fix}")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        saved = load_checkpoint(cfg.checkpoint_dir, mmap=True) or {}
         config, saved_world = dict(saved["config"]), saved.get("world")
     except Exception as exc:  # torch.load raises many kinds on a file that is not its own
         raise ValueError(f"{bad} ({type(exc).__name__}: {exc}); {fix}") from None

@@ -20,13 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import (
-    Delivered,
-    Gather,
-    delivered_fields,
-    spatial_grid,
-    tensor_dtype_problem,
-)
+from datastore.delivery import Delivered, Gather, chosen_fields, delivered_fields, spatial_grid
 from datastore.order import Schedule, rank_layout
 from datastore.partition import Grid
 from datastore.service._pb.v1 import datastore_pb2 as pb
@@ -250,22 +244,8 @@ class Sessions:
             raise ServiceError(
                 "INVALID_ARGUMENT", f"{shown(r.dataset_path)}: the dataset has no samples"
             )
-        every = resident.reader.fields
-        names = list(r.fields) or list(every)
-        missing = [n for n in names if n not in every]
-        if missing:
-            raise ServiceError(
-                "INVALID_ARGUMENT",
-                f"no field {shown(missing[0])} in the dataset (it has {', '.join(every)})",
-            )
-        info = {n: every[n] for n in names}
-        for n in names:
-            problem = tensor_dtype_problem(info[n].dtype)
-            if problem is not None:
-                raise ServiceError(
-                    "INVALID_ARGUMENT", f"field {shown(n)}: {problem}; leave it out with fields"
-                )
         try:
+            info = chosen_fields(resident.reader.fields, list(r.fields), shown)
             grid = spatial_grid(info, spatial)
             tail = "drop" if r.drop_last else "pad"
             schedule = Schedule(len(resident.reader), r.global_batch, r.seed, r.shuffle, tail)
