@@ -290,7 +290,9 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
         if dtype.itemsize < 1:
             raise ValueError(f"--dtype {args.dtype!r} has no fixed size")
         if dtype.kind not in "biufc":  # an object is a pointer, a string no tensor's element
-            raise ValueError(f"--dtype {args.dtype!r}: not a numeric dtype (bool, int, float)")
+            raise ValueError(
+                f"--dtype {args.dtype!r}: not a numeric dtype (bool, int, float, complex)"
+            )
         if args.spatial_axes is None:
             axes = default_spatial_axes(len(shape))
         else:

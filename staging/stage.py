@@ -139,6 +139,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if errors:
         if lock_fd is not None:  # another node failed: nothing is staged here either
             _unmake(dest, made)
+            os.close(lock_fd)
         log.errors(errors)
         return Exit.FAILED
 
