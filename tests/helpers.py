@@ -1,4 +1,5 @@
-"""Shared helpers for the ``datastore stage`` tests: source trees, archives, DEST snapshots."""
+"""Shared test helpers: source trees, archives and DEST snapshots for the ``datastore stage``
+tests; a ``datastore serve`` for the trainer tests."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import stat
 import subprocess
 import sys
 import tarfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import zstandard
@@ -206,3 +209,22 @@ def stage_sharded(
     shares = [sorted(os.listdir(tmp / f"node{k}" / "src")) for k in range(2)]
     assert shares[0] and shares[1] and not set(shares[0]) & set(shares[1])
     return src, env
+
+
+@contextmanager
+def serving(tmp: Path, env: dict[str, str], *args: str) -> Iterator[Path]:
+    """A fresh ``datastore serve --socket TMP/ds.sock ARGS`` (its state under ``tmp``) for the
+    block, its socket path yielded once it is there; terminated after the block."""
+    sock = tmp / "ds.sock"
+    env = {**env, "XDG_STATE_HOME": str(tmp / "state")}
+    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock), *args]
+    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert service.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.1)
+        yield sock
+    finally:
+        service.terminate()
+        service.wait(30)

@@ -119,6 +119,15 @@ def _lmdb(root: Path, a: dict, codec) -> Built:
     return Built(str(path), "lmdb", detect_path=str(path))
 
 
+def npy_dir(root: Path, xs: np.ndarray) -> Path:
+    """``root/npy`` holding sample ``i`` of ``xs`` as ``s{i}.npy``."""
+    d = root / "npy"
+    d.mkdir()
+    for i, x in enumerate(xs):
+        np.save(d / f"s{i}.npy", x)
+    return d
+
+
 def _npy(root: Path, a: dict) -> Built:
     d = root / "npy"
     d.mkdir()
@@ -412,10 +421,7 @@ def test_hdf5_region_touches_only_its_chunks(tmp_path, arrays):
 
 # -- detection, specs and spec files ----------------------------------------------------------
 def test_detect_globs_and_single_files(tmp_path, arrays):
-    d = tmp_path / "npy"
-    d.mkdir()
-    for i in range(N):
-        np.save(d / f"s{i}.npy", arrays["x"][i])
+    d = npy_dir(tmp_path, arrays["x"])
     spec = detect(str(d / "s*.npy"))
     assert (spec.format, spec.fields) == ("npy", (FieldSpec("data", X_AXES),))
     with open_dataset(spec) as r:
@@ -556,10 +562,7 @@ def test_truncated_and_garbage_hdf5(tmp_path, arrays):
 
 
 def test_truncated_and_garbage_npy(tmp_path, arrays):
-    d = tmp_path / "npy"
-    d.mkdir()
-    for i in range(N):
-        np.save(d / f"s{i}.npy", arrays["x"][i])
+    d = npy_dir(tmp_path, arrays["x"])
     raw = (d / "s3.npy").read_bytes()
     (d / "s3.npy").write_bytes(raw[:-100])
     (d / "s4.npy").write_bytes(b"\x93NUMPY garbage" + bytes(200))
@@ -576,10 +579,7 @@ def test_truncated_and_garbage_npy(tmp_path, arrays):
 
 
 def test_a_malformed_npy_header_is_named(tmp_path, arrays):
-    d = tmp_path / "npy"
-    d.mkdir()
-    for i in range(N):
-        np.save(d / f"s{i}.npy", arrays["x"][i])
+    d = npy_dir(tmp_path, arrays["x"])
     raw = (d / "s1.npy").read_bytes()
     start = raw.index(b"'<f4'")  # a name where a literal belongs: what ast.literal_eval rejects
     (d / "s1.npy").write_bytes(raw[:start] + b"float" + raw[start + 5 :])

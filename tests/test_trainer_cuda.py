@@ -80,35 +80,29 @@ def test_ranks_sharing_the_gpu_follow_one_rank(data, tmp_path):
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-3
 
 
-def test_lion_cub_resume_on_the_gpu_is_exact(data, tmp_path):
-    more = [
-        "optimizer=lion_cub",
-        "backend=gloo",
-        "amp=false",
-        "tf32=false",
-        "cudnn_benchmark=false",
-    ]
-    whole = launch(2, base(data, tmp_path / "w", *more, f"checkpoint_dir={tmp_path}/w"))
+def resumed_and_whole(n: int, data: Path, tmp: Path, more: list[str]) -> tuple[list, list]:
+    """The losses of a run stopped after 4 steps and resumed, and of the same run whole."""
+    whole = launch(n, base(data, tmp / "w", *more, f"checkpoint_dir={tmp}/w"))
     assert whole.returncode == 0, whole.stdout + whole.stderr
-    ck = f"checkpoint_dir={tmp_path}/r"
-    first = launch(2, base(data, tmp_path / "a", *more, ck, "steps=4"))
-    rest = launch(2, base(data, tmp_path / "b", *more, ck))
+    ck = f"checkpoint_dir={tmp}/r"
+    first = launch(n, base(data, tmp / "a", *more, ck, "steps=4"))
+    rest = launch(n, base(data, tmp / "b", *more, ck))
     assert first.returncode == 0 and rest.returncode == 0, rest.stdout + rest.stderr
-    (w, _), (a, _), (b, _) = (log_of(tmp_path / n) for n in "wab")
-    assert len(a + b) == len(w)
-    assert max(abs(x - y) for x, y in zip(a + b, w, strict=True)) < 1e-4  # cuDNN may vary
+    (w, _), (a, _), (b, _) = (log_of(tmp / k) for k in "wab")
+    return a + b, w
+
+
+def test_lion_cub_resume_on_the_gpu_is_exact(data, tmp_path):
+    more = ["optimizer=lion_cub", "backend=gloo", "amp=false", "tf32=false"]
+    resumed, whole = resumed_and_whole(2, data, tmp_path, [*more, "cudnn_benchmark=false"])
+    assert len(resumed) == len(whole)
+    assert max(abs(x - y) for x, y in zip(resumed, whole, strict=True)) < 1e-4  # cuDNN may vary
 
 
 def test_resume_with_dropout_on_the_gpu_repeats_the_run(data, tmp_path):
     """Dropout on the GPU draws from the device's generator: the checkpoint carries its state,
     so the resumed steps drop the same units as the uninterrupted run."""
     more = ["dropout=0.5", "amp=false", "tf32=false", "cudnn_benchmark=false"]
-    whole = launch(1, base(data, tmp_path / "w", *more, f"checkpoint_dir={tmp_path}/w"))
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    ck = f"checkpoint_dir={tmp_path}/r"
-    first = launch(1, base(data, tmp_path / "a", *more, ck, "steps=4"))
-    rest = launch(1, base(data, tmp_path / "b", *more, ck))
-    assert first.returncode == 0 and rest.returncode == 0, rest.stdout + rest.stderr
-    (w, _), (a, _), (b, _) = (log_of(tmp_path / n) for n in "wab")
-    assert len(a + b) == len(w)
-    assert max(abs(x - y) for x, y in zip(a + b, w, strict=True)) < 1e-4  # cuDNN may vary
+    resumed, whole = resumed_and_whole(1, data, tmp_path, more)
+    assert len(resumed) == len(whole)
+    assert max(abs(x - y) for x, y in zip(resumed, whole, strict=True)) < 1e-4  # cuDNN may vary

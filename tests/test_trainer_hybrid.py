@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC
+from helpers import MPIEXEC, serving
 
 from staging.cluster import LAUNCH_ENV
 from trainer.cosmology import write_split
@@ -82,20 +82,9 @@ def test_grid_losses_follow_one_process(data, grid_run, tmp_path):
 
 
 def test_grid_fed_by_the_service(data, grid_run, tmp_path):
-    sock = tmp_path / "ds.sock"
-    env = {**ENV, "XDG_STATE_HOME": str(tmp_path / "state")}
-    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock)]
-    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            assert service.poll() is None and time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.1)
+    with serving(tmp_path, ENV) as sock:
         proc = launch(4, args(data, tmp_path, "s", "spatial_parts=[2,1,1]", f"data_address={sock}"))
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    finally:
-        service.terminate()
-        service.wait(30)
     assert records(tmp_path / "s.log")[0] == records(grid_run / "run.log")[0]
 
 
@@ -106,24 +95,12 @@ def test_one_process_fed_by_a_tcp_service_with_its_token(data, grid_run, tmp_pat
     with socket.socket() as s:  # a free port for the TCP listener
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sock = tmp_path / "ds.sock"
-    env = {**ENV, "XDG_STATE_HOME": str(tmp_path / "state")}
-    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock),
-           "--tcp", f"127.0.0.1:{port}", "--token-file", str(token)]  # fmt: skip
-    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            assert service.poll() is None and time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.1)
+    with serving(tmp_path, ENV, "--tcp", f"127.0.0.1:{port}", "--token-file", str(token)):
         where = f"data_address=127.0.0.1:{port}"
         proc = launch(1, args(data, tmp_path, "t", where, f"data_token_file={token}"))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         refused = launch(1, args(data, tmp_path, "n", where))  # no token: refused, named
         missing = launch(1, args(data, tmp_path, "m", where, f"data_token_file={tmp_path}/x"))
-    finally:
-        service.terminate()
-        service.wait(30)
     one, _ = records(tmp_path / "t.log")
     grid, _ = records(grid_run / "run.log")
     assert max(abs(a - b) for a, b in zip(one, grid, strict=True)) < 1e-4

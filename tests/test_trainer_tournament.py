@@ -11,12 +11,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC
+from helpers import MPIEXEC, serving
 
 from datastore.service.client import Client
 from staging.cluster import LAUNCH_ENV
@@ -197,22 +196,11 @@ def settings(data: Path, log: Path, sock: Path, *more: str) -> list[str]:
 def tourney(data, tmp_path_factory):
     """A 3-trainer tournament against a fresh ``datastore serve``: ``(logs, status, stdout)``."""
     tmp = tmp_path_factory.mktemp("tourney")
-    sock = tmp / "ds.sock"
-    env = {**ENV, "XDG_STATE_HOME": str(tmp / "state")}
-    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock)]
-    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            assert service.poll() is None and time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.1)
+    with serving(tmp, ENV) as sock:
         proc = launch(3, settings(data, tmp / "run.jsonl", sock))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         with Client(sock) as client:
             status = {d.path: d for d in client.status().datasets}
-    finally:
-        service.terminate()
-        service.wait(30)
     logs = {k: read(Path(trainer_log(str(tmp / "run.jsonl"), k))) for k in range(3)}
     logs["all"] = read(tmp / "run.jsonl")
     return logs, status, proc.stdout
@@ -308,21 +296,10 @@ def test_bad_settings_are_one_error_on_every_rank(data, tmp_path, n, sets, messa
 def test_a_tournament_without_a_round_is_refused(data, tmp_path):
     """Rounds further apart than the run is long: refused on every rank, not a run that
     plays no round and exits 0."""
-    sock = tmp_path / "ds.sock"
-    env = {**ENV, "XDG_STATE_HOME": str(tmp_path / "state")}
-    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock)]
-    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            assert service.poll() is None and time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.1)
+    with serving(tmp_path, ENV) as sock:
         sets = settings(data, tmp_path / "r.jsonl", sock, "tournament.trainers=2",
                         "tournament.lrs=[]", "tournament.interval=100")  # fmt: skip
         proc = launch(2, sets, timeout=60)
-    finally:
-        service.terminate()
-        service.wait(30)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     message = "'tournament.interval': rounds every 100 steps, but each trainer trains 6 steps"
     assert proc.stderr.count(message) == 2, proc.stderr
