@@ -185,7 +185,8 @@ def as_json(
     args: argparse.Namespace, sim: dict[str, dict[str, float]], real: dict[str, dict[str, Any]]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The results of both parts and the key ratios: each other shuffle's epoch time on the
-    MPI ranks against ``"global"``'s."""
+    MPI ranks against ``"global"``'s. Shuffles that send nothing (``"shard"``, ``"window:K"``)
+    cost about the same time: they differ in their mixing (pairs) and what they send."""
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     ratios = []
     g = real.get("global")
@@ -194,7 +195,8 @@ def as_json(
             ratios.append(
                 key_ratio(
                     f"shuffle={s!r} vs 'global', epoch on {args.real_ranks} MPI ranks "
-                    f"(pairs {r['pairs']:.2f} vs {g['pairs']:.2f})",
+                    f"(sent {r['sent_mib']:.1f} vs {g['sent_mib']:.1f} MiB per rank; "
+                    f"pairs {r['pairs']:.2f} vs {g['pairs']:.2f})",
                     ours=r["epoch_s"],
                     peer=g["epoch_s"],
                     unit="s",

@@ -1,6 +1,8 @@
 """``benchmarks/report.py``'s rendering, from results files written by the benchmarks' own
 ``as_json`` and ``common.write_results`` on small made-up figures (no benchmark runs): the PNGs,
-the generated block between the markers, and nothing else of the page touched."""
+the generated blocks between the markers of the page and the README, and nothing else of them
+touched. And the real README: its benchmark figures are the generated ones of
+``benchmarks/results``, and none stands outside the generated block."""
 
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="benchmarks/report.py needs matplotlib ('.[bench]')")
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
 MODULES = ("common", "stage", "loader", "service", "peers", "shuffle", "train_step", "gpu_feed")
 MIB = 1 << 20
 BEFORE = "# Benchmarks\n\nHand-written intro, kept — byte for byte.\n\n"
 AFTER = "\n\n## Earlier runs\n\n| a | b |\n|---|---|\n| 1 | 2 |\ntrailing text without newline"
 PAGE = f"{BEFORE}<!-- report:begin -->\nold generated text\n<!-- report:end -->{AFTER}"
 PNGS = ["staging", "loader_epochs", "block_reads", "service_clients", "training", "gpu_feed"]
+README = f"# Project\n\n## Benchmarks\n\n<!-- report:begin -->\nold\n<!-- report:end -->{AFTER}"
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +107,10 @@ def write_all(bench: dict, folder: Path, cuda: bool = True) -> None:
     write("peers", peers.as_json(args, jobs, idle, 1.0, [8, 8], [], 10.0))
 
     shuffle = bench["shuffle"]
-    real = {"global": {"epoch_s": 0.2, "pairs": 1.0}, "shard": {"epoch_s": 0.05, "pairs": 3.5}}
+    real = {
+        "global": {"epoch_s": 0.2, "pairs": 1.0, "sent_mib": 11.8},
+        "shard": {"epoch_s": 0.05, "pairs": 3.5, "sent_mib": 0.0},
+    }
     write("shuffle", shuffle.as_json(argparse.Namespace(real_ranks=4), {}, real))
 
     train = bench["train_step"]
@@ -126,8 +133,11 @@ def write_all(bench: dict, folder: Path, cuda: bool = True) -> None:
 
 def render(bench: dict, tmp_path: Path) -> tuple[Path, Path]:
     page, img = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "img"
+    readme = tmp_path / "README.md"
+    if not readme.exists():
+        readme.write_text(README)
     argv = ["--skip-run", "--results", str(tmp_path / "results"), "--doc", str(page)]
-    assert bench["report"].main([*argv, "--img", str(img)]) == 0
+    assert bench["report"].main([*argv, "--img", str(img), "--readme", str(readme)]) == 0
     return page, img
 
 
@@ -180,6 +190,16 @@ def test_render_writes_plots_and_only_the_block(bench, tmp_path):
     )
 
     assert render(bench, tmp_path)[0].read_bytes() == raw  # its own block replaced alike
+
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("# Project\n\n## Benchmarks\n\n<!-- report:begin -->\n")
+    assert readme.endswith(f"\n<!-- report:end -->{AFTER}")
+    front = generated(readme)
+    shown = [r for r in rows if r.split(" | ")[0][2:] in bench["report"].README_BENCHMARKS]
+    assert [ln for ln in front.splitlines() if ln.startswith("| ")][1:] == shown
+    assert len(shown) == 3 + 8 + 3 + 1 + 1 + 2  # plan_check and gpu_feed left to the page
+    assert re.findall(r"!\[[^\]]*\]\(([^)]+)\)", front) == ["docs/img/bench-loader_epochs.png"]
+    assert "Runs: stage " in front and "[docs/benchmarks.md](docs/benchmarks.md)" in front
 
 
 def test_gpu_figures_only_from_a_gpu_run(bench, tmp_path):
@@ -282,3 +302,26 @@ def test_bad_page_or_results_fail_naming_the_file(bench, tmp_path):
     with pytest.raises(SystemExit) as exc:  # argparse: exit 2, the names to pick from
         bench["report"].main(["--skip-run", "--only", "stage,nope"])
     assert exc.value.code == 2
+
+
+def test_the_readmes_figures_are_the_generated_results(bench):
+    """The README's generated block is what ``benchmarks/report.py`` makes of the results in
+    ``benchmarks/results`` (rerun ``python benchmarks/report.py --skip-run`` after a run), and
+    its Benchmarks section holds no measured figure outside that block."""
+    report = bench["report"]
+    results = BENCH / "results"
+    docs = {
+        b.name: report.load(results / f"{b.name}.json", b.name)
+        for b in report.BENCHMARKS
+        if (results / f"{b.name}.json").exists()
+    }
+    readme = REPO / "README.md"
+    figure = REPO / "docs" / "img" / f"bench-{report.README_FIGURE}.png"
+    text = readme.read_text()
+    want = report.readme_block(list(report.BENCHMARKS), docs, results, figure, readme)
+    assert generated(text) == want, "README.md: rerun python benchmarks/report.py --skip-run"
+
+    section = text.split("\n## Benchmarks\n", 1)[1].split("\n## ", 1)[0]
+    outside = section.replace(generated(text), "")
+    figures = re.findall(r"\d[\d.,]*\s*(?:x\b|GB/s|MB/s|MiB/s|ms\b|%)", outside)
+    assert figures == [], "README.md's Benchmarks section: figures outside the generated block"
