@@ -1,5 +1,6 @@
-# The two set-up commands of the README: `make demo` and `make test`; `make bench` runs every
-# benchmark and regenerates docs/benchmarks.md's generated block and plots
+# The set-up commands of the README: `make demo`, `make test`, `make test-quick`; `make bench`
+# runs every benchmark and regenerates the generated blocks of docs/benchmarks.md and README.md
+# and the plots
 # (`make bench BENCH_ARGS=--quick` for smoke-test sizes, `BENCH_ARGS=--skip-run` to redraw only).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -9,7 +10,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS ?=
 TORCH_INDEX ?=   # e.g. https://download.pytorch.org/whl/cpu: where torch comes from (default: pip's)
 
-.PHONY: demo test lint bench clean protos
+.PHONY: demo test test-quick lint bench clean protos
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
+
+# The suite without the tests marked slow or mpi (real mpiexec jobs): a quick check while working.
+test-quick: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m "not slow and not mpi"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

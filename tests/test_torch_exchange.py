@@ -20,6 +20,8 @@ from datastore.ownership import contiguous_owners
 from datastore.partition import Grid, extract_block
 from staging.cluster import LAUNCH_ENV
 
+pytestmark = pytest.mark.slow  # torchrun jobs of several processes: not in `make test-quick`
+
 N, C, D = 16, 2, 8
 JOB = os.path.join(os.path.dirname(__file__), "dist_jobs", "torch_loader_job.py")
 EXCHANGE_JOB = os.path.join(os.path.dirname(__file__), "dist_jobs", "torch_exchange_job.py")

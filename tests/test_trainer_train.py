@@ -232,6 +232,7 @@ def test_log_records_steps_validation_and_checkpoints(tiny, tmp_path):
 
 
 # -- learning ----------------------------------------------------------------------------------
+@pytest.mark.slow  # trains for 20 s: not in `make test-quick`
 def test_cosmoflow_learns_the_parameters(small, tmp_path, capsys):
     """10 epochs on 192 samples of 16^3 (a few seconds): the loss falls and the validation error
     ends well below that of predicting the mean training target (measured: 0.66x, 0.64x)."""
@@ -247,6 +248,7 @@ def test_cosmoflow_learns_the_parameters(small, tmp_path, capsys):
     assert vals[-1]["ratio"] < 0.8, vals[-1]
 
 
+@pytest.mark.slow  # trains for 20 s: not in `make test-quick`
 def test_unet_learns_to_denoise(tmp_path, capsys):
     """The U-Net recovers the clean field from one with noise 0.3 (the identity's MSE 0.09):
     after 6 epochs of 96 samples of 16^3 its validation MSE is below both baselines (measured:
