@@ -31,6 +31,16 @@ How
   printed as the physical limit. MB/s are 10^6 bytes per second of payload.
 * Inputs are generated once under ``--dir`` (default ``./bench-data``) and reused while they
   have the right size; outputs go to the same directory, hence the same filesystem.
+* ``--source-dir DIR`` puts the inputs in DIR instead (e.g. on a parallel filesystem), the
+  outputs staying under ``--dir``. ``--netfs`` puts them on a real network filesystem:
+  a one-brick GlusterFS volume on this host, served over TCP and mounted over FUSE
+  (``benchmarks/netfs.sh up``); before every timed command the volume is unmounted and mounted
+  again (a cold client: GlusterFS caches in the client process, which ``drop_caches`` does not
+  reach) and then the page cache is dropped (the brick's disk and the FUSE mount alike). The
+  volume keeps GlusterFS's default options, what a client of a real cluster gets. Where
+  GlusterFS cannot run (not root, no FUSE, packages missing), the run is skipped with the
+  reason, exit 0. The device floor is not measured for a source elsewhere.
+* The load average (``/proc/loadavg``, 1 min) is recorded before every repetition.
 
 Usage::
 
@@ -38,6 +48,7 @@ Usage::
     python benchmarks/stage.py --scale 0.05 --reps 2 # quick smoke run
     python benchmarks/stage.py --cases a,c --streams 16 --out /tmp/bench.md
     python benchmarks/stage.py --json benchmarks/results/stage.json  # for benchmarks/report.py
+    python benchmarks/stage.py --netfs --scale 0.5 --cases a,c       # source on GlusterFS
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ DD_BS = 4 * MIB
 META = ".datastore"  # datastore's bookkeeping inside DEST, not part of the payload
 TARGETS = {"a": (1.5, "cp -r"), "b": (0.95, "cp"), "c": (1.3, "tar -xf")}
 TITLES = {"a": "tree of small files", "b": "one big file", "c": "plain .tar of (a)"}
+NETFS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netfs.sh")
 
 
 @dataclass
@@ -80,6 +92,7 @@ class Case:
     times: dict[str, list[float]] = field(
         default_factory=lambda: {"ours": [], "peer": [], "floor": []}
     )
+    load: list[float] = field(default_factory=list)  # 1-min load average before each rep
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -107,6 +120,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--io", default="auto", help="passed through to datastore stage --io (default auto)"
     )
     p.add_argument("--warm", action="store_true", help="do not drop the page cache")
+    p.add_argument(
+        "--source-dir",
+        default=None,
+        metavar="DIR",
+        help="generate and read the inputs here (default: --dir); outputs stay under --dir",
+    )
+    p.add_argument(
+        "--netfs",
+        action="store_true",
+        help="inputs on a one-host GlusterFS volume over FUSE (benchmarks/netfs.sh), "
+        "remounted before every timed command",
+    )
+    p.add_argument(
+        "--verify-stage",
+        action="store_true",
+        help="add --verify to ours (re-hash DEST against the manifest, timed)",
+    )
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report here")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -116,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cases: unknown case(s) {bad}; pick from a,b,c")
     if args.scale <= 0 or args.reps < 1:
         p.error("--scale must be > 0 and --reps >= 1")
+    if args.netfs and args.source_dir:
+        p.error("--netfs chooses the source dir itself; give one of --netfs, --source-dir")
     return args
 
 
@@ -179,7 +211,7 @@ def ensure_big(path: str, size: int) -> None:
     write_random(path, size)
 
 
-def ensure_tar(tar: str, work: str, tree: str, remade_tree: bool) -> None:
+def ensure_tar(tar: str, tree: str, remade_tree: bool) -> None:
     """``tar -cf`` the tree; reuse the archive if a stamp says it matches the current tree."""
     stamp = tar + ".stamp"
     want = f"{tree_stats(tree)}"
@@ -188,20 +220,26 @@ def ensure_tar(tar: str, work: str, tree: str, remade_tree: bool) -> None:
             if f.read() == f"{want} {os.path.getsize(tar)}":
                 return
     print(f"creating {tar} with tar -cf ...", flush=True)
-    subprocess.run(["tar", "-cf", tar, "-C", work, os.path.basename(tree)], check=True)
+    parent = os.path.dirname(tree)
+    subprocess.run(["tar", "-cf", tar, "-C", parent, os.path.basename(tree)], check=True)
     with open(stamp, "w") as f:
         f.write(f"{want} {os.path.getsize(tar)}")
 
 
-def check_space(work: str, n: int, big: int) -> None:
-    """Exit early when the work dir's filesystem cannot hold inputs, one output and dd's file."""
-    need = n * SMALL_SIZE * 2 + big + max(n * SMALL_SIZE, big) + 256 * MIB
-    have = shutil.disk_usage(work).free
-    if have < need:
-        sys.exit(
-            f"{work}: {have / GIB:.1f} GiB free, the benchmark needs about "
-            f"{need / GIB:.1f} GiB (lower --scale)"
-        )
+def check_space(work: str, src: str, n: int, big: int) -> None:
+    """Exit early when the filesystems cannot hold the inputs (in ``src``), one output and
+    dd's file (in ``work``)."""
+    inputs = n * SMALL_SIZE * 2 + big
+    output = max(n * SMALL_SIZE, big) + 256 * MIB
+    same = os.stat(work).st_dev == os.stat(src).st_dev
+    wants = [(work, inputs + output)] if same else [(src, inputs), (work, output)]
+    for where, need in wants:
+        have = shutil.disk_usage(where).free
+        if have < need:
+            sys.exit(
+                f"{where}: {have / GIB:.1f} GiB free, the benchmark needs about "
+                f"{need / GIB:.1f} GiB (lower --scale)"
+            )
 
 
 # ----------------------------------------------------------------------------- cache, timing
@@ -235,39 +273,61 @@ def verify(case: Case, side: str, out: str, proc: subprocess.CompletedProcess) -
     )
 
 
-def run_one(case: Case, side: str, out: str, cache: PageCache) -> float:
+def load1() -> float:
+    """The 1-minute load average."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+class Cold:
+    """Makes the next command start cold: the network filesystem remounted (``--netfs``),
+    then the page cache dropped."""
+
+    def __init__(self, cache: PageCache, netfs: bool):
+        self.cache, self.netfs = cache, netfs
+
+    def __call__(self) -> None:
+        if self.netfs and not self.cache.can_drop:
+            return  # --warm: keep the client's caches too
+        if self.netfs:
+            subprocess.run([NETFS, "remount"], check=True)
+        self.cache.drop()
+
+
+def run_one(case: Case, side: str, out: str, cold: Cold) -> float:
     remove(out)
     if side == "peer" and case.pre_peer:
         subprocess.run(["sh", "-c", case.pre_peer], check=True)
-    cache.drop()
+    cold()
     secs, proc = timed(case.ours if side == "ours" else case.peer)
     verify(case, side, out, proc)
     return secs
 
 
-def run_floor(case: Case, out: str, cache: PageCache) -> float:
+def run_floor(case: Case, out: str, cold: Cold) -> float:
     """The device floor for the case's input (benchmarks/floor.py), as it times itself."""
     remove(out)
-    cache.drop()
+    cold()
     proc = subprocess.run(["sh", "-c", case.floor], capture_output=True, text=True)
     verify(case, "floor", out, proc)
     return float(proc.stdout.strip().rsplit("=", 1)[1])
 
 
-def run_case(case: Case, out: str, reps: int, cache: PageCache) -> None:
+def run_case(case: Case, out: str, reps: int, cold: Cold) -> None:
     print(f"\n[{case.key}] {case.title}: {plural(case.files)}, {case.nbytes / MIB:.0f} MiB")
     print(f"  ours: {case.ours}\n  peer: {case.peer}", flush=True)
     for rep in range(reps):
+        case.load.append(load1())
         order = ("ours", "peer") if rep % 2 == 0 else ("peer", "ours")
         for side in order:
-            case.times[side].append(run_one(case, side, out, cache))
+            case.times[side].append(run_one(case, side, out, cold))
         floor = ""
         if case.floor:
-            case.times["floor"].append(run_floor(case, out, cache))
+            case.times["floor"].append(run_floor(case, out, cold))
             floor = f", floor {case.times['floor'][-1]:.3f} s"
         print(
             f"  rep {rep + 1}/{reps}: ours {case.times['ours'][-1]:.3f} s, "
-            f"peer {case.times['peer'][-1]:.3f} s{floor}",
+            f"peer {case.times['peer'][-1]:.3f} s{floor} (load {case.load[-1]:.2f})",
             flush=True,
         )
     remove(out)
@@ -276,19 +336,20 @@ def run_case(case: Case, out: str, reps: int, cache: PageCache) -> None:
 # ----------------------------------------------------------------------------- cases
 
 
-def build_cases(args: argparse.Namespace, work: str, out: str) -> list[Case]:
+def build_cases(args: argparse.Namespace, src: str, out: str) -> list[Case]:
     n, big = sizes_for(args.scale)
-    tree, big_file, tar = (os.path.join(work, x) for x in ("files", "big.bin", "files.tar"))
+    tree, big_file, tar = (os.path.join(src, x) for x in ("files", "big.bin", "files.tar"))
     remade = False
     if {"a", "c"} & set(args.cases):
         remade = ensure_tree(tree, n)
     if "b" in args.cases:
         ensure_big(big_file, big)
     if "c" in args.cases:
-        ensure_tar(tar, work, tree, remade)
+        ensure_tar(tar, tree, remade)
     ds = shlex.quote(venv_tool("datastore"))
     streams = f" --streams {args.streams}" if args.streams else ""
     streams += f" --io {args.io}" if args.io != "auto" else ""
+    streams += " --verify" if args.verify_stage else ""
     q = shlex.quote
     o = q(out)
     specs = {
@@ -316,7 +377,9 @@ def build_cases(args: argparse.Namespace, work: str, out: str) -> list[Case]:
     }
     floor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "floor.py")
     floors = {
-        k: f"{q(sys.executable)} {q(floor)} {q(src)} {o}" for k, src in (("a", tree), ("c", tar))
+        k: f"{q(sys.executable)} {q(floor)} {q(path)} {o}"
+        for k, path in (("a", tree), ("c", tar))
+        if src == os.path.abspath(args.dir)  # the floor is of one disk: not for a remote source
     }
     return [Case(k, TITLES[k], *specs[k], floor=floors.get(k, "")) for k in args.cases]
 
@@ -372,7 +435,7 @@ def plural(files: int) -> str:
 
 
 def report(
-    cases: list[Case], args: argparse.Namespace, work: str, cache: PageCache, disk: str
+    cases: list[Case], args: argparse.Namespace, work: str, cache: PageCache, disk: str, source: str
 ) -> str:
     lines = [
         "| case | ours median s | peer median s | ours MB/s | peer MB/s | ratio | target | |",
@@ -389,7 +452,8 @@ def report(
         t = c.times
         spread.append(
             f"- {c.key}: ours min/max {min(t['ours']):.3f}/{max(t['ours']):.3f} s, "
-            f"peer min/max {min(t['peer']):.3f}/{max(t['peer']):.3f} s"
+            f"peer min/max {min(t['peer']):.3f}/{max(t['peer']):.3f} s; load average "
+            f"(1 min) before each rep: {', '.join(f'{x:.2f}' for x in c.load)}"
         )
         if t["floor"]:
             floor = statistics.median(t["floor"])
@@ -410,7 +474,7 @@ def report(
                 f"- disk: {disk}",
                 f"- page cache: {cache.note}",
                 f"- reps {args.reps}, scale {args.scale:g}, streams {streams}, --io {args.io}, "
-                f"work dir {work}",
+                f"work dir {work}, source {source}",
                 f"- machine: {machine_info()}",
             ]
         )
@@ -419,7 +483,7 @@ def report(
 
 
 def as_json(
-    cases: list[Case], args: argparse.Namespace, work: str, cache: PageCache, disk: str
+    cases: list[Case], args: argparse.Namespace, work: str, cache: PageCache, disk: str, source: str
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The results (per case: the commands, seconds of each side with their ranges, MB/s, the
     ratio and the target) and the key ratios, for :func:`common.write_results`."""
@@ -432,6 +496,8 @@ def as_json(
         "streams": args.streams,
         "io": args.io,
         "work_dir": work,
+        "source": source,
+        "verify_stage": args.verify_stage,
     }
     ratios = []
     for c in cases:
@@ -445,6 +511,7 @@ def as_json(
             "peer_command": c.peer,
             "peer_name": peer,
             "seconds": {side: stats(c.times[side]) for side in ("ours", "peer", "floor")},
+            "load": c.load,
             "ours_mbs": s["ours_mbs"],
             "peer_mbs": s["peer_mbs"],
             "ratio": s["ratio"],
@@ -466,27 +533,51 @@ def as_json(
     return results, ratios
 
 
+def netfs_up() -> tuple[str | None, str]:
+    """Bring the GlusterFS volume up (``benchmarks/netfs.sh up``): (its mount point, what it
+    is), or (None, why not)."""
+    proc = subprocess.run([NETFS, "up"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}")
+    mnt = os.environ.get("NETFS_MNT", "/mnt/datastore-netfs")
+    return os.path.join(mnt, "datastore-bench"), proc.stdout.strip().removeprefix("netfs: ")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = os.path.abspath(args.dir)
     os.makedirs(work, exist_ok=True)
+    source = "the work dir"
+    src = work
+    if args.netfs:
+        src, source = netfs_up()
+        if src is None:
+            print(f"SKIPPED: no network filesystem for --netfs: {source}", flush=True)
+            return 0
+    elif args.source_dir:
+        src, source = os.path.abspath(args.source_dir), "--source-dir"
+    os.makedirs(src, exist_ok=True)
     n, big = sizes_for(args.scale)
-    check_space(work, n, big)
+    check_space(work, src, n, big)
     out = os.path.join(work, "out")
     remove(out)
-    cases = build_cases(args, work, out)
+    cases = build_cases(args, src, out)
     cache = PageCache(args.warm)
     disk = disk_bandwidth(work, args.scale)
     print(f"disk: {disk}", flush=True)
+    if src != work:
+        source = f"{src}: {source}"
+        print(f"source: {source}", flush=True)
+    cold = Cold(cache, args.netfs)
     for case in cases:
-        run_case(case, out, args.reps, cache)
-    text = report(cases, args, work, cache, disk)
+        run_case(case, out, args.reps, cold)
+    text = report(cases, args, work, cache, disk, source)
     print("\n" + text, end="")
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
     if args.json:
-        write_results(args.json, "stage", *as_json(cases, args, work, cache, disk))
+        write_results(args.json, "stage", *as_json(cases, args, work, cache, disk, source))
     return 0
 
 
