@@ -314,6 +314,7 @@ class DataStoreLoader(EpochPosition):
             self._embedded(dataset, reader)
             self.source = self._exchange.kind if self._exchange is not None else "local"
         self.epoch, self._step = 0, 0
+        self._workers: list[threading.Thread] = []  # the prefetch threads of live passes
         self.ring = BufferRing(self.fields, self.batch_size, o.prefetch + 2, o.pin_memory)
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -522,17 +523,28 @@ class DataStoreLoader(EpochPosition):
         _offer(q, (None, None, None), stop)
 
     def __iter__(self):
+        """A pass from an epoch's first batch (``EpochPosition``), or the resumption of a
+        loaded ``state_dict``."""
         if self._broken:
             raise RuntimeError(self._broken)
+        return self._pass_batches(*self._new_pass())
+
+    def _pass_batches(self, epoch: int, start: int, pass_: int):
+        if self._sync is not None and any(w.is_alive() for w in self._workers):
+            raise RuntimeError(
+                "another iterator of this loader is still running: the exchange's ranks step "
+                "through one pass at a time, so finish or delete it (del it) before iter() again"
+            )
         q: queue.Queue = queue.Queue(maxsize=self.options.prefetch)
         stop = threading.Event()
         worker = threading.Thread(
             target=self._produce,
-            args=(self.epoch, self._step, q, stop),
+            args=(epoch, start, q, stop),
             daemon=True,
             name="datastore-prefetch",
         )
         worker.start()
+        self._workers = [w for w in self._workers if w.is_alive()] + [worker]
         counters = self.store.counters if self.store is not None else self._source.counters
         try:
             while True:
@@ -542,9 +554,9 @@ class DataStoreLoader(EpochPosition):
                 except queue.Empty:
                     raise ExchangeTimeout(
                         f"no batch within {self.options.timeout:.0f} s (rank {self.world.rank}, "
-                        f"epoch {self.epoch} step {self._step}): a peer rank or the service "
-                        "may have failed",
-                        self._step,
+                        f"epoch {epoch} step {start}): a peer rank or the service may have "
+                        "failed",
+                        start,
                     ) from None
                 counters.wait_seconds += time.perf_counter() - t0
                 if step is None:
@@ -553,7 +565,8 @@ class DataStoreLoader(EpochPosition):
                     return
                 if self._stage is not None:
                     batch = self._stage.hand_out(batch, event)
-                self._handed_out(step)
+                self._handed_out(epoch, step, pass_)
+                start = step + 1
                 yield self.collate(batch) if self.collate is not None else batch
                 del batch
         finally:

@@ -463,36 +463,51 @@ class EpochPosition:
     """Where a loader is in its sequence: ``epoch`` and ``_step`` (the next batch) over
     ``schedule``. An epoch ends when its last batch is handed out, not when a ``for`` loop
     asks for one more: a consumer that stops after ``len(loader)`` batches (Lightning,
-    ``islice``) still moves on to the next epoch."""
+    ``islice``) still moves on to the next epoch.
+
+    Every ``iter()`` is a pass from an epoch's first batch, as with torch's ``DataLoader``:
+    of the current epoch when none of it was handed out (a new loader, after ``set_epoch``
+    or a whole epoch), else of the next one (after a ``break`` or a peek). Only the first
+    ``iter()`` after ``load_state_dict`` resumes mid-epoch. The position follows the newest
+    pass."""
 
     schedule: Schedule
     epoch: int
     _step: int
+    _resume: bool = False  # a loaded mid-epoch position that the next iter() resumes
+    _pass: int = 0  # the newest pass
 
     def __len__(self) -> int:
         return self.schedule.steps_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch at the next iteration."""
-        self.epoch, self._step = int(epoch), 0
+        self.epoch, self._step, self._resume = int(epoch), 0, False
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out; resuming from it is O(1)."""
         return state(self.schedule, self.epoch, self._step)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Resume at ``saved``'s position at the next ``iter()`` (once)."""
         epoch, step = check_state(self.schedule, saved)
-        self.epoch, self._step = (
-            (epoch + 1, 0)
-            if step >= self.schedule.steps_per_epoch
-            else (
-                epoch,
-                step,
-            )
-        )
+        done = step >= self.schedule.steps_per_epoch
+        self.epoch, self._step = (epoch + 1, 0) if done else (epoch, step)
+        self._resume = self._step > 0
 
-    def _handed_out(self, step: int) -> None:
-        """Batch ``step`` is with the consumer: the next one, or the next epoch's first."""
-        self._step = step + 1
+    def _new_pass(self) -> tuple[int, int, int]:
+        """``(epoch, step, pass)`` where a new ``iter()`` starts."""
+        if self._step > 0 and not self._resume:
+            self.epoch, self._step = self.epoch + 1, 0
+        self._resume = False
+        self._pass += 1
+        return self.epoch, self._step, self._pass
+
+    def _handed_out(self, epoch: int, step: int, pass_: int) -> None:
+        """Batch ``step`` of ``epoch`` is with the consumer: the next one, or the next
+        epoch's first (only the newest pass moves the position)."""
+        if pass_ != self._pass:
+            return
+        self.epoch, self._step = epoch, step + 1
         if self._step >= self.schedule.steps_per_epoch:
             self.epoch, self._step = self.epoch + 1, 0
