@@ -189,15 +189,14 @@ def test_spatial_blocks_over_mpi_exchange(h5, tmp_path):
     assert json.loads(out.read_text())["steps"] == want
 
 
+@pytest.mark.timeout(60)  # the hang guard
 def test_breaking_out_early_never_hangs(h5):
     """The consumer stops with the producer's queue full (prefetch 1, tiny batches)."""
     import time
 
     loader = DataStoreLoader(str(h5[0]), batch_size=1, prefetch=1, fields=["idx"])
     for _ in range(20):
-        t0 = time.monotonic()
         for i, _batch in enumerate(loader):
             if i == 0:
                 time.sleep(0.05)  # let the producer fill the queue and finish the epoch
                 break
-        assert time.monotonic() - t0 < 5

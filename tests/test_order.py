@@ -168,20 +168,17 @@ ORDER_42_0 = [6, 4, 7, 0, 1, 3, 9, 5, 2, 8]
 
 def test_a_ranks_epoch_plan_does_not_grow_with_the_whole_dataset():
     """The issue's bound scaled down: 10^7 samples on 1,024 data ranks, one rank's plan for a
-    whole epoch in well under 0.5 s and 32 MiB (measured: 0.003 s, under 1 MiB; the sorted
-    order every rank used to compute took 1.4 s and 153 MiB)."""
-    import time
+    whole epoch in well under 32 MiB (measured: under 1 MiB; the sorted order every rank used
+    to compute took 153 MiB). Its time is a benchmark's (``benchmarks/scale.py``)."""
     import tracemalloc
 
     ranks = 1024
     sched = Schedule(10**7, 4 * ranks, seed=1)
     tracemalloc.start()
-    t0 = time.perf_counter()
     plan = sched.rank_epoch(3, 0, ranks)
-    seconds = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert plan.shape == (sched.steps_per_epoch, 4)
-    assert seconds < 0.5 and peak < 32 << 20, (seconds, peak)
+    assert peak < 32 << 20, peak
     step = 1234
     assert np.array_equal(plan[step], sched.global_batch_at(3, step)[:4])

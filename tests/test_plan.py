@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 
 import numpy as np
 import pytest
@@ -65,11 +64,9 @@ def test_split_by_bytes_equals_the_plain_greedy_split(seed):
 @pytest.mark.timeout(60)
 def test_split_by_bytes_scales_to_many_files_over_many_nodes():
     """200,000 files over 4,096 nodes: well under a second here (a scan of every bin per file
-    took 80 s). Balanced as greedy largest-first is."""
+    took 80 s; the timeout is the hang guard). Balanced as greedy largest-first is."""
     sizes = np.random.default_rng(0).integers(0, 1 << 30, size=200_000).tolist()
-    t0 = time.monotonic()
     owners = split_by_bytes(sizes, 4096)
-    assert time.monotonic() - t0 < 20
     loads = np.bincount(owners, weights=np.maximum(sizes, 1), minlength=4096)
     assert len(loads) == 4096 and loads.min() > 0
     assert loads.max() - loads.min() <= max(sizes)

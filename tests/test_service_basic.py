@@ -184,10 +184,8 @@ def test_health_reflection_status_and_shutdown(start, tmp_path, env):
         d = json.loads(as_json.stdout)
         assert d["pid"] == s.proc.pid and d["sessions"] == [] and d["listen"] == [target]
 
-        t0 = time.monotonic()
         assert ds.Shutdown(pb.ShutdownRequest(reason="test"), timeout=5).accepted
-    assert s.proc.wait(10) == 0
-    assert time.monotonic() - t0 < 10
+    assert s.proc.wait(10) == 0  # the hang guard
     assert not sock.exists() and not sock.with_name("s.sock.lock").exists()
     assert not sock.parent.exists()  # serve created it, so serve removed it
     logs = s.logs()  # every stderr line is one JSON object

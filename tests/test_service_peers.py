@@ -222,9 +222,8 @@ def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(st
         waiting = threading.Thread(target=_load, args=(c, template, errors))
         waiting.start()
         time.sleep(0.5)  # the load now waits for node 1 to describe its shard...
-        t0 = time.monotonic()
-        assert not c.status().datasets  # ...and never holds up the others' calls
-        assert time.monotonic() - t0 < 1.0
+        assert not c.status().datasets  # ...and never holds up the others' calls:
+        assert waiting.is_alive()  # answered while the load still waits
         waiting.join(20)
     (e,) = errors
     assert e.grpc_status == grpc.StatusCode.UNAVAILABLE and "node 1 (127.0.0.1:" in str(e)

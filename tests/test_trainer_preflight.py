@@ -112,12 +112,11 @@ def test_a_split_the_model_cannot_run_is_named(shape, parts, depth, message):
         level_blocks(shape, parts, depth)
 
 
+@pytest.mark.timeout(30)  # a hang guard: 2**depth used to be computed first
 def test_a_huge_conv_blocks_is_refused_at_once():
-    # 2**depth used to be computed first: 10**11 poolings hung, building a 12 GB integer.
-    t0 = time.perf_counter()
+    # 10**11 poolings hung, building a 12 GB integer.
     with pytest.raises(ValueError, match=r"side 16 along axis 0 is not divisible by 2\*\*10000"):
         level_blocks((16, 16, 16), (1, 1, 1), 10**11)
-    assert time.perf_counter() - t0 < 0.1
 
 
 def test_default_depths():
@@ -166,10 +165,10 @@ def test_the_parameter_count_is_the_built_models(width, depth):
                 assert count_parameters(unet) == n
 
 
+@pytest.mark.timeout(30)  # a hang guard: building the model would take minutes, or fail
 @pytest.mark.parametrize("width", [10**11, 2**100])
 def test_a_model_far_larger_than_memory_is_refused_without_building_it(width):
     # torch cannot even describe it: building width 10**11 on "meta" overflows its sizes.
-    t0 = time.perf_counter()
     n = model_parameters("cosmoflow", 4, 4, 128, width, 5)
     with pytest.raises(ValueError, match=r"^config keys 'width', 'conv_blocks', 'model': a "
                        rf"cosmoflow of width {width} with 5 poolings has .* parameters; with "
@@ -177,7 +176,6 @@ def test_a_model_far_larger_than_memory_is_refused_without_building_it(width):
                        r"needs .* TiB, more than the 64 GiB available on the host; choose a "
                        "smaller width"):  # fmt: skip
         check_memory("cosmoflow", width, 5, n, "adam", 2, "cpu", 64 << 30, 64 << 30)
-    assert time.perf_counter() - t0 < 0.1
     assert n > width**2
 
 
