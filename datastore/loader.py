@@ -162,6 +162,10 @@ class DataStoreLoader(EpochPosition):
 
     Args:
         dataset: a path (format auto-detected) or a ``DatasetSpec``.
+        layout: for a path of HDF5 files: ``"shards"`` (a leading sample axis in each file)
+            or ``"per-sample"`` (one sample per file). Default: ``None``, decided from the
+            files; files of identical shapes whose datasets share a leading length are
+            refused without it (``readers.spec.detect``).
         batch_size: samples per step on this rank (PyTorch's meaning); or give
             ``global_batch_size`` instead, the samples per step over all data-parallel ranks.
         fields: fields to deliver. Default: all.
@@ -249,6 +253,7 @@ class DataStoreLoader(EpochPosition):
         transport: str = "auto",
         job_id: str = "",
         tls_ca: str | os.PathLike | None = None,
+        layout: str | None = None,
     ):
         kw = {
             "batch_size": batch_size,
@@ -286,6 +291,11 @@ class DataStoreLoader(EpochPosition):
                     raise ValueError(
                         f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
                     )
+            if address is not None and layout is not None:
+                raise ValueError(
+                    "layout= is for the embedded store: with address=, name a spec file "
+                    '(format = "hdf5" or "hdf5-per-sample") as the dataset'
+                )
             if address is not None and self.options.shuffle not in ("global", "none"):
                 raise ValueError(
                     f"shuffle={self.options.shuffle!r} is for the embedded store: a "
@@ -300,7 +310,7 @@ class DataStoreLoader(EpochPosition):
         reader = None
         if address is None:
             try:
-                reader = open_dataset(dataset) if error is None else None
+                reader = open_dataset(dataset, layout=layout) if error is None else None
             except (OSError, ValueError) as exc:  # a missing path is a DatasetNotFound
                 error = exc
         self._agree(_raw_fingerprint(kw) if error else self.options.fingerprint(), error)

@@ -179,15 +179,15 @@ def test_inspect_looks_at_the_files_detection_skips(tmp_path):
     spec = DatasetSpec("hdf5-per-sample", (str(odd),), (FieldSpec("x", (1, 2, 3)), "y"))
     with open_dataset(spec) as r:
         assert r.format == "hdf5-per-sample" and len(r) == 20
-    proc = inspect(odd)
+    proc = inspect(odd, "--layout", "per-sample")  # x (4, ...), y (4,): could be shards
     assert proc.returncode == 2 and "s07.h5" in proc.stderr, proc.stderr
     # an unseen file with another leading length: shard-like, not one sample like the rest
     shardlike = _cosmo(tmp_path / "shardlike", 20, odd=12, odd_x=(3, 4, 4, 4), odd_y=(3,))
     (shardlike / "spec.json").write_text(
         json.dumps({"format": "hdf5-per-sample", "paths": ".", "fields": ["x", "y"]})
     )
-    for target in (shardlike, shardlike / "spec.json"):
-        proc = inspect(target)
+    for target in ((shardlike, "--layout", "per-sample"), (shardlike / "spec.json",)):
+        proc = inspect(*target)
         assert proc.returncode == 2 and "s12.h5: field 'x'" in proc.stderr, proc.stderr
 
 
@@ -207,17 +207,14 @@ def test_inspect_checks_the_fields_a_spec_selects(tmp_path):
     )  # fmt: skip
 
 
-def test_equal_shards_are_read_as_samples_unless_a_spec_says_shards(tmp_path):
-    """Equal shard sizes cannot be told from one sample per file: detection reads one sample
-    per file (CosmoFlow's layout), inspect says so, and a spec with format hdf5 reads shards."""
+def test_equal_shards_are_read_as_shards_only_when_stated(tmp_path):
+    """Equal shard sizes cannot be told from one sample per file by their shapes: detection
+    refuses them (tests/test_loader_layout.py), a spec with format hdf5 reads shards, and files
+    whose datasets share no leading length are one sample each."""
     d = tmp_path / "equal"
     a = write_set(d, (4, 4, 4))
-    with open_dataset(str(d)) as r:
-        assert (r.format, len(r), r.fields["x"].shape) == ("hdf5-per-sample", 3, (4, 2, 4, 4, 4))
     text = inspect(d)
-    assert text.returncode == 0, text.stderr
-    note = [ln for ln in text.stdout.splitlines() if ln.startswith("note:")]
-    assert len(note) == 1 and 'format = "hdf5"' in note[0] and "4 samples" in note[0], note
+    assert text.returncode == 2 and 'layout="shards"' in text.stderr, text.stderr
     with open_dataset(DatasetSpec("hdf5", (str(d),))) as r:
         assert len(r) == 12 and r.offsets.tolist() == [0, 4, 8, 12]
         for i in range(12):
@@ -225,11 +222,9 @@ def test_equal_shards_are_read_as_samples_unless_a_spec_says_shards(tmp_path):
     (d / "spec.toml").write_text('format = "hdf5"\npaths = ["."]\n')
     text = inspect(d / "spec.toml")
     assert text.returncode == 0 and "hdf5, 12 samples in 3 file(s)" in text.stdout
-    assert "note:" not in text.stdout
     channels_last = _cosmo(tmp_path / "cl", 3, x=(8, 8, 8, 4))  # no shared leading length
     text = inspect(channels_last)
     assert text.returncode == 0 and "hdf5-per-sample, 3 samples" in text.stdout
-    assert "note:" not in text.stdout
 
 
 # -- staged with --mode shard: whole files per node ----------------------------------------------

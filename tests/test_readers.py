@@ -98,6 +98,7 @@ def _hdf5_per_sample(root: Path, a: dict) -> Built:
         with h5py.File(d / f"sample_{i:03d}.h5", "w") as f:
             f.create_dataset("x", data=a["x"][i], chunks=(C, 8, 8, 8))
             f.create_dataset("y", data=a["y"][i])
+            f.attrs["datastore_layout"] = "per-sample"  # x (4, ...), y (4,): shapes can't tell
     return Built(str(d), "hdf5-per-sample", detect_path=str(d))
 
 

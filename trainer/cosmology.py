@@ -246,7 +246,8 @@ def write_samples(
     """Write the samples of :func:`write_dataset` as one HDF5 file each, ``sample-00000.h5``...,
     into the directory ``out_dir`` (replaced if it exists; written under a temporary name and
     renamed, so a reader never sees half of it). Each file holds ``x``, ``y`` (and ``noisy``)
-    without the sample axis, and the attributes of :func:`write_dataset` plus ``index``."""
+    without the sample axis, and the attributes of :func:`write_dataset` plus ``index`` and
+    ``datastore_layout = "per-sample"``."""
     if n_samples < 1 or size < 2:
         raise ValueError(f"need n_samples >= 1 and size >= 2, got {n_samples}, {size}")
     if noise < 0:
@@ -265,6 +266,7 @@ def write_samples(
                 f.attrs.update(
                     params=list(PARAMS), ranges=PARAM_RANGES, growth=list(GROWTH),
                     seed=seed, split=split, size=size, noise=noise, index=i,
+                    datastore_layout="per-sample",  # what detection reads (hdf5_reader)
                 )  # fmt: skip
         if os.path.isdir(out):
             shutil.rmtree(out)

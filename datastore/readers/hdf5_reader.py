@@ -20,6 +20,7 @@ refuses a second open of a file in one process with a different locking flag. On
 from __future__ import annotations
 
 import itertools
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -28,10 +29,20 @@ import numpy as np
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.npyfile import RawArray
-from datastore.readers.spec import DatasetSpec, resolve_paths
+from datastore.readers.spec import LAYOUTS, DatasetSpec, resolve_paths
 
-__all__ = ["Hdf5PerSampleReader", "Hdf5Reader", "set_format", "shard_count", "shared_length"]
+__all__ = [
+    "FORMAT_OF_LAYOUT",
+    "LAYOUT_ATTR",
+    "AmbiguousLayout",
+    "Hdf5PerSampleReader",
+    "Hdf5Reader",
+    "set_format",
+    "shard_count",
+]
 
+FORMAT_OF_LAYOUT = {"shards": "hdf5", "per-sample": "hdf5-per-sample"}
+LAYOUT_ATTR = "datastore_layout"  # a file attribute: how a set of HDF5 files holds its samples
 MAX_OPEN_FILES = 64  # per reader and process; hdf5-per-sample datasets have one file per sample
 
 
@@ -122,16 +133,20 @@ def shard_count(path: str, got: Layout, want: Layout) -> int:
     return 0 if count is None else count[1]
 
 
-def set_format(files: list[str], look: int | None = 16) -> str:
+def set_format(files: list[str], look: int | None = 16, where: str | None = None) -> str:
     """How a set of several HDF5 files holds its samples: ``"hdf5"`` (shards) or
-    ``"hdf5-per-sample"`` (one sample per file). The rules, on every non-scalar dataset:
+    ``"hdf5-per-sample"`` (one sample per file), decided from evidence in the files only.
+    The rules, on every non-scalar dataset:
 
     1. Every file holds the same datasets with the same dtypes, else the first file that
        differs is named.
-    2. Files of identical shapes hold one sample each (CosmoFlow's layout: ``full``
-       (128, 128, 128, 4) and ``unitPar`` (4,)). Shards of equal sizes look the same; they
-       need a spec with ``format = "hdf5"`` (``datastore inspect`` notes when a set could be
-       either: every dataset has one leading length, ``shared_length``).
+    2. Files of identical shapes hold one sample each when their datasets do not share one
+       leading length (CosmoFlow's layout: ``full`` (128, 128, 128, 4) and ``unitPar`` (4,)):
+       a shard's datasets all share its sample axis. When they do share one (``x`` (16, 4,
+       32, 32, 32), ``y`` (16, 3)), the files could as well be shards of that many samples:
+       the attribute ``LAYOUT_ATTR`` (``"per-sample"`` or ``"shards"``, which our writers
+       set) decides, and without it the set is refused (``AmbiguousLayout``) with the one
+       argument that states it (``layout=``).
     3. Files whose shapes differ are shards: in each file every dataset has one leading sample
        axis of the same length, and the same shape after it in every file (``shard_count``).
        A file that breaks this is named: the set is neither one sample per file nor shards
@@ -139,10 +154,12 @@ def set_format(files: list[str], look: int | None = 16) -> str:
 
     Judged on ``look`` files spread over the set, first and last included (``None``: every
     file); the readers check the rest (``Hdf5Reader`` when it opens, ``Hdf5PerSampleReader``
-    when it reads a file or in ``check_files``).
+    when it reads a file or in ``check_files``). ``where``: the set's name in a refusal
+    (its directory or glob). Default: the first file's directory.
 
     Raises:
-        DatasetError: naming the first file that fits neither layout.
+        DatasetError: naming the first file that fits neither layout, or the set whose layout
+            the files do not settle.
     """
     picked = files
     if look is not None and len(files) > look:
@@ -158,7 +175,13 @@ def set_format(files: list[str], look: int | None = 16) -> str:
                 f"{_describe(first)}; every file of a set holds the same datasets and dtypes",
             )
     if all(got == first for _, got in layouts):
-        return "hdf5-per-sample"
+        n = _leading_length(first)
+        if n is None:
+            return "hdf5-per-sample"
+        stated = _stated_layout(picked)
+        if stated is None:
+            raise AmbiguousLayout(where or os.path.dirname(first_path), len(files), first, n)
+        return FORMAT_OF_LAYOUT[stated]
     want = {n: (dt, shape[1:]) for n, (dt, shape) in first.items()}
     odd_path, odd = next((path, got) for path, got in layouts if got != first)
     try:
@@ -184,11 +207,58 @@ def set_format(files: list[str], look: int | None = 16) -> str:
     return "hdf5"
 
 
-def shared_length(fields: dict[str, FieldInfo]) -> int | None:
-    """The leading length every field shares (``None`` if they do not): a set of one-sample
-    files whose fields share one could as well be shards of that many samples each."""
-    lengths = {f.shape[0] if f.shape else None for f in fields.values()}
+def _leading_length(layout: Layout) -> int | None:
+    """The leading length every dataset of ``layout`` shares (``None`` if they do not): files
+    of identical shapes with one could as well be shards of that many samples each."""
+    lengths = {shape[0] for _, shape in layout.values()}
     return lengths.pop() if len(lengths) == 1 else None
+
+
+class AmbiguousLayout(DatasetError):
+    """A set of HDF5 files of identical shapes whose datasets share one leading length ``n``:
+    one sample per file, or shards of ``n`` samples each. Names the set and the argument."""
+
+    def __init__(self, where: str, files: int, layout: Layout, n: int):
+        super().__init__(
+            where,
+            f"{files} HDF5 files of identical shapes ({_describe(layout)}): each could be one "
+            f"sample, or a shard of {n} samples along axis 0, and no file says which; state it "
+            f'with layout="shards" or layout="per-sample" (DataStoreLoader, open_dataset, '
+            f'datastore inspect --layout), or with a spec file (format = "hdf5" or '
+            f'"hdf5-per-sample") for datastore serve and the trainer',
+        )
+
+
+def _stated_layout(files: list[str]) -> str | None:
+    """The layout that the ``LAYOUT_ATTR`` attribute of ``files`` states (``None``: no file
+    states one).
+
+    Raises:
+        DatasetError: a file that states none or another layout than the first, or a value
+            other than ``LAYOUTS``.
+    """
+    stated = {}
+    for path in files:
+        with _open_file(path) as f:
+            value = f.attrs.get(LAYOUT_ATTR)
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        if value is not None and value not in LAYOUTS:
+            raise DatasetError(
+                path, f"attribute {LAYOUT_ATTR}={value!r} is none of {', '.join(LAYOUTS)}"
+            )
+        stated[path] = value
+    values = set(stated.values())
+    if values == {None}:
+        return None
+    if len(values) > 1:
+        odd = next(p for p, v in stated.items() if v != stated[files[0]])
+        raise DatasetError(
+            odd,
+            f"attribute {LAYOUT_ATTR}={stated[odd]!r}, unlike the set's first file "
+            f"{files[0]}: {stated[files[0]]!r}",
+        )
+    return values.pop()
 
 
 class _FileCache:

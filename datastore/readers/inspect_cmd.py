@@ -13,7 +13,7 @@ from staging.progress import human_bytes
 if TYPE_CHECKING:
     from datastore.readers.base import Reader
 
-__all__ = ["add_parser", "describe", "format_text", "notes", "run"]
+__all__ = ["add_parser", "describe", "format_text", "run"]
 
 
 EPILOG = """\
@@ -25,6 +25,7 @@ exit codes:
 examples:
   datastore inspect /l/ssd/cosmo/train.h5
   datastore inspect '/l/ssd/cosmo/val/*.npy' --json
+  datastore inspect /l/ssd/parts --layout shards   # equal-size shards, 16 samples each
   datastore inspect cosmo-spec.toml
   datastore inspect lmdb-spec.toml    # an LMDB of raw, .npy, msgpack or pickled records
 
@@ -48,6 +49,13 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", metavar="PATH", help="a dataset file, directory or glob, or a spec file")
+    p.add_argument(
+        "--layout",
+        choices=("shards", "per-sample"),
+        help="how a set of HDF5 files holds its samples: shards with a leading sample axis, or "
+        "one sample per file (default: decided from the files; files of identical shapes "
+        "whose datasets share a leading length are refused without it)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -104,7 +112,6 @@ def format_text(summary: dict[str, Any]) -> str:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     if s["label"] is not None:
         lines.append(f"label: {s['label']}")
-    lines += [f"note: {n}" for n in s.get("notes", ())]
     return "\n".join(lines)
 
 
@@ -116,37 +123,16 @@ def _dtype_name(dtype_str: str) -> str:
     return dt.name if dt.isnative else f"{dt.name} ({dtype_str})"
 
 
-def notes(reader: Reader, detected: bool) -> list[str]:
-    """What the summary alone does not say: a detected set of one-sample HDF5 files whose fields
-    share a leading length could as well be shards of that many samples each."""
-    if not detected or reader.format != "hdf5-per-sample" or len(reader.files) < 2:
-        return []
-    from datastore.readers.hdf5_reader import shared_length
-
-    n = shared_length(reader.fields)
-    if n is None:
-        return []
-    return [
-        f"the {len(reader.files)} files hold identical shapes, so each is read as one sample; "
-        f"if instead each holds {n} samples along axis 0 (shards of equal size), use a spec "
-        'with format = "hdf5"'
-    ]
-
-
 def run(args: argparse.Namespace) -> int:
     from datastore.readers.base import DatasetError
     from datastore.readers.registry import open_dataset
-    from datastore.readers.spec import SPEC_SUFFIXES
 
     try:
-        with open_dataset(args.path) as reader:
+        with open_dataset(args.path, layout=args.layout) as reader:
             reader.check_files()  # detection and opening may look at some files only
             summary = describe(reader, args.path)
-            found = notes(reader, detected=not args.path.lower().endswith(SPEC_SUFFIXES))
     except DatasetError as exc:
         print(f"datastore inspect: error: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
-    if found:
-        summary["notes"] = found
     print(json.dumps(summary) if args.json else format_text(summary))
     return Exit.OK

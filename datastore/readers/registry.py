@@ -28,7 +28,10 @@ def reader_class(fmt: str) -> type[Reader]:
 
 
 def open_dataset(
-    spec_or_path: DatasetSpec | str | os.PathLike, *, allow_pickle: bool = True
+    spec_or_path: DatasetSpec | str | os.PathLike,
+    *,
+    allow_pickle: bool = True,
+    layout: str | None = None,
 ) -> Reader:
     """A reader for a ``DatasetSpec``; for a path: a spec file (``.json``/``.toml``) is loaded,
     anything else is detected (``detect``).
@@ -38,16 +41,22 @@ def open_dataset(
         allow_pickle: ``False`` refuses pickled LMDB records even when the spec allows them
             (``datastore serve``: a client's spec file must not run code in the service).
             Default: ``True``, as the spec says.
+        layout: for a path of HDF5 files: ``"shards"`` or ``"per-sample"`` (``detect``);
+            a spec states it in its format. Default: ``None``, decided from the files.
 
     Raises:
         DatasetError: naming the file (and field) for any input that cannot be read as asked.
     """
     if isinstance(spec_or_path, DatasetSpec):
         spec = spec_or_path
+        _no_layout(layout, spec.paths[0], spec.format)
     elif isinstance(spec_or_path, str | os.PathLike):
         path = os.fspath(spec_or_path)
-        is_spec_file = path.lower().endswith(SPEC_SUFFIXES)
-        spec = DatasetSpec.load(path) if is_spec_file else detect(path)
+        if path.lower().endswith(SPEC_SUFFIXES):
+            spec = DatasetSpec.load(path)
+            _no_layout(layout, path, spec.format)
+        else:
+            spec = detect(path, layout)
     else:
         raise DatasetError(None, f"expected a DatasetSpec or a path, got {spec_or_path!r}")
     if not allow_pickle and spec.lmdb is not None and spec.lmdb.value == "pickle":
@@ -59,3 +68,11 @@ def open_dataset(
             "convert it once with write_lmdb (docs/loader.md)",
         )
     return reader_class(spec.format)(spec)
+
+
+def _no_layout(layout: str | None, where: str, fmt: str) -> None:
+    """A spec states its layout in its format: a ``layout`` beside it is refused."""
+    if layout is not None:
+        raise DatasetError(
+            where, f"layout={layout!r} beside a spec of format {fmt!r}: the format says it"
+        )

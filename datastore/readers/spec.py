@@ -53,13 +53,16 @@ from datastore.readers.lmdb_layout import LmdbLayout
 
 __all__ = [
     "FORMATS",
+    "LAYOUTS",
     "SPEC_SUFFIXES",
     "DatasetSpec",
     "FieldSpec",
+    "check_layout",
     "detect",
     "resolve_paths",
 ]
 
+LAYOUTS = ("shards", "per-sample")  # how several HDF5 files hold samples (``detect``)
 FORMATS = ("hdf5", "hdf5-per-sample", "zarr", "lmdb", "npy", "tar")
 SPEC_SUFFIXES = (".json", ".toml")
 # File suffixes a directory is listed for, by format; zarr and lmdb are directories themselves.
@@ -315,8 +318,9 @@ def resolve_paths(spec: DatasetSpec) -> list[str]:
     return out
 
 
-def detect_format(path: str) -> str:
-    """The format of the dataset at ``path`` (a file, a directory or a glob), from names only."""
+def detect_format(path: str, layout: str | None = None) -> str:
+    """The format of the dataset at ``path`` (a file, a directory or a glob), from names and,
+    for several HDF5 files, their shapes; ``layout`` states how HDF5 files hold samples."""
     found = _matches(path)
     if len(found) == 1 and os.path.isdir(found[0]):
         d = found[0]
@@ -333,15 +337,15 @@ def detect_format(path: str) -> str:
             raise DatasetError(
                 d, "no dataset here: no .h5/.npy/.npz/.tar files, no zarr or lmdb markers"
             )
-        return _format_of_files(d, files)
+        return _format_of_files(d, files, layout)
     if any(os.path.isdir(f) for f in found):
         raise DatasetError(path, f"names {len(found)} paths, some directories; name one dataset")
-    return _format_of_files(path, found)
+    return _format_of_files(path, found, layout)
 
 
-def _format_of_files(where: str, files: list[str]) -> str:
+def _format_of_files(where: str, files: list[str], layout: str | None) -> str:
     """The format of ``files``; several HDF5 files are looked into (``hdf5_reader.set_format``:
-    shards with a sample axis, or one sample per file)."""
+    shards with a sample axis, or one sample per file) unless ``layout`` says which."""
     kinds = set()
     for f in files:
         low = f.lower()
@@ -360,29 +364,48 @@ def _format_of_files(where: str, files: list[str]) -> str:
     if len(kinds) != 1:
         raise DatasetError(where, f"mixes dataset kinds {sorted(kinds)}; write a spec")
     kind = kinds.pop()
-    if kind == "hdf5" and len(files) > 1:
-        from datastore.readers.hdf5_reader import set_format
+    if kind != "hdf5":
+        if layout is not None:
+            raise DatasetError(where, f"layout= is for HDF5 files; these are {kind}")
+        return kind
+    from datastore.readers.hdf5_reader import FORMAT_OF_LAYOUT, set_format
 
-        return set_format(files)
-    return kind
+    if layout is not None:
+        return FORMAT_OF_LAYOUT[layout]
+    return set_format(files, where=where) if len(files) > 1 else kind
 
 
-def detect(path: str | os.PathLike) -> DatasetSpec:
+def detect(path: str | os.PathLike, layout: str | None = None) -> DatasetSpec:
     """The spec of the dataset at ``path``, every field with its default spatial axes.
 
     ``.h5``/``.hdf5`` file: ``hdf5``. A directory (or glob) of several ``.h5`` files: shards
     (``hdf5``) when their shapes differ in a leading sample axis, one sample per file
-    (``hdf5-per-sample``) when their shapes are identical (shards of equal sizes need a spec
-    with ``format = "hdf5"``), else an error naming the file that fits neither
-    (``hdf5_reader.set_format``).
+    (``hdf5-per-sample``) when their shapes are identical and their datasets share no leading
+    length; files of identical shapes that could be either are decided by an attribute our
+    writers set, else refused (``hdf5_reader.set_format``).
     A directory with ``zarr.json`` or ``.zgroup``: ``zarr``; with ``data.mdb``: ``lmdb``
     (fields from its metadata record). ``.npy``/``.npz`` files: ``npy``. ``.tar`` files: ``tar``.
     The data is opened to list the fields, so a malformed dataset raises ``DatasetError`` here.
+
+    Args:
+        path: the dataset.
+        layout: HDF5 only: ``"shards"`` (``hdf5``: a leading sample axis in each file) or
+            ``"per-sample"`` (``hdf5-per-sample``: one sample per file), as stated by the
+            user. Default: ``None``, decided from the files.
     """
     path = os.fspath(path)
-    fmt = detect_format(path)
+    fmt = detect_format(path, check_layout(layout, path))
     from datastore.readers.registry import open_dataset
 
     with open_dataset(DatasetSpec(fmt, (path,))) as reader:
         fields = tuple(FieldSpec(f.name, f.spatial_axes) for f in reader.fields.values())
     return DatasetSpec(fmt, (path,), fields)
+
+
+def check_layout(layout: Any, where: str | None) -> str | None:
+    """``layout`` if it is ``None`` or one of ``LAYOUTS``, else a ``DatasetError``."""
+    if layout is None or layout in LAYOUTS:
+        return layout
+    raise DatasetError(
+        where, f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}"
+    )
