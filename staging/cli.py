@@ -196,8 +196,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"datastore stage: error: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
     from staging.cluster import world
+    from staging.launcher import LaunchMismatch
 
-    comm = world()
+    try:
+        comm = world()
+    except LaunchMismatch as exc:
+        print(f"datastore stage: error: {exc}", file=sys.stderr)
+        return Exit.BAD_INPUT
     if cfg.dry_run:
         if comm.Get_rank() != 0:
             return Exit.OK

@@ -135,12 +135,16 @@ class SoloComm:
 
 
 def world() -> Any:
-    """``MPI.COMM_WORLD`` under an MPI launcher, else a ``SoloComm``."""
+    """``MPI.COMM_WORLD`` under an MPI launcher, else a ``SoloComm``.
+
+    Raises:
+        LaunchMismatch: the launcher started several ranks, this process sees a world of 1.
+    """
     if not launched_by_mpi():
         return SoloComm()
-    from mpi4py import MPI
+    from staging.launcher import comm_world
 
-    return MPI.COMM_WORLD
+    return comm_world()
 
 
 @dataclass(frozen=True)

@@ -487,21 +487,57 @@ def test_check_mpi_warns_when_the_launcher_world_is_not_seen():
     assert m.launcher_size({"PMI_SIZE": "\u00b2"}) is None  # a digit to isdigit(), not to int()
 
 
+def _mpi_here() -> tuple[str, bool, bool]:
+    """What this interpreter's mpi4py loads, found without check_mpi: the library's version
+    text; whether mpi4py was built from source (here: ``make`` installs PyPI's binary wheel into
+    the venv, ``make test-openmpi`` builds one from source outside it, on ``PYTHONPATH``);
+    whether the library is the ``mpich`` wheel's."""
+    code = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; import json; "
+    code += "print(json.dumps([MPI.Get_library_version(), MPI.__file__]))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    text, extension = json.loads(r.stdout)
+    from_source = not Path(extension).is_relative_to(Path(sys.prefix) / "lib")
+    pip_mpich = (Path(sys.prefix) / "lib" / "libmpi.so.12").is_file()
+    return text, from_source, pip_mpich and "MPICH Version" in text and not from_source
+
+
 @pytest.mark.mpi
-def test_check_mpi_reports_the_mpich_wheel_here(tmp_path):
+def test_check_mpi_reports_the_library_loaded_here(tmp_path):
+    text, from_source, wheel = _mpi_here()
+    m = _check_mpi()
     env = _env(tmp_path, "-")
+    env["PYTHONPATH"] += "".join(os.pathsep + p for p in [os.environ.get("PYTHONPATH")] if p)
     r = subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, str(DEPLOY / "check_mpi.py"), "--json"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)  # rank 0 alone prints
-    assert (report["vendor"], report["wheel"], report["world_size"]) == ("MPICH", "mpich", 2)
-    assert report["launcher_size"] == 2 and report["library"].endswith("libmpi.so.12")
-    assert report["version_line"].startswith("MPICH Version:")
-    assert "pip uninstall mpich" in report["advice"][0]
+    assert report["version_line"] == text.strip().splitlines()[0]
+    assert report["vendor"] == m.vendor_of(text) != "unknown"
+    assert report["built_from_source"] is from_source
+    assert report["wheel"] == ("mpich" if wheel else None)
+    assert (report["world_size"], report["launcher_size"]) == (2, 2)
+    assert os.path.basename(report["library"]).startswith("libmpi.so.")
+    if wheel:
+        assert "pip uninstall mpich" in report["advice"][0]
     r = subprocess.run(
         [sys.executable, str(DEPLOY / "check_mpi.py")],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
-    assert "vendor: MPICH; PyPI wheel: mpich" in r.stdout
+    build = "from source" if from_source else "a binary wheel"
+    assert r.stdout.startswith(f"mpi4py {report['mpi4py_version']}, {build}\n"), r.stdout
+    assert f"vendor: {report['vendor']}; PyPI wheel: {report['wheel'] or 'no'}" in r.stdout
+
+
+def test_check_mpi_tells_a_build_from_source_from_the_binary_wheel():
+    m = _check_mpi()
+    wheel = "Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp311-cp311-{}\n"
+    pypi = wheel.format("manylinux_2_5_x86_64") + "Tag: cp311-cp311-manylinux1_x86_64\n"
+    assert not m.built_from_source("/v/mpi4py/MPI.mpich.cpython-311-x86_64-linux-gnu.so", pypi)
+    assert not m.built_from_source("/v/mpi4py/MPI.openmpi.cpython-311-x86_64-linux-gnu.so", None)
+    assert not m.built_from_source("/v/mpi4py/MPI.cpython-311-x86_64-linux-gnu.so", pypi)
+    here = wheel.format("linux_x86_64")  # pip's wheel of a local build
+    assert m.built_from_source("/v/mpi4py/MPI.cpython-311-x86_64-linux-gnu.so", here)
+    assert m.built_from_source("/v/mpi4py/MPI.cpython-311-x86_64-linux-gnu.so", None)

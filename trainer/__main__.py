@@ -45,10 +45,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(load: Callable[..., Any], go: Callable[[Any], int], a: argparse.Namespace) -> int:
     """Load the config and run ``go``; a bad configuration is one line and exit code 2."""
     from datastore.readers import DatasetError
+    from staging.launcher import LaunchMismatch
 
     try:
         return go(load(a.config, a.overrides))
-    except (ConfigError, DatasetError) as exc:
+    except (ConfigError, DatasetError, LaunchMismatch) as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from datastore.order import rank_layout
 from datastore.partition import Grid, block_coords, block_index
 from staging.cluster import launched_by_mpi, torchrun_world
+from staging.launcher import comm_world
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -241,9 +242,7 @@ def init_distributed(
     env = os.environ if env is None else env
     torchrun = torchrun_world(env)
     if launched_by_mpi(env):
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
+        comm = comm_world(env)  # LaunchMismatch: N ranks launched, each alone in its world
         rank, world = comm.Get_rank(), comm.Get_size()
         hosts = comm.allgather(socket.gethostname())
         if "MASTER_ADDR" in env:

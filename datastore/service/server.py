@@ -57,6 +57,7 @@ from datastore.service.stage_job import landed, stream_stage
 from datastore.service.stream import Stream, chunk_bytes
 from datastore.service.wire import MAX_MESSAGE, keep_large_blocks, serialize
 from staging.exitcodes import Exit
+from staging.launcher import LaunchMismatch, comm_world
 
 __all__ = ["ServeConfig", "Servicer", "serve"]
 
@@ -529,7 +530,11 @@ def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -
     log = log or JsonLog()
     out = out or sys.stdout
     keep_large_blocks()  # inline batches: a message of tens of MiB per step, in the heap
-    comm = _services_comm()
+    try:
+        comm = _services_comm()
+    except LaunchMismatch as exc:
+        log.error("launch_mismatch", msg=str(exc))
+        return Exit.BAD_INPUT
     if comm is not None and config.peers:
         log.error(
             "bad_usage",
@@ -554,9 +559,8 @@ def _services_comm() -> Any:
 
     if not launched_by_mpi():
         return None
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    comm = comm_world()
+    return comm if comm.Get_size() > 1 else None
 
 
 def _all_started(comm: Any, ok: bool, log: JsonLog) -> bool:

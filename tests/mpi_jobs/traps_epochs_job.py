@@ -43,8 +43,9 @@ def expected_box(x: np.ndarray, block: int, halo: int, parts: int) -> np.ndarray
 
 
 def error_row(exc: BaseException, seconds: float) -> dict:
-    traceback.print_exc()
-    sys.stderr.flush()
+    rank = MPI.COMM_WORLD.Get_rank()
+    for line in traceback.format_exc().splitlines():  # tagged: the test reads each rank's
+        print(f"[{rank}] {line}", file=sys.stderr, flush=True)
     return {
         "kind": type(exc).__name__,
         "text": str(exc),

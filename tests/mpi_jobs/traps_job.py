@@ -2,7 +2,7 @@
 traps 6, 9, 10). Each rank writes one JSON file: its error (type, message, whether it is a
 ``TimeoutError``, the step and peers of an ``ExchangeTimeout``), the sample indices of the
 batches it took, how many of them held other bytes than the file, and timings. A rank that
-raises also prints the traceback to its stderr (the test reads it with ``-prepend-rank``).
+raises also prints the traceback to its stderr, each line tagged ``[RANK]`` (any launcher).
 
 Usage: traps_job.py CASE OUT DATASET [OTHER_DATASET]  (writes OUT.RANK.json)
 """
@@ -111,8 +111,8 @@ def main() -> None:
         out["timeout_error"] = isinstance(exc, TimeoutError)
         out["step"] = getattr(exc, "step", None)
         out["peers"] = list(getattr(exc, "peers", ()))
-        traceback.print_exc()
-        sys.stderr.flush()
+        for line in traceback.format_exc().splitlines():
+            print(f"[{rank}] {line}", file=sys.stderr, flush=True)
     out["seconds"] = time.monotonic() - t0
     tmp = f"{out_prefix}.{rank}.json.tmp"
     with open(tmp, "w") as f:

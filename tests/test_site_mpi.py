@@ -1,0 +1,171 @@
+"""A launcher of one MPI starting processes whose mpi4py loads another (issue 21, 3b): every
+entry point refuses, naming the fix, rather than run N jobs of one rank that race.
+
+The real case: MPICH's Hydra ``mpiexec`` (the PyPI ``mpich`` wheel's, left first on ``PATH``)
+starting processes whose mpi4py was built against Open MPI: each sees a world of 1. It runs
+where mpi4py loads Open MPI (``make test-openmpi``) and Hydra is at hand; the other way round,
+the ``mpich`` wheel under Open MPI's ``mpirun``, MPICH itself aborts in ``MPI_Init`` ("unsupported
+PMI version PMIx"), before any of our code."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import MPIEXEC, launcher_is_open_mpi
+
+from staging.cluster import LAUNCH_ENV
+from staging.launcher import launcher_size, mismatch
+
+OPEN_MPI = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4\n"
+
+
+@pytest.mark.parametrize(
+    ("env", "size", "named"),
+    [
+        ({"PMI_SIZE": "2"}, 2, "PMI_SIZE=2"),
+        ({"OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "0"}, 4, "OMPI_COMM_WORLD_SIZE=4"),
+        ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}, 8, "SLURM_STEP_NUM_TASKS=8"),
+        ({"PMI_SIZE": "3", "SLURM_STEP_NUM_TASKS": "1"}, 3, "PMI_SIZE=3"),  # mpiexec in a step
+    ],
+)
+def test_a_world_of_one_under_a_launcher_of_several_is_refused_naming_both(env, size, named):
+    assert launcher_size(env) == size
+    why = mismatch(1, OPEN_MPI, {**env, "PATH": ""})
+    assert why.startswith(f"the launcher started {size} ranks ({named}) but MPI gives this ")
+    assert "mpi4py loaded Open MPI v4.1.4, which does not speak this launcher's PMI" in why
+    assert "the first mpiexec on PATH is none on PATH" in why
+    assert "`srun --mpi=$(python deploy/check_mpi.py --srun-mpi)`" in why
+
+
+@pytest.mark.parametrize(
+    ("world", "env"),
+    [
+        (2, {"PMI_SIZE": "2"}),  # the launcher's whole job
+        (1, {"PMI_SIZE": "1"}),  # a job of one
+        (1, {}),  # no launcher says
+        (1, {"PMI_SIZE": "\u00b2"}),  # a digit to isdigit(), not to int()
+    ],
+)
+def test_a_world_the_launcher_agrees_with_passes(world, env):
+    assert mismatch(world, OPEN_MPI, env) is None
+
+
+# -- real launchers ---------------------------------------------------------------------------
+def _library() -> str:
+    """``MPI_Get_library_version`` of this interpreter's mpi4py (in a child: not initialized)."""
+    code = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+    r = subprocess.run(
+        [sys.executable, "-c", code + "print(MPI.Get_library_version())"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def _hydra() -> str | None:
+    """An MPICH Hydra ``mpiexec``: the venv's (the ``mpich`` wheel's), else one on PATH."""
+    for found in (shutil.which("mpiexec", path=os.path.dirname(sys.executable)), MPIEXEC):
+        if found and not launcher_is_open_mpi(found):
+            return found
+    return None
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory) -> tuple[list[str], dict[str, str], Path]:
+    """``(Hydra mpiexec -n 2, env, tmp)`` where mpi4py loads Open MPI; skips elsewhere."""
+    if "Open MPI" not in _library():
+        pytest.skip("needs mpi4py built against Open MPI (make test-openmpi)")
+    hydra = _hydra()
+    if hydra is None:
+        pytest.skip("needs MPICH's mpiexec (pip install mpich)")
+    tmp = tmp_path_factory.mktemp("foreign")
+    (tmp / "src").mkdir()
+    (tmp / "src" / "a.bin").write_bytes(b"x" * 1000)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.update(XDG_STATE_HOME=str(tmp / "state"), XDG_RUNTIME_DIR=str(tmp), PYTHONWARNINGS="ignore")
+    return [hydra, "-n", "2", sys.executable], env, tmp
+
+
+def _refused_by_both(r: subprocess.CompletedProcess, code: int) -> None:
+    assert r.returncode == code, r.stderr[-3000:]
+    # each rank says it (the two ranks' lines may interleave)
+    assert r.stderr.count("the launcher started 2 ranks (PMI_SIZE=2)") == 2, r.stderr[-3000:]
+    assert r.stderr.count("mpi4py loaded Open MPI v") == 2
+
+
+@pytest.mark.mpi
+def test_stage_under_another_mpis_launcher_exits_2_on_every_rank_and_writes_nothing(foreign):
+    launch, env, tmp = foreign
+    r = subprocess.run(
+        [*launch, "-m", "datastore", "stage", str(tmp / "src"), "--to", str(tmp / "dest")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    _refused_by_both(r, 2)
+    assert r.stderr.count("datastore stage: error: the launcher started 2 ranks") == 2
+    assert not (tmp / "dest").exists()
+
+
+@pytest.mark.mpi
+def test_serve_under_another_mpis_launcher_exits_2_logging_why(foreign):
+    launch, env, tmp = foreign
+    sock = tmp / "run" / "ds{rank}.sock"
+    (tmp / "run").mkdir(exist_ok=True)
+    r = subprocess.run(
+        [*launch, "-m", "datastore", "serve", "--socket", str(sock)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    _refused_by_both(r, 2)
+    events = [json.loads(ln) for ln in r.stderr.splitlines() if ln.startswith("{")]
+    assert [e["event"] for e in events if e.get("level") == "error"] == ["launch_mismatch"] * 2
+    assert not list((tmp / "run").iterdir())  # no socket
+
+
+@pytest.mark.mpi
+def test_the_loader_under_another_mpis_launcher_raises_launch_mismatch(foreign):
+    launch, env, tmp = foreign
+    code = (
+        "from datastore import DataStoreLoader\n"
+        "from staging.launcher import LaunchMismatch\n"
+        "try:\n"
+        f"    DataStoreLoader({str(tmp / 'src')!r})\n"
+        "except LaunchMismatch as exc:\n"
+        "    print('LaunchMismatch:', exc, flush=True)\n"
+    )
+    r = subprocess.run([*launch, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("LaunchMismatch: the launcher started 2 ranks (PMI_SIZE=2)") == 2
+
+
+@pytest.mark.mpi
+def test_the_trainer_under_another_mpis_launcher_exits_2(foreign):
+    from trainer.cosmology import write_split
+
+    launch, env, tmp = foreign
+    write_split(tmp / "cosmo", 8, 4, 8, 0)
+    r = subprocess.run(
+        [*launch, "-m", "mpi4py", "-m", "trainer", "train", "--set", f"data={tmp / 'cosmo'}"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    _refused_by_both(r, 2)
+    assert r.stderr.count("trainer: the launcher started 2 ranks") == 2
+
+
+@pytest.mark.mpi
+def test_the_right_launcher_gives_every_rank_the_whole_world():
+    """The converse: this interpreter's MPI under its own launcher (``MPIEXEC``)."""
+    assert MPIEXEC, "no mpiexec"
+    code = "from staging.launcher import comm_world; c = comm_world(); "
+    code += "print(c.Get_rank(), c.Get_size(), flush=True)"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    r = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(r.stdout.split("\n")[:2]) == ["0 2", "1 2"]
