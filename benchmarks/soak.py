@@ -3,12 +3,20 @@
 What runs (all real processes, ``--seconds`` long; default 1800, the tests run 45)
 --------------------------------------------------------------------------------
 - One ``datastore serve --allow ROOT --session-idle 3`` and ``--clients`` trainer-like clients,
-  each ``DataStoreLoader(train.h5, batch_size=4, seed=i, address=SOCKET)`` iterating epochs and
-  writing, after each epoch it got to the end of, the sample keys it saw (the ``idx`` field)
-  to its own log, fsynced.
-- Every 1-4 s a random client is killed with SIGKILL and started again.
+  each ``DataStoreLoader(train.h5, batch_size=4, seed=i, address=SOCKET)`` iterating epochs.
+  A client compares every sample it gets, the ``idx`` field and the ``x`` payload bytes,
+  with the source file; every ``--save-every`` batches it saves its ``state_dict()`` and the
+  keys seen so far this epoch to a state file (written to a temporary file, fsynced and
+  renamed: atomic); after each epoch it got to the end of it writes the epoch's keys to its
+  log, fsynced.
+- Every 1-4 s a random client that has saved its state since it started is killed with
+  SIGKILL and started again: it loads its state file (``load_state_dict``, then ``iter()``) and
+  must deliver exactly the rest of that epoch.
 - Half-way the service is stopped with SIGTERM and started again on the same socket (it reloads
-  the resident dataset from its state file); clients that fail meanwhile are started again.
+  the resident dataset from its state file). A client that loses the service exits with
+  ``OUTAGE`` (75) and is started again, resuming from its state file; that exit is expected only
+  from the stop until ``OUTAGE_GRACE`` s after the new service answers. Any other client exit
+  (an error, a wrong byte, an outage at another time) is counted as unexpected.
 - Between those, stage rounds into fresh destinations under ROOT: one killed with SIGKILL
   mid-copy then resumed; one run with a file-size limit (``RLIMIT_FSIZE``: writes fail, as on a
   full disk) that must fail cleanly, then run again without it; each destination then checked
@@ -17,6 +25,10 @@ What runs (all real processes, ``--seconds`` long; default 1800, the tests run 4
 Checks at the end (each a line ``ok`` / ``FAILED``; exit 1 if any failed)
 -----------------------------------------------------------------------
 - every epoch a client finished saw every sample exactly once;
+- every sample's bytes equal the source's (and some were checked);
+- no client exited unexpectedly;
+- killed clients resumed from their saved state, and the epochs they finished that way were
+  whole (at least one, when any client was killed);
 - every staged destination verifies against its manifest, and holds no temporary file;
 - the full-disk stage failed with a non-zero exit and left no partial file under a final name;
 - after the clients are gone and their sessions expired, the service's RSS and open file
@@ -25,10 +37,14 @@ Checks at the end (each a line ``ok`` / ``FAILED``; exit 1 if any failed)
 - the service stops on SIGTERM with exit 0 within its grace + 5 s, removing its socket, and no
   ``/dev/shm/datastore.*`` segment of it is left.
 
+``--inject-faults`` proves the checks fire: client 0 crashes once (an exception after its first
+batch) and client 1 once finds a byte of a sample changed; the run must then fail exactly on
+those two exits and the checks they break.
+
 Usage::
 
-    python benchmarks/soak.py --seconds 1800          # the documented run
-    python benchmarks/soak.py --seconds 45 --json     # what tests/test_soak.py runs
+    python benchmarks/soak.py --seconds 1800                          # the documented run
+    python benchmarks/soak.py --seconds 45 --inject-faults --json     # what tests/test_soak.py runs
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import random
 import resource
@@ -54,21 +71,76 @@ import numpy as np
 REPO = str(Path(__file__).resolve().parent.parent)
 SAMPLES, BATCH, SAMPLE_BYTES = 64, 4, 64 << 10
 
-CLIENT = """
-import json, os, sys
-from datastore import DataStoreLoader
-path, address, out, seed = sys.argv[1:5]
-loader = DataStoreLoader(path, batch_size=4, seed=int(seed), address=address, timeout=20,
-                         fields=["idx", "x"])
-with open(out, "a") as fh:
-    while True:
-        epoch, keys = loader.epoch, []
-        for batch in loader:
-            keys += batch["idx"].tolist()
-        fh.write(json.dumps({"epoch": epoch, "keys": keys}) + "\\n")
+OUTAGE = 75  # a client's exit status when the service is gone (EX_TEMPFAIL)
+OUTAGE_GRACE = 30.0  # s after a restarted service answers, while its clients may still fail
+
+
+def client(path: str, address: str, log: str, state_file: str, seed: int, save_every: int) -> int:
+    """One trainer-like client (``soak.py --client``): epochs of ``DataStoreLoader``, every
+    sample checked against the source, its position saved every ``save_every`` batches and
+    resumed from at start. Exit ``OUTAGE`` when the service is gone, 3 on a wrong sample."""
+    from datastore import DataStoreLoader
+    from datastore.errors import DataStoreError
+
+    with h5py.File(path, "r") as f:
+        source = f["x"][:]
+    crash, corrupt = (Path(log).with_suffix(s) for s in (".crash", ".corrupt"))
+    try:
+        loader = DataStoreLoader(
+            path, batch_size=BATCH, seed=seed, address=address, timeout=20, fields=["idx", "x"]
+        )
+        keys: list[int] = []
+        if os.path.exists(state_file):
+            with open(state_file) as fh:
+                saved = json.load(fh)
+            loader.load_state_dict(saved["state"])
+            keys = saved["keys"]
+        with open(log, "a") as out:
+            while True:
+                start = loader.state_dict()
+                for n, batch in enumerate(loader, 1):
+                    idx, x = batch["idx"].tolist(), batch["x"].numpy()
+                    if _take(crash):
+                        raise RuntimeError("a fault injected by --inject-faults")
+                    if _take(corrupt):  # as if the service had sent one wrong byte
+                        x = x.copy()
+                        x[0, 0] ^= 0xFF
+                    wrong = [k for j, k in enumerate(idx) if not np.array_equal(x[j], source[k])]
+                    if wrong:
+                        print(f"samples {wrong}: bytes differ from the source", file=sys.stderr)
+                        return 3
+                    keys += idx
+                    if n % save_every == 0:
+                        _save(state_file, loader.state_dict(), keys)
+                record = {"epoch": start["epoch"], "resumed_at": start["step"], "keys": keys}
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+                keys = []
+                _save(state_file, loader.state_dict(), keys)
+    except DataStoreError as exc:
+        print(f"service lost: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return OUTAGE
+
+
+def _take(fault: Path) -> bool:
+    """Whether a fault of ``--inject-faults`` is due here (once: its file is removed)."""
+    try:
+        fault.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _save(state_file: str, state: dict[str, Any], keys: list[int]) -> None:
+    """Write the position and the epoch's keys so far, atomically (a kill leaves the old or
+    the new file, never half of one)."""
+    tmp = f"{state_file}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"state": state, "keys": keys}, fh)
         fh.flush()
         os.fsync(fh.fileno())
-"""
+    os.replace(tmp, state_file)
 
 
 def _env(work: Path) -> dict[str, str]:
@@ -171,8 +243,32 @@ def _stage_round(k: int, src: Path, root: Path, env: dict[str, str], rng: random
     return out
 
 
-def soak(seconds: float, clients: int, work: Path, seed: int = 0) -> dict[str, Any]:
-    """Run the soak in ``work``; the figures and the checks (module docstring)."""
+def epochs(logs: list[Path]) -> dict[str, int]:
+    """What the clients' logs say: the epochs finished, those without every sample exactly
+    once, those resumed mid-epoch from a saved state, and the samples checked (a client
+    checks every sample's bytes as it gets it and stops at the first wrong one)."""
+    out = {"epochs": 0, "bad_epochs": 0, "resumed_epochs": 0, "samples_checked": 0}
+    for log in logs:
+        lines = log.read_text().splitlines() if log.exists() else []
+        for line in lines:
+            rec = json.loads(line)
+            out["epochs"] += 1
+            out["bad_epochs"] += sorted(rec["keys"]) != list(range(SAMPLES))
+            out["resumed_epochs"] += rec["resumed_at"] > 0
+            out["samples_checked"] += len(rec["keys"])
+    return out
+
+
+def soak(
+    seconds: float,
+    clients: int,
+    work: Path,
+    seed: int = 0,
+    save_every: int = 3,
+    inject_faults: bool = False,
+) -> dict[str, Any]:
+    """Run the soak in ``work``; the figures and the checks (module docstring). With
+    ``inject_faults`` client 0 crashes once and client 1 once sees a wrong byte."""
     rng = random.Random(seed)
     root = work / "root"
     (work / "run").mkdir(parents=True, mode=0o700)
@@ -185,16 +281,48 @@ def soak(seconds: float, clients: int, work: Path, seed: int = 0) -> dict[str, A
     service = Service(work, root)
     service.start()
     logs = [work / f"client{i}.jsonl" for i in range(clients)]
+    states = [work / f"client{i}.state.json" for i in range(clients)]
+    if inject_faults:
+        (work / "client0.crash").touch()
+        (work / f"client{min(1, clients - 1)}.corrupt").touch()
 
-    def client(i: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-c", CLIENT, str(data), str(service.socket), str(logs[i]), str(i)]
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = [0.0] * clients
 
-    procs = [client(i) for i in range(clients)]
-    report: dict[str, Any] = {"seconds": seconds, "clients": clients, "kills": 0, "restarts": 0}
+    def start_client(i: int) -> subprocess.Popen:
+        cmd = [sys.executable, __file__, "--client", str(data), str(service.socket), str(logs[i])]
+        cmd += [str(states[i]), str(i), str(save_every)]
+        started[i] = time.time()
+        with open(work / f"client{i}.err", "ab") as err:  # the child holds it
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+    def saved_since_start(i: int) -> bool:
+        """Whether client ``i`` saved its state since it started: a kill then has something
+        to resume (a client killed while it starts would only start again)."""
+        return states[i].exists() and states[i].stat().st_mtime > started[i]
+
+    procs = [start_client(i) for i in range(clients)]
+    report: dict[str, Any] = {"seconds": seconds, "clients": clients, "save_every": save_every}
+    report.update(kills=0, outage_exits=0, unexpected_exits=[])
+
+    def account(outage: tuple[float, float], again: bool = True) -> None:
+        """Every client exit we did not cause: expected (the service gone while restarting)
+        or unexpected, with the client's stderr; the client started again (resuming)."""
+        for i, p in enumerate(procs):
+            code = p.poll()
+            if code is None:
+                continue
+            if code == OUTAGE and outage[0] <= time.monotonic() <= outage[1]:
+                report["outage_exits"] += 1
+            else:
+                tail = (work / f"client{i}.err").read_text(errors="replace")[-2000:]
+                report["unexpected_exits"].append({"client": i, "exit": code, "stderr": tail})
+            if again:
+                procs[i] = start_client(i)
+
     stage_rounds: list[dict[str, Any]] = []
     t0 = time.monotonic()
     restarted = False
+    outage: tuple[float, float] = (math.inf, math.inf)  # when a client may lose the service
     baseline: tuple[int, int] | None = None
     next_kill = t0 + rng.uniform(1, 4)
     while time.monotonic() - t0 < seconds:
@@ -204,23 +332,23 @@ def soak(seconds: float, clients: int, work: Path, seed: int = 0) -> dict[str, A
             report["restart_stop"] = {"exit": code, "seconds": round(took, 2)}
             service.start()
             restarted = True
+            outage = (now, time.monotonic() + OUTAGE_GRACE)
             baseline_at = time.monotonic() + min(10.0, seconds / 6)  # warm again first
         if restarted and baseline is None and time.monotonic() > baseline_at:
             baseline = _usage(service.proc.pid)  # type: ignore[union-attr]
-        if now > next_kill:
-            i = rng.randrange(clients)
+        account(outage)
+        i = rng.randrange(clients)
+        # a client that has just exited is accounted for first; one yet to save, later
+        if now > next_kill and procs[i].poll() is None and saved_since_start(i):
             procs[i].kill()
             procs[i].wait()
-            procs[i] = client(i)
+            procs[i] = start_client(i)
             report["kills"] += 1
             next_kill = now + rng.uniform(1, 4)
-        for i, p in enumerate(procs):  # a client that failed (service restarting) starts again
-            if p.poll() is not None:
-                procs[i] = client(i)
-                report["restarts"] += 1
         if len(stage_rounds) < 1 + int((now - t0) / 20):
             stage_rounds.append(_stage_round(len(stage_rounds), src, root, env, rng))
         time.sleep(0.2)
+    account(outage, again=False)
     for p in procs:
         p.kill()
         p.wait()
@@ -232,19 +360,18 @@ def soak(seconds: float, clients: int, work: Path, seed: int = 0) -> dict[str, A
     report["final_stop"] = {"exit": code, "seconds": round(took, 2)}
     report["usage"] = {"rss_start": baseline[0], "rss_end": end[0], "fds_start": baseline[1],
                        "fds_end": end[1]}  # fmt: skip
-    epochs, bad = 0, 0
-    for log in logs:
-        if not log.exists():
-            continue
-        for line in log.read_text().splitlines():
-            rec = json.loads(line)
-            epochs += 1
-            bad += sorted(rec["keys"]) != list(range(SAMPLES))
-    report["epochs"], report["bad_epochs"] = epochs, bad
+    report.update(epochs(logs))
     report["stage_rounds"] = stage_rounds
     segments = glob.glob(f"/dev/shm/datastore.{os.getuid()}.{pid}.*")
     report["checks"] = {
-        "every finished epoch had every sample once": epochs > 0 and bad == 0,
+        "every finished epoch had every sample once": report["epochs"] > 0
+        and report["bad_epochs"] == 0,
+        "every sample's bytes equal the source's": report["samples_checked"] > 0
+        and not any(e["exit"] == 3 for e in report["unexpected_exits"]),
+        "no client exited unexpectedly": not report["unexpected_exits"],
+        "killed clients resumed mid-epoch from their saved state, epochs whole": (
+            report["resumed_epochs"] > 0 or report["kills"] == 0
+        ),
         "staged destinations verify, no temp files": all(
             r["resumed"] == 0
             and r["rerun"] == 0
@@ -269,23 +396,36 @@ def soak(seconds: float, clients: int, work: Path, seed: int = 0) -> dict[str, A
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--client"]:  # one of the soak's clients (started by soak())
+        path, address, log, state_file, seed, save_every = sys.argv[2:]
+        return client(path, address, log, state_file, int(seed), int(save_every))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=1800)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=3, help="batches between a client's saves")
+    p.add_argument(
+        "--inject-faults",
+        action="store_true",
+        help="client 0 crashes once and client 1 sees one wrong byte: the run must fail on "
+        "exactly these (tests/test_soak.py)",
+    )
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args()
+    if a.save_every < 1:
+        p.error(f"--save-every must be >= 1, got {a.save_every}")
     work = Path(tempfile.mkdtemp(prefix="datastore-soak-", dir=a.dir))
     try:
-        report = soak(a.seconds, a.clients, work, a.seed)
+        report = soak(a.seconds, a.clients, work, a.seed, a.save_every, a.inject_faults)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
         print(json.dumps(report))
     else:
-        for key in ("seconds", "clients", "kills", "restarts", "epochs", "bad_epochs",
-                    "restart_stop", "final_stop", "usage"):  # fmt: skip
+        for key in ("seconds", "clients", "save_every", "kills", "outage_exits",
+                    "unexpected_exits", "epochs", "bad_epochs", "resumed_epochs",
+                    "samples_checked", "restart_stop", "final_stop", "usage"):  # fmt: skip
             print(f"{key}: {report[key]}")
         print(f"stage rounds: {len(report['stage_rounds'])}")
         for name, ok in report["checks"].items():
