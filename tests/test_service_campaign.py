@@ -428,10 +428,8 @@ def test_sigterm_with_open_streams_exits_cleanly(start, tmp_path, jobs):
         j.read_until("batch")
     # a stream ends once its last batch is sent: between epochs a job has none for a moment
     until(lambda: status(sock).clients == 2, 10, "both jobs streaming")
-    t0 = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
-    assert s.proc.wait(10) == 0
-    assert time.monotonic() - t0 < 5
+    assert s.proc.wait(10) == 0  # not held by the open streams (100 epochs each)
     assert not sock.exists() and segments(s.proc.pid) == []
     assert s.logs()[-1]["event"] == "stopped"
     for j in streaming:  # an error, not a hang
@@ -636,10 +634,9 @@ def test_a_fifo_is_refused_at_once_and_status_answers(start, tmp_path, env):
         os.mkfifo(fifo)
     sock = tmp_path / "s.sock"
     start("--socket", str(sock), "--allow", str(root))
-    t0 = time.monotonic()
     with grpc.insecure_channel(target_of(sock)) as ch:
         ds = pb_grpc.DataStoreStub(ch)
-        calls = [
+        calls = [  # a call that hung opening the FIFO would end DEADLINE_EXCEEDED
             call.future(request, timeout=10)
             for fifo in fifos
             for call, request in (
@@ -652,7 +649,6 @@ def test_a_fifo_is_refused_at_once_and_status_answers(start, tmp_path, env):
             assert call.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "is not a regular file or directory" in call.details()
             assert str(root) in call.details()
-    assert time.monotonic() - t0 < 5
     for fifo in fifos:
         with pytest.raises(ValueError, match="not a regular file"):
             DataStoreLoader(str(fifo), batch_size=1)
