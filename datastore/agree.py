@@ -13,7 +13,10 @@ The collectives are non-blocking (``Iallgather``, or ``async_op=True`` under
 from __future__ import annotations
 
 import hashlib
+import itertools
+import pickle
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +24,7 @@ import numpy as np
 
 from datastore.errors import ExchangeTimeout, RankMismatch
 
-__all__ = ["Collective", "StepSync", "agree", "poll", "timeout_error"]
+__all__ = ["Collective", "StepSync", "StoreCollective", "agree", "poll", "timeout_error"]
 
 
 def poll(
@@ -174,6 +177,81 @@ class Collective:
         src = dist.get_global_rank(self.group, 0)
         dist.scatter_object_list(box, objs if self.rank == 0 else None, src=src, group=self.group)
         return box[0]
+
+
+class StoreCollective:
+    """``allgather_ints`` and ``allgather`` over torchrun's rendezvous store, for the checks of
+    ranks that have no process group yet (a loader made before ``init_process_group``).
+
+    torchrun's agent hosts a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` from the start
+    (``TORCHELASTIC_USE_AGENT_STORE=True``); each rank joins it as a client. Keys live under
+    ``datastore/<run id>/<restart>/<loader>/<round>/<rank>``: the loaders of a process are
+    numbered in the order they are made, the same on every rank, as collectives need anyway.
+
+    Args:
+        rank, size: this rank and the world size (torchrun's ``RANK``, ``WORLD_SIZE``).
+        env: torchrun's environment.
+    """
+
+    _made = itertools.count()
+
+    def __init__(self, rank: int, size: int, env: Mapping[str, str]) -> None:
+        import torch.distributed as dist
+
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        try:
+            store = dist.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=60),
+                wait_for_workers=False,
+            )  # fmt: skip
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(
+                f"torchrun's store at {host}:{port} (MASTER_ADDR, MASTER_PORT) cannot be "
+                f"reached to check that the ranks agree: {exc}"
+            ) from None
+        run = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.store = dist.PrefixStore(f"datastore/{run}/{next(self._made)}/", store)
+        self.rank, self.size, self.rounds = rank, size, itertools.count()
+        self.comm = self.group = None
+
+    @classmethod
+    def of(cls, rank: int, size: int, env: Mapping[str, str]) -> StoreCollective | None:
+        """One for torchrun's rank ``rank`` of ``size`` when its agent's store is there."""
+        from staging.cluster import torchrun_world
+
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if not agent or torchrun_world(env) != (rank, size) or "MASTER_PORT" not in env:
+            return None
+        return cls(rank, size, env)
+
+    def _everyone(self, payload: bytes, timeout: float, what: str, step: int) -> list[bytes]:
+        base = f"{next(self.rounds)}/"
+        self.store.set(f"{base}{self.rank}", payload)
+        keys = [f"{base}{r}" for r in range(self.size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+        except RuntimeError:  # torch's DistStoreError: the deadline passed
+            missing = tuple(r for r, k in enumerate(keys) if not self.store.check([k]))
+            raise timeout_error(what, step, missing) from None
+        return [self.store.get(k) for k in keys]
+
+    def allgather_ints(
+        self, values: list[int], timeout: float, what: str, step: int = -1
+    ) -> np.ndarray:
+        """As :meth:`Collective.allgather_ints`."""
+        mine = np.asarray(values, dtype=np.int64)
+        got = self._everyone(mine.tobytes(), timeout, what, step)
+        return np.stack([np.frombuffer(b, dtype=np.int64) for b in got])
+
+    def allgather(self, obj: Any, timeout: float = 60.0) -> list[Any]:
+        """Every rank's ``obj`` (pickled through the store: the ranks' own check results)."""
+        return [
+            pickle.loads(b)
+            for b in self._everyone(pickle.dumps(obj), timeout, what="a check", step=-1)
+        ]
+
+    def close(self) -> None:
+        self.store = None
 
 
 def _digest(value: str) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datastore.agree import Collective, StepSync, agree
+from datastore.agree import Collective, StepSync, StoreCollective, agree
 from datastore.delivery import (
     Delivered,
     Gather,
@@ -276,6 +276,8 @@ class DataStoreLoader(EpochPosition):
         self.transform, self.collate = transform, collate
         address = named_address(address)
         self.world: World = detect_world(rank, world, comm)
+        self._checks: StoreCollective | None = None  # the checks' ranks, without an exchange
+        self._unchecked: dict[str, str] | None = None  # what the first pass must agree on
         self._coll = self._collective(group, exchange, address is not None)
         error: BaseException | None = None
         self.options: LoaderOptions | None = None
@@ -347,6 +349,9 @@ class DataStoreLoader(EpochPosition):
             )
         if remote:  # the service holds the dataset: nothing to exchange
             return None
+        self._checks = StoreCollective.of(self.world.rank, self.world.size, os.environ)
+        if self._checks is None and self.world.source != "given":
+            self._unchecked = {}  # agreed at the first pass, over the process group made by then
         warnings.warn(
             f"datastore: {self.world.size} ranks ({self.world.source}) but no MPI and no "
             "torch.distributed process group: every rank reads and holds the samples it needs "
@@ -360,10 +365,36 @@ class DataStoreLoader(EpochPosition):
     def _agree(self, fingerprint: dict[str, str], error: BaseException | None) -> None:
         """Raise ``error`` (or a peer's, or a disagreement) on every rank alike."""
         timeout = self.options.timeout if self.options is not None else 300.0
-        if self._coll is not None:
-            agree(self._coll, fingerprint, error, timeout)
+        coll = self._coll or self._checks
+        if coll is not None:
+            agree(coll, fingerprint, error, timeout)
         elif error is not None:
             raise error
+        elif self._unchecked is not None:
+            self._unchecked.update(fingerprint)
+
+    def _check_late(self) -> None:
+        """The start-up check of a loader made before the process group and without
+        torchrun's store: at its first pass, over the group made by then, or refused."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            w = self.world
+            raise RuntimeError(
+                f"{w.size} ranks ({w.source}) but no MPI, no torch.distributed process group "
+                "and no torchrun store: the ranks cannot check that they agree on the seed and "
+                "the dataset (a seed that differs between ranks loses samples silently). Call "
+                "torch.distributed.init_process_group before the first pass, or launch with "
+                "torchrun or mpiexec"
+            )
+        from datastore.sources.torch_dist import gloo_group
+
+        coll = Collective(group=gloo_group())
+        try:
+            agree(coll, self._unchecked, None, self.options.timeout, "the first pass's check")
+        finally:
+            dist.destroy_process_group(coll.group)
+        self._unchecked = None
 
     def _layout(
         self, info: dict[str, Any], owner: RunOwners | None
@@ -537,6 +568,8 @@ class DataStoreLoader(EpochPosition):
         loaded ``state_dict``."""
         if self._broken:
             raise RuntimeError(self._broken)
+        if self._unchecked is not None:
+            self._check_late()
         return self._pass_batches(*self._new_pass())
 
     def _pass_batches(self, epoch: int, start: int, pass_: int):
