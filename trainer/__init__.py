@@ -8,6 +8,8 @@
   :func:`~trainer.pool.global_avg_pool` and :func:`~trainer.pool.gather_flatten`.
 - ``trainer.norm``: :class:`~trainer.norm.DistBatchNorm3d`, statistics over an explicit group.
 - ``trainer.geometry``: pure block geometry of the strided and overlapped layers.
+- ``trainer.agree``: the spatial group agrees once per new input shape, so a block one rank
+  refuses raises on every rank before any halo moves.
 - ``trainer.comm``: every message, direct (gloo on CPU, NCCL on GPU) or staged through pinned
   host memory (CUDA over gloo), with a timeout; ``trainer.devices``: the rank's device and
   backend.

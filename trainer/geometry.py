@@ -43,6 +43,7 @@ __all__ = [
     "block_offsets",
     "box_size",
     "check_aligned",
+    "check_conv_block",
     "check_pool_blocks",
     "check_pool_windows",
     "conv_input_box",
@@ -112,6 +113,33 @@ def check_aligned(
                 f"multiple of the stride {s}; every block but the last along a split axis must "
                 "be, so that every block starts on the stride"
             )
+
+
+def check_conv_block(
+    owned: Sequence[int],
+    parts: Sequence[int],
+    coords: Sequence[int],
+    stride: Sequence[int],
+    halo: Sequence[int],
+    what: str = "DistConv3d",
+) -> None:
+    """Raise unless a split "same" convolution can run on this block.
+
+    Needs at least one voxel per axis, the block aligned to the stride (:func:`check_aligned`)
+    and, along split axes, at least ``halo`` voxels (halos come from the direct neighbour only).
+
+    Raises:
+        ValueError: naming the axis.
+    """
+    for axis, (n, p, h) in enumerate(zip(owned, parts, halo, strict=True)):
+        if n < 1:
+            raise ValueError(f"{what}: a block of {n} voxels along axis {axis}; need >= 1")
+        if p > 1 and n < h:
+            raise ValueError(
+                f"{what}: a block of {n} voxels along split axis {axis} cannot fill a halo of "
+                f"{h} (halos come from the direct neighbour only)"
+            )
+    check_aligned(owned, parts, coords, stride, what)
 
 
 def check_pool_windows(kernel: Sequence[int], stride: Sequence[int], what: str = "pool") -> None:

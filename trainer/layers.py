@@ -35,6 +35,7 @@ Weights are equal on every rank: broadcast from global rank 0 when the layer is 
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -42,11 +43,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.agree import AgreedShapes
 from trainer.comm import all_reduce_sum, broadcast
 from trainer.geometry import (
     Box,
     box_size,
-    check_aligned,
+    check_conv_block,
     conv_input_box,
     conv_window,
     interior_box,
@@ -92,6 +94,10 @@ def sum_spatial_grads(params: Iterable[nn.Parameter], grid: ProcessGrid) -> None
     for p in params:
         if p.grad is not None:
             all_reduce_sum(p.grad, grid.spatial_group, grid.timeout)
+
+
+def _check_block(owned, coords, *, parts, stride, halo) -> None:
+    check_conv_block(owned, parts, coords, stride, halo, "DistConv3d")
 
 
 class DistConv3d(nn.Module):
@@ -148,6 +154,7 @@ class DistConv3d(nn.Module):
             device=device,
             dtype=dtype,
         )
+        self.agreed = AgreedShapes("DistConv3d")
         if broadcast:
             broadcast_parameters(self.conv, timeout=grid.timeout)
 
@@ -162,14 +169,21 @@ class DistConv3d(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(N, C_in, *owned)`` to ``(N, C_out, *ceil(owned / stride))``: this rank's output block.
 
+        The first call with a new input shape agrees on it over the spatial group
+        (``trainer.agree``: one small all-gather); later calls with it communicate nothing
+        but the halos.
+
         Raises:
-            ValueError: if a block that is not the last along a split axis has a number of
-                voxels that is not a multiple of the stride (raised before any communication,
-                by the ranks holding such blocks).
+            ValueError: on every rank of the spatial group at once, before any halo moves, if
+                any rank's block is refused: a block that is not the last along a split axis
+                with a number of voxels that is not a multiple of the stride, one shorter than
+                the halo along a split axis, leading axes that differ, blocks that do not tile
+                a volume. The message names the refused ranks and every rank's input shape.
         """
         owned = tuple(x.shape[-3:])
         g = self.grid
-        check_aligned(owned, g.parts, g.spatial_coords, self.stride, "DistConv3d")
+        check = functools.partial(_check_block, parts=g.parts, stride=self.stride, halo=self.halo)
+        self.agreed.check(x, g, check)
         if self.overlapped():
             return self._overlapped_forward(x)
         t = halo_exchange(x, g, self.halo)

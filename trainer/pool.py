@@ -5,8 +5,9 @@
     halo: when every block starts on the stride, each owned output window lies inside the
     rank's block (``trainer.geometry``), so the local pool *is* this rank's block of the global
     pool, forward and backward. The blocks are checked before pooling (every block but the last
-    along a split axis a multiple of the stride, each at least the kernel long); a bad one is a
-    ``ValueError`` naming the axis.
+    along a split axis a multiple of the stride, each at least the kernel long), the first time
+    a shape is seen by all ranks of the spatial group together (``trainer.agree``): a bad block
+    on one rank is the same ``ValueError``, naming the rank and the axis, on every rank.
 
 ``global_avg_pool`` and ``gather_flatten``
     Turn a split ``(N, C, *owned)`` activation into features of the whole sample, the same on
@@ -23,6 +24,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.agree import AgreedShapes
 from trainer.comm import all_gather, all_reduce_sum
 from trainer.geometry import block_offsets, check_pool_blocks, check_pool_windows
 from trainer.grid import ProcessGrid
@@ -43,6 +46,10 @@ def _triple(v: int | Sequence[int], name: str) -> tuple[int, int, int]:
     if len(t) != 3 or any(x < 1 for x in t):
         raise ValueError(f"{name} must be one size >= 1 or three, got {v!r}")
     return t  # type: ignore[return-value]
+
+
+def _check_block(owned, coords, *, parts, kernel, stride, what) -> None:
+    check_pool_blocks(owned, parts, coords, kernel, stride, what)
 
 
 class _DistPool3d(nn.Module):
@@ -62,12 +69,18 @@ class _DistPool3d(nn.Module):
         self.kernel_size = _triple(kernel_size, "kernel_size")
         self.stride = self.kernel_size if stride is None else _triple(stride, "stride")
         check_pool_windows(self.kernel_size, self.stride, self._name)
+        self.agreed = AgreedShapes(self._name)
 
     def _check(self, x: torch.Tensor) -> None:
+        """Agree on a new input shape over the spatial group (``trainer.agree``): a block one
+        rank refuses raises the same ``ValueError`` on every rank, before the next layer's
+        communication could wait for it."""
         g = self.grid
-        owned = tuple(x.shape[-3:])
         ks, ss = self.kernel_size, self.stride
-        check_pool_blocks(owned, g.parts, g.spatial_coords, ks, ss, self._name)
+        check = functools.partial(
+            _check_block, parts=g.parts, kernel=ks, stride=ss, what=self._name
+        )
+        self.agreed.check(x, g, check)
 
     def extra_repr(self) -> str:
         return f"kernel_size={self.kernel_size}, stride={self.stride}, parts={self.grid.parts}"
@@ -85,7 +98,8 @@ class DistMaxPool3d(_DistPool3d):
     _name = "DistMaxPool3d"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's block of the pooled volume (local; raises ``ValueError`` on a bad block)."""
+        """This rank's block of the pooled volume (``ValueError`` on every rank if any block is
+        refused; the first call with a new shape agrees on it over the spatial group)."""
         self._check(x)
         return F.max_pool3d(x, self.kernel_size, self.stride)
 
@@ -102,7 +116,8 @@ class DistAvgPool3d(_DistPool3d):
     _name = "DistAvgPool3d"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's block of the pooled volume (local; raises ``ValueError`` on a bad block)."""
+        """This rank's block of the pooled volume (``ValueError`` on every rank if any block is
+        refused; the first call with a new shape agrees on it over the spatial group)."""
         self._check(x)
         return F.avg_pool3d(x, self.kernel_size, self.stride)
 
