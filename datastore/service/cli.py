@@ -1,4 +1,4 @@
-"""The ``datastore serve``, ``status``, ``load`` and ``unload`` subcommands."""
+"""The ``datastore serve``, ``status``, ``load``, ``unload`` and ``shutdown`` subcommands."""
 
 from __future__ import annotations
 
@@ -83,8 +83,27 @@ examples:
 """
 
 
+SHUTDOWN_EPILOG = f"""\
+The service stops accepting calls, lets those in flight finish for up to --grace seconds (0:
+its own --grace), ends the open streams, removes its socket and exits 0. This command waits
+until the service no longer answers: at most the grace plus 30 s (60 s plus 30 with --grace 0).
+Over TCP the call carries the token (--token-file), as every call does.
+{ADDRESS_NOTE}
+exit codes:
+  0  the service stopped
+  1  no service answers or none is named, it refused, or it still answers after the wait
+  2  bad usage (--grace outside 0..3600, an unreadable token file)
+
+examples:
+  datastore shutdown
+  datastore shutdown --socket /l/ssd/run/datastore.sock --grace 30
+  datastore shutdown --tcp n0:7433 --token-file ~/.datastore-token
+"""
+
+
 def add_parser(sub: Any) -> None:
-    """Register ``serve`` and ``status`` on the ``datastore`` subparsers ``sub``."""
+    """Register ``serve``, ``status``, ``load``, ``unload`` and ``shutdown`` on the
+    ``datastore`` subparsers ``sub``."""
     from datastore.service.paths import default_socket
 
     default = default_socket()
@@ -218,6 +237,25 @@ def add_parser(sub: Any) -> None:
     _client_options(un, default)
     un.set_defaults(func=run_unload)
 
+    sd = sub.add_parser(
+        "shutdown",
+        help="stop a running `datastore serve` (drain, then exit)",
+        description="Ask a running `datastore serve` to drain the calls in flight and exit, "
+        "and wait until it has.",
+        epilog=SHUTDOWN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sd.add_argument(
+        "--grace",
+        type=_grace,
+        default=0.0,
+        metavar="SECONDS",
+        help="how long calls in flight may finish (default: 0, the service's own --grace)",
+    )
+    sd.add_argument("--reason", default="datastore shutdown", help="logged by the service")
+    _client_options(sd, default)
+    sd.set_defaults(func=run_shutdown)
+
 
 def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
     """The service's address (``--address``, or ``--socket``/``--tcp``), ``--token-file``,
@@ -264,6 +302,17 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _grace(text: str) -> float:
+    """``shutdown --grace``: seconds in ``0..3600`` (0: the service's own)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be 0..3600 seconds, got {text!r}")
     return value
 
 
@@ -398,6 +447,48 @@ def run_unload(args: argparse.Namespace) -> int:
         return code
     print(f"{args.path}: unloaded, {human_bytes(reply.bytes_freed)} freed")
     return Exit.OK
+
+
+def run_shutdown(args: argparse.Namespace) -> int:
+    def stop(client: Any) -> tuple[Any, bool]:
+        pid = client.status().pid
+        client.shutdown(grace_s=args.grace, reason=args.reason)
+        return pid, _stopped(client, (args.grace or 60.0) + 30.0)
+
+    reply, code = _ask(args, "shutdown", stop)
+    if reply is None:
+        return code
+    pid, stopped = reply
+    if not stopped:
+        print(f"datastore shutdown: the service (pid {pid}) still answers", file=sys.stderr)
+        return Exit.FAILED
+    print(f"datastore serve (pid {pid}) stopped")
+    return Exit.OK
+
+
+def _stopped(client: Any, wait_s: float) -> bool:
+    """Whether the service stops within ``wait_s`` seconds: it no longer answers ``client``
+    and, on a Unix socket, has removed the socket (its last step before exiting)."""
+    from datastore.errors import DataStoreError
+
+    target = client.target
+    sock = (
+        Path(target.removeprefix("unix://").removeprefix("unix:"))
+        if target.startswith("unix:")
+        else None
+    )
+    deadline = time.monotonic() + wait_s
+    answering = True
+    while time.monotonic() < deadline:
+        if answering:
+            try:
+                client.status()
+            except (DataStoreError, ValueError):
+                answering = False
+        if not answering and (sock is None or not sock.exists()):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _absolute(path: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import queue
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +25,17 @@ from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.auth import bearer
 from datastore.service.paths import unix_target
 from datastore.service.shm import ClientMaps
+from datastore.service.watch import this_process
 from datastore.service.wire import MAX_MESSAGE, ReceivedBatch, parse_batch
 
 __all__ = [
+    "JOB_ENV",
     "TRANSPORTS",
     "Client",
     "Received",
     "RemoteBatches",
+    "client_process",
+    "job_identity",
     "open_channel",
     "raise_for",
     "stream_batches",
@@ -49,6 +53,39 @@ TRANSPORTS = {
     "shm": pb.TRANSPORT_SHARED_MEMORY,
     "inline": pb.TRANSPORT_INLINE,
 }
+
+
+JOB_ENV = (
+    "SLURM_JOB_ID",
+    "FLUX_JOB_ID",
+    "PBS_JOBID",
+    "LSB_JOBID",
+    "COBALT_JOBID",
+    "TORCHELASTIC_RUN_ID",
+)
+"""Where :func:`job_identity` looks, in order: the batch systems' job ids, then torchrun's."""
+
+
+def job_identity(env: Mapping[str, str] | None = None) -> str:
+    """The job a client belongs to, as ``datastore status`` shows it: the first of
+    :data:`JOB_ENV` set (``TORCHELASTIC_RUN_ID`` as ``torchrun:ID``; its placeholder ``none``
+    skipped), else ``HOST:PID`` of this process."""
+    env = os.environ if env is None else env
+    for name in JOB_ENV:
+        value = env.get(name, "").strip()
+        if name == "TORCHELASTIC_RUN_ID":
+            if value and value != "none":
+                return f"torchrun:{value}"
+        elif value:
+            return value
+    return f"{os.uname().nodename}:{os.getpid()}"
+
+
+def client_process() -> pb.ClientProcess | None:
+    """This process as ``OpenSession`` describes it (its end closes the session); ``None``
+    where ``/proc`` does not tell (not Linux)."""
+    me = this_process()
+    return None if me is None else pb.ClientProcess(pid=me[0], start_ticks=me[1], boot_id=me[2])
 
 
 def open_channel(target: str, tls_ca: str | os.PathLike | None = None) -> grpc.Channel:

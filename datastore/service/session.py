@@ -5,7 +5,9 @@ sample sequence (``datastore.order.Schedule``, the embedded loader's), and every
 its share, filled from the dataset's resident copy (``datastore.service.resident``), which all
 sessions on that dataset share. A session lives until ``CloseSession``, or until it has had no
 stream for ``idle_s`` (its client died or forgot to close it): then it is closed and the dataset
-it held is free to be evicted.
+it held is free to be evicted. A session whose ``OpenSession`` named a client process on this
+node (``ClientProcess``) also ends as soon as that process does, however it ends
+(:mod:`datastore.service.watch`): its streams stop and its shared-memory rings are freed at once.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from datastore.service.paths import shown
 from datastore.service.peers import node_path
 from datastore.service.resident import Residency, Resident, resolve_dataset
 from datastore.service.stream import SlotRing, Stream
+from datastore.service.watch import ProcessWatch
 
 __all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions", "spatial_of"]
 
@@ -206,6 +209,8 @@ class Sessions:
         self._event = on_event or (lambda *_a, **_k: None)
         self._lock = threading.Lock()
         self._by_id: dict[str, Session] = {}
+        self._by_pid: dict[int, set[str]] = {}  # watched client processes and their sessions
+        self._watch = ProcessWatch(self._client_ended)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="datastore-reaper", daemon=True)
         self._reaper.start()
@@ -237,7 +242,35 @@ class Sessions:
             raise
         with self._lock:
             self._by_id[session.session_id] = session
+        if r.HasField("client"):
+            self._watch_client(session.session_id, r.client)
         return session
+
+    def _watch_client(self, sid: str, client: Any) -> None:
+        """End session ``sid`` with its client process, if that process can be watched."""
+        pid = int(client.pid)
+        with self._lock:  # listed first: a process that ends at once still finds it
+            self._by_pid.setdefault(pid, set()).add(sid)
+        if not self._watch.watch(pid, int(client.start_ticks), client.boot_id):
+            with self._lock:
+                self._forget_pid(pid, sid)
+
+    def _forget_pid(self, pid: int, sid: str) -> None:
+        sids = self._by_pid.get(pid, set())
+        sids.discard(sid)
+        if not sids:
+            self._by_pid.pop(pid, None)
+
+    def _client_ended(self, pid: int) -> None:
+        """The watched process ``pid`` ended: close its sessions now."""
+        with self._lock:
+            sids = self._by_pid.pop(pid, set())
+        for sid in sorted(sids):
+            try:
+                self.close(sid, "its client process ended")
+            except ServiceError:
+                continue  # closed meanwhile
+            self._event("session_client_ended", session=sid, pid=pid)
 
     def _session(self, r: Any, resident: Resident, world: int, spatial: Any) -> Session:
         if not len(resident.reader):
@@ -267,6 +300,8 @@ class Sessions:
     def close(self, sid: str, why: str = "the session was closed") -> None:
         with self._lock:
             s = self._by_id.pop(sid, None)
+            if s is not None and s.request.HasField("client"):
+                self._forget_pid(int(s.request.client.pid), sid)
         if s is None:
             raise ServiceError("NOT_FOUND", f"no session {shown(sid)}")
         s.close(why)
@@ -289,6 +324,7 @@ class Sessions:
 
     def close_all(self) -> None:
         self._stop.set()
+        self._watch.close()
         with self._lock:
             sessions, self._by_id = list(self._by_id.values()), {}
         for s in sessions:

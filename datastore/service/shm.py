@@ -91,6 +91,12 @@ class Segment:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
+    def unmap(self) -> None:
+        """Unmap the segment here, unless a view of it is still alive (then it goes with the
+        last view)."""
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
 
 class ClientMaps:
     """A client's mappings of the segments it was sent, one per file, kept while it streams.

@@ -147,8 +147,12 @@ class SlotRing:
                 self._free.put(slot)
 
     def close(self) -> None:
+        """The session ended (its streams closed first): remove the segment's file and unmap
+        it, so its memory goes as soon as the client's mapping does too."""
         if self.segment is not None:
+            self.slots = []  # the views into the mapping
             self.segment.close()
+            self.segment.unmap()
 
 
 class _Ahead:

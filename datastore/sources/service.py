@@ -66,6 +66,8 @@ class ServiceSource:
         from datastore.service.auth import bearer
         from datastore.service.client import (
             TRANSPORTS,
+            client_process,
+            job_identity,
             open_channel,
             raise_for,
             stream_batches,
@@ -110,8 +112,9 @@ class ServiceSource:
             spatial=layout,
             shuffle=options.shuffle == "global",
             drop_last=options.drop_last,
-            job_id=job_id or os.environ.get("SLURM_JOB_ID", ""),
+            job_id=job_id or job_identity(),
             fields=list(options.fields or ()),
+            client=client_process(),  # the service ends the session when this process ends
         )
         self._maps: Any = None  # the shared-memory mappings of the session (ClientMaps)
         reply = self._open()

@@ -27,7 +27,7 @@ class SpatialLayout(_message.Message):
     def __init__(self, parts: _Optional[_Iterable[int]] = ..., halo: _Optional[_Iterable[int]] = ..., boundary: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("dataset_path", "seed", "global_batch", "world_size", "spatial", "shuffle", "drop_last", "job_id", "fields")
+    __slots__ = ("dataset_path", "seed", "global_batch", "world_size", "spatial", "shuffle", "drop_last", "job_id", "fields", "client")
     DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class OpenSessionRequest(_message.Message):
     DROP_LAST_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     dataset_path: str
     seed: int
     global_batch: int
@@ -46,7 +47,18 @@ class OpenSessionRequest(_message.Message):
     drop_last: bool
     job_id: str
     fields: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, dataset_path: _Optional[str] = ..., seed: _Optional[int] = ..., global_batch: _Optional[int] = ..., world_size: _Optional[int] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., shuffle: _Optional[bool] = ..., drop_last: _Optional[bool] = ..., job_id: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ...) -> None: ...
+    client: ClientProcess
+    def __init__(self, dataset_path: _Optional[str] = ..., seed: _Optional[int] = ..., global_batch: _Optional[int] = ..., world_size: _Optional[int] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., shuffle: _Optional[bool] = ..., drop_last: _Optional[bool] = ..., job_id: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., client: _Optional[_Union[ClientProcess, _Mapping]] = ...) -> None: ...
+
+class ClientProcess(_message.Message):
+    __slots__ = ("pid", "start_ticks", "boot_id")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    start_ticks: int
+    boot_id: str
+    def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., boot_id: _Optional[str] = ...) -> None: ...
 
 class FieldInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape", "spatial_axes")

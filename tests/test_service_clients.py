@@ -1,0 +1,200 @@
+"""``datastore serve`` and the processes of its clients: a session ends when the process that
+opened it does (killed, or exited without ``close()``), its stream and shared-memory ring freed at
+once; ``datastore status`` names each session's job; ``datastore shutdown`` stops the service.
+
+A real server subprocess on a Unix socket, real client processes (``DataStoreLoader(...,
+address=socket)``), ``SIGKILL``; ``ProcessWatch`` on real child processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from datastore.service.client import Client, job_identity
+from datastore.service.watch import ProcessWatch, boot_id, start_ticks, this_process
+from tests.test_service_basic import REPO, Server, cli, wait_serving
+
+CHILD = """
+import os, sys, time
+from datastore import DataStoreLoader
+r = DataStoreLoader({path!r}, batch_size=2, seed=3, address={sock!r}, transport="shm")
+for i, b in enumerate(r):
+    print("got", i, flush=True)
+    if sys.argv[1] == "exit":
+        os._exit(0)  # no close(), no finalizer: the process just ends
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def served(tmp_path):
+    """``(dataset, socket, server)``: a fresh service for the test, killed at the end."""
+    path = tmp_path / "data.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(64 * 2 * 4 * 4 * 4, dtype=np.float32).reshape(64, 2, 4, 4, 4)
+        f["idx"] = np.arange(64, dtype=np.int64)
+    (tmp_path / "runtime").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "DATASTORE_ADDRESS"}
+    env.update(XDG_RUNTIME_DIR=str(tmp_path / "runtime"), XDG_STATE_HOME=str(tmp_path / "state"))
+    sock = tmp_path / "s.sock"
+    s = Server(tmp_path / "logs", ["--socket", str(sock)], env)
+    wait_serving(s.listening(30)[0], s.proc, timeout=30)
+    s.env = env
+    yield path, sock, s
+    if s.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait(10)
+
+
+def client_env(**extra: str) -> dict[str, str]:
+    """This environment without any job id, plus ``extra``."""
+    drop = ("SLURM_JOB_ID", "FLUX_JOB_ID", "PBS_JOBID", "LSB_JOBID", "COBALT_JOBID",
+            "TORCHELASTIC_RUN_ID", "DATASTORE_ADDRESS")  # fmt: skip
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def start_client(path: Path, sock: Path, mode: str, env: dict[str, str]) -> subprocess.Popen:
+    script = textwrap.dedent(CHILD.format(path=str(path), sock=str(sock)))
+    child = subprocess.Popen([sys.executable, "-c", script, mode], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout.readline().startswith("got 0")
+    return child
+
+
+def segments_mapped(pid: int) -> set[str]:
+    """The service's shared-memory segments still mapped in process ``pid``."""
+    prefix = f"datastore.{os.getuid()}.{pid}."
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {ln.split()[-2] if ln.endswith("(deleted)") else ln.split()[-1]
+            for ln in lines if prefix in ln}  # fmt: skip
+
+
+def wait_for(what, deadline_s: float = 10.0):
+    """``what()`` once it is truthy; its last value after ``deadline_s`` (a hang guard, not a
+    speed check)."""
+    deadline = time.monotonic() + deadline_s
+    while not (got := what()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+def test_a_killed_client_ends_its_session_and_frees_its_ring_at_once(served):
+    path, sock, s = served
+    child = start_client(path, sock, "sleep", client_env(SLURM_JOB_ID="4242"))
+    try:
+        with Client(sock) as c:
+            st = c.status()
+            assert st.clients == 1
+            assert [(x.job_id, x.streams) for x in st.sessions] == [("4242", 1)]
+            assert len(segments_mapped(st.pid)) == 1  # the session's shared-memory ring
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+            assert wait_for(lambda: c.status().clients == 0)
+            st = c.status()
+            assert list(st.sessions) == []  # not left to expire after --session-idle (600 s)
+            assert wait_for(lambda: not segments_mapped(st.pid))
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    ended = [x for x in s.logs() if x.get("event") == "session_client_ended"]
+    assert [x["pid"] for x in ended] == [child.pid]
+
+
+def test_a_client_that_exits_without_close_ends_its_session(served):
+    path, sock, s = served
+    child = start_client(path, sock, "exit", client_env())
+    assert child.wait(30) == 0
+    with Client(sock) as c:
+        assert wait_for(lambda: c.status().clients == 0)
+        assert list(c.status().sessions) == []
+    opened = [x for x in s.logs() if x.get("event") == "session_opened"]
+    assert [x["job_id"] for x in opened] == [f"{socket.gethostname()}:{child.pid}"]
+
+
+def test_status_shows_the_job_of_each_session(served):
+    path, sock, s = served
+    child = start_client(path, sock, "sleep", client_env(FLUX_JOB_ID="f7Q2"))
+    try:
+        proc = cli("status", "--socket", str(sock), env=s.env)
+        assert proc.returncode == 0, proc.stderr
+        rows = proc.stdout.split("sessions (1)\n", 1)[1].splitlines()
+        assert rows[0].split() == ["job", "session", "world", "batch", "streams", "batches",
+                                   "bytes", "rate", "stall"]  # fmt: skip
+        assert rows[1].split()[0] == "f7Q2"
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_job_identity_reads_the_launchers_in_order():
+    assert job_identity({"SLURM_JOB_ID": "12", "FLUX_JOB_ID": "f1"}) == "12"
+    assert job_identity({"FLUX_JOB_ID": "f1", "TORCHELASTIC_RUN_ID": "r"}) == "f1"
+    assert job_identity({"PBS_JOBID": "7.pbs"}) == "7.pbs"
+    assert job_identity({"TORCHELASTIC_RUN_ID": "r9"}) == "torchrun:r9"
+    here = f"{os.uname().nodename}:{os.getpid()}"
+    assert job_identity({"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": " "}) == here
+
+
+def test_shutdown_drains_and_the_service_exits_0_removing_its_socket(served):
+    _, sock, s = served
+    proc = cli("shutdown", "--socket", str(sock), "--grace", "2", env=s.env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"datastore serve (pid {s.proc.pid}) stopped\n"
+    assert s.proc.wait(10) == 0
+    assert not sock.exists()
+    asked = [x for x in s.logs() if x.get("event") == "shutdown_requested"]
+    assert [(x["reason"], x["grace_s"]) for x in asked] == [("datastore shutdown", 2.0)]
+
+
+def test_shutdown_with_no_service_or_a_bad_grace(tmp_path):
+    env = client_env()
+    proc = cli("shutdown", "--socket", str(tmp_path / "none.sock"), env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("datastore shutdown: no service answers at unix://")
+    proc = cli("shutdown", "--socket", str(tmp_path / "none.sock"), "--grace", "-1", env=env)
+    assert proc.returncode == 2
+    assert "--grace: must be 0..3600 seconds, got '-1'" in proc.stderr
+
+
+def test_process_watch_calls_back_once_when_a_watched_process_ends():
+    ended: list[int] = []
+    done = threading.Event()
+    watch = ProcessWatch(lambda pid: (ended.append(pid), done.set()))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ticks = start_ticks(child.pid)
+        assert ticks is not None
+        assert not watch.watch(child.pid, ticks + 1, boot_id())  # another process, same pid
+        assert not watch.watch(child.pid, ticks, "another-kernel")  # another node
+        assert watch.watch(child.pid, ticks, boot_id())
+        assert watch.watch(child.pid, ticks, boot_id())  # twice: still one pidfd
+        assert ended == []
+        child.kill()
+        child.wait(10)
+        assert done.wait(10)
+        assert ended == [child.pid]
+    finally:
+        watch.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+
+
+def test_this_process_describes_itself():
+    pid, ticks, boot = this_process()
+    assert (pid, ticks, boot) == (os.getpid(), start_ticks(os.getpid()), boot_id())
+    assert len(boot) == 36  # a UUID
