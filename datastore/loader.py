@@ -565,12 +565,13 @@ class DataStoreLoader(EpochPosition):
 
     def __iter__(self):
         """A pass from an epoch's first batch (``EpochPosition``), or the resumption of a
-        loaded ``state_dict``."""
+        loaded ``state_dict``; where it starts is decided at its first batch (a
+        ``set_epoch`` between ``iter()`` and ``next()`` counts, as with a sampler)."""
         if self._broken:
             raise RuntimeError(self._broken)
         if self._unchecked is not None:
             self._check_late()
-        return self._pass_batches(*self._new_pass())
+        yield from self._pass_batches(*self._new_pass())
 
     def _pass_batches(self, epoch: int, start: int, pass_: int):
         if self._sync is not None and any(w.is_alive() for w in self._workers):
@@ -620,6 +621,14 @@ class DataStoreLoader(EpochPosition):
                     "the loader's prefetch thread did not stop within the timeout (a peer "
                     "rank stopped answering): build a new loader"
                 )
+
+    batch_sampler = None  # a DataLoader's attribute that trainers read beside ``sampler``
+
+    @property
+    def sampler(self) -> DataStoreLoader:
+        """The loader itself: what Lightning (and other trainers) call ``set_epoch(epoch)`` on
+        at every epoch, as on a ``DistributedSampler``, so their epoch is ours."""
+        return self
 
     # -- what it did ---------------------------------------------------------------------------
     @property

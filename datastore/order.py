@@ -481,8 +481,10 @@ class EpochPosition:
         return self.schedule.steps_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch at the next iteration."""
-        self.epoch, self._step, self._resume = int(epoch), 0, False
+        """Start ``epoch`` from its first batch at the next iteration (a loaded position in
+        ``epoch`` still resumes, as a ``DistributedSampler``'s under ``StatefulDataLoader``)."""
+        if not (self._resume and int(epoch) == self.epoch):
+            self.epoch, self._step, self._resume = int(epoch), 0, False
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out; resuming from it is O(1)."""

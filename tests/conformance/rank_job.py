@@ -72,38 +72,35 @@ def two_iterators(loader: Any) -> dict[str, Any]:
 
 
 def states(path: str, rank: int, world: int, out: str) -> dict[str, Any]:
-    """Uninterrupted passes, and states at step 0, after 2 batches and after an epoch
-    (saved for the resuming process)."""
+    """Two uninterrupted passes, with the states at step 0, after 2 batches and after the
+    first epoch saved on the way (for the resuming process)."""
     got, saved = {}, {}
     for kind in ("ours", "torch"):
-        def fresh(kind=kind):
-            if kind == "ours":
-                return ours(path, B)
-            return theirs(path, B, ranks=(rank, world), stateful=True)
-
-        straight = fresh()
-        got[kind] = [epoch(straight), epoch(straight)]
-        at0, mid, end = fresh(), fresh(), fresh()
-        saved[f"{kind}-0"] = at0.state_dict()
-        it = iter(mid)
-        next(it), next(it)
-        saved[f"{kind}-mid"] = mid.state_dict()
-        del it
-        epoch(end)
-        saved[f"{kind}-end"] = end.state_dict()
-        for loader in (straight, at0, mid, end):
-            if kind == "ours":
-                loader.close()
+        if kind == "ours":
+            loader: Any = ours(path, B)
+        else:
+            loader = theirs(path, B, ranks=(rank, world), stateful=True)
+        saved[f"{kind}-0"] = loader.state_dict()
+        first = []
+        for i, batch in enumerate(loader):
+            first.append(ids_of(batch))
+            if i == 1:
+                saved[f"{kind}-mid"] = loader.state_dict()
+        saved[f"{kind}-end"] = loader.state_dict()
+        got[kind] = [first, epoch(loader)]
+        if kind == "ours":
+            loader.close()
     torch.save(saved, f"{out}.{rank}.pt")
     return got
 
 
-def resume(path: str, rank: int, world: int, out: str, made: dict[str, Any]) -> dict[str, Any]:
-    """Each saved state loaded into a fresh loader (ours: ``made``, built earlier), two passes."""
+def resume(path: str, rank: int, world: int, out: str, mine: Any) -> dict[str, Any]:
+    """Each saved state loaded into a fresh loader (ours: ``mine``, made earlier, loads them
+    one after the other), two passes."""
     got = {}
     for name, state in torch.load(f"{out}.{rank}.pt", weights_only=False).items():
         if name.startswith("ours"):
-            loader = made[name]
+            loader = mine
         else:
             loader = theirs(path, B, ranks=(rank, world), stateful=True)
         loader.load_state_dict(state)
@@ -123,20 +120,17 @@ def main() -> None:
         import os
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    names = ("ours-0", "ours-mid", "ours-end")
-    late = {n: ours(path, B) for n in (*names, "passes")} if mode == "torchrun-late-resume" else {}
+    late = [ours(path, B) for _ in range(2)] if mode == "torchrun-late-resume" else []
     if mode.startswith("torchrun"):
         dist.init_process_group("gloo")
     row: dict[str, Any] = {"rank": rank}
     if mode.endswith("-resume"):
         if late:  # made before the process group: a pass each way, and the resumptions
-            mine = late.pop("passes")
-            row["source"] = mine.source
-            row["passes"] = {"ours": passes(mine)}
-            mine.close()
-        made = late or {n: ours(path, B) for n in names}
-        row["resumed"] = resume(path, rank, world, out, made)
-        for loader in made.values():
+            row["source"] = late[0].source
+            row["passes"] = {"ours": passes(late[0])}
+        mine = late[1] if late else ours(path, B)
+        row["resumed"] = resume(path, rank, world, out, mine)
+        for loader in {id(x): x for x in (*late, mine)}.values():
             loader.close()
     else:
         mine = ours(path, B)

@@ -140,7 +140,10 @@ def test_state_dict_at_step_0_mid_epoch_and_end_resumes_in_a_new_process(data, t
     """StatefulDataLoader and ours, each saved at step 0, after 3 batches and after a whole
     epoch; a new process loads each into a fresh loader and runs two passes. Both: the first
     pass is what the uninterrupted loader yields from there (the rest of the epoch, or the
-    next epoch), the second a whole pass."""
+    next epoch), the second a whole pass; except that torch's loader, loaded with a state saved
+    at the end of an epoch, gives a whole pass but not the order the uninterrupted one gives
+    next (torchdata 0.11); ours does (documented)."""
+    pytest.importorskip("torchdata", reason="torchdata (dev extras) is not installed")
     states, want = {}, {}
     for kind in ("ours", "theirs"):
         def fresh(kind=kind):

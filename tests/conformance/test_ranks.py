@@ -23,6 +23,7 @@ STEPS = N // (8 * WORLD)  # batches a rank gets per epoch
 JOB = os.path.join(HERE, "rank_job.py")
 
 pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
+pytest.importorskip("torchdata", reason="torchdata (dev extras) is not installed")
 
 
 def free_port() -> int:
