@@ -12,9 +12,13 @@ The collectives are non-blocking (``Iallgather``, or ``async_op=True`` under
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import itertools
 import pickle
+import sys
+import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -22,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.errors import ExchangeTimeout, RankMismatch
+from datastore.errors import ExchangeTimeout, PeerFailed, RankMismatch
 
 __all__ = ["Collective", "StepSync", "StoreCollective", "agree", "poll", "timeout_error"]
 
@@ -60,6 +64,8 @@ def timeout_error(what: str, step: int, peers: tuple[int, ...]) -> ExchangeTimeo
 
 
 _TAG = 1 << 20  # the checks' messages; the torch exchange tags its steps below 32768
+_WHY_TAG = _TAG + 1  # a stopped rank's report that it failed or exited (MPI)
+_WHY_BYTES = 1024  # a report's most bytes
 
 
 class Collective:
@@ -317,20 +323,35 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
+def grace(timeout: float) -> float:
+    """Seconds a rank that went on waits to hear why a peer stopped: a peer whose exception
+    ends its process reports it this soon (``sys.excepthook``), one that broke its loop never."""
+    return min(1.0, timeout / 4)
+
+
 class StepSync:
     """Keeps the ranks of an exchange in step: the same position when an iteration starts,
     and every rank stopping at the same step when any consumer stops early.
+
+    A rank that stops while its peers go on may be failing: its consumer's exception closes
+    the pass before the exception ends the process. So the peers wait ``grace`` for a report
+    (``_Ends``: sent from ``sys.excepthook`` or at exit) and say that the peer failed, with its
+    error (``PeerFailed``), or else that it stopped iterating, and exited if it did
+    (``RankMismatch``: a loop that ended early, or ``sys.exit`` in it, is a loop that differs).
 
     Args:
         coll: the ranks' collective.
         timeout: seconds to wait for the other ranks at each check.
     """
 
+    _made = itertools.count()  # the same number on every rank: loaders are made in one order
+
     def __init__(self, coll: Collective, timeout: float) -> None:
-        self.coll, self.timeout = coll, timeout
+        self.coll, self.timeout, self.number = coll, timeout, next(self._made)
 
     def start(self, epoch: int, step: int) -> None:
         """Raise :class:`RankMismatch` on every rank unless all start at ``(epoch, step)``."""
+        ENDS.went_on(self)
         got = self.coll.allgather_ints(
             [epoch, step], self.timeout, f"the start of epoch {epoch}", step
         )
@@ -344,14 +365,133 @@ class StepSync:
 
     def halt(self, step: int, stop: bool) -> bool:
         """Whether to stop before ``step``: when any rank's consumer stopped. A rank that went
-        on while another stopped gets :class:`RankMismatch` naming it (not a short epoch)."""
+        on while another stopped gets :class:`PeerFailed` when the other reports that it
+        failed, else :class:`RankMismatch` naming it (not a short epoch)."""
         got = self.coll.allgather_ints([int(stop)], self.timeout, "the step check", step)
         stopped = np.flatnonzero(got[:, 0]).tolist()
         if not stopped:
             return False
-        if stop or len(stopped) == len(got):
+        if stop:
+            if len(stopped) < len(got):  # peers went on: tell them if this process ends
+                went_on = [r for r in range(len(got)) if r not in stopped]
+                ENDS.stopped(self, step, went_on)
             return True
+        if len(stopped) == len(got):
+            return True
+        rank, why = self._why(step, stopped) or (None, None)
+        if why is not None and why != "exited":
+            raise PeerFailed(
+                f"rank {rank} {why} before step {step} while this rank went on; its end "
+                "ends the job's pass"
+            )
+        then = f", and then rank {rank} exited" if why == "exited" else ""
         raise RankMismatch(
             f"rank {_ranks(stopped)} stopped iterating before step {step} while this rank "
-            "went on: every rank must take the same batches (stop on every rank at the same step)"
+            f"went on{then}: every rank must take the same batches (stop on every rank at the "
+            "same step)"
         )
+
+    # -- why a peer stopped ----------------------------------------------------------------------
+    def _key(self, step: int, rank: int) -> str:
+        return f"datastore/ends/{self.number}/{step}/{rank}"
+
+    def _why(self, step: int, stopped: list[int]) -> tuple[int, str] | None:
+        """``(rank, "failed (ValueError: ...)" or "exited")`` of a stopped peer that reported
+        its end within ``grace``, else ``None``."""
+        deadline = time.monotonic() + grace(self.timeout)
+        if self.coll.comm is not None:
+            rooms = {r: np.zeros(_WHY_BYTES, np.uint8) for r in stopped}
+            recvs = {r: self.coll.comm.Irecv(rooms[r], source=r, tag=_WHY_TAG) for r in stopped}
+            try:
+                while time.monotonic() < deadline:
+                    for r, q in recvs.items():
+                        if q.Test():
+                            return r, rooms[r].tobytes().rstrip(b"\0").decode("utf-8", "replace")
+                    time.sleep(0.005)
+            finally:
+                for q in recvs.values():
+                    if not q.Test():
+                        q.Cancel()
+                        q.Wait()
+            return None
+        store = _default_store()
+        if store is None:
+            return None
+        keys = {r: self._key(step, r) for r in stopped}
+        try:
+            while time.monotonic() < deadline:
+                for r, key in keys.items():
+                    if store.check([key]):
+                        return r, store.get(key).decode("utf-8", "replace")
+                time.sleep(0.01)
+        except RuntimeError:  # the store's host ended (rank 0 hosts it without torchrun)
+            return stopped[0], "exited"
+        return None
+
+    def tell(self, step: int, went_on: list[int], why: str) -> None:
+        """Report ``why`` this process ends to the ranks that went on after it stopped."""
+        raw = why.encode("utf-8")[: _WHY_BYTES - 1]
+        if self.coll.comm is not None:
+            msg = np.zeros(_WHY_BYTES, np.uint8)
+            msg[: len(raw)] = np.frombuffer(raw, np.uint8)
+            sends = [self.coll.comm.Isend(msg, dest=r, tag=_WHY_TAG) for r in went_on]
+            deadline = time.monotonic() + grace(self.timeout)
+            while not all(q.Test() for q in sends) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return
+        store = _default_store()
+        if store is not None:
+            store.set(self._key(step, self.coll.rank), raw)
+
+
+def _default_store() -> Any:
+    """The store of ``torch.distributed``'s default group (``None``: none, or not reachable)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # a private function: may move
+        return None
+
+
+class _Ends:
+    """How this process ends, told to the peers that went on after it stopped mid-pass: an
+    uncaught exception (``sys.excepthook``) as ``failed (Type: message)``, an exit as
+    ``exited``. Told only within a grace of the stop, when the peers still listen."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: dict[int, tuple[StepSync, int, list[int], float]] = {}
+        self.hooked = False
+
+    def stopped(self, sync: StepSync, step: int, went_on: list[int]) -> None:
+        with self.lock:
+            self.pending[sync.number] = (sync, step, went_on, time.monotonic())
+            if not self.hooked:
+                self.hooked = True
+                previous = sys.excepthook
+
+                def hook(kind: type, value: BaseException, tb: Any) -> None:
+                    self.tell(f"failed ({kind.__name__}: {value})")
+                    previous(kind, value, tb)
+
+                sys.excepthook = hook
+                atexit.register(self.tell, "exited")
+
+    def went_on(self, sync: StepSync) -> None:
+        """``sync``'s rank started a new pass: it did not end at its stop."""
+        with self.lock:
+            self.pending.pop(sync.number, None)
+
+    def tell(self, why: str) -> None:
+        with self.lock:
+            pending, self.pending = list(self.pending.values()), {}
+        for sync, step, went_on, at in pending:
+            if time.monotonic() - at < 2 * grace(sync.timeout):
+                with contextlib.suppress(Exception):  # a report never masks the real error
+                    sync.tell(step, went_on, why)
+
+
+ENDS = _Ends()

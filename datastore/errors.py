@@ -13,6 +13,7 @@ __all__ = [
     "ExchangeTimeout",
     "InsufficientMemory",
     "PathNotAllowed",
+    "PeerFailed",
     "RankMismatch",
     "ServiceUnavailable",
 ]
@@ -41,6 +42,11 @@ class InsufficientMemory(DataStoreError, MemoryError):
 
 class RankMismatch(DataStoreError, ValueError):
     """Ranks of one job disagree on an argument or the dataset (raised on every rank)."""
+
+
+class PeerFailed(DataStoreError, RuntimeError):
+    """A peer rank failed (an uncaught exception) in the middle of a pass while this rank
+    went on; its error is in the message."""
 
 
 class ExchangeTimeout(DataStoreError, TimeoutError):

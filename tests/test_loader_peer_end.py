@@ -1,0 +1,86 @@
+"""A peer that failed or exited mid-epoch is reported as such, with its error, not as a loop
+bug (issue 22, 2d); a peer that broke its loop is still told as one (``RankMismatch``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from helpers import MPIEXEC
+
+from staging.cluster import LAUNCH_ENV
+
+pytestmark = pytest.mark.slow  # jobs of several processes: not in `make test-quick`
+
+JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "peer_end_job.py")
+N = 32  # 8 steps of 2 samples a rank
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ends") / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((N, 2, 4, 4, 4), np.float32)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(via: str, how: str, data: str, out: str) -> dict:
+    """Rank 0's row; the job's exit status is the launcher's business (a rank failed)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    args = [sys.executable, JOB, via, how, data, out]
+    if via == "mpi":
+        subprocess.run([MPIEXEC, "-n", "2", *args], env=env, capture_output=True, timeout=90)
+    else:
+        env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        procs = [
+            subprocess.Popen(args, env={**env, "RANK": str(r)}, stderr=subprocess.DEVNULL)
+            for r in range(2)
+        ]
+        for p in procs:
+            try:
+                p.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    with open(f"{out}.0.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("via", [pytest.param("mpi", marks=pytest.mark.mpi), "torch"])
+def test_a_peer_that_failed_is_named_with_its_error(data, tmp_path, via):
+    row = run(via, "fail", data, str(tmp_path / "out"))
+    kind, text = row["error"]
+    assert kind == "PeerFailed", row
+    assert text.startswith("rank 1 failed (ValueError: boom at batch 2) before step "), text
+    assert "while this rank went on" in text
+
+
+@pytest.mark.mpi
+def test_a_peer_that_exited_in_its_loop_is_named(data, tmp_path):
+    """``sys.exit`` in one rank's loop: a loop that differs, and the peer says it exited."""
+    row = run("mpi", "exit", data, str(tmp_path / "out"))
+    kind, text = row["error"]
+    assert kind == "RankMismatch", row
+    assert text.startswith("rank 1 stopped iterating before step "), text
+    assert ", and then rank 1 exited: every rank must take the same batches" in text
+
+
+@pytest.mark.parametrize("via", [pytest.param("mpi", marks=pytest.mark.mpi), "torch"])
+def test_a_peer_that_broke_its_loop_is_a_loop_bug(data, tmp_path, via):
+    row = run(via, "break", data, str(tmp_path / "out"))
+    kind, text = row["error"]
+    assert kind == "RankMismatch", row
+    assert text.startswith("rank 1 stopped iterating before step "), text
+    assert "exited" not in text  # it lives on
