@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from datastore.service.client import Client, job_identity
-from datastore.service.watch import ProcessWatch, boot_id, start_ticks, this_process
+from datastore.service.watch import ProcessWatch, boot_id, running, start_ticks, this_process
 from tests.test_service_basic import REPO, Server, cli, wait_serving
 
 CHILD = """
@@ -170,23 +170,24 @@ def test_shutdown_with_no_service_or_a_bad_grace(tmp_path):
     assert "--grace: must be 0..3600 seconds, got '-1'" in proc.stderr
 
 
-def test_process_watch_calls_back_once_when_a_watched_process_ends():
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc"])
+def test_process_watch_calls_back_once_when_a_watched_process_ends(pidfd):
     ended: list[int] = []
     done = threading.Event()
-    watch = ProcessWatch(lambda pid: (ended.append(pid), done.set()))
+    watch = ProcessWatch(lambda pid: (ended.append(pid), done.set()), pidfd=pidfd)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         ticks = start_ticks(child.pid)
-        assert ticks is not None
+        assert ticks is not None and running(child.pid, ticks)
         assert not watch.watch(child.pid, ticks + 1, boot_id())  # another process, same pid
         assert not watch.watch(child.pid, ticks, "another-kernel")  # another node
         assert watch.watch(child.pid, ticks, boot_id())
         assert watch.watch(child.pid, ticks, boot_id())  # twice: still one pidfd
         assert ended == []
-        child.kill()
-        child.wait(10)
+        child.kill()  # not waited for: a zombie has ended too
         assert done.wait(10)
         assert ended == [child.pid]
+        assert not running(child.pid, ticks)
     finally:
         watch.close()
         if child.poll() is None:
