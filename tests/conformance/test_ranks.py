@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import shutil
 import subprocess
 from collections import Counter
 
@@ -21,40 +21,25 @@ from staging.cluster import LAUNCH_ENV
 N, TAIL, WORLD = 64, 61, 2
 STEPS = N // (8 * WORLD)  # batches a rank gets per epoch
 JOB = os.path.join(HERE, "rank_job.py")
+TORCHRUN = shutil.which("torchrun", path=os.path.dirname(PYTHON)) or "torchrun"
 
 pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
 pytest.importorskip("torchdata", reason="torchdata (dev extras) is not installed")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(mode: str, out: str, data: tuple[str, str]) -> list[dict]:
-    """Both ranks of ``mode``, started as torchrun or mpiexec would; each rank's row."""
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    base["PYTHONPATH"] = os.path.dirname(HERE)
-    args = [JOB, mode, out, *data]
+    """Both ranks of ``mode`` under ``torchrun --standalone --nproc_per_node 2`` or
+    ``mpiexec -n 2``; each rank's row."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env["PYTHONPATH"] = os.path.dirname(HERE)
     if mode.startswith("mpi"):
-        cmd = [MPIEXEC, "-n", str(WORLD), PYTHON, "-m", "mpi4py", *args]
-        subprocess.run(cmd, env=base, check=True, timeout=120, capture_output=True)
+        cmd = [MPIEXEC, "-n", str(WORLD), PYTHON, "-m", "mpi4py"]
     else:
-        port, procs = free_port(), []
-        for rank in range(WORLD):
-            env = {**base, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank)}
-            env.update(LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen([PYTHON, *args], env=env, stderr=subprocess.PIPE))
-        try:
-            for p in procs:
-                _, err = p.communicate(timeout=120)
-                assert p.returncode == 0, err.decode()[-3000:]
-        finally:
-            for p in procs:  # a hang fails this test, not the suite
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(WORLD)]
+    proc = subprocess.run(
+        [*cmd, JOB, mode, out, *data], env=env, timeout=120, capture_output=True, text=True
+    )  # a hang fails here
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = []
     for rank in range(WORLD):
         with open(f"{out}.{mode}.{rank}.json") as f:
