@@ -214,6 +214,10 @@ class DataStoreLoader(EpochPosition):
     Attributes:
         source: where batches come from: ``"local"``, ``"mpi"``, ``"torch.distributed"``
             (an exchange between the ranks) or ``"service"``.
+        sampler: the loader itself, whose ``set_epoch`` trainers call (Lightning).
+
+    Every ``iter()`` is a whole pass, as with torch's loaders; only the first after
+    ``load_state_dict`` resumes mid-epoch (``datastore.order.EpochPosition``).
 
     Raises:
         TypeError: an unknown keyword argument.
