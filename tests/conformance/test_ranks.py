@@ -47,7 +47,13 @@ def launch(mode: str, out: str, data: tuple[str, str]) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module", params=["torchrun", "mpi"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("torchrun", marks=pytest.mark.slow),
+        pytest.param("mpi", marks=[pytest.mark.slow, pytest.mark.mpi]),
+    ],
+)
 def runs(request, tmp_path_factory):
     """The scenario launch and its resuming launch (under torchrun: ours made before the
     process group)."""
