@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import h5py
 import numpy as np
@@ -46,11 +45,9 @@ class Job:
     def __init__(self, case: str, *paths: str, job: str = JOB) -> None:
         out = os.path.join(os.path.dirname(paths[0]), case)
         cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", job, case]  # lines tagged
-        t0 = time.monotonic()
         proc = subprocess.run(
             [*cmd, out, *paths], capture_output=True, text=True, timeout=60
         )  # a hang fails here
-        self.seconds = time.monotonic() - t0
         assert proc.returncode == 0, proc.stderr[-3000:]
         self.rows = []
         for rank in range(2):
@@ -78,7 +75,6 @@ def test_9_ranks_that_disagree_all_raise_naming_the_argument_and_ranks(
     data, case, argument, values
 ):
     job = Job(case, data[0])
-    assert job.seconds < 30
     for r in job.rows:
         kind, text = r["error"]
         assert kind == "RankMismatch", r
@@ -134,7 +130,7 @@ def test_6_a_rank_that_goes_on_while_another_stopped_gets_an_error_not_a_hang(da
     assert one["error"] is None and one["ids"] == [first[0][2:].tolist()]
     kind, text = zero["error"]
     assert kind == "RankMismatch" and text.startswith("rank 1 stopped iterating before step")
-    assert zero["seconds"] < 4  # told by the stop protocol, not by the 5 s timeout
+    # told by the stop protocol: waiting out the 5 s timeout would give an ExchangeTimeout
     # what rank 0 got before the error: the schedule's first batches, exact bytes
     assert 1 <= len(zero["ids"]) < len(first)
     assert zero["ids"] == [s[:2].tolist() for s in first[: len(zero["ids"])]]
@@ -205,7 +201,6 @@ def test_10_one_rank_whose_geometry_cannot_work_takes_both_down(data):
     """Same arguments on both ranks (parts (2, 1, 1), halo 2), but rank 1's volumes are 2
     voxels wide: only rank 1 finds halo 2 wider than its blocks of 1; rank 0 raises too."""
     job = Job("one_bad_geometry", data[0], data[2])
-    assert job.seconds < 30
     want = "halo[0]=2 is wider than the smallest neighbouring block (1 voxels"
     kind, text = job.rows[1]["error"]
     assert kind == "ValueError" and text.startswith(want), text
@@ -249,7 +244,6 @@ def test_1_3_4_12_over_the_mpi_exchange(data, case):
     later batch (12). ``consume_data``: global batch 6 over 16 samples, drop_last=False: the
     exact ``valid`` mask (4)."""
     job = Job(case, data[0], job=EPOCHS_JOB)
-    assert job.seconds < 30
     spatial = case == "consume_spatial"
     gb = 2 if spatial else 6
     steps = N // gb if spatial else -(-N // gb)
@@ -293,7 +287,8 @@ TIMEOUT = 5.0  # traps_epochs_job.py's
 
 def check_stopped_epoch(zero: dict, one: dict) -> int:
     """Epoch 0: rank 1 took one batch and broke; rank 0 got the schedule's first batches with
-    the right bytes, then a RankMismatch naming rank 1 and the step, well within the timeout.
+    the right bytes, then a RankMismatch naming rank 1 and the step (the stop protocol's error,
+    not the timeout's).
     Returns K, the batches rank 0 took (its position is epoch 0, step K)."""
     first = Schedule(N, 4, seed=1).order(0).reshape(-1, 4)
     t0, t1 = zero["tries"][0], one["tries"][0]
@@ -305,7 +300,6 @@ def check_stopped_epoch(zero: dict, one: dict) -> int:
     err = t0["error"]
     assert err["kind"] == "RankMismatch" and err["value_error"]
     assert err["text"].startswith(f"rank 1 stopped iterating before step {k} while this rank")
-    assert err["seconds"] < TIMEOUT - 1  # told by the stop protocol, not by the timeout
     assert t0["position"] == [0, k]
     return k
 
@@ -318,7 +312,6 @@ def test_6_going_on_to_the_next_epoch_after_a_peer_stopped_times_out_naming_it(d
     check for rank 1 and gets an ExchangeTimeout (a TimeoutError) naming step 0 and rank 1
     within 1-2x ``timeout``: no hang, no batch, and its position is that pass's start."""
     job = Job("stop_idle", data[0], job=EPOCHS_JOB)
-    assert job.seconds < 30
     zero, one = job.rows
     assert zero["error"] is None and one["error"] is None
     assert len(one["tries"]) == 1 and len(zero["tries"]) == 2
@@ -339,14 +332,12 @@ def test_6_ranks_that_both_go_on_after_a_stop_are_told_at_once(data):
     each stopped in epoch 0: rank 1 takes epoch 1's first batch and breaks again, and rank 0
     is told by the stop protocol as in the first try, at once."""
     job = Job("stop_again", data[0], job=EPOCHS_JOB)
-    assert job.seconds < 30
     zero, one = job.rows
     assert zero["error"] is None and one["error"] is None
     assert len(one["tries"]) == len(zero["tries"]) == 2
     check_stopped_epoch(zero, one)
     z, o = zero["tries"][1], one["tries"][1]
     assert z["bad"] == o["bad"] == 0
-    assert z["seconds"] < TIMEOUT - 1 and o["seconds"] < TIMEOUT - 1
     second = Schedule(N, 4, seed=1).order(1).reshape(-1, 4)
     assert o["error"] is None and o["ids"] == [second[0][2:].tolist()] and o["position"] == [1, 1]
     k2 = len(z["ids"])
