@@ -77,9 +77,9 @@ def test_a_peer_that_exited_in_its_loop_is_named(data, tmp_path):
     assert ", and then rank 1 exited: every rank must take the same batches" in text
 
 
-@pytest.mark.parametrize("via", [pytest.param("mpi", marks=pytest.mark.mpi), "torch"])
-def test_a_peer_that_broke_its_loop_is_a_loop_bug(data, tmp_path, via):
-    row = run(via, "break", data, str(tmp_path / "out"))
+def test_a_peer_that_broke_its_loop_is_a_loop_bug(data, tmp_path):
+    """(MPI: tests/test_loader_traps_mpi.py, ``stop_idle``.)"""
+    row = run("torch", "break", data, str(tmp_path / "out"))
     kind, text = row["error"]
     assert kind == "RankMismatch", row
     assert text.startswith("rank 1 stopped iterating before step "), text

@@ -36,7 +36,9 @@ def main() -> None:
                 if how == "exit":
                     sys.exit(3)
                 break
-        time.sleep(3)  # alive while rank 0 learns of the stop
+        deadline = time.monotonic() + 30  # alive until rank 0 has learnt of the stop
+        while time.monotonic() < deadline and not os.path.exists(f"{out}.0.json"):
+            time.sleep(0.05)
         return
     row = {"error": None}
     t0 = time.monotonic()
