@@ -207,14 +207,12 @@ def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(st
     assert not s.sockets[1].exists()
     kw = {"rank": 0, "world": 1, "seed": 9, "spatial": None}
     remote = DataStoreLoader(template, batch_size=4, address=str(s.sockets[0]), **kw)
-    t0 = time.monotonic()
     try:
         with pytest.raises(ServiceUnavailable) as e:
             batches(remote)
     finally:
         remote.close()
     assert "node 1 (127.0.0.1:" in str(e.value) and "within 3 s" in str(e.value)
-    assert time.monotonic() - t0 < 20
     with Client(s.sockets[0], timeout_s=20) as c:
         assert c.status().nodes == 2  # still serving
         assert c.unload(template).bytes_freed > 0

