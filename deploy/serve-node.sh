@@ -8,6 +8,8 @@
 # MPI job, and `datastore serve` refuses --peers when it finds a launcher's variables. With
 # --peers and no --node, the node's index is $SLURM_NODEID (Slurm) or $FLUX_TASK_RANK (Flux,
 # one task per node). PYTHON: the interpreter that has datastore installed (default python3).
+# RUN_DIR (optional): a node-local directory (the socket's, the state file's) to remove once
+# the service has exited, however it was stopped (SIGTERM, SIGINT and SIGHUP are passed on).
 
 args=("$@")
 peers=0 node=0
@@ -35,4 +37,14 @@ for v in $(compgen -e); do
     esac
 done
 
-exec "${PYTHON:-python3}" -m datastore serve "${args[@]}"
+[[ -n ${RUN_DIR:-} ]] || exec "${PYTHON:-python3}" -m datastore serve "${args[@]}"
+pid='' stopping=0
+trap 'stopping=1; [[ -z $pid ]] || kill -TERM "$pid" 2>/dev/null' TERM INT HUP
+"${PYTHON:-python3}" -m datastore serve "${args[@]}" &
+pid=$!
+((stopping)) && kill -TERM "$pid"
+while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done  # a signal cuts a wait short
+wait "$pid"
+rc=$?
+rm -rf "$RUN_DIR"
+exit "$rc"
