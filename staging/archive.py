@@ -22,6 +22,7 @@ from typing import BinaryIO
 import zstandard
 
 from staging.directio import DirectReader
+from staging.prefetch import AheadReader
 
 __all__ = [
     "ArchiveError",
@@ -241,7 +242,8 @@ def zst_truncated(path: str) -> bool:
 def list_members(path: str, kind: str, size: int, direct: bool = False) -> list[Member]:
     """Every member of the archive at ``path`` (``size`` bytes), validated by ``check_members``.
 
-    ``direct``: walk the headers of an uncompressed tar with ``O_DIRECT`` reads.
+    ``direct``: walk the headers of an uncompressed tar with ``O_DIRECT`` reads; else they
+    are read through the page cache with the archive read ahead (``staging.prefetch``).
 
     Raises ``ArchiveError`` for truncated or corrupt archives as well as unsafe ones.
     """
@@ -249,7 +251,7 @@ def list_members(path: str, kind: str, size: int, direct: bool = False) -> list[
     error: Exception | None = None
     try:
         if kind == "tar":
-            raw = DirectReader(path) if direct else open(path, "rb")  # noqa: SIM115
+            raw = DirectReader(path) if direct else AheadReader(path)
             with raw, tarfile.open(fileobj=raw, mode="r:") as tf:
                 for info in tf:
                     m = _member(info, offsets=True)

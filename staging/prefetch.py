@@ -1,0 +1,117 @@
+"""Reading ahead: bring a file's bytes into the page cache before they are needed.
+
+On a network filesystem every cache miss is a round trip to a server. The kernel reads little
+ahead there (128 KiB on a FUSE mount, and ``POSIX_FADV_WILLNEED`` is capped to the same), so
+a reader that seeks from header to header, as the walk over an uncompressed tar does, waits for
+one round trip after another. :class:`AheadReader` keeps a few threads pulling the bytes ahead
+of it into the page cache (``sendfile`` to ``/dev/null``: the pages are read, nothing is copied
+to this process), so the walk finds its headers there, and the copy that follows finds the
+members' bytes there too.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["AheadReader"]
+
+CHUNK = 4 << 20
+"""The bytes one read-ahead job brings in."""
+WINDOW = 32 << 20
+"""How far ahead of the reader's position jobs are started."""
+THREADS = 4
+
+
+def _budget() -> int:
+    """At most this many bytes are read ahead: a quarter of the free memory, so that bytes
+    read ahead are not evicted before the copy reads them."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (OSError, ValueError):
+        return 1 << 30
+
+
+def _pull(fd: int, null: int, offset: int, length: int) -> None:
+    """Read ``length`` bytes at ``offset`` of ``fd`` into the page cache; errors are left to
+    the reader that needs the bytes."""
+    try:
+        while length > 0:
+            n = os.sendfile(null, fd, offset, length)
+            if n <= 0:
+                return
+            offset, length = offset + n, length - n
+    except OSError:
+        return
+
+
+class AheadReader(io.RawIOBase):
+    """A seekable read-only file whose next :data:`WINDOW` bytes are being read into the page
+    cache by :data:`THREADS` threads while it is read.
+
+    For the header walk of an uncompressed tar on a network filesystem (1,000 members of
+    512 KiB on GlusterFS over FUSE: the walk took 2.5 s, one round trip per header, plus
+    the copy's own reads after it).
+    """
+
+    def __init__(self, path: str, window: int = WINDOW, threads: int = THREADS):
+        self._fd = os.open(path, os.O_RDONLY)
+        self._null = os.open(os.devnull, os.O_WRONLY)
+        self._size = os.fstat(self._fd).st_size
+        self._limit = min(self._size, _budget())
+        self._window, self._threads = window, threads
+        self._pos = 0
+        self._next = 0  # the first byte no job was started for
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            offset += self._pos
+        elif whence == io.SEEK_END:
+            offset += self._size
+        self._pos = offset
+        return offset
+
+    def _ahead(self) -> None:
+        """Start jobs for the chunks up to :data:`WINDOW` past the position."""
+        self._next = max(self._next, self._pos - self._pos % CHUNK)
+        end = min(self._pos + self._window, self._limit)
+        while self._next < end:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ahead")
+            length = min(CHUNK, self._size - self._next)
+            self._pool.submit(_pull, self._fd, self._null, self._next, length)
+            self._next += CHUNK
+
+    def readinto(self, b: memoryview) -> int:  # type: ignore[override]
+        """Fill ``b`` completely unless the file ends first (tarfile expects full reads)."""
+        self._ahead()
+        view = memoryview(b).cast("B")
+        got = 0
+        while got < len(view):
+            n = os.preadv(self._fd, [view[got:]], self._pos)
+            if n == 0:
+                break
+            got += n
+            self._pos += n
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+            os.close(self._fd)
+            os.close(self._null)
+        super().close()
