@@ -25,6 +25,8 @@ import h5py
 import numpy as np
 import zstandard
 
+from staging.launcher import mpiexec_command
+
 __all__ = ["main"]
 
 SAMPLES, SIDE, CHANNELS = 24, 32, 4
@@ -75,11 +77,12 @@ def main() -> None:
     sh(*ds, "stage", *srcs, "--to", ssd)
     sh(*ds, "stage", *srcs, "--to", ssd)  # a re-run skips what is unchanged
     sh(*ds, "stage", "--verify", "--to", ssd)
-    mpiexec = shutil.which("mpiexec")
+    found = shutil.which("mpiexec")
+    mpiexec = mpiexec_command(found) if found else []  # Open MPI's: --oversubscribe
     shards = os.path.join(root, "node{node}")
     if mpiexec:
         sh(
-            mpiexec,
+            *mpiexec,
             "-n",
             "2",
             *ds,
@@ -97,7 +100,7 @@ def main() -> None:
     read = [sys.executable, "-m", "mpi4py", "-m", "datastore.demo_read", train, "--epochs", "2"]
     sh(*read)
     if mpiexec:  # 2 data-parallel ranks x 2 spatial blocks, one-voxel halo
-        sh(mpiexec, "-n", "4", *read, "--parts", "2,1,1", "--halo", "1,1,1")
+        sh(*mpiexec, "-n", "4", *read, "--parts", "2,1,1", "--halo", "1,1,1")
     if mpiexec:
         campaign(root)
     print(f"\ndemo done: staged copy in {ssd}, shards in {root}/node0 and {root}/node1")

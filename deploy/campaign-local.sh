@@ -20,7 +20,9 @@
 #                   `trainer.cosmology --per-sample`, written to WORK/pfs/cosmo).
 #   SOCKET_DIR=     sockets and token (default: a new private directory under TMPDIR, removed
 #                   at the end; a given one is kept, its sockets removed).
-#   PYTHON=python3  the interpreter with datastore installed; MPIEXEC=mpiexec.
+#   PYTHON=python3  the interpreter with datastore installed; MPIEXEC=mpiexec (Open MPI's gets
+#                   --oversubscribe: it refuses more ranks than cores; as root it also needs
+#                   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1).
 #   SERVE_TIMEOUT=60  seconds a service has to answer after it starts.
 #   STOP_TIMEOUT=30   seconds a job or service has to exit after SIGTERM before SIGKILL.
 #   MEMORY_BUDGET=    each service's --memory-budget (default: none).
@@ -72,6 +74,11 @@ max_ranks=$(printf '%s\n' "${JOB_RANKS[@]}" | sort -n | tail -n 1)
 if ((NODES > 1 || max_ranks > 1)); then
     command -v "$MPIEXEC" >/dev/null || usage_error "MPIEXEC $MPIEXEC: not found (needed for NODES > 1 and jobs of several ranks)"
 fi
+# Open MPI's mpiexec refuses more ranks than cores ("not enough slots"); MPICH's Hydra does not
+mpiexec=("$MPIEXEC")
+if ((NODES > 1 || max_ranks > 1)) && "$MPIEXEC" --version 2>/dev/null | grep -q -e "Open MPI" -e OpenRTE; then
+    mpiexec+=(--oversubscribe)
+fi
 
 # the sockets' directory before WORK: a bad one leaves no WORK behind
 if [[ -n ${SOCKET_DIR:-} ]]; then
@@ -108,7 +115,7 @@ job_command() {
     fi
     # each rank talks to the service of its node: the one of rank % NODES
     # shellcheck disable=SC2016  # expanded by each rank's bash
-    JOB_CMD=("$MPIEXEC" -n "${JOB_RANKS[$i]}" env "CAMPAIGN_NODES=$NODES" "CAMPAIGN_SOCKETS=$SOCKET_DIR"
+    JOB_CMD=("${mpiexec[@]}" -n "${JOB_RANKS[$i]}" env "CAMPAIGN_NODES=$NODES" "CAMPAIGN_SOCKETS=$SOCKET_DIR"
         bash -c 'r=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}
 export DATASTORE_ADDRESS=$CAMPAIGN_SOCKETS/node$((r % CAMPAIGN_NODES)).sock
 exec "$@"' rank "$PYTHON" -m mpi4py -m trainer "${TRAINER_ARGS[@]}")
@@ -174,7 +181,7 @@ if ((NODES == 1)); then
 else
     DATA="$WORK/node{node}/$(basename "$SRC")"
     say "staging $SRC to $WORK/node{node}, sharded over $NODES nodes"
-    run_step - "$MPIEXEC" -n "$NODES" "$PYTHON" -m datastore stage "$SRC" --to "$WORK/node{node}" \
+    run_step - "${mpiexec[@]}" -n "$NODES" "$PYTHON" -m datastore stage "$SRC" --to "$WORK/node{node}" \
         --mode shard --ranks-per-node 1 || { fail "staging failed"; exit 1; }
 fi
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SIZE_VARS", "LaunchMismatch", "comm_world", "launcher_size", "mismatch"]
+__all__ = [
+    "SIZE_VARS", "LaunchMismatch", "comm_world", "is_open_mpi", "launcher_size", "mismatch",
+    "mpiexec_command",
+]  # fmt: skip
 
 # variables launchers set to the number of ranks they started, MPI launchers' first: PMI (MPICH's
 # Hydra, srun --mpi=pmi2, Intel MPI), PMIx, Open MPI's mpirun, Slurm's step, Flux
@@ -82,3 +86,21 @@ def comm_world(env: Mapping[str, str] | None = None) -> Any:
     if why is not None:
         raise LaunchMismatch(why)
     return comm
+
+
+def is_open_mpi(mpiexec: str) -> bool:
+    """Whether ``mpiexec`` is Open MPI's (its ``--version`` names Open MPI or OpenRTE)."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in out.stdout or "OpenRTE" in out.stdout
+
+
+def mpiexec_command(mpiexec: str) -> list[str]:
+    """``[mpiexec]``, with what Open MPI's needs to start a small job on any machine: more
+    ranks than cores (``--oversubscribe``; it refuses with "not enough slots", MPICH's Hydra
+    does not), and as root (``--allow-run-as-root``, containers)."""
+    if not is_open_mpi(mpiexec):
+        return [mpiexec]
+    return [mpiexec, "--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]

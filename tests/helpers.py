@@ -18,6 +18,7 @@ from pathlib import Path
 import zstandard
 
 from staging.cluster import LAUNCH_ENV
+from staging.launcher import is_open_mpi
 
 META = ".datastore"
 
@@ -29,10 +30,12 @@ MPIEXEC = (
     or shutil.which("mpiexec")
 )
 # What Open MPI's mpiexec needs to run the tests' jobs (MPICH's Hydra needs none of it): more
-# ranks than cores, as root (CI), in containers without ptrace (no CMA single copy), and
-# singletons that start no orted (two at once race for the session directory).
+# ranks than cores, ranks that yield the core while they wait (a busy CI machine), as root
+# (CI), in containers without ptrace (no CMA single copy), and singletons that start no orted
+# (two at once race for the session directory).
 OPEN_MPI_ENV = {
     "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    "OMPI_MCA_mpi_yield_when_idle": "1",
     "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
     "OMPI_MCA_ess_singleton_isolated": "1",
     "OMPI_ALLOW_RUN_AS_ROOT": "1",  # read only when root
@@ -40,18 +43,7 @@ OPEN_MPI_ENV = {
 }
 
 
-def launcher_is_open_mpi(mpiexec: str | None) -> bool:
-    """Whether ``mpiexec`` is Open MPI's (its ``--version`` names Open MPI or OpenRTE)."""
-    if mpiexec is None:
-        return False
-    try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "Open MPI" in out.stdout or "OpenRTE" in out.stdout
-
-
-if launcher_is_open_mpi(MPIEXEC):  # every test's children inherit it
+if MPIEXEC and is_open_mpi(MPIEXEC):  # every test's children inherit it
     for _name, _value in OPEN_MPI_ENV.items():
         os.environ.setdefault(_name, _value)
 

@@ -9,6 +9,7 @@ PMI version PMIx"), before any of our code."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -17,10 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import MPIEXEC, launcher_is_open_mpi
+from helpers import MPIEXEC
 
 from staging.cluster import LAUNCH_ENV
-from staging.launcher import launcher_size, mismatch
+from staging.launcher import is_open_mpi, launcher_size, mismatch, mpiexec_command
 
 OPEN_MPI = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4\n"
 
@@ -69,11 +70,13 @@ def _library() -> str:
 
 
 def _hydra() -> str | None:
-    """An MPICH Hydra ``mpiexec``: the venv's (the ``mpich`` wheel's), else one on PATH."""
-    for found in (shutil.which("mpiexec", path=os.path.dirname(sys.executable)), MPIEXEC):
-        if found and not launcher_is_open_mpi(found):
-            return found
-    return None
+    """The ``mpich`` wheel's ``mpiexec`` (MPICH's Hydra), or ``None``."""
+    try:
+        files = importlib.metadata.distribution("mpich").files or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [f.locate() for f in files if f.parts[-2:] == ("bin", "mpiexec")]
+    return str(found[0]) if found and not is_open_mpi(str(found[0])) else None
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +86,7 @@ def foreign(tmp_path_factory) -> tuple[list[str], dict[str, str], Path]:
         pytest.skip("needs mpi4py built against Open MPI (make test-openmpi)")
     hydra = _hydra()
     if hydra is None:
-        pytest.skip("needs MPICH's mpiexec (pip install mpich)")
+        pytest.skip("needs the mpich wheel's mpiexec (pip install mpich)")
     tmp = tmp_path_factory.mktemp("foreign")
     (tmp / "src").mkdir()
     (tmp / "src" / "a.bin").write_bytes(b"x" * 1000)
@@ -169,3 +172,33 @@ def test_the_right_launcher_gives_every_rank_the_whole_world():
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(r.stdout.split("\n")[:2]) == ["0 2", "1 2"]
+
+
+def _open_mpi() -> str | None:
+    """Open MPI's ``mpiexec``: ``MPIEXEC`` or ``mpirun`` on PATH, if either is Open MPI's."""
+    for found in (MPIEXEC, shutil.which("mpirun")):
+        if found and is_open_mpi(found):
+            return found
+    return None
+
+
+@pytest.mark.mpi
+def test_our_mpiexec_command_starts_more_ranks_than_cores_under_open_mpi():
+    openmpi = _open_mpi()
+    if openmpi is None:
+        pytest.skip("needs Open MPI's mpiexec (Debian: openmpi-bin)")
+    n = str((os.cpu_count() or 1) + 1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
+    bare = subprocess.run(
+        [openmpi, "-n", n, "true"], capture_output=True, text=True, timeout=60,
+        env={**env, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
+    )  # fmt: skip
+    assert bare.returncode != 0 and "not enough slots" in bare.stdout + bare.stderr
+    ours = subprocess.run(
+        [*mpiexec_command(openmpi), "-n", n, "true"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert ours.returncode == 0, ours.stderr
+    hydra = _hydra()
+    if hydra is not None:  # MPICH's needs nothing
+        assert mpiexec_command(hydra) == [hydra]

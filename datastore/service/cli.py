@@ -35,7 +35,9 @@ examples:
   datastore serve --tcp 0.0.0.0:7433 --token-file ~/.datastore-token
   datastore serve --tcp 0.0.0.0:7433 --token-file SECRET --tls-cert cert.pem --tls-key key.pem
   datastore serve --memory-budget 64G --allow /l/ssd --metrics 0.0.0.0:9433
-  mpiexec -n 4 -ppn 1 python -m mpi4py -m datastore serve      # one store over 4 nodes (MPI)
+  mpiexec -n 4 -ppn 1 python -m mpi4py -m datastore serve      # one store over 4 nodes (MPICH)
+  mpiexec -n 4 -N 1 python -m mpi4py -m datastore serve        # the same, Open MPI's mpiexec
+  (Open MPI refuses more ranks than cores on one machine: add --oversubscribe)
   datastore serve --tcp 0.0.0.0:7433 --token-file SECRET \\
       --peers n0:7433,n1:7433,n2:7433 --node 1                # one store, peering over gRPC
 """
