@@ -219,6 +219,7 @@ class StoreCollective:
         self.store = dist.PrefixStore(f"datastore/{run}/{next(self._made)}/", store)
         self.rank, self.size, self.rounds = rank, size, itertools.count()
         self.comm = self.group = None
+        self.timeout = 60.0  # of the last allgather_ints, for allgather
 
     @classmethod
     def of(cls, rank: int, size: int, env: Mapping[str, str]) -> StoreCollective | None:
@@ -226,7 +227,8 @@ class StoreCollective:
         from staging.cluster import torchrun_world
 
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        if not agent or torchrun_world(env) != (rank, size) or "MASTER_PORT" not in env:
+        where = ("MASTER_ADDR", "MASTER_PORT")
+        if not agent or torchrun_world(env) != (rank, size) or not all(k in env for k in where):
             return None
         return cls(rank, size, env)
 
@@ -246,14 +248,15 @@ class StoreCollective:
     ) -> np.ndarray:
         """As :meth:`Collective.allgather_ints`."""
         mine = np.asarray(values, dtype=np.int64)
+        self.timeout = timeout
         got = self._everyone(mine.tobytes(), timeout, what, step)
         return np.stack([np.frombuffer(b, dtype=np.int64) for b in got])
 
-    def allgather(self, obj: Any, timeout: float = 60.0) -> list[Any]:
-        """Every rank's ``obj`` (pickled through the store: the ranks' own check results)."""
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, pickled through the store (only after :meth:`allgather_ints`
+        showed all ranks are here)."""
         return [
-            pickle.loads(b)
-            for b in self._everyone(pickle.dumps(obj), timeout, what="a check", step=-1)
+            pickle.loads(b) for b in self._everyone(pickle.dumps(obj), self.timeout, "a check", -1)
         ]
 
     def close(self) -> None:
