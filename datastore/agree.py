@@ -351,10 +351,12 @@ class StepSync:
 
     def __init__(self, coll: Collective, timeout: float) -> None:
         self.coll, self.timeout, self.number = coll, timeout, next(self._made)
+        self.epoch = 0  # of the pass under way, in the reports' keys
 
     def start(self, epoch: int, step: int) -> None:
         """Raise :class:`RankMismatch` on every rank unless all start at ``(epoch, step)``."""
         ENDS.went_on(self)
+        self.epoch = epoch
         got = self.coll.allgather_ints(
             [epoch, step], self.timeout, f"the start of epoch {epoch}", step
         )
@@ -396,7 +398,8 @@ class StepSync:
 
     # -- why a peer stopped ----------------------------------------------------------------------
     def _key(self, step: int, rank: int) -> str:
-        return f"datastore/ends/{self.number}/{step}/{rank}"
+        """The name of ``rank``'s report of its end at ``step`` (a report names its pass)."""
+        return f"datastore/ends/{self.number}/{self.epoch}/{step}/{rank}"
 
     def _why(self, step: int, stopped: list[int]) -> tuple[int, str] | None:
         """``(rank, "failed (ValueError: ...)" or "exited")`` of a stopped peer that reported
@@ -409,7 +412,11 @@ class StepSync:
                 while time.monotonic() < deadline:
                     for r, q in recvs.items():
                         if q.Test():
-                            return r, rooms[r].tobytes().rstrip(b"\0").decode("utf-8", "replace")
+                            raw = rooms[r].tobytes().rstrip(b"\0").decode("utf-8", "replace")
+                            key, _, why = raw.partition("\n")
+                            if key == self._key(step, r):
+                                return r, why
+                            recvs[r] = self.coll.comm.Irecv(rooms[r], source=r, tag=_WHY_TAG)
                     time.sleep(0.005)
             finally:
                 for q in recvs.values():
@@ -433,8 +440,9 @@ class StepSync:
 
     def tell(self, step: int, went_on: list[int], why: str) -> None:
         """Report ``why`` this process ends to the ranks that went on after it stopped."""
-        raw = why.encode("utf-8")[: _WHY_BYTES - 1]
-        if self.coll.comm is not None:
+        raw = why.encode("utf-8")[: _WHY_BYTES // 2]
+        if self.coll.comm is not None:  # the report names its pass: a late one is told apart
+            raw = f"{self._key(step, self.coll.rank)}\n".encode() + raw
             msg = np.zeros(_WHY_BYTES, np.uint8)
             msg[: len(raw)] = np.frombuffer(raw, np.uint8)
             sends = [self.coll.comm.Isend(msg, dest=r, tag=_WHY_TAG) for r in went_on]
