@@ -39,7 +39,9 @@ How
   reach) and then the page cache is dropped (the brick's disk and the FUSE mount alike). The
   volume keeps GlusterFS's default options, what a client of a real cluster gets. Where
   GlusterFS cannot run (not root, no FUSE, packages missing), the run is skipped with the
-  reason, exit 0. The device floor is not measured for a source elsewhere.
+  reason, exit 0. For a source elsewhere the floor is the source's instead of the device's:
+  reading every input byte, 8 files (or 8 MiB pieces of the tar) at a time, into the page
+  cache and no further (``sendfile`` to ``/dev/null``), writing nothing.
 * The load average (``/proc/loadavg``, 1 min) is recorded before every repetition.
 
 Usage::
@@ -61,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +92,7 @@ class Case:
     nbytes: int
     pre_peer: str = ""  # untimed setup before the peer (e.g. creating OUT for ``cp FILE OUT/``)
     floor: str = ""  # benchmarks/floor.py on the same input: what the device allows
+    read_floor: str = ""  # else the input, read only: what the source allows
     times: dict[str, list[float]] = field(
         default_factory=lambda: {"ours": [], "peer": [], "floor": []}
     )
@@ -304,10 +308,37 @@ def run_one(case: Case, side: str, out: str, cold: Cold) -> float:
     return secs
 
 
+def read_all(path: str, threads: int = 8) -> float:
+    """Seconds to read every byte of the file or tree ``path`` into the page cache (``sendfile``
+    to /dev/null), ``threads`` files or 8 MiB pieces at a time."""
+    files = [path] if os.path.isfile(path) else small_paths(path, tree_stats(path)[0])
+    null = os.open(os.devnull, os.O_WRONLY)
+
+    def pull(job: tuple[str, int, int]) -> None:
+        name, off, length = job
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            while length > 0 and (n := os.sendfile(null, fd, off, length)) > 0:
+                off, length = off + n, length - n
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    jobs = [(f, off, 8 * MIB) for f in files for off in range(0, os.path.getsize(f), 8 * MIB)]
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(pull, jobs))
+    secs = time.perf_counter() - t0
+    os.close(null)
+    return secs
+
+
 def run_floor(case: Case, out: str, cold: Cold) -> float:
-    """The device floor for the case's input (benchmarks/floor.py), as it times itself."""
+    """The device floor for the case's input (benchmarks/floor.py), as it times itself; or,
+    for a source elsewhere, the time to read the input (:func:`read_all`)."""
     remove(out)
     cold()
+    if case.read_floor:
+        return read_all(case.read_floor)
     proc = subprocess.run(["sh", "-c", case.floor], capture_output=True, text=True)
     verify(case, "floor", out, proc)
     return float(proc.stdout.strip().rsplit("=", 1)[1])
@@ -322,7 +353,7 @@ def run_case(case: Case, out: str, reps: int, cold: Cold) -> None:
         for side in order:
             case.times[side].append(run_one(case, side, out, cold))
         floor = ""
-        if case.floor:
+        if case.floor or case.read_floor:
             case.times["floor"].append(run_floor(case, out, cold))
             floor = f", floor {case.times['floor'][-1]:.3f} s"
         print(
@@ -381,7 +412,11 @@ def build_cases(args: argparse.Namespace, src: str, out: str) -> list[Case]:
         for k, path in (("a", tree), ("c", tar))
         if src == os.path.abspath(args.dir)  # the floor is of one disk: not for a remote source
     }
-    return [Case(k, TITLES[k], *specs[k], floor=floors.get(k, "")) for k in args.cases]
+    remote = {"a": tree, "c": tar} if src != os.path.abspath(args.dir) else {}
+    return [
+        Case(k, TITLES[k], *specs[k], floor=floors.get(k, ""), read_floor=remote.get(k, ""))
+        for k in args.cases
+    ]
 
 
 # ----------------------------------------------------------------------------- raw disk
@@ -455,7 +490,15 @@ def report(
             f"peer min/max {min(t['peer']):.3f}/{max(t['peer']):.3f} s; load average "
             f"(1 min) before each rep: {', '.join(f'{x:.2f}' for x in c.load)}"
         )
-        if t["floor"]:
+        if t["floor"] and c.read_floor:
+            floor = statistics.median(t["floor"])
+            spread.append(
+                f"  - source floor (every input byte read into the page cache, 8 files or 8 MiB "
+                f"pieces at a time, nothing written): median {floor:.3f} s "
+                f"({min(t['floor']):.3f}-{max(t['floor']):.3f}), so at best "
+                f"{s['peer'] / floor:.2f}x vs the peer; ours is {s['ours'] / floor:.2f}x the floor"
+            )
+        elif t["floor"]:
             floor = statistics.median(t["floor"])
             spread.append(
                 f"  - device floor (benchmarks/floor.py: bare parallel direct copy, no checksum, "
