@@ -129,8 +129,14 @@ class Collective:
         for k, (work, _) in enumerate(works):
             try:  # gloo completes a point-to-point work only inside wait
                 work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            except RuntimeError:
-                raise timeout_error(what, step, tuple(r for _, r in works[k:])) from None
+            except RuntimeError as exc:
+                if "Timed out" in str(exc):
+                    raise timeout_error(what, step, tuple(r for _, r in works[k:])) from None
+                at = f" at step {step}" if step >= 0 else ""
+                raise PeerFailed(
+                    f"rank {works[k][1]} is gone: {what}{at} lost its connection "
+                    f"({' '.join(str(exc).split())}); it exited or failed"
+                ) from None
         for work in sends:
             work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         for r in peers:

@@ -45,8 +45,8 @@ class RankMismatch(DataStoreError, ValueError):
 
 
 class PeerFailed(DataStoreError, RuntimeError):
-    """A peer rank failed (an uncaught exception) in the middle of a pass while this rank
-    went on; its error is in the message."""
+    """A peer rank failed in the middle of a pass while this rank went on: its uncaught
+    exception (in the message), or its connection closed (it exited or was killed)."""
 
 
 class ExchangeTimeout(DataStoreError, TimeoutError):

@@ -77,6 +77,16 @@ def test_a_peer_that_exited_in_its_loop_is_named(data, tmp_path):
     assert ", and then rank 1 exited: every rank must take the same batches" in text
 
 
+def test_a_peer_killed_is_gone_not_late(data, tmp_path):
+    """SIGKILL leaves no report: gloo's closed connection says the peer is gone (not a
+    timeout, not a loop bug)."""
+    row = run("torch", "kill", data, str(tmp_path / "out"))
+    kind, text = row["error"]
+    assert kind == "PeerFailed", row
+    assert text.startswith("rank 1 is gone: "), text  # at the step check, or in the exchange
+    assert text.endswith("; it exited or failed"), text
+
+
 def test_a_peer_that_broke_its_loop_is_a_loop_bug(data, tmp_path):
     """(MPI: tests/test_loader_traps_mpi.py, ``stop_idle``.)"""
     row = run("torch", "break", data, str(tmp_path / "out"))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from datastore.agree import timeout_error
 from datastore.delivery import Copy, Delivered, Gather, covered, pad_copies
-from datastore.errors import DataStoreError
+from datastore.errors import DataStoreError, PeerFailed
 from datastore.exchange import Message
 from datastore.ownership import RunOwners
 from datastore.sources.owners import Owners
@@ -155,9 +155,9 @@ class TorchExchange(Owners):
                 if "Timed out" in str(exc):
                     peers = tuple(sorted({peer} | _pending(works[i + 1 :])))
                     raise timeout_error("the torch.distributed exchange", step, peers) from None
-                raise DataStoreError(
-                    f"the torch.distributed exchange at step {step} failed with rank {peer}: "
-                    f"{' '.join(str(exc).split())}"
+                raise PeerFailed(
+                    f"rank {peer} is gone: the torch.distributed exchange at step {step} lost "
+                    f"its connection ({' '.join(str(exc).split())}); it exited or failed"
                 ) from None
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """Two ranks exchanging (MPI under ``mpiexec -n 2`` without ``-m mpi4py``, or
 ``torch.distributed`` with torchrun's variables); rank 1 ends its loop at its third batch by
-HOW: ``fail`` (an uncaught ValueError), ``exit`` (``sys.exit(3)``) or ``break`` (then it lives
-on). Rank 0 iterates on and writes ``OUT.0.json``: its error's kind and text.
+HOW: ``fail`` (an uncaught ValueError), ``exit`` (``sys.exit(3)``), ``kill`` (``SIGKILL``) or
+``break`` (then it lives on). Rank 0 iterates on and writes ``OUT.0.json``: its error's kind
+and text.
 
 Usage: peer_end_job.py mpi|torch HOW DATASET OUT
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -35,6 +37,8 @@ def main() -> None:
                     raise ValueError("boom at batch 2")
                 if how == "exit":
                     sys.exit(3)
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 break
         deadline = time.monotonic() + 30  # alive until rank 0 has learnt of the stop
         while time.monotonic() < deadline and not os.path.exists(f"{out}.0.json"):
