@@ -114,3 +114,9 @@ def test_a_bad_or_misplaced_layout_is_refused(tmp_path):
     np.save(tmp_path / "a.npy", np.zeros(3))
     with pytest.raises(DatasetError, match=r"layout= is for HDF5 files; these are npy"):
         open_dataset(str(tmp_path / "a.npy"), layout="shards")
+
+
+def test_a_layout_for_the_service_is_refused_with_what_to_do(tmp_path):
+    d = write_shards(tmp_path / "parts")
+    with pytest.raises(ValueError, match=r"layout= is for the embedded store: with address=, name"):
+        DataStoreLoader(str(d), batch_size=8, layout="shards", address=str(tmp_path / "no.sock"))
