@@ -160,6 +160,29 @@ def test_shutdown_drains_and_the_service_exits_0_removing_its_socket(served):
     assert [(x["reason"], x["grace_s"]) for x in asked] == [("datastore shutdown", 2.0)]
 
 
+def test_shutdown_over_tcp_needs_the_token(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    env = client_env(XDG_RUNTIME_DIR=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    s = Server(tmp_path / "logs", ["--socket", str(tmp_path / "s.sock"), "--tcp", "127.0.0.1:0",
+                                   "--token-file", str(token)], env)  # fmt: skip
+    try:
+        tcp = s.listening(30)[1]
+        bad = cli("shutdown", "--tcp", tcp, env=env)
+        assert bad.returncode == 1
+        assert "refused: UNAUTHENTICATED: missing token" in bad.stderr
+        assert s.proc.poll() is None  # still serving
+        ok = cli("shutdown", "--tcp", tcp, "--token-file", str(token), env=env)
+        assert ok.returncode == 0, ok.stderr
+        assert ok.stdout == f"datastore serve (pid {s.proc.pid}) stopped\n"
+        assert s.proc.wait(10) == 0
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait(10)
+
+
 def test_shutdown_with_no_service_or_a_bad_grace(tmp_path):
     env = client_env()
     proc = cli("shutdown", "--socket", str(tmp_path / "none.sock"), env=env)
