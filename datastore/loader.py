@@ -578,10 +578,12 @@ class DataStoreLoader(EpochPosition):
         yield from self._pass_batches(*self._new_pass())
 
     def _pass_batches(self, epoch: int, start: int, pass_: int):
-        if self._sync is not None and any(w.is_alive() for w in self._workers):
+        one_at_a_time = self._sync is not None or self._source is not None
+        if one_at_a_time and any(w.is_alive() for w in self._workers):
             raise RuntimeError(
-                "another iterator of this loader is still running: the exchange's ranks step "
-                "through one pass at a time, so finish or delete it (del it) before iter() again"
+                "another iterator of this loader is still running: with an exchange (the ranks "
+                "step together) or a service (one stream per session) a loader runs one pass "
+                "at a time, so finish or delete it (del it) before iter() again"
             )
         q: queue.Queue = queue.Queue(maxsize=self.options.prefetch)
         stop = threading.Event()

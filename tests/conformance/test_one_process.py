@@ -180,3 +180,51 @@ def test_state_dict_at_step_0_mid_epoch_and_end_resumes_in_a_new_process(data, t
             assert first == want[name], name
         assert whole(second), name
     assert counts(flat(got["ours-mid"][0])).total() == N - 3 * B
+
+
+def test_the_service_source_passes_and_resumes_as_the_embedded_one(data, tmp_path):
+    """Through ``datastore serve`` (``address=``): the passes after none, a peek and a
+    break, and a mid-epoch resumption yield exactly the embedded loader's batches (one
+    sequence for every source). Two iterators alive at once: the second is refused while
+    the first runs (its stream's batches were overwritten by the second's; documented)."""
+    from helpers import serving
+
+    from staging.cluster import LAUNCH_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+
+    def scenario(loader) -> list:
+        got = [epoch(loader)]
+        next(iter(loader))
+        got.append(epoch(loader))
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+        got.append(epoch(loader))
+        it = iter(loader)
+        got.append(epoch([next(it), next(it)]))
+        state = loader.state_dict()
+        del it
+        return [*got, state]
+
+    embedded = scenario(ours(data[0], B))
+    with serving(tmp_path, env) as sock:
+        remote = ours(data[0], B, address=str(sock))
+        got = scenario(remote)
+        resumed = ours(data[0], B, address=str(sock))
+        resumed.load_state_dict(got[-1])
+        rest = epoch(resumed)
+        one = iter(remote)
+        next(one)
+        with pytest.raises(RuntimeError) as err:
+            next(iter(remote))
+        refused = str(err.value)
+        del one
+        remote.close()
+        resumed.close()
+    assert got == embedded and all(whole(p) for p in got[:3])
+    assert refused.startswith("another iterator of this loader is still running")
+    mine = ours(data[0], B)
+    mine.set_epoch(got[-1]["epoch"])
+    assert got[-2] + rest == epoch(mine)
