@@ -242,8 +242,8 @@ def reads(monkeypatch):
     count = {"n": 0}
     real_open = datastore.loader.open_dataset
 
-    def observed(dataset):
-        reader = real_open(dataset)
+    def observed(dataset, **kw):
+        reader = real_open(dataset, **kw)
         real_read = reader.read
 
         def read(*args, **kw):
