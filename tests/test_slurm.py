@@ -3,17 +3,18 @@ second node in network, mount and UTS namespaces of its own (tests/slurm_cluster
 
 Each campaign is submitted as deploy/README.md tells a user, from the repository root:
 ``sbatch [OPTIONS] --export=ALL,SRC=... deploy/campaign.sbatch``, with PYTHON (this venv),
-JOBS, OUT and PORT in the environment. Each test asserts the job's end state, that every
-node's service drained (its log: ``draining`` then ``stopped``), that every job trained from
-the services (``"data_source": "service"``), and that nothing is left on either node: no
-process, no socket or run directory, no /dev/shm segment of a service. Skipped where this
-machine cannot run Slurm (not root, no slurm-wlm or munge, no namespaces).
+JOBS, OUT, PORT and SRUN_JOB_FLAGS in the environment. Each test asserts the job's end state,
+that every node's service drained (its log: ``draining`` then ``stopped``), that every job
+trained from the services (``"data_source": "service"``), and that nothing is left on either
+node: no process, no socket or run directory, no /dev/shm segment of a service. Skipped where
+this machine cannot run Slurm (not root, no slurm-wlm or munge, no namespaces).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "deploy" / "configs" / "tiny-cosmoflow.toml"
 UNET = ROOT / "deploy" / "configs" / "tiny-unet3d.toml"
 
+# each job on one node: the PyPI MPICH wheel's MPI_Init across these two nodes fails now and
+# then under srun --mpi=pmi2 (slurmstepd: "mpi/pmi2: invalid client request" on the large
+# PMI puts of its UCX addresses); staging (one rank per node) still crosses nodes over MPI
+ONE_NODE = "--exact --nodes=1"
+
 pytestmark = pytest.mark.slow
 
 
@@ -34,12 +40,18 @@ def cluster():
     reason = skip_reason(ROOT, Path(sys.executable))
     if reason is not None:
         pytest.skip(reason)
+
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt  # pytest then still tears the cluster down
+
+    previous = signal.signal(signal.SIGTERM, interrupt)  # a CI timeout's SIGTERM
     c = SlurmCluster()
     try:
         c.start()
         yield c
     finally:
         c.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +82,7 @@ class Campaign:
     def submit(self, src: Path, options: list[str] = (), **env: str) -> None:
         """``sbatch OPTIONS --export=ALL,SRC=SRC deploy/campaign.sbatch`` from the repository."""
         env = {"PYTHON": sys.executable, "JOBS": str(self.jobs), "OUT": str(self.out),
-               "PORT": str(free_port()), **env}  # fmt: skip
+               "PORT": str(free_port()), "SRUN_JOB_FLAGS": ONE_NODE, **env}  # fmt: skip
         self.id = self.cluster.sbatch(
             [*options, f"--export=ALL,SRC={src}", "deploy/campaign.sbatch"], env, ROOT
         )
@@ -91,11 +103,15 @@ class Campaign:
         try:
             self.state = self.cluster.wait_job(self.id, timeout)
         except RuntimeError as exc:
-            logs = [f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(self.out.rglob("*.log"))]
-            raise AssertionError("\n".join([self.read_output(), *logs, str(exc)])) from None
+            raise AssertionError(f"{self.read_output()}\n{self.logs()}\n{exc}") from None
         finally:
             self.read_output()
             (ROOT / f"campaign-{self.id}.out").unlink(missing_ok=True)
+
+    def logs(self) -> str:
+        """The campaign's output and every log under OUT, for a failure's message."""
+        logs = [f"--- {p}\n{p.read_text()[-2000:]}" for p in sorted(self.out.rglob("*.log"))]
+        return "\n".join([self.output, *logs])
 
     def log(self, job: str) -> list[dict]:
         path = self.out / "jobs" / job / "log.jsonl"
@@ -150,11 +166,13 @@ def test_a_campaign_on_two_nodes_stages_serves_trains_and_drains(cluster, first)
         _trained_from_the_service(first, job, world)
         assert [e["step"] for e in first.log(job) if "loss" in e] == [1, 2, 3, 4]
         assert "can't run" not in (first.out / "jobs" / job / "output.log").read_text()
+    served = 0
     for k, node in enumerate(NODES):
         status = (first.out / f"status-{node}.txt").read_text()
         assert f"store          node {k} of 2" in status
-        assert int(re.search(r"served +(\d+) batches", status)[1]) > 0
-    assert "datastore serve stopped on every node (srun exit 0)" in out
+        served += int(re.search(r"served +(\d+) batches", status)[1])
+    assert served > 0
+    assert "datastore serve stopped on every node (srun exit 0)" in out, first.logs()
     assert "every job succeeded" in out and "error" not in out, out
     first.assert_drained_and_nothing_left()
     # the staged data stays, a share on each node, for the next campaign on this dataset
@@ -166,18 +184,18 @@ def test_a_campaign_on_two_nodes_stages_serves_trains_and_drains(cluster, first)
 
 
 def test_a_failing_job_stops_the_campaign_and_a_resubmission_resumes_staging(cluster, src, first):
-    c = Campaign(cluster, "failing", ["1 1 long CONFIG epochs=200", "1 1 broken CONFIG lr=-1",
-                                      "2 1 never CONFIG"])  # fmt: skip
+    c = Campaign(cluster, "failing", ["1 1 ok CONFIG", "2 1 long CONFIG epochs=200",
+                                      "2 1 broken CONFIG lr=-1", "3 1 never CONFIG"])  # fmt: skip
     c.submit(src, CLEANUP="data")
     c.finish()
     out = c.output
     assert (c.state["JobState"], c.state["ExitCode"]) == ("FAILED", "1:0"), out
     assert "staged 0 files" in out and "skipped 24 unchanged" in out, out  # the same LOCAL_DIR
     assert c.local_dir() == first.local_dir()
+    _trained_from_the_service(c, "ok", 1)
     assert "job broken failed (exit 2)" in out and "config key 'lr': must be >= 0" in out
     assert "job long done" not in out and not (c.out / "jobs" / "never").exists()
-    _trained_from_the_service(c, "long", 1)
-    assert "datastore serve stopped on every node (srun exit 0)" in out, out
+    assert "datastore serve stopped on every node (srun exit 0)" in out, c.logs()
     c.assert_drained_and_nothing_left()
     for node in NODES:  # CLEANUP=data: the staged data is gone too
         assert not cluster.node_path(node, c.local_dir()).exists()
@@ -204,13 +222,14 @@ def test_scancel_mid_phase_drains_every_service(cluster, src):
 
 def test_a_time_limit_with_a_signal_drains_every_service_before_it(cluster, src):
     c = Campaign(cluster, "timed", ["1 2 long CONFIG epochs=500", "2 1 never CONFIG"])
-    c.submit(src, ["--time=1", "--signal=B:USR1@50"])
-    c.finish(timeout=120)
+    # slurmctld checks time limits every 30 s: USR1 30-60 s after the start, the limit 30 s on
+    c.submit(src, ["--time=1", "--signal=B:USR1@30"])
+    c.finish(timeout=150)
     out = c.output
     assert (c.state["JobState"], c.state["ExitCode"]) == ("FAILED", "138:0"), (c.state, out)
     assert "SIGUSR1 (time limit near): shutting down" in out and "phase 2" not in out, out
     _trained_from_the_service(c, "long", 2)
-    assert "datastore serve stopped on every node (srun exit 0)" in out, out
+    assert "datastore serve stopped on every node (srun exit 0)" in out, c.logs()
     c.assert_drained_and_nothing_left()
 
 
