@@ -9,7 +9,7 @@
 # --peers and no --node, the node's index is $SLURM_NODEID (Slurm) or $FLUX_TASK_RANK (Flux,
 # one task per node). PYTHON: the interpreter that has datastore installed (default python3).
 # RUN_DIR (optional): a node-local directory (the socket's, the state file's) to remove once
-# the service has exited, however it was stopped (SIGTERM, SIGINT and SIGHUP are passed on).
+# the service has exited; then the launcher must signal the whole step (srun, scancel do).
 
 args=("$@")
 peers=0 node=0
@@ -38,11 +38,11 @@ for v in $(compgen -e); do
 done
 
 [[ -n ${RUN_DIR:-} ]] || exec "${PYTHON:-python3}" -m datastore serve "${args[@]}"
-pid='' stopping=0
-trap 'stopping=1; [[ -z $pid ]] || kill -TERM "$pid" 2>/dev/null' TERM INT HUP
+# the launcher signals every process of the step, the service too: bash only outlives it (a
+# second SIGTERM, passed on, could reach the service after it restored the default action)
+trap : TERM INT HUP
 "${PYTHON:-python3}" -m datastore serve "${args[@]}" &
 pid=$!
-((stopping)) && kill -TERM "$pid"
 while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done  # a signal cuts a wait short
 wait "$pid"
 rc=$?

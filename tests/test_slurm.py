@@ -12,12 +12,15 @@ this machine cannot run Slurm (not root, no slurm-wlm or munge, no namespaces).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,15 +58,23 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def src(cluster) -> Path:
-    """The dataset on the "parallel filesystem": 16 + 8 samples, one HDF5 file each."""
+def src(cluster) -> Iterator[Path]:
+    """The dataset on the "parallel filesystem": 16 + 8 samples, one HDF5 file each. What the
+    campaigns keep staged on n1 (this machine's /tmp) is removed at the end."""
     path = cluster.shared / "cosmo"
     subprocess.run(
         [sys.executable, "-m", "trainer.cosmology", str(path), "--samples", "16",
          "--val-samples", "8", "--size", "8", "--noise", "0.3", "--per-sample"],
         check=True, capture_output=True, cwd=ROOT,
     )  # fmt: skip
-    return path
+    yield path
+    shutil.rmtree(local_dir(cluster, path), ignore_errors=True)
+
+
+def local_dir(cluster: SlurmCluster, src: Path) -> str:
+    """campaign.sbatch's default LOCAL_DIR for ``src``: NAME-HASH under /tmp/USER/datastore."""
+    digest = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:12]
+    return f"/tmp/{cluster.user}/datastore/{src.name}-{digest}"
 
 
 class Campaign:
@@ -142,6 +153,7 @@ class Campaign:
 
 
 def _trained_from_the_service(campaign: Campaign, job: str, world: int) -> None:
+    assert (campaign.out / "jobs" / job / "log.jsonl").exists(), campaign.logs()
     start = campaign.log(job)[0]
     assert (start["event"], start["data_source"], start["world"]) == ("start", "service", world)
 
@@ -162,6 +174,7 @@ def test_a_campaign_on_two_nodes_stages_serves_trains_and_drains(cluster, first)
     # once per node: one rank per node staged, one service per node (no 'can't honor')
     assert "on 2 node(s), 2 rank(s)" in out and "can't honor" not in out, out
     assert "srun --mpi=pmi2" in out  # SRUN_MPI=auto: the MPICH wheel speaks PMI-2
+    assert first.local_dir() == local_dir(cluster, cluster.shared / "cosmo")
     for job, world in (("dp", 2), ("unet", 1), ("split", 2)):
         _trained_from_the_service(first, job, world)
         assert [e["step"] for e in first.log(job) if "loss" in e] == [1, 2, 3, 4]
@@ -221,10 +234,11 @@ def test_scancel_mid_phase_drains_every_service(cluster, src):
 
 
 def test_a_time_limit_with_a_signal_drains_every_service_before_it(cluster, src):
-    c = Campaign(cluster, "timed", ["1 2 long CONFIG epochs=500", "2 1 never CONFIG"])
-    # slurmctld checks time limits every 30 s: USR1 30-60 s after the start, the limit 30 s on
-    c.submit(src, ["--time=1", "--signal=B:USR1@30"])
-    c.finish(timeout=150)
+    c = Campaign(cluster, "timed", ["1 2 long CONFIG epochs=5000", "2 1 never CONFIG"])
+    # slurmctld looks every 30 s and signals once less than @+30 s are left: USR1 40-70 s
+    # after the start (the job has begun training), the limit at least 50 s later
+    c.submit(src, ["--time=2", "--signal=B:USR1@50"])
+    c.finish(timeout=200)
     out = c.output
     assert (c.state["JobState"], c.state["ExitCode"]) == ("FAILED", "138:0"), (c.state, out)
     assert "SIGUSR1 (time limit near): shutting down" in out and "phase 2" not in out, out
