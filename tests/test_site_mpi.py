@@ -175,10 +175,13 @@ def test_the_right_launcher_gives_every_rank_the_whole_world():
 
 
 def _open_mpi() -> str | None:
-    """Open MPI's ``mpiexec``: ``MPIEXEC`` or ``mpirun`` on PATH, if either is Open MPI's."""
-    for found in (MPIEXEC, shutil.which("mpirun")):
-        if found and is_open_mpi(found):
-            return found
+    """Open MPI's ``mpiexec``: ``MPIEXEC``, else the first on PATH that is Open MPI's (the
+    ``mpich`` wheel's, ``.venv/bin``, may come first)."""
+    dirs = os.environ.get("PATH", "").split(os.pathsep)
+    found = [shutil.which("mpiexec", path=d) for d in dirs]
+    for candidate in (MPIEXEC, *found):
+        if candidate and is_open_mpi(candidate):
+            return candidate
     return None
 
 
