@@ -52,6 +52,18 @@ def _run(load: Callable[..., Any], go: Callable[[Any], int], a: argparse.Namespa
     except (ConfigError, DatasetError, LaunchMismatch) as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
+    finally:
+        _end_process_group()
+
+
+def _end_process_group() -> None:
+    """Destroy the process group before the interpreter exits: left to shutdown, gloo's
+    threads could be torn down mid-loop ('terminate called without an active exception',
+    exit 134, seen under Open MPI after a run that had finished)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _train(cfg: Any) -> int:

@@ -102,7 +102,9 @@ def consume(case: str, path: str, rank: int, x_all: np.ndarray) -> dict:
 
 
 def stop(case: str, path: str, rank: int, out_prefix: str, x_all: np.ndarray) -> dict:
-    loader = DataStoreLoader(path, global_batch_size=4, seed=1, timeout=TIMEOUT)
+    # 8 steps: more than prefetch keeps ahead, so rank 1's prefetch cannot exchange the whole
+    # epoch before its loop breaks (rank 0 would then rightly get the epoch with no error)
+    loader = DataStoreLoader(path, global_batch_size=2, seed=1, timeout=TIMEOUT)
     tries = []
     for _ in range(2):  # rank 0: a whole epoch, then the next; rank 1: see the case
         t0 = time.monotonic()

@@ -49,6 +49,8 @@ def build(case: str, path: str, other: str, rank: int) -> DataStoreLoader:
         kw["spatial"] = {"parts": (2 if rank == 0 else 3, 1, 1), "halo": 1}
     elif case == "silent":
         kw["timeout"] = 3
+    elif case == "stop":  # 8 steps: more than prefetch keeps ahead, so rank 0 sees the stop
+        kw["global_batch_size"] = 2
     elif case == "stall":  # 8 steps: more than the 3 that prefetch keeps ahead
         kw = {**kw, "global_batch_size": 2, "timeout": 3}
     return DataStoreLoader(path, **kw)
