@@ -36,6 +36,7 @@ __all__ = [
     "IO_MODES",
     "DirectReader",
     "IoPolicy",
+    "PositionedReader",
     "aligned_buffer",
     "cached",
     "fs_type",
@@ -180,19 +181,12 @@ class IoPolicy:
         return self.mode == "direct" or fd is None or not cached(fd, size)
 
 
-class DirectReader(io.RawIOBase):
-    """A seekable read-only file that reads ``BLOCK``-sized aligned blocks with ``O_DIRECT``.
+class PositionedReader(io.RawIOBase):
+    """A seekable read-only raw file over the descriptor ``_fd`` that keeps its own position
+    ``_pos`` (subclasses read there with ``pread`` and give ``readinto``)."""
 
-    For walking tar headers: each header costs one small device read instead of a read plus
-    readahead of member data into fresh page-cache pages that the copy never uses.
-    """
-
-    BLOCK = 4096  # one tar header is 512 bytes and never crosses a 4 KiB boundary
-
-    def __init__(self, path: str):
-        self._fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        self._buf = aligned_buffer(self.BLOCK)
-        self._base, self._valid, self._pos = -1, 0, 0
+    _fd: int
+    _pos: int
 
     def readable(self) -> bool:
         return True
@@ -210,6 +204,21 @@ class DirectReader(io.RawIOBase):
             offset += os.fstat(self._fd).st_size
         self._pos = offset
         return offset
+
+
+class DirectReader(PositionedReader):
+    """A seekable read-only file that reads ``BLOCK``-sized aligned blocks with ``O_DIRECT``.
+
+    For walking tar headers: each header costs one small device read instead of a read plus
+    readahead of member data into fresh page-cache pages that the copy never uses.
+    """
+
+    BLOCK = 4096  # one tar header is 512 bytes and never crosses a 4 KiB boundary
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        self._buf = aligned_buffer(self.BLOCK)
+        self._base, self._valid, self._pos = -1, 0, 0
 
     def readinto(self, b: memoryview) -> int:  # type: ignore[override]
         """Fill ``b`` completely unless the file ends first (tarfile expects full reads)."""

@@ -11,10 +11,11 @@ members' bytes there too.
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+
+from staging.directio import PositionedReader
 
 __all__ = ["AheadReader"]
 
@@ -47,7 +48,7 @@ def _pull(fd: int, null: int, offset: int, length: int) -> None:
         return
 
 
-class AheadReader(io.RawIOBase):
+class AheadReader(PositionedReader):
     """A seekable read-only file whose next :data:`WINDOW` bytes are being read into the page
     cache by :data:`THREADS` threads while it is read.
 
@@ -67,23 +68,6 @@ class AheadReader(io.RawIOBase):
         self._next = 0  # the first byte no job was started for
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_CUR:
-            offset += self._pos
-        elif whence == io.SEEK_END:
-            offset += self._size
-        self._pos = offset
-        return offset
 
     def _ahead(self) -> None:
         """Start jobs for the chunks up to :data:`WINDOW` past the position."""

@@ -251,3 +251,17 @@ def serving(tmp: Path, env: dict[str, str], *args: str) -> Iterator[Path]:
     finally:
         service.terminate()
         service.wait(30)
+
+
+def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for every rank's process (started with ``stderr=PIPE, text=True``); each must exit
+    0, else the end of its stderr is the failure. Whatever still runs afterwards is killed."""
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

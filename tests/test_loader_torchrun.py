@@ -15,6 +15,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
+from helpers import wait_ranks
 
 from staging.cluster import LAUNCH_ENV
 
@@ -66,15 +67,7 @@ def plain(data: str, out: str) -> list[dict]:
         )
         for r in range(WORLD)
     ]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    wait_ranks(procs, 120)
     return rows(out)
 
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import wait_ranks
 
 from staging.cluster import LAUNCH_ENV
 from trainer.agree import group_refusals, refusal_message
@@ -79,15 +80,7 @@ def ranks(tmp_path_factory) -> list[dict]:
                "MASTER_PORT": str(port)}  # fmt: skip
         cmd = [sys.executable, str(JOB), str(out)]
         procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=30)
-            assert p.returncode == 0, err[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    wait_ranks(procs, 30)
     return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
 
 
