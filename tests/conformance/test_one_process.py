@@ -146,6 +146,7 @@ def test_state_dict_at_step_0_mid_epoch_and_end_resumes_in_a_new_process(data, t
     pytest.importorskip("torchdata", reason="torchdata (dev extras) is not installed")
     states, want = {}, {}
     for kind in ("ours", "theirs"):
+
         def fresh(kind=kind):
             return ours(data[0], B) if kind == "ours" else theirs(data[0], B, stateful=True)
 
