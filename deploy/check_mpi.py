@@ -144,6 +144,13 @@ def advice(r: MpiReport) -> list[str]:
             "nodes it may not use the site's network or launcher. `pip uninstall "
             f"{r.wheel}`, then use the site's MPI (deploy/README.md, 'MPI on a cluster')"
         )
+        if r.wheel == "mpich":
+            lines.append(
+                "the mpich wheel under srun --mpi=pmi2 across nodes: export "
+                "MPIR_CVAR_CH4_NETMOD=ofi MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS=1 (its "
+                "UCX address overflows the 1024-byte requests of Slurm's pmi2 plugin: MPI_Init "
+                "fails now and then)"
+            )
     elif r.vendor == "HPE Cray MPICH":
         lines.append("the site's Cray MPICH: launch with srun (or the site's launcher)")
     elif r.vendor == "Open MPI":
