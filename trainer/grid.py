@@ -252,6 +252,10 @@ def init_distributed(
         else:
             addr = hosts[0]
         port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+        # every rank has the port before rank 0 leaves MPI for the rendezvous: an MPI that
+        # moves messages only inside MPI calls (the mpich wheel's OFI netmod without auto
+        # progress) would otherwise hold the port until the rendezvous timed out
+        comm.Barrier()
         init_method = f"tcp://{addr}:{port}"
     elif torchrun is not None:
         rank, world = torchrun
