@@ -63,7 +63,7 @@ def mismatch(world_size: int, library: str, env: Mapping[str, str]) -> str | Non
     first = library.strip().split("\n")[0].split(",")[0]
     library = " ".join(first.split()) or "an MPI"  # "Open MPI v4.1.4", "MPICH Version: 4.2.0"
     mpiexec = shutil.which("mpiexec", path=env.get("PATH")) or "none on PATH"
-    return (
+    why = (
         f"the launcher started {ranks} ranks ({name}={ranks}) but MPI gives this process a "
         f"world of 1: each rank would run alone. mpi4py loaded {library}, "
         "which does not speak this launcher's PMI. Start the job with that MPI's own launcher "
@@ -71,6 +71,21 @@ def mismatch(world_size: int, library: str, env: Mapping[str, str]) -> str | Non
         "`srun --mpi=$(python deploy/check_mpi.py --srun-mpi)`; deploy/README.md, 'MPI on a "
         "cluster', says how to build mpi4py against the site's MPI"
     )
+    wheel = _wheel_libmpi(mpiexec)
+    if wheel is not None and "MPICH" not in library:
+        why += (
+            f". That mpiexec is the mpich wheel's: to run under it, point mpi4py at the wheel's "
+            f"library with MPI4PY_LIBMPI={wheel} (mpi4py's binary wheel loaded the first libmpi "
+            "it found, here another MPI's)"
+        )
+    return why
+
+
+def _wheel_libmpi(mpiexec: str) -> str | None:
+    """The PyPI ``mpich`` wheel's ``libmpi.so.12`` beside ``mpiexec`` (``<prefix>/bin`` and
+    ``<prefix>/lib``), or ``None`` when ``mpiexec`` is not the wheel's."""
+    lib = os.path.join(os.path.dirname(os.path.dirname(mpiexec)), "lib", "libmpi.so.12")
+    return lib if os.path.isabs(mpiexec) and os.path.exists(lib) else None
 
 
 def comm_world(env: Mapping[str, str] | None = None) -> Any:

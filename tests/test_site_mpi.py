@@ -44,6 +44,25 @@ def test_a_world_of_one_under_a_launcher_of_several_is_refused_naming_both(env, 
     assert "`srun --mpi=$(python deploy/check_mpi.py --srun-mpi)`" in why
 
 
+def test_under_the_mpich_wheels_mpiexec_the_refusal_names_the_wheels_library(tmp_path):
+    """The GPU machine's case: the mpich wheel installed with ``pip --target`` (its mpiexec in
+    ``<target>/bin``), mpi4py's binary wheel loading the system's Open MPI instead."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "bin" / "mpiexec").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "mpiexec").chmod(0o755)
+    (tmp_path / "lib" / "libmpi.so.12").write_bytes(b"")
+    why = mismatch(1, OPEN_MPI, {"PMI_SIZE": "4", "PATH": str(tmp_path / "bin")})
+    assert why.endswith(
+        f"MPI4PY_LIBMPI={tmp_path}/lib/libmpi.so.12 (mpi4py's binary wheel loaded the first "
+        "libmpi it found, here another MPI's)"
+    )
+    mpich = "MPICH Version:      4.2.0\n"  # the wheel's own library loaded: no such hint
+    assert "MPI4PY_LIBMPI" not in mismatch(
+        1, mpich, {"PMI_SIZE": "4", "PATH": str(tmp_path / "bin")}
+    )
+
+
 @pytest.mark.parametrize(
     ("world", "env"),
     [
