@@ -7,6 +7,9 @@
 # and a step that fails or runs out of time leaves its log and the next step still runs.
 #
 # On the CPU machine, once:   ../shared/tools/gpu-wheels.sh --mpi    (fills .whl/)
+#                             and msgspec (zarr >= 3.2 imports it; the tool leaves it out):
+#   .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl msgspec
 # Then one device run:        carry [".whl"], timeout_s 590, command
 #                             bash benchmarks/gpu_session.sh
 # Afterwards, here: copy the returned gpu_feed.json to benchmarks/results/ and run
@@ -31,6 +34,9 @@ if [ -d .whl ]; then # the GPU machine's image lacks these (../shared/reference/
         > "$OUT/wheels.log" 2>&1 || echo "wheels: install failed, see wheels.log"
     export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     export PATH=/tmp/site/bin:$PATH
+    # mpi4py's binary wheel loads the first libmpi it finds: the image's Open MPI, not the
+    # mpich wheel whose mpiexec is on PATH (every rank then sees a world of 1)
+    [ -e /tmp/site/lib/libmpi.so.12 ] && export MPI4PY_LIBMPI=/tmp/site/lib/libmpi.so.12
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -66,7 +72,8 @@ fi
 
 step env 60 bash -c "nvidia-smi || true; $PY -c 'import torch; print(torch.__version__, \
 torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\")'; \
-$PY deploy/check_mpi.py || true"
+$PY deploy/check_mpi.py || true; $PY -c 'import zarr, numcodecs, lmdb, grpc, mpi4py; \
+print(\"imports ok: zarr\", zarr.__version__)'"
 step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests
 step gpu-feed 170 "$PY" benchmarks/gpu_feed.py "${feed[@]}" --json "$OUT/gpu_feed.json"
 step train-gpu 140 "$PY" benchmarks/train_gpu.py "${train[@]}"

@@ -82,7 +82,7 @@ def test_ranks_sharing_the_gpu_follow_one_rank(data, tmp_path):
 
 def resumed_and_whole(n: int, data: Path, tmp: Path, more: list[str]) -> tuple[list, list]:
     """The losses of a run stopped after 4 steps and resumed, and of the same run whole."""
-    whole = launch(n, base(data, tmp / "w", *more, f"checkpoint_dir={tmp}/w"))
+    whole = launch(n, base(data, tmp / "w", *more, f"checkpoint_dir={tmp}/w.ck"))  # w: its log
     assert whole.returncode == 0, whole.stdout + whole.stderr
     ck = f"checkpoint_dir={tmp}/r"
     first = launch(n, base(data, tmp / "a", *more, ck, "steps=4"))
