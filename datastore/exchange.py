@@ -7,26 +7,30 @@ pure function) lists the messages ``(src, dst, sample, block, position)`` of a s
 same order, so sender and receiver agree on every message without talking about it.
 :class:`EpochPlan` lists the same messages without looking at the global batch at all: what a
 rank consumes is its own slice of the step, and what it sends comes from where its own samples
-sit in the epoch (the inverse of the order, computed once per epoch for its N/P samples), so a
-rank's plan costs O(N/P) per epoch, not O(B) per step (O(N) per epoch).
+sit in the epoch (the inverse of the order, computed once per epoch for its N/P samples): the
+epoch's messages of one rank are computed and sorted with array operations, O(N/P) per epoch,
+not O(B) per step (O(N) per epoch), and a step's messages are a view of them
+(:class:`StepMessages`, read as :class:`Message` objects).
 
 The exchanges (``datastore.sources.mpi``, ``datastore.sources.torch_dist``) move them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from datastore.order import RankLayout, Schedule
 
-__all__ = ["EpochPlan", "Message", "plan", "rank_plan"]
+__all__ = ["EpochPlan", "Message", "StepMessages", "plan", "rank_plan"]
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
+    """Block ``block`` of ``sample`` goes from rank ``src`` to rank ``dst``."""
+
     src: int
     dst: int
     sample: int
@@ -74,48 +78,119 @@ def rank_plan(
     return out
 
 
+class StepMessages(Sequence[Message]):
+    """One step's messages of a rank, in plan order, kept as columns: a :class:`Message` is
+    made only when one is read. Compares equal to any sequence of the same messages."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, columns: np.ndarray) -> None:
+        self.columns = columns  # (5, n) int64: src, dst, sample, block, pos
+
+    def __len__(self) -> int:
+        return self.columns.shape[1]
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return StepMessages(self.columns[:, index])
+        return Message(*self.columns[:, index].tolist())
+
+    def __iter__(self) -> Iterator[Message]:
+        return itertools.starmap(Message, self.columns.T.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable columns: not hashable
+
+    def __repr__(self) -> str:
+        return f"StepMessages({list(self)!r})"
+
+
 class EpochPlan:
     """:func:`rank_plan` of every step of ``epoch`` for ``layout``'s rank, which owns
     ``owned`` (its samples, by ``owner``), computed from its own share only.
 
-    With a global (or no) shuffle, the positions of the rank's samples in the epoch are
-    computed once (:meth:`Schedule.positions_of`) and each step takes those inside it; with
-    homes (``shuffle="shard"``/``"window:K"``) a rank sends only within its data rank, whose
-    slice of the step is all there is to look at.
+    What the rank consumes is its slice of each step (:meth:`Schedule.rank_epoch`). With a
+    global (or no) shuffle, what it sends comes from the positions of its own samples in the
+    epoch (:meth:`Schedule.positions_of`, the inverse of the order); with homes
+    (``shuffle="shard"``/``"window:K"``) a rank sends only within its data rank, whose slice
+    of the step is all there is to look at. Both are computed once per epoch with array
+    operations, O(N/P) time and memory (80 B per message: about 2 N/P messages for whole
+    samples), and each step's messages are a slice of them (:class:`StepMessages`).
     """
 
     def __init__(
         self, schedule: Schedule, owner: Any, layout: RankLayout, epoch: int, owned: np.ndarray
     ) -> None:
-        self.schedule, self.owner, self.layout, self.epoch = schedule, owner, layout, epoch
-        self.b = schedule.local_batch(layout.data_world)
-        # this rank's samples at every step, and their owners: O(N/R), once per epoch
-        self.mine = schedule.rank_epoch(epoch, layout.data_rank, layout.data_world)
-        self.owners = np.asarray(owner[self.mine.reshape(-1)]).reshape(self.mine.shape)
-        self.positions = self.samples = None
+        self.schedule, self.layout, self.epoch = schedule, layout, epoch
+        b = schedule.local_batch(layout.data_world)
+        mine = schedule.rank_epoch(epoch, layout.data_rank, layout.data_world)
+        owners = np.asarray(owner[mine.reshape(-1)], dtype=np.int64).reshape(mine.shape)
+        steps = mine.shape[0]
+        consumed = _columns(
+            np.repeat(np.arange(steps, dtype=np.int64), b), owners.reshape(-1), layout.rank,
+            mine.reshape(-1), layout.spatial_rank, np.tile(np.arange(b, dtype=np.int64), steps),
+        )  # fmt: skip
         if schedule.homes is None:
-            self.positions, self.samples = schedule.positions_of(epoch, owned)
+            positions, samples = schedule.positions_of(epoch, owned)
+            at_step, slot = np.divmod(positions, schedule.global_batch)
+        else:  # homes: only this data rank's slice holds what it sends
+            at_step, j = np.nonzero(owners == layout.rank)
+            samples, slot = mine[at_step, j], j + layout.data_rank * b
+        sent = _sent(at_step, samples, slot, b, layout)
+        table = np.concatenate([consumed, sent], axis=1)
+        order = np.argsort(_plan_key(table, layout.rank, layout.world, b))  # keys are unique
+        self._table = table[:5, order]
+        self._bounds = np.searchsorted(table[5, order], np.arange(steps + 1))
 
-    def messages(self, step: int) -> list[Message]:
-        """The messages ``layout``'s rank sends or receives at ``step``, as :func:`rank_plan`."""
-        lay, b, rank, s = self.layout, self.b, self.layout.rank, self.layout.spatial_size
-        mine, owners = self.mine[step], self.owners[step]
-        out = [  # what this rank consumes
-            Message(o, rank, sample, lay.spatial_rank, pos)
-            for pos, (sample, o) in enumerate(zip(mine.tolist(), owners.tolist(), strict=True))
-        ]
-        if self.positions is None:  # homes: only this data rank's slice holds what it sends
-            here = np.flatnonzero(owners == rank)
-            at, sent = here + lay.data_rank * b, mine[here]
-        else:
-            B = self.schedule.global_batch
-            lo, hi = np.searchsorted(self.positions, [step * B, (step + 1) * B])
-            at, sent = self.positions[lo:hi] - step * B, self.samples[lo:hi]
-        for i, sample in zip(at.tolist(), sent.tolist(), strict=True):
-            dd, pos = divmod(i, b)
-            for kk in range(s):
-                dst = dd * s + kk
-                if dst != rank:
-                    out.append(Message(rank, dst, sample, kk, pos))
-        out.sort(key=lambda m: (m.src, m.dst, m.pos))
-        return out
+    @property
+    def steps(self) -> int:
+        return len(self._bounds) - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this plan keeps."""
+        return self._table.nbytes + self._bounds.nbytes
+
+    def messages(self, step: int) -> StepMessages:
+        """The messages ``layout``'s rank sends or receives at ``step``, as :func:`rank_plan`:
+        O(1), a view of the epoch's plan."""
+        if not 0 <= step < self.steps:
+            raise IndexError(f"step {step} outside 0..{self.steps - 1}")
+        return StepMessages(self._table[:, self._bounds[step] : self._bounds[step + 1]])
+
+
+def _columns(step: np.ndarray, src: Any, dst: Any, sample: Any, block: Any, pos: Any) -> np.ndarray:
+    """Messages as rows ``src, dst, sample, block, pos, step`` of one int64 array (scalars
+    broadcast to ``step``'s length)."""
+    n = len(step)
+    return np.stack([np.broadcast_to(np.asarray(c, dtype=np.int64), (n,))
+                     for c in (src, dst, sample, block, pos, step)])  # fmt: skip
+
+
+def _plan_key(table: np.ndarray, rank: int, world: int, b: int) -> np.ndarray:
+    """One int64 per message that sorts as ``(step, src, dst, pos)``: a message's ``src`` or
+    ``dst`` is ``rank``, so ``(src, dst)`` takes ``2 * world`` values in order (``src`` below
+    ``rank``, then ``rank`` to each ``dst``, then ``src`` above). The key stays below
+    ``2 * S * steps * B``, ``S`` blocks per sample: far inside int64."""
+    src, dst, pos, step = table[0], table[1], table[4], table[5]
+    pair = np.where(src == rank, rank + dst, np.where(src < rank, src, src + world))
+    return (step * (2 * world) + pair) * b + pos
+
+
+def _sent(
+    at_step: np.ndarray, samples: np.ndarray, slot: np.ndarray, b: int, layout: RankLayout
+) -> np.ndarray:
+    """What ``layout``'s rank sends: sample ``samples[i]`` at ``slot[i]`` of step ``at_step[i]``
+    (its place in the global batch) goes, block ``k`` of it, to every rank ``(d, k)`` of the
+    slot's data rank ``d`` but itself."""
+    s = layout.spatial_size
+    d, pos = np.divmod(slot, b)
+    block = np.tile(np.arange(s, dtype=np.int64), len(samples))
+    dst = np.repeat(d, s) * s + block
+    keep = dst != layout.rank
+    return _columns(
+        np.repeat(at_step, s)[keep], layout.rank, dst[keep], np.repeat(samples, s)[keep],
+        block[keep], np.repeat(pos, s)[keep],
+    )  # fmt: skip
