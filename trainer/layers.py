@@ -29,7 +29,8 @@ Overlap (``overlap=True``, the default; stride 1 on every axis and at least one 
     those of the path without overlap up to rounding (the same sums, cut into pieces).
     Strided layers, and blocks with no split axis, take the path without overlap.
 
-Weights are equal on every rank: broadcast from global rank 0 when the layer is built.
+Weights are equal on every rank: broadcast from global rank 0 when the layer is built (under
+NCCL a layer built on the CPU, the default, travels through a copy on the rank's GPU).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import datetime
 import functools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.agree import AgreedShapes
-from trainer.comm import all_reduce_sum, broadcast
+from trainer.comm import all_reduce_sum, backend_of, broadcast
 from trainer.geometry import (
     Box,
     box_size,
@@ -57,7 +59,7 @@ from trainer.geometry import (
 from trainer.grid import DEFAULT_TIMEOUT, ProcessGrid
 from trainer.halo import exchange_axes, finish_halo_exchange, halo_exchange, start_halo_exchange
 
-__all__ = ["DistConv3d", "broadcast_parameters", "sum_spatial_grads"]
+__all__ = ["DistConv3d", "broadcast_parameters", "sum_spatial_grads", "travel_device"]
 
 
 def _triple(k: int | Sequence[int]) -> tuple[int, int, int]:
@@ -74,15 +76,46 @@ def _strides(s: int | Sequence[int]) -> tuple[int, int, int]:
     return ss  # type: ignore[return-value]
 
 
+def travel_device(t: torch.Tensor, backend: str, gpu: torch.device | None) -> torch.device:
+    """Where ``t`` can travel over a group of ``backend``: where it lies, but on ``gpu`` for a
+    CPU tensor over NCCL (which moves device memory only; gloo takes both, CUDA staged)."""
+    if t.device.type != "cpu" or backend != "nccl":
+        return t.device
+    if gpu is None:
+        raise ValueError("a CPU tensor over NCCL needs the rank's GPU, got none")
+    return gpu
+
+
+def _group_gpu(group: Any) -> torch.device | None:
+    """The GPU of ``group``: the one bound by ``init_process_group(device_id=)``, else the
+    current CUDA device (as ``torch.distributed`` picks it); ``None`` without CUDA."""
+    bound = getattr(group or dist.group.WORLD, "bound_device_id", None)
+    if bound is not None:
+        return bound
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
 def broadcast_parameters(
     module: nn.Module, src: int = 0, timeout: datetime.timedelta = DEFAULT_TIMEOUT
 ) -> None:
-    """Copy every parameter and buffer of ``module`` from global rank ``src`` to all ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    """Copy every parameter and buffer of ``module`` from global rank ``src`` to all ranks.
+
+    Each tensor travels where the default group's backend can move it (``travel_device``): a
+    CPU tensor over NCCL through a copy on the rank's GPU, so a module built on the CPU (the
+    default ``device=None``) is broadcast under NCCL as under gloo.
+    """
+    if not dist.is_initialized():
         return
+    backend, gpu = backend_of(None), _group_gpu(None)
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            broadcast(t.data, src, None, timeout)
+            where = travel_device(t, backend, gpu)
+            if where == t.device:
+                broadcast(t.data, src, None, timeout)
+            else:
+                buf = t.data.to(where)
+                broadcast(buf, src, None, timeout)
+                t.data.copy_(buf)
 
 
 def sum_spatial_grads(params: Iterable[nn.Parameter], grid: ProcessGrid) -> None:
@@ -113,8 +146,9 @@ class DistConv3d(nn.Module):
         stride: one stride or three. Default: ``1``.
         bias: learn a bias. Default: ``True``.
         broadcast: copy the weights from global rank 0 at construction (collective over the
-            default group). Default: ``True``; pass ``False`` when weights are loaded afterwards
-            on every rank, or were seeded identically.
+            default group, gloo or NCCL, wherever the weights lie: :func:`broadcast_parameters`).
+            Default: ``True``; pass ``False`` when weights are loaded afterwards on every rank,
+            or were seeded identically.
         overlap: overlap the first split axis' halo transfer with the interior outputs in
             forward (stride 1 only; see the module docstring; the backward is not overlapped).
             Default: ``True``. Host

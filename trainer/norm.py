@@ -23,6 +23,14 @@ Backward
     parameter of a spatially split layer: :func:`trainer.layers.sum_spatial_grads`, then the
     data-parallel reduction, make them the whole batch's.
 
+Precision
+    A bf16 or fp16 input (the output of a convolution under autocast) is normalized in float32,
+    as ``torch.nn.BatchNorm3d`` under autocast: the mean is subtracted in float32, the inverse
+    standard deviation kept for backward and the running statistics are float32 (float64
+    group statistics, rounded once into the buffers), and the output and input gradient come
+    back in the input's dtype: a float32 ``gamma`` does not promote them, so the next layer's
+    halo carries bf16. float32 and float64 inputs compute in their own dtype.
+
 Evaluation mode with running statistics is local (``F.batch_norm``), no communication.
 """
 
@@ -39,18 +47,26 @@ from torch import nn
 from trainer.comm import all_reduce_sum
 from trainer.grid import ProcessGrid
 
-__all__ = ["DistBatchNorm3d", "SyncBatchNormFunction"]
+__all__ = ["DistBatchNorm3d", "SyncBatchNormFunction", "compute_dtype"]
 
 
 def _per_channel(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.view(1, -1, *[1] * (ndim - 2))
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the normalization computes in: float32 for a half input (bf16, fp16), as
+    ``torch.nn.BatchNorm3d`` under autocast; the input's own for float32 and float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm with group-wide statistics; see the module docstring.
 
-    ``apply(x, weight, bias, eps, group, timeout)`` returns ``(y, mean, unbiased_var)``; the
-    statistics are not differentiable.
+    ``apply(x, weight, bias, eps, group, timeout)`` returns ``(y, mean, unbiased_var)``: ``y``
+    in ``x``'s dtype, computed in :func:`compute_dtype` (float32 for a bf16 ``x``, whatever the
+    dtype of ``weight``), and the statistics in float64, not differentiable. Backward keeps
+    ``x`` and the per-channel mean and inverse standard deviation in the compute dtype.
     """
 
     @staticmethod
@@ -63,11 +79,13 @@ class SyncBatchNormFunction(torch.autograd.Function):
         group: Any,
         timeout: datetime.timedelta,
     ):
-        dims = [0, *range(2, x.dim())]
+        nd, cdt = x.dim(), compute_dtype(x.dtype)
+        dims = [0, *range(2, nd)]
         n = x.numel() // x.shape[1]
         s = x.sum(dims, dtype=torch.float64)
-        centred = x - _per_channel((s / n).to(x.dtype), x.dim())
+        centred = x - _per_channel((s / n).to(cdt), nd)  # promotes a half x to cdt
         q = centred.square().sum(dims, dtype=torch.float64) + s * s / n
+        del centred
         if n <= 1 and dist.get_world_size(group) == 1:  # every rank holds >= 1 value
             raise ValueError(f"expected more than 1 value per channel in training, got {n}")
         count = torch.full((1,), float(n), dtype=torch.float64, device=x.device)
@@ -76,43 +94,41 @@ class SyncBatchNormFunction(torch.autograd.Function):
         total = stats[-1]  # a tensor: no host sync per layer on a GPU
         mean = stats[:c] / total
         var = (stats[c : 2 * c] / total - mean * mean).clamp_min(0)
-        invstd = (var + eps).rsqrt()
-        xhat = (x - _per_channel(mean.to(x.dtype), x.dim())) * _per_channel(
-            invstd.to(x.dtype), x.dim()
-        )
-        y = xhat
+        mean_c, invstd_c = mean.to(cdt), (var + eps).rsqrt().to(cdt)
+        y = (x - _per_channel(mean_c, nd)).mul_(_per_channel(invstd_c, nd))
         if weight is not None:
-            y = y * _per_channel(weight, x.dim())
+            y.mul_(_per_channel(weight, nd))
         if bias is not None:
-            y = y + _per_channel(bias, x.dim())
-        ctx.save_for_backward(xhat, weight, invstd.to(x.dtype))
+            y.add_(_per_channel(bias, nd))
+        ctx.save_for_backward(x, weight, mean_c, invstd_c)
         ctx.total, ctx.group, ctx.timeout = total, group, timeout
-        ctx.has_bias = bias is not None
-        mean, unbiased = mean.to(x.dtype), (var * total / (total - 1)).to(x.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        unbiased = var * total / (total - 1)
         ctx.mark_non_differentiable(mean, unbiased)
-        return y, mean, unbiased
+        return y.to(x.dtype), mean, unbiased
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, _mean: Any, _var: Any):
-        xhat, weight, invstd = ctx.saved_tensors
-        nd = dy.dim()
+        x, weight, mean, invstd = ctx.saved_tensors
+        nd, cdt = dy.dim(), mean.dtype
         dims = [0, *range(2, nd)]
-        sum_dy = dy.sum(dims)
-        sum_dy_xhat = (dy * xhat).sum(dims)
+        xhat = (x - _per_channel(mean, nd)).mul_(_per_channel(invstd, nd))
+        sum_dy = dy.sum(dims, dtype=cdt)
+        sum_dy_xhat = (dy * xhat).sum(dims)  # dy promoted to cdt
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             sums = all_reduce_sum(torch.cat([sum_dy, sum_dy_xhat]), ctx.group, ctx.timeout)
             c = dy.shape[1]
-            means = (sums.double() / ctx.total).to(dy.dtype)  # total: a float64 tensor
+            means = (sums.double() / ctx.total).to(cdt)  # total: a float64 tensor
             mean_dy, mean_dy_xhat = means[:c], means[c:]
-            scale = invstd if weight is None else invstd * weight
-            grad_x = _per_channel(scale, nd) * (
-                dy - _per_channel(mean_dy, nd) - xhat * _per_channel(mean_dy_xhat, nd)
-            )
+            scale = invstd if weight is None else invstd * weight.to(cdt)
+            g = dy - _per_channel(mean_dy, nd)  # cdt
+            g.sub_(xhat.mul_(_per_channel(mean_dy_xhat, nd))).mul_(_per_channel(scale, nd))
+            grad_x = g.to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_w = sum_dy_xhat
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = sum_dy
+            grad_w = sum_dy_xhat.to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = sum_dy.to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -121,7 +137,7 @@ class DistBatchNorm3d(nn.Module):
 
     Training mode (or no running statistics) equals ``torch.nn.BatchNorm3d`` on the inputs of
     all ranks of ``stats_group`` concatenated (whole samples), forward, backward and running
-    statistics.
+    statistics; a bf16 input computes in float32 and returns bf16 (module docstring).
 
     Args:
         num_features: channels ``C``.
@@ -197,6 +213,7 @@ class DistBatchNorm3d(nn.Module):
                 m = self.momentum
                 if m is None:
                     m = 1.0 / float(self.num_batches_tracked)
+                # mean, var: float64, rounded once into the buffers' dtype
                 self.running_mean.mul_(1 - m).add_(mean, alpha=m)
                 self.running_var.mul_(1 - m).add_(var, alpha=m)
         return y
