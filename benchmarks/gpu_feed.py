@@ -19,10 +19,10 @@ b. **embedded**: ``DataStoreLoader(path, batch_size=B, device="cuda", pin_memory
    prefetch=4)``.
 c. **service, shared memory**: one ``datastore serve`` subprocess (the dataset resident first,
    ``LoadDataset(wait=True)``); ``DataStoreLoader(path, batch_size=B, address=SOCKET,
-   transport="shm", device="cuda", prefetch=4)``.
+   transport="shm", device="cuda", pin_memory=True, prefetch=4)``.
 d. **service, TCP inline**: the same service, also on ``--tcp 127.0.0.1:PORT`` with a token
    file; ``DataStoreLoader(path, batch_size=B, address="127.0.0.1:PORT", token=TOKEN,
-   transport="inline", device="cuda", prefetch=4)``.
+   transport="inline", device="cuda", pin_memory=True, prefetch=4)``.
 e. **torch DataLoader over h5py**, for each ``num_workers`` W of ``--workers`` (default 4, 8,
    16): ``DataLoader(ds, batch_size=B, shuffle=True, drop_last=True, num_workers=W,
    persistent_workers=True, pin_memory=True)`` over a map-style Dataset that opens the HDF5
@@ -313,11 +313,9 @@ def open_feed(
     from datastore import DataStoreLoader
 
     kw: dict[str, Any] = {"batch_size": s.args.batch, "seed": 0, "prefetch": s.args.prefetch}
-    if cuda:
-        kw["device"] = s.device
-    if case == "b":
-        kw["pin_memory"] = cuda
-    else:
+    if cuda:  # as users would write it (device= pins the staging buffers by itself too)
+        kw.update(device=s.device, pin_memory=True)
+    if case != "b":
         assert s.service is not None
         if case == "c":
             kw.update(address=s.service.socket, transport="shm")

@@ -44,7 +44,7 @@ from datastore.memory import available_memory, parse_size
 from datastore.order import EpochPosition, RankLayout, Schedule, parse_shuffle, rank_layout
 from datastore.ownership import Homes, RangeOwners, RunOwners, owned_keys
 from datastore.readers import open_dataset
-from datastore.ring import BufferRing
+from datastore.ring import BufferRing, can_pin, staging_pinned
 from datastore.service.paths import named_address
 from datastore.shards import shard_layout
 from datastore.sources.local import LocalSource, filled_batches
@@ -197,9 +197,13 @@ class DataStoreLoader(EpochPosition):
             the memory available is refused before reading).
         spill_dir: where the store spills. Default: ``None``.
         prefetch: batches prepared ahead. Default: ``2``.
-        pin_memory: page-locked batch buffers (CUDA only; ignored with a warning otherwise).
+        pin_memory: page-locked batches, for the consumer's ``.cuda(non_blocking=True)``
+            (CUDA only; ignored with a warning otherwise). Each batch is new memory from
+            torch's caching host allocator, reused once the copies from it are done (as
+            torch's ``DataLoader``). Default: ``False``.
         device: ``"cuda"``, ``"cuda:1"``, a ``torch.device``: batches arrive as tensors on
-            that device, copied from pinned buffers on a side stream. Default: ``None``.
+            that device, copied from pinned buffers (whatever ``pin_memory`` says) on a side
+            stream. Default: ``None``.
         threads: threads copying each batch. Default: the cores this rank may use, up to 16.
         transform: ``transform(batch) -> batch`` on every batch, after the rank's block is
             cut; on the device when ``device`` is set (on the side stream). Default: none.
@@ -331,7 +335,10 @@ class DataStoreLoader(EpochPosition):
             self.source = self._exchange.kind if self._exchange is not None else "local"
         self.epoch, self._step = 0, 0
         self._workers: list[threading.Thread] = []  # the prefetch threads of live passes
-        self.ring = BufferRing(self.fields, self.batch_size, o.prefetch + 2, o.pin_memory)
+        pin = can_pin(staging_pinned(o.pin_memory, o.device))  # without CUDA: a note, once
+        # pinned batches handed out are copied by the consumer, out of the ring's sight
+        fresh = pin and self._stage is None
+        self.ring = BufferRing(self.fields, self.batch_size, o.prefetch + 2, pin, fresh)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _collective(self, group: Any, exchange: bool | None, remote: bool) -> Collective | None:
@@ -524,6 +531,7 @@ class DataStoreLoader(EpochPosition):
             job_id=job_id,
             tls_ca=tls_ca,
             gather=self.gather,
+            copies_on=self._stage.stream if self._stage is not None else None,
         )
         self._source = source
         self.grid, self.layout, self.schedule = source.grid, source.layout, source.schedule

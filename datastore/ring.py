@@ -8,7 +8,13 @@ references to a storage, views included (``torch._C._storage_Use_Count``). A con
 drops its batches gets the same few buffers back (the zero-copy fast path); one that keeps them
 gets fresh buffers, and the ones it keeps stay as they were.
 
-A buffer that a device copy reads from is also busy until that copy is done (its CUDA event).
+A buffer that the loader's device stage copies from is also busy until that copy is done (its
+CUDA event). Pinned batches handed to the consumer are never reused by the ring (``fresh``):
+the consumer may copy them with ``.cuda(non_blocking=True)`` on any stream, a copy the ring
+cannot see. Each such batch gets a new buffer from torch's caching host allocator
+(``torch.empty(pin_memory=True)``, as torch's ``DataLoader`` pins), which notes every stream a
+non-blocking copy reads a block on and gives the block out again only once an event recorded
+there at its release has passed; the ring lets its free buffers go to it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from datastore.delivery import Delivered
 
-__all__ = ["Buffer", "BufferRing", "torch_dtype", "use_count"]
+__all__ = ["Buffer", "BufferRing", "can_pin", "staging_pinned", "torch_dtype", "use_count"]
 
 _pin_note = threading.Lock()
 _pin_noted = False
@@ -35,6 +41,12 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
 def use_count(t: torch.Tensor) -> int:
     """References to ``t``'s storage (tensors and views on it, numpy arrays over it)."""
     return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+def staging_pinned(pin_memory: bool, device: torch.device | None) -> bool:
+    """Whether a loader's buffers are page-locked: when asked, and always when batches go to a
+    CUDA device (its side-stream copies are asynchronous only from pinned memory)."""
+    return bool(pin_memory) or (device is not None and device.type == "cuda")
 
 
 def can_pin(pin: bool) -> bool:
@@ -100,20 +112,30 @@ class BufferRing:
         keep: buffers kept for reuse; more are made when all are held, and dropped again once
             free. Default: ``4``.
         pin: page-locked memory (CUDA only; otherwise ignored with a warning once).
+        fresh: never reuse a buffer: every ``take()`` makes a new one (uninitialised: every
+            fill rewrites the whole box) and the free ones are let go, to torch's caching host
+            allocator when pinned. For pinned batches handed to a consumer, whose own
+            non-blocking copies only that allocator tracks. Default: ``False``.
     """
 
     def __init__(
-        self, fields: list[Delivered], batch_size: int, keep: int = 4, pin: bool = False
+        self,
+        fields: list[Delivered],
+        batch_size: int,
+        keep: int = 4,
+        pin: bool = False,
+        fresh: bool = False,
     ) -> None:
         self.fields, self.batch_size, self.keep = fields, batch_size, max(1, keep)
-        self.pin = can_pin(pin)
+        self.pin, self.fresh = can_pin(pin), fresh
         self._bufs: list[Buffer] = []  # every buffer made and kept; free once nobody holds it
         self._lock = threading.Lock()
         self.made = 0
 
     def _new(self) -> Buffer:
+        make = torch.empty if self.fresh else torch.zeros  # a memset per batch is not free
         tensors = {
-            f.name: torch.zeros(
+            f.name: make(
                 (self.batch_size, *f.shape), dtype=torch_dtype(f.dtype), pin_memory=self.pin
             )
             for f in self.fields
@@ -123,14 +145,21 @@ class BufferRing:
 
     def take(self) -> Buffer:
         """A buffer nobody holds (a new one when every buffer is held). Of the buffers found
-        free, ``keep`` stay for reuse and the rest are let go."""
+        free, ``keep`` stay for reuse and the rest are let go; when ``fresh``, every buffer
+        found free is let go (first, so the allocator may hand its memory out again) and a
+        new one made."""
         with self._lock:
-            free = [b for b in self._bufs if not b.held()]
-            for b in free[self.keep :]:
-                self._bufs.remove(b)
-            buf = free[0] if free else self._new()
-            if not free:
+            if self.fresh:
+                self._bufs = [b for b in self._bufs if b.held()]
+                buf = self._new()
                 self._bufs.append(buf)
+            else:
+                free = [b for b in self._bufs if not b.held()]
+                for b in free[self.keep :]:
+                    self._bufs.remove(b)
+                buf = free[0] if free else self._new()
+                if not free:
+                    self._bufs.append(buf)
             buf.pending = True
             return buf
 

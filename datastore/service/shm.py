@@ -15,6 +15,7 @@ import mmap
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,17 +103,24 @@ class ClientMaps:
     """A client's mappings of the segments it was sent, one per file, kept while it streams.
 
     Args:
-        pin: page-lock each mapping for CUDA copies (``cudaHostRegister``), so copies to a GPU
-            run at pinned speed. Default: ``False``.
+        copies_on: the CUDA stream that copies out of the mappings (the loader's side stream):
+            each mapping is then page-locked (``cudaHostRegister``), so the copies run at
+            pinned speed, and :meth:`drop` waits for that stream before unlocking. Default:
+            ``None`` (pageable).
     """
 
-    def __init__(self, pin: bool = False) -> None:
+    def __init__(self, copies_on: Any = None) -> None:
         self._maps: dict[str, mmap.mmap] = {}
-        self._pin = pin
+        self._copies_on = copies_on
         self._pinned: list[np.ndarray] = []  # a byte view of each page-locked mapping
 
     def __contains__(self, path: str) -> bool:
         return path in self._maps
+
+    @property
+    def pinned(self) -> int:
+        """How many mappings are page-locked now."""
+        return len(self._pinned)
 
     def array(self, path: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         m = self._maps.get(path)
@@ -123,7 +131,7 @@ class ClientMaps:
             finally:
                 os.close(fd)
             self._maps[path] = m
-            if self._pin:
+            if self._copies_on is not None:
                 self._register(m)
         count = int(np.prod(shape, dtype=np.int64))
         return np.frombuffer(m, dtype=dtype, count=count, offset=offset).reshape(shape)
@@ -132,19 +140,33 @@ class ClientMaps:
         from datastore.device import register_host
 
         whole = np.frombuffer(m, dtype=np.uint8)
-        if register_host(whole.ctypes.data, whole.nbytes):
-            self._pinned.append(whole)
+        with _on_device_of(self._copies_on):
+            if register_host(whole.ctypes.data, whole.nbytes):
+                self._pinned.append(whole)
 
     def drop(self) -> None:
         """Forget the mappings (each is unmapped once no tensor uses it). Page-locked ones are
-        unregistered once every copy queued on the GPU is done (one may still read them)."""
+        unregistered once the copies queued on ``copies_on`` so far are done (one may still
+        read them): an event recorded on that stream is waited for, on the stream's own
+        device whatever device is current, and the rest of that GPU's work is not."""
         from datastore.device import unregister_host
 
         if self._pinned:
             import torch
 
-            torch.cuda.synchronize()
-        for whole in self._pinned:
-            unregister_host(whole.ctypes.data)
+            copied = torch.cuda.Event()
+            copied.record(self._copies_on)
+            copied.synchronize()
+            with _on_device_of(self._copies_on):
+                for whole in self._pinned:
+                    unregister_host(whole.ctypes.data)
         self._pinned.clear()
         self._maps.clear()
+
+
+def _on_device_of(stream: Any) -> Any:
+    """The CUDA device of ``stream`` made current (registrations belong to a device's
+    context)."""
+    import torch
+
+    return torch.cuda.device(stream.device)

@@ -46,6 +46,8 @@ class ServiceSource:
         world: this rank and the world size.
         token, transport, job_id, tls_ca: see ``DataStoreLoader``.
         gather: copies into the ring's buffers.
+        copies_on: the CUDA stream that copies batches to the device (``device=``): the
+            shared-memory segments are then page-locked for it. Default: ``None``.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class ServiceSource:
         job_id: str,
         tls_ca: Any,
         gather: Gather,
+        copies_on: Any = None,
     ) -> None:
         from datastore.service._pb.v1 import datastore_pb2 as pb
         from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
@@ -81,6 +84,7 @@ class ServiceSource:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         self._pb, self._raise_for = pb, raise_for
         self.options, self.gather, self.counters = options, gather, Counters()
+        self._copies_on = copies_on
         self.rank, self.world_size = world.rank, world.size
         spatial = options.spatial
         blocks = math.prod(spatial["parts"]) if spatial else 1
@@ -143,7 +147,7 @@ class ServiceSource:
         self.session_id = reply.session_id
         if self._maps is not None:  # reopened: the old session's mappings go
             self._maps.drop()
-        self._maps = ClientMaps(pin=self.options.device is not None)
+        self._maps = ClientMaps(copies_on=self._copies_on)
         self._kept = collections.deque()
         return reply
 
