@@ -309,7 +309,7 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
 
 def _read_dataset(path: str) -> DatasetSize:
     from datastore.plan_model import DatasetSize
-    from datastore.readers.registry import open_dataset
+    from datastore.readers.spec import open_dataset
 
     with open_dataset(path) as reader:
         reader.check_files()

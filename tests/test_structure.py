@@ -47,10 +47,13 @@ def _modules(root: Path = REPO) -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, name: str, top_level_only: bool) -> set[str]:
-    """Names of ours that ``path`` imports (``top_level_only``: not inside functions); a
-    ``from M import x`` gives both ``M`` and ``M.x`` (``x`` may be a module)."""
+def _imports(path: Path, name: str, top_level_only: bool, run_time_only: bool = False) -> set[str]:
+    """Names of ours that ``path`` imports (``top_level_only``: not inside functions;
+    ``run_time_only``: not under ``if TYPE_CHECKING:``); a ``from M import x`` gives both ``M``
+    and ``M.x`` (``x`` may be a module)."""
     tree = ast.parse(path.read_text())
+    if run_time_only:
+        tree = _WithoutTypeChecking().visit(tree)
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
@@ -66,6 +69,15 @@ def _imports(path: Path, name: str, top_level_only: bool) -> set[str]:
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
     return {m for m in found if m.split(".")[0] in PACKAGES}
+
+
+class _WithoutTypeChecking(ast.NodeTransformer):
+    """Drops the body of every ``if TYPE_CHECKING:`` (imports for type checkers only)."""
+
+    def visit_If(self, node: ast.If) -> ast.AST | list[ast.stmt]:
+        if isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return node.orelse
+        return self.generic_visit(node)
 
 
 def _owner(name: str, modules: dict[str, Path]) -> str:
@@ -162,6 +174,44 @@ def test_no_module_level_import_cycle():
     }
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def _readers_graph(root: Path = REPO) -> dict[str, set[str]]:
+    """``{module: modules it imports at run time, lazily too}`` within ``datastore.readers``."""
+    modules = {n: p for n, p in _modules(root).items() if n.startswith("datastore.readers")}
+    return {
+        n: {_owner(m, modules) for m in _imports(p, n, False, run_time_only=True)}
+        & set(modules) - {n}
+        for n, p in modules.items()
+    }
+
+
+def test_the_readers_import_no_cycle_even_lazily_and_no_reader_imports_another():
+    graph = _readers_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in datastore.readers: " + " -> ".join(cycle)
+    # a reader module registers its format; it imports the registry, never another reader
+    readers = {
+        n for n, p in _modules().items()
+        if n.startswith("datastore.readers.") and "\nregister(" in p.read_text()
+    }  # fmt: skip
+    assert len(readers) >= 5, readers
+    crossed = {n: sorted(graph[n] & readers) for n in readers if graph[n] & readers}
+    assert not crossed, f"readers importing readers: {crossed}"
+    assert all("datastore.readers.registry" in graph[n] for n in readers)
+
+
+def test_a_lazy_import_back_into_the_readers_is_a_cycle(tmp_path):
+    for path in (REPO / "datastore" / "readers").glob("*.py"):
+        dest = tmp_path / path.relative_to(REPO)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(path.read_text())
+    assert find_cycle(_readers_graph(tmp_path)) is None
+    registry = tmp_path / "datastore" / "readers" / "registry.py"
+    registry.write_text(
+        registry.read_text() + "\n\ndef f():\n    from datastore.readers.spec import detect\n"
+    )
+    assert find_cycle(_readers_graph(tmp_path)) is not None
 
 
 def test_find_cycle():

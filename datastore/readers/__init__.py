@@ -10,6 +10,9 @@
 
 Every bad input raises ``DatasetError`` (a ``ValueError``) naming the file and the field.
 
+A format is a reader module that registers its ``Format`` (``registry``: name, reader,
+suffixes, detection) and is imported by ``spec``; ``FORMATS`` holds every registered one.
+
 The names below load on first use (PEP 562), so that ``datastore stage``, whose command line
 registers ``datastore inspect`` from this package, does not pay for numpy, h5py and zarr.
 """
@@ -23,8 +26,8 @@ if TYPE_CHECKING:
     from datastore.readers.base import DatasetError, FieldInfo, Reader
     from datastore.readers.lmdb_format import write_lmdb
     from datastore.readers.lmdb_layout import LmdbLayout, RecordField
-    from datastore.readers.registry import open_dataset
-    from datastore.readers.spec import FORMATS, DatasetSpec, FieldSpec, detect
+    from datastore.readers.registry import FORMATS, Format, register
+    from datastore.readers.spec import DatasetSpec, FieldSpec, detect, open_dataset
 
 __all__ = [
     "FORMATS",
@@ -32,11 +35,13 @@ __all__ = [
     "DatasetSpec",
     "FieldInfo",
     "FieldSpec",
+    "Format",
     "LmdbLayout",
     "Reader",
     "RecordField",
     "detect",
     "open_dataset",
+    "register",
     "write_lmdb",
 ]
 
@@ -47,11 +52,13 @@ _MODULE_OF = {
     "write_lmdb": "lmdb_format",
     "LmdbLayout": "lmdb_layout",
     "RecordField": "lmdb_layout",
-    "open_dataset": "registry",
-    "FORMATS": "spec",
+    "FORMATS": "spec",  # through spec: the built-in formats registered
+    "Format": "registry",
+    "register": "registry",
     "DatasetSpec": "spec",
     "FieldSpec": "spec",
     "detect": "spec",
+    "open_dataset": "spec",
 }
 
 

@@ -22,14 +22,17 @@ from __future__ import annotations
 import itertools
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.npyfile import RawArray
-from datastore.readers.spec import LAYOUTS, DatasetSpec, resolve_paths
+from datastore.readers.registry import LAYOUTS, Format, register, resolve_paths
+
+if TYPE_CHECKING:
+    from datastore.readers.spec import DatasetSpec
 
 __all__ = [
     "FORMAT_OF_LAYOUT",
@@ -489,3 +492,18 @@ class Hdf5PerSampleReader(_Hdf5Base):
             ds = self._dataset(files, path, info)
             self._check(path, ds, info)
             ds.read_direct(out, source_sel=sel if sel else None)
+
+
+def _settle(files: list[str], where: str) -> str:
+    """One file is ``hdf5``; a set is shards or one sample per file (``set_format``)."""
+    return set_format(files, where=where) if len(files) > 1 else "hdf5"
+
+
+_SUFFIXES = (".h5", ".hdf5")
+register(
+    Format(
+        "hdf5", Hdf5Reader, suffixes=_SUFFIXES, settle=_settle, layouts=FORMAT_OF_LAYOUT,
+        title="HDF5",
+    )
+)  # fmt: skip
+register(Format("hdf5-per-sample", Hdf5PerSampleReader, suffixes=_SUFFIXES, detected=False))

@@ -125,7 +125,7 @@ def _dtype_name(dtype_str: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from datastore.readers.base import DatasetError
-    from datastore.readers.registry import open_dataset
+    from datastore.readers.spec import open_dataset
 
     try:
         with open_dataset(args.path, layout=args.layout) as reader:

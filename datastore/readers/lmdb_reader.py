@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 import numcodecs
@@ -26,7 +26,10 @@ from numcodecs.compat import ensure_ndarray
 from datastore.readers.base import DatasetError, FieldInfo, Reader
 from datastore.readers.lmdb_format import META_KEY, parse_meta, sample_key
 from datastore.readers.lmdb_records import SpecRecords
-from datastore.readers.spec import DatasetSpec, resolve_paths
+from datastore.readers.registry import Format, register, resolve_paths
+
+if TYPE_CHECKING:
+    from datastore.readers.spec import DatasetSpec
 
 __all__ = ["LmdbReader"]
 
@@ -171,3 +174,11 @@ class LmdbReader(Reader):
                 info.name,
             )
         return data.view(info.dtype).reshape(info.shape)
+
+
+def _is_environment(path: str) -> bool:
+    """Whether the directory ``path`` holds an LMDB environment (``data.mdb``)."""
+    return os.path.exists(os.path.join(path, "data.mdb"))
+
+
+register(Format("lmdb", LmdbReader, whole=True, marker=_is_environment, title="LMDB"))

@@ -1,6 +1,9 @@
-"""What a dataset is: its format, where it lies, which fields to read; and auto-detection.
+"""What a dataset is: its format, where it lies, which fields to read; auto-detection, and
+``open_dataset``.
 
-Formats (every field has the same dtype and per-sample shape in every sample):
+Formats (every field has the same dtype and per-sample shape in every sample), each declared by
+its reader module in the ``registry`` (a new format: a reader module that registers its
+``Format``, imported below):
 
 - ``hdf5``: one or more HDF5 files (shards such as ``part-000.h5``, ``part-001.h5``, each
   holding any number of samples, concatenated in path order), one dataset per field with a
@@ -38,7 +41,6 @@ A spec file (``DatasetSpec.load``) is JSON or TOML (docs/loader.md has one for e
 
 from __future__ import annotations
 
-import glob
 import itertools
 import json
 import operator
@@ -48,31 +50,23 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
-from datastore.readers.base import DatasetError, DatasetMissing
+# The built-in readers: importing each registers its formats (``registry``), in this order.
+from datastore.readers import hdf5_reader, lmdb_reader, npy_reader, tar_reader, zarr_reader  # noqa: F401
+from datastore.readers.base import DatasetError, DatasetMissing, Reader
 from datastore.readers.lmdb_layout import LmdbLayout
+from datastore.readers.registry import FORMATS, LAYOUTS, detect_format, format_named
 
 __all__ = [
     "FORMATS",
-    "LAYOUTS",
     "SPEC_SUFFIXES",
     "DatasetSpec",
     "FieldSpec",
     "check_layout",
     "detect",
-    "resolve_paths",
+    "open_dataset",
 ]
 
-LAYOUTS = ("shards", "per-sample")  # how several HDF5 files hold samples (``detect``)
-FORMATS = ("hdf5", "hdf5-per-sample", "zarr", "lmdb", "npy", "tar")
 SPEC_SUFFIXES = (".json", ".toml")
-# File suffixes a directory is listed for, by format; zarr and lmdb are directories themselves.
-SUFFIXES = {
-    "hdf5": (".h5", ".hdf5"),
-    "hdf5-per-sample": (".h5", ".hdf5"),
-    "npy": (".npy", ".npz"),
-    "tar": (".tar",),
-}
-_COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.zst", ".tzst", ".tar.bz2", ".tar.xz")
 
 
 @dataclass(frozen=True)
@@ -115,7 +109,7 @@ class DatasetSpec:
     """A dataset: its format, its paths, and the fields to read.
 
     Args:
-        format: one of ``FORMATS``.
+        format: a name in ``FORMATS`` (the registered formats, ``registry``).
         paths: files, directories or globs (a single string is one path).
         fields: ``FieldSpec`` s (or bare names) to read. Default: ``()``, every field in the data
             with default spatial axes.
@@ -142,10 +136,7 @@ class DatasetSpec:
         where = paths[0] if paths else None
         if not paths or any(not p for p in paths):
             raise DatasetError(where, "a dataset spec needs at least one non-empty path")
-        if self.format not in FORMATS:
-            raise DatasetError(
-                where, f"unknown format {self.format!r} (one of: {', '.join(FORMATS)})"
-            )
+        format_named(self.format, where)
         fields = tuple(FieldSpec(f) if isinstance(f, str) else f for f in self.fields)
         for f in fields:
             if not isinstance(f, FieldSpec):
@@ -255,126 +246,6 @@ def _read_regular(path: str) -> bytes:
         os.close(fd)
 
 
-def _is_glob(path: str) -> bool:
-    return any(c in path for c in "*?[")
-
-
-def _matches(path: str) -> list[str]:
-    """The existing paths ``path`` names: itself, or a glob's matches sorted by name; each a
-    regular file or a directory (opening a FIFO or a device would block or mislead)."""
-    if _is_glob(path):
-        found = sorted(glob.glob(path))
-        if not found:
-            raise DatasetMissing(path, "the glob matches nothing")
-    elif not os.path.exists(path):
-        raise DatasetMissing(path, "no such file or directory")
-    else:
-        found = [path]
-    for f in found:
-        if not (os.path.isfile(f) or os.path.isdir(f)):
-            raise DatasetError(f, "not a regular file or directory (a FIFO, socket or device)")
-    return found
-
-
-def _listdir(path: str, suffixes: tuple[str, ...]) -> list[str]:
-    """Files in directory ``path`` ending in one of ``suffixes``, sorted by name."""
-    try:
-        names = sorted(os.listdir(path))
-    except OSError as exc:
-        raise DatasetError(path, f"cannot list directory: {exc.strerror or exc}") from None
-    return [
-        os.path.join(path, n)
-        for n in names
-        if not n.startswith(".")
-        and n.lower().endswith(suffixes)
-        and os.path.isfile(os.path.join(path, n))
-    ]
-
-
-def resolve_paths(spec: DatasetSpec) -> list[str]:
-    """The files a spec reads, in order (for ``zarr`` and ``lmdb``: the one directory; an
-    ``lmdb`` environment may be one file)."""
-    out: list[str] = []
-    for path in spec.paths:
-        for m in _matches(path):
-            if spec.format in ("zarr", "lmdb"):
-                if spec.format == "zarr" and not os.path.isdir(m):
-                    raise DatasetError(m, "a zarr dataset is a directory")
-                out.append(m)
-            elif os.path.isdir(m):
-                found = _listdir(m, SUFFIXES[spec.format])
-                if not found:
-                    raise DatasetError(
-                        m, f"no {'/'.join(SUFFIXES[spec.format])} files in the directory"
-                    )
-                out.extend(found)
-            else:
-                out.append(m)
-    if spec.format in ("zarr", "lmdb") and len(out) != 1:
-        raise DatasetError(
-            spec.paths[0],
-            f"a {spec.format} dataset is one directory (or LMDB file); the paths name {len(out)}",
-        )
-    return out
-
-
-def detect_format(path: str, layout: str | None = None) -> str:
-    """The format of the dataset at ``path`` (a file, a directory or a glob), from names and,
-    for several HDF5 files, their shapes; ``layout`` states how HDF5 files hold samples."""
-    found = _matches(path)
-    if len(found) == 1 and os.path.isdir(found[0]):
-        d = found[0]
-        if os.path.exists(os.path.join(d, "zarr.json")) or os.path.exists(
-            os.path.join(d, ".zgroup")
-        ):
-            return "zarr"
-        if os.path.exists(os.path.join(d, ".zarray")):
-            raise DatasetError(d, "a zarr array, not a group; write the fields into a group")
-        if os.path.exists(os.path.join(d, "data.mdb")):
-            return "lmdb"
-        files = _listdir(d, (".h5", ".hdf5", ".npy", ".npz", ".tar", *_COMPRESSED_TAR))
-        if not files:
-            raise DatasetError(
-                d, "no dataset here: no .h5/.npy/.npz/.tar files, no zarr or lmdb markers"
-            )
-        return _format_of_files(d, files, layout)
-    if any(os.path.isdir(f) for f in found):
-        raise DatasetError(path, f"names {len(found)} paths, some directories; name one dataset")
-    return _format_of_files(path, found, layout)
-
-
-def _format_of_files(where: str, files: list[str], layout: str | None) -> str:
-    """The format of ``files``; several HDF5 files are looked into (``hdf5_reader.set_format``:
-    shards with a sample axis, or one sample per file) unless ``layout`` says which."""
-    kinds = set()
-    for f in files:
-        low = f.lower()
-        if low.endswith(_COMPRESSED_TAR):
-            raise DatasetError(
-                f, "a compressed tar cannot be read by offset; unpack it (datastore stage) first"
-            )
-        if low.endswith((".h5", ".hdf5")):
-            kinds.add("hdf5")
-        elif low.endswith((".npy", ".npz")):
-            kinds.add("npy")
-        elif low.endswith(".tar"):
-            kinds.add("tar")
-        else:
-            raise DatasetError(f, "not a dataset file (.h5, .hdf5, .npy, .npz, .tar)")
-    if len(kinds) != 1:
-        raise DatasetError(where, f"mixes dataset kinds {sorted(kinds)}; write a spec")
-    kind = kinds.pop()
-    if kind != "hdf5":
-        if layout is not None:
-            raise DatasetError(where, f"layout= is for HDF5 files; these are {kind}")
-        return kind
-    from datastore.readers.hdf5_reader import FORMAT_OF_LAYOUT, set_format
-
-    if layout is not None:
-        return FORMAT_OF_LAYOUT[layout]
-    return set_format(files, where=where) if len(files) > 1 else kind
-
-
 def detect(path: str | os.PathLike, layout: str | None = None) -> DatasetSpec:
     """The spec of the dataset at ``path``, every field with its default spatial axes.
 
@@ -395,8 +266,6 @@ def detect(path: str | os.PathLike, layout: str | None = None) -> DatasetSpec:
     """
     path = os.fspath(path)
     fmt = detect_format(path, check_layout(layout, path))
-    from datastore.readers.registry import open_dataset
-
     with open_dataset(DatasetSpec(fmt, (path,))) as reader:
         fields = tuple(FieldSpec(f.name, f.spatial_axes) for f in reader.fields.values())
     return DatasetSpec(fmt, (path,), fields)
@@ -409,3 +278,54 @@ def check_layout(layout: Any, where: str | None) -> str | None:
     raise DatasetError(
         where, f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}"
     )
+
+
+def open_dataset(
+    spec_or_path: DatasetSpec | str | os.PathLike,
+    *,
+    allow_pickle: bool = True,
+    layout: str | None = None,
+) -> Reader:
+    """A reader for a ``DatasetSpec``; for a path: a spec file (``.json``/``.toml``) is loaded,
+    anything else is detected (``detect``).
+
+    Args:
+        spec_or_path: the dataset.
+        allow_pickle: ``False`` refuses pickled LMDB records even when the spec allows them
+            (``datastore serve``: a client's spec file must not run code in the service).
+            Default: ``True``, as the spec says.
+        layout: for a path of HDF5 files: ``"shards"`` or ``"per-sample"`` (``detect``);
+            a spec states it in its format. Default: ``None``, decided from the files.
+
+    Raises:
+        DatasetError: naming the file (and field) for any input that cannot be read as asked.
+    """
+    if isinstance(spec_or_path, DatasetSpec):
+        spec = spec_or_path
+        _no_layout(layout, spec.paths[0], spec.format)
+    elif isinstance(spec_or_path, str | os.PathLike):
+        path = os.fspath(spec_or_path)
+        if path.lower().endswith(SPEC_SUFFIXES):
+            spec = DatasetSpec.load(path)
+            _no_layout(layout, path, spec.format)
+        else:
+            spec = detect(path, layout)
+    else:
+        raise DatasetError(None, f"expected a DatasetSpec or a path, got {spec_or_path!r}")
+    if not allow_pickle and spec.lmdb is not None and spec.lmdb.value == "pickle":
+        where = spec.paths[0] if isinstance(spec_or_path, DatasetSpec) else spec_or_path
+        raise DatasetError(
+            where,
+            'value = "pickle" is refused here: datastore serve unpickles nothing a client names '
+            "(it would run code that the data chose); read it with the embedded loader, or "
+            "convert it once with write_lmdb (docs/loader.md)",
+        )
+    return format_named(spec.format).reader(spec)
+
+
+def _no_layout(layout: str | None, where: str, fmt: str) -> None:
+    """A spec states its layout in its format: a ``layout`` beside it is refused."""
+    if layout is not None:
+        raise DatasetError(
+            where, f"layout={layout!r} beside a spec of format {fmt!r}: the format says it"
+        )

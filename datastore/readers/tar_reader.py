@@ -21,16 +21,19 @@ from __future__ import annotations
 import json
 import os
 import tarfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from datastore.readers.base import DatasetError
 from datastore.readers.labels import class_label, json_arrays
-from datastore.readers.npy_reader import Located, PerSampleFiles, reading
 from datastore.readers.npyfile import locate_npy, locate_npz
-from datastore.readers.spec import DatasetSpec, resolve_paths
+from datastore.readers.persample import Located, PerSampleFiles, reading
+from datastore.readers.registry import Format, register, resolve_paths
 from datastore.readers.tar_keys import Entry, Sample, group_samples
+
+if TYPE_CHECKING:
+    from datastore.readers.spec import DatasetSpec
 
 __all__ = ["TarReader"]
 
@@ -155,3 +158,12 @@ def _index_tar(path: str) -> list[tuple[str, int, int]]:
     except OSError as exc:
         raise DatasetError(path, f"cannot read: {exc.strerror or exc}") from None
     return out
+
+
+_COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tzst", ".tar.bz2", ".tar.xz")
+_UNPACK = "a compressed tar cannot be read by offset; unpack it (datastore stage) first"
+register(
+    Format(
+        "tar", TarReader, suffixes=(".tar",), refused=dict.fromkeys(_COMPRESSED_SUFFIXES, _UNPACK)
+    )
+)

@@ -8,7 +8,8 @@ several threads; each process opens the group once (zarr resets its I/O loop aft
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zarr
@@ -16,7 +17,10 @@ from zarr.core.buffer.cpu import NDBuffer
 from zarr.errors import ContainsArrayError
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
-from datastore.readers.spec import DatasetSpec, resolve_paths
+from datastore.readers.registry import Format, register, resolve_paths
+
+if TYPE_CHECKING:
+    from datastore.readers.spec import DatasetSpec
 
 __all__ = ["ZarrReader"]
 
@@ -29,6 +33,8 @@ class ZarrReader(Reader):
         super().__init__(spec)
         self.files = resolve_paths(spec)
         root = self.files[0]
+        if not os.path.isdir(root):
+            raise DatasetError(root, "a zarr dataset is a directory")
         group = _open_group(root)
         self.zarr_format: int = group.metadata.zarr_format
         arrays = _arrays(root, group)
@@ -95,3 +101,18 @@ def _arrays(root: str, group: Any) -> dict[str, Any]:
     return {
         name: m for name, m in sorted(members, key=lambda nm: nm[0]) if isinstance(m, zarr.Array)
     }
+
+
+def _is_group(path: str) -> bool:
+    """Whether the directory ``path`` is a zarr group (format 3's ``zarr.json`` or format 2's
+    ``.zgroup``); a zarr array is refused."""
+    if os.path.exists(os.path.join(path, "zarr.json")) or os.path.exists(
+        os.path.join(path, ".zgroup")
+    ):
+        return True
+    if os.path.exists(os.path.join(path, ".zarray")):
+        raise DatasetError(path, "a zarr array, not a group; write the fields into a group")
+    return False
+
+
+register(Format("zarr", ZarrReader, whole=True, marker=_is_group))
