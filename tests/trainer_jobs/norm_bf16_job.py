@@ -83,9 +83,14 @@ def check_conv_defaults(device: torch.device) -> dict:
 def check_bn(parts: tuple[int, ...], device: torch.device) -> dict:
     grid = ProcessGrid.create(parts)
     v, dy = volume(2), volume(3) - torch.tensor(MEANS).view(1, C, 1, 1, 1).to(BF16)
-    blocks = parts[0]
-    x = torch.tensor_split(v, blocks, dim=2)[grid.spatial_rank].to(device).requires_grad_()
-    g = torch.tensor_split(dy, blocks, dim=2)[grid.spatial_rank].to(device)
+    depth = SHAPE[0] // parts[0]  # this rank's slab of depth
+    mine = (
+        slice(None),
+        slice(None),
+        slice(grid.spatial_rank * depth, (grid.spatial_rank + 1) * depth),
+    )
+    x = v[mine].to(device).requires_grad_()
+    g = dy[mine].to(device)
     layer = DistBatchNorm3d(C, grid, stats_group=grid.spatial_group).to(device)
     exact = nn.BatchNorm3d(C, dtype=torch.float64)
     fp32 = nn.BatchNorm3d(C).to(device)
@@ -104,8 +109,6 @@ def check_bn(parts: tuple[int, ...], device: torch.device) -> dict:
     fp32(v.float().to(device))
     with torch.autocast(device.type, dtype=BF16):
         y_amp = amp(v.to(device))
-    mine = (slice(None), slice(None), torch.tensor_split(torch.arange(SHAPE[0]), blocks)[
-        grid.spatial_rank])  # fmt: skip
     layer.eval()
     exact.eval()
     with torch.autocast(device.type, dtype=BF16):
