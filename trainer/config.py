@@ -27,10 +27,12 @@ import math
 import os
 import tomllib
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from trainer.devices import BACKENDS
+from trainer.model_table import MODELS
 from trainer.optim import DECAYS
 
 __all__ = [
@@ -44,7 +46,6 @@ __all__ = [
     "parse_override",
 ]
 
-MODELS = ("cosmoflow", "unet3d")
 OPTIMIZERS = ("sgd", "adam", "lars", "lion", "lion_cub")
 
 
@@ -66,8 +67,9 @@ class TrainConfig:
             channel axis and 3 spatial axes; the target is a vector per sample for
             ``cosmoflow``, a volume of the input's spatial shape for ``unet3d``. Default:
             ``"x"``, ``"y"``.
-        model: one of :data:`MODELS`: ``cosmoflow`` regresses the target vector, ``unet3d``
-            predicts the target volume voxel by voxel. Default: ``"cosmoflow"``.
+        model: a name in :data:`MODELS` (``trainer.model_table``): ``cosmoflow`` regresses the
+            target vector, ``unet3d`` predicts the target volume voxel by voxel.
+            Default: ``"cosmoflow"``.
         width: filters of the first level (CosmoFlow's ``conv_size``, the U-Net's ``base``).
             Default: ``8``.
         conv_blocks: CosmoFlow's convolution blocks or the U-Net's poolings (``0``: CosmoFlow
@@ -305,7 +307,7 @@ def _coerce_fields(obj: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> No
             object.__setattr__(obj, f.name, value)
 
 
-def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+def _choice(key: str, value: str, options: Collection[str]) -> None:
     if value not in options:
         raise ConfigError(f"config key {key!r}: {value!r} is not one of {', '.join(options)}")
 

@@ -33,18 +33,14 @@ import torch
 
 from trainer.comm import all_reduce_sum
 
-__all__ = ["Sums", "channel_sums", "local_loss", "task_of"]
-
-
-def task_of(model: str) -> str:
-    """``"vector"`` for ``cosmoflow``, ``"voxel"`` for ``unet3d``."""
-    return "vector" if model == "cosmoflow" else "voxel"
+__all__ = ["Sums", "channel_sums", "local_loss"]
 
 
 def local_loss(
     pred: torch.Tensor, target: torch.Tensor, task: str, whole_voxels: int
 ) -> torch.Tensor:
-    """This rank's share of the replica's MSE (module docstring), in float32."""
+    """This rank's share of the replica's MSE (module docstring), in float32; ``task``: the
+    model's (``trainer.model_table.Model.task``)."""
     err = (pred.float() - target.float()).square()
     if task == "vector":
         return err.mean()

@@ -20,7 +20,8 @@ lengths back, which matches the skips exactly when every pooled block was even).
 
 A model larger than memory used to fail while it was built, with an out-of-memory traceback:
 :func:`model_parameters` counts the parameters of the model ``trainer.train.build_model`` would
-build (exact Python integers: nothing is allocated, and no width overflows), and
+build, built on the meta device (exact Python integers: nothing is allocated, and no width
+overflows), and
 :func:`check_memory` refuses a run whose parameters, gradients and optimizer state
 (:func:`optimizer_copies`) cannot fit in the memory it runs in. Activations, buffers and
 communication buckets are left out: only what cannot fit is refused.
@@ -33,6 +34,7 @@ from collections.abc import Sequence
 from decimal import Decimal
 
 from datastore.partition import split_sizes
+from trainer.model_table import model_named, parameter_count
 
 __all__ = [
     "check_fields", "check_memory", "check_run", "check_world", "level_blocks", "model_depth",
@@ -40,16 +42,12 @@ __all__ = [
 ]  # fmt: skip
 
 KERNEL = 3  # both models' convolutions
-HEAD = (128, 64)  # CosmoFlow's dense hidden layers (trainer.models.CosmoFlow's fc1, fc2)
 PARAMETER_BYTES = 4  # float32 parameters, gradients and optimizer state (AMP keeps float32)
 
 
 def model_depth(model: str, side: int, conv_blocks: int) -> int:
     """Poolings of ``model`` for a cube of ``side``: ``conv_blocks``, or its default when 0."""
-    if conv_blocks:
-        return conv_blocks
-    levels = int(math.log2(side)) if side > 0 else 0
-    return min(5, levels) if model == "cosmoflow" else max(1, min(3, levels - 2))
+    return conv_blocks or model_named(model).default_depth(side)
 
 
 def level_blocks(
@@ -127,10 +125,12 @@ def check_fields(
     inputs: tuple[str, Sequence[int], Sequence[int]],
     targets: tuple[str, Sequence[int], Sequence[int]],
 ) -> None:
-    """Check the input and target fields' per-sample shapes and spatial axes for ``model``.
+    """Check the input and target fields' per-sample shapes and spatial axes for ``model``:
+    the input ``(C, D, H, W)`` with spatial axes ``(1, 2, 3)``, then the model's own check
+    (``trainer.model_table.Model.check_fields``).
 
     Args:
-        model: ``"cosmoflow"`` or ``"unet3d"``.
+        model: a name in ``trainer.model_table.MODELS``.
         inputs, targets: ``(name, shape, spatial axes)`` of each field.
 
     Raises:
@@ -142,20 +142,7 @@ def check_fields(
             f"input field {name!r}: expected (channels, depth, height, width) per sample with "
             f"spatial axes (1, 2, 3), got shape {tuple(shape)}, spatial axes {tuple(axes)}"
         )
-    tname, tshape, taxes = targets
-    if model == "cosmoflow":
-        if len(shape) == 4 and len(set(shape[1:])) != 1:
-            raise ValueError(f"input field {name!r}: cosmoflow needs a cube, got {shape[1:]}")
-        if len(tshape) != 1:
-            raise ValueError(
-                f"target field {tname!r}: cosmoflow predicts a vector per sample, got shape "
-                f"{tuple(tshape)}"
-            )
-    elif len(tshape) != 4 or tuple(tshape[1:]) != tuple(shape[1:]) or tuple(taxes) != (1, 2, 3):
-        raise ValueError(
-            f"target field {tname!r}: unet3d predicts a volume of the input's spatial shape "
-            f"{tuple(shape[1:])} with channels first, got shape {tuple(tshape)}"
-        )
+    model_named(model).check_fields(inputs, targets)
 
 
 def check_run(
@@ -178,38 +165,18 @@ def check_run(
 def model_parameters(
     model: str, in_channels: int, out_channels: int, side: int, width: int, depth: int
 ) -> int:
-    """Trainable parameters of ``model`` as ``trainer.train.build_model`` builds it, counted
-    without building it (the spatially split layers hold the same parameters on every rank).
+    """Trainable parameters of ``model`` as ``trainer.train.build_model`` builds it for a cube
+    of ``side``, counted on the meta device (``trainer.model_table.parameter_count``; the
+    spatially split layers hold the same parameters on every rank).
 
     Args:
-        model: ``"cosmoflow"`` or ``"unet3d"``.
+        model: a name in ``trainer.model_table.MODELS``.
         in_channels, out_channels: the input's channels; the target's (CosmoFlow's outputs).
-        side: CosmoFlow's cube side (unused for the U-Net, whose parameters do not depend on it).
+        side: the cube's side.
         width: the first level's filters (config key ``width``).
         depth: the poolings (:func:`model_depth`; checked by :func:`level_blocks` first).
     """
-
-    def conv(cin: int, cout: int, k: int = KERNEL) -> int:
-        return cin * cout * k**3 + cout
-
-    widths = [width << i for i in range(depth + 1)]
-    if model == "cosmoflow":
-        total, cin = 0, in_channels
-        for cout in widths[:depth]:
-            total, cin = total + conv(cin, cout), cout
-        fc1, fc2 = HEAD
-        flat = cin * (side >> depth) ** 3
-        return total + conv(flat, fc1, 1) + conv(fc1, fc2, 1) + conv(fc2, out_channels, 1)
-
-    def double(cin: int, cout: int) -> int:  # two (convolution, BatchNorm's weight and bias)
-        return conv(cin, cout) + conv(cout, cout) + 4 * cout
-
-    total, cin = 0, in_channels
-    for w in widths:
-        total, cin = total + double(cin, w), w
-    for w in widths[:-1]:  # the stride-2 transposed convolution, then the merge
-        total += conv(2 * w, w, 2) + double(2 * w, w)
-    return total + conv(widths[0], out_channels, 1)
+    return parameter_count(model_named(model), in_channels, out_channels, (side,) * 3, width, depth)
 
 
 def optimizer_copies(optimizer: str, momentum: float) -> int:

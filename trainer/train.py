@@ -67,8 +67,9 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.dist_models import DistLayers
 from trainer.grid import ProcessGrid
 from trainer.lion_cub import LionCub
-from trainer.metrics import Sums, local_loss, task_of
-from trainer.models import CosmoFlow, LayerFactory, UNet3D
+from trainer.metrics import Sums, local_loss
+from trainer.model_table import model_named
+from trainer.models import LayerFactory
 from trainer.optim import LARS, Lion, lr_at, set_lr, split_decay_groups
 from trainer.reduce import GradientReducer
 from trainer.start import Run, data_address, data_paths, data_token, schedule_of, start
@@ -86,16 +87,11 @@ __all__ = [
 
 
 def build_model(cfg: TrainConfig, run: Run, layers: LayerFactory | None = None) -> nn.Module:
-    """The model ``cfg.model`` for ``run``'s fields and depth (on the CPU)."""
-    channels, spatial = run.inputs[1][0], run.inputs[1][1:]
-    if cfg.model == "unet3d":
-        out = run.targets[1][0]
-        return UNet3D(
-            channels, out, base=cfg.width, depth=run.depth, residual=channels == out, layers=layers
-        )
-    return CosmoFlow(
-        channels, run.targets[1][0], input_size=spatial[0], conv_size=cfg.width,
-        n_conv=run.depth, dropout=cfg.dropout, layers=layers,
+    """The model ``cfg.model`` (``trainer.model_table``) for ``run``'s fields and depth (on the
+    CPU); a name not in the table is refused, naming the ones that are."""
+    return model_named(cfg.model).build(
+        run.inputs[1][0], run.targets[1][0], tuple(run.inputs[1][1:]), width=cfg.width,
+        depth=run.depth, dropout=cfg.dropout, layers=layers,
     )  # fmt: skip
 
 
@@ -184,7 +180,7 @@ class Trainer:
         self.cfg, self.run, grid = cfg, run, run.grid
         self.grid = grid
         self.lead = grid is None or grid.rank == 0
-        self.task = task_of(cfg.model)
+        self.task = model_named(cfg.model).task
         self.gpu = run.device.type == "cuda"
         if self.gpu:
             torch.cuda.set_device(run.device)
