@@ -34,6 +34,15 @@ device and dtype, through :mod:`trainer.comm`: directly over NCCL (device tensor
 tensors), staged through page-locked host memory for CUDA tensors over gloo. Tags name the axis
 and direction, so the two messages between a pair of ranks cannot be confused.
 
+Memory format: every tensor keeps the input's layout, ``channels_last_3d`` (channels
+innermost, what cuDNN runs fastest under bf16) or contiguous, forward and backward: the padded
+block; the message buffers, which hold a slab with its axes in memory order (``(N, D, H, W,
+C)`` for ``channels_last_3d``), so that sending and landing copy without permuting; the output
+and the input gradient (:func:`layout_of` the input: an incoming gradient of another layout is
+converted in the copy the adjoint makes anyway). A message is raw bytes in the sender's
+layout, so every rank of the spatial group must pass inputs of one memory format (the trainer
+does: one model and one batch format on every rank).
+
 Split forward, for overlap (:func:`start_halo_exchange`, :func:`finish_halo_exchange`)
     ``start`` returns ``P x`` (the zero-padded block, halos still zero) and posts ``E_j`` of the
     first exchanging axis ``j`` without waiting; ``finish`` waits for it, then runs the other
@@ -75,6 +84,7 @@ __all__ = [
     "exchange_slices",
     "finish_halo_exchange",
     "halo_exchange",
+    "layout_of",
     "padded_shape",
     "start_halo_exchange",
     "wait_clock",
@@ -117,6 +127,26 @@ class WaitClock:
 
 wait_clock = WaitClock()
 """The process-wide clock of every halo exchange's waits (see the module docstring)."""
+
+
+def layout_of(t: torch.Tensor) -> torch.memory_format:
+    """``channels_last_3d`` for a 5-D tensor laid out channels innermost, else contiguous."""
+    channels_last = t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+    if channels_last and not t.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _wire(t: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
+    """``t`` with its axes in the memory order of ``layout`` (a view): ``(N, D, H, W, C)`` for
+    ``channels_last_3d``. A message travels as such a view made contiguous (what gloo and NCCL
+    take), which a slab of that layout is copied into without permuting."""
+    return t.permute(0, 2, 3, 4, 1) if layout == torch.channels_last_3d else t
+
+
+def _unwire(buf: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
+    """The inverse of :func:`_wire`: ``(N, C, D, H, W)`` again, in ``layout``."""
+    return buf.permute(0, 4, 1, 2, 3) if layout == torch.channels_last_3d else buf
 
 
 def padded_shape(owned: Sequence[int], halo: Sequence[int]) -> tuple[int, ...]:
@@ -184,17 +214,21 @@ def _post(
     """Post sends of ``t[send[lo/hi]]`` to the low/high neighbour and receives into fresh
     buffers for ``t[recv[lo/hi]]``; all transfers along the axis are posted before any is
     waited for, so the two directions cannot deadlock. Returns the pending transfers and
-    ``(where, buffer)`` of what lands after the wait."""
+    ``(where, buffer)`` of what lands after the wait. Buffers hold the slabs in ``t``'s
+    layout (:func:`_wire`): a slab and its neighbour's have one shape, so their bytes line up."""
     lead = (slice(None),) * (t.dim() - grid.ndim)
+    layout = layout_of(t)
     sends, recvs, landed = [], [], []
     for side, peer in enumerate(grid.neighbours[axis]):
         if peer is None:
             continue
         upward = side == 1
-        buf = torch.empty_like(t[lead + recv[side]], memory_format=torch.contiguous_format)
+        shape = _wire(t[lead + recv[side]], layout).shape
+        buf = torch.empty(shape, dtype=t.dtype, device=t.device)
         recvs.append((peer, buf, _tag(axis, not upward)))
-        landed.append((recv[side], buf))
-        sends.append((peer, t[lead + send[side]].contiguous(), _tag(axis, upward)))
+        landed.append((recv[side], _unwire(buf, layout)))
+        packed = _wire(t[lead + send[side]], layout).contiguous()
+        sends.append((peer, packed, _tag(axis, upward)))
     # Waits carry the grid's timeout: a dead or stalled peer cannot hang us.
     return start_exchange(sends, recvs, grid.spatial_group, grid.timeout), landed
 
@@ -264,11 +298,14 @@ def _forward(x: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]) -> torch
     return t
 
 
-def _adjoint_exchange(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...], axes):
-    """``E_k^T`` for ``k`` in ``reversed(axes)`` on a copy of the padded gradient ``g``."""
+def _adjoint_exchange(
+    g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...], axes, layout: torch.memory_format
+):
+    """``E_k^T`` for ``k`` in ``reversed(axes)`` on a copy of the padded gradient ``g``, in
+    ``layout``."""
     padded = tuple(g.shape[-grid.ndim :])
     owned = tuple(n - 2 * h for n, h in zip(padded, halo, strict=True))
-    g = g.clone(memory_format=torch.contiguous_format)
+    g = g.clone(memory_format=layout)
     lead = (slice(None),) * (g.dim() - grid.ndim)
     for axis in reversed(axes):
         s = exchange_slices(owned, halo, axis)
@@ -281,16 +318,19 @@ def _adjoint_exchange(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...],
     return g
 
 
-def _crop(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]) -> torch.Tensor:
-    """``P^T``: drop the halo."""
+def _crop(
+    g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...], layout: torch.memory_format
+) -> torch.Tensor:
+    """``P^T``: drop the halo; dense in ``layout``."""
     padded = tuple(g.shape[-grid.ndim :])
     lead = (slice(None),) * (g.dim() - grid.ndim)
     inner = tuple(slice(h, n - h) for n, h in zip(padded, halo, strict=True))
-    return g[lead + inner].contiguous()
+    return g[lead + inner].contiguous(memory_format=layout)
 
 
-def _adjoint(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]) -> torch.Tensor:
-    return _crop(_adjoint_exchange(g, grid, halo, exchange_axes(grid, halo)), grid, halo)
+def _adjoint(g: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...], layout) -> torch.Tensor:
+    axes = exchange_axes(grid, halo)
+    return _crop(_adjoint_exchange(g, grid, halo, axes, layout), grid, halo, layout)
 
 
 class HaloExchange(torch.autograd.Function):
@@ -298,12 +338,12 @@ class HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, grid: ProcessGrid, halo: tuple[int, ...]):
-        ctx.grid, ctx.halo = grid, halo
+        ctx.grid, ctx.halo, ctx.layout = grid, halo, layout_of(x)
         return _forward(x, grid, halo)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return _adjoint(grad, ctx.grid, ctx.halo), None, None
+        return _adjoint(grad, ctx.grid, ctx.halo, ctx.layout), None, None
 
 
 def halo_exchange(x: torch.Tensor, grid: ProcessGrid, halo: Sequence[int]) -> torch.Tensor:
@@ -347,7 +387,7 @@ class _HaloStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, started: StartedHalo):
-        ctx.grid, ctx.halo = started.grid, started.halo
+        ctx.grid, ctx.halo, ctx.layout = started.grid, started.halo, layout_of(x)
         t = _pad(x, started.halo)
         if started.axes:
             axis = started.axes[0]
@@ -358,7 +398,7 @@ class _HaloStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return _crop(grad, ctx.grid, ctx.halo), None
+        return _crop(grad, ctx.grid, ctx.halo, ctx.layout), None
 
 
 class _HaloFinish(torch.autograd.Function):
@@ -367,8 +407,8 @@ class _HaloFinish(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, padded: torch.Tensor, started: StartedHalo):
         grid, halo, axes = started.grid, started.halo, started.axes
-        ctx.grid, ctx.halo, ctx.axes = grid, halo, axes
-        t = padded.clone(memory_format=torch.contiguous_format)  # the input stays P x
+        ctx.grid, ctx.halo, ctx.axes, ctx.layout = grid, halo, axes, layout_of(padded)
+        t = padded.clone(memory_format=torch.preserve_format)  # the input stays P x
         if axes:
             assert started.pending is not None
             wait_clock.wait(started.pending)
@@ -379,7 +419,7 @@ class _HaloFinish(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return _adjoint_exchange(grad, ctx.grid, ctx.halo, ctx.axes), None
+        return _adjoint_exchange(grad, ctx.grid, ctx.halo, ctx.axes, ctx.layout), None
 
 
 def start_halo_exchange(

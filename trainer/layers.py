@@ -2,11 +2,12 @@
 
 ``DistConv3d`` computes, on every rank, its owned block of ``Conv3d(k, stride, padding=k // 2)``
 applied to the whole volume (zero padding at the global boundary): a halo exchange of ``k // 2``
-voxels per side (``trainer.halo``), a crop to the window its outputs read
-(``trainer.geometry.conv_window``: for stride 2 the right side may need fewer voxels, or none),
-then a local "valid" convolution. With stride ``s`` the rank owns the outputs whose anchor
-``o * s`` lies in its block, so every block but the last along a split axis must have a multiple
-of ``s`` voxels (checked). Its forward and every gradient equal the single-process layer's
+voxels per side (``trainer.halo``), then a local "valid" convolution of the padded block. With
+stride ``s`` the rank owns the outputs whose anchor ``o * s`` lies in its block, so every block
+but the last along a split axis must have a multiple of ``s`` voxels (checked); the valid
+convolution gives exactly those ``ceil(n / s)`` outputs (output ``o`` reads ``[o * s, o * s +
+k)`` of the ``n + k - 1`` padded voxels; ``trainer.geometry.conv_window`` says which ones they
+read, at most the padded block). Its forward and every gradient equal the single-process layer's
 (tests/test_trainer_halo.py, tests/test_trainer_layers.py):
 
 - the input gradient comes back through the halo exchange's adjoint (halo gradients are added
@@ -29,6 +30,13 @@ Overlap (``overlap=True``, the default; stride 1 on every axis and at least one 
     those of the path without overlap up to rounding (the same sums, cut into pieces).
     Strided layers, and blocks with no split axis, take the path without overlap.
 
+Memory format: outputs, the input gradient and every piece between them keep the input's
+layout (``channels_last_3d`` on a GPU in the trainer; give the weights the same, as
+``model.to(memory_format=...)`` does, or cuDNN converts them every call): the halo exchange
+keeps it (``trainer.halo``), the shell windows are copied in it and their gradients gathered
+into one zero tensor in it, and the interior and shell outputs, all from the same convolution
+on inputs of one layout, are concatenated without conversion.
+
 Weights are equal on every rank: broadcast from global rank 0 when the layer is built (under
 NCCL a layer built on the CPU, the default, travels through a copy on the rank's GPU).
 """
@@ -48,16 +56,20 @@ from torch import nn
 from trainer.agree import AgreedShapes
 from trainer.comm import all_reduce_sum, backend_of, broadcast
 from trainer.geometry import (
-    Box,
     box_size,
     check_conv_block,
     conv_input_box,
-    conv_window,
     interior_box,
     shell_slabs,
 )
 from trainer.grid import DEFAULT_TIMEOUT, ProcessGrid
-from trainer.halo import exchange_axes, finish_halo_exchange, halo_exchange, start_halo_exchange
+from trainer.halo import (
+    exchange_axes,
+    finish_halo_exchange,
+    halo_exchange,
+    layout_of,
+    start_halo_exchange,
+)
 
 __all__ = ["DistConv3d", "broadcast_parameters", "sum_spatial_grads", "travel_device"]
 
@@ -131,6 +143,26 @@ def sum_spatial_grads(params: Iterable[nn.Parameter], grid: ProcessGrid) -> None
 
 def _check_block(owned, coords, *, parts, stride, halo) -> None:
     check_conv_block(owned, parts, coords, stride, halo, "DistConv3d")
+
+
+class _Windows(torch.autograd.Function):
+    """Copies of ``windows`` of ``t`` in its layout, each its own tensor (backward keeps those
+    thin slabs alive, not ``t``). Backward adds their gradients into one zero tensor in ``t``'s
+    layout (autograd's slicing would build a contiguous one per window)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, windows: list[tuple[slice, ...]]):
+        ctx.windows, ctx.layout = windows, layout_of(t)
+        ctx.shape, ctx.dtype, ctx.device = t.shape, t.dtype, t.device
+        return tuple(t[(..., *w)].clone() for w in windows)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        g = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device, memory_format=ctx.layout)
+        g.zero_()
+        for w, gw in zip(ctx.windows, grads, strict=True):
+            g[(..., *w)] += gw
+        return g, None
 
 
 class DistConv3d(nn.Module):
@@ -214,33 +246,19 @@ class DistConv3d(nn.Module):
                 the halo along a split axis, leading axes that differ, blocks that do not tile
                 a volume. The message names the refused ranks and every rank's input shape.
         """
-        owned = tuple(x.shape[-3:])
         g = self.grid
         check = functools.partial(_check_block, parts=g.parts, stride=self.stride, halo=self.halo)
         self.agreed.check(x, g, check)
         if self.overlapped():
             return self._overlapped_forward(x)
-        t = halo_exchange(x, g, self.halo)
-        ks = self.conv.kernel_size
-        # Keep the window the owned outputs read: [h - left, h + n + right) of the padded block.
-        window = []
-        for n, h, k, s in zip(owned, self.halo, ks, self.stride, strict=True):
-            left, right = conv_window(n, k, s)
-            window.append(slice(h - left, h + n + right))
-        return self.conv(t[(..., *window)])
+        # The whole padded block, not a slice of it: its valid convolution gives exactly the
+        # owned outputs (module docstring), and a slice's gradient would be built contiguous.
+        return self.conv(halo_exchange(x, g, self.halo))
 
     def overlapped(self) -> bool:
         """Whether ``forward`` overlaps the halo exchange (``overlap``, stride 1, a split axis)."""
         stride1 = all(s == 1 for s in self.stride)
         return self.overlap and stride1 and bool(exchange_axes(self.grid, self.halo))
-
-    def _conv_box(self, padded: torch.Tensor, box: Box) -> torch.Tensor:
-        """The stride-1 outputs ``box`` from the padded block (valid conv of their window).
-
-        The window is copied, so backward keeps that thin slab alive, not the padded block.
-        """
-        window = tuple(slice(a, b) for a, b in conv_input_box(box, self.halo))
-        return F.conv3d(padded[(..., *window)].clone(), self.conv.weight, self.conv.bias)
 
     def _overlapped_forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.grid
@@ -253,14 +271,16 @@ class DistConv3d(nn.Module):
         # Reads owned voxels only: runs while the first axis travels.
         core = F.conv3d(x, self.conv.weight, self.conv.bias) if box_size(inner) else None
         full = finish_halo_exchange(padded, started)
+        # The shell's stride-1 outputs, each a valid convolution of a copy of its window.
         slabs = {(axis, side): box for axis, side, box in shell_slabs(owned, inner)}
+        windows = [
+            tuple(slice(a, b) for a, b in conv_input_box(box, self.halo)) for box in slabs.values()
+        ]
+        copies = _Windows.apply(full, windows) if windows else ()
+        w, b = self.conv.weight, self.conv.bias
+        shell = {k: F.conv3d(c, w, b) for k, c in zip(slabs, copies, strict=True)}
         for axis in reversed(range(3)):
-            lo, hi = slabs.get((axis, 0)), slabs.get((axis, 1))
-            pieces = [
-                self._conv_box(full, lo) if lo else None,
-                core,
-                self._conv_box(full, hi) if hi else None,
-            ]
+            pieces = [shell.get((axis, 0)), core, shell.get((axis, 1))]
             pieces = [p for p in pieces if p is not None]
             if len(pieces) > 1:
                 core = torch.cat(pieces, dim=x.dim() - 3 + axis)

@@ -1,0 +1,75 @@
+"""A ``channels_last_3d`` block stays ``channels_last_3d`` through the halo exchange and
+``DistConv3d``, forward and backward, under 4 real ``mpiexec`` ranks on gloo: the same values as
+the contiguous block, outputs and input gradients in ``channels_last_3d``, and no operation
+makes a tensor with its channels not innermost (before: the halo cloned into contiguous
+buffers and blocks, and the convolution sliced and concatenated pieces of mixed layouts, 64 to
+408 such tensors per case)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import MPIEXEC
+
+from staging.cluster import LAUNCH_ENV
+
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
+
+JOBS = Path(__file__).parent / "trainer_jobs"
+ROOT = Path(__file__).parent.parent
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+ENV.update(
+    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    OMP_NUM_THREADS="1",
+)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("channels_last") / "out.json"
+    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py"]
+    cmd += [str(JOBS / "channels_last_job.py"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def cases(results: dict, prefix: str, dtype: str) -> dict:
+    got = {k: v for k, v in results.items() if k.startswith(prefix) and k.endswith(dtype)}
+    assert len(got) == {"halo": 8, "conv": 6}[prefix], sorted(results)
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_halo_exchange_keeps_channels_last_exactly(results, dtype):
+    """Whole and split (start/finish), halos (1, 1, 1) and (2, 1, 0), two split axes."""
+    for key, r in cases(results, "halo", dtype).items():
+        assert r["output"] == 0 and r["input_grad"] == 0, (key, r)
+        assert r["output_not_cl"] == 0 and r["input_grad_not_cl"] == 0, (key, r)
+        assert r["conversions"] == [], key
+
+
+def test_dist_conv3d_keeps_channels_last_in_float32(results):
+    """Overlap on and off, stride 1 and 2. Outputs and weight and bias gradients are exact; the
+    input gradient is torch's own CPU convolution backward, which rounds differently by layout
+    (a plain ``F.conv3d`` differs as much)."""
+    for key, r in cases(results, "conv", "float32").items():
+        assert r["output"] == r["weight_grad"] == r["bias_grad"] == 0, (key, r)
+        assert r["input_grad"] < 1e-6, (key, r)
+        assert r["output_not_cl"] == 0 and r["input_grad_not_cl"] == 0, (key, r)
+        assert r["conversions"] == [], key
+        assert r["overlapped"] == ("overlap=True" in key), key
+
+
+def test_dist_conv3d_in_float64_equals_the_contiguous_layer(results):
+    """Outputs, input and weight gradients exact; the bias gradient sums in the gradient's
+    layout order. (The layout itself is checked in float32: torch's float64 CPU convolution
+    has no channels_last kernel and returns contiguous tensors, for a plain ``Conv3d`` too.)"""
+    for key, r in cases(results, "conv", "float64").items():
+        assert r["output"] == r["input_grad"] == r["weight_grad"] == 0, (key, r)
+        assert r["bias_grad"] < 1e-13, (key, r)
