@@ -5,9 +5,11 @@ waiting in the next collective. So a loader checks its arguments locally, then *
 exchange what they found (:func:`agree`) and raise the same error together: one rank's bad
 argument, or ranks that disagree (``seed=rank``), becomes one error on every rank.
 
-The collectives are non-blocking (``Iallgather``, or ``async_op=True`` under
-``torch.distributed``) and polled against a deadline, so a rank that never arrives gives an
-:class:`~datastore.errors.ExchangeTimeout` instead of a hang.
+The collectives are non-blocking and polled against a deadline, so a rank that never arrives
+gives an :class:`~datastore.errors.ExchangeTimeout` naming it instead of a hang. The check of
+every step (:meth:`StepSync.halt`) is one reduction (MPI's ``Iallreduce``: O(log P) messages
+per rank); only when it shows ranks that differ, or times out, do the ranks exchange messages
+with every other rank to name the ones at fault.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def timeout_error(what: str, step: int, peers: tuple[int, ...]) -> ExchangeTimeo
 _TAG = 1 << 20  # the checks' messages; the torch exchange tags its steps below 32768
 _WHY_TAG = _TAG + 1  # a stopped rank's report that it failed or exited (MPI)
 _WHY_BYTES = 1024  # a report's most bytes
+_HERE_TAG = _TAG + 2  # after a reduction timed out: "this rank is in it" (MPI)
 
 
 class Collective:
@@ -73,9 +76,12 @@ class Collective:
     messages never mix with the caller's) or a ``torch.distributed`` group (gloo), each with a
     deadline.
 
-    The small all-to-all checks are point-to-point messages to every other rank rather than
-    one ``allgather``: a rank whose message does not come is then known, and a timeout names
-    it. (2 (P - 1) messages of a few bytes per check; scale work may revisit this.)
+    :meth:`allgather_ints` sends point-to-point messages to every other rank rather than one
+    ``allgather``: a rank whose message does not come is then known, and a timeout names it;
+    2 (P - 1) messages of a few bytes per rank, so it serves start-up checks and diagnoses.
+    :meth:`allreduce_max` serves the checks of every step: over MPI one ``Iallreduce``
+    (recursive doubling for a few bytes in MPICH and Open MPI: about 2 log2 P messages per
+    rank), whose timeout is followed by a diagnosis round that names the absent ranks.
     """
 
     def __init__(self, comm: Any = None, group: Any = None) -> None:
@@ -142,6 +148,51 @@ class Collective:
         for r in peers:
             out[r] = rooms[r].numpy()
         return out
+
+    def allreduce_max(
+        self, values: list[int], timeout: float, what: str, step: int = -1
+    ) -> np.ndarray:
+        """The elementwise maximum of every rank's ``values`` (int64; as many on every rank).
+
+        Over MPI one non-blocking reduction, polled against ``timeout``; past it, each rank
+        that was in it tells every other rank so for :func:`diagnosis` seconds, and the
+        :class:`ExchangeTimeout` names the ranks not heard from. (An MPI reduction cannot be
+        cancelled: after a timeout this collective is not to be used again.) Over
+        ``torch.distributed``: the maximum of :meth:`allgather_ints`.
+        """
+        if self.comm is None:
+            return self.allgather_ints(values, timeout, what, step).max(axis=0)
+        from mpi4py import MPI
+
+        mine = np.asarray(values, dtype=np.int64)
+        out = np.empty_like(mine)
+        request = self.comm.Iallreduce(mine, out, op=MPI.MAX)
+        try:
+            poll(request.Test, deadline=time.monotonic() + timeout, what=what, step=step)
+        except ExchangeTimeout:
+            raise timeout_error(what, step, self._absent(diagnosis(timeout))) from None
+        return out
+
+    def _absent(self, wait: float) -> tuple[int, ...]:
+        """The ranks that do not say within ``wait`` seconds that they are here (MPI); each
+        rank in a reduction that timed out says so to every other."""
+        peers = [r for r in range(self.size) if r != self.rank]
+        rooms = np.zeros(len(peers), dtype=np.int64)
+        recvs = [self.comm.Irecv(rooms[k : k + 1], source=r, tag=_HERE_TAG)
+                 for k, r in enumerate(peers)]  # fmt: skip
+        here = np.ones(1, dtype=np.int64)
+        sends = [self.comm.Isend(here, dest=r, tag=_HERE_TAG) for r in peers]
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not all(q.Test() for q in recvs):
+            time.sleep(0.005)
+        absent = tuple(r for r, q in zip(peers, recvs, strict=True) if not q.Test())
+        for r, q in zip(peers, recvs, strict=True):
+            if r in absent:
+                q.Cancel()
+                q.Wait()
+        for q in sends:
+            q.Test()
+        return absent
 
     def close(self) -> None:
         if self.comm is not None:
@@ -258,6 +309,12 @@ class StoreCollective:
         got = self._everyone(mine.tobytes(), timeout, what, step)
         return np.stack([np.frombuffer(b, dtype=np.int64) for b in got])
 
+    def allreduce_max(
+        self, values: list[int], timeout: float, what: str, step: int = -1
+    ) -> np.ndarray:
+        """As :meth:`Collective.allreduce_max`: the maximum of :meth:`allgather_ints`."""
+        return self.allgather_ints(values, timeout, what, step).max(axis=0)
+
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, pickled through the store (only after :meth:`allgather_ints`
         showed all ranks are here)."""
@@ -332,6 +389,12 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
+def diagnosis(timeout: float) -> float:
+    """Seconds the ranks of a reduction that timed out listen for each other: the ranks in it
+    time out within their skew of arriving; one not heard from within this is named."""
+    return min(timeout / 2, 5.0)
+
+
 def grace(timeout: float) -> float:
     """Seconds a rank that went on waits to hear why a peer stopped: a peer whose exception
     ends its process reports it this soon (``sys.excepthook``), one that broke its loop never."""
@@ -354,6 +417,7 @@ class StepSync:
     """
 
     _made = itertools.count()  # the same number on every rank: loaders are made in one order
+    START, HALT = 1, 2  # which check a reduction is, first in it: ranks at different ones differ
 
     def __init__(self, coll: Collective, timeout: float) -> None:
         self.coll, self.timeout, self.number = coll, timeout, next(self._made)
@@ -363,11 +427,11 @@ class StepSync:
         """Raise :class:`RankMismatch` on every rank unless all start at ``(epoch, step)``."""
         ENDS.went_on(self)
         self.epoch = epoch
-        got = self.coll.allgather_ints(
-            [epoch, step], self.timeout, f"the start of epoch {epoch}", step
-        )
-        if (got == got[0]).all():
+        what = f"the start of epoch {epoch}"
+        top = self._check(self.START, [epoch, step, -epoch, -step], what, step)
+        if top[0] == -top[2] and top[1] == -top[3]:  # max == min: all at (epoch, step)
             return
+        got = self.coll.allgather_ints([epoch, step], self.timeout, what, step)  # where is each
         at = ", ".join(f"rank {r} at epoch {e} step {s}" for r, (e, s) in enumerate(got.tolist()))
         raise RankMismatch(
             f"ranks start iterating at different positions ({at}): every rank must iterate "
@@ -377,11 +441,19 @@ class StepSync:
     def halt(self, step: int, stop: bool) -> bool:
         """Whether to stop before ``step``: when any rank's consumer stopped. A rank that went
         on while another stopped gets :class:`PeerFailed` when the other reports that it
-        failed, else :class:`RankMismatch` naming it (not a short epoch)."""
+        failed, else :class:`RankMismatch` naming it (not a short epoch).
+
+        One reduction, ``[any stopped, any went on]``; only when some ranks stopped and some
+        went on do they all learn which (:meth:`Collective.allgather_ints`)."""
+        some_stopped, some_went_on = self._check(
+            self.HALT, [int(stop), 1 - int(stop), 0, 0], "the step check", step
+        )[:2]
+        if not some_stopped:
+            return False
+        if not some_went_on:
+            return True
         got = self.coll.allgather_ints([int(stop)], self.timeout, "the step check", step)
         stopped = np.flatnonzero(got[:, 0]).tolist()
-        if not stopped:
-            return False
         if stop:
             if len(stopped) < len(got):  # peers went on: tell them if this process ends
                 went_on = [r for r in range(len(got)) if r not in stopped]
@@ -401,6 +473,18 @@ class StepSync:
             f"went on{then}: every rank must take the same batches (stop on every rank at the "
             "same step)"
         )
+
+    def _check(self, kind: int, values: list[int], what: str, step: int) -> np.ndarray:
+        """The ranks' maximum of ``values`` (four ints: every check's reduction is as long),
+        reduced with ``kind``, the check's number. Raises :class:`RankMismatch` when ranks
+        are at different checks (one starting a pass, another at a step)."""
+        got = self.coll.allreduce_max([kind, -kind, *values], self.timeout, what, step)
+        if got[0] != -got[1]:
+            raise RankMismatch(
+                f"ranks are at different checks: this rank at {what} (step {step}), another "
+                "not; every rank must iterate the loader alike"
+            )
+        return got[2:]
 
     # -- why a peer stopped ----------------------------------------------------------------------
     def _key(self, step: int, rank: int) -> str:
