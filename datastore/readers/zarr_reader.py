@@ -4,6 +4,8 @@ A region is a basic selection, so zarr fetches and decodes only the chunks (of a
 the inner chunks) that meet it, and writes the result into the caller's buffer. Nested arrays
 are fields named by their path in the group (``"grp/x"``). zarr arrays are safe to read from
 several threads; each process opens the group once (zarr resets its I/O loop after a fork).
+zarr itself (a quarter of a second to import) loads when a group is first opened, so that
+importing the readers (``spec`` imports them all) does not pay for it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import zarr
-from zarr.core.buffer.cpu import NDBuffer
-from zarr.errors import ContainsArrayError
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.registry import Format, register, resolve_paths
@@ -70,6 +69,8 @@ class ZarrReader(Reader):
         arr = self._handles().get(info.name)
         if arr is None:
             raise DatasetError(self.files[0], "the array is gone from the group", info.name)
+        from zarr.core.buffer.cpu import NDBuffer
+
         arr.get_basic_selection((index, *sel), out=NDBuffer.from_numpy_array(out))
 
 
@@ -81,6 +82,9 @@ def _chunks(arr: Any) -> tuple[int, ...] | None:
 
 
 def _open_group(root: str) -> Any:
+    import zarr
+    from zarr.errors import ContainsArrayError
+
     try:
         return zarr.open_group(root, mode="r")
     except ContainsArrayError:
@@ -94,6 +98,8 @@ def _open_group(root: str) -> Any:
 
 def _arrays(root: str, group: Any) -> dict[str, Any]:
     """Every array under ``group``, by path."""
+    import zarr
+
     try:
         members = group.members(max_depth=None)
     except Exception as exc:
