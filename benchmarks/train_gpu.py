@@ -9,24 +9,41 @@ What is measured
    ``DataStoreLoader(train.h5, batch_size, fields=["x", "y"], device=<GPU>, pin_memory=True,
    prefetch=4)`` over a synthetic cosmology file (``trainer.cosmology``, ``--samples``
    samples, page cache warm), vs the same step on one batch resident on the device. ``--warmup``
-   untimed steps, then ``--steps`` timed between two synchronizations; ``--reps`` reps in
+   untimed steps, then ``--steps`` (GPU 20) timed between two synchronizations; ``--reps`` reps in
    alternating order. Printed: samples/s (median and range) and fed / resident. Targets:
    >= 0.95x, and >= 185 samples/s per H100 (MLPerf HPC v3.0's best CosmoFlow, per GPU).
 2. **Spatial split beats GPU memory** (``benchmarks/train_gpu_job.py`` under ``mpiexec``):
-   CosmoFlow batch 1 at each side of ``--sides`` on one rank until one runs out of memory;
-   that side then split 2 and 4 ways (``parts`` (2,1,1) and (4,1,1)), the ranks sharing the GPU
-   over gloo, each with ``1/W`` of its memory. Peak memory per rank
-   (``torch.cuda.max_memory_allocated``) whole vs split, at the largest side that fits whole.
-   Targets: <= 0.6x at 2-way, <= 0.35x at 4-way. On the CPU the peak is the bytes autograd
-   saves in one forward (``--cpu-side``), whole vs split.
-3. **Exposed halo share** at a 2-way split (same job, ``--halo-side``): host seconds blocked in
-   halo waits over the step, with ``DistConv3d(overlap=False)`` and ``overlap=True``.
-4. **Exposed all-reduce share**, 2 data ranks (same job): seconds in
-   ``GradientReducer.finish()`` over the step, with the buckets reduced after backward
-   (``overlap=False``) and as backward produces them (``overlap=True``).
+   CosmoFlow batch 1 at each side of ``--sides`` (GPU default 128 192) on one rank until one
+   runs out of memory; that side then split 2 and 4 ways (``parts`` (2,1,1) and (4,1,1)), the
+   ranks sharing the GPU over gloo, each with ``1/W`` of its memory. Peak memory per rank
+   (``torch.cuda.max_memory_allocated``) whole vs split (halo overlap ``--overlaps``, GPU
+   default on), at the largest side that fits whole. Targets: <= 0.6x at 2-way, <= 0.35x at
+   4-way. On the CPU the peak is the bytes autograd saves in one forward (``--cpu-side``).
+3. **Exposed halo** at a 2-way split (same job, ``--halo-side``), ``DistConv3d(overlap=False)``
+   and ``overlap=True``, with ``trainer.comm.comm_clock``:
+   - over NCCL (``--backend nccl``, the default with a GPU per rank: a cluster): the compute
+     stream's stall in the halo waits, from CUDA events around each wait on that stream (the
+     exposed halo: NCCL's waits return to the host at once, so host time says nothing), over
+     the step's device time (CUDA events on the compute stream); and the halo transfers' time
+     on NCCL's stream (NCCL's own CUDA events, ``TORCH_NCCL_ENABLE_TIMING=1``);
+   - over gloo (one GPU, or the CPU): the host seconds blocked in the halo waits (host clock)
+     over the step, and on a GPU the staged copies' device time (CUDA events).
+4. **Exposed all-reduce**, 2 data ranks (same job): the buckets reduced after backward
+   (``overlap=False``) and as backward produces them (``overlap=True``): the step's device
+   time with the gradient all-reduce minus the same steps without it, the host seconds in
+   ``GradientReducer.finish()``, and ``comm_clock`` as in 3.
 
-Jobs 2-4 run ranks sharing one GPU over gloo (messages staged through pinned host memory): a
-single GPU cannot run NCCL between ranks; on a cluster each rank has its own GPU.
+On one GPU cases 2-4 run ranks sharing it over gloo (messages staged through pinned host
+memory): NCCL refuses two ranks on one GPU. The NCCL path then runs at world 1: a rank cannot
+be its own halo neighbour inside the model (the halo code has no periodic wrap), so a probe
+job sends the first convolution's halo slab to itself with ``start_exchange``'s NCCL branch
+and all-reduces the gradients on the 1-rank NCCL group, each started before a forward and
+backward and waited after it, or waited at once: the stall and NCCL's time (there both are
+local copies: the figures show the path and the clock work, not a network's cost).
+
+Every case prints its elapsed time. The GPU defaults are sized for under about two minutes in
+all with ``--reps 1`` on an H100 (an estimate: the first H100 run, with sides to 384 and 64
+samples, was cut off at 140 s in case 2).
 
 Usage::
 
@@ -44,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from common import machine_info, median, spread, venv_tool
@@ -133,10 +150,12 @@ def case_feed(a: argparse.Namespace, device: torch.device, path: str) -> None:
     print(f"   fed / resident: {ratio:.3f}x{target}")
 
 
-def job(a, n: int, side: int, parts: str, halo: bool, reduce: bool, device: str) -> dict:
+def job(a: argparse.Namespace, n: int, side: int, parts: str, *flags: str) -> dict:
+    """``train_gpu_job.py`` on ``n`` ranks (flags as its own); its JSON result."""
     out = tempfile.mktemp(suffix=".json")
-    script = [os.path.join(HERE, "train_gpu_job.py"), out, str(side), str(a.width), "1",
-              str(a.job_steps), device, parts, str(int(halo)), str(int(reduce))]  # fmt: skip
+    script = [os.path.join(HERE, "train_gpu_job.py"), out, "--side", str(side),
+              "--width", str(a.width), "--steps", str(a.job_steps), "--device", a.job_device,
+              "--parts", parts, *flags]  # fmt: skip
     if n == 1:
         cmd = [sys.executable, *script]
     else:
@@ -156,15 +175,14 @@ def job(a, n: int, side: int, parts: str, halo: bool, reduce: bool, device: str)
 
 
 def case_memory(a: argparse.Namespace, device: torch.device) -> None:
-    dev = str(device)
     print("\n2. spatial split vs memory: CosmoFlow batch 1, peak per rank")
     if device.type != "cuda":
         side = a.cpu_side
-        whole = job(a, 1, side, "1,1,1", False, True, dev)
+        whole = job(a, 1, side, "1,1,1", "--reduce-overlap")
     else:
         side, whole = None, None
         for s in a.sides:
-            r = job(a, 1, s, "1,1,1", False, True, dev)
+            r = job(a, 1, s, "1,1,1", "--reduce-overlap")
             fits = "" if r["oom"] else f"{r['peak_bytes'] / 2**30:.2f} GiB, "
             state = "out of memory" if r["oom"] else f"{fits}{r['step_s'] * 1e3:.0f} ms/step"
             print(f"   side {s}: {state}")
@@ -176,15 +194,16 @@ def case_memory(a: argparse.Namespace, device: torch.device) -> None:
             return
         if s != side:  # the first side that does not fit whole, split
             for n in (2, 4):
-                r = job(a, n, s, f"{n},1,1", False, True, dev)
+                r = job(a, n, s, f"{n},1,1", "--halo-overlap", "--reduce-overlap")
                 state = "out of memory" if r["oom"] else f"{r['peak_bytes'] / 2**30:.2f} GiB/rank"
                 print(f"   side {s} split {n} ways: {state}")
     what = "GiB allocated" if device.type == "cuda" else "GiB saved by autograd"
     print(f"   side {side} whole: {whole['peak_bytes'] / 2**30:.3f} {what}")
     for n, target in ((2, 0.6), (4, 0.35)):
-        for overlap in (False, True):
-            r = job(a, n, side, f"{n},1,1", overlap, True, dev)
-            how = f"split {n} ways, halo overlap {'on' if overlap else 'off'}"
+        for overlap in a.overlaps:
+            halo = ["--halo-overlap"] if overlap == "on" else []
+            r = job(a, n, side, f"{n},1,1", *halo, "--reduce-overlap")
+            how = f"split {n} ways, halo overlap {overlap}"
             if r["oom"]:
                 print(f"   {how}: out of memory")
                 continue
@@ -193,26 +212,96 @@ def case_memory(a: argparse.Namespace, device: torch.device) -> None:
                   f"(target <= {target}x)")  # fmt: skip
 
 
+def figures(runs: list[dict], *what: tuple[str, Callable[[dict], float], str]) -> str:
+    """``label median [range]`` of ``fn(run)`` over the runs, for each ``(label, fn, fmt)``."""
+    out = []
+    for label, fn, fmt in what:
+        values = [fn(r) for r in runs]
+        more = f" [{spread(values, fmt)}]" if len(values) > 1 else ""
+        out.append(f"{label} {fmt.format(median(values))}{more}")
+    return ", ".join(out)
+
+
+def ms(key: str, kind: str | None = None) -> Callable[[dict], float]:
+    """Milliseconds of ``run[key]`` or of ``run["comm"][kind][key]``."""
+    if kind is None:
+        return lambda r: r[key] * 1e3
+    return lambda r: r["comm"][kind][key] * 1e3
+
+
+def share(key: str, kind: str) -> Callable[[dict], float]:
+    """``run["comm"][kind][key]`` over the step's device time."""
+    return lambda r: r["comm"][kind][key] / r["step_device_s"]
+
+
+def copies(kind: str) -> Callable[[dict], float]:
+    """Milliseconds of the staged copies (both ways, CUDA events)."""
+    return lambda r: (r["comm"][kind]["to_host_s"] + r["comm"][kind]["to_device_s"]) * 1e3
+
+
+def comm_figures(runs: list[dict], kind: str) -> str:
+    """The exposed communication of ``kind``, in the terms of the runs' backend."""
+    if runs[0]["backend"] == "nccl":
+        return figures(runs, ("exposed (stream stall)", ms("stall_s", kind), "{:.2f} ms"),
+                       ("share of the step", share("stall_s", kind), "{:.3f}"),
+                       ("on NCCL's stream", ms("nccl_s", kind), "{:.2f} ms"))  # fmt: skip
+    waits = figures(runs, ("exposed (host waits)", ms("host_wait_s", kind), "{:.2f} ms"),
+                    ("share of the step", share("host_wait_s", kind), "{:.3f}"))  # fmt: skip
+    if runs[0]["device"].startswith("cuda"):
+        waits += ", " + figures(runs, ("staged copies (device)", copies(kind), "{:.2f} ms"))
+    return waits
+
+
+def how(backend: str, gpu: bool) -> str:
+    if backend == "nccl":
+        return ("NCCL, one GPU per rank. CUDA events: the step on the compute stream; that "
+                "stream's stall in the waits = the exposed communication; the transfers on "
+                "NCCL's stream (NCCL's events)")  # fmt: skip
+    if gpu:
+        return ("gloo, the ranks sharing one GPU (staged through pinned host memory). Host "
+                "clock: the gloo waits; CUDA events: the step, the staged copies")  # fmt: skip
+    return "gloo on the CPU. Host clock"
+
+
 def case_exposed(a: argparse.Namespace, device: torch.device) -> None:
-    dev = str(device)
-    side = a.halo_side
-    print(f"\n3. exposed halo share, 2-way split, side {side}, batch 1 (host waits / step)")
+    gpu = device.type == "cuda"
+    side, backend = a.halo_side, a.backend
+    step = ("step", ms("step_device_s"), "{:.1f} ms")
+
+    def runs(*flags: str) -> list[dict]:
+        return [job(a, 2, side, *flags, "--backend", backend) for _ in range(a.reps)]
+
+    print(f"\n3. exposed halo, 2-way split, side {side}, batch 1, over {how(backend, gpu)}")
     for overlap in (False, True):
-        _exposed(a, "halo_share", overlap, lambda o: job(a, 2, side, "2,1,1", o, True, dev))
-    print(f"\n4. exposed all-reduce share, 2 data ranks, side {side} (finish() / step)")
+        rs = runs("2,1,1", "--reduce-overlap", *(["--halo-overlap"] if overlap else []))
+        print(f"   overlap={overlap!s:5s}: {figures(rs, step)}, {comm_figures(rs, 'exchange')}")
+    print(f"\n4. exposed all-reduce, 2 data ranks, side {side}, over {how(backend, gpu)}")
     for overlap in (False, True):
-        _exposed(a, "reduce_share", overlap, lambda o: job(a, 2, side, "1,1,1", False, o, dev))
+        rs = runs("1,1,1", "--without-reduce", *(["--reduce-overlap"] if overlap else []))
+        without = ("without the all-reduce", ms("step_device_without_reduce_s"), "{:.1f} ms")
+        more = ("difference", lambda r: (r["step_device_s"] - r["step_device_without_reduce_s"])
+                * 1e3, "{:.2f} ms")  # fmt: skip
+        finish = ("in finish() (host)", ms("reduce_s"), "{:.2f} ms")
+        print(f"   overlap={overlap!s:5s}: {figures(rs, step, without, more, finish)}, "
+              f"{comm_figures(rs, 'all_reduce')}")  # fmt: skip
+    if gpu and backend == "gloo":
+        case_nccl_world1(a)
 
 
-def _exposed(a: argparse.Namespace, key: str, overlap: bool, run: Any) -> None:
-    """One row of cases 3 and 4: ``run(overlap)`` ``a.reps`` times, its ``key`` share."""
-    shares, steps = [], []
-    for _ in range(a.reps):
-        r = run(overlap)
-        shares.append(r[key])
-        steps.append(r["step_s"] * 1e3)
-    print(f"   overlap={overlap!s:5s}: {median(shares):.3f} (range {spread(shares, '{:.3f}')}),"
-          f" step {median(steps):.0f} ms (range {spread(steps, '{:.0f}')})")  # fmt: skip
+def case_nccl_world1(a: argparse.Namespace) -> None:
+    """The NCCL path on one GPU: world 1 (NCCL refuses two ranks on one GPU)."""
+    r = job(a, 1, a.halo_side, "1,1,1", "--backend", "nccl", "--probe")["probe"]
+    fb = r["all_reduce"]["overlapped"]["compute_s"] * 1e3
+    print(f"\n3-4 on NCCL at world 1 (one GPU: NCCL refuses two ranks on one GPU, and the halo "
+          f"code has no periodic wrap, so no rank is its own neighbour): start_exchange's NCCL "
+          f"branch (the first convolution's halo slab, {r['bytes']['exchange'] / 2**10:.0f} "
+          f"KiB, sent to itself) and the gradients' all-reduce "
+          f"({r['bytes']['all_reduce'] / 2**20:.1f} MiB), each around a forward and backward "
+          f"of {fb:.1f} ms; CUDA events: the compute stream's stall, NCCL's stream")  # fmt: skip
+    for op in ("exchange", "all_reduce"):
+        for mode, t in r[op].items():
+            print(f"   {op:10s} {mode:10s}: stall {t['stall_s'] * 1e3:.3f} ms, "
+                  f"on NCCL's stream {t['nccl_s'] * 1e3:.3f} ms")  # fmt: skip
 
 
 def main() -> None:
@@ -221,14 +310,19 @@ def main() -> None:
     p.add_argument("--side", type=int, default=None, help="case 1 cube side (GPU 128, CPU 32)")
     p.add_argument("--width", type=int, default=None, help="first filters (GPU 32, CPU 4)")
     p.add_argument("--batch", type=int, default=None, help="case 1 batch (GPU 8, CPU 4)")
-    p.add_argument("--samples", type=int, default=None, help="case 1 samples (GPU 64, CPU 32)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (GPU 30, CPU 5)")
+    p.add_argument("--samples", type=int, default=32, help="case 1 samples")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (GPU 20, CPU 5)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--sides", type=int, nargs="+", default=[128, 192, 256, 320, 384, 448, 512])
+    p.add_argument("--sides", type=int, nargs="+", default=[128, 192],
+                   help="case 2 sides on a GPU, until one runs out of memory")  # fmt: skip
+    p.add_argument("--overlaps", nargs="+", choices=("off", "on"), default=None,
+                   help="case 2 splits' halo overlap (GPU on, CPU off on)")  # fmt: skip
     p.add_argument("--cpu-side", type=int, default=64, help="case 2 side on the CPU")
     p.add_argument("--halo-side", type=int, default=None, help="cases 3-4 side (GPU 128, CPU 64)")
     p.add_argument("--job-steps", type=int, default=None, help="steps per job (GPU 10, CPU 5)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="cases 3-4: auto is NCCL with a GPU per rank (2), else gloo")  # fmt: skip
     p.add_argument("--cases", default="1234", help="which cases to run")
     p.add_argument("--dir", default=None, help="where the dataset goes (default: a temp dir)")
     a = p.parse_args()
@@ -237,13 +331,17 @@ def main() -> None:
     if gpu and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     for key, on_gpu, on_cpu in (("side", 128, 32), ("width", 32, 4), ("batch", 8, 4),
-                                ("samples", 64, 32), ("steps", 30, 5), ("halo_side", 128, 64),
-                                ("job_steps", 10, 5)):  # fmt: skip
+                                ("steps", 20, 5), ("halo_side", 128, 64), ("job_steps", 10, 5),
+                                ("overlaps", ["on"], ["off", "on"])):  # fmt: skip
         if getattr(a, key) is None:
             setattr(a, key, on_gpu if gpu else on_cpu)
+    if a.backend == "auto":
+        a.backend = "nccl" if gpu and torch.cuda.device_count() >= 2 else "gloo"
+    a.job_device = str(device)
     a.threads = os.cpu_count() or 1
     gpu_name = torch.cuda.get_device_name(device) if gpu else "no GPU"
     print(machine_info(f"torch {torch.__version__}", gpu_name))
+    start = time.perf_counter()
     if "1" in a.cases:
         with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
             path = os.path.join(tmp, "train.h5")
@@ -254,10 +352,17 @@ def main() -> None:
                 while fh.read(1 << 24):
                     pass
             case_feed(a, device, path)
-    if "2" in a.cases:
-        case_memory(a, device)
-    if "3" in a.cases or "4" in a.cases:
-        case_exposed(a, device)
+        elapsed("1", start)
+    for cases, run in (("2", case_memory), ("34", case_exposed)):
+        if any(c in a.cases for c in cases):
+            t0 = time.perf_counter()
+            run(a, device)
+            elapsed("-".join(cases), t0)
+    print(f"\nall cases: {time.perf_counter() - start:.0f} s")
+
+
+def elapsed(case: str, t0: float) -> None:
+    print(f"   (case {case}: {time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
