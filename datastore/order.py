@@ -152,6 +152,15 @@ def _permute(pos: np.ndarray, n: Any, keys: np.ndarray, inverse: bool = False) -
     ``inverse``; ``n`` may be one per element, and ``keys`` ``(ROUNDS,)`` or
     ``(ROUNDS, len(pos))``."""
     network = _feistel_inverse if inverse else _feistel
+    if np.ndim(n) == 0 and keys.ndim == 1:  # one domain, one key: scalars all through
+        half = np.uint64(max(1, (max(int(n), 1) - 1).bit_length() + 1) // 2)  # 4**half >= n
+        n = np.uint64(n)
+        out = network(pos, half, keys)
+        outside = np.flatnonzero(out >= n)
+        while outside.size:  # cycle walking: map again until inside [0, n)
+            out[outside] = network(out[outside], half, keys)
+            outside = outside[out[outside] >= n]
+        return out
     n = np.broadcast_to(np.asarray(n, dtype=np.uint64), pos.shape)
     keys = np.broadcast_to(keys.reshape(ROUNDS, -1), (ROUNDS, pos.size))
     bits = np.searchsorted(_POW2, np.maximum(n, np.uint64(1)) - np.uint64(1), side="right")
