@@ -51,7 +51,12 @@ N; target >= 0.8x.
 
 Without CUDA the GPU cases and the host -> device copies are skipped, and the output says so;
 ``--device cpu`` runs (a)-(e) on the CPU instead: a smoke test of their code, whose figures say
-nothing about feeding a GPU. Cases that need ``DataStoreLoader``'s ``device=`` or ``threads=``
+nothing about feeding a GPU. ``--host-step MS`` replaces the model by MS ms of Python on the
+consumer's thread per step, holding the GIL as a GPU trainer's thread does while it launches
+kernels (the GPU's work is asynchronous): with ``--device cpu`` and a small ``--size``, (a)-(d)
+then time the feeds themselves against a step of known length on a CPU (e.g. the service's
+shared memory vs the embedded loader: ``--device cpu --host-step 8 --size 64 --samples 48
+--cases a,b,c``). Cases that need ``DataStoreLoader``'s ``device=`` or ``threads=``
 (issue 11) fail with a message saying so while the installed ``datastore`` lacks them; the
 other cases still run. The exit status is 1 when any case failed. GB/s are 10^9 bytes/s.
 
@@ -60,6 +65,7 @@ Usage::
     python benchmarks/gpu_feed.py                          # full run, on a GPU
     python benchmarks/gpu_feed.py --quick                  # smoke run: S=32, few steps
     python benchmarks/gpu_feed.py --cases limits,gather    # the CPU half only
+    python benchmarks/gpu_feed.py --device cpu --host-step 8 --size 64 --samples 48 --cases a,b,c
     python benchmarks/gpu_feed.py --json /tmp/feed.json --dir /scratch/feed --reps 5
     python benchmarks/gpu_feed.py --json benchmarks/results/gpu_feed.json  # for report.py
 """
@@ -146,6 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--device", default=None, help="where the model runs (default: cuda when available)"
     )
+    p.add_argument(
+        "--host-step", type=float, default=None, metavar="MS",
+        help="a step is MS ms of Python holding the GIL instead of the model (feeds on a CPU)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="smoke run: S=32, N=32, 4 steps, 1 rep")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -168,6 +178,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup, --workers and --threads must be >= 1")
     if args.samples < args.batch:
         p.error("--samples must hold at least one batch")
+    if args.host_step is not None and not args.host_step > 0:
+        p.error("--host-step must be > 0 ms")
     return args
 
 
@@ -262,6 +274,20 @@ class Trainer:
             n += x.shape[0]
         self.sync()
         return n / (time.perf_counter() - t0)
+
+
+class HostStep(Trainer):
+    """A step of ``ms`` milliseconds of Python on the calling thread, the GIL held (switched
+    out only as the interpreter forces), in place of the model: the host side of a trainer
+    whose GPU work is asynchronous."""
+
+    def __init__(self, device: torch.device, ms: float) -> None:
+        self.device, self.seconds, self.width = device, ms / 1e3, None
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        end = time.perf_counter() + self.seconds
+        while time.perf_counter() < end:
+            pass
 
 
 # ----------------------------------------------------------------------------- the feeds
@@ -484,11 +510,17 @@ def report(
     sb = sample_bytes(args.size)
     lines: list[str] = []
     ceiling = next((f for f in feeds if f.case == "a" and f.rates), None)
+    model = (
+        f"{args.host_step:g} ms of Python holding the GIL (--host-step)"
+        if args.host_step
+        else f"CosmoFlow (conv_size {width}, {N_CONV} blocks)"
+    )
     if feeds:
         lines += [
-            f"Training steps fed by each pipeline: CosmoFlow (conv_size {width}, {N_CONV} blocks)"
-            f", batch {args.batch} of 4x{args.size}^3 float32 ({sb / MIB:.1f} MiB a sample), "
-            f"bf16 autocast, channels_last_3d, on {device_name(device)}",
+            f"Training steps fed by each pipeline: {model}, batch {args.batch} of "
+            f"4x{args.size}^3 float32 ({sb / MIB:.1f} MiB a sample)"
+            + ("" if args.host_step else ", bf16 autocast, channels_last_3d")
+            + f", on {device_name(device)}",
             "",
             "| case | samples/s | range | input GB/s | ratio to (a) | target | |",
             "|---|---:|---|---:|---:|---|---|",
@@ -706,7 +738,11 @@ def main(argv: list[str] | None = None) -> int:
             if {"c", "d"} & set(want_feeds):
                 service = Service(tcp="d" in want_feeds)
                 service.load(path)
-            trainer = Trainer(device, args.size, args.width)
+            trainer = (
+                HostStep(device, args.host_step)
+                if args.host_step
+                else Trainer(device, args.size, args.width)
+            )
             width = trainer.width
             setup = Setup(args, path, device, (x, y), service)
             feeds = run_feeds(setup, trainer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -165,6 +166,65 @@ def test_resume_mid_epoch_equals_uninterrupted(served):
         assert_same(head, expected[:3])
         assert_same(batches(same), after)
         assert time.monotonic() - t0 < 10
+
+
+def test_the_next_epoch_is_filled_while_the_consumer_finishes_this_one(served):
+    """Over shared memory an epoch's last batch asks for the next epoch's first ``prefetch``
+    batches: the service has filled them before the next pass begins. A pass that starts
+    elsewhere cancels them; every pass gives the embedded loader's batches."""
+    path, sock, _ = served
+    kw = {"batch_size": 4, "seed": 1, "prefetch": 2}
+    remote = DataStoreLoader(str(path), address=str(sock), transport="shm", **kw)
+    local = DataStoreLoader(str(path), exchange=False, **kw)
+
+    def served_so_far() -> int:
+        with Client(sock) as c:
+            mine = [x for x in c.status().sessions if x.session_id == remote.session_id]
+        return mine[0].batches_served
+
+    try:
+        assert_same(batches(remote), batches(local))  # epoch 0: 6 steps
+        deadline = time.monotonic() + 20
+        while served_so_far() < 6 + 2:
+            assert time.monotonic() < deadline, f"served {served_so_far()}: none ahead"
+            time.sleep(0.05)
+        assert served_so_far() == 6 + 2  # prefetch batches ahead, no more
+        for epoch in (1, 5, 6):  # 5: not the epoch asked for ahead (2 was)
+            remote.set_epoch(epoch)
+            local.set_epoch(epoch)
+            assert_same(batches(remote), batches(local))
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_a_newer_stream_of_a_rank_takes_over_its_shared_memory_slots(served):
+    """A rank's stream left open unread (a pass given up before its cancel lands) never keeps
+    the slots from the rank's next stream: that one streams its whole epoch, the older one
+    ends with ABORTED, lending no more regions."""
+    path, sock, _ = served
+    with grpc.insecure_channel(target_of(sock)) as ch:
+        ds = pb_grpc.DataStoreStub(ch)
+        opened = pb.OpenSessionRequest(dataset_path=str(path), global_batch=2)
+        sid = ds.OpenSession(opened, timeout=10).session_id
+        shm = {"session_id": sid, "transport": pb.TRANSPORT_SHARED_MEMORY, "prefetch": 1}
+        old = ds.StreamBatches(iter([pb.StreamBatchesRequest(**shm)]), timeout=30)
+        kept = next(old).tensors[0].shm.generation  # 4 slots; the rest it fills, never read
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        requests.put(pb.StreamBatchesRequest(**shm, epoch=1, held=[kept]))
+        newer = ds.StreamBatches(iter(requests.get, None), timeout=20)
+        steps = []
+        with contextlib.suppress(grpc.RpcError):  # the steps tell (DEADLINE_EXCEEDED: stuck)
+            for b in newer:
+                steps.append(b.step)
+                requests.put(pb.StreamBatchesRequest(done=[b.tensors[0].shm.generation]))
+        requests.put(None)
+        assert steps == list(range(12)), "the newer stream got stuck for want of slots"
+        with pytest.raises(grpc.RpcError) as err:
+            list(old)
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        assert "a newer stream of rank 0 took over" in err.value.details()
+        ds.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
 
 
 def test_refusals_and_the_server_keeps_serving(served, tmp_path):

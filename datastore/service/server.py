@@ -284,6 +284,8 @@ class Servicer(pb_grpc.DataStoreServicer):
         except ServiceError as exc:
             self._refuse(context, "StreamBatches", exc)
         context.add_callback(lambda: session.release(stream))
+        if shm and request.mapped:  # mapped during an earlier stream (one it may have left)
+            stream.ring.client_mapped()
         if shm:
             threading.Thread(
                 target=_returns_slots, args=(requests, stream), daemon=True, name="datastore-acks"

@@ -139,7 +139,6 @@ class Session:
                     raise
                 ring.budgeted = ring_bytes
                 self.rings[(int(r.rank), shared_memory)] = ring
-            ring.keep_only(list(r.held))
             s = Stream(
                 plan=plan,
                 sample=self.resident.sample,
@@ -149,6 +148,11 @@ class Session:
                 on_stall=self._stalled,
                 gather=self.gather,
             )
+            if shared_memory:  # the rank's newest stream takes over its slots
+                for old in self.streams:
+                    if old.ring is ring:
+                        old.supersede()
+            ring.keep_only(list(r.held), s)
             self.streams.add(s)
         return s
 

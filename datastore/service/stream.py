@@ -103,6 +103,7 @@ class SlotRing:
         self._held: dict[int, int] = {}  # generation -> slot the client still reads
         self._generations = itertools.count(1)
         self._lock = threading.Lock()
+        self._lender: object = None  # the stream whose batches the client reads now
 
     def take(self, stop: threading.Event) -> int | None:
         """A free slot, waiting for one; ``None`` once ``stop`` is set."""
@@ -116,9 +117,13 @@ class SlotRing:
     def give(self, slot: int) -> None:
         self._free.put(slot)
 
-    def lend(self, slot: int) -> int:
-        """The client reads ``slot`` until it returns the generation this gives."""
+    def lend(self, slot: int, stream: object = None) -> int | None:
+        """The client reads ``slot`` until it returns the generation this gives; ``None`` (and
+        the slot is free again) when ``stream`` is no longer the rank's newest stream."""
         with self._lock:
+            if stream is not self._lender:
+                self._free.put(slot)
+                return None
             g = next(self._generations)
             self._held[g] = slot
         return g
@@ -129,10 +134,13 @@ class SlotRing:
             self.segment.close()
         self.mapped.set()
 
-    def keep_only(self, generations: list[int]) -> None:
-        """Free every lent slot but those of ``generations`` (what the client still reads)."""
+    def keep_only(self, generations: list[int], stream: object = None) -> None:
+        """Free every lent slot but those of ``generations`` (what the client still reads);
+        from now on only ``stream`` lends slots (an older stream still sending could otherwise
+        lend one the client never hears of, lost to the ring)."""
         keep = {int(g) for g in generations}
         with self._lock:
+            self._lender = stream
             gone = [g for g in self._held if g not in keep]
             slots = [self._held.pop(g) for g in gone]
         for slot in slots:
@@ -344,7 +352,9 @@ class Stream:
                 yield m, n, k == 0
             return
         seg = self.ring.segment
-        generation = self.ring.lend(slot)
+        generation = self.ring.lend(slot, self)
+        if generation is None:
+            raise ServiceError("ABORTED", f"a newer stream of rank {self.rank} took over")
         for meta in self._metas:
             region = pb.SharedMemoryRegion(
                 path=str(seg.path),
@@ -354,6 +364,13 @@ class Stream:
             )
             message.tensors.add(meta=meta, shm=region)
         yield message, self._nbytes, True
+
+    def supersede(self) -> None:
+        """A newer stream of the rank took over: stop producing (the call, still sending,
+        ends itself and frees what it held)."""
+        if not self.stop.is_set():
+            self.why = f"a newer stream of rank {self.rank} took over"
+        self.stop.set()
 
     def close(self, why: str = "") -> None:
         """Stop producing; safe to call twice, from any thread. Slots still filling or ready

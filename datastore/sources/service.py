@@ -12,6 +12,14 @@ The session fixes the sample sequence exactly as the embedded loader does (the s
   regions go back at once. With ``device=``, the segment is page-locked for CUDA
   (``cudaHostRegister``) and copied straight to the GPU; the region goes back once the copy
   is done.
+
+Every byte is copied once on the way, by the service's parallel gather from its resident
+copy into the segment. A pass is one ``StreamBatches`` call, which the service fills ahead of
+the consumer. Over shared memory the next pass is requested ahead too: the last batch of an
+epoch opens a stream of the next epoch's first ``prefetch`` batches (the pass a loader makes
+next unless told otherwise), which the service fills while the consumer finishes this epoch;
+the first of those batches opens the rest of that epoch. A pass that starts elsewhere cancels
+it (the service frees what it filled).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -121,6 +130,7 @@ class ServiceSource:
             client=client_process(),  # the service ends the session when this process ends
         )
         self._maps: Any = None  # the shared-memory mappings of the session (ClientMaps)
+        self._ahead: _Open | None = None  # the next pass's stream, opened before it began
         reply = self._open()
         info = {
             f.name: FieldInfo(f.name, np.dtype(f.dtype), tuple(f.shape), tuple(f.spatial_axes))
@@ -145,13 +155,17 @@ class ServiceSource:
         except grpc.RpcError as exc:
             raise self._raise_for(exc, self.address) from None
         self.session_id = reply.session_id
+        self._drop_ahead()
+        self._mapped = False  # a segment of this session was mapped
         if self._maps is not None:  # reopened: the old session's mappings go
             self._maps.drop()
         self._maps = ClientMaps(copies_on=self._copies_on)
         self._kept = collections.deque()
         return reply
 
-    def _stream(self, epoch: int, start: int) -> Any:
+    def _stream(self, epoch: int, start: int, count: int = 0) -> _Open:
+        """A stream of ``count`` batches of ``epoch`` from ``start`` (``0``: to its end); the
+        regions this loader still reads stay the service's concern, every other is free."""
         from datastore.service.client import RemoteBatches
 
         request = self._pb.StreamBatchesRequest(
@@ -159,42 +173,84 @@ class ServiceSource:
             rank=self.rank,
             epoch=epoch,
             start_step=start,
+            max_batches=count,
             transport=self.transport,
             prefetch=self.options.prefetch,
+            mapped=self._mapped,
         )
         held = [g for _, g in self._kept]
-        return RemoteBatches(self._stream_batches, request, self._metadata, self._maps, held)
+        stream = RemoteBatches(self._stream_batches, request, self._metadata, self._maps, held)
+        steps = self.schedule.steps_per_epoch
+        end = steps if count == 0 else min(steps, start + count)
+        return _Open(epoch, start, end, stream, iter(stream))
+
+    def _next(self, live: _Open) -> tuple[_Open, Any]:
+        """The next batch of ``live`` (``None`` at its end), and the stream it came from: a
+        new one if the service had closed this loader's session (idle, or restarted): the
+        same request gives the same sequence, so the session is reopened and carries on."""
+        try:
+            got = next(live.items, None)
+        except grpc.RpcError as exc:
+            if live.started or exc.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                raise
+            live.stream.close()
+            self._open()
+            live = self._stream(live.epoch, live.start, live.end - live.start)
+            got = next(live.items, None)
+        live.started = True
+        return live, got
+
+    def _take_ahead(self, epoch: int, start: int) -> _Open | None:
+        """The stream opened ahead, if it is the one this pass needs (else it is cancelled)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (ahead.epoch, ahead.start) == (epoch, start):
+            return ahead
+        if ahead is not None:
+            ahead.stream.close()
+        return None
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stream.close()
+            self._ahead = None
+
+    def _open_next(self, epoch: int, step: int) -> _Open | None:
+        """Where a stream ends at ``step``: the stream of the rest of ``epoch``, or over shared
+        memory the first batches of the next epoch, kept for the next pass."""
+        steps = self.schedule.steps_per_epoch
+        if step < steps:
+            return self._stream(epoch, step)
+        if self.shared:
+            self._ahead = self._stream(epoch + 1, 0, self.options.prefetch)
+        return None
 
     def batches(
         self, epoch: int, start: int, stop: threading.Event, ring: BufferRing
     ) -> Iterator[tuple[int, Buffer]]:
-        """``(step, buffer)`` of ``epoch`` from ``start``, as the service streams them."""
-        stream = self._stream(epoch, start)
+        """``(step, buffer)`` of ``epoch`` from ``start``, as the service streams them. A
+        stream's last batch opens the stream that follows (:meth:`_open_next`) before it is
+        handed on, so the service fills the next batches while the consumer works."""
+        live = self._take_ahead(epoch, start)
+        if live is None and start < self.schedule.steps_per_epoch:
+            live = self._stream(epoch, start)
         try:
-            items = iter(stream)
-            try:
-                first = next(items, None)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
-                    raise self._raise_for(exc, self.address) from None
-                # the service closed an idle session (or restarted): the same request gives
-                # the same sequence, so reopen and carry on where this loader is
-                stream.close()
-                self._open()
-                stream = self._stream(epoch, start)
-                items = iter(stream)
-                first = next(items, None)
-            if first is None:
-                return
-            for got in _chain(first, items):
-                if stop.is_set():
+            while live is not None:
+                live, got = self._next(live)
+                if got is None or stop.is_set():
                     return
-                self._return_free(stream)
-                yield int(got.header.step), self._buffer(stream, ring, got)
+                self._return_free(live.stream)
+                buf = self._buffer(live.stream, ring, got)
+                self._mapped = self._mapped or got.generation is not None
+                step = int(got.header.step)
+                if step + 1 == live.end:  # held now counts this batch's region
+                    live.stream.close()
+                    live = self._open_next(epoch, step + 1)
+                yield step, buf
         except grpc.RpcError as exc:
             raise self._raise_for(exc, self.address) from None
         finally:
-            stream.close()
+            if live is not None:
+                live.stream.close()
 
     def _buffer(self, stream: Any, ring: BufferRing, got: Any) -> Buffer:
         """The batch in a buffer: the service's region itself, a reassembled batch the loader
@@ -229,6 +285,7 @@ class ServiceSource:
         """Close the session (freeing its slots on the service) and the channel."""
         if self._channel is None:
             return
+        self._drop_ahead()
         try:
             self._stub.CloseSession(
                 self._pb.CloseSessionRequest(session_id=self.session_id),
@@ -243,6 +300,13 @@ class ServiceSource:
             self._maps.drop()
 
 
-def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest
+@dataclass
+class _Open:
+    """An open stream of steps ``start..end-1`` of ``epoch``, and its batches as they come."""
+
+    epoch: int
+    start: int
+    end: int
+    stream: Any  # RemoteBatches
+    items: Iterator[Any]
+    started: bool = False  # a batch came: the session was open
