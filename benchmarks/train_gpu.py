@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from math import nan
 
 import torch
 from common import machine_info, median, spread, venv_tool
@@ -234,6 +235,11 @@ def share(key: str, kind: str) -> Callable[[dict], float]:
     return lambda r: r["comm"][kind][key] / r["step_device_s"]
 
 
+def nccl_ms(kind: str) -> Callable[[dict], float]:
+    """Milliseconds on NCCL's stream; nan where NCCL's timing gave none."""
+    return lambda r: r["comm"][kind]["nccl_s"] * 1e3 if r["comm"][kind]["nccl_timed"] else nan
+
+
 def copies(kind: str) -> Callable[[dict], float]:
     """Milliseconds of the staged copies (both ways, CUDA events)."""
     return lambda r: (r["comm"][kind]["to_host_s"] + r["comm"][kind]["to_device_s"]) * 1e3
@@ -244,7 +250,7 @@ def comm_figures(runs: list[dict], kind: str) -> str:
     if runs[0]["backend"] == "nccl":
         return figures(runs, ("exposed (stream stall)", ms("stall_s", kind), "{:.2f} ms"),
                        ("share of the step", share("stall_s", kind), "{:.3f}"),
-                       ("on NCCL's stream", ms("nccl_s", kind), "{:.2f} ms"))  # fmt: skip
+                       ("on NCCL's stream", nccl_ms(kind), "{:.2f} ms"))  # fmt: skip
     waits = figures(runs, ("exposed (host waits)", ms("host_wait_s", kind), "{:.2f} ms"),
                     ("share of the step", share("host_wait_s", kind), "{:.3f}"))  # fmt: skip
     if runs[0]["device"].startswith("cuda"):

@@ -214,7 +214,8 @@ def probe(
                 pending.wait()
                 t = comm_clock.read()[op]
                 comm_clock.stop()
-                rows.append((t.stall_s, t.nccl_s, span.seconds()))
+                nccl = t.nccl_s if t.nccl_timed else float("nan")  # nan: NCCL gave no timing
+                rows.append((t.stall_s, nccl, span.seconds()))
             cols = [statistics.median(c) for c in zip(*rows, strict=True)]
             out[op][mode] = dict(zip(("stall_s", "nccl_s", "compute_s"), cols, strict=True))
     out["bytes"] = {"all_reduce": grads.nbytes, "exchange": slab.nbytes}
