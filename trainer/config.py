@@ -113,6 +113,9 @@ class TrainConfig:
         log_file: JSON-lines log, appended to (``""``: none). Default: ``""``.
         print_every: rank 0 also prints every this many steps' log record (``0``: never).
             Default: ``0``.
+        log_every: the steps' losses stay on the device and are read (all at once, one host
+            sync) and their log records written every this many steps, at a printed step and
+            before any other record; the values are those of every step. Default: ``10``.
         comm_timeout: seconds a collective or halo receive may wait before the rank fails
             (a peer died or stalled; at most a year). Default: ``120.0``.
         data_address: stream the training batches from ``datastore serve`` at this address
@@ -156,6 +159,7 @@ class TrainConfig:
     checkpoint_interval: int = 0
     log_file: str = ""
     print_every: int = 0
+    log_every: int = 10
     comm_timeout: float = 120.0
     data_address: str = ""
     data_token_file: str = ""
@@ -175,7 +179,7 @@ class TrainConfig:
         for key in ("train_file", "validation_file", "input_field", "target_field"):
             if not getattr(self, key):
                 raise ConfigError(f"config key {key!r}: must not be empty")
-        for key in ("width", "epochs", "global_batch"):
+        for key in ("width", "epochs", "global_batch", "log_every"):
             _at_least(key, getattr(self, key), 1)
         for key in (
             "steps", "warmup", "checkpoint_interval", "conv_blocks", "print_every", "base_batch"

@@ -20,12 +20,18 @@
     the owned voxels (divided by the global voxel count), ``gather_flatten`` returns this rank's
     block of it. (The head's own weight gradients are then already whole-sample gradients:
     average them over the data group only, do not sum them over the spatial group.)
+
+Host syncs: none per step. ``global_avg_pool`` keeps the voxel count it all-reduces on the
+device; ``gather_flatten`` all-gathers the blocks' shapes (and reads them on the host) only the
+first time this rank's block has a new shape, then remembers them for the grid, the rule of
+``trainer.agree``: every rank of the group must see a new shape at the same call.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +44,7 @@ from trainer.comm import all_gather, all_reduce_sum
 from trainer.geometry import block_offsets, check_pool_blocks, check_pool_windows
 from trainer.grid import ProcessGrid
 
-__all__ = ["DistAvgPool3d", "DistMaxPool3d", "gather_flatten", "global_avg_pool"]
+__all__ = ["DistAvgPool3d", "DistMaxPool3d", "block_shapes", "gather_flatten", "global_avg_pool"]
 
 
 def _triple(v: int | Sequence[int], name: str) -> tuple[int, int, int]:
@@ -133,7 +139,7 @@ class GlobalAvgPool(torch.autograd.Function):
         voxels = math.prod(x.shape[d] for d in spatial)
         count = torch.full((1,), voxels, dtype=torch.float64, device=x.device)
         buf = all_reduce_sum(torch.cat([sums.flatten(), count]), grid.spatial_group, grid.timeout)
-        ctx.shape, ctx.total = x.shape, float(buf[-1])
+        ctx.shape, ctx.total = x.shape, buf[-1]  # a tensor: no host sync
         return (buf[:-1] / ctx.total).view(sums.shape).to(x.dtype)
 
     @staticmethod
@@ -151,6 +157,26 @@ def global_avg_pool(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
     return GlobalAvgPool.apply(x, grid)
 
 
+_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""grid -> {this rank's input shape: every spatial rank's block shape}, for :func:`block_shapes`."""
+
+
+def block_shapes(x: torch.Tensor, grid: ProcessGrid) -> list[tuple[int, ...]]:
+    """The spatial shape of every spatial rank's block, by spatial rank.
+
+    All-gathered over ``grid.spatial_group`` (and read on the host) the first time this rank's
+    ``x`` has a new shape, remembered for ``grid`` afterwards (the module docstring).
+    """
+    known = _shapes.setdefault(grid, {})
+    shape = tuple(x.shape)
+    if shape not in known:
+        nd = grid.ndim
+        mine = torch.tensor(shape[-nd:], dtype=torch.int64, device=x.device)  # NCCL: on device
+        rows = all_gather(mine, grid.spatial_group, grid.timeout)
+        known[shape] = [tuple(r.tolist()) for r in rows]
+    return known[shape]
+
+
 class GatherFlatten(torch.autograd.Function):
     """Forward: all-gather the blocks, assemble the whole volume, flatten.
     Backward: this rank's block of the (replicated) gradient."""
@@ -159,9 +185,8 @@ class GatherFlatten(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
         nd = grid.ndim
         lead = tuple(x.shape[:-nd])
-        # Blocks may differ in shape (uneven splits): share shapes, pad to the largest, gather.
-        shape = torch.tensor(x.shape[-nd:], dtype=torch.int64, device=x.device)  # NCCL: on device
-        shapes = [tuple(s.tolist()) for s in all_gather(shape, grid.spatial_group, grid.timeout)]
+        # Blocks may differ in shape (uneven splits): pad to the largest, gather.
+        shapes = block_shapes(x, grid)
         offsets, whole_shape = block_offsets(grid.parts, shapes)
         biggest = [max(s[a] for s in shapes) for a in range(nd)]
         pad = [w for a in reversed(range(nd)) for w in (0, biggest[a] - x.shape[x.dim() - nd + a])]

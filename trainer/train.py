@@ -37,7 +37,11 @@ resumes its own.
 Log (``log_file``, JSON lines, appended; rank 0):
 
 - per step: ``{"step", "epoch", "loss", "lr", "samples_per_s", "data_wait"}``, where
-  ``data_wait`` is the share of the step spent blocked in ``next(loader)``;
+  ``data_wait`` is the share of the step spent blocked in ``next(loader)``. A step's loss stays
+  on the device; the records are written every ``log_every`` steps (at a printed step, and
+  before any other record), their losses read in one host sync, which that step's time
+  includes: on a GPU a step's time is the host's, and their sum over the interval the
+  device's;
 - per validation: ``{"event": "validation", "step", "val_mse", "baseline_mse", "ratio",
   "val_mse_per_target", "baseline_per_target"}`` (plus ``"identity_mse"`` where it applies;
   also printed);
@@ -76,6 +80,7 @@ from trainer.start import Run, data_address, data_paths, data_token, schedule_of
 
 __all__ = [
     "Log",
+    "StepRecords",
     "Trainer",
     "build_model",
     "build_optimizer",
@@ -218,15 +223,23 @@ class Trainer:
             all_reduce_sum(t, None, self.grid.timeout)
         return t
 
-    def mean_loss(self, loss: torch.Tensor) -> float:
-        """The replica MSE averaged over the data ranks."""
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss for :meth:`losses_of`, on the device (no host sync): this process's,
+        or its sum over the world."""
         if self.grid is None:
-            return loss.item()
-        total = float(self._world_sum(loss.detach().double().reshape(1)))
+            return loss.detach()
+        return self._world_sum(loss.detach().double().reshape(1))
+
+    def losses_of(self, losses: list[torch.Tensor]) -> list[float]:
+        """The replica MSEs, averaged over the data ranks, of steps' :meth:`mean_loss` values:
+        one read from the device for all of them."""
+        values = torch.cat([v.reshape(1) for v in losses]).tolist()
+        if self.grid is None:
+            return values
         # Voxel losses are per-block shares (sum over the sample's blocks); vector losses are
         # replicated on every block.
         per = self.grid.data_size if self.task == "voxel" else self.grid.world
-        return total / per
+        return [total / per for total in values]
 
     # -- steps ------------------------------------------------------------------------------------
     def _inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,8 +254,9 @@ class Trainer:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.amp):
             return self.model(x)
 
-    def train_step(self, batch: dict[str, torch.Tensor], epoch: int) -> tuple[float, float]:
-        """One optimizer step; ``(mean loss, learning rate)``."""
+    def train_step(self, batch: dict[str, torch.Tensor], epoch: int) -> tuple[torch.Tensor, float]:
+        """One optimizer step, with no host sync; ``(loss, learning rate)``: the loss on the
+        device, as :meth:`mean_loss` (read it with :meth:`losses_of`)."""
         x, y = self._inputs(batch)
         if epoch == 0:
             self.target_sums.add(y)
@@ -389,13 +403,47 @@ AfterStep = Callable[[Trainer], dict[str, Any] | None]
 """Called after every step; a record it returns goes into the log."""
 
 
+class StepRecords:
+    """Step records whose losses are still on the device, until :meth:`read` reads them all at
+    once (one host sync) and :meth:`write` logs them.
+
+    Attributes:
+        losses: every step's loss read so far (:meth:`Trainer.losses_of`).
+    """
+
+    def __init__(self, t: Trainer, log: Log) -> None:
+        self.t, self.log = t, log
+        self.pending: list[tuple[dict[str, Any], bool]] = []
+        self.losses: list[float] = []
+
+    def add(self, record: dict[str, Any], echo: bool) -> None:
+        """Hold ``record``, whose ``"loss"`` is :meth:`Trainer.mean_loss`'s tensor."""
+        self.pending.append((record, echo))
+
+    def read(self) -> None:
+        """Replace every held record's loss tensor by its value."""
+        unread = [r for r, _ in self.pending if isinstance(r["loss"], torch.Tensor)]
+        if unread:
+            values = self.t.losses_of([r["loss"] for r in unread])
+            for record, value in zip(unread, values, strict=True):
+                record["loss"] = value
+            self.losses += values
+
+    def write(self) -> None:
+        """Read and log every held record."""
+        self.read()
+        for record, echo in self.pending:
+            self.log.write(record, echo=echo)
+        self.pending = []
+
+
 def fit(t: Trainer, after_step: AfterStep | None = None) -> dict[str, Any]:
     """Run ``t`` to its last step (the module docstring: resume, steps, validation, checkpoints,
     log), calling ``after_step(t)`` after every step; close ``t``. Returns :func:`train`'s
     dict."""
     cfg, run = t.cfg, t.run
     log = Log(cfg.log_file if t.lead else "", t.label)
-    losses: list[float] = []
+    steps = StepRecords(t, log)
     last: dict[str, Any] = {}
     validated_at = checkpointed_at = None
     batches = timed_batches(t.loader)
@@ -414,25 +462,32 @@ def fit(t: Trainer, after_step: AfterStep | None = None) -> dict[str, Any]:
             epoch = t.loader.epoch  # the batch's: handing out an epoch's last batch moves it on
             batch, wait = next(batches)
             if batch is None:  # an epoch ended
+                steps.write()
                 last, validated_at = t.validate(), t.step
                 log.write(last, echo=t.lead)
                 continue
             loss, lr = t.train_step(batch, epoch)
-            losses.append(loss)
+            record = {"step": t.step, "epoch": epoch, "loss": loss, "lr": lr}
+            echo = t.lead and cfg.print_every > 0 and t.step % cfg.print_every == 0
+            steps.add(record, echo)
+            due = echo or t.step % cfg.log_every == 0
+            if due:
+                steps.read()  # waits for the device: this step's time includes it
             seconds = time.perf_counter() - t0
-            log.write(
-                {"step": t.step, "epoch": epoch, "loss": loss, "lr": lr,
-                 "samples_per_s": cfg.global_batch / seconds, "data_wait": wait / seconds},
-                echo=t.lead and cfg.print_every > 0 and t.step % cfg.print_every == 0,
-            )  # fmt: skip
+            record.update(samples_per_s=cfg.global_batch / seconds, data_wait=wait / seconds)
+            if due:
+                steps.write()
             extra = after_step(t) if after_step is not None else None
             if extra is not None:
+                steps.write()
                 log.write(extra)
             every = cfg.checkpoint_interval
             if cfg.checkpoint_dir and every and t.step % every == 0:
+                steps.write()
                 _checkpoint(t, log)
                 checkpointed_at = t.step
         batches.close()
+        steps.write()
         if validated_at != t.step:
             last = t.validate()
             log.write(last, echo=t.lead)
@@ -441,10 +496,12 @@ def fit(t: Trainer, after_step: AfterStep | None = None) -> dict[str, Any]:
     finally:
         with contextlib.suppress(Exception):
             batches.close()
+        with contextlib.suppress(Exception):  # the steps done before a failure
+            steps.write()
         log.close()
         t.close()
     return {
-        "steps": t.step, "losses": losses, "val_mse": last.get("val_mse", float("nan")),
+        "steps": t.step, "losses": steps.losses, "val_mse": last.get("val_mse", float("nan")),
         "baseline_mse": last.get("baseline_mse", float("nan")),
         "identity_mse": last.get("identity_mse"), "resumed_from": t.resumed_from,
         "rank": 0 if run.grid is None else run.grid.rank,
