@@ -67,7 +67,7 @@ if [ "$SMOKE" = 1 ]; then
 else
     # 48 samples of 32 MiB (1.5 GiB), one repetition: about a minute a case on an H100
     feed=(--samples 48 --steps 24 --warmup 6 --reps 1 --workers "8,14")
-    train=(--reps 1 --steps 20 --sides 128 192 256 320 384)
+    train=(--reps 1)
 fi
 
 step env 60 bash -c "nvidia-smi || true; $PY -c 'import torch; print(torch.__version__, \
