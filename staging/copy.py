@@ -37,6 +37,8 @@ from staging.splice import splice_range
 __all__ = ["Engine", "Stats", "hash_range", "tmp_dir", "within"]
 
 BUF_BYTES = 8 * 1024 * 1024
+BUFFERED_BYTES = 1024 * 1024
+"""A hashed copy up to this size goes through the buffer: one read, the hash, one write."""
 EXTENT_GAP = 64 * 1024  # tar members closer than this are read together
 _local = threading.local()
 
@@ -128,7 +130,7 @@ def copy_range(
     ``ALIGN``-aligned when ``dst`` is direct.
     """
     h = new_hasher(algo) if algo != "none" else None
-    kernel = not (src.direct or dst.direct)
+    kernel = not (src.direct or dst.direct) and (h is None or length > BUFFERED_BYTES)
     buf = _buffer(length)
     done = 0
     while done < length:  # in pieces: the disk writes one while the next is copied
@@ -343,32 +345,49 @@ class Engine:
     def _source(self, path: str) -> Iterator[Fd]:
         """A read descriptor of ``path``, shared by the jobs reading it at the same time
         (``pread`` is thread-safe) and closed by the last: open files stay bounded by the
-        streams, not by the size of the tree."""
+        streams, not by the size of the tree. It is opened and closed outside the engine's
+        lock: on a network filesystem each is a round trip to the server, which the streams
+        took one at a time while the lock covered them."""
         with self._lock:
             entry = self._sources.get(path)
-            if entry is None:
-                fd = self._open_source(path, os.O_RDONLY)
-                try:
-                    size = os.fstat(fd).st_size
-                    archive = path in self._archives
-                    direct = self.algo != "none" and self.policy.read_direct(
-                        path, fd, size, archive
-                    )
-                    if direct:  # not shared yet: safe to switch
-                        direct = _set_direct(fd)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                entry = self._sources[path] = [Fd(fd, direct), 0]
-            entry[1] += 1
+            if entry is not None:
+                entry[1] += 1
+        if entry is None:
+            mine: Fd | None = self._open_read(path)
+            with self._lock:
+                entry = self._sources.get(path)
+                if entry is None:
+                    entry, mine = self._sources.setdefault(path, [mine, 0]), None
+                entry[1] += 1
+            if mine is not None:  # another job opened it meanwhile: share theirs
+                os.close(mine.fd)
         try:
             yield entry[0]
         finally:
             with self._lock:
                 entry[1] -= 1
-                if entry[1] == 0:
+                last = entry[1] == 0
+                if last:
                     del self._sources[path]
-                    os.close(entry[0].fd)
+            if last:
+                os.close(entry[0].fd)
+
+    def _open_read(self, path: str) -> Fd:
+        """``path`` opened to read, direct where the I/O policy says (not shared yet: safe to
+        switch)."""
+        fd = self._open_source(path, os.O_RDONLY)
+        try:
+            archive = path in self._archives
+            direct = (
+                self.algo != "none"
+                and self.policy.may_read_direct(archive)
+                and self.policy.read_direct(path, fd, os.fstat(fd).st_size, archive)
+                and _set_direct(fd)
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        return Fd(fd, direct)
 
     def _open_source(self, path: str, flags: int) -> int:
         """Open ``path``; with ``confine``, refuse what the descriptor really is outside the

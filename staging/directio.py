@@ -169,6 +169,10 @@ class IoPolicy:
         """Whether files are written with ``O_DIRECT`` (only under ``direct``)."""
         return self.write_direct
 
+    def may_read_direct(self, archive: bool = False) -> bool:
+        """Whether :meth:`read_direct` can say yes, decided without touching the file."""
+        return self.mode == "direct" or (self.mode == "auto" and archive)
+
     def read_direct(
         self, path: str, fd: int | None = None, size: int = 0, archive: bool = False
     ) -> bool:
