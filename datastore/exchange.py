@@ -116,8 +116,8 @@ class EpochPlan:
     epoch (:meth:`Schedule.positions_of`, the inverse of the order); with homes
     (``shuffle="shard"``/``"window:K"``) a rank sends only within its data rank, whose slice
     of the step is all there is to look at. Both are computed once per epoch with array
-    operations, O(N/P) time and memory (80 B per message: about 2 N/P messages for whole
-    samples), and each step's messages are a slice of them (:class:`StepMessages`).
+    operations, O(N/P) time and memory (40 B kept per message: about 2 N/P messages for
+    whole samples), and each step's messages are a slice of them (:class:`StepMessages`).
     """
 
     def __init__(
@@ -128,9 +128,10 @@ class EpochPlan:
         mine = schedule.rank_epoch(epoch, layout.data_rank, layout.data_world)
         owners = np.asarray(owner[mine.reshape(-1)], dtype=np.int64).reshape(mine.shape)
         steps = mine.shape[0]
-        consumed = _columns(
-            np.repeat(np.arange(steps, dtype=np.int64), b), owners.reshape(-1), layout.rank,
-            mine.reshape(-1), layout.spatial_rank, np.tile(np.arange(b, dtype=np.int64), steps),
+        consumed = (
+            owners.reshape(-1), layout.rank, mine.reshape(-1), layout.spatial_rank,
+            np.tile(np.arange(b, dtype=np.int64), steps),
+            np.repeat(np.arange(steps, dtype=np.int64), b),
         )  # fmt: skip
         if schedule.homes is None:
             positions, samples = schedule.positions_of(epoch, owned)
@@ -139,10 +140,16 @@ class EpochPlan:
             at_step, j = np.nonzero(owners == layout.rank)
             samples, slot = mine[at_step, j], j + layout.data_rank * b
         sent = _sent(at_step, samples, slot, b, layout)
-        table = np.concatenate([consumed, sent], axis=1)
-        order = np.argsort(_plan_key(table, layout.rank, layout.world, b))  # keys are unique
-        self._table = table[:5, order]
-        self._bounds = np.searchsorted(table[5, order], np.arange(steps + 1))
+        pieces = (consumed, sent)
+        keys = np.concatenate([_plan_key(c, layout.rank, layout.world, b) for c in pieces])
+        order = np.argsort(keys)  # the keys are unique: any sort gives one order
+        sizes = (len(consumed[0]), len(sent[1]))  # (a send's src is one int: this rank)
+        self._table = np.empty((5, len(order)), dtype=np.int64)  # src, dst, sample, block, pos
+        for row in range(5):
+            both = [np.broadcast_to(c[row], (n,)) for c, n in zip(pieces, sizes, strict=True)]
+            np.take(np.concatenate(both), order, out=self._table[row])
+        span = 2 * layout.world * b  # step s's keys are in [s * span, (s + 1) * span)
+        self._bounds = np.searchsorted(keys[order], np.arange(steps + 1) * span)
 
     @property
     def steps(self) -> int:
@@ -161,36 +168,30 @@ class EpochPlan:
         return StepMessages(self._table[:, self._bounds[step] : self._bounds[step + 1]])
 
 
-def _columns(step: np.ndarray, src: Any, dst: Any, sample: Any, block: Any, pos: Any) -> np.ndarray:
-    """Messages as rows ``src, dst, sample, block, pos, step`` of one int64 array (scalars
-    broadcast to ``step``'s length)."""
-    n = len(step)
-    return np.stack([np.broadcast_to(np.asarray(c, dtype=np.int64), (n,))
-                     for c in (src, dst, sample, block, pos, step)])  # fmt: skip
-
-
-def _plan_key(table: np.ndarray, rank: int, world: int, b: int) -> np.ndarray:
-    """One int64 per message that sorts as ``(step, src, dst, pos)``: a message's ``src`` or
-    ``dst`` is ``rank``, so ``(src, dst)`` takes ``2 * world`` values in order (``src`` below
-    ``rank``, then ``rank`` to each ``dst``, then ``src`` above). The key stays below
-    ``2 * S * steps * B``, ``S`` blocks per sample: far inside int64."""
-    src, dst, pos, step = table[0], table[1], table[4], table[5]
+def _plan_key(columns: tuple[Any, ...], rank: int, world: int, b: int) -> np.ndarray:
+    """One int64 per message of ``columns`` (``src, dst, sample, block, pos, step``) that
+    sorts as ``(step, src, dst, pos)``: a message's ``src`` or ``dst`` is ``rank``, so
+    ``(src, dst)`` takes ``2 * world`` values in order (``src`` below ``rank``, then ``rank``
+    to each ``dst``, then ``src`` above). The key stays below ``2 * S * steps * B``, ``S``
+    blocks per sample: far inside int64."""
+    src, dst, _, _, pos, step = columns
     pair = np.where(src == rank, rank + dst, np.where(src < rank, src, src + world))
     return (step * (2 * world) + pair) * b + pos
 
 
 def _sent(
     at_step: np.ndarray, samples: np.ndarray, slot: np.ndarray, b: int, layout: RankLayout
-) -> np.ndarray:
-    """What ``layout``'s rank sends: sample ``samples[i]`` at ``slot[i]`` of step ``at_step[i]``
-    (its place in the global batch) goes, block ``k`` of it, to every rank ``(d, k)`` of the
-    slot's data rank ``d`` but itself."""
+) -> tuple[Any, ...]:
+    """The columns ``src, dst, sample, block, pos, step`` of what ``layout``'s rank sends:
+    sample ``samples[i]`` at ``slot[i]`` of step ``at_step[i]`` (its place in the global batch)
+    goes, block ``k`` of it, to every rank ``(d, k)`` of the slot's data rank ``d`` but
+    itself."""
     s = layout.spatial_size
     d, pos = np.divmod(slot, b)
     block = np.tile(np.arange(s, dtype=np.int64), len(samples))
     dst = np.repeat(d, s) * s + block
     keep = dst != layout.rank
-    return _columns(
-        np.repeat(at_step, s)[keep], layout.rank, dst[keep], np.repeat(samples, s)[keep],
-        block[keep], np.repeat(pos, s)[keep],
+    return (
+        layout.rank, dst[keep], np.repeat(samples, s)[keep], block[keep],
+        np.repeat(pos, s)[keep], np.repeat(at_step, s)[keep],
     )  # fmt: skip
