@@ -45,4 +45,4 @@ class NpyReader(PerSampleFiles):
         return self.files[index]
 
 
-register(Format("npy", NpyReader, suffixes=(".npy", ".npz"), title=".npy/.npz"))
+register(Format("npy", NpyReader, suffixes=(".npy", ".npz")))
