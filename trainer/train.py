@@ -255,8 +255,8 @@ class Trainer:
             return self.model(x)
 
     def train_step(self, batch: dict[str, torch.Tensor], epoch: int) -> tuple[torch.Tensor, float]:
-        """One optimizer step, with no host sync; ``(loss, learning rate)``: the loss on the
-        device, as :meth:`mean_loss` (read it with :meth:`losses_of`)."""
+        """One optimizer step; ``(loss, learning rate)``, the loss left on the device
+        (:meth:`mean_loss`; read it with :meth:`losses_of`) so the host need not wait."""
         x, y = self._inputs(batch)
         if epoch == 0:
             self.target_sums.add(y)
