@@ -481,12 +481,8 @@ class StepSync:
             return True
         got = self.coll.allgather_ints([int(stop)], self.timeout, "the step check", step)
         stopped = np.flatnonzero(got[:, 0]).tolist()
-        if stop:
-            if len(stopped) < len(got):  # peers went on: tell them if this process ends
-                went_on = [r for r in range(len(got)) if r not in stopped]
-                ENDS.stopped(self, step, went_on)
-            return True
-        if len(stopped) == len(got):
+        if stop:  # peers went on: tell them if this process ends
+            ENDS.stopped(self, step, [r for r in range(len(got)) if r not in stopped])
             return True
         rank, why = self._why(step, stopped) or (None, None)
         if why is not None and why != "exited":
