@@ -227,6 +227,26 @@ def test_a_newer_stream_of_a_rank_takes_over_its_shared_memory_slots(served):
         ds.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
 
 
+def test_a_shared_memory_ring_is_in_memory_before_its_first_batch(served):
+    """The service makes a rank's segment with every page in place (faulting fresh shared
+    memory in page by page made each slot's first batch many times slower than the next)."""
+    path, sock, _ = served
+    with grpc.insecure_channel(target_of(sock)) as ch:
+        ds = pb_grpc.DataStoreStub(ch)
+        opened = pb.OpenSessionRequest(dataset_path=str(path), global_batch=2)
+        sid = ds.OpenSession(opened, timeout=10).session_id
+        first = pb.StreamBatchesRequest(
+            session_id=sid, transport=pb.TRANSPORT_SHARED_MEMORY, prefetch=1, max_batches=1
+        )
+        call = ds.StreamBatches(iter([first]), timeout=30)
+        batch = next(call)  # filled one of its 4 slots
+        segment = os.stat(batch.tensors[0].shm.path)  # never mapped: the file is still there
+        call.cancel()
+        assert segment.st_size >= 4 * 2 * (2 * 8 * 8 * 8 * 4 + 8)
+        assert segment.st_blocks * 512 >= segment.st_size, "pages left to fault in"
+        ds.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+
+
 def test_refusals_and_the_server_keeps_serving(served, tmp_path):
     path, sock, s = served
     with grpc.insecure_channel(target_of(sock)) as ch:

@@ -22,6 +22,9 @@ import numpy as np
 __all__ = ["ClientMaps", "Segment", "reclaim_stale", "segment_dir"]
 
 PREFIX = "datastore"
+# mappings are made with their pages in place: faulting fresh shared memory in page by page
+# costs far more than filling it (the first batch through each slot was many times slower)
+_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def segment_dir() -> Path:
@@ -70,7 +73,7 @@ class Segment:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.slots * self.slot_bytes)
-            self._map = mmap.mmap(fd, self.slots * self.slot_bytes)
+            self._map = mmap.mmap(fd, self.slots * self.slot_bytes, flags=_POPULATED)
         except BaseException:
             os.close(fd)
             self.path.unlink()
@@ -127,7 +130,7 @@ class ClientMaps:
         if m is None:
             fd = os.open(path, os.O_RDWR)
             try:
-                m = mmap.mmap(fd, 0)
+                m = mmap.mmap(fd, 0, flags=_POPULATED)
             finally:
                 os.close(fd)
             self._maps[path] = m

@@ -67,8 +67,9 @@ def chunk_bytes() -> int:
 class SlotRing:
     """The batch slots of one rank of a session, kept across its streams (epochs).
 
-    Shared-memory slots are regions of one :class:`Segment`, touched once and reused for the
-    whole session (first-touching fresh shared memory costs more than filling it). A slot is
+    Shared-memory slots are regions of one :class:`Segment`, its pages in place from the start
+    and reused for the whole session (faulting fresh shared memory in costs more than filling
+    it). A slot is
     free again once its batch is in a message (inline) or once the client returns the batch's
     generation (shared memory); generations count up across streams, so a client may return
     the last batches of one epoch while it streams the next.
