@@ -132,7 +132,7 @@ class Session:
                 if ring_bytes and self.residency is not None:
                     self.residency.reserve_ring(ring_bytes)
                 try:
-                    ring = SlotRing(fields, batch, nslots, shared_memory)
+                    ring = SlotRing(fields, batch, nslots, shared_memory, self.gather)
                 except BaseException:
                     if ring_bytes and self.residency is not None:
                         self.residency.release_ring(ring_bytes)

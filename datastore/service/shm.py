@@ -22,8 +22,8 @@ import numpy as np
 __all__ = ["ClientMaps", "Segment", "reclaim_stale", "segment_dir"]
 
 PREFIX = "datastore"
-# mappings are made with their pages in place: faulting fresh shared memory in page by page
-# costs far more than filling it (the first batch through each slot was many times slower)
+# a client maps a segment with its pages in place: faulting them in one by one as batches are
+# read costs more
 _POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -73,7 +73,7 @@ class Segment:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.slots * self.slot_bytes)
-            self._map = mmap.mmap(fd, self.slots * self.slot_bytes, flags=_POPULATED)
+            self._map = mmap.mmap(fd, self.slots * self.slot_bytes)
         except BaseException:
             os.close(fd)
             self.path.unlink()
@@ -82,6 +82,16 @@ class Segment:
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
+
+    def fault_in(self, gather: Any = None) -> None:
+        """Put every page in place now, zeros as in a new file, the writes spread over the
+        ``gather``'s threads (``delivery.Gather``): faulting fresh shared memory in page by page
+        during the first batches' fills made each slot's first batch many times slower."""
+        whole = np.frombuffer(self._map, np.uint8)
+        if gather is None:
+            whole.fill(0)
+        else:
+            gather.run([(whole, None)])
 
     def array(self, slot: int, at: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A view of ``shape`` at byte ``at`` of ``slot``."""

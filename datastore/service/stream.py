@@ -67,15 +67,22 @@ def chunk_bytes() -> int:
 class SlotRing:
     """The batch slots of one rank of a session, kept across its streams (epochs).
 
-    Shared-memory slots are regions of one :class:`Segment`, its pages in place from the start
-    and reused for the whole session (faulting fresh shared memory in costs more than filling
-    it). A slot is
-    free again once its batch is in a message (inline) or once the client returns the batch's
-    generation (shared memory); generations count up across streams, so a client may return
-    the last batches of one epoch while it streams the next.
+    Shared-memory slots are regions of one :class:`Segment`, its pages faulted in at once on
+    the ``gather``'s threads and reused for the whole session (faulting fresh shared memory in
+    during fills costs more than filling it). A slot is free again once its batch is in a
+    message (inline) or once the client returns the batch's generation (shared memory);
+    generations count up across streams, so a client may return the last batches of one epoch
+    while it streams the next.
     """
 
-    def __init__(self, fields: list[Delivered], batch_size: int, nslots: int, shared: bool):
+    def __init__(
+        self,
+        fields: list[Delivered],
+        batch_size: int,
+        nslots: int,
+        shared: bool,
+        gather: Gather | None = None,
+    ) -> None:
         self.budgeted = 0  # bytes the residency counts for this ring (its shared memory)
         self.fields = fields
         self.segment: Segment | None = None
@@ -84,6 +91,7 @@ class SlotRing:
         shapes = {f.name: (batch_size, *f.shape) for f in fields}
         if shared:  # a new file is all zeros: halos outside the volume start at zero
             self.segment = Segment(nslots, batch_size * sum(f.nbytes for f in fields))
+            self.segment.fault_in(gather)
             at = 0
             for f in fields:
                 self.at[f.name] = at
