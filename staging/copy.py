@@ -342,18 +342,19 @@ class Engine:
 
     # -- bookkeeping -------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _source(self, path: str) -> Iterator[Fd]:
+    def _source(self, path: str, whole: bool = False) -> Iterator[Fd]:
         """A read descriptor of ``path``, shared by the jobs reading it at the same time
         (``pread`` is thread-safe) and closed by the last: open files stay bounded by the
         streams, not by the size of the tree. It is opened and closed outside the engine's
         lock: on a network filesystem each is a round trip to the server, which the streams
-        took one at a time while the lock covered them."""
+        took one at a time while the lock covered them. ``whole``: the job reads the whole
+        (small) file in one request (``IoPolicy.reads_whole_direct``)."""
         with self._lock:
             entry = self._sources.get(path)
             if entry is not None:
                 entry[1] += 1
         if entry is None:
-            mine: Fd | None = self._open_read(path)
+            mine: Fd | None = self._open_read(path, whole)
             with self._lock:
                 entry = self._sources.get(path)
                 if entry is None:
@@ -372,18 +373,20 @@ class Engine:
             if last:
                 os.close(entry[0].fd)
 
-    def _open_read(self, path: str) -> Fd:
+    def _open_read(self, path: str, whole: bool = False) -> Fd:
         """``path`` opened to read, direct where the I/O policy says (not shared yet: safe to
         switch)."""
         fd = self._open_source(path, os.O_RDONLY)
         try:
             archive = path in self._archives
-            direct = (
-                self.algo != "none"
-                and self.policy.may_read_direct(archive)
-                and self.policy.read_direct(path, fd, os.fstat(fd).st_size, archive)
-                and _set_direct(fd)
+            direct = self.algo != "none" and (
+                (whole and self.policy.reads_whole_direct(path))
+                or (
+                    self.policy.may_read_direct(archive)
+                    and self.policy.read_direct(path, fd, os.fstat(fd).st_size, archive)
+                )
             )
+            direct = direct and _set_direct(fd)
         except BaseException:
             os.close(fd)
             raise
@@ -455,7 +458,8 @@ class Engine:
         try:
             fd = self._open_tmp(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
             try:
-                with self._source(src_path) as src:
+                whole = src_off == 0 and item.size <= BUFFERED_BYTES
+                with self._source(src_path, whole) as src:
                     d = copy_range(src, fd, src_off, 0, item.size, self.algo)
             except BaseException:
                 os.close(fd.fd)

@@ -161,6 +161,7 @@ class IoPolicy:
         if mode not in IO_MODES:
             raise ValueError(f"--io must be one of {', '.join(IO_MODES)}, got {mode!r}")
         self.mode, self.log = mode, log
+        self._fs_by_dir: dict[str, str] = {}
         self.write_direct = mode == "direct" and _accepts_direct(dest_dir)
         if mode == "direct" and not self.write_direct and log:
             _note(f"{dest_dir}: filesystem refuses O_DIRECT; writing through the page cache")
@@ -172,6 +173,22 @@ class IoPolicy:
     def may_read_direct(self, archive: bool = False) -> bool:
         """Whether :meth:`read_direct` can say yes, decided without touching the file."""
         return self.mode == "direct" or (self.mode == "auto" and archive)
+
+    def reads_whole_direct(self, path: str) -> bool:
+        """Whether a small file ``path``, read whole in one request, is read with ``O_DIRECT``:
+        under ``auto`` on a FUSE filesystem (decided once per directory). There the page cache
+        costs more than it gives: a buffered read is cut into readahead-sized requests to the
+        filesystem's server one after another, a direct one goes out in parallel pieces, and
+        the source's pages are never cached (GlusterFS, 1,000 x 512 KiB: the process's system
+        time 0.65-0.70 s against 0.91-0.98 s). ``RWF_NOWAIT`` cannot tell whether a FUSE file
+        is cached, so a warm source is read from the server again."""
+        if self.mode != "auto" or not _HAS_DIRECT:
+            return False
+        where = os.path.dirname(path)
+        kind = self._fs_by_dir.get(where)
+        if kind is None:
+            kind = self._fs_by_dir[where] = fs_type(where)
+        return kind == "fuse" or kind.startswith("fuse.")
 
     def read_direct(
         self, path: str, fd: int | None = None, size: int = 0, archive: bool = False

@@ -1,15 +1,19 @@
 """How the copy engine reaches its sources: the streams open them at the same time (on a
-network filesystem every open is a round trip to the server), and a small hashed file moves
-in one read and one write."""
+network filesystem every open is a round trip to the server), a small hashed file moves in
+one read and one write, and on a FUSE filesystem a small file is read direct."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
+
+import pytest
 
 import staging.copy as copy
 from staging.checksum import new_hasher
-from staging.directio import IoPolicy
+from staging.directio import IoPolicy, fs_type
 from staging.manifest import Manifest, meta_dir
 from staging.plan import Group, build_plan
 
@@ -62,3 +66,45 @@ def test_a_small_hashed_file_moves_through_the_buffer(tmp_path, monkeypatch):
         os.close(src)
         os.close(dst)
     assert got == want.digest() and (tmp_path / "dst").read_bytes() == data
+
+
+def test_small_files_on_a_local_disk_are_read_through_the_page_cache(tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    assert not IoPolicy("auto", str(tmp_path), log=False).reads_whole_direct(str(tmp_path / "f"))
+    assert not IoPolicy("buffered", str(tmp_path), log=False).reads_whole_direct(
+        str(tmp_path / "f")
+    )
+
+
+NETFS_MNT = os.environ.get("NETFS_MNT", "/mnt/datastore-netfs")
+
+
+@pytest.mark.skipif(
+    fs_type(NETFS_MNT) != "fuse.glusterfs",
+    reason=f"no GlusterFS mounted at {NETFS_MNT} (benchmarks/netfs.sh up, as root)",
+)
+def test_small_files_on_a_fuse_filesystem_are_read_direct_and_staged_whole(tmp_path):
+    src = tempfile.mkdtemp(prefix="test-stage-sources-", dir=NETFS_MNT)
+    try:
+        files = {f"f{k}": os.urandom(5000 + k * 4096) for k in range(3)}
+        for name, data in files.items():
+            with open(os.path.join(src, name), "wb") as f:
+                f.write(data)
+        assert IoPolicy("auto", str(tmp_path), log=False).reads_whole_direct(
+            os.path.join(src, "f0")
+        )
+        dest = str(tmp_path / "dest")
+        plan = build_plan([src])
+        os.makedirs(os.path.join(dest, os.path.basename(src)))
+        groups = [
+            Group(g.source, tuple(i for i in g.items if i.kind != "dir")) for g in plan.groups
+        ]
+        stats = copy.Engine(dest, 0, "xxh3", 2, IoPolicy("auto", meta_dir(dest), log=False)).run(
+            groups
+        )
+        assert stats.errors == [] and stats.files == 3
+        for name, data in files.items():
+            with open(os.path.join(dest, os.path.basename(src), name), "rb") as f:
+                assert f.read() == data
+    finally:
+        shutil.rmtree(src)
