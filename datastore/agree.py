@@ -78,21 +78,10 @@ _TAG = 1 << 20  # the checks' messages; the torch exchange tags its steps below 
 _WHY_TAG = _TAG + 1  # a stopped rank's report that it failed or exited (MPI)
 _WHY_BYTES = 1024  # a report's most bytes
 _HERE_TAG = _TAG + 2  # after a reduction timed out: "this rank is in it" (MPI)
-_SPIN = 0.001  # seconds a reduction is tested without a nap: its rounds take tens of us
-
-
-def _own_cores(comm: Any) -> bool:
-    """Whether the ranks of ``comm`` on this node have a core each (collective): then a rank
-    waiting for a reduction keeps asking; ranks that share cores nap, letting the others on
-    (a reduction's rounds wait for each partner's turn: spinning made 4 ranks on 2 cores
-    2-3x slower)."""
-    from mpi4py import MPI
-
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_size() <= (os.cpu_count() or 1)
-    finally:
-        node.Free()
+# Seconds a rank waiting for a reduction asks again without a nap (yielding its core to any
+# process that wants it): a round needs its partner to run, and a nap per round made a check
+# on 2 ranks about 1 ms and on 3-8 ranks sharing 2 cores 2-4 ms (now 0.01-0.1 ms).
+_SPIN = 0.005
 
 
 class Collective:
@@ -110,10 +99,8 @@ class Collective:
 
     def __init__(self, comm: Any = None, group: Any = None) -> None:
         self.comm, self.group = (comm.Dup() if comm is not None else None), group
-        self.spin = 0.0  # seconds a reduction is tested without a nap (allreduce_max)
         if comm is not None:
             self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-            self.spin = _SPIN if _own_cores(self.comm) else 0.0
         else:
             import torch.distributed as dist
 
@@ -195,7 +182,7 @@ class Collective:
         request = self.comm.Iallreduce(mine, out, op=MPI.MAX)
         try:  # MPI moves a reduction's rounds on only inside calls: ask often at first
             poll(request.Test, deadline=time.monotonic() + timeout, what=what, step=step,
-                 spin=self.spin)  # fmt: skip
+                 spin=_SPIN)  # fmt: skip
         except ExchangeTimeout:
             raise timeout_error(what, step, self._absent(diagnosis(timeout))) from None
         return out
