@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from staging.directio import PositionedReader
 
@@ -67,6 +67,7 @@ class AheadReader(PositionedReader):
         self._pos = 0
         self._next = 0  # the first byte no job was started for
         self._pool: ThreadPoolExecutor | None = None
+        self._jobs: dict[int, Future] = {}  # chunk offset -> its read-ahead job, until done
         self._lock = threading.Lock()
 
     def _ahead(self) -> None:
@@ -77,13 +78,29 @@ class AheadReader(PositionedReader):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ahead")
             length = min(CHUNK, self._size - self._next)
-            self._pool.submit(_pull, self._fd, self._null, self._next, length)
+            self._jobs[self._next] = self._pool.submit(
+                _pull, self._fd, self._null, self._next, length
+            )
             self._next += CHUNK
+
+    def _wait(self, end: int) -> None:
+        """Wait for the read-ahead jobs of the chunks holding the position up to ``end``:
+        a read of its own into a chunk still being pulled would ask the server for the same
+        pages again (GlusterFS, 1,000 x 512 KiB tar: the walk took 0.8-0.95 s against a
+        source floor of 0.5-0.6 s)."""
+        start = self._pos - self._pos % CHUNK
+        for done in [off for off in self._jobs if off < start]:
+            del self._jobs[done]  # passed: never needed again
+        for off in range(start, end, CHUNK):
+            job = self._jobs.pop(off, None)
+            if job is not None:
+                job.result()
 
     def readinto(self, b: memoryview) -> int:  # type: ignore[override]
         """Fill ``b`` completely unless the file ends first (tarfile expects full reads)."""
         self._ahead()
         view = memoryview(b).cast("B")
+        self._wait(self._pos + len(view))
         got = 0
         while got < len(view):
             n = os.preadv(self._fd, [view[got:]], self._pos)

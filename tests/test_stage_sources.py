@@ -1,6 +1,7 @@
 """How the copy engine reaches its sources: the streams open them at the same time (on a
 network filesystem every open is a round trip to the server), a small hashed file moves in
-one read and one write, and on a FUSE filesystem a small file is read direct."""
+one read and one write, on a FUSE filesystem a small file is read direct, and the tar walk
+waits for the read-ahead of the chunk it reads."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 
 import pytest
 
 import staging.copy as copy
+from staging import prefetch
 from staging.checksum import new_hasher
 from staging.directio import IoPolicy, fs_type
 from staging.manifest import Manifest, meta_dir
@@ -108,3 +111,23 @@ def test_small_files_on_a_fuse_filesystem_are_read_direct_and_staged_whole(tmp_p
                 assert f.read() == data
     finally:
         shutil.rmtree(src)
+
+
+def test_the_tar_walk_waits_for_the_read_ahead_of_its_chunk(tmp_path, monkeypatch):
+    """A read into a chunk still being read ahead waits for that job instead of asking the
+    filesystem for the same pages itself."""
+    monkeypatch.setattr(prefetch, "CHUNK", 1 << 16)
+    data = os.urandom(4 << 16)
+    (tmp_path / "f").write_bytes(data)
+    pull, finished = prefetch._pull, []
+
+    def slow_pull(fd: int, null: int, offset: int, length: int) -> None:
+        time.sleep(0.3)  # still running when the reader first asks for its chunk
+        pull(fd, null, offset, length)
+        finished.append(offset)
+
+    monkeypatch.setattr(prefetch, "_pull", slow_pull)
+    with prefetch.AheadReader(str(tmp_path / "f"), window=2 << 16, threads=2) as r:
+        assert r.read(10) == data[:10]
+        assert 0 in finished  # the job for chunk 0 was done before the read returned
+        assert r.read() == data[10:]
