@@ -1,7 +1,7 @@
 """How the copy engine reaches its sources: the streams open them at the same time (on a
 network filesystem every open is a round trip to the server), a small hashed file moves in
 one read and one write, on a FUSE filesystem a small file is read direct, and the tar walk
-waits for the read-ahead of the chunk it reads."""
+waits for the read-ahead of the chunk it reads; the plan lists directories in parallel."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 import pytest
 
 import staging.copy as copy
+from staging import plan as plan_mod
 from staging import prefetch
 from staging.checksum import new_hasher
 from staging.directio import IoPolicy, fs_type
@@ -131,3 +132,30 @@ def test_the_tar_walk_waits_for_the_read_ahead_of_its_chunk(tmp_path, monkeypatc
         assert r.read(10) == data[:10]
         assert 0 in finished  # the job for chunk 0 was done before the read returned
         assert r.read() == data[10:]
+
+
+def test_the_plan_lists_directories_at_the_same_time_in_the_same_order(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    for d in ("a", "b", "c"):
+        (src / d / "sub").mkdir(parents=True)
+        (src / d / "f").write_bytes(d.encode())
+        (src / d / "sub" / "g").write_bytes(b"g")
+    # The three sibling directories are listed together: one at a time, the barrier breaks.
+    together = threading.Barrier(3, timeout=10)
+    listing = plan_mod._listing
+
+    def list_together(path: str):
+        if os.path.dirname(path) == str(src):
+            together.wait()
+        return listing(path)
+
+    monkeypatch.setattr(plan_mod, "_listing", list_together)
+    plan = build_plan([str(src)])
+    assert plan.errors == []
+    assert [i.dest for i in plan.items] == [
+        "src",
+        *("src/a", "src/b", "src/c"),
+        *("src/c/f", "src/c/sub", "src/c/sub/g"),
+        *("src/b/f", "src/b/sub", "src/b/sub/g"),
+        *("src/a/f", "src/a/sub", "src/a/sub/g"),
+    ]
