@@ -30,13 +30,19 @@ export PYTHONUNBUFFERED=1 # a step cut off by its limit keeps what it printed
 start=$SECONDS
 
 if [ -d .whl ]; then # the GPU machine's image lacks these (../shared/reference/gpu.md)
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    wheels=(); mpich=()
+    for w in .whl/*.whl; do case $w in .whl/mpich-*) mpich+=("$w") ;; *) wheels+=("$w") ;; esac; done
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" \
         > "$OUT/wheels.log" 2>&1 || echo "wheels: install failed, see wheels.log"
     export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    export PATH=/tmp/site/bin:$PATH
-    # mpi4py's binary wheel loads the first libmpi it finds: the image's Open MPI, not the
-    # mpich wheel whose mpiexec is on PATH (every rank then sees a world of 1)
-    [ -e /tmp/site/lib/libmpi.so.12 ] && export MPI4PY_LIBMPI=/tmp/site/lib/libmpi.so.12
+    if [ ${#mpich[@]} -gt 0 ]; then
+        # pip --target drops a wheel's data lib/ (the mpich wheel's libmpi.so.12), and mpi4py's
+        # binary wheel then loads the image's Open MPI under the wheel's mpiexec: every rank a
+        # world of 1. --prefix keeps lib/, and MPI4PY_LIBMPI names the library to load.
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
+            --prefix /tmp/mpich "${mpich[@]}" >> "$OUT/wheels.log" 2>&1 || echo "mpich: install failed"
+        export PATH=/tmp/mpich/bin:$PATH MPI4PY_LIBMPI=/tmp/mpich/lib/libmpi.so.12
+    fi
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi

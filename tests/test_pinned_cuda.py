@@ -73,34 +73,28 @@ def test_cuda_device_stages_through_pinned_buffers_without_pin_memory(h5):
     loader.close()
 
 
-def test_cuda_drop_waits_for_the_copy_stream_not_the_whole_gpu():
+def test_cuda_drop_waits_for_the_copy_out_of_the_mapping_before_unlocking():
+    """The copy is queued late on its stream, behind a sleep. (Whether drop() waits for other
+    streams too is not asserted: on the H100 it did, the unlocking waits for the whole GPU.)"""
     n = 16 << 20
     seg = Segment(1, n)  # a real shared-memory file, as the service makes
     try:
         pattern = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
         seg.array(0, 0, np.dtype(np.uint8), (n,))[:] = pattern
-        copies, training = torch.cuda.Stream(), torch.cuda.Stream()
+        copies = torch.cuda.Stream()
         maps = ClientMaps(copies_on=copies)
         host = maps.array(str(seg.path), 0, np.dtype(np.uint8), (n,))
         assert maps.pinned == 1, "cudaHostRegister refused the mapping: the copy would not be async"
-        with torch.cuda.stream(training):  # a long training step on another stream
-            torch.cuda._sleep(SLEEP * 20)
-            trained = torch.cuda.Event()
-            trained.record()
         with torch.cuda.stream(copies):  # the loader's copy out of the mapping, queued late
             torch.cuda._sleep(SLEEP)
             out = torch.from_numpy(host).to("cuda", non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
         maps.drop()
-        copy_done, training_done = copied.query(), trained.query()
+        copy_done = copied.query()
         host[:] = 0  # unlocked and no longer ours: a copy still reading it would see zeros
         torch.cuda.synchronize()
         assert copy_done, "drop() unlocked the mapping before the copy out of it was done"
         assert torch.equal(out.cpu(), torch.from_numpy(pattern)), "the copy read changed bytes"
-        assert not training_done, (
-            "drop() waited for the training stream too (a whole-device synchronize), not only "
-            "for the stream that copies out of the mappings"
-        )
     finally:
         seg.close()
