@@ -4,6 +4,7 @@
 # so every read the client makes is a request over the network stack to the brick server.
 #
 #   benchmarks/netfs.sh up        # start glusterd, create + start the volume, mount it
+#                                 # (a mount whose client died is unmounted and made again)
 #   benchmarks/netfs.sh remount   # unmount and mount again: a cold client (no cached data)
 #   benchmarks/netfs.sh down      # unmount, stop and delete the volume, stop glusterd
 #   benchmarks/netfs.sh status    # exit 0 when mounted
@@ -33,6 +34,12 @@ host() {
 }
 
 mounted() { grep -qs " $MNT fuse.glusterfs " /proc/self/mounts; }
+
+# A mount whose client process died stays listed but answers "Transport endpoint is not
+# connected": unmount it so that `up` mounts afresh.
+unmount_dead() {
+    if mounted && ! stat "$MNT/." >/dev/null 2>&1; then umount -l "$MNT"; fi
+}
 
 need() {
     [ "$(id -u)" = 0 ] || cannot "not root"
@@ -71,6 +78,7 @@ up() {
     if ! gluster --mode=script volume status "$VOL" >/dev/null 2>&1; then
         gluster --mode=script volume start "$VOL" force >/dev/null
     fi
+    unmount_dead
     mounted || do_mount
     echo "netfs: $VOL mounted at $MNT (GlusterFS over FUSE, brick $(host):$BRICK)"
 }
