@@ -32,9 +32,9 @@ from datastore.errors import DataStoreError
 from datastore.loader import DataStoreLoader
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
-from datastore.service.cli import format_status, status_dict
 from datastore.service.client import RemoteBatches, open_channel, stream_batches, target_of
 from datastore.service.session import MAX_GLOBAL_BATCH
+from datastore.service.status_table import format_status, status_dict
 from tests.test_service_basic import REPO, Server, cli, wait_serving
 
 SAMPLES = 48  # 12 steps of 4: more than a shared-memory stream's slots

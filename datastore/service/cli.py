@@ -1,20 +1,17 @@
-"""The ``datastore serve``, ``status``, ``load``, ``unload`` and ``shutdown`` subcommands."""
+"""The ``datastore serve``, ``status``, ``load``, ``unload`` and ``shutdown`` subcommands: their
+arguments, help and checks of values; what each does is :mod:`datastore.service.commands`."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from datastore.memory import parse_size
-from staging.exitcodes import Exit
+from datastore.service.commands import run_load, run_serve, run_shutdown, run_status, run_unload
+from datastore.service.config import MAX_GRACE_S
 
-__all__ = ["add_parser", "format_status", "status_dict"]
+__all__ = ["add_parser", "parse_bytes"]
 
 
 SERVE_EPILOG = """\
@@ -308,13 +305,13 @@ def _seconds(text: str) -> float:
 
 
 def _grace(text: str) -> float:
-    """``shutdown --grace``: seconds in ``0..3600`` (0: the service's own)."""
+    """``shutdown --grace``: seconds in ``0..MAX_GRACE_S`` (0: the service's own)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be 0..3600 seconds, got {text!r}")
+    if not 0 <= value <= MAX_GRACE_S:
+        raise argparse.ArgumentTypeError(f"must be 0..{MAX_GRACE_S:g} seconds, got {text!r}")
     return value
 
 
@@ -331,306 +328,3 @@ def parse_bytes(text: str) -> int:
         return parse_size(text, "size")
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 64G)") from None
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from datastore.service.grpc_peers import parse_peers
-    from datastore.service.paths import default_socket, default_state_file
-    from datastore.service.server import ServeConfig, serve
-
-    private = args.socket is None
-    socket = default_socket() if private else args.socket
-    try:
-        config = ServeConfig(
-            socket=socket,
-            private=private,
-            tcp=args.tcp,
-            token_file=args.token_file,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            grace_s=args.grace,
-            workers=args.workers,
-            memory_budget=args.memory_budget,
-            state_file=args.state_file or default_state_file(socket),
-            allowed_roots=tuple(args.allow),
-            session_idle_s=args.session_idle,
-            metrics=args.metrics,
-            peers=parse_peers(args.peers) if args.peers else (),
-            node=args.node,
-            peer_ca=args.peer_ca,
-            peer_timeout_s=args.peer_timeout,
-        )
-    except ValueError as exc:
-        print(f"datastore serve: {exc}", file=sys.stderr)
-        return Exit.BAD_INPUT
-    return serve(config)
-
-
-def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> tuple[Any, int]:
-    """``(call(client), 0)`` on the service ``args`` name, or ``(None, exit code)`` once the
-    reason it failed is printed (one line on stderr)."""
-    import grpc
-
-    from datastore.errors import DataStoreError
-    from datastore.service.auth import read_token
-    from datastore.service.client import Client
-    from datastore.service.paths import service_address
-
-    token = None
-    if args.token_file is not None:
-        try:
-            token, _ = read_token(args.token_file)
-        except (OSError, ValueError) as exc:
-            print(f"datastore {command}: cannot use token file: {exc}", file=sys.stderr)
-            return None, Exit.BAD_INPUT
-    try:
-        address = service_address(args.address)
-    except ValueError as exc:
-        print(f"datastore {command}: {exc}", file=sys.stderr)
-        return None, Exit.FAILED
-    try:
-        client = Client(address, token=token, timeout_s=args.timeout, tls_ca=args.tls_ca)
-    except OSError as exc:
-        print(f"datastore {command}: cannot read --tls-ca: {exc}", file=sys.stderr)
-        return None, Exit.BAD_INPUT
-    with client:
-        try:
-            return call(client), Exit.OK
-        except (DataStoreError, ValueError) as exc:
-            code = getattr(exc, "grpc_status", None)  # set by raise_for: the call failed
-            if code is None:
-                raise
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                msg = (
-                    f"no service answers at {client.target}: {code.name} "
-                    "(is `datastore serve` running? start it, or pass --address)"
-                )
-            else:
-                msg = f"the service at {client.target} refused: {code.name}: {exc.grpc_details}"
-            print(f"datastore {command}: {msg}", file=sys.stderr)
-            return None, Exit.FAILED
-
-
-def run_status(args: argparse.Namespace) -> int:
-    reply, code = _ask(args, "status", lambda c: c.status())
-    if reply is None:
-        return code
-    d = status_dict(reply)
-    print(json.dumps(d, indent=2) if args.json else format_status(d))
-    return Exit.OK
-
-
-def run_load(args: argparse.Namespace) -> int:
-    from staging.progress import human_bytes
-
-    if _unsendable("load", args.path):
-        return Exit.BAD_INPUT
-    if args.timeout is None:
-        args.timeout = None if args.wait else 5.0
-    reply, code = _ask(args, "load", lambda c: c.load(_absolute(args.path), wait=args.wait))
-    if reply is None:
-        return code
-    x = reply.dataset
-    state = "loading" if x.loading else "resident"
-    print(
-        f"{x.path}: {state}, {human_bytes(x.bytes_resident)} of {human_bytes(x.bytes_total)} "
-        f"in memory, {x.num_samples} samples"
-    )
-    return Exit.OK
-
-
-def run_unload(args: argparse.Namespace) -> int:
-    from staging.progress import human_bytes
-
-    if _unsendable("unload", args.path):
-        return Exit.BAD_INPUT
-    reply, code = _ask(args, "unload", lambda c: c.unload(_absolute(args.path)))
-    if reply is None:
-        return code
-    print(f"{args.path}: unloaded, {human_bytes(reply.bytes_freed)} freed")
-    return Exit.OK
-
-
-def run_shutdown(args: argparse.Namespace) -> int:
-    def stop(client: Any) -> tuple[Any, bool]:
-        pid = client.status().pid
-        client.shutdown(grace_s=args.grace, reason=args.reason)
-        return pid, _stopped(client, (args.grace or 60.0) + 30.0)
-
-    reply, code = _ask(args, "shutdown", stop)
-    if reply is None:
-        return code
-    pid, stopped = reply
-    if not stopped:
-        print(f"datastore shutdown: the service (pid {pid}) still answers", file=sys.stderr)
-        return Exit.FAILED
-    print(f"datastore serve (pid {pid}) stopped")
-    return Exit.OK
-
-
-def _stopped(client: Any, wait_s: float) -> bool:
-    """Whether the service stops within ``wait_s`` seconds: it no longer answers ``client``
-    and, on a Unix socket, has removed the socket (its last step before exiting)."""
-    from datastore.errors import DataStoreError
-
-    target = client.target
-    sock = (
-        Path(target.removeprefix("unix://").removeprefix("unix:"))
-        if target.startswith("unix:")
-        else None
-    )
-    deadline = time.monotonic() + wait_s
-    answering = True
-    while time.monotonic() < deadline:
-        if answering:
-            try:
-                client.status()
-            except (DataStoreError, ValueError):
-                answering = False
-        if not answering and (sock is None or not sock.exists()):
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _absolute(path: str) -> str:
-    """A path as the service wants it: absolute (a relative one is from here)."""
-    return os.path.abspath(path)
-
-
-def _unsendable(command: str, path: str) -> bool:
-    """Say so (exit 2) when ``path`` cannot travel in a request: the protocol's strings are
-    UTF-8, and a file name of other bytes reaches Python as lone surrogates."""
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        print(f"datastore {command}: {path!r}: not a UTF-8 path, which the service cannot be sent",
-              file=sys.stderr)  # fmt: skip
-        return True
-    return False
-
-
-def status_dict(reply: Any) -> dict[str, Any]:
-    """A reply (``Status``) as plain JSON-able data: every field under its name in the
-    protocol, defaults included, integers as integers (protobuf's ``MessageToDict`` writes the
-    64-bit ones as strings). Nested messages become dicts, repeated fields lists."""
-
-    def value(field: Any, v: Any) -> Any:
-        return status_dict(v) if field.message_type is not None else v
-
-    return {
-        f.name: (
-            [value(f, v) for v in getattr(reply, f.name)]
-            if f.is_repeated
-            else value(f, getattr(reply, f.name))
-        )
-        for f in reply.DESCRIPTOR.fields
-    }
-
-
-def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
-    """Aligned columns: the first ``left`` to the left, the others to the right."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(r: list[str]) -> str:
-        cells = [
-            c.ljust(w) if i < left else c.rjust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        return "  ".join(cells).rstrip()
-
-    return [line(header), *(line(r) for r in rows)]
-
-
-def format_status(d: dict[str, Any], now: float | None = None) -> str:
-    """The status (as :func:`status_dict` gives it) as tables for people.
-
-    Args:
-        d: the reply.
-        now: the time throughputs are measured to (Unix seconds). Default: now.
-    """
-    from staging.progress import human_bytes
-
-    now = time.time() if now is None else now
-    budget = d["memory_budget"]
-    rows = [
-        ("service", f"datastore {d['version']}, pid {d['pid']}, up {d['uptime_s']:.1f} s"),
-        ("listen", ", ".join(d["listen"]) or "-"),
-        ("memory budget", human_bytes(budget) if budget else "no limit"),
-        ("resident", human_bytes(d["bytes_resident"])),
-        ("clients", str(d["clients"])),
-        (
-            "served",
-            f"{d['batches_served']} batches, "
-            f"{human_bytes(d['bytes_served'])}, {d['calls_served']} calls",
-        ),
-    ]
-    if d["nodes"] > 1:
-        store = f"node {d['node']} of {d['nodes']}, "
-        rows.append(("store", store + f"{human_bytes(d['bytes_exchanged'])} fetched"))
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
-
-    lines += ["", f"datasets ({len(d['datasets'])})"]
-    if d["datasets"]:
-        header = [
-            "path",
-            "format",
-            "samples",
-            "bytes",
-            "resident",
-            "loading",
-            "sessions",
-            "hit rate",
-        ]
-        table = []
-        for x in d["datasets"]:
-            hits, misses = x["hits"], x["misses"]
-            reads = hits + misses
-            table.append(
-                [
-                    x["path"],
-                    x["format"] or "-",
-                    str(x["num_samples"]),
-                    human_bytes(x["bytes_total"]),
-                    human_bytes(x["bytes_resident"]),
-                    "yes" if x["loading"] else "no",
-                    str(x["sessions"]),
-                    f"{100 * hits / reads:.1f}%" if reads else "-",
-                ]
-            )
-        lines += _table(header, table, left=2)
-
-    lines += ["", f"sessions ({len(d['sessions'])})"]
-    if d["sessions"]:
-        header = [
-            "job",
-            "session",
-            "world",
-            "batch",
-            "streams",
-            "batches",
-            "bytes",
-            "rate",
-            "stall",
-        ]
-        table = []
-        for x in sorted(d["sessions"], key=lambda x: (x["job_id"], x["session_id"])):
-            nbytes = x["bytes_served"]
-            seconds = now - x["opened_unix_s"]
-            rate = f"{human_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"
-            table.append(
-                [
-                    x["job_id"] or "-",
-                    x["session_id"][:12],
-                    str(x["world_size"]),
-                    str(x["global_batch"]),
-                    str(x["streams"]),
-                    str(x["batches_served"]),
-                    human_bytes(nbytes),
-                    rate,
-                    f"{x['stall_s']:.2f} s",
-                ]
-            )
-        lines += _table(header, table, left=2)
-    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""What ``datastore serve`` was asked for: :class:`ServeConfig`, checked as it is made."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["MAX_GRACE_S", "ServeConfig"]
+
+MAX_GRACE_S = 3600.0
+"""The longest drain ``--grace`` or ``Shutdown(grace_s)`` may ask for."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``datastore serve`` was asked for.
+
+    Args:
+        socket: the Unix socket path.
+        private: ``socket`` is the default path, whose directory must be private.
+        tcp: ``HOST:PORT`` to listen on as well (port 0: any free port). Default: none.
+        token_file: the shared secret for ``tcp``; required with it. Default: none.
+        tls_cert, tls_key: PEM certificate chain and private key: TCP is served over TLS.
+            Default: none (plaintext TCP, the token in the clear: trusted networks only).
+        grace_s: seconds to let calls in flight finish on shutdown. Default: ``5.0``.
+        workers: threads serving calls. Default: ``16``.
+        memory_budget: bytes of memory for resident datasets. Default: none (no limit).
+        state_file: where the resident datasets are listed, to reload them after a restart.
+            Default: none.
+        allowed_roots: datasets (and stage paths) must lie under one of these. Default: any.
+        session_idle_s: close a session that has had no stream for this long. Default: ``600``.
+        metrics: ``HOST:PORT`` to serve Prometheus ``/metrics`` on. Default: none.
+        peers: every service's TCP ``HOST:PORT`` when the services of a store peer over gRPC
+            (:mod:`datastore.service.grpc_peers`), in node order. Default: none.
+        node: this service's index in ``peers``. Default: none.
+        peer_ca: PEM certificate(s) to check the peers' TLS against. Default: ``tls_cert``.
+        peer_timeout_s: how long a request to a peer may wait. Default: ``60``.
+    """
+
+    socket: Path
+    private: bool = False
+    tcp: str | None = None
+    token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    grace_s: float = 5.0
+    workers: int = 16
+    memory_budget: int | None = None
+    state_file: Path | None = None
+    allowed_roots: tuple[Path, ...] = ()
+    session_idle_s: float = 600.0
+    metrics: str | None = None
+    peers: tuple[str, ...] = ()
+    node: int | None = None
+    peer_ca: Path | None = None
+    peer_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tcp is not None and self.token_file is None:
+            raise ValueError("--tcp needs --token-file: TCP is never served without a secret")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_cert is not None and self.tcp is None:
+            raise ValueError("--tls-cert is for --tcp (the Unix socket needs no TLS)")
+        if self.tcp is not None and ":" not in self.tcp:
+            raise ValueError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
+        if not (math.isfinite(self.grace_s) and 0 <= self.grace_s <= MAX_GRACE_S):
+            raise ValueError(f"--grace must be 0..{MAX_GRACE_S:g} seconds, got {self.grace_s}")
+        if self.workers < 1:
+            raise ValueError("--workers must be >= 1")
+        if self.memory_budget is not None and self.memory_budget < 0:
+            raise ValueError("the memory budget must be >= 0")
+        if self.session_idle_s <= 0:
+            raise ValueError("the session idle time must be > 0")
+        if self.metrics is not None and ":" not in self.metrics:
+            raise ValueError(f"--metrics wants HOST:PORT, got {self.metrics!r}")
+        if self.peers and (self.tcp is None or self.node is None):
+            raise ValueError("--peers needs --tcp (peers call each other there) and --node")
+        if self.node is not None and not self.peers:
+            raise ValueError("--node goes with --peers")
+        if self.node is not None and not 0 <= self.node < len(self.peers):
+            raise ValueError(f"--node {self.node} is not an index of the {len(self.peers)} --peers")
+        if self.peer_ca is not None and self.tls_cert is None:
+            raise ValueError("--peer-ca is for TLS (--tls-cert)")
+        if self.peer_timeout_s <= 0:
+            raise ValueError("the peer timeout must be > 0")
+        for r in self.allowed_roots:
+            if not os.path.exists(r):
+                raise ValueError(f"--allow {r}: no such directory")
+        roots = tuple(Path(os.path.realpath(r)) for r in self.allowed_roots)
+        object.__setattr__(self, "allowed_roots", roots)
+        state = self.state_file
+        if state is not None and state.is_dir():
+            raise ValueError(f"--state-file {state} is a directory: name a file in one")
+        if state is not None and state.parent.exists() and not state.parent.is_dir():
+            raise ValueError(f"--state-file {state}: {state.parent} is not a directory")

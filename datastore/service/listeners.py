@@ -1,0 +1,121 @@
+"""The gRPC servers of ``datastore serve``: built, bound to the Unix socket and TCP, and the
+services registered on them (``datastore.v1.DataStore``, health checking, reflection, and
+``datastore.v1.Peers`` on TCP when the services peer over gRPC).
+
+Replies up to ``MAX_MESSAGE`` (256 MiB) are allowed (gRPC's default is 4 MiB); an inline batch
+larger than the chunk size (64 MiB, ``DATASTORE_INLINE_CHUNK``) is sent as several messages
+(``Batch.chunk``); requests over ``MAX_REQUEST`` (4 MiB) end with ``RESOURCE_EXHAUSTED`` before
+any handler reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+from datastore.service.grpc_peers import GrpcPeers, PeersServicer, add_peers_to_server
+from datastore.service.servicer import Servicer
+from datastore.service.session import spatial_of
+from datastore.service.wire import MAX_MESSAGE, serialize
+
+__all__ = ["MAX_REQUEST", "add_services", "bind_tcp", "bind_unix", "new_server"]
+
+MAX_REQUEST = 4 * 1024 * 1024  # requests are small: a larger one is refused, never read
+MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_REQUEST),
+]
+
+
+def new_server(workers: int, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
+    # so_reuseport off: a second server must never share a TCP port with a live one
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datastore-rpc"),
+        interceptors=interceptors,
+        options=[("grpc.so_reuseport", 0), *MESSAGE_OPTIONS],
+    )
+
+
+def bind_unix(server: grpc.Server, target: str) -> None:
+    """Listen on the Unix socket ``target``, the socket born 0600."""
+    old_umask = os.umask(0o177)
+    try:
+        server.add_insecure_port(target)
+    finally:
+        os.umask(old_umask)
+
+
+def bind_tcp(server: grpc.Server, tcp: str, tls_cert: Path | None, tls_key: Path | None) -> str:
+    """Listen on ``tcp`` (``HOST:PORT``), over TLS with a certificate; the address listened on
+    (port 0 becomes the port given).
+
+    Raises:
+        OSError: a TLS file cannot be read.
+        RuntimeError: the address cannot be bound.
+    """
+    if tls_cert is not None:
+        assert tls_key is not None  # checked by ServeConfig
+        pair = (tls_key.read_bytes(), tls_cert.read_bytes())
+        port = server.add_secure_port(tcp, grpc.ssl_server_credentials([pair]))
+    else:
+        port = server.add_insecure_port(tcp)
+    return f"{tcp.rsplit(':', 1)[0]}:{port}"
+
+
+class _Handlers:
+    """Catches the generated code's method handlers, to be adjusted before registering."""
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def _add_datastore(servicer: Servicer, server: grpc.Server) -> None:
+    """The generated registration, but ``StreamBatches`` responses may be framed bytes
+    (``datastore.service.wire``): inline payloads are copied once, not four times."""
+    caught = _Handlers()
+    pb_grpc.add_DataStoreServicer_to_server(servicer, caught)
+    caught.handlers["StreamBatches"] = grpc.stream_stream_rpc_method_handler(
+        servicer.StreamBatches,
+        request_deserializer=pb.StreamBatchesRequest.FromString,
+        response_serializer=serialize,
+    )
+    generic = grpc.method_handlers_generic_handler(caught.service, caught.handlers)
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers(caught.service, caught.handlers)
+
+
+def add_services(
+    server: grpc.Server,
+    servicer: Servicer,
+    health_servicer: health.HealthServicer,
+    *,
+    peers: bool,
+) -> None:
+    """Register the services on ``server``; ``peers``: also ``datastore.v1.Peers`` when this
+    service peers over gRPC (on TCP, where the peers call)."""
+    _add_datastore(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [
+        pb.DESCRIPTOR.services_by_name["DataStore"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    ]
+    link = servicer.link
+    if peers and isinstance(link, GrpcPeers):
+        answering = PeersServicer(
+            link.node, link.nodes, servicer.answer, spatial_of, servicer.internal_error
+        )
+        add_peers_to_server(answering, server)
+        names.append(pb.DESCRIPTOR.services_by_name["Peers"].full_name)
+    reflection.enable_server_reflection(names, server)

@@ -1,0 +1,341 @@
+"""The ``datastore.v1.DataStore`` servicer: the calls of ``datastore serve`` over the resident
+datasets of one node.
+
+``OpenSession`` validates a request and opens a session (:mod:`datastore.service.session`);
+``StreamBatches`` streams a rank's batches, their tensors in shared memory or inline in the
+message (:mod:`datastore.service.stream`); ``CloseSession`` frees the session. The stream is a
+generator pulled by gRPC, so a slow client never makes the server buffer more than the stream's
+``prefetch`` batches; a client that cancels or dies stops production. ``Shutdown`` (like a
+signal) sets the process's :class:`Stop`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from datastore._version import __version__
+from datastore.delivery import Gather
+from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+from datastore.service.calls import CallCounter
+from datastore.service.config import MAX_GRACE_S, ServeConfig
+from datastore.service.errors import ServiceError
+from datastore.service.grpc_peers import GrpcPeers
+from datastore.service.logs import JsonLog
+from datastore.service.peers import MpiPeers, Peers, node_path
+from datastore.service.resident import Residency, Resident, listing, resolve_dataset
+from datastore.service.session import Sessions
+from datastore.service.stage_job import landed, stream_stage
+from datastore.service.stream import Stream
+from staging.exitcodes import Exit
+
+__all__ = ["Counters", "Servicer", "Stop"]
+
+
+class Stop:
+    """Why and when to stop: set by a signal handler or by the ``Shutdown`` call."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.why = ""
+        self.grace_s: float | None = None
+
+    def request(self, why: str, grace_s: float | None = None) -> None:
+        if not self.event.is_set():
+            self.why, self.grace_s = why, grace_s
+            self.event.set()
+
+
+class Counters:
+    """The calls (received, and those standing for a client now) and what the streams sent."""
+
+    def __init__(self) -> None:
+        self.calls = CallCounter()
+        self.lock = threading.Lock()
+        self.batches = 0
+        self.bytes = 0
+
+
+def _returns_slots(requests: Any, stream: Stream) -> None:
+    """Read the client's later messages, returning the slots they list (a thread per stream)."""
+    try:
+        for r in requests:
+            if r.mapped:
+                stream.ring.client_mapped()
+            stream.ring.done(list(r.done))
+    except (grpc.RpcError, ValueError):
+        pass  # the call ended: the stream stops through its callback
+
+
+class Servicer(pb_grpc.DataStoreServicer):
+    """``datastore.v1.DataStore`` over the resident datasets of one node."""
+
+    def __init__(
+        self,
+        *,
+        config: ServeConfig,
+        listen: list[str],
+        stop: Stop,
+        counters: Counters,
+        log: JsonLog,
+        comm: Any = None,
+        peers: GrpcPeers | None = None,
+    ) -> None:
+        self._started = time.monotonic()
+        self._config = config
+        self._listen = listen
+        self._stop = stop
+        self._counters = counters
+        self._log = log
+        self.link: Peers | None = MpiPeers(comm, self.answer) if comm is not None else peers
+        self.residency = Residency(
+            config.memory_budget,
+            config.state_file,
+            on_event=log.info,
+            link=self.link,
+            roots=config.allowed_roots,
+        )
+        self.sessions = Sessions(
+            self.residency,
+            config.allowed_roots,
+            config.session_idle_s,
+            on_event=log.info,
+            gather=Gather(),  # copies spread over the node's cores, shared by every stream
+        )
+
+    def answer(self, request: dict) -> Any:
+        """A peer service's request (``datastore.service.peers``)."""
+        kind = request["kind"]
+        if kind == "shutdown":
+            self._stop.request(f"node {request['node']} stopped")
+            return None
+        path = self._resolve(request["path"])
+        if kind == "describe":
+            return listing(path, self._config.allowed_roots)
+        if kind == "fetch":
+            r = self.residency.load(path, request["path"])
+            return r.blocks(
+                request["samples"], request["fields"], request["spatial"], request["block"]
+            )
+        raise ServiceError("INVALID_ARGUMENT", f"unknown peer request {kind!r}")
+
+    def internal_error(self, exc: BaseException) -> None:
+        """Log an unexpected exception of a call in full; its caller gets only ``INTERNAL``."""
+        self._log.error("internal_error", msg=f"{type(exc).__name__}: {exc}")
+
+    def _resolve(self, path: str) -> str:
+        """The real path of the dataset a client or peer named (``{node}``: this node)."""
+        return resolve_dataset(node_path(path, self.residency.node), self._config.allowed_roots)
+
+    def _refuse(self, context: grpc.ServicerContext, call: str, exc: ServiceError) -> None:
+        self._log.warning("refused", call=call, code=exc.code, msg=str(exc))
+        context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+
+    def OpenSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            s = self.sessions.open(request)
+        except ServiceError as exc:
+            self._refuse(context, "OpenSession", exc)
+        self._log.info(
+            "session_opened",
+            session=s.session_id,
+            dataset=s.resident.path,
+            job_id=request.job_id,
+            world=s.world,
+            global_batch=request.global_batch,
+        )
+        return pb.OpenSessionResponse(
+            session_id=s.session_id,
+            num_samples=s.resident.num_samples,
+            steps_per_epoch=s.schedule.steps_per_epoch,
+            fields=s.field_infos(),
+        )
+
+    def _shared_memory(self, request: Any, context: grpc.ServicerContext) -> bool:
+        local = context.peer().startswith("unix:")
+        if request.transport == pb.TRANSPORT_SHARED_MEMORY and not local:
+            raise ServiceError(
+                "FAILED_PRECONDITION",
+                "shared memory is served over the Unix socket only (the client is on this node)",
+            )
+        return request.transport == pb.TRANSPORT_SHARED_MEMORY or (
+            request.transport == pb.TRANSPORT_UNSPECIFIED and local
+        )
+
+    def StreamBatches(self, requests: Any, context: grpc.ServicerContext) -> Any:
+        request = next(requests, None)
+        if request is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StreamBatches needs a first request")
+        try:
+            session = self.sessions.get(request.session_id)
+            shm = self._shared_memory(request, context)
+            stream = session.stream(request, shm)
+        except ServiceError as exc:
+            self._refuse(context, "StreamBatches", exc)
+        context.add_callback(lambda: session.release(stream))
+        if shm and request.mapped:  # mapped during an earlier stream (one it may have left)
+            stream.ring.client_mapped()
+        if shm:
+            threading.Thread(
+                target=_returns_slots, args=(requests, stream), daemon=True, name="datastore-acks"
+            ).start()
+        try:
+            for batch, nbytes, first in stream.messages():
+                session.served(nbytes, first)
+                with self._counters.lock:
+                    self._counters.batches += int(first)
+                    self._counters.bytes += nbytes
+                yield batch
+        except ServiceError as exc:
+            if context.is_active():  # else the client went away: nobody to tell
+                self._refuse(context, "StreamBatches", exc)
+        except (ValueError, OSError) as exc:  # a sample that cannot be read
+            self._refuse(context, "StreamBatches", ServiceError("DATA_LOSS", str(exc)))
+        finally:
+            session.release(stream)
+
+    def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            self.sessions.close(request.session_id)
+        except ServiceError as exc:
+            self._refuse(context, "CloseSession", exc)
+        self._log.info("session_closed", session=request.session_id)
+        return pb.CloseSessionResponse()
+
+    def LoadDataset(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            r = self.residency.load(self._resolve(request.dataset_path), request.dataset_path)
+        except ServiceError as exc:
+            self._refuse(context, "LoadDataset", exc)
+        if request.wait:
+            while not r.wait(0.5):
+                if not context.is_active():
+                    break
+        return pb.LoadDatasetResponse(dataset=_dataset_status(r))
+
+    def UnloadDataset(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            freed = self.residency.unload(self._resolve(request.dataset_path))
+        except ServiceError as exc:
+            self._refuse(context, "UnloadDataset", exc)
+        return pb.UnloadDatasetResponse(bytes_freed=freed)
+
+    def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.status()
+
+    def status(self) -> Any:
+        """The ``StatusResponse``: what ``datastore status`` shows and the metrics read."""
+        with self._counters.lock:
+            batches, nbytes = self._counters.batches, self._counters.bytes
+        calls = self._counters.calls
+        sessions = self.sessions.all()
+        datasets = self.residency.all()
+        return pb.StatusResponse(
+            version=__version__,
+            pid=os.getpid(),
+            uptime_s=time.monotonic() - self._started,
+            listen=self._listen,
+            datasets=[_dataset_status(r) for r in datasets],
+            sessions=[
+                pb.SessionStatus(
+                    session_id=x.session_id,
+                    dataset_path=x.resident.path,
+                    job_id=x.request.job_id,
+                    world_size=x.world,
+                    global_batch=x.request.global_batch,
+                    clients=len(x.streams),
+                    batches_served=x.batches_served,
+                    bytes_served=x.bytes_served,
+                    opened_unix_s=x.opened_unix_s,
+                    streams=len(x.streams),
+                    stall_s=x.stall_s,
+                    idle_s=x.idle_s(),
+                )
+                for x in sessions
+            ],
+            clients=len(sessions) + calls.in_flight,  # see datastore.service.calls
+            batches_served=batches,
+            bytes_served=nbytes,
+            calls_served=calls.served,
+            memory_budget=self._config.memory_budget or 0,
+            bytes_resident=sum(r.budgeted for r in datasets),
+            bytes_exchanged=self.link.bytes_received if self.link else 0,
+            node=self.residency.node,
+            nodes=self.link.nodes if self.link else 1,
+        )
+
+    def Stage(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._log.info("stage_started", sources=list(request.sources), dest=request.dest)
+        last = None
+        try:
+            for last in stream_stage(request, context.is_active, self._config.allowed_roots):
+                if last.done and last.exit_code == Exit.OK and request.load:
+                    self._load_landed(request)
+                yield last
+        except ServiceError as exc:
+            self._refuse(context, "Stage", exc)
+        if last is not None and last.done:
+            self._log.info("stage_done", dest=request.dest, exit_code=last.exit_code)
+        else:
+            self._log.warning("stage_cancelled", dest=request.dest)
+
+    def _load_landed(self, request: Any) -> None:
+        """Make what a stage put in DEST resident (:func:`landed`): every dataset among those
+        paths is loaded; the first that is not one then fails the call, naming it."""
+        failed = None
+        for path in landed(request.sources, request.dest):
+            try:
+                self.residency.load(resolve_dataset(path, self._config.allowed_roots))
+            except ServiceError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
+    def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
+        g = request.grace_s
+        if not (math.isfinite(g) and 0 <= g <= MAX_GRACE_S):
+            self._refuse(
+                context, "Shutdown",
+                ServiceError("INVALID_ARGUMENT", f"grace_s must be 0..{MAX_GRACE_S:g} s, got {g}"),
+            )  # fmt: skip
+        grace = g if g > 0 else None
+        self._log.info(
+            "shutdown_requested", peer=context.peer(), reason=request.reason, grace_s=grace
+        )
+        self._stop.request("Shutdown", grace)
+        return pb.ShutdownResponse(accepted=True)
+
+    def restore(self) -> None:
+        """Reload the datasets the state file lists (in the background), logging which."""
+        reloading = self.residency.restore()
+        if reloading:
+            self._log.info("reloading", datasets=reloading)
+
+    def close(self) -> None:
+        if self.link is not None:
+            by_peer = self._stop.why.startswith("node ")
+            self.link.close(stop_all=bool(self._stop.why) and not by_peer)
+        self.sessions.close_all()
+        self.residency.close()
+
+
+def _dataset_status(r: Resident) -> Any:
+    return pb.DatasetStatus(
+        path=r.path,
+        format=str(getattr(r.reader, "format", "")),
+        num_samples=r.num_samples,
+        bytes_total=r.nbytes,
+        bytes_resident=r.store.filled_bytes(),
+        sessions=r.sessions,
+        loading=r.loading,
+        last_used_unix_s=r.last_used,
+        hits=r.store.counters.hits,
+        misses=r.store.counters.misses,
+        local_samples=len(r.store.keys),
+    )

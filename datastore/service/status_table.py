@@ -1,0 +1,134 @@
+"""The reply of ``datastore status``: as plain JSON-able data, and as tables for people."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["format_status", "status_dict"]
+
+
+def status_dict(reply: Any) -> dict[str, Any]:
+    """A reply (``Status``) as plain JSON-able data: every field under its name in the
+    protocol, defaults included, integers as integers (protobuf's ``MessageToDict`` writes the
+    64-bit ones as strings). Nested messages become dicts, repeated fields lists."""
+
+    def value(field: Any, v: Any) -> Any:
+        return status_dict(v) if field.message_type is not None else v
+
+    return {
+        f.name: (
+            [value(f, v) for v in getattr(reply, f.name)]
+            if f.is_repeated
+            else value(f, getattr(reply, f.name))
+        )
+        for f in reply.DESCRIPTOR.fields
+    }
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """Aligned columns: the first ``left`` to the left, the others to the right."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(r: list[str]) -> str:
+        cells = [
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+def format_status(d: dict[str, Any], now: float | None = None) -> str:
+    """The status (as :func:`status_dict` gives it) as tables for people.
+
+    Args:
+        d: the reply.
+        now: the time throughputs are measured to (Unix seconds). Default: now.
+    """
+    from staging.progress import human_bytes
+
+    now = time.time() if now is None else now
+    budget = d["memory_budget"]
+    rows = [
+        ("service", f"datastore {d['version']}, pid {d['pid']}, up {d['uptime_s']:.1f} s"),
+        ("listen", ", ".join(d["listen"]) or "-"),
+        ("memory budget", human_bytes(budget) if budget else "no limit"),
+        ("resident", human_bytes(d["bytes_resident"])),
+        ("clients", str(d["clients"])),
+        (
+            "served",
+            f"{d['batches_served']} batches, "
+            f"{human_bytes(d['bytes_served'])}, {d['calls_served']} calls",
+        ),
+    ]
+    if d["nodes"] > 1:
+        store = f"node {d['node']} of {d['nodes']}, "
+        rows.append(("store", store + f"{human_bytes(d['bytes_exchanged'])} fetched"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+
+    lines += ["", f"datasets ({len(d['datasets'])})"]
+    if d["datasets"]:
+        header = [
+            "path",
+            "format",
+            "samples",
+            "bytes",
+            "resident",
+            "loading",
+            "sessions",
+            "hit rate",
+        ]
+        table = []
+        for x in d["datasets"]:
+            hits, misses = x["hits"], x["misses"]
+            reads = hits + misses
+            table.append(
+                [
+                    x["path"],
+                    x["format"] or "-",
+                    str(x["num_samples"]),
+                    human_bytes(x["bytes_total"]),
+                    human_bytes(x["bytes_resident"]),
+                    "yes" if x["loading"] else "no",
+                    str(x["sessions"]),
+                    f"{100 * hits / reads:.1f}%" if reads else "-",
+                ]
+            )
+        lines += _table(header, table, left=2)
+
+    lines += ["", f"sessions ({len(d['sessions'])})"]
+    if d["sessions"]:
+        header = [
+            "job",
+            "session",
+            "world",
+            "batch",
+            "streams",
+            "batches",
+            "bytes",
+            "rate",
+            "stall",
+        ]
+        table = []
+        for x in sorted(d["sessions"], key=lambda x: (x["job_id"], x["session_id"])):
+            nbytes = x["bytes_served"]
+            seconds = now - x["opened_unix_s"]
+            rate = f"{human_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"
+            table.append(
+                [
+                    x["job_id"] or "-",
+                    x["session_id"][:12],
+                    str(x["world_size"]),
+                    str(x["global_batch"]),
+                    str(x["streams"]),
+                    str(x["batches_served"]),
+                    human_bytes(nbytes),
+                    rate,
+                    f"{x['stall_s']:.2f} s",
+                ]
+            )
+        lines += _table(header, table, left=2)
+    return "\n".join(lines)
