@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 
+from datastore.service.guard import KINDS, raw_handler
+
 __all__ = ["METADATA_KEY", "TokenInterceptor", "bearer", "read_token"]
 
 METADATA_KEY = "authorization"
@@ -72,11 +74,4 @@ class TokenInterceptor(grpc.ServerInterceptor):
         why = "missing token" if got is None else "wrong token"
         deny = _deny(f"{why}: send metadata 'authorization: Bearer <token>'")
         # The request stays raw bytes: nothing a caller without the token sends is decoded.
-        kwargs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
-        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
+        return raw_handler(handler, dict.fromkeys(KINDS, deny))

@@ -4,6 +4,7 @@ arguments, help and checks of values; what each does is :mod:`datastore.service.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +107,15 @@ def add_parser(sub: Any) -> None:
     from datastore.service.paths import default_socket
 
     default = default_socket()
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "serve",
-        help="run the node data service (gRPC on a private Unix socket)",
-        description="Run the node-local data service: gRPC (datastore.v1.DataStore, health "
+        run_serve,
+        "run the node data service (gRPC on a private Unix socket)",
+        "Run the node-local data service: gRPC (datastore.v1.DataStore, health "
         "checking, reflection) on a private Unix socket, and optionally on TCP with a shared "
         "secret.",
-        epilog=SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        SERVE_EPILOG,
     )
     p.add_argument(
         "--socket", type=Path, default=None, help=f"Unix socket path (default: {default})"
@@ -197,52 +199,51 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="how long a request to a peer waits for it before failing (default: 60)",
     )
-    p.set_defaults(func=run_serve)
 
-    s = sub.add_parser(
+    s = _command(
+        sub,
         "status",
-        help="show what a running `datastore serve` holds and has served",
-        description="Ask a running `datastore serve` for its status: resident datasets, "
+        run_status,
+        "show what a running `datastore serve` holds and has served",
+        "Ask a running `datastore serve` for its status: resident datasets, "
         "jobs and their sessions, totals.",
-        epilog=STATUS_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        STATUS_EPILOG,
     )
     _client_options(s, default)
     s.add_argument("--json", action="store_true", help="print the whole reply as JSON")
-    s.set_defaults(func=run_status)
 
-    ld = sub.add_parser(
+    ld = _command(
+        sub,
         "load",
-        help="make a dataset resident in a running `datastore serve`",
-        description="Ask a running `datastore serve` to read a dataset into memory now (what "
+        run_load,
+        "make a dataset resident in a running `datastore serve`",
+        "Ask a running `datastore serve` to read a dataset into memory now (what "
         "the first session on it does otherwise).",
-        epilog=LOAD_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        LOAD_EPILOG,
     )
     ld.add_argument("path", help="the dataset on the service's node (a relative path is from here)")
     ld.add_argument("--wait", action="store_true", help="return once every sample is in memory")
     _client_options(ld, default, timeout=None)
-    ld.set_defaults(func=run_load)
 
-    un = sub.add_parser(
+    un = _command(
+        sub,
         "unload",
-        help="drop a resident dataset from a running `datastore serve`",
-        description="Ask a running `datastore serve` to drop a resident dataset that no open "
-        "session uses.",
-        epilog=UNLOAD_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        run_unload,
+        "drop a resident dataset from a running `datastore serve`",
+        "Ask a running `datastore serve` to drop a resident dataset that no open session uses.",
+        UNLOAD_EPILOG,
     )
     un.add_argument("path", help="the dataset, as it was loaded")
     _client_options(un, default)
-    un.set_defaults(func=run_unload)
 
-    sd = sub.add_parser(
+    sd = _command(
+        sub,
         "shutdown",
-        help="stop a running `datastore serve` (drain, then exit)",
-        description="Ask a running `datastore serve` to drain the calls in flight and exit, "
+        run_shutdown,
+        "stop a running `datastore serve` (drain, then exit)",
+        "Ask a running `datastore serve` to drain the calls in flight and exit, "
         "and wait until it has.",
-        epilog=SHUTDOWN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        SHUTDOWN_EPILOG,
     )
     sd.add_argument(
         "--grace",
@@ -253,7 +254,27 @@ def add_parser(sub: Any) -> None:
     )
     sd.add_argument("--reason", default="datastore shutdown", help="logged by the service")
     _client_options(sd, default)
-    sd.set_defaults(func=run_shutdown)
+
+
+def _command(
+    sub: Any,
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    summary: str,
+    about: str,
+    epilog: str,
+) -> argparse.ArgumentParser:
+    """The subcommand ``name``, carried out by ``run``: ``summary`` in the list of commands,
+    ``about`` atop its help, ``epilog`` (laid out as written) below."""
+    p = sub.add_parser(
+        name,
+        help=summary,
+        description=about,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(func=run)
+    return p
 
 
 def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
@@ -293,12 +314,16 @@ def _socket(path: str) -> str:
     return unix_target(path)
 
 
-def _seconds(text: str) -> float:
-    """``--timeout``: a finite number of seconds > 0 (0 or NaN would wait for nothing)."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite number of seconds > 0 (0 or NaN would wait for nothing)."""
+    value = _number(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
     return value
@@ -306,10 +331,7 @@ def _seconds(text: str) -> float:
 
 def _grace(text: str) -> float:
     """``shutdown --grace``: seconds in ``0..MAX_GRACE_S`` (0: the service's own)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    value = _number(text)
     if not 0 <= value <= MAX_GRACE_S:
         raise argparse.ArgumentTypeError(f"must be 0..{MAX_GRACE_S:g} seconds, got {text!r}")
     return value

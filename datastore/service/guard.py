@@ -17,9 +17,21 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-__all__ = ["GuardInterceptor"]
+__all__ = ["KINDS", "GuardInterceptor", "raw_handler"]
 
 INTERNAL_MESSAGE = "internal error (the service's log says why)"
+KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+"""The four kinds of gRPC method, by whether requests and replies stream."""
+
+
+def raw_handler(handler: Any, run: dict[str, Callable[..., Any]]) -> grpc.RpcMethodHandler:
+    """A method handler of ``handler``'s kind running ``run[kind]`` on the request as raw bytes
+    (nothing of it decoded first), its replies encoded as ``handler`` encodes them."""
+    kind = next((k for k in KINDS[:-1] if getattr(handler, k)), KINDS[-1])
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(
+        run[kind], request_deserializer=None, response_serializer=handler.response_serializer
+    )
 
 
 def _decode(raw: bytes, deserializer: Any, context: grpc.ServicerContext) -> Any:
@@ -55,7 +67,7 @@ class GuardInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        decode, encode = handler.request_deserializer, handler.response_serializer
+        decode = handler.request_deserializer
         guard = self
 
         def unary_unary(raw: bytes, context: Any) -> Any:
@@ -84,11 +96,12 @@ class GuardInterceptor(grpc.ServerInterceptor):
             except Exception as exc:
                 guard._failed(exc, context)
 
-        kw = {"request_deserializer": None, "response_serializer": encode}
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
-        return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+        return raw_handler(
+            handler,
+            {
+                "unary_unary": unary_unary,
+                "unary_stream": unary_stream,
+                "stream_unary": stream_unary,
+                "stream_stream": stream_stream,
+            },
+        )

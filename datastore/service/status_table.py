@@ -5,7 +5,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from staging.progress import human_bytes
+
 __all__ = ["format_status", "status_dict"]
+
+DATASET_COLUMNS = [
+    "path", "format", "samples", "bytes", "resident", "loading", "sessions", "hit rate",
+]  # fmt: skip
+SESSION_COLUMNS = [
+    "job", "session", "world", "batch", "streams", "batches", "bytes", "rate", "stall",
+]  # fmt: skip
 
 
 def status_dict(reply: Any) -> dict[str, Any]:
@@ -47,8 +56,6 @@ def format_status(d: dict[str, Any], now: float | None = None) -> str:
         d: the reply.
         now: the time throughputs are measured to (Unix seconds). Default: now.
     """
-    from staging.progress import human_bytes
-
     now = time.time() if now is None else now
     budget = d["memory_budget"]
     rows = [
@@ -69,66 +76,44 @@ def format_status(d: dict[str, Any], now: float | None = None) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
 
-    lines += ["", f"datasets ({len(d['datasets'])})"]
-    if d["datasets"]:
-        header = [
-            "path",
-            "format",
-            "samples",
-            "bytes",
-            "resident",
-            "loading",
-            "sessions",
-            "hit rate",
-        ]
-        table = []
-        for x in d["datasets"]:
-            hits, misses = x["hits"], x["misses"]
-            reads = hits + misses
-            table.append(
-                [
-                    x["path"],
-                    x["format"] or "-",
-                    str(x["num_samples"]),
-                    human_bytes(x["bytes_total"]),
-                    human_bytes(x["bytes_resident"]),
-                    "yes" if x["loading"] else "no",
-                    str(x["sessions"]),
-                    f"{100 * hits / reads:.1f}%" if reads else "-",
-                ]
-            )
-        lines += _table(header, table, left=2)
-
-    lines += ["", f"sessions ({len(d['sessions'])})"]
-    if d["sessions"]:
-        header = [
-            "job",
-            "session",
-            "world",
-            "batch",
-            "streams",
-            "batches",
-            "bytes",
-            "rate",
-            "stall",
-        ]
-        table = []
-        for x in sorted(d["sessions"], key=lambda x: (x["job_id"], x["session_id"])):
-            nbytes = x["bytes_served"]
-            seconds = now - x["opened_unix_s"]
-            rate = f"{human_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"
-            table.append(
-                [
-                    x["job_id"] or "-",
-                    x["session_id"][:12],
-                    str(x["world_size"]),
-                    str(x["global_batch"]),
-                    str(x["streams"]),
-                    str(x["batches_served"]),
-                    human_bytes(nbytes),
-                    rate,
-                    f"{x['stall_s']:.2f} s",
-                ]
-            )
-        lines += _table(header, table, left=2)
+    lines += _section("datasets", DATASET_COLUMNS, [_dataset_row(x) for x in d["datasets"]])
+    sessions = sorted(d["sessions"], key=lambda x: (x["job_id"], x["session_id"]))
+    lines += _section("sessions", SESSION_COLUMNS, [_session_row(x, now) for x in sessions])
     return "\n".join(lines)
+
+
+def _section(name: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A titled table, its rows counted (no header when there are none)."""
+    return ["", f"{name} ({len(rows)})", *(_table(header, rows, left=2) if rows else [])]
+
+
+def _dataset_row(x: dict[str, Any]) -> list[str]:
+    """A resident dataset's row, its hit rate that of its store's reads."""
+    reads = x["hits"] + x["misses"]
+    return [
+        x["path"],
+        x["format"] or "-",
+        str(x["num_samples"]),
+        human_bytes(x["bytes_total"]),
+        human_bytes(x["bytes_resident"]),
+        "yes" if x["loading"] else "no",
+        str(x["sessions"]),
+        f"{100 * x['hits'] / reads:.1f}%" if reads else "-",
+    ]
+
+
+def _session_row(x: dict[str, Any], now: float) -> list[str]:
+    """A session's row, its rate the bytes served over the time since it opened."""
+    seconds = now - x["opened_unix_s"]
+    rate = f"{human_bytes(x['bytes_served'] / seconds)}/s" if seconds > 0 else "-"
+    return [
+        x["job_id"] or "-",
+        x["session_id"][:12],
+        str(x["world_size"]),
+        str(x["global_batch"]),
+        str(x["streams"]),
+        str(x["batches_served"]),
+        human_bytes(x["bytes_served"]),
+        rate,
+        f"{x['stall_s']:.2f} s",
+    ]
