@@ -242,14 +242,8 @@ def _run(
             pass
         grace = config.grace_s if stop.grace_s is None else stop.grace_s
         log.info("draining", why=stop.why, grace_s=grace)
-        health_servicer.enter_graceful_shutdown()
         t0 = time.monotonic()
-        stopping = [server.stop(grace) for server in servers]
-        for done in stopping:  # calls in flight get the grace...
-            done.wait(max(0.0, t0 + grace + 1 - time.monotonic()))
-        servicer.sessions.close_all()  # ...then open streams end (ABORTED) and handlers return
-        for done in stopping:
-            done.wait(5)
+        _drain(servers, servicer, health_servicer, grace)
         log.info(
             "stopped",
             why=stop.why,
@@ -265,3 +259,21 @@ def _run(
         if metrics_server is not None:
             metrics_server.shutdown()
         servicer.close()
+
+
+def _drain(
+    servers: list[grpc.Server],
+    servicer: Servicer,
+    health_servicer: health.HealthServicer,
+    grace: float,
+) -> None:
+    """Stop accepting calls, give those in flight ``grace`` seconds, then end the open streams
+    (``ABORTED``) and wait a little for their handlers to return."""
+    health_servicer.enter_graceful_shutdown()
+    t0 = time.monotonic()
+    stopping = [server.stop(grace) for server in servers]
+    for done in stopping:  # calls in flight get the grace...
+        done.wait(max(0.0, t0 + grace + 1 - time.monotonic()))
+    servicer.sessions.close_all()  # ...then open streams end (ABORTED) and handlers return
+    for done in stopping:
+        done.wait(5)
