@@ -154,8 +154,10 @@ class GrpcPeers:
         signature = {f.name: (f.dtype, tuple(f.shape)) for f in r.fields}
         return r.shardable, list(r.files), signature
 
-    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
-        """Node ``dest``'s packed blocks of ``request["samples"]`` into ``out`` (uint8)."""
+    def fetch(self, dest: int, request: dict, out: np.ndarray, boxes: Any = None) -> None:
+        """Node ``dest``'s packed blocks of ``request["samples"]`` into ``out`` (uint8), the
+        halo outside the volume included (``boxes`` is not used here)."""
+        del boxes
         call = self._channel(dest).unary_stream(
             f"/{SERVICE}/FetchBlocks",
             request_serializer=pb.FetchBlocksRequest.SerializeToString,

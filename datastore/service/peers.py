@@ -26,15 +26,16 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from datastore.service.errors import ServiceError
 
-__all__ = ["Listing", "MpiPeers", "Peers", "node_path"]
+__all__ = ["Box", "Listing", "MpiPeers", "Peers", "Pieces", "node_path"]
 
 Listing = tuple[bool, list[str], dict[str, tuple[str, tuple[int, ...]]]]
 """``(shardable, files held here, {field: (dtype, shape)})``: a node's view of a dataset."""
@@ -43,6 +44,52 @@ REQUEST = 1  # tag of every request; replies use a tag per request
 FIRST_REPLY_TAG = 100
 TAG_SPAN = 30000  # reply tags cycle through [FIRST_REPLY_TAG, +TAG_SPAN): MPI guarantees 32767
 IDLE_NAP = (0.0005, 0.02)  # seconds between polls for requests: while busy, idle at most
+
+
+Box = tuple[np.ndarray, tuple[slice, ...]]
+"""``(array, box)``: the bytes of ``array[box]`` (``array`` C-contiguous): a piece of a message."""
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A ``fetch`` reply sent straight from the store: the bytes of each ``array[box]`` of
+    ``boxes``, one after the other, described to MPI as one datatype (nothing packed)."""
+
+    boxes: Sequence[Box]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_box_bytes(a, box) for a, box in self.boxes)
+
+
+def _box_bytes(array: np.ndarray, box: tuple[slice, ...]) -> int:
+    return int(np.prod([s.stop - s.start for s in box], dtype=np.int64)) * array.itemsize
+
+
+def _box_type(mpi: Any, array: np.ndarray, box: tuple[slice, ...]) -> Any:
+    """An MPI subarray type of ``array[box]`` (bytes on the last axis), uncommitted."""
+    if not array.shape:  # a 0-d field: just its bytes
+        return mpi.BYTE.Create_contiguous(array.itemsize)
+    item = array.itemsize
+    full = [*array.shape[:-1], array.shape[-1] * item]
+    sub = [s.stop - s.start for s in box]
+    at = [s.start for s in box]
+    return mpi.BYTE.Create_subarray(full, [*sub[:-1], sub[-1] * item], [*at[:-1], at[-1] * item])
+
+
+def boxes_type(mpi: Any, boxes: Sequence[Box], base: int) -> Any:
+    """One committed MPI datatype of the bytes of ``boxes`` in order, addressed from ``base``
+    (``0`` with ``MPI.BOTTOM``: absolute addresses); empty boxes are left out."""
+    kept = [(a, box) for a, box in boxes if _box_bytes(a, box)]
+    for a, _ in kept:
+        if not a.flags.c_contiguous:
+            raise ValueError("a piece of an MPI message must be a C-contiguous array")
+    parts = [_box_type(mpi, a, box) for a, box in kept]
+    t = mpi.Datatype.Create_struct([1] * len(parts), [a.ctypes.data - base for a, _ in kept], parts)
+    t.Commit()
+    for p in parts:
+        p.Free()
+    return t
 
 
 def node_path(path: str, node: int) -> str:
@@ -61,8 +108,12 @@ class Peers(Protocol):
         """Node ``dest``'s :data:`Listing` of the dataset clients call ``path``."""
         ...
 
-    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
-        """Node ``dest``'s packed blocks (:meth:`Resident.blocks`) into ``out`` (uint8)."""
+    def fetch(
+        self, dest: int, request: dict, out: np.ndarray, boxes: Sequence[Box] | None = None
+    ) -> None:
+        """Node ``dest``'s packed blocks (:meth:`Resident.blocks`) into ``out`` (uint8).
+        ``boxes``: views into ``out`` where the parts inside the volume go; a link may then
+        receive only those bytes (the caller has zeroed the rest)."""
         ...
 
     def close(self, *, stop_all: bool) -> None:
@@ -147,27 +198,40 @@ class MpiPeers:
         """Node ``dest``'s listing of ``path``."""
         return self.ask(dest, {"kind": "describe", "path": path})
 
-    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
-        """Send ``request`` to node ``dest`` and receive its raw reply into ``out`` (uint8)."""
+    def fetch(
+        self, dest: int, request: dict, out: np.ndarray, boxes: Sequence[Box] | None = None
+    ) -> None:
+        """Send ``request`` to node ``dest`` and receive its raw reply into ``out`` (uint8);
+        with ``boxes`` (views into ``out``), the owner sends only their bytes, straight from
+        its store (``request["pieces"]``), and they are received straight into place."""
+        from mpi4py import MPI
+
         tag, rid = self._tag()
         deadline = time.monotonic() + self.timeout_s
-        request = {**request, "tag": tag, "rid": rid, "nbytes": out.nbytes}
+        nbytes = out.nbytes if boxes is None else Pieces(boxes).nbytes
+        pieces = boxes is not None
+        request = {**request, "tag": tag, "rid": rid, "nbytes": nbytes, "pieces": pieces}
         self.comm.send(request, dest=dest, tag=REQUEST)
         status = self._reply_to(dest, tag, rid, request["kind"], deadline)
         if "ok" not in status:
             reply = status["reply"]
             raise ServiceError(reply["code"], f"node {dest}: {reply['error']}")
-        if status["ok"] != out.nbytes:
-            raise ServiceError(
-                "INTERNAL", f"node {dest} sent {status['ok']} bytes, not {out.nbytes}"
-            )
-        req = self.comm.Irecv(out, source=dest, tag=tag)
-        while not req.Test():
-            if self._stop.is_set() or time.monotonic() > deadline:
-                req.Cancel()
-                raise ServiceError("UNAVAILABLE", f"node {dest} did not send its blocks in time")
-            time.sleep(0.0002)
-        self.bytes_received += out.nbytes
+        if status["ok"] != nbytes:
+            raise ServiceError("INTERNAL", f"node {dest} sent {status['ok']} bytes, not {nbytes}")
+        into = None if boxes is None else boxes_type(MPI, boxes, out.ctypes.data)
+        try:
+            req = self.comm.Irecv(out if into is None else [out, 1, into], source=dest, tag=tag)
+            while not req.Test():
+                if self._stop.is_set() or time.monotonic() > deadline:
+                    req.Cancel()
+                    raise ServiceError(
+                        "UNAVAILABLE", f"node {dest} did not send its blocks in time"
+                    )
+                time.sleep(0.0002)
+        finally:
+            if into is not None:
+                into.Free()
+        self.bytes_received += nbytes
 
     def tell_all(self, request: dict) -> None:
         """Send ``request`` to every other node, expecting no reply."""
@@ -201,7 +265,16 @@ class MpiPeers:
             reply = {"error": f"internal error: {type(exc).__name__}", "code": "INTERNAL"}
         if tag is None:
             return
-        if isinstance(reply, np.ndarray):
+        if isinstance(reply, Pieces):  # straight from the store: one datatype, no packing
+            from mpi4py import MPI
+
+            t = boxes_type(MPI, reply.boxes, 0)
+            self.comm.send({"rid": rid, "ok": reply.nbytes}, dest=source, tag=tag)
+            try:
+                self.comm.Send([MPI.BOTTOM, 1, t], dest=source, tag=tag)
+            finally:
+                t.Free()
+        elif isinstance(reply, np.ndarray):
             raw = np.ascontiguousarray(reply).view(np.uint8)
             self.comm.send({"rid": rid, "ok": raw.nbytes}, dest=source, tag=tag)
             self.comm.Send(raw, dest=source, tag=tag)

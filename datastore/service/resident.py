@@ -27,14 +27,21 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import Delivered, delivered_fields, fill_batch, spatial_grid
+from datastore.delivery import (
+    Delivered,
+    covered,
+    delivered_fields,
+    fill_batch,
+    pad_copies,
+    spatial_grid,
+)
 from datastore.errors import DatasetNotFound
 from datastore.ownership import RunOwners
 from datastore.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
 from datastore.service.paths import checked_path, shown
-from datastore.service.peers import Peers
+from datastore.service.peers import Peers, Pieces
 from datastore.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store import SlotSpec, Store
 from staging.confine import beneath
@@ -123,6 +130,13 @@ class Resident:
         for dest in sorted(set(owners.tolist()) - {self.node}):
             wanted = samples[owners == dest].tolist()
             buf, arrays = _packed(fields, len(wanted))
+            boxes = []  # field after field, as the owner's pieces come
+            for f in fields:
+                _, inner = covered(f)
+                for dst in arrays[f.name]:
+                    boxes.append((dst, inner))
+                    for pad, _ in pad_copies(f, dst):
+                        pad[...] = 0
             request = {
                 "kind": "fetch",
                 "path": self.template,
@@ -131,7 +145,7 @@ class Resident:
                 "spatial": spatial,
                 "block": block,
             }
-            self.link.fetch(dest, request, buf)
+            self.link.fetch(dest, request, buf, boxes)
             for pos, i in enumerate(wanted):
                 for f in fields:
                     out[(i, f.name)] = arrays[f.name][pos]
@@ -140,6 +154,21 @@ class Resident:
     def blocks(self, samples: list[int], names: list[str], spatial: Any, block: int) -> np.ndarray:
         """What a peer asked for: ``block`` of every field of ``samples``, packed as
         :func:`_packed` lays it out."""
+        fields = self._asked(samples, names, spatial, block)
+        buf, arrays = _packed(fields, len(samples))
+        fill_batch(samples, fields, self.sample, arrays)
+        return buf
+
+    def pieces(self, samples: list[int], names: list[str], spatial: Any, block: int) -> Pieces:
+        """:meth:`blocks` unpacked: the parts inside the volume, straight from the store, in
+        the packed order (field after field); the asker zeroes the halo outside the volume."""
+        fields = self._asked(samples, names, spatial, block)
+        return Pieces(
+            [(self.store.lasting(i, f.name), covered(f)[0]) for f in fields for i in samples]
+        )
+
+    def _asked(self, samples: list[int], names: list[str], spatial: Any, block: int) -> list:
+        """The delivered fields of a peer's request, checked (its samples owned here)."""
         n = self.num_samples
         outside = [i for i in samples if not 0 <= i < n]
         if outside:
@@ -164,10 +193,7 @@ class Resident:
         blocks = grid.nblocks if grid is not None else 1
         if not 0 <= block < blocks:
             raise ServiceError("OUT_OF_RANGE", f"block {block} is outside 0..{blocks - 1}")
-        fields = delivered_fields(info, grid, block)
-        buf, arrays = _packed(fields, len(samples))
-        fill_batch(samples, fields, self.sample, arrays)
-        return buf
+        return delivered_fields(info, grid, block)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the background read is done; whether it is."""

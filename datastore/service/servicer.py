@@ -120,9 +120,8 @@ class Servicer(pb_grpc.DataStoreServicer):
             return listing(path, self._config.allowed_roots)
         if kind == "fetch":
             r = self.residency.load(path, request["path"])
-            return r.blocks(
-                request["samples"], request["fields"], request["spatial"], request["block"]
-            )
+            asked = (request["samples"], request["fields"], request["spatial"], request["block"])
+            return r.pieces(*asked) if request.get("pieces") else r.blocks(*asked)
         raise ServiceError("INVALID_ARGUMENT", f"unknown peer request {kind!r}")
 
     def internal_error(self, exc: BaseException) -> None:
