@@ -42,7 +42,13 @@ import torch
 
 from trainer.comm import all_gather, all_reduce_sum
 from trainer.grid import ProcessGrid
-from trainer.optim import _check_lion, lion_apply, lion_direction
+from trainer.optim import (
+    _check_lion,
+    _closure_loss,
+    _state_buffer,
+    lion_apply,
+    lion_direction,
+)
 
 __all__ = ["MODES", "CommStats", "LionCub", "majority", "pack_bits", "unpack_bits"]
 
@@ -161,19 +167,13 @@ class LionCub(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         items = []  # (param, momentum, group)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     raise RuntimeError("LionCub needs a gradient for every parameter")
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                items.append((p, state["exp_avg"], group))
+                items.append((p, _state_buffer(self.state[p], "exp_avg", p), group))
         votes = torch.cat(
             [
                 lion_direction(m, p.grad, g["betas"][0]).to(torch.int8).reshape(-1)

@@ -134,6 +134,22 @@ def split_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str,
     ]
 
 
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """What ``closure`` returns, run with gradients enabled (``None`` without one): the loss
+    ``Optimizer.step(closure)`` returns."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _state_buffer(state: dict[str, Any], name: str, p: torch.Tensor) -> torch.Tensor:
+    """``state[name]``, created as zeros like ``p`` on first use (a momentum buffer)."""
+    if name not in state:
+        state[name] = torch.zeros_like(p)
+    return state[name]
+
+
 class LARS(torch.optim.Optimizer):
     """Layer-wise adaptive rate scaling with momentum (formulas in the module docstring).
 
@@ -163,10 +179,7 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             exclude = group["lars_exclude"]
             wd = 0.0 if exclude else group["weight_decay"]
@@ -181,10 +194,7 @@ class LARS(torch.optim.Optimizer):
                     ok = (w_norm > 0) & (g_norm > 0)
                     scale = scale * torch.where(ok, trust, torch.ones_like(trust))
                 d = g.add(p, alpha=wd) if wd else g
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                v = state["momentum_buffer"]
+                v = _state_buffer(self.state[p], "momentum_buffer", p)
                 v.mul_(group["momentum"]).add_(d * scale)
                 p.sub_(v)
         return loss
@@ -241,19 +251,13 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                m = state["exp_avg"]
+                m = _state_buffer(self.state[p], "exp_avg", p)
                 u = lion_direction(m, p.grad, beta1)
                 lion_apply(
                     p, m, p.grad, u, lr=group["lr"], beta2=beta2, weight_decay=group["weight_decay"]
