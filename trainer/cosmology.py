@@ -45,9 +45,12 @@ read as ``hdf5-per-sample``: the layout ``datastore stage --mode shard`` spreads
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import h5py
 import numpy as np
@@ -184,6 +187,39 @@ def noisy_copy(x: np.ndarray, noise: float, seed: int, split: int, index: int) -
     return (x + noise * rng.standard_normal(x.shape)).astype(np.float32)
 
 
+def _check_sizes(n_samples: int, size: int, noise: float) -> None:
+    if n_samples < 1 or size < 2:
+        raise ValueError(f"need n_samples >= 1 and size >= 2, got {n_samples}, {size}")
+    if noise < 0:
+        raise ValueError(f"noise must be >= 0, got {noise}")
+
+
+def _file_attrs(seed: int, split: int, size: int, noise: float) -> dict[str, Any]:
+    """The HDF5 attributes every file records (module docstring)."""
+    return dict(
+        params=list(PARAMS), ranges=PARAM_RANGES, growth=list(GROWTH),
+        seed=seed, split=split, size=size, noise=noise,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _renamed_when_written(path: str) -> Iterator[str]:
+    """A temporary name beside ``path`` to write a file or a directory under, renamed to
+    ``path`` (replacing what is there) when the block ends and removed if it raises: a reader
+    never sees half of it."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        yield tmp
+        if os.path.isdir(tmp) and os.path.isdir(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        elif os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def write_dataset(
     path: str | os.PathLike,
     n_samples: int,
@@ -205,33 +241,20 @@ def write_dataset(
         noise: when positive, also write ``noisy`` (:func:`noisy_copy` of ``x``), the input of
             the U-Net's denoising task. Default: ``0.0``.
     """
-    if n_samples < 1 or size < 2:
-        raise ValueError(f"need n_samples >= 1 and size >= 2, got {n_samples}, {size}")
-    if noise < 0:
-        raise ValueError(f"noise must be >= 0, got {noise}")
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with h5py.File(tmp, "w") as f:
-            volume = dict(
-                shape=(n_samples, len(GROWTH), size, size, size), dtype=np.float32,
-                chunks=(1, len(GROWTH), size, size, size),
-            )  # fmt: skip
-            x = f.create_dataset("x", **volume)
-            noisy = f.create_dataset("noisy", **volume) if noise > 0 else None
-            y = f.create_dataset("y", (n_samples, len(PARAMS)), np.float32)
-            for i in range(n_samples):
-                x[i], y[i] = sample(seed, split, i, size)
-                if noisy is not None:
-                    noisy[i] = noisy_copy(x[i], noise, seed, split, i)
-            f.attrs.update(
-                params=list(PARAMS), ranges=PARAM_RANGES, growth=list(GROWTH),
-                seed=seed, split=split, size=size, noise=noise,
-            )  # fmt: skip
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _check_sizes(n_samples, size, noise)
+    with _renamed_when_written(os.fspath(path)) as tmp, h5py.File(tmp, "w") as f:
+        volume = dict(
+            shape=(n_samples, len(GROWTH), size, size, size), dtype=np.float32,
+            chunks=(1, len(GROWTH), size, size, size),
+        )  # fmt: skip
+        x = f.create_dataset("x", **volume)
+        noisy = f.create_dataset("noisy", **volume) if noise > 0 else None
+        y = f.create_dataset("y", (n_samples, len(PARAMS)), np.float32)
+        for i in range(n_samples):
+            x[i], y[i] = sample(seed, split, i, size)
+            if noisy is not None:
+                noisy[i] = noisy_copy(x[i], noise, seed, split, i)
+        f.attrs.update(_file_attrs(seed, split, size, noise))
 
 
 def write_samples(
@@ -248,13 +271,8 @@ def write_samples(
     renamed, so a reader never sees half of it). Each file holds ``x``, ``y`` (and ``noisy``)
     without the sample axis, and the attributes of :func:`write_dataset` plus ``index`` and
     ``datastore_layout = "per-sample"``."""
-    if n_samples < 1 or size < 2:
-        raise ValueError(f"need n_samples >= 1 and size >= 2, got {n_samples}, {size}")
-    if noise < 0:
-        raise ValueError(f"noise must be >= 0, got {noise}")
-    out = os.fspath(out_dir)
-    tmp = f"{out}.tmp{os.getpid()}"
-    try:
+    _check_sizes(n_samples, size, noise)
+    with _renamed_when_written(os.fspath(out_dir)) as tmp:
         os.makedirs(tmp)
         for i in range(n_samples):
             x, y = sample(seed, split, i, size)
@@ -263,17 +281,9 @@ def write_samples(
                 f.create_dataset("y", data=y)
                 if noise > 0:
                     f.create_dataset("noisy", data=noisy_copy(x, noise, seed, split, i))
-                f.attrs.update(
-                    params=list(PARAMS), ranges=PARAM_RANGES, growth=list(GROWTH),
-                    seed=seed, split=split, size=size, noise=noise, index=i,
-                    datastore_layout="per-sample",  # what detection reads (hdf5_reader)
-                )  # fmt: skip
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
+                f.attrs.update(_file_attrs(seed, split, size, noise))
+                # datastore_layout is what detection reads (hdf5_reader)
+                f.attrs.update(index=i, datastore_layout="per-sample")
 
 
 def write_split(
