@@ -202,14 +202,11 @@ def _tag(axis: int, upward: bool) -> int:
 
 
 Landed = list[tuple[tuple[slice, ...], torch.Tensor]]
+LowHigh = tuple[tuple[slice, ...], tuple[slice, ...]]  # a slab on the low side, one on the high
 
 
 def _post(
-    t: torch.Tensor,
-    grid: ProcessGrid,
-    axis: int,
-    send: tuple[tuple[slice, ...], tuple[slice, ...]],
-    recv: tuple[tuple[slice, ...], tuple[slice, ...]],
+    t: torch.Tensor, grid: ProcessGrid, axis: int, send: LowHigh, recv: LowHigh
 ) -> tuple[Pending, Landed]:
     """Post sends of ``t[send[lo/hi]]`` to the low/high neighbour and receives into fresh
     buffers for ``t[recv[lo/hi]]``; all transfers along the axis are posted before any is
@@ -244,12 +241,7 @@ def _land(t: torch.Tensor, grid: ProcessGrid, landed: Landed, accumulate: bool) 
 
 
 def _swap(
-    t: torch.Tensor,
-    grid: ProcessGrid,
-    axis: int,
-    send: tuple[tuple[slice, ...], tuple[slice, ...]],
-    recv: tuple[tuple[slice, ...], tuple[slice, ...]],
-    accumulate: bool,
+    t: torch.Tensor, grid: ProcessGrid, axis: int, send: LowHigh, recv: LowHigh, accumulate: bool
 ) -> None:
     """Send ``t[send[lo/hi]]`` to the low/high neighbour, receive into ``t[recv[lo/hi]]``
     (copied, or added with ``accumulate``, which is the backward)."""
