@@ -59,7 +59,10 @@ def _check_block(owned, coords, *, parts, kernel, stride, what) -> None:
 
 
 class _DistPool3d(nn.Module):
+    """``pool(x, kernel_size, stride)`` on this rank's block, once the blocks are checked."""
+
     _name = ""
+    _pool: Any = None  # F.max_pool3d or F.avg_pool3d, as a staticmethod
 
     def __init__(
         self,
@@ -76,6 +79,12 @@ class _DistPool3d(nn.Module):
         self.stride = self.kernel_size if stride is None else _triple(stride, "stride")
         check_pool_windows(self.kernel_size, self.stride, self._name)
         self.agreed = AgreedShapes(self._name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the pooled volume (``ValueError`` on every rank if any block is
+        refused; the first call with a new shape agrees on it over the spatial group)."""
+        self._check(x)
+        return self._pool(x, self.kernel_size, self.stride)
 
     def _check(self, x: torch.Tensor) -> None:
         """Agree on a new input shape over the spatial group (``trainer.agree``): a block one
@@ -102,30 +111,15 @@ class DistMaxPool3d(_DistPool3d):
     """
 
     _name = "DistMaxPool3d"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's block of the pooled volume (``ValueError`` on every rank if any block is
-        refused; the first call with a new shape agrees on it over the spatial group)."""
-        self._check(x)
-        return F.max_pool3d(x, self.kernel_size, self.stride)
+    _pool = staticmethod(F.max_pool3d)
 
 
 class DistAvgPool3d(_DistPool3d):
-    """``AvgPool3d(kernel_size, stride)`` (no padding) over a spatially split ``(N, C, D, H, W)``.
-
-    Args:
-        kernel_size: one size or three.
-        grid: this rank's process grid (3 spatial axes).
-        stride: one or three, each at least the kernel. Default: ``None``, the kernel size.
-    """
+    """``AvgPool3d(kernel_size, stride)`` (no padding) over a spatially split ``(N, C, D, H, W)``,
+    with the arguments of :class:`DistMaxPool3d`."""
 
     _name = "DistAvgPool3d"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's block of the pooled volume (``ValueError`` on every rank if any block is
-        refused; the first call with a new shape agrees on it over the spatial group)."""
-        self._check(x)
-        return F.avg_pool3d(x, self.kernel_size, self.stride)
+    _pool = staticmethod(F.avg_pool3d)
 
 
 class GlobalAvgPool(torch.autograd.Function):
