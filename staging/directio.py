@@ -204,7 +204,8 @@ class IoPolicy:
 
 class PositionedReader(io.RawIOBase):
     """A seekable read-only raw file over the descriptor ``_fd`` that keeps its own position
-    ``_pos`` (subclasses read there with ``pread`` and give ``readinto``)."""
+    ``_pos`` (subclasses read there with ``pread`` and give ``readinto``; ``_end``, where
+    ``SEEK_END`` counts from, is the file's size unless they say otherwise)."""
 
     _fd: int
     _pos: int
@@ -222,9 +223,12 @@ class PositionedReader(io.RawIOBase):
         if whence == io.SEEK_CUR:
             offset += self._pos
         elif whence == io.SEEK_END:
-            offset += os.fstat(self._fd).st_size
+            offset += self._end()
         self._pos = offset
         return offset
+
+    def _end(self) -> int:
+        return os.fstat(self._fd).st_size
 
 
 class DirectReader(PositionedReader):

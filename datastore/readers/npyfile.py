@@ -25,6 +25,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from staging.directio import PositionedReader
+
 __all__ = ["RawArray", "ZippedArray", "locate_npy", "locate_npz", "npy_in_buffer"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra length
@@ -130,33 +132,26 @@ class ZippedArray:
         np.copyto(out, arr[sel])
 
 
-class _Window(io.RawIOBase):
+class _Window(PositionedReader):
     """The bytes ``[base, base + size)`` of an open file, as a seekable read-only file."""
 
     def __init__(self, fh: BinaryIO, base: int, size: int):
-        self.fh, self.base, self.size, self.pos = fh, base, size, 0
+        self._fd, self._pos, self.base, self.size = fh.fileno(), 0, base, size
 
-    def readable(self) -> bool:
-        return True
+    def _end(self) -> int:
+        return self.size
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        start = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence]
-        self.pos = max(0, start + pos)
-        return self.pos
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = max(0, super().seek(offset, whence))  # no position before the window
+        return self._pos
 
     def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
-        n = max(0, min(len(b), self.size - self.pos))
+        n = max(0, min(len(b), self.size - self._pos))
         if n == 0:
             return 0
-        data = os.pread(self.fh.fileno(), n, self.base + self.pos)
+        data = os.pread(self._fd, n, self.base + self._pos)
         b[: len(data)] = data
-        self.pos += len(data)
+        self._pos += len(data)
         return len(data)
 
 
