@@ -14,7 +14,7 @@ a new Python process that imports ``datastore`` and torch, builds a loader, runs
 - **service**: one ``datastore serve`` (``common.Service``: a Unix socket, default settings)
   holds the dataset; the campaign first makes it resident (``LoadDataset`` with ``wait``, as
   ``datastore load --wait`` does: timed, and counted in the queue's total), then every job
-  builds ``DataStoreLoader(path, batch_size=B, seed=j, address=SOCK)``;
+  builds ``DataStoreLoader(path, batch_size=B, seed=j, service=ServiceOptions(SOCK))``;
 - **embedded**: every job builds ``DataStoreLoader(path, batch_size=B, seed=j)``, as a user
   would with no service: the loader's defaults (it preloads the dataset into its own memory
   before the first batch).
@@ -127,10 +127,10 @@ def job(spec: dict) -> None:
     from common import Compute
 
     import datastore.sources.service  # noqa: F401  (the client's gRPC modules, likewise)
-    from datastore import DataStoreLoader
+    from datastore import DataStoreLoader, ServiceOptions
 
     compute = Compute(spec["compute_ms"])
-    kw = {"address": spec["address"]} if spec["address"] else {}
+    kw = {"service": ServiceOptions(spec["address"])} if spec["address"] else {}
     t0 = time.monotonic()
     loader = DataStoreLoader(spec["path"], batch_size=spec["batch"], seed=spec["seed"], **kw)
     first = None

@@ -18,11 +18,11 @@ a. **ceiling**: one batch resident on the GPU, every step: the model's steps alo
 b. **embedded**: ``DataStoreLoader(path, batch_size=B, device="cuda", pin_memory=True,
    prefetch=4)``.
 c. **service, shared memory**: one ``datastore serve`` subprocess (the dataset resident first,
-   ``LoadDataset(wait=True)``); ``DataStoreLoader(path, batch_size=B, address=SOCKET,
-   transport="shm", device="cuda", pin_memory=True, prefetch=4)``.
+   ``LoadDataset(wait=True)``); ``DataStoreLoader(path, batch_size=B,
+   service=ServiceOptions(SOCKET, transport="shm"), device="cuda", pin_memory=True, prefetch=4)``.
 d. **service, TCP inline**: the same service, also on ``--tcp 127.0.0.1:PORT`` with a token
-   file; ``DataStoreLoader(path, batch_size=B, address="127.0.0.1:PORT", token=TOKEN,
-   transport="inline", device="cuda", pin_memory=True, prefetch=4)``.
+   file; ``DataStoreLoader(path, batch_size=B, service=ServiceOptions("127.0.0.1:PORT",
+   token=TOKEN, transport="inline"), device="cuda", pin_memory=True, prefetch=4)``.
 e. **torch DataLoader over h5py**, for each ``num_workers`` W of ``--workers`` (default 4, 8,
    16): ``DataLoader(ds, batch_size=B, shuffle=True, drop_last=True, num_workers=W,
    persistent_workers=True, pin_memory=True)`` over a map-style Dataset that opens the HDF5
@@ -336,7 +336,7 @@ def open_feed(
             num_workers=workers, persistent_workers=True, pin_memory=cuda,
         )  # fmt: skip
         return batches_of(dl, s.device, on_device=False), lambda: None
-    from datastore import DataStoreLoader
+    from datastore import DataStoreLoader, ServiceOptions
 
     kw: dict[str, Any] = {"batch_size": s.args.batch, "seed": 0, "prefetch": s.args.prefetch}
     if cuda:  # as users would write it (device= pins the staging buffers by itself too)
@@ -344,9 +344,9 @@ def open_feed(
     if case != "b":
         assert s.service is not None
         if case == "c":
-            kw.update(address=s.service.socket, transport="shm")
+            kw["service"] = ServiceOptions(s.service.socket, transport="shm")
         else:
-            kw.update(address=s.service.tcp, token=s.service.token, transport="inline")
+            kw["service"] = ServiceOptions(s.service.tcp, token=s.service.token, transport="inline")
     loader = DataStoreLoader(s.path, **kw)
     return batches_of(loader, s.device, on_device=cuda), loader.close
 

@@ -608,7 +608,7 @@ def rss_child(path: str) -> int:
         r.read(0, "x")
     gc.collect()
     before = vmrss()
-    loader = DataStoreLoader(path, batch_size=BATCH, seed=0, preload=True)
+    loader = DataStoreLoader(path, batch_size=BATCH, seed=0)  # preloaded: the default
     after = vmrss()
     raw = len(loader.store.keys) * sum(
         int(np.prod(f.sample_shape)) * f.dtype.itemsize for f in loader.fields

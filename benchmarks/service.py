@@ -13,15 +13,16 @@ serves it; every client below is a separate Python process. All cases run in one
    sees the whole dataset once per epoch), for
 
    a. shared memory: ``DataStoreLoader(path, batch_size=B, rank=r, world=n, seed=0,
-      address=SOCK, transport="shm")``;
+      service=ServiceOptions(SOCK, transport="shm"))``;
    b. gRPC inline bytes: the same with ``transport="inline"``;
    c. embedded: ``DataStoreLoader(path, batch_size=B, rank=r, world=n, seed=0,
-      exchange=False)`` in each process (each holds its own preloaded copy);
+      exchange=ExchangeOptions(enabled=False))`` in each process (each holds its own
+      preloaded copy);
    d. bare gRPC: each client streams, from a tiny standalone gRPC server in this file (a
       generic handler, identity bytes serializers, Unix socket, 256 MiB message limits as the
       service), one pre-built ``bytes`` message of one batch's size per step, received as
       ``bytes``: Python gRPC's ceiling for (b). Both of its processes make the malloc setting
-      that the service and an inline ``DataStoreLoader(address=...)`` make
+      that the service and an inline ``DataStoreLoader(service=...)`` make
       (``datastore.service.wire.keep_large_blocks``), so the ratio compares like with like.
 
    The dataset is resident in the service first (``LoadDataset(wait=True)``). Each client
@@ -35,14 +36,15 @@ serves it; every client below is a separate Python process. All cases run in one
    Ratios: shm / embedded (target >= 0.9x) and inline / bare (target >= 0.8x), per n.
 2. **Time to first batch.** Job 1: a fresh service, the dataset not resident, caches dropped
    (``sync; echo 3 > /proc/sys/vm/drop_caches``, after the client's imports); a new client
-   process times ``DataStoreLoader(path, batch_size=B, seed=0, address=SOCK,
-   transport="shm")`` construction (``OpenSession``) + first batch. The service
-   reads on first use and loads the rest in the background: we poll ``Status`` until
-   ``datasets[0].loading`` is false and report the load time (from ``OpenSession``). Job 2: a
-   new client process on the same service, dataset resident: construction + first batch.
+   process times ``DataStoreLoader(path, batch_size=B, seed=0,
+   service=ServiceOptions(SOCK, transport="shm"))`` construction (``OpenSession``) + first
+   batch. The service reads on first use and loads the rest in the background: we poll
+   ``Status`` until ``datasets[0].loading`` is false and report the load time (from
+   ``OpenSession``). Job 2: a new client process on the same service, dataset resident:
+   construction + first batch.
    Embedded cold start: caches dropped, a new process times ``DataStoreLoader(...,
-   exchange=False)`` construction (preload of the whole dataset) + first batch. Imports are
-   done before the clock starts. Target: job 2 >= 10x faster than job 1.
+   exchange=ExchangeOptions(enabled=False))`` construction (preload of the whole dataset) +
+   first batch. Imports are done before the clock starts. Target: job 2 >= 10x faster than job 1.
 
 Repetitions (``--reps``) alternate the order of the cases; medians are reported. The ceiling
 printed is the machine's memcpy bandwidth into a reused buffer (``numpy.copyto``, 256 MiB,
@@ -255,11 +257,14 @@ def touch(x: Any) -> None:
 
 def make_loader(c: dict[str, Any]) -> Any:
     from datastore import DataStoreLoader
+    from datastore.sources.options import ExchangeOptions, ServiceOptions
 
     common = {"batch_size": c["batch"], "rank": c["rank"], "world": c["world"], "seed": 0}
     if c["kind"] == "embedded":
-        return DataStoreLoader(c["path"], exchange=False, **common)
-    return DataStoreLoader(c["path"], address=c["socket"], transport=c["kind"], **common)
+        return DataStoreLoader(c["path"], exchange=ExchangeOptions(enabled=False), **common)
+    return DataStoreLoader(
+        c["path"], service=ServiceOptions(c["socket"], transport=c["kind"]), **common
+    )
 
 
 def client(spec: str) -> int:

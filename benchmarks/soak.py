@@ -3,7 +3,8 @@
 What runs (all real processes, ``--seconds`` long; default 1800, the tests run 45)
 --------------------------------------------------------------------------------
 - One ``datastore serve --allow ROOT --session-idle 3`` and ``--clients`` trainer-like clients,
-  each ``DataStoreLoader(train.h5, batch_size=4, seed=i, address=SOCKET)`` iterating epochs.
+  each ``DataStoreLoader(train.h5, batch_size=4, seed=i, service=ServiceOptions(SOCKET))``
+  iterating epochs.
   A client compares every sample it gets, the ``idx`` field and the ``x`` payload bytes,
   with the source file; every ``--save-every`` batches it saves its ``state_dict()`` and the
   keys seen so far this epoch to a state file (written to a temporary file, fsynced and
@@ -81,13 +82,19 @@ def client(path: str, address: str, log: str, state_file: str, seed: int, save_e
     resumed from at start. Exit ``OUTAGE`` when the service is gone, 3 on a wrong sample."""
     from datastore import DataStoreLoader
     from datastore.errors import DataStoreError
+    from datastore.sources.options import ServiceOptions
 
     with h5py.File(path, "r") as f:
         source = f["x"][:]
     crash, corrupt = (Path(log).with_suffix(s) for s in (".crash", ".corrupt"))
     try:
         loader = DataStoreLoader(
-            path, batch_size=BATCH, seed=seed, address=address, timeout=20, fields=["idx", "x"]
+            path,
+            batch_size=BATCH,
+            seed=seed,
+            timeout=20,
+            fields=["idx", "x"],
+            service=ServiceOptions(address),
         )
         keys: list[int] = []
         if os.path.exists(state_file):

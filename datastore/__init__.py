@@ -4,7 +4,16 @@ from typing import Any
 
 from datastore._version import __version__
 
-__all__ = ["DataStoreLoader", "__version__"]
+__all__ = [
+    "DataStoreLoader",
+    "ExchangeOptions",
+    "ServiceOptions",
+    "StoreOptions",
+    "__version__",
+    "describe_dataset",
+]
+
+_OPTIONS = ("ExchangeOptions", "ServiceOptions", "StoreOptions")
 
 
 def __getattr__(name: str) -> Any:
@@ -13,4 +22,12 @@ def __getattr__(name: str) -> Any:
         from datastore.loader import DataStoreLoader
 
         return DataStoreLoader
+    if name in _OPTIONS:
+        from datastore.sources import options
+
+        return getattr(options, name)
+    if name == "describe_dataset":
+        from datastore.sources.describe import describe_dataset
+
+        return describe_dataset
     raise AttributeError(f"module 'datastore' has no attribute {name!r}")

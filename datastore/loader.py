@@ -2,7 +2,7 @@
 
 One front end over three sources (``datastore.sources``): the rank's own reads (local), an
 exchange between the ranks that hold the dataset once between them (MPI, or
-``torch.distributed`` under torchrun), or ``datastore serve`` (``address=``). The loader checks
+``torch.distributed`` under torchrun), or ``datastore serve`` (``service=``). The loader checks
 its arguments once, on every rank alike; owns the position in the sample sequence
 (``datastore.order``), the batch buffers (``datastore.ring``), the prefetch thread and the
 device stage (``datastore.device``); each source only fills the buffers it is given.
@@ -40,14 +40,20 @@ from datastore.delivery import (
 from datastore.device import DeviceStage, parse_device
 from datastore.errors import ExchangeTimeout, InsufficientMemory
 from datastore.exchange import EpochPlan
-from datastore.memory import available_memory, parse_size
+from datastore.memory import available_memory
 from datastore.order import EpochPosition, RankLayout, Schedule, parse_shuffle, rank_layout
 from datastore.ownership import Homes, RangeOwners, RunOwners, owned_keys
 from datastore.readers import open_dataset
 from datastore.ring import BufferRing, can_pin, staging_pinned
-from datastore.service.paths import named_address
 from datastore.shards import shard_layout
 from datastore.sources.local import LocalSource, filled_batches
+from datastore.sources.options import (
+    ExchangeOptions,
+    ServiceOptions,
+    StoreOptions,
+    check_options,
+    service_of,
+)
 from datastore.store import Counters, SlotSpec, Store
 from datastore.world import World, detect_world
 
@@ -93,11 +99,9 @@ class LoaderOptions:
         seed = kw["seed"]
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        for name in ("drop_last", "preload", "pin_memory"):
+        for name in ("drop_last", "pin_memory"):
             if not isinstance(kw[name], bool | np.bool_):
                 raise ValueError(f"{name} must be True or False, got {kw[name]!r}")
-        if kw["exchange"] is not None and not isinstance(kw["exchange"], bool | np.bool_):
-            raise ValueError(f"exchange must be True, False or None, got {kw['exchange']!r}")
         if not isinstance(kw["prefetch"], int) or kw["prefetch"] < 1:
             raise ValueError(f"prefetch must be an int >= 1, got {kw['prefetch']!r}")
         if kw["threads"] is not None and (not isinstance(kw["threads"], int) or kw["threads"] < 1):
@@ -107,11 +111,7 @@ class LoaderOptions:
             raise ValueError(f"timeout must be a number of seconds, got {timeout!r}")
         if not 0 < timeout < math.inf:
             raise ValueError(f"timeout must be > 0 seconds and finite, got {timeout!r}")
-        spill = kw["spill_dir"]
-        if spill is not None and os.path.exists(spill) and not os.path.isdir(spill):
-            raise ValueError(f"spill_dir {os.fspath(spill)!r} is not a directory")
         device = parse_device(kw["device"])
-        budget = kw["memory_budget"]
         return cls(
             **{
                 **kw,
@@ -121,7 +121,6 @@ class LoaderOptions:
                 "spatial": parse_spatial(kw["spatial"]),
                 "device": None if device is None or device.type == "cpu" else device,
                 "timeout": float(kw["timeout"]),
-                "memory_budget": None if budget is None else parse_size(budget, "memory_budget"),
             }
         )
 
@@ -187,15 +186,6 @@ class DataStoreLoader(EpochPosition):
         rank, world: this rank and the world size. Default: from the launcher
             (``datastore.world``); under an MPI launcher the exchange runs over MPI even when
             they are given or ``torch.distributed`` is initialized.
-        comm: an mpi4py communicator to exchange over. Default: ``COMM_WORLD`` under MPI.
-        group: a ``torch.distributed`` group to exchange over when there is no MPI (torchrun).
-            Default: the default group, when initialized.
-        exchange: force (``True``) or forbid (``False``) the exchange. Default: automatic.
-        preload: read the rank's samples when created, not on first use. Default: ``True``.
-        memory_budget: RAM for the store, in bytes or as ``"64G"``; beyond it samples spill to
-            ``spill_dir`` or are re-read. Default: ``None`` (no limit; a dataset larger than
-            the memory available is refused before reading).
-        spill_dir: where the store spills. Default: ``None``.
         prefetch: batches prepared ahead. Default: ``2``.
         pin_memory: page-locked batches, for the consumer's ``.cuda(non_blocking=True)``
             (CUDA only; ignored with a warning otherwise). Each batch is new memory from
@@ -210,10 +200,13 @@ class DataStoreLoader(EpochPosition):
         collate: ``collate(batch) -> anything``: what iteration yields. Default: the batch.
         timeout: seconds to wait for peers or the service before failing with an error
             naming the step and the peer. Default: ``300``.
-        address: stream from ``datastore serve`` at this Unix socket (``unix://PATH``) or
-            ``HOST:PORT``. Default: ``$DATASTORE_ADDRESS`` if set, else embedded.
-        token, transport, job_id, tls_ca: for ``address``: the TCP token, ``"auto"`` /
-            ``"shm"`` / ``"inline"``, the job name in ``datastore status``, the TLS CA.
+        store: the embedded store's settings (preload, memory budget, spill directory):
+            a :class:`~datastore.sources.options.StoreOptions`. Default: ``StoreOptions()``.
+        exchange: the exchange's settings (forced or forbidden, the communicator or group):
+            an :class:`~datastore.sources.options.ExchangeOptions`. Default: automatic.
+        service: stream from ``datastore serve`` instead of the embedded store: a
+            :class:`~datastore.sources.options.ServiceOptions` (address, token, transport,
+            job id, TLS CA). Default: one at ``$DATASTORE_ADDRESS`` if set, else embedded.
 
     Attributes:
         source: where batches come from: ``"local"``, ``"mpi"``, ``"torch.distributed"``
@@ -224,7 +217,7 @@ class DataStoreLoader(EpochPosition):
     ``load_state_dict`` resumes mid-epoch (``datastore.order.EpochPosition``).
 
     Raises:
-        TypeError: an unknown keyword argument.
+        TypeError: an unknown keyword argument, or a settings object of the wrong class.
         ValueError: a bad argument (every rank raises alike); ``RankMismatch`` when ranks
             disagree on arguments or the dataset.
         DatasetNotFound, PathNotAllowed, ServiceUnavailable: see ``datastore.errors``.
@@ -243,12 +236,7 @@ class DataStoreLoader(EpochPosition):
         spatial: dict[str, Any] | None = None,
         rank: int | None = None,
         world: int | None = None,
-        comm: Any = None,
-        group: Any = None,
-        exchange: bool | None = None,
-        preload: bool = True,
-        memory_budget: int | str | None = None,
-        spill_dir: str | None = None,
+        layout: str | None = None,
         prefetch: int = 2,
         pin_memory: bool = False,
         device: Any = None,
@@ -256,13 +244,15 @@ class DataStoreLoader(EpochPosition):
         transform: Callable[[dict[str, torch.Tensor]], Any] | None = None,
         collate: Callable[[dict[str, torch.Tensor]], Any] | None = None,
         timeout: float = 300.0,
-        address: str | None = None,
-        token: str | None = None,
-        transport: str = "auto",
-        job_id: str = "",
-        tls_ca: str | os.PathLike | None = None,
-        layout: str | None = None,
+        store: StoreOptions | None = None,
+        exchange: ExchangeOptions | None = None,
+        service: ServiceOptions | None = None,
     ):
+        check_options("store", store, StoreOptions)
+        check_options("exchange", exchange, ExchangeOptions)
+        check_options("service", service, ServiceOptions)
+        given_store, service = store is not None, service_of(service)
+        store, exchange = store or StoreOptions(), exchange or ExchangeOptions()
         kw = {
             "batch_size": batch_size,
             "global_batch_size": global_batch_size,
@@ -276,17 +266,17 @@ class DataStoreLoader(EpochPosition):
             "device": device,
             "threads": threads,
             "timeout": timeout,
-            "memory_budget": memory_budget,
-            "spill_dir": spill_dir,
-            "preload": preload,
-            "exchange": exchange,
+            "memory_budget": store.memory_budget,
+            "spill_dir": store.spill_dir,
+            "preload": store.preload,
+            "exchange": exchange.enabled,
         }
         self.transform, self.collate = transform, collate
-        address = named_address(address)
-        self.world: World = detect_world(rank, world, comm)
+        remote = service is not None
+        self.world: World = detect_world(rank, world, exchange.comm)
         self._checks: StoreCollective | None = None  # the checks' ranks, without an exchange
         self._unchecked: dict[str, str] | None = None  # what the first pass must agree on
-        self._coll = self._collective(group, exchange, address is not None)
+        self._coll = self._collective(exchange.group, exchange.enabled, remote)
         error: BaseException | None = None
         self.options: LoaderOptions | None = None
         try:
@@ -294,19 +284,17 @@ class DataStoreLoader(EpochPosition):
             for name, hook in (("transform", transform), ("collate", collate)):
                 if hook is not None and not callable(hook):
                     raise TypeError(f"{name} must be a function of the batch, got {hook!r}")
-            if transport != "auto":  # checked without an address too: never silently ignored
-                from datastore.service.client import TRANSPORTS
-
-                if transport not in TRANSPORTS:
-                    raise ValueError(
-                        f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
-                    )
-            if address is not None and layout is not None:
+            if remote and layout is not None:
                 raise ValueError(
-                    "layout= is for the embedded store: with address=, name a spec file "
+                    "layout= is for the embedded store: with service=, name a spec file "
                     '(format = "hdf5" or "hdf5-per-sample") as the dataset'
                 )
-            if address is not None and self.options.shuffle not in ("global", "none"):
+            if remote and given_store:
+                raise ValueError(
+                    "store= is for the embedded store: with service=, the service holds the "
+                    "dataset (its memory is set by datastore serve)"
+                )
+            if remote and self.options.shuffle not in ("global", "none"):
                 raise ValueError(
                     f"shuffle={self.options.shuffle!r} is for the embedded store: a "
                     "service's sessions shuffle globally (True) or not at all (False)"
@@ -318,7 +306,7 @@ class DataStoreLoader(EpochPosition):
         self._exchange: Any = None
         self.store: Store | None = None
         reader = None
-        if address is None:
+        if not remote:
             try:
                 reader = open_dataset(dataset, layout=layout) if error is None else None
             except (OSError, ValueError) as exc:  # a missing path is a DatasetNotFound
@@ -327,8 +315,8 @@ class DataStoreLoader(EpochPosition):
         o = self.options
         self.gather = Gather(o.threads)
         self._stage = DeviceStage(o.device) if o.device is not None else None
-        if address is not None:
-            self._remote(dataset, address, token, transport, job_id, tls_ca)
+        if remote:
+            self._remote(dataset, service)
             self.source = "service"
         else:
             self._embedded(dataset, reader)
@@ -515,21 +503,19 @@ class DataStoreLoader(EpochPosition):
     def _read_sample(self, index: int, name: str, out: np.ndarray) -> None:
         self.reader.read(index, name, out=out)
 
-    def _remote(
-        self, dataset: Any, address: str, token: Any, transport: str, job_id: str, tls_ca: Any
-    ) -> None:
+    def _remote(self, dataset: Any, service: ServiceOptions) -> None:
         from datastore.sources.service import ServiceSource
 
         o = self.options
         source = ServiceSource(
             dataset,
-            address,
+            service.address,
             options=o,
             world=self.world,
-            token=token,
-            transport=transport,
-            job_id=job_id,
-            tls_ca=tls_ca,
+            token=service.token,
+            transport=service.transport,
+            job_id=service.job_id,
+            tls_ca=service.tls_ca,
             gather=self.gather,
             copies_on=self._stage.stream if self._stage is not None else None,
         )

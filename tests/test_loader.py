@@ -16,6 +16,7 @@ from helpers import MPIEXEC
 from datastore import DataStoreLoader
 from datastore.order import Schedule
 from datastore.partition import Grid, extract_block
+from datastore.sources.options import StoreOptions
 
 N, C, D = 24, 2, 8
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "loader_job.py")
@@ -118,7 +119,9 @@ def test_memory_budget_spills_or_rereads_with_the_same_batches(h5, tmp_path):
     want = sequence(DataStoreLoader(path, batch_size=4), epochs=2)
     per_sample = C * D**3 * 4 + 4 * 4 + 8
     for spill in (str(tmp_path / "spill"), None):
-        loader = DataStoreLoader(path, batch_size=4, memory_budget=5 * per_sample, spill_dir=spill)
+        loader = DataStoreLoader(
+            path, batch_size=4, store=StoreOptions(memory_budget=5 * per_sample, spill_dir=spill)
+        )
         assert loader.store.ram_slots == 5
         assert sequence(loader, epochs=2) == want
     assert os.listdir(tmp_path / "spill") == []  # the spill file is unlinked at once

@@ -11,6 +11,7 @@ from datastore import DataStoreLoader
 from datastore.device import tensors_in
 from datastore.order import Schedule
 from datastore.partition import Grid, extract_block
+from datastore.sources.options import ExchangeOptions, ServiceOptions, StoreOptions
 
 N, C, D = 12, 2, 8
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -91,15 +92,14 @@ def test_bad_device_and_threads_are_named(h5):
         ({"seed": "abc"}, ValueError, "seed must be an int, got 'abc'"),
         ({"seed": 1.5}, ValueError, "seed must be an int, got 1.5"),
         ({"drop_last": "no"}, ValueError, "drop_last must be True or False, got 'no'"),
-        ({"preload": "no"}, ValueError, "preload must be True or False"),
-        ({"exchange": "yes"}, ValueError, "exchange must be True, False or None"),
         ({"timeout": "5"}, ValueError, "timeout must be a number of seconds, got '5'"),
         ({"timeout": float("inf")}, ValueError, "timeout must be > 0 seconds and finite"),
-        ({"memory_budget": float("nan")}, ValueError, "memory_budget must be a finite size"),
         ({"rank": "0", "world": "1"}, ValueError, "rank must be an int, got '0'"),
         ({"transform": 5}, TypeError, "transform must be a function of the batch, got 5"),
         ({"collate": "x"}, TypeError, "collate must be a function of the batch"),
-        ({"transport": "bogus"}, ValueError, "transport must be one of auto, shm, inline, got"),
+        ({"store": {"preload": False}}, TypeError, r"store= takes StoreOptions\(...\) or None"),
+        ({"exchange": False}, TypeError, r"exchange= takes ExchangeOptions\(...\) or None"),
+        ({"service": "unix:///s"}, TypeError, r"service= takes ServiceOptions\(...\) or None"),
     ],
 )
 def test_careless_arguments_are_named_when_made(h5, kw, error, message):
@@ -107,17 +107,73 @@ def test_careless_arguments_are_named_when_made(h5, kw, error, message):
         DataStoreLoader(h5[0], batch_size=2, **kw)
 
 
-@pytest.mark.parametrize("transport", ["auto", "shm", "inline"])
-def test_a_known_transport_without_an_address_is_fine(h5, transport):
-    with DataStoreLoader(h5[0], batch_size=2, transport=transport) as loader:
-        assert loader.source == "local" and next(iter(loader))
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: StoreOptions(preload="no"), ValueError, "StoreOptions.preload must be True or"),
+        (
+            lambda: StoreOptions(memory_budget=float("nan")),
+            ValueError,
+            "StoreOptions.memory_budget must be a finite size",
+        ),
+        (lambda: StoreOptions(memory_budget="lots"), ValueError, "StoreOptions.memory_budget"),
+        (lambda: StoreOptions(spill_dir=5), TypeError, "StoreOptions.spill_dir must be a path"),
+        (
+            lambda: ExchangeOptions(enabled="yes"),
+            ValueError,
+            "ExchangeOptions.enabled must be True, False or None",
+        ),
+        (
+            lambda: ExchangeOptions(enabled=False, group=object()),
+            ValueError,
+            r"ExchangeOptions\(enabled=False\) takes no comm or group",
+        ),
+        (
+            lambda: ServiceOptions(""),
+            ValueError,
+            "ServiceOptions.address must be 'unix://PATH' or 'HOST:PORT', got ''",
+        ),
+        (
+            lambda: ServiceOptions("unix:///s", transport="bogus"),
+            ValueError,
+            "ServiceOptions.transport must be one of auto, shm, inline, got 'bogus'",
+        ),
+        (
+            lambda: ServiceOptions("unix:///s", token=5),
+            TypeError,
+            "ServiceOptions.token must be a string or None, got 5",
+        ),
+        (
+            lambda: ServiceOptions("unix:///s", job_id=None),
+            TypeError,
+            "ServiceOptions.job_id must be a string",
+        ),
+    ],
+)
+def test_careless_source_settings_are_named_when_made(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_the_store_settings_are_refused_with_a_service(h5):
+    with pytest.raises(ValueError, match="store= is for the embedded store: with service="):
+        DataStoreLoader(
+            h5[0], batch_size=2, store=StoreOptions(), service=ServiceOptions("unix:///nowhere")
+        )
+
+
+def test_settings_objects_are_frozen():
+    with pytest.raises(AttributeError):
+        StoreOptions().preload = False  # type: ignore[misc]
 
 
 def test_a_spill_dir_that_is_a_file_is_named(h5, tmp_path):
     spill = tmp_path / "spill"
     spill.write_bytes(b"")
     with pytest.raises(ValueError, match=f"spill_dir '{spill}' is not a directory"):
-        DataStoreLoader(h5[0], batch_size=2, memory_budget=1, spill_dir=str(spill))
+        DataStoreLoader(
+            h5[0], batch_size=2, store=StoreOptions(memory_budget=1, spill_dir=str(spill))
+        )
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,10 @@ import h5py
 import numpy as np
 import pytest
 
-from datastore import DataStoreLoader
+from datastore import DataStoreLoader, describe_dataset
 from datastore.errors import DatasetNotFound, DataStoreError, PathNotAllowed, ServiceUnavailable
 from datastore.service.client import Client
+from datastore.sources.options import ServiceOptions
 from tests.test_service_basic import Server, wait_serving
 from tests.test_service_stream import assert_same, batches
 
@@ -54,7 +55,7 @@ def test_a_field_no_tensor_can_hold_is_named_in_both_modes(allowed):
     with h5py.File(path, "w") as f:
         f["x"] = np.arange(4, dtype=np.float32)
         f["name"] = np.array([b"a", b"b", b"c", b"d"])
-    for kw in ({}, {"address": str(sock)}):
+    for kw in ({}, {"service": ServiceOptions(str(sock))}):
         with pytest.raises(
             ValueError, match=r"field 'name': its dtype \|S1 .*no torch tensor type"
         ):
@@ -66,7 +67,7 @@ def test_a_dataset_with_no_samples_is_named_in_both_modes(allowed):
     path = root / "empty.h5"
     with h5py.File(path, "w") as f:
         f["x"] = np.zeros((0, 3), dtype=np.float32)
-    for kw in ({}, {"address": str(sock)}):
+    for kw in ({}, {"service": ServiceOptions(str(sock))}):
         with pytest.raises(ValueError, match=r"empty\.h5'?: the dataset has no samples$"):
             DataStoreLoader(str(path), batch_size=2, **kw)
 
@@ -83,7 +84,7 @@ def test_a_dataset_with_no_samples_is_named_in_both_modes(allowed):
 def test_a_missing_dataset_is_dataset_not_found_in_both_modes(allowed, name, says):
     root, _, sock = allowed
     missing = str(root / name)
-    for kw in ({}, {"address": str(sock)}):
+    for kw in ({}, {"service": ServiceOptions(str(sock))}):
         with pytest.raises(DatasetNotFound, match=says) as e:
             DataStoreLoader(missing, batch_size=2, **kw)
         assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, DataStoreError)
@@ -92,9 +93,9 @@ def test_a_missing_dataset_is_dataset_not_found_in_both_modes(allowed, name, say
 def test_a_path_outside_the_allowed_roots_is_path_not_allowed(allowed):
     root, outside, sock = allowed
     with pytest.raises(PathNotAllowed, match="outside the allowed roots") as e:
-        DataStoreLoader(str(outside / "d.h5"), batch_size=2, address=str(sock))
+        DataStoreLoader(str(outside / "d.h5"), batch_size=2, service=ServiceOptions(str(sock)))
     assert isinstance(e.value, PermissionError)
-    with DataStoreLoader(str(root / "d.h5"), batch_size=2, address=str(sock)) as ok:
+    with DataStoreLoader(str(root / "d.h5"), batch_size=2, service=ServiceOptions(str(sock))) as ok:
         assert [tuple(b["x"].shape) for b in ok] == [(2, 3), (2, 3)]
 
 
@@ -109,7 +110,7 @@ def test_a_dataset_whose_files_lie_outside_the_allowed_roots_is_path_not_allowed
     a spec file naming another place. Embedded (no roots) it reads them."""
     root, _, sock = allowed
     with pytest.raises(PathNotAllowed, match=reads + ", outside the allowed roots"):
-        DataStoreLoader(str(root / name), batch_size=2, address=str(sock))
+        DataStoreLoader(str(root / name), batch_size=2, service=ServiceOptions(str(sock)))
     with DataStoreLoader(str(root / name), batch_size=2) as embedded:
         assert batches(embedded)  # its two files are two samples: one batch
 
@@ -118,7 +119,9 @@ def test_a_glob_under_the_root_is_served_as_embedded(allowed):
     root, _, sock = allowed
     pattern = str(root / "[de].h5")
     local = DataStoreLoader(pattern, batch_size=2, seed=4)
-    with DataStoreLoader(pattern, batch_size=2, seed=4, address=str(sock)) as remote:
+    with DataStoreLoader(
+        pattern, batch_size=2, seed=4, service=ServiceOptions(str(sock))
+    ) as remote:
         assert_same(batches(remote), batches(local))
     local.close()
 
@@ -134,7 +137,9 @@ def test_no_service_at_the_address_says_so(tmp_path, where):
     address = str(tmp_path / "nobody.sock") if where == "socket" else f"127.0.0.1:{free_port()}"
     says = f"is `datastore serve` running at {address}\\?"
     with pytest.raises(ServiceUnavailable, match=says) as e:
-        DataStoreLoader(str(tmp_path / "d.h5"), batch_size=2, address=address, timeout=5)
+        DataStoreLoader(
+            str(tmp_path / "d.h5"), batch_size=2, timeout=5, service=ServiceOptions(address)
+        )
     assert isinstance(e.value, ConnectionError)
     with Client(address, timeout_s=5) as c, pytest.raises(ServiceUnavailable, match=says):
         c.status()
@@ -152,3 +157,17 @@ def test_the_client_raises_the_same_errors(allowed):
         with pytest.raises(ValueError, match="dataset_path must be absolute"):
             c.load("d.h5")
         assert c.load(str(root / "d.h5"), wait=True).dataset.num_samples == 4
+
+
+def test_describe_dataset_is_the_same_in_both_modes_and_names_the_missing_one(allowed):
+    root, _, sock = allowed
+    path = str(root / "d.h5")
+    here = describe_dataset(path)
+    served = describe_dataset(path, ServiceOptions(str(sock)), timeout=30)
+    assert here == served and here[0] == 4 and list(here[1]) == ["x"]
+    assert here[1]["x"].shape == (3,) and here[1]["x"].dtype == np.float32
+    for service in (None, ServiceOptions(str(sock))):
+        with pytest.raises(DatasetNotFound, match=r"nope\.h5"):
+            describe_dataset(str(root / "nope.h5"), service, timeout=30)
+    with pytest.raises(TypeError, match=r"service= takes ServiceOptions\(...\) or None"):
+        describe_dataset(path, str(sock))

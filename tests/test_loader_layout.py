@@ -16,6 +16,7 @@ from datastore import DataStoreLoader
 from datastore.readers import DatasetSpec, open_dataset
 from datastore.readers.base import DatasetError
 from datastore.readers.spec import detect
+from datastore.sources.options import ServiceOptions
 from trainer.cosmology import write_samples
 
 FILES, PER_FILE, SHAPE = 4, 16, (4, 8, 8, 8)
@@ -118,5 +119,7 @@ def test_a_bad_or_misplaced_layout_is_refused(tmp_path):
 
 def test_a_layout_for_the_service_is_refused_with_what_to_do(tmp_path):
     d = write_shards(tmp_path / "parts")
-    with pytest.raises(ValueError, match=r"layout= is for the embedded store: with address=, name"):
-        DataStoreLoader(str(d), batch_size=8, layout="shards", address=str(tmp_path / "no.sock"))
+    with pytest.raises(ValueError, match=r"layout= is for the embedded store: with service=, name"):
+        DataStoreLoader(
+            str(d), batch_size=8, layout="shards", service=ServiceOptions(str(tmp_path / "no.sock"))
+        )

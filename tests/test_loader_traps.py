@@ -20,6 +20,7 @@ from datastore import DataStoreLoader
 from datastore.errors import DataStoreError, InsufficientMemory
 from datastore.order import Schedule
 from datastore.partition import Grid, extract_block
+from datastore.sources.options import ServiceOptions, StoreOptions
 
 N, C, D = 22, 2, 8
 NO_COMM = "ignore:datastore. 2 ranks"  # rank/world given without MPI or torch.distributed
@@ -202,7 +203,7 @@ def test_4_a_field_named_valid_with_padding_is_refused(tmp_path):
     ("budget", "nbytes"), [("64G", 64 << 30), ("512M", 512 << 20), (1 << 30, 1 << 30)]
 )
 def test_7_memory_budget_as_on_the_cli(h5, budget, nbytes):
-    with DataStoreLoader(h5[0], batch_size=2, memory_budget=budget) as loader:
+    with DataStoreLoader(h5[0], batch_size=2, store=StoreOptions(memory_budget=budget)) as loader:
         assert loader.options.memory_budget == nbytes
         assert len(list(loader)) == N // 2
 
@@ -211,7 +212,6 @@ def test_7_memory_budget_as_on_the_cli(h5, budget, nbytes):
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"memory_budget": "lots"}, "memory_budget"),
         ({"spatial": {"halo": (1, 1, 1)}}, "parts"),
         ({"spatial": {"parts": (2, 1)}}, "axes"),
         ({"spatial": {"parts": (2, 1, 1), "halo": (1, 1)}}, "halo"),
@@ -264,7 +264,9 @@ def test_7_a_dataset_larger_than_memory_is_refused_before_reading(tmp_path, monk
         DataStoreLoader(path, batch_size=2)
     assert isinstance(e.value, MemoryError) and isinstance(e.value, DataStoreError)
     assert reads["n"] == 0  # refused before any sample was read
-    with DataStoreLoader(path, batch_size=2, memory_budget="1M", seed=3) as ok:  # the way out
+    with DataStoreLoader(
+        path, batch_size=2, seed=3, store=StoreOptions(memory_budget="1M")
+    ) as ok:  # the way out
         assert reads["n"] > 0  # (the observer sees reads: preload read what fits)
         want = contents(path)
         for b in itertools.islice(ok, 3):
@@ -337,6 +339,8 @@ def test_unknown_arguments_are_type_errors_in_every_mode(h5, tmp_path):
     with pytest.raises(TypeError, match="shufle"):
         DataStoreLoader(h5[0], batch_size=2, shufle=True)
     with pytest.raises(TypeError, match="shufle"):  # before any connection is tried
-        DataStoreLoader(h5[0], batch_size=2, address=str(tmp_path / "s.sock"), shufle=True)
+        DataStoreLoader(
+            h5[0], batch_size=2, shufle=True, service=ServiceOptions(str(tmp_path / "s.sock"))
+        )
     with pytest.raises(TypeError, match="shufle"):
-        DataStoreLoader(h5[0], batch_size=2, address="localhost:1", shufle=True)
+        DataStoreLoader(h5[0], batch_size=2, shufle=True, service=ServiceOptions("localhost:1"))

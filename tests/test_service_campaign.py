@@ -3,7 +3,8 @@ hostile requests, metrics, and the ``status`` / ``load`` / ``unload`` commands.
 
 Every service is a real ``python -m datastore serve`` subprocess (``test_service_basic``'s
 ``Server``), with ``XDG_RUNTIME_DIR`` and ``XDG_STATE_HOME`` in ``tmp_path``; every job is a
-``DataStoreLoader(address=...)``, here or in a child process that prints a hash per batch.
+``DataStoreLoader(service=ServiceOptions(...))``, here or in a child process that prints a hash
+per batch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.client import RemoteBatches, open_channel, stream_batches, target_of
 from datastore.service.session import MAX_GLOBAL_BATCH
 from datastore.service.status_table import format_status, status_dict
+from datastore.sources.options import ExchangeOptions, ServiceOptions
 from tests.test_service_basic import REPO, Server, cli, wait_serving
 
 SAMPLES = 48  # 12 steps of 4: more than a shared-memory stream's slots
@@ -46,10 +48,11 @@ SAMPLE_BYTES = 2 * 6 * 6 * 6 * 4 + 8  # "x" (2, 6, 6, 6) float32 and "idx" int64
 JOB = textwrap.dedent(
     """
     import hashlib, sys, time
-    from datastore import DataStoreLoader
+    from datastore import DataStoreLoader, ServiceOptions
     from datastore.errors import DataStoreError
     path, sock, job, transport, pause, epochs = sys.argv[1:7]
-    r = DataStoreLoader(path, batch_size=4, seed=3, address=sock, transport=transport, job_id=job)
+    service = ServiceOptions(sock, transport=transport, job_id=job)
+    r = DataStoreLoader(path, batch_size=4, seed=3, service=service)
     print("opened", r.session_id, flush=True)
     try:
         for epoch in range(int(epochs)):
@@ -87,7 +90,9 @@ def digest(batch: dict) -> str:
 
 def embedded_hashes(path: Path, epochs: int = 1) -> list[tuple[int, int, str]]:
     """``(epoch, step, hash)`` of the embedded loader's batches: what every job must get."""
-    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
+    local = DataStoreLoader(
+        str(path), batch_size=4, seed=3, exchange=ExchangeOptions(enabled=False)
+    )
     try:
         out = []
         for epoch in range(epochs):
@@ -403,7 +408,9 @@ def test_a_loader_whose_session_expired_reopens_and_carries_on(start, tmp_path):
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"
     s = start("--socket", str(sock), "--session-idle", "1")
-    loader = DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock), transport="shm")
+    loader = DataStoreLoader(
+        str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock), transport="shm")
+    )
     try:
         got = [(0, i, digest(b)) for i, b in enumerate(loader)]
         first, old_maps = loader._source.session_id, loader._source._maps
@@ -441,7 +448,7 @@ def test_restart_reloads_what_was_resident_until_unloaded(start, tmp_path, env):
     path = make_dataset(tmp_path / "data.h5")
     sock, state = tmp_path / "s.sock", tmp_path / "state.json"
     s = start("--socket", str(sock), "--state-file", str(state))
-    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))) as r:
         assert len([1 for _ in r]) == SAMPLES // 4
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(10) == 0
@@ -456,7 +463,7 @@ def test_restart_reloads_what_was_resident_until_unloaded(start, tmp_path, env):
     assert f"{path}: resident" in loaded.stdout
     assert status(sock).datasets[0].bytes_resident == SAMPLES * SAMPLE_BYTES
 
-    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)):
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))):
         busy = cli("unload", str(path), "--socket", str(sock), env=env)
         assert busy.returncode == 1 and busy.stdout == ""
         assert busy.stderr.count("\n") == 1
@@ -531,7 +538,7 @@ def test_lru_eviction_under_the_memory_budget(start, tmp_path, env):
     assert [x.path for x in st.datasets] == [str(b)]  # a was evicted for b
     assert st.bytes_resident == size and st.memory_budget == size * 3 // 2
 
-    with DataStoreLoader(str(a), batch_size=4, seed=3, address=str(sock)) as job:
+    with DataStoreLoader(str(a), batch_size=4, seed=3, service=ServiceOptions(str(sock))) as job:
         st = status(sock)  # a is back, b made room
         assert [(x.path, x.sessions) for x in st.datasets] == [(str(a), 1)]
         r = cli("load", str(b), "--wait", "--socket", str(sock), env=env)
@@ -584,7 +591,9 @@ def test_hostile_requests_are_refused_and_the_service_serves_on(start, tmp_path,
                     _open_raw(ch, request)
                 else:
                     ds.OpenSession(request, timeout=10)
-        with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as job:
+        with DataStoreLoader(
+            str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))
+        ) as job:
             assert [(0, i, digest(x)) for i, x in enumerate(job)] == expected
         return err.value.code(), err.value.details()
 
@@ -694,7 +703,9 @@ def test_a_slow_dataset_open_blocks_no_other_client(start, tmp_path, call):
     root.mkdir()
     fast = make_dataset(root / "fast.h5")
     slow = many_member_tar(root / "slow.tar", SLOW_SAMPLES)
-    local = DataStoreLoader(str(fast), batch_size=4, seed=3, exchange=False)
+    local = DataStoreLoader(
+        str(fast), batch_size=4, seed=3, exchange=ExchangeOptions(enabled=False)
+    )
     want = {k: v.numpy() for k, v in next(iter(local)).items()}
     local.close()
     resident = os.path.realpath(fast)  # as the service names it
@@ -767,7 +778,9 @@ def test_a_stream_cut_by_its_session_closing_is_an_error_not_a_short_epoch(
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"
     start("--socket", str(sock))
-    loader = DataStoreLoader(str(path), batch_size=1, address=str(sock), transport=transport)
+    loader = DataStoreLoader(
+        str(path), batch_size=1, service=ServiceOptions(str(sock), transport=transport)
+    )
     it = iter(loader)
     next(it)
     with grpc.insecure_channel(target_of(sock)) as ch:
@@ -799,7 +812,9 @@ def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path,
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "grace_s must be 0..3600 s" in err.value.details()
         assert s.proc.poll() is None
-    stuck = DataStoreLoader(str(path), batch_size=1, address=str(sock), transport="shm")
+    stuck = DataStoreLoader(
+        str(path), batch_size=1, service=ServiceOptions(str(sock), transport="shm")
+    )
     next(iter(stuck))  # the stream stays open, its slots held
     t0 = time.monotonic()
     with grpc.insecure_channel(target_of(sock)) as ch:
@@ -820,10 +835,12 @@ def test_stopping_after_streaming_takes_the_grace_and_a_few_seconds(start, tmp_p
         f["x"] = np.ones((32, 1, 64, 64, 64), np.float32)
     sock = tmp_path / "s.sock"
     s = start("--socket", str(sock), "--grace", "2")
-    with DataStoreLoader(str(path), batch_size=4, address=str(sock)) as job:
+    with DataStoreLoader(str(path), batch_size=4, service=ServiceOptions(str(sock))) as job:
         assert len(list(job)) == 32 // 4
     stuck = [
-        DataStoreLoader(str(path), batch_size=1, address=str(sock), transport=t, prefetch=1)
+        DataStoreLoader(
+            str(path), batch_size=1, prefetch=1, service=ServiceOptions(str(sock), transport=t)
+        )
         for t in ("shm", "inline")
     ]
     its = [iter(loader) for loader in stuck]
@@ -856,15 +873,21 @@ def test_shared_memory_rings_count_in_the_memory_budget(start, tmp_path):
     dataset_bytes = SAMPLES * 2 * 6 * 6 * 6 * 4 + SAMPLES * 8  # x float32 and idx int64
     sock = tmp_path / "s.sock"
     start("--socket", str(sock), "--memory-budget", str(dataset_bytes))
-    shm = DataStoreLoader(str(path), batch_size=4, address=str(sock), transport="shm")
+    shm = DataStoreLoader(
+        str(path), batch_size=4, service=ServiceOptions(str(sock), transport="shm")
+    )
     with pytest.raises(Exception, match=r"RESOURCE_EXHAUSTED.*shared-memory ring"):
         list(shm)
     shm.close()
-    with DataStoreLoader(str(path), batch_size=4, address=str(sock), transport="inline") as job:
+    with DataStoreLoader(
+        str(path), batch_size=4, service=ServiceOptions(str(sock), transport="inline")
+    ) as job:
         assert len(list(job)) == SAMPLES // 4
     roomy = tmp_path / "roomy.sock"
     start("--socket", str(roomy), "--memory-budget", str(4 * dataset_bytes))
-    with DataStoreLoader(str(path), batch_size=4, address=str(roomy), transport="shm") as job:
+    with DataStoreLoader(
+        str(path), batch_size=4, service=ServiceOptions(str(roomy), transport="shm")
+    ) as job:
         assert len(list(job)) == SAMPLES // 4
 
 
@@ -884,8 +907,8 @@ def test_prometheus_metrics_agree_with_status(start, tmp_path):
             for x in family.samples
         }
 
-    kw = {"batch_size": 4, "seed": 3, "address": str(sock), "transport": "shm", "job_id": "j1"}
-    with DataStoreLoader(str(path), **kw) as job:
+    service = ServiceOptions(str(sock), transport="shm", job_id="j1")
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=service) as job:
         it = iter(job)
         next(it)  # streaming now
         m = scrape()

@@ -3,7 +3,7 @@ opened it does (killed, or exited without ``close()``), its stream and shared-me
 once; ``datastore status`` names each session's job; ``datastore shutdown`` stops the service.
 
 A real server subprocess on a Unix socket, real client processes (``DataStoreLoader(...,
-address=socket)``), ``SIGKILL``; ``ProcessWatch`` on real child processes."""
+service=ServiceOptions(socket))``), ``SIGKILL``; ``ProcessWatch`` on real child processes."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from tests.test_service_basic import REPO, Server, cli, wait_serving
 
 CHILD = """
 import os, sys, time
-from datastore import DataStoreLoader
-r = DataStoreLoader({path!r}, batch_size=2, seed=3, address={sock!r}, transport="shm")
+from datastore import DataStoreLoader, ServiceOptions
+service = ServiceOptions({sock!r}, transport="shm")
+r = DataStoreLoader({path!r}, batch_size=2, seed=3, service=service)
 for i, b in enumerate(r):
     print("got", i, flush=True)
     if sys.argv[1] == "exit":

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from datastore.loader import DataStoreLoader
+from datastore.sources.options import ExchangeOptions, ServiceOptions
 from tests.test_service_stream import served  # noqa: F401 (the module's server)
 
 pytestmark = [
@@ -20,8 +21,10 @@ pytestmark = [
 def test_cuda_service_batches_over_shared_memory_equal_the_embedded_ones(served):  # noqa: F811
     path, sock, _ = served
     kw = {"batch_size": 4, "seed": 3, "prefetch": 2}
-    remote = DataStoreLoader(str(path), address=str(sock), transport="shm", device="cuda", **kw)
-    local = DataStoreLoader(str(path), exchange=False, **kw)
+    remote = DataStoreLoader(
+        str(path), device="cuda", service=ServiceOptions(str(sock), transport="shm"), **kw
+    )
+    local = DataStoreLoader(str(path), exchange=ExchangeOptions(enabled=False), **kw)
     bad, steps = [], 0
     try:
         for epoch in range(3):

@@ -20,6 +20,7 @@ from helpers import MPIEXEC, stage_sharded
 from datastore.errors import ServiceUnavailable
 from datastore.loader import DataStoreLoader
 from datastore.service.client import Client
+from datastore.sources.options import ExchangeOptions, ServiceOptions
 from tests.test_service_stream import assert_same, batches
 
 pytestmark = pytest.mark.mpi
@@ -55,8 +56,12 @@ def test_a_job_across_two_services_gets_the_embedded_batches(store, spatial):
     src, template, sockets, _ = store
     for rank in range(2):
         kw = {"rank": rank, "world": 2, "seed": 5, "spatial": spatial}
-        remote = DataStoreLoader(template, batch_size=2, address=str(sockets[rank]), **kw)
-        local = DataStoreLoader(str(src), batch_size=2, exchange=False, **kw)
+        remote = DataStoreLoader(
+            template, batch_size=2, service=ServiceOptions(str(sockets[rank])), **kw
+        )
+        local = DataStoreLoader(
+            str(src), batch_size=2, exchange=ExchangeOptions(enabled=False), **kw
+        )
         try:
             for _ in range(2):
                 assert_same(batches(remote), batches(local))

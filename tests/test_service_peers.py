@@ -26,6 +26,7 @@ from datastore.loader import DataStoreLoader
 from datastore.service.client import Client
 from datastore.service.errors import ServiceError
 from datastore.service.grpc_peers import GrpcPeers, chunk_view, frame_chunk
+from datastore.sources.options import ExchangeOptions, ServiceOptions
 from staging.cluster import LAUNCH_ENV
 from tests.test_service_stream import assert_same, batches
 
@@ -94,8 +95,12 @@ def _job(src, template, store, spatial, epochs=2):
     """Both ranks of a job, rank k on service k, against the embedded loader."""
     for rank in range(2):
         kw = {"rank": rank, "world": 2, "seed": 5, "spatial": spatial}
-        remote = DataStoreLoader(template, batch_size=2, address=str(store.sockets[rank]), **kw)
-        local = DataStoreLoader(str(src), batch_size=2, exchange=False, **kw)
+        remote = DataStoreLoader(
+            template, batch_size=2, service=ServiceOptions(str(store.sockets[rank])), **kw
+        )
+        local = DataStoreLoader(
+            str(src), batch_size=2, exchange=ExchangeOptions(enabled=False), **kw
+        )
         try:
             for _ in range(epochs):
                 assert_same(batches(remote), batches(local))
@@ -206,7 +211,9 @@ def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(st
     assert s.stop(1) == 0  # SIGTERM: it drains and exits; node 0 keeps serving
     assert not s.sockets[1].exists()
     kw = {"rank": 0, "world": 1, "seed": 9, "spatial": None}
-    remote = DataStoreLoader(template, batch_size=4, address=str(s.sockets[0]), **kw)
+    remote = DataStoreLoader(
+        template, batch_size=4, service=ServiceOptions(str(s.sockets[0])), **kw
+    )
     try:
         with pytest.raises(ServiceUnavailable) as e:
             batches(remote)

@@ -2,7 +2,8 @@
 embedded loader.
 
 A real server subprocess on a Unix socket in ``tmp_path`` (started and killed as in
-``test_service_basic``); the remote loader is ``DataStoreLoader(..., address=socket)``.
+``test_service_basic``); the remote loader is
+``DataStoreLoader(..., service=ServiceOptions(socket))``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from datastore.service.client import (
     target_of,
 )
 from datastore.service.wire import plan_chunks
+from datastore.sources.options import ExchangeOptions, ServiceOptions
 from tests.test_service_basic import REPO, Server, wait_serving
 
 SPATIAL = {"parts": (2, 1, 1), "halo": (1, 1, 1)}
@@ -87,9 +89,15 @@ def assert_same(a, b):
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 def test_remote_equals_embedded_over_two_epochs(served, kw, transport):
     path, sock, _ = served
-    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False, **kw)
+    local = DataStoreLoader(
+        str(path), batch_size=4, seed=3, exchange=ExchangeOptions(enabled=False), **kw
+    )
     remote = DataStoreLoader(
-        str(path), batch_size=4, seed=3, address=str(sock), transport=transport, **kw
+        str(path),
+        batch_size=4,
+        seed=3,
+        service=ServiceOptions(str(sock), transport=transport),
+        **kw,
     )
     assert remote.source == "service"
     try:
@@ -108,8 +116,12 @@ def test_inline_tensors_are_the_callers_to_write(served):
     """An inline tensor is a view of the message received for it alone: writing to it is
     allowed (no warning), and changes nothing else (later batches, the next epoch)."""
     path, sock, _ = served
-    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
-    remote = DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock), transport="inline")
+    local = DataStoreLoader(
+        str(path), batch_size=4, seed=3, exchange=ExchangeOptions(enabled=False)
+    )
+    remote = DataStoreLoader(
+        str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock), transport="inline")
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -144,22 +156,32 @@ def test_datastore_address_from_the_environment(served, monkeypatch):
 
 def test_resume_mid_epoch_equals_uninterrupted(served):
     path, sock, _ = served
-    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as whole:
+    with DataStoreLoader(
+        str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))
+    ) as whole:
         whole.set_epoch(1)
         expected = batches(whole)
-    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as first:
+    with DataStoreLoader(
+        str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))
+    ) as first:
         first.set_epoch(1)
         head = batches(first, 2)
         saved = first.state_dict()
     assert saved["epoch"] == 1 and saved["step"] == 2
-    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as second:
+    with DataStoreLoader(
+        str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))
+    ) as second:
         second.load_state_dict(saved)
         tail = batches(second)
     assert_same(head + tail, expected)
-    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as whole:
+    with DataStoreLoader(
+        str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))
+    ) as whole:
         whole.set_epoch(2)
         after = batches(whole)
-    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as same:
+    with DataStoreLoader(
+        str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))
+    ) as same:
         same.set_epoch(1)
         head = batches(same, 3)  # breaking out cancels the call; a new iter() is a new pass
         t0 = time.monotonic()
@@ -174,8 +196,8 @@ def test_the_next_epoch_is_filled_while_the_consumer_finishes_this_one(served):
     elsewhere cancels them; every pass gives the embedded loader's batches."""
     path, sock, _ = served
     kw = {"batch_size": 4, "seed": 1, "prefetch": 2}
-    remote = DataStoreLoader(str(path), address=str(sock), transport="shm", **kw)
-    local = DataStoreLoader(str(path), exchange=False, **kw)
+    remote = DataStoreLoader(str(path), service=ServiceOptions(str(sock), transport="shm"), **kw)
+    local = DataStoreLoader(str(path), exchange=ExchangeOptions(enabled=False), **kw)
 
     def served_so_far() -> int:
         with Client(sock) as c:
@@ -293,8 +315,8 @@ def test_refusals_and_the_server_keeps_serving(served, tmp_path):
         got = code(lambda: list(ds.StreamBatches(iter([nosession]), timeout=10)))
         assert got == grpc.StatusCode.NOT_FOUND
     with pytest.raises(ValueError, match="batch_size"):  # refused here, as embedded
-        DataStoreLoader(str(path), batch_size=-1, address=str(sock))
-    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
+        DataStoreLoader(str(path), batch_size=-1, service=ServiceOptions(str(sock)))
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))) as r:
         assert len(batches(r)) == 6
     assert s.proc.poll() is None
 
@@ -304,8 +326,9 @@ def test_client_killed_mid_stream_leaves_server_healthy(served):
     script = textwrap.dedent(
         f"""
         import sys, time
-        from datastore import DataStoreLoader
-        r = DataStoreLoader({str(path)!r}, batch_size=4, seed=3, address={str(sock)!r})
+        from datastore import DataStoreLoader, ServiceOptions
+        service = ServiceOptions({str(sock)!r})
+        r = DataStoreLoader({str(path)!r}, batch_size=4, seed=3, service=service)
         for i, b in enumerate(r):
             print("got", i, flush=True)
             time.sleep(60)
@@ -321,9 +344,11 @@ def test_client_killed_mid_stream_leaves_server_healthy(served):
         child.wait(10)
     time.sleep(0.2)
     assert s.proc.poll() is None
-    with DataStoreLoader(str(path), batch_size=4, seed=3, address=str(sock)) as r:
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))) as r:
         got = batches(r)
-    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
+    local = DataStoreLoader(
+        str(path), batch_size=4, seed=3, exchange=ExchangeOptions(enabled=False)
+    )
     try:
         assert_same(got, batches(local))
     finally:
@@ -366,9 +391,11 @@ def test_inline_batches_over_the_chunk_size_come_in_chunks(chunking, kw):
     """A batch larger than one message arrives in several, reassembled into arrays the loader
     owns: the same bytes as the embedded loader's, epoch after epoch."""
     path, sock, _ = chunking
-    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False, **kw)
+    local = DataStoreLoader(
+        str(path), batch_size=4, seed=3, exchange=ExchangeOptions(enabled=False), **kw
+    )
     with DataStoreLoader(
-        str(path), batch_size=4, seed=3, address=str(sock), transport="inline", **kw
+        str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock), transport="inline"), **kw
     ) as remote:
         for _ in range(2):
             got = batches(remote)
@@ -432,7 +459,9 @@ def test_remote_batches_views_are_read_only_and_reassembled_arrays_owned(chunkin
     bytes are never written), and one that came in chunks as fresh arrays the caller owns;
     both with the batch's header, and the embedded loader's bytes."""
     path, sock, _ = chunking
-    local = DataStoreLoader(str(path), batch_size=4, seed=3, exchange=False)
+    local = DataStoreLoader(
+        str(path), batch_size=4, seed=3, exchange=ExchangeOptions(enabled=False)
+    )
     expected = batches(local)
     local.close()
     for fields in (["idx"], []):  # 32 bytes a batch: one message; 16 KiB: chunks

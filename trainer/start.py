@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 
 from datastore.agree import Collective, agree
+from datastore.errors import DataStoreError
 from datastore.memory import available_memory
-from datastore.readers import open_dataset
+from datastore.sources.describe import describe_dataset
+from datastore.sources.options import ServiceOptions
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
 from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_log
@@ -105,18 +107,13 @@ def describe(
     """``({name: Field}, samples)`` of the dataset at ``path``: opened here, or asked of the
     service at ``address``, which sees the whole dataset where this node holds only its share
     (``datastore stage --mode shard``)."""
-    if address is None:
-        with open_dataset(path) as ds:
-            info, samples = ds.fields, len(ds)
-    else:
-        from datastore.errors import DataStoreError
-        from datastore.service.client import Client
-
-        try:
-            with Client(address, token=token, timeout_s=timeout) as client:
-                samples, info = client.describe(os.path.abspath(path))
-        except DataStoreError as exc:
-            raise ValueError(f"config key 'data_address': {exc}") from None
+    service = ServiceOptions(address, token=token) if address is not None else None
+    try:
+        samples, info = describe_dataset(path, service, timeout=timeout)
+    except DataStoreError as exc:
+        if service is None:
+            raise
+        raise ValueError(f"config key 'data_address': {exc}") from None
     return {name: (name, f.shape, f.spatial_axes) for name, f in info.items()}, samples
 
 
@@ -313,7 +310,6 @@ def make_resident(
     Raises:
         ValueError: the service's refusal (not running, a path outside its roots, ...).
     """
-    from datastore.errors import DataStoreError
     from datastore.service.client import Client
 
     try:

@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from datastore import DataStoreLoader
+from datastore.sources.options import ServiceOptions
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.comm import all_reduce_sum
 from trainer.config import ConfigError, TrainConfig
@@ -132,7 +133,9 @@ def loader_of(cfg: TrainConfig, path: str, run: Run, validation: bool) -> DataSt
         kw["spatial"] = {"parts": run.grid.parts, "halo": (0, 0, 0)}
     if run.device.type == "cuda":
         kw.update(device=run.device, pin_memory=True)
-    return DataStoreLoader(path, address=data_address(cfg), token=data_token(cfg), **kw)
+    address = data_address(cfg)
+    service = ServiceOptions(address, token=data_token(cfg)) if address else None
+    return DataStoreLoader(path, service=service, **kw)
 
 
 def timed_batches(

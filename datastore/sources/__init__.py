@@ -8,5 +8,10 @@
   ``torch.distributed`` with gloo under torchrun).
 - :class:`~datastore.sources.service.ServiceSource`: ``datastore serve`` streams the batches.
 
+Their settings are :class:`~datastore.sources.options.StoreOptions`,
+:class:`~datastore.sources.options.ExchangeOptions` and
+:class:`~datastore.sources.options.ServiceOptions` (``DataStoreLoader``'s ``store=``,
+``exchange=`` and ``service=``).
+
 Sources receive buffers (:class:`~datastore.ring.Buffer`) and never call back into the loader.
 """

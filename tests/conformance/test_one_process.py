@@ -24,6 +24,7 @@ from conformance.common import (
     valid_ids,
     write_dataset,
 )
+from datastore.sources.options import ServiceOptions
 
 N, B = 64, 8  # 8 batches an epoch
 TAIL = 60  # with B: 7 whole batches and 4 left over
@@ -184,7 +185,7 @@ def test_state_dict_at_step_0_mid_epoch_and_end_resumes_in_a_new_process(data, t
 
 
 def test_the_service_source_passes_and_resumes_as_the_embedded_one(data, tmp_path):
-    """Through ``datastore serve`` (``address=``): the passes after none, a peek and a
+    """Through ``datastore serve`` (``service=``): the passes after none, a peek and a
     break, and a mid-epoch resumption yield exactly the embedded loader's batches (one
     sequence for every source). Two iterators alive at once: the second is refused while
     the first runs (its stream's batches were overwritten by the second's; documented)."""
@@ -211,9 +212,9 @@ def test_the_service_source_passes_and_resumes_as_the_embedded_one(data, tmp_pat
 
     embedded = scenario(ours(data[0], B))
     with serving(tmp_path, env) as sock:
-        remote = ours(data[0], B, address=str(sock))
+        remote = ours(data[0], B, service=ServiceOptions(str(sock)))
         got = scenario(remote)
-        resumed = ours(data[0], B, address=str(sock))
+        resumed = ours(data[0], B, service=ServiceOptions(str(sock)))
         resumed.load_state_dict(got[-1])
         rest = epoch(resumed)
         one = iter(remote)
