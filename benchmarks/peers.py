@@ -21,8 +21,7 @@ On each store one job of 2 ranks runs per layout (``--layouts``): ``whole`` samp
 ``blocks`` (``spatial={"parts": (2, 1, 1), "halo": (1, 1, 1)}``: both ranks get the same
 samples, each one half-block with its halo). Rank k is a separate client process streaming
 from service k (for ``local``, both from the one service): ``DataStoreLoader(DIR/node{node}/src,
-global_batch_size=2B, rank=k, world=2, seed=0, spatial=...,
-service=ServiceOptions(SOCK, transport="shm"))``,
+global_batch_size=2B, rank=k, world=2, seed=0, spatial=..., address=SOCK, transport="shm")``,
 B = ``--batch`` (default 4). Each client runs one untimed warm-up epoch (which makes the
 dataset resident; the benchmark then waits until no service is still loading), then both
 start together and run ``--epochs`` E (default 10) epochs, touching one element of each batch.
@@ -36,6 +35,15 @@ prepared) over the timed epochs. Ratios: grpc/mpi, mpi/local and grpc/local of b
 grpc/mpi of exchange GB/s. Repetitions (``--reps``, default 3) alternate the order of the
 kinds; medians. Also measured once the jobs are done: the services' CPU use while idle (1 s,
 dataset resident, no client), as a fraction of one core.
+
+Alongside the MPI peers, in the same run (``mpi`` in ``--kinds``): **bare** mpi4py, two fresh
+``mpiexec -n 2`` ranks on this host exchanging the same bytes in the same pattern right after
+each ``mpi`` job: per step one message each way of (the MPI peers' exchanged bytes of that job /
+2 / steps), ``Sendrecv`` from and into ready buffers (a new pair each step, up to 256 MiB of
+them, so that the bytes do not come out of a cache), after 2 untimed steps. Reported: its GB/s
+(both directions / time, as the services' exchange GB/s) and the ratio mpi/bare of exchange
+GB/s (issue 24's target: >= 0.8x). It is the link's ceiling: the services' exchange GB/s counts
+the whole epoch's time, in which the batches are also filled.
 
 Every service is shut down at the end; the run checks that no socket and no shared-memory
 segment of its services is left (``/dev/shm/datastore.<uid>.<pid>.*``) and says so.
@@ -83,6 +91,7 @@ MIB = 1 << 20
 KINDS = ("mpi", "grpc", "local")
 LAYOUTS = {"whole": None, "blocks": {"parts": (2, 1, 1), "halo": (1, 1, 1)}}
 LAYOUT_VERSION = 1
+BARE_POOL = 256 * MIB  # bytes of buffers the bare exchange cycles through, each way
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TOKEN = "peers-benchmark"
@@ -108,8 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--json", "--out", default=None, metavar="FILE", help="also write the results as JSON"
     )
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--bare", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.client:
+    if args.client or args.bare:
         return args
     for name, full, small in (("samples", 64, 16), ("side", 64, 32), ("batch", 4, 2)):
         if getattr(args, name) is None:
@@ -296,18 +306,19 @@ def client(spec: str) -> int:
     timed epochs as one JSON line; its session stays open until ``next``."""
     import torch  # noqa: F401 (imports happen before any clock starts)
 
-    from datastore import DataStoreLoader, ServiceOptions
+    from datastore import DataStoreLoader
 
     c = json.loads(spec)
     for layout in c["layouts"]:
         loader = DataStoreLoader(
             c["path"],
             global_batch_size=c["global_batch"],
+            address=c["socket"],
             rank=c["rank"],
             world=2,
             seed=0,
             spatial=LAYOUTS[layout],
-            service=ServiceOptions(c["socket"], transport="shm"),
+            transport="shm",
         )
 
         def epoch(loader: Any = loader) -> tuple[int, int]:
@@ -322,6 +333,46 @@ def client(spec: str) -> int:
         sys.stdin.readline()  # the session stays open until the benchmark has read the Status
         loader.close()
     return 0
+
+
+def bare(spec: str) -> int:
+    """Under ``mpiexec -n 2``: ``steps`` exchanges of ``nbytes`` each way (``"NBYTES,STEPS"``);
+    rank 0 prints the timed steps' seconds as one JSON line."""
+    from mpi4py import MPI
+
+    nbytes, steps = (int(v) for v in spec.split(","))
+    comm = MPI.COMM_WORLD
+    other = 1 - comm.Get_rank()
+    # as many buffers as the services' steps touch, up to BARE_POOL bytes: not out of a cache
+    k = max(1, min(steps, BARE_POOL // nbytes))
+    out = [np.ones(nbytes, np.uint8) for _ in range(k)]  # pages in place
+    into = [np.ones(nbytes, np.uint8) for _ in range(k)]
+
+    def run(n: int) -> None:
+        for i in range(n):
+            comm.Sendrecv(out[i % k], other, 0, into[i % k], other, 0)
+
+    run(2)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    run(steps)
+    comm.Barrier()
+    seconds = time.perf_counter() - t0
+    if comm.Get_rank() == 0:
+        print(json.dumps({"seconds": seconds}), flush=True)
+    return 0
+
+
+def run_bare(exchanged: int, steps: int, env: dict[str, str]) -> float:
+    """GB/s of bare mpi4py exchanging ``exchanged`` bytes (both directions) in ``steps``."""
+    nbytes = max(1, exchanged // (2 * steps))
+    cmd = [venv_tool("mpiexec"), "-n", "2", sys.executable, "-m", "mpi4py", __file__]
+    cmd += ["--bare", f"{nbytes},{steps}"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise SystemExit(f"bare mpi4py exchange failed:\n{r.stdout}{r.stderr}")
+    seconds = json.loads(r.stdout.strip().splitlines()[-1])["seconds"]
+    return 2 * nbytes * steps / seconds / 1e9
 
 
 def spawn(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen:
@@ -358,6 +409,7 @@ class Job:
     server_cpu: list[float] = field(default_factory=list)
     client_cpu: list[float] = field(default_factory=list)
     stall: list[float] = field(default_factory=list)  # sessions' stall_s, summed
+    bare_gb_s: list[float] = field(default_factory=list)  # bare mpi4py, same bytes (mpi only)
 
     def rate(self, values: list[int] | list[float]) -> float:
         return median([v / s for v, s in zip(values, self.seconds, strict=True)])
@@ -388,6 +440,8 @@ class Job:
             "server_cpu_s": median(self.server_cpu),
             "client_cpu_s": median(self.client_cpu),
             "stall_s": median(self.stall),
+            "bare_mpi4py_gb_per_s": median(self.bare_gb_s) if self.bare_gb_s else None,
+            "bare_mpi4py_gb_per_s_reps": self.bare_gb_s,
             "reps": {
                 "seconds": self.seconds,
                 "batches": self.batches,
@@ -496,6 +550,20 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
     for r in ratios(jobs, args.layouts):
         ex = f"{r['exchange']:.2f}x" if "exchange" in r else ""
         ratio_rows.append(f"| {r['layout']} | {r['case']} | {r['batches']:.2f}x | {ex} |")
+    bare_rows = [
+        "| layout | MPI peers' exchange GB/s (reps) | bare mpi4py GB/s (reps) | peers/bare |",
+        "|---|---|---|---:|",
+    ]
+    for layout in args.layouts:
+        j = jobs.get(("mpi", layout))
+        if j is None or not j.bare_gb_s:
+            continue
+        ours = [e / s / 1e9 for e, s in zip(j.exchanged, j.seconds, strict=True)]
+        bare_rows.append(
+            f"| {layout} | {median(ours):.2f} ({spread(ours, '{:.2f}')}) "
+            f"| {median(j.bare_gb_s):.2f} ({spread(j.bare_gb_s, '{:.2f}')}) "
+            f"| {median(ours) / median(j.bare_gb_s):.2f}x |"
+        )
     mb = 16 * args.side**3 / MIB
     return "\n".join(
         [
@@ -503,6 +571,7 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
             "",
             *ratio_rows,
             "",
+            *([*bare_rows, ""] if len(bare_rows) > 2 else []),
             "batches/s and delivered GB/s: both ranks together over the timed epochs (last "
             "end - first start); exchanged: growth of Status().bytes_exchanged summed over the "
             "services; exchange GB/s = exchanged / the same time; server CPU s: the services' "
@@ -574,11 +643,16 @@ def run_store(
         for layout in args.layouts:
             job = jobs[kind, layout]
             wall = job.seconds[-1]
+            bare_note = ""
+            if kind == "mpi":
+                steps = args.epochs * (args.samples // (2 * args.batch))
+                job.bare_gb_s.append(run_bare(job.exchanged[-1], steps, store.env))
+                bare_note = f"; bare mpi4py {job.bare_gb_s[-1]:.2f} GB/s"
             print(
                 f"rep {rep + 1}: {kind:5s} {layout:6s}: {job.batches[-1] / wall:6.1f} batches/s, "
                 f"{job.delivered[-1] / wall / 1e9:5.2f} GB/s, exchanged "
                 f"{job.exchanged[-1] / MIB:5.0f} MiB ({job.exchanged[-1] / wall / 1e9:.2f} "
-                f"GB/s), stall {job.stall[-1]:.2f} s (store up in {started:.1f} s)",
+                f"GB/s{bare_note}), stall {job.stall[-1]:.2f} s (store up in {started:.1f} s)",
                 flush=True,
             )
         cpu0, t_idle = store.cpu(), time.monotonic()
@@ -593,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.client:
         return client(args.client)
+    if args.bare:
+        return bare(args.bare)
     t_start = time.monotonic()
     work = os.path.abspath(args.dir)
     os.makedirs(work, exist_ok=True)

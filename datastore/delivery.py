@@ -301,15 +301,18 @@ def fill_batch(
     gather: Gather | None = None,
 ) -> None:
     """Write ``samples`` into ``out[field][position]`` (whole boxes, zero halo included):
-    ``fetched[(index, field)]`` as it is (delivered arrays from other nodes), else cut from
-    ``sample(index, field)``, the whole stored array of a sample's field."""
+    ``fetched[(index, field)]`` (from other nodes: the delivered array, or its part inside the
+    volume, the rest then zero), else cut from ``sample(index, field)``, the whole stored array
+    of a sample's field."""
     copies: list[Copy] = []
     for pos, index in enumerate(samples):
         for f in fields:
             dst = out[f.name][pos, ...]
             got = fetched.get((int(index), f.name)) if fetched else None
-            if got is not None:
+            if got is not None and got.shape == dst.shape:
                 copies.append((dst, got))
+            elif got is not None:  # the part inside the volume
+                copies += [(dst[covered(f)[1]], got), *pad_copies(f, dst)]
             else:
                 copies.extend(box_copies(f, dst, sample(int(index), f.name)))
     if gather is None:

@@ -103,6 +103,7 @@ class GrpcPeers:
         self.addresses, self.node, self.nodes = addresses, node, len(addresses)
         self.timeout_s = timeout_s
         self.bytes_received = 0
+        self.sends_pieces = False  # whole boxes, halo included (packed by the owner)
         self._metadata = bearer(token)
         self._credentials = None
         if tls_ca is not None:
@@ -154,10 +155,8 @@ class GrpcPeers:
         signature = {f.name: (f.dtype, tuple(f.shape)) for f in r.fields}
         return r.shardable, list(r.files), signature
 
-    def fetch(self, dest: int, request: dict, out: np.ndarray, boxes: Any = None) -> None:
-        """Node ``dest``'s packed blocks of ``request["samples"]`` into ``out`` (uint8), the
-        halo outside the volume included (``boxes`` is not used here)."""
-        del boxes
+    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
+        """Node ``dest``'s packed blocks of ``request["samples"]`` into ``out`` (uint8)."""
         call = self._channel(dest).unary_stream(
             f"/{SERVICE}/FetchBlocks",
             request_serializer=pb.FetchBlocksRequest.SerializeToString,

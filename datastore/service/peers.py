@@ -35,7 +35,7 @@ import numpy as np
 
 from datastore.service.errors import ServiceError
 
-__all__ = ["Box", "Listing", "MpiPeers", "Peers", "Pieces", "node_path"]
+__all__ = ["Listing", "MpiPeers", "Peers", "Pieces", "node_path", "runs"]
 
 Listing = tuple[bool, list[str], dict[str, tuple[str, tuple[int, ...]]]]
 """``(shardable, files held here, {field: (dtype, shape)})``: a node's view of a dataset."""
@@ -46,50 +46,36 @@ TAG_SPAN = 30000  # reply tags cycle through [FIRST_REPLY_TAG, +TAG_SPAN): MPI g
 IDLE_NAP = (0.0005, 0.02)  # seconds between polls for requests: while busy, idle at most
 
 
-Box = tuple[np.ndarray, tuple[slice, ...]]
-"""``(array, box)``: the bytes of ``array[box]`` (``array`` C-contiguous): a piece of a message."""
+MIN_RUN = 64 * 1024  # a piece cut into runs shorter than this on average is packed instead
 
 
 @dataclass(frozen=True)
 class Pieces:
     """A ``fetch`` reply sent straight from the store: the bytes of each ``array[box]`` of
-    ``boxes``, one after the other, described to MPI as one datatype (nothing packed)."""
+    ``boxes`` (``(array, box)``), one after the other, as messages of contiguous runs."""
 
-    boxes: Sequence[Box]
+    boxes: Sequence[tuple[np.ndarray, tuple[slice, ...]]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(_box_bytes(a, box) for a, box in self.boxes)
-
-
-def _box_bytes(array: np.ndarray, box: tuple[slice, ...]) -> int:
-    return int(np.prod([s.stop - s.start for s in box], dtype=np.int64)) * array.itemsize
-
-
-def _box_type(mpi: Any, array: np.ndarray, box: tuple[slice, ...]) -> Any:
-    """An MPI subarray type of ``array[box]`` (bytes on the last axis), uncommitted."""
-    if not array.shape:  # a 0-d field: just its bytes
-        return mpi.BYTE.Create_contiguous(array.itemsize)
-    item = array.itemsize
-    full = [*array.shape[:-1], array.shape[-1] * item]
-    sub = [s.stop - s.start for s in box]
-    at = [s.start for s in box]
-    return mpi.BYTE.Create_subarray(full, [*sub[:-1], sub[-1] * item], [*at[:-1], at[-1] * item])
+    def runs(self) -> list[np.ndarray]:
+        """The bytes to send, in order, as 1-d uint8 views of the arrays where the boxes'
+        parts are contiguous; a box cut into many short runs is packed (one copy)."""
+        out: list[np.ndarray] = []
+        for array, box in self.boxes:
+            part = array[box]
+            if not part.nbytes:
+                continue
+            cut = runs(part)
+            if len(cut) > 1 and part.nbytes < MIN_RUN * len(cut):
+                cut = [np.ascontiguousarray(part).reshape(-1).view(np.uint8)]
+            out += cut
+        return out
 
 
-def boxes_type(mpi: Any, boxes: Sequence[Box], base: int) -> Any:
-    """One committed MPI datatype of the bytes of ``boxes`` in order, addressed from ``base``
-    (``0`` with ``MPI.BOTTOM``: absolute addresses); empty boxes are left out."""
-    kept = [(a, box) for a, box in boxes if _box_bytes(a, box)]
-    for a, _ in kept:
-        if not a.flags.c_contiguous:
-            raise ValueError("a piece of an MPI message must be a C-contiguous array")
-    parts = [_box_type(mpi, a, box) for a, box in kept]
-    t = mpi.Datatype.Create_struct([1] * len(parts), [a.ctypes.data - base for a, _ in kept], parts)
-    t.Commit()
-    for p in parts:
-        p.Free()
-    return t
+def runs(part: np.ndarray) -> list[np.ndarray]:
+    """The contiguous runs of a strided view, in C order, as 1-d uint8 views of its memory."""
+    if part.flags.c_contiguous:
+        return [part.reshape(-1).view(np.uint8)]
+    return [r for sub in part for r in runs(sub)]
 
 
 def node_path(path: str, node: int) -> str:
@@ -103,17 +89,16 @@ class Peers(Protocol):
     node: int  # this service's index in the store
     nodes: int
     bytes_received: int
+    sends_pieces: bool  # fetch replies are the parts inside the volume, not whole boxes
 
     def describe(self, dest: int, path: str) -> Listing:
         """Node ``dest``'s :data:`Listing` of the dataset clients call ``path``."""
         ...
 
-    def fetch(
-        self, dest: int, request: dict, out: np.ndarray, boxes: Sequence[Box] | None = None
-    ) -> None:
-        """Node ``dest``'s packed blocks (:meth:`Resident.blocks`) into ``out`` (uint8).
-        ``boxes``: views into ``out`` where the parts inside the volume go; a link may then
-        receive only those bytes (the caller has zeroed the rest)."""
+    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
+        """Node ``dest``'s packed blocks into ``out`` (uint8): :meth:`Resident.blocks`, or,
+        where the link :attr:`sends_pieces`, :meth:`Resident.pieces` (no halo outside the
+        volume)."""
         ...
 
     def close(self, *, stop_all: bool) -> None:
@@ -150,6 +135,7 @@ class MpiPeers:
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="datastore-peer")
         self.bytes_received = 0
+        self.sends_pieces = True
         self._thread = threading.Thread(target=self._serve, name="datastore-peers", daemon=True)
         self._thread.start()
 
@@ -182,7 +168,7 @@ class MpiPeers:
                 return msg
             if "ok" in msg:  # a stale raw reply: take its bytes off the queue too
                 stale = np.empty(msg["ok"], dtype=np.uint8)
-                self._wait(self.comm.Irecv(stale, source=dest, tag=tag), dest, what, deadline)
+                self._receive(dest, tag, stale, msg.get("runs", [msg["ok"]]), deadline)
 
     def ask(self, dest: int, request: dict) -> Any:
         """Send ``request`` to node ``dest``; its pickled reply."""
@@ -198,40 +184,42 @@ class MpiPeers:
         """Node ``dest``'s listing of ``path``."""
         return self.ask(dest, {"kind": "describe", "path": path})
 
-    def fetch(
-        self, dest: int, request: dict, out: np.ndarray, boxes: Sequence[Box] | None = None
-    ) -> None:
-        """Send ``request`` to node ``dest`` and receive its raw reply into ``out`` (uint8);
-        with ``boxes`` (views into ``out``), the owner sends only their bytes, straight from
-        its store (``request["pieces"]``), and they are received straight into place."""
-        from mpi4py import MPI
-
+    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
+        """Send ``request`` to node ``dest`` and receive its raw reply into ``out`` (uint8):
+        one message, or the runs of :class:`Pieces` (``request["pieces"]``: sent straight
+        from the owner's store), each straight into its place in ``out``."""
         tag, rid = self._tag()
         deadline = time.monotonic() + self.timeout_s
-        nbytes = out.nbytes if boxes is None else Pieces(boxes).nbytes
-        pieces = boxes is not None
-        request = {**request, "tag": tag, "rid": rid, "nbytes": nbytes, "pieces": pieces}
+        request = {**request, "tag": tag, "rid": rid, "nbytes": out.nbytes}
         self.comm.send(request, dest=dest, tag=REQUEST)
         status = self._reply_to(dest, tag, rid, request["kind"], deadline)
         if "ok" not in status:
             reply = status["reply"]
             raise ServiceError(reply["code"], f"node {dest}: {reply['error']}")
-        if status["ok"] != nbytes:
-            raise ServiceError("INTERNAL", f"node {dest} sent {status['ok']} bytes, not {nbytes}")
-        into = None if boxes is None else boxes_type(MPI, boxes, out.ctypes.data)
-        try:
-            req = self.comm.Irecv(out if into is None else [out, 1, into], source=dest, tag=tag)
-            while not req.Test():
-                if self._stop.is_set() or time.monotonic() > deadline:
-                    req.Cancel()
-                    raise ServiceError(
-                        "UNAVAILABLE", f"node {dest} did not send its blocks in time"
-                    )
-                time.sleep(0.0002)
-        finally:
-            if into is not None:
-                into.Free()
-        self.bytes_received += nbytes
+        if status["ok"] != out.nbytes:
+            raise ServiceError(
+                "INTERNAL", f"node {dest} sent {status['ok']} bytes, not {out.nbytes}"
+            )
+        self._receive(dest, tag, out, status.get("runs", [out.nbytes]), deadline)
+        self.bytes_received += out.nbytes
+
+    def _receive(
+        self, dest: int, tag: int, out: np.ndarray, sizes: list[int], deadline: float
+    ) -> None:
+        """The messages of ``sizes`` bytes from ``dest`` on ``tag``, one after the other in
+        ``out``; polled without naps (the payload follows its envelope) until ``deadline``."""
+        from mpi4py import MPI
+
+        at, reqs = 0, []
+        for n in sizes:
+            reqs.append(self.comm.Irecv(out[at : at + n], source=dest, tag=tag))
+            at += n
+        while not MPI.Request.Testall(reqs):
+            if self._stop.is_set() or time.monotonic() > deadline:
+                for r in reqs:
+                    r.Cancel()
+                raise ServiceError("UNAVAILABLE", f"node {dest} did not send its blocks in time")
+            time.sleep(0)
 
     def tell_all(self, request: dict) -> None:
         """Send ``request`` to every other node, expecting no reply."""
@@ -265,15 +253,13 @@ class MpiPeers:
             reply = {"error": f"internal error: {type(exc).__name__}", "code": "INTERNAL"}
         if tag is None:
             return
-        if isinstance(reply, Pieces):  # straight from the store: one datatype, no packing
+        if isinstance(reply, Pieces):  # straight from the store: nothing packed
             from mpi4py import MPI
 
-            t = boxes_type(MPI, reply.boxes, 0)
-            self.comm.send({"rid": rid, "ok": reply.nbytes}, dest=source, tag=tag)
-            try:
-                self.comm.Send([MPI.BOTTOM, 1, t], dest=source, tag=tag)
-            finally:
-                t.Free()
+            cut = reply.runs()
+            sizes = [r.nbytes for r in cut]
+            self.comm.send({"rid": rid, "ok": sum(sizes), "runs": sizes}, dest=source, tag=tag)
+            MPI.Request.Waitall([self.comm.Isend(r, dest=source, tag=tag) for r in cut])
         elif isinstance(reply, np.ndarray):
             raw = np.ascontiguousarray(reply).view(np.uint8)
             self.comm.send({"rid": rid, "ok": raw.nbytes}, dest=source, tag=tag)

@@ -15,6 +15,7 @@ the node-local copies they were opened from) in the background.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -32,7 +33,6 @@ from datastore.delivery import (
     covered,
     delivered_fields,
     fill_batch,
-    pad_copies,
     spatial_grid,
 )
 from datastore.errors import DatasetNotFound
@@ -121,7 +121,8 @@ class Resident:
         self, samples: np.ndarray, fields: list[Delivered], spatial: Any, block: int
     ) -> dict[tuple[int, str], np.ndarray]:
         """The delivered arrays of the ``samples`` other nodes own, fetched from their owners:
-        ``{(sample, field): array}`` (empty when every sample is here)."""
+        ``{(sample, field): array}`` (empty when every sample is here); over a link that
+        :attr:`~datastore.service.peers.Peers.sends_pieces`, their parts inside the volume."""
         if self.owner is None or self.link is None:
             return {}
         out: dict[tuple[int, str], np.ndarray] = {}
@@ -129,14 +130,9 @@ class Resident:
         owners = self.owner[samples]
         for dest in sorted(set(owners.tolist()) - {self.node}):
             wanted = samples[owners == dest].tolist()
-            buf, arrays = _packed(fields, len(wanted))
-            boxes = []  # field after field, as the owner's pieces come
-            for f in fields:
-                _, inner = covered(f)
-                for dst in arrays[f.name]:
-                    boxes.append((dst, inner))
-                    for pad, _ in pad_copies(f, dst):
-                        pad[...] = 0
+            # over MPI only the parts inside the volume come (fill_batch pads the rest)
+            laid = [_inside(f) for f in fields] if self.link.sends_pieces else fields
+            buf, arrays = _packed(laid, len(wanted))
             request = {
                 "kind": "fetch",
                 "path": self.template,
@@ -144,8 +140,9 @@ class Resident:
                 "fields": [f.name for f in fields],
                 "spatial": spatial,
                 "block": block,
+                "pieces": self.link.sends_pieces,
             }
-            self.link.fetch(dest, request, buf, boxes)
+            self.link.fetch(dest, request, buf)
             for pos, i in enumerate(wanted):
                 for f in fields:
                     out[(i, f.name)] = arrays[f.name][pos]
@@ -207,6 +204,12 @@ class Resident:
             self.loader.join()
         self.store.close()
         self.reader.close()
+
+
+def _inside(f: Delivered) -> Delivered:
+    """``f`` cut to its part inside the volume (the halo beyond the volume left out)."""
+    _, inner = covered(f)
+    return dataclasses.replace(f, shape=tuple(s.stop - s.start for s in inner))
 
 
 def _packed(fields: list[Delivered], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
