@@ -4,9 +4,10 @@ datastore serve``); :mod:`datastore.service.grpc_peers` is the same link over gR
 Each service owns the samples staged on its node's disk. When a dataset is sharded (``datastore
 stage --mode shard``: nodes hold different files under the same path), a service asks every
 peer which files it holds (``describe``), and from then on fetches from their owners the blocks
-its local trainer ranks need (``fetch``): the owner cuts block ``k`` (with halo) out of its
-resident sample and sends only that. Fetches run in a session's producer thread, so they are
-prefetched from the known order like the rest of a batch.
+its local trainer ranks need (``fetch``): the owner sends block ``k``'s part inside the volume
+straight from its resident sample, as the sample's contiguous runs (:class:`Pieces`; MPI
+derived datatypes are slow in mpich), and the asker writes the zero halo. Fetches run in a
+session's producer thread, so they are prefetched from the known order like the rest of a batch.
 
 The requests are point-to-point MPI messages (pickled requests, raw replies) answered by a
 thread in each service, so no service ever waits in a collective on a client's behalf. Every
