@@ -39,14 +39,14 @@ from datastore.delivery import (
 )
 from datastore.device import DeviceStage, parse_device
 from datastore.errors import ExchangeTimeout, InsufficientMemory
-from datastore.exchange import EpochPlan
 from datastore.memory import available_memory
 from datastore.order import EpochPosition, RankLayout, Schedule, parse_shuffle, rank_layout
 from datastore.ownership import Homes, RangeOwners, RunOwners, owned_keys
 from datastore.readers import open_dataset
 from datastore.ring import BufferRing, can_pin, staging_pinned
 from datastore.shards import shard_layout
-from datastore.sources.local import LocalSource, filled_batches
+from datastore.sources.embedded import EmbeddedSource, Planned
+from datastore.sources.local import LocalSource
 from datastore.sources.options import (
     ExchangeOptions,
     ServiceOptions,
@@ -302,9 +302,7 @@ class DataStoreLoader(EpochPosition):
         except (ValueError, TypeError) as exc:
             error = exc
         self._broken: str | None = None
-        self._source: Any = None
-        self._exchange: Any = None
-        self.store: Store | None = None
+        self.store: Store | None = None  # the embedded source's
         reader = None
         if not remote:
             try:
@@ -316,11 +314,11 @@ class DataStoreLoader(EpochPosition):
         self.gather = Gather(o.threads)
         self._stage = DeviceStage(o.device) if o.device is not None else None
         if remote:
-            self._remote(dataset, service)
+            self._source: Any = self._open_service(dataset, service)
             self.source = "service"
         else:
-            self._embedded(dataset, reader)
-            self.source = self._exchange.kind if self._exchange is not None else "local"
+            self._source = self._open_embedded(dataset, reader)
+            self.source = self._source.kind
         self.epoch, self._step = 0, 0
         self._workers: list[threading.Thread] = []  # the prefetch threads of live passes
         pin = can_pin(staging_pinned(o.pin_memory, o.device))  # without CUDA: a note, once
@@ -420,7 +418,8 @@ class DataStoreLoader(EpochPosition):
             )
         return grid, layout, schedule
 
-    def _embedded(self, dataset: Any, reader: Any) -> None:
+    def _open_embedded(self, dataset: Any, reader: Any) -> EmbeddedSource:
+        """The store of this process (local reads, or an exchange over ``self._coll``)."""
         o = self.options
         self.reader = reader
         exchanging = self._coll is not None
@@ -460,24 +459,28 @@ class DataStoreLoader(EpochPosition):
         self.batch_size = schedule.local_batch(layout.data_world)
         if owner is None:
             local = LocalSource(self.reader, mine, o.memory_budget, o.spill_dir, self.gather, keys)
-            self.store = local.store
             sched, d, w = schedule, layout.data_rank, layout.data_world
-            self._deliver = lambda epoch, step, out: local.deliver(
-                sched.rank_samples(epoch, step, d, w), out
+            source = EmbeddedSource(
+                schedule,
+                local.store,
+                lambda epoch, step, out: local.deliver(sched.rank_samples(epoch, step, d, w), out),
             )
-            self._sync = None
         else:
             specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in info.items()}
-            self.store = Store(keys, specs, self._read_sample, o.memory_budget, o.spill_dir)
-            self._exchange = self._make_exchange(owner, layout, by_block)
-            self._deliver = _Planned(schedule, owner, layout, keys, self._exchange)
-            self._sync = StepSync(self._coll, o.timeout)
+            store = Store(keys, specs, self._read_sample, o.memory_budget, o.spill_dir)
+            ex = self._make_exchange(owner, layout, by_block, store)
+            planned = Planned(schedule, owner, layout, keys, ex)
+            source = EmbeddedSource(schedule, store, planned, ex, StepSync(self._coll, o.timeout))
+        self.store = source.store
         if o.preload:
             self.store.preload(threads=max(4, self.gather.threads))
+        return source
 
-    def _make_exchange(self, owner: RunOwners, layout: RankLayout, by_block: dict) -> Any:
+    def _make_exchange(
+        self, owner: RunOwners, layout: RankLayout, by_block: dict, store: Store
+    ) -> Any:
         o = self.options
-        args = (owner, layout.data_world, layout.spatial_size, self.store, by_block, self.gather)
+        args = (owner, layout.data_world, layout.spatial_size, store, by_block, self.gather)
         if self._coll.comm is not None:
             from datastore.sources.mpi import MpiExchange
 
@@ -503,7 +506,8 @@ class DataStoreLoader(EpochPosition):
     def _read_sample(self, index: int, name: str, out: np.ndarray) -> None:
         self.reader.read(index, name, out=out)
 
-    def _remote(self, dataset: Any, service: ServiceOptions) -> None:
+    def _open_service(self, dataset: Any, service: ServiceOptions) -> Any:
+        """A session of ``datastore serve`` (a ``ServiceSource``)."""
         from datastore.sources.service import ServiceSource
 
         o = self.options
@@ -519,27 +523,19 @@ class DataStoreLoader(EpochPosition):
             gather=self.gather,
             copies_on=self._stage.stream if self._stage is not None else None,
         )
-        self._source = source
         self.grid, self.layout, self.schedule = source.grid, source.layout, source.schedule
         self.fields = source.fields
         self.batch_size = source.batch_size
         self.reader = None
-        self._sync = None
+        return source
 
     # -- iteration -----------------------------------------------------------------------------
-    def _host_batches(self, epoch: int, start: int, stop: threading.Event) -> Any:
-        if self._source is not None:
-            return self._source.batches(epoch, start, stop, self.ring)
-        return filled_batches(
-            self.schedule, epoch, start, stop, self.ring, self._deliver, self._sync
-        )
-
     def _produce(self, epoch: int, start: int, q: queue.Queue, stop: threading.Event) -> None:
         o, lay = self.options, self.layout
         try:
             if self._stage is not None and self._stage.stream is not None:
                 torch.cuda.set_device(self._stage.device)
-            batches = self._host_batches(epoch, start, stop)
+            batches = self._source.batches(epoch, start, stop, self.ring)
             for step, buf in batches:
                 host = buf.tensors if self._stage is not None else buf.views()
                 if not o.drop_last:
@@ -572,8 +568,7 @@ class DataStoreLoader(EpochPosition):
         yield from self._pass_batches(*self._new_pass())
 
     def _pass_batches(self, epoch: int, start: int, pass_: int):
-        one_at_a_time = self._sync is not None or self._source is not None
-        if one_at_a_time and any(w.is_alive() for w in self._workers):
+        if self._source.steps_together and any(w.is_alive() for w in self._workers):
             raise RuntimeError(
                 "another iterator of this loader is still running: with an exchange (the ranks "
                 "step together) or a service (one stream per session) a loader runs one pass "
@@ -589,7 +584,7 @@ class DataStoreLoader(EpochPosition):
         )
         worker.start()
         self._workers = [w for w in self._workers if w.is_alive()] + [worker]
-        counters = self.store.counters if self.store is not None else self._source.counters
+        counters = self._source.counters
         try:
             while True:
                 t0 = time.perf_counter()
@@ -634,28 +629,16 @@ class DataStoreLoader(EpochPosition):
     @property
     def session_id(self) -> str | None:
         """The session of ``datastore serve`` this loader streams from (``None``: embedded)."""
-        return self._source.session_id if self._source is not None else None
+        return self._source.session_id
 
     @property
     def counters(self) -> Counters:
-        if self.store is None:
-            return self._source.counters
-        c = self.store.counters
-        if self._exchange is not None:
-            c.bytes_exchanged = self._exchange.bytes_sent
-            c.exchange_seconds = self._exchange.seconds
-        return c
+        return self._source.counters
 
     def close(self) -> None:
         """Free the store, the exchange, the session with the service; tensors handed out
         stay valid."""
-        if self._exchange is not None:
-            self._exchange.close()
-            self._exchange = None
-        if self._source is not None:
-            self._source.close()
-        if self.store is not None:
-            self.store.close()
+        self._source.close()
         if self.reader is not None:
             self.reader.close()
         if self._coll is not None:
@@ -673,23 +656,6 @@ class DataStoreLoader(EpochPosition):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Planned:
-    """An exchange's deliveries, planned an epoch at a time (:class:`EpochPlan`)."""
-
-    def __init__(
-        self, schedule: Schedule, owner: Any, layout: RankLayout, owned: np.ndarray, ex: Any
-    ) -> None:
-        self.schedule, self.owner, self.layout, self.owned, self.ex = (
-            schedule, owner, layout, owned, ex
-        )  # fmt: skip
-        self.plan: EpochPlan | None = None
-
-    def __call__(self, epoch: int, step: int, out: dict[str, np.ndarray]) -> None:
-        if self.plan is None or self.plan.epoch != epoch:
-            self.plan = EpochPlan(self.schedule, self.owner, self.layout, epoch, self.owned)
-        self.ex.step(step, self.plan.messages(step), out)
 
 
 def _root(dataset: Any) -> str:

@@ -8,6 +8,12 @@
   ``torch.distributed`` with gloo under torchrun).
 - :class:`~datastore.sources.service.ServiceSource`: ``datastore serve`` streams the batches.
 
+The loader opens one source: a :class:`~datastore.sources.embedded.EmbeddedSource` (its store,
+and the local reads or the exchange) or a ``ServiceSource``; both give ``batches(epoch, start,
+stop, ring)``, ``counters``, ``session_id``, ``steps_together`` and ``close()``.
+:func:`~datastore.sources.describe.describe_dataset` tells a dataset's samples and fields as
+either sees it.
+
 Their settings are :class:`~datastore.sources.options.StoreOptions`,
 :class:`~datastore.sources.options.ExchangeOptions` and
 :class:`~datastore.sources.options.ServiceOptions` (``DataStoreLoader``'s ``store=``,

@@ -59,6 +59,8 @@ class ServiceSource:
             shared-memory segments are then page-locked for it. Default: ``None``.
     """
 
+    steps_together = True  # one stream per session: a loader runs one pass at a time
+
     def __init__(
         self,
         dataset: Any,
