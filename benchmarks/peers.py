@@ -21,7 +21,8 @@ On each store one job of 2 ranks runs per layout (``--layouts``): ``whole`` samp
 ``blocks`` (``spatial={"parts": (2, 1, 1), "halo": (1, 1, 1)}``: both ranks get the same
 samples, each one half-block with its halo). Rank k is a separate client process streaming
 from service k (for ``local``, both from the one service): ``DataStoreLoader(DIR/node{node}/src,
-global_batch_size=2B, rank=k, world=2, seed=0, spatial=..., address=SOCK, transport="shm")``,
+global_batch_size=2B, rank=k, world=2, seed=0, spatial=...,
+service=ServiceOptions(SOCK, transport="shm"))``,
 B = ``--batch`` (default 4). Each client runs one untimed warm-up epoch (which makes the
 dataset resident; the benchmark then waits until no service is still loading), then both
 start together and run ``--epochs`` E (default 10) epochs, touching one element of each batch.
@@ -306,19 +307,18 @@ def client(spec: str) -> int:
     timed epochs as one JSON line; its session stays open until ``next``."""
     import torch  # noqa: F401 (imports happen before any clock starts)
 
-    from datastore import DataStoreLoader
+    from datastore import DataStoreLoader, ServiceOptions
 
     c = json.loads(spec)
     for layout in c["layouts"]:
         loader = DataStoreLoader(
             c["path"],
             global_batch_size=c["global_batch"],
-            address=c["socket"],
             rank=c["rank"],
             world=2,
             seed=0,
             spatial=LAYOUTS[layout],
-            transport="shm",
+            service=ServiceOptions(c["socket"], transport="shm"),
         )
 
         def epoch(loader: Any = loader) -> tuple[int, int]:
