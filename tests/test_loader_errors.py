@@ -16,6 +16,7 @@ import pytest
 from datastore import DataStoreLoader, describe_dataset
 from datastore.errors import DatasetNotFound, DataStoreError, PathNotAllowed, ServiceUnavailable
 from datastore.service.client import Client
+from datastore.sources.describe import hold_datasets
 from datastore.sources.options import ServiceOptions
 from tests.test_service_basic import Server, wait_serving
 from tests.test_service_stream import assert_same, batches
@@ -171,3 +172,14 @@ def test_describe_dataset_is_the_same_in_both_modes_and_names_the_missing_one(al
             describe_dataset(str(root / "nope.h5"), service, timeout=30)
     with pytest.raises(TypeError, match=r"service= takes ServiceOptions\(...\) or None"):
         describe_dataset(path, str(sock))
+
+
+def test_hold_datasets_makes_them_resident_and_names_the_missing_one(allowed):
+    root, _, sock = allowed
+    path = str(root / "e.h5")
+    hold_datasets([path], ServiceOptions(str(sock)), timeout=30)
+    with Client(sock, timeout_s=10) as c:
+        held = {d.path: d for d in c.status().datasets}
+    assert not held[path].loading and held[path].bytes_resident == held[path].bytes_total == 48
+    with pytest.raises(DatasetNotFound, match=r"nope\.h5"):
+        hold_datasets([str(root / "nope.h5")], ServiceOptions(str(sock)), timeout=30)

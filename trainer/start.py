@@ -30,7 +30,7 @@ import torch.distributed as dist
 from datastore.agree import Collective, agree
 from datastore.errors import DataStoreError
 from datastore.memory import available_memory
-from datastore.sources.describe import describe_dataset
+from datastore.sources.describe import describe_dataset, hold_datasets
 from datastore.sources.options import ServiceOptions
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
 from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint
@@ -310,12 +310,8 @@ def make_resident(
     Raises:
         ValueError: the service's refusal (not running, a path outside its roots, ...).
     """
-    from datastore.service.client import Client
-
     try:
-        with Client(address, token=token, timeout_s=timeout) as client:
-            for path in paths:
-                client.load(os.path.abspath(path), wait=True)
+        hold_datasets(paths, ServiceOptions(address, token=token), timeout=timeout)
     except DataStoreError as exc:
         raise ValueError(f"config key 'data_address': {exc}") from None
 

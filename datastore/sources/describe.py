@@ -1,4 +1,5 @@
-"""What a loader would see of a dataset, in either mode, without making a loader."""
+"""What a loader would see of a dataset, in either mode, without making a loader; and a
+service asked to hold datasets before the loaders come."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from datastore.readers import open_dataset
 from datastore.readers.base import FieldInfo
 from datastore.sources.options import ServiceOptions, check_options
 
-__all__ = ["describe_dataset"]
+__all__ = ["describe_dataset", "hold_datasets"]
 
 
 def describe_dataset(
@@ -49,3 +50,23 @@ def describe_dataset(
         service.address, token=service.token, timeout_s=timeout, tls_ca=service.tls_ca
     ) as client:
         return client.describe(os.path.abspath(os.fspath(dataset)))
+
+
+def hold_datasets(paths: Any, service: ServiceOptions, *, timeout: float = 300.0) -> None:
+    """Ask ``service`` to hold the datasets at ``paths`` in memory and wait until they are (at
+    most ``timeout`` seconds each): loaders that then open sessions start on memory, and each
+    sample is read from disk once. The first caller starts a load; the others wait for it.
+
+    Raises:
+        DatasetNotFound, PathNotAllowed, ServiceUnavailable: see ``datastore.errors``.
+    """
+    check_options("service", service, ServiceOptions)
+    if service is None:
+        raise ValueError("hold_datasets needs service=ServiceOptions(address)")
+    from datastore.service.client import Client
+
+    with Client(
+        service.address, token=service.token, timeout_s=timeout, tls_ca=service.tls_ca
+    ) as client:
+        for path in paths:
+            client.load(os.path.abspath(os.fspath(path)), wait=True)
