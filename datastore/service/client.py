@@ -1,8 +1,8 @@
 """Channels to ``datastore serve``, the calls the CLI makes, and the batch stream a loader reads.
 
-``DataStoreLoader(..., address=...)`` draws its batches through :class:`RemoteBatches`
-(``datastore.sources.service``); gRPC errors reach users as ``datastore.errors`` types
-(:func:`raise_for`).
+``DataStoreLoader(..., service=ServiceOptions(address=...))`` draws its batches through
+:class:`RemoteBatches` (``datastore.sources.service``); gRPC errors reach users as
+``datastore.errors`` types (:func:`raise_for`).
 """
 
 from __future__ import annotations
