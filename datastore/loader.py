@@ -52,6 +52,7 @@ from datastore.sources.options import (
     ServiceOptions,
     StoreOptions,
     check_options,
+    moved_keywords,
     service_of,
 )
 from datastore.store import Counters, SlotSpec, Store
@@ -247,7 +248,10 @@ class DataStoreLoader(EpochPosition):
         store: StoreOptions | None = None,
         exchange: ExchangeOptions | None = None,
         service: ServiceOptions | None = None,
+        **moved: Any,
     ):
+        if moved:  # a keyword of before the settings objects: say where it went
+            raise TypeError(moved_keywords(sorted(moved)))
         check_options("store", store, StoreOptions)
         check_options("exchange", exchange, ExchangeOptions)
         check_options("service", service, ServiceOptions)

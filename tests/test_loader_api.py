@@ -100,6 +100,14 @@ def test_bad_device_and_threads_are_named(h5):
         ({"store": {"preload": False}}, TypeError, r"store= takes StoreOptions\(...\) or None"),
         ({"exchange": False}, TypeError, r"exchange= takes ExchangeOptions\(...\) or None"),
         ({"service": "unix:///s"}, TypeError, r"service= takes ServiceOptions\(...\) or None"),
+        # keywords of before the settings objects say where they went
+        ({"address": "unix:///s"}, TypeError, r"address= is now service=ServiceOptions\(addr"),
+        (
+            {"preload": False, "comm": None, "bogus": 1},
+            TypeError,
+            r"^DataStoreLoader: bogus= is not an argument; comm= is now "
+            r"exchange=ExchangeOptions\(comm=...\); preload= is now store=StoreOptions\(preload",
+        ),
     ],
 )
 def test_careless_arguments_are_named_when_made(h5, kw, error, message):

@@ -17,7 +17,10 @@ from typing import Any
 from datastore.memory import parse_size
 from datastore.service.paths import named_address
 
-__all__ = ["ExchangeOptions", "ServiceOptions", "StoreOptions", "check_options", "service_of"]
+__all__ = [
+    "ExchangeOptions", "ServiceOptions", "StoreOptions", "check_options", "moved_keywords",
+    "service_of",
+]  # fmt: skip
 
 
 def _flag(owner: str, name: str, value: Any, none: bool = False) -> None:
@@ -137,3 +140,26 @@ def check_options(name: str, value: Any, cls: type) -> None:
     """Refuse, naming the argument, a settings object of the wrong class."""
     if value is not None and not isinstance(value, cls):
         raise TypeError(f"{name}= takes {cls.__name__}(...) or None, got {value!r}")
+
+
+# the keywords DataStoreLoader took before its settings objects (issue 24), and their new home
+MOVED = {
+    **{k: ("store", StoreOptions) for k in ("preload", "memory_budget", "spill_dir")},
+    **{k: ("exchange", ExchangeOptions) for k in ("comm", "group")},
+    **{
+        k: ("service", ServiceOptions)
+        for k in ("address", "token", "transport", "job_id", "tls_ca")
+    },
+}
+
+
+def moved_keywords(names: list[str]) -> str:
+    """Why ``DataStoreLoader`` refuses these keywords: where each moved, or that it is unknown."""
+    parts = []
+    for name in names:
+        if name in MOVED:
+            arg, cls = MOVED[name]
+            parts.append(f"{name}= is now {arg}={cls.__name__}({name}=...)")
+        else:
+            parts.append(f"{name}= is not an argument")
+    return "DataStoreLoader: " + "; ".join(parts)
