@@ -1,9 +1,10 @@
 """Shared test helpers: source trees, archives and DEST snapshots for the ``datastore stage``
-tests; a ``datastore serve`` for the trainer tests."""
+tests; a ``datastore serve`` for the trainer tests; the environment and launch of test jobs."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import stat
@@ -21,6 +22,7 @@ from staging.cluster import LAUNCH_ENV
 from staging.launcher import is_open_mpi
 
 META = ".datastore"
+ROOT = Path(__file__).parent.parent  # the repository
 
 # DATASTORE_TEST_MPIEXEC (`make test-openmpi`: Open MPI's), else the venv's (pip's mpich), else
 # the one on PATH
@@ -265,3 +267,27 @@ def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def job_env() -> dict[str, str]:
+    """This environment for a child job: no MPI launcher variables, the repository first on
+    ``PYTHONPATH``, one OpenMP thread."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+def mpi_job(n: int, job: Path, *args: str | os.PathLike) -> list[str]:
+    """The command running ``python -m mpi4py JOB ARGS`` on ``n`` ``mpiexec`` ranks."""
+    return [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(job), *map(str, args)]
+
+
+def run_job(cmd: list[str], out: Path, timeout: float = 300) -> dict:
+    """Run ``cmd`` in ``job_env()``; it must exit 0 (the assertion shows its output). Returns
+    the JSON it wrote to ``out``."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(Path(out).read_text())
