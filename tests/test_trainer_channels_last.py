@@ -7,36 +7,20 @@ buffers and blocks, and the convolution sliced and concatenated pieces of mixed 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import MPIEXEC
-
-from staging.cluster import LAUNCH_ENV
+from helpers import mpi_job, run_job
 
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
 
 JOBS = Path(__file__).parent / "trainer_jobs"
-ROOT = Path(__file__).parent.parent
-ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-ENV.update(
-    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    OMP_NUM_THREADS="1",
-)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("channels_last") / "out.json"
-    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py"]
-    cmd += [str(JOBS / "channels_last_job.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())
+    return run_job(mpi_job(4, JOBS / "channels_last_job.py", out), out, timeout=180)
 
 
 def cases(results: dict, prefix: str, dtype: str) -> dict:

@@ -5,16 +5,14 @@ following the one-rank run, and Lion Cub's exact resume there. Skipped without C
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC
+from helpers import MPIEXEC, job_env
 
-from staging.cluster import LAUNCH_ENV
 from trainer.cosmology import write_split
 
 pytestmark = [
@@ -22,12 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ROOT = Path(__file__).parent.parent
-ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-ENV.update(
-    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    OMP_NUM_THREADS="1",
-)
+ENV = job_env()
 
 
 @pytest.fixture(scope="module")

@@ -4,36 +4,20 @@ gradients (BatchNorm over the world), over two SGD steps, in float64."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC
-
-from staging.cluster import LAUNCH_ENV
+from helpers import mpi_job, run_job
 
 pytestmark = pytest.mark.mpi
 
 JOBS = Path(__file__).parent / "trainer_jobs"
-ROOT = Path(__file__).parent.parent
-ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-ENV.update(
-    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    OMP_NUM_THREADS="1",
-)
 TOL = 1e-5
 
 
-def run_job(n: int, out: Path, device: str = "cpu") -> dict:
-    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py"]
-    cmd += [str(JOBS / "dist_model_job.py"), str(out), device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())
+def run_models(n: int, out: Path, device: str = "cpu") -> dict:
+    return run_job(mpi_job(n, JOBS / "dist_model_job.py", out, device), out)
 
 
 def check(results: dict) -> None:
@@ -45,7 +29,7 @@ def check(results: dict) -> None:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_dist_layers_equal_single_process(n, tmp_path):
-    results = run_job(n, tmp_path / "out.json")
+    results = run_models(n, tmp_path / "out.json")
     want = {
         2: ["parts=(2, 1, 1), data=1"],
         4: ["parts=(2, 1, 1), data=2", "parts=(2, 2, 1), data=1"],
@@ -61,7 +45,7 @@ def test_dist_layers_on_cuda_equal_single_process(n, tmp_path):
     """The same on the GPU: every rank on GPU 0 over gloo (halos, BatchNorm sums, the gathered
     flatten and the gradient buckets staged through pinned host memory); splits along 1, 2 and
     3 axes and a 2 data x 2 spatial world."""
-    results = run_job(n, tmp_path / "out.json", "cuda:0")
+    results = run_models(n, tmp_path / "out.json", "cuda:0")
     want = {
         2: ["parts=(1, 1, 2), data=1", "parts=(2, 1, 1), data=1"],
         4: ["parts=(2, 1, 1), data=2", "parts=(2, 2, 1), data=1"],

@@ -10,28 +10,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC
+from helpers import mpi_job, run_job
 
-from staging.cluster import LAUNCH_ENV
 from trainer.config import ConfigError, TrainConfig
 from trainer.cosmology import write_split
 from trainer.start import start
 from trainer.train import Trainer, fit, timed_batches
 
 JOBS = Path(__file__).parent / "trainer_jobs"
-ROOT = Path(__file__).parent.parent
-ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-ENV.update(
-    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    OMP_NUM_THREADS="1",
-)
 
 sys.path.insert(0, str(JOBS))
 from host_sync_job import ScalarReads  # noqa: E402
@@ -51,12 +42,6 @@ def noisy(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("cosmo16")
     write_split(out, 16, 4, 16, seed=0, noise=0.3)
     return str(out)
-
-
-def run_job(cmd: list[str], out: Path) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())
 
 
 def test_a_step_reads_nothing_from_its_tensors(tiny):
@@ -80,8 +65,8 @@ def test_grid_steps_read_nothing_from_their_tensors(noisy, tmp_path):
     """2 ranks, a 2-way split over gloo: halo exchanges, ``gather_flatten`` (CosmoFlow),
     ``DistBatchNorm3d`` (U-Net), the gradient reducer and the loss summed over the world."""
     out = tmp_path / "out.json"
-    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(JOBS / "host_sync_job.py")]
-    results = run_job([*cmd, str(out), noisy, "cpu", "sgd", "2,1,1"], out)
+    cmd = mpi_job(2, JOBS / "host_sync_job.py", out, noisy, "cpu", "sgd", "2,1,1")
+    results = run_job(cmd, out)
     for model, r in results.items():
         assert r["error"] is None and r["reads"] == [], (model, r)
         assert len(r["losses"]) == 4 and all(map(math.isfinite, r["losses"])), (model, r)
