@@ -285,6 +285,17 @@ def mpi_job(n: int, job: Path, *args: str | os.PathLike) -> list[str]:
     return [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(job), *map(str, args)]
 
 
+def rank_rows(
+    cmd: list[str], prefix: str, world: int, env: dict[str, str] | None = None
+) -> list[dict]:
+    """Run ``cmd``, a launch of ``world`` ranks that each write ``PREFIX.RANK.json``; it must exit
+    0 within 120 s (a hang fails here; the assertion shows the end of its stderr). Returns every
+    rank's row, in rank order."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(Path(f"{prefix}.{rank}.json").read_text()) for rank in range(world)]
+
+
 def run_job(cmd: list[str], out: Path, timeout: float = 300) -> dict:
     """Run ``cmd`` in ``job_env()``; it must exit 0 (the assertion shows its output). Returns
     the JSON it wrote to ``out``."""

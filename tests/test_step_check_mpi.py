@@ -5,13 +5,11 @@ and, when a rank is absent, a timeout naming it."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
-from helpers import MPIEXEC
+from helpers import MPIEXEC, rank_rows
 
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "step_check_job.py")
 SHORT = 2.0  # the job's timeout for the absent rank's case
@@ -25,13 +23,7 @@ def ranks(request, tmp_path_factory):
     size = request.param
     out = str(tmp_path_factory.mktemp(f"check{size}") / "row")
     cmd = [MPIEXEC, "-n", str(size), sys.executable, "-m", "mpi4py", JOB, out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # a hang fails here
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = []
-    for rank in range(size):
-        with open(f"{out}.{rank}.json") as f:
-            rows.append(json.load(f))
-    return rows
+    return rank_rows(cmd, out, size)
 
 
 def test_the_reduction_is_the_maximum_on_every_rank(ranks):

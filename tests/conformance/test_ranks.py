@@ -6,14 +6,12 @@ compared per pass: counts, coverage, duplicates and padding, and what a resumpti
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 from collections import Counter
 
 import pytest
-from helpers import MPIEXEC
+from helpers import MPIEXEC, rank_rows
 
 from conformance.common import HERE, PYTHON, write_dataset
 from staging.cluster import LAUNCH_ENV
@@ -36,15 +34,7 @@ def launch(mode: str, out: str, data: tuple[str, str]) -> list[dict]:
         cmd = [MPIEXEC, "-n", str(WORLD), PYTHON, "-m", "mpi4py"]
     else:
         cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(WORLD)]
-    proc = subprocess.run(
-        [*cmd, JOB, mode, out, *data], env=env, timeout=120, capture_output=True, text=True
-    )  # a hang fails here
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = []
-    for rank in range(WORLD):
-        with open(f"{out}.{mode}.{rank}.json") as f:
-            rows.append(json.load(f))
-    return rows
+    return rank_rows([*cmd, JOB, mode, out, *data], f"{out}.{mode}", WORLD, env)
 
 
 @pytest.fixture(
