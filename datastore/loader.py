@@ -33,15 +33,14 @@ from datastore.delivery import (
     Delivered,
     Gather,
     chosen_fields,
-    delivered_fields,
     parse_spatial,
-    spatial_grid,
 )
 from datastore.device import DeviceStage, parse_device
 from datastore.errors import ExchangeTimeout, InsufficientMemory
 from datastore.memory import available_memory
-from datastore.order import EpochPosition, RankLayout, Schedule, parse_shuffle, rank_layout
-from datastore.ownership import Homes, RangeOwners, RunOwners, owned_keys
+from datastore.order import EpochPosition, RankLayout, parse_shuffle
+from datastore.ownership import RangeOwners, RunOwners, owned_keys
+from datastore.rank_view import RankView, rank_view
 from datastore.readers import open_dataset
 from datastore.ring import BufferRing, can_pin, staging_pinned
 from datastore.shards import shard_layout
@@ -397,30 +396,27 @@ class DataStoreLoader(EpochPosition):
             dist.destroy_process_group(coll.group)
         self._unchecked = None
 
-    def _layout(
-        self, info: dict[str, Any], owner: RunOwners | None
-    ) -> tuple[Any, RankLayout, Schedule]:
+    def _view(self, info: dict[str, Any], owner: RunOwners | None) -> RankView:
         o = self.options
-        grid = spatial_grid(info, o.spatial)
-        blocks = grid.nblocks if grid is not None else 1
-        layout = rank_layout(self.world.rank, self.world.size, blocks)
-        gb = o.global_batch_size or o.batch_size * layout.data_world  # type: ignore[operator]
-        homes = None
-        if o.shuffle == "shard" or o.shuffle.startswith("window"):  # each data rank its own
-            homes = (
-                Homes(owner, layout.data_world, blocks)
-                if owner is not None
-                else Homes.contiguous(len(self.reader), layout.data_world)
-            )
-        tail = "pad" if not o.drop_last else "drop"
-        schedule = Schedule(len(self.reader), gb, o.seed, o.shuffle, tail, homes)
-        schedule.local_batch(layout.data_world)
+        view = rank_view(
+            info,
+            len(self.reader),
+            rank=self.world.rank,
+            world=self.world.size,
+            batch_size=o.batch_size,
+            global_batch_size=o.global_batch_size,
+            seed=o.seed,
+            shuffle=o.shuffle,
+            drop_last=o.drop_last,
+            spatial=o.spatial,
+            owner=owner,
+        )
         if not o.drop_last and VALID in info:
             raise ValueError(
                 f"the dataset has a field named {VALID!r}, the key of the padding mask with "
                 "drop_last=False: leave it out with fields=[...] or use drop_last=True"
             )
-        return grid, layout, schedule
+        return view
 
     def _open_embedded(self, dataset: Any, reader: Any) -> EmbeddedSource:
         """The store of this process (local reads, or an exchange over ``self._coll``)."""
@@ -438,10 +434,10 @@ class DataStoreLoader(EpochPosition):
             if not len(self.reader):
                 raise ValueError(f"{reader.location}: the dataset has no samples")
             info = chosen_fields(self.reader.fields, o.fields)  # fields=[] refused earlier
-            grid, layout, schedule = self._layout(info, owner)
-            blocks = grid.nblocks if grid is not None else 1
-            by_block = {k: delivered_fields(info, grid, k) for k in range(blocks)}
-            mine = by_block[layout.spatial_rank]
+            view = self._view(info, owner)
+            grid, layout, schedule = view.grid, view.layout, view.schedule
+            by_block = {k: list(f) for k, f in enumerate(view.by_block)}
+            mine = view.fields
             if owner is not None:
                 keys = owned_keys(owner, self.world.rank)
                 per_key = sum(
@@ -460,7 +456,7 @@ class DataStoreLoader(EpochPosition):
         self._agree({"dataset": f"{len(self.reader)} samples, fields {signature}"}, error)
         self.grid, self.layout, self.schedule = grid, layout, schedule
         self.fields: list[Delivered] = mine
-        self.batch_size = schedule.local_batch(layout.data_world)
+        self.batch_size = view.local_batch
         if owner is None:
             local = LocalSource(self.reader, mine, o.memory_budget, o.spill_dir, self.gather, keys)
             sched, d, w = schedule, layout.data_rank, layout.data_world
