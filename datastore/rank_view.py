@@ -55,14 +55,14 @@ def global_batch(
 ) -> int:
     """The samples per step over all data ranks: ``global_batch_size``, or ``batch_size``
     per data rank (``world`` over the blocks of ``spatial``)."""
-    if global_batch_size is not None:
-        return int(global_batch_size)
-    if batch_size is None:
-        raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
     parts = parse_spatial(spatial)
     blocks = math.prod(parts["parts"]) if parts else 1
-    if blocks < 1 or world % blocks:
+    if world % blocks:
         raise ValueError(f"world size {world} is not a multiple of {blocks} spatial blocks")
+    if (batch_size is None) == (global_batch_size is None):
+        raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
+    if global_batch_size is not None:
+        return int(global_batch_size)
     return int(batch_size) * (world // blocks)
 
 

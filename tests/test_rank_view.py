@@ -148,6 +148,7 @@ def test_shard_homes_follow_the_owners():
         ({"world": 2, "global_batch_size": 20, "drop_last": True}, "exceeds the 10 samples"),
         ({"world": 1, "global_batch_size": 2, "shuffle": "sideways"}, "shuffle must be"),
         ({"world": 1}, "give exactly one of batch_size"),
+        ({"world": 1, "batch_size": 1, "global_batch_size": 1}, "give exactly one"),
         ({"world": 2, "batch_size": 1, "spatial": {"parts": (1, 1, 2)}}, "has 3 axes"),
     ],
 )

@@ -25,7 +25,6 @@ it (the service frees what it filled).
 from __future__ import annotations
 
 import collections
-import math
 import os
 import threading
 from collections.abc import Iterator
@@ -36,8 +35,8 @@ import grpc
 import numpy as np
 import torch
 
-from datastore.delivery import Gather, delivered_fields, spatial_grid
-from datastore.order import Schedule, rank_layout
+from datastore.delivery import Gather
+from datastore.rank_view import global_batch, rank_view
 from datastore.readers.base import FieldInfo
 from datastore.ring import Buffer, BufferRing
 from datastore.store import Counters
@@ -98,9 +97,7 @@ class ServiceSource:
         self._copies_on = copies_on
         self.rank, self.world_size = world.rank, world.size
         spatial = options.spatial
-        blocks = math.prod(spatial["parts"]) if spatial else 1
-        self.layout = rank_layout(self.rank, self.world_size, blocks)
-        gb = options.global_batch_size or options.batch_size * self.layout.data_world
+        gb = global_batch(options.batch_size, options.global_batch_size, self.world_size, spatial)
         self.transport = TRANSPORTS[transport]
         self.address = address
         self.target = target_of(address)
@@ -138,11 +135,19 @@ class ServiceSource:
             f.name: FieldInfo(f.name, np.dtype(f.dtype), tuple(f.shape), tuple(f.spatial_axes))
             for f in reply.fields
         }
-        self.grid = spatial_grid(info, spatial)
-        self.fields = delivered_fields(info, self.grid, self.layout.spatial_rank)
-        tail = "drop" if options.drop_last else "pad"
-        self.schedule = Schedule(int(reply.num_samples), gb, options.seed, options.shuffle, tail)
-        self.batch_size = self.schedule.local_batch(self.layout.data_world)
+        view = rank_view(
+            info,
+            int(reply.num_samples),
+            rank=self.rank,
+            world=self.world_size,
+            global_batch_size=gb,
+            seed=options.seed,
+            shuffle=options.shuffle,
+            drop_last=options.drop_last,
+            spatial=spatial,
+        )
+        self.grid, self.layout, self.schedule = view.grid, view.layout, view.schedule
+        self.fields, self.batch_size = view.fields, view.local_batch
         self._kept: collections.deque[tuple[Buffer, int]] = collections.deque()
         # regions kept (queued ahead, and the consumer's) before batches are copied instead
         self.hold = options.prefetch + 2
