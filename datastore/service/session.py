@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import Delivered, Gather, chosen_fields, delivered_fields, spatial_grid
-from datastore.order import Schedule, rank_layout
-from datastore.partition import Grid
+from datastore.delivery import Gather, chosen_fields
+from datastore.order import Schedule
+from datastore.rank_view import RankView, rank_view
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.paths import shown
@@ -59,9 +59,7 @@ class Session:
     session_id: str
     request: Any  # the OpenSessionRequest
     resident: Resident
-    schedule: Schedule
-    world: int
-    grid: Grid | None
+    view: RankView  # rank 0's; :meth:`RankView.of_rank` gives the others'
     info: dict[str, Any]  # {field: FieldInfo} delivered
     spatial: dict[str, Any] | None
     opened_unix_s: float = field(default_factory=time.time)
@@ -77,11 +75,12 @@ class Session:
     residency: Any = None  # counts the shared-memory rings in the memory budget
 
     @property
-    def blocks(self) -> int:
-        return self.grid.nblocks if self.grid is not None else 1
+    def schedule(self) -> Schedule:
+        return self.view.schedule
 
-    def fields_of(self, block: int) -> list[Delivered]:
-        return delivered_fields(self.info, self.grid, block)
+    @property
+    def world(self) -> int:
+        return self.view.layout.world
 
     def field_infos(self) -> list[Any]:
         return [
@@ -104,14 +103,15 @@ class Session:
         if r.prefetch > MAX_PREFETCH:
             raise ServiceError("INVALID_ARGUMENT", f"prefetch {r.prefetch} above {MAX_PREFETCH}")
         end = steps if r.max_batches == 0 else min(steps, r.start_step + r.max_batches)
-        lay = rank_layout(r.rank, self.world, self.blocks)
+        view = self.view.of_rank(int(r.rank))
+        lay = view.layout
         epoch = int(r.epoch)
         sched = self.schedule
 
         def plan(step: int) -> np.ndarray:
             return sched.rank_samples(epoch, step, lay.data_rank, lay.data_world)
 
-        fields = self.fields_of(lay.spatial_rank)
+        fields = view.fields
 
         def fetch(samples: np.ndarray) -> dict[tuple[int, str], np.ndarray]:
             return self.resident.fetch(samples, fields, self.spatial, lay.spatial_rank)
@@ -127,7 +127,7 @@ class Session:
                 # prefetch ahead, one is in flight
                 prefetch = int(r.prefetch) or 2
                 nslots = prefetch + (prefetch + 2 if shared_memory else 1)
-                batch = sched.local_batch(lay.data_world)
+                batch = view.local_batch
                 ring_bytes = nslots * batch * sum(f.nbytes for f in fields) if shared_memory else 0
                 if ring_bytes and self.residency is not None:
                     self.residency.reserve_ring(ring_bytes)
@@ -283,14 +283,20 @@ class Sessions:
             )
         try:
             info = chosen_fields(resident.reader.fields, list(r.fields), shown)
-            grid = spatial_grid(info, spatial)
-            tail = "drop" if r.drop_last else "pad"
-            schedule = Schedule(len(resident.reader), r.global_batch, r.seed, r.shuffle, tail)
-            blocks = grid.nblocks if grid is not None else 1
-            schedule.local_batch(world // blocks)
+            view = rank_view(
+                info,
+                len(resident.reader),
+                rank=0,
+                world=world,
+                global_batch_size=r.global_batch,
+                seed=r.seed,
+                shuffle=r.shuffle,
+                drop_last=r.drop_last,
+                spatial=spatial,
+            )
         except (ValueError, TypeError) as exc:
             raise ServiceError("INVALID_ARGUMENT", str(exc)) from exc
-        session = Session(uuid.uuid4().hex, r, resident, schedule, world, grid, info, spatial)
+        session = Session(uuid.uuid4().hex, r, resident, view, info, spatial)
         session.gather, session.residency = self.gather, self.residency
         return session
 
