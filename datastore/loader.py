@@ -297,11 +297,6 @@ class DataStoreLoader(EpochPosition):
                     "store= is for the embedded store: with service=, the service holds the "
                     "dataset (its memory is set by datastore serve)"
                 )
-            if remote and self.options.shuffle not in ("global", "none"):
-                raise ValueError(
-                    f"shuffle={self.options.shuffle!r} is for the embedded store: a "
-                    "service's sessions shuffle globally (True) or not at all (False)"
-                )
         except (ValueError, TypeError) as exc:
             error = exc
         self._broken: str | None = None

@@ -646,7 +646,7 @@ def recommend(
     return home, [
         why_not,
         cost,
-        "shuffle='shard' (embedded loader; a service shuffles globally or not at all) moves "
+        "shuffle='shard' (embedded loader: its homes are the nodes' shards) moves "
         f"{human_bytes(home.exchange_bytes)} a rank a step between nodes, but each data rank "
         f"draws only from {home.draws_from}: check the mixing (benchmarks/shuffle.py)",
         times,

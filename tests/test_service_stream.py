@@ -293,8 +293,12 @@ def test_refusals_and_the_server_keeps_serving(served, tmp_path):
             spatial=pb.SpatialLayout(parts=[2, 1, 1]),
         )
         assert code(lambda: open_(odd, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+        sideways = pb.OpenSessionRequest(
+            dataset_path=str(path), global_batch=4, shuffle_mode="sideways"
+        )
+        assert code(lambda: open_(sideways, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
         ok = open_(pb.OpenSessionRequest(dataset_path=str(path), global_batch=4), timeout=10)
-        assert ok.num_samples == 24 and ok.steps_per_epoch == 6
+        assert ok.num_samples == 24 and ok.steps_per_epoch == 6 and ok.shuffle == "none"
         assert {f.name for f in ok.fields} == {"x", "idx"}
         bad_rank = pb.StreamBatchesRequest(session_id=ok.session_id, rank=1)
         got = code(lambda: list(ds.StreamBatches(iter([bad_rank]), timeout=10)))

@@ -201,3 +201,49 @@ def test_the_local_source_holds_only_its_home_with_shard(tmp_path):
             seen += got
             assert loader.store.counters.bytes_read == 12 * 3 * 4  # its 12 samples, once
     assert sorted(seen) == list(range(24))
+
+
+@pytest.mark.parametrize(("shuffle", "drop_last"), [("shard", True), ("window:3", False)])
+def test_shard_and_window_shuffles_through_the_service_are_the_embedded_order(
+    tmp_path, shuffle, drop_last
+):
+    """``datastore serve`` gives each rank of two exactly the batches (and padding masks) the
+    embedded loader gives it with ``shard`` and ``window:K``, over two epochs."""
+    import os
+
+    import h5py
+    from helpers import serving
+
+    from datastore.sources.options import ServiceOptions
+    from staging.cluster import LAUNCH_ENV
+
+    x = np.arange(27 * 2, dtype=np.float32).reshape(27, 2)  # homes of 14 and 13 samples
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["x"] = x
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+
+    def passes(**kw) -> list:
+        out = []
+        for rank in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # two ranks, no exchange: known
+                loader = DataStoreLoader(
+                    str(tmp_path / "d.h5"), batch_size=4, rank=rank, world=2, seed=5,
+                    shuffle=shuffle, drop_last=drop_last, **kw,
+                )  # fmt: skip
+            with loader:
+                for e in (0, 1):
+                    loader.set_epoch(e)
+                    for b in loader:
+                        valid = b["valid"].tolist() if "valid" in b else None
+                        out.append((rank, e, (b["x"][:, 0] // 2).int().tolist(), valid))
+        return out
+
+    embedded = passes()
+    with serving(tmp_path, env) as sock:
+        remote = passes(service=ServiceOptions(str(sock)))
+    assert remote == embedded
+    homes = ({*range(14)}, {*range(14, 27)})
+    assert all(set(ids) <= homes[rank] for rank, _, ids, _ in embedded)
+    assert len(embedded) == (2 * 2 * 3 if drop_last else 2 * 2 * 4)

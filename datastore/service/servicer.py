@@ -154,6 +154,7 @@ class Servicer(pb_grpc.DataStoreServicer):
             num_samples=s.resident.num_samples,
             steps_per_epoch=s.schedule.steps_per_epoch,
             fields=s.field_infos(),
+            shuffle=s.schedule.shuffle,
         )
 
     def _shared_memory(self, request: Any, context: grpc.ServicerContext) -> bool:

@@ -290,7 +290,7 @@ class Sessions:
                 world=world,
                 global_batch_size=r.global_batch,
                 seed=r.seed,
-                shuffle=r.shuffle,
+                shuffle=r.shuffle_mode or r.shuffle,
                 drop_last=r.drop_last,
                 spatial=spatial,
             )

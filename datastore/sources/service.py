@@ -123,6 +123,7 @@ class ServiceSource:
             world_size=self.world_size,
             spatial=layout,
             shuffle=options.shuffle == "global",
+            shuffle_mode="" if options.shuffle in ("global", "none") else options.shuffle,
             drop_last=options.drop_last,
             job_id=job_id or job_identity(),
             fields=list(options.fields or ()),
@@ -135,6 +136,13 @@ class ServiceSource:
             f.name: FieldInfo(f.name, np.dtype(f.dtype), tuple(f.shape), tuple(f.spatial_axes))
             for f in reply.fields
         }
+        asked = options.shuffle
+        if reply.shuffle != asked and (reply.shuffle or asked not in ("global", "none")):
+            self.close()  # a service from before the shard and window shuffles
+            raise ValueError(
+                f"{address}: the session shuffles {reply.shuffle or 'globally or not at all'}, "
+                f"not shuffle={asked!r}: update datastore serve there"
+            )
         view = rank_view(
             info,
             int(reply.num_samples),

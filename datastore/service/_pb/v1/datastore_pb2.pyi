@@ -27,7 +27,7 @@ class SpatialLayout(_message.Message):
     def __init__(self, parts: _Optional[_Iterable[int]] = ..., halo: _Optional[_Iterable[int]] = ..., boundary: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("dataset_path", "seed", "global_batch", "world_size", "spatial", "shuffle", "drop_last", "job_id", "fields", "client")
+    __slots__ = ("dataset_path", "seed", "global_batch", "world_size", "spatial", "shuffle", "drop_last", "job_id", "fields", "client", "shuffle_mode")
     DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class OpenSessionRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_MODE_FIELD_NUMBER: _ClassVar[int]
     dataset_path: str
     seed: int
     global_batch: int
@@ -48,7 +49,8 @@ class OpenSessionRequest(_message.Message):
     job_id: str
     fields: _containers.RepeatedScalarFieldContainer[str]
     client: ClientProcess
-    def __init__(self, dataset_path: _Optional[str] = ..., seed: _Optional[int] = ..., global_batch: _Optional[int] = ..., world_size: _Optional[int] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., shuffle: _Optional[bool] = ..., drop_last: _Optional[bool] = ..., job_id: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., client: _Optional[_Union[ClientProcess, _Mapping]] = ...) -> None: ...
+    shuffle_mode: str
+    def __init__(self, dataset_path: _Optional[str] = ..., seed: _Optional[int] = ..., global_batch: _Optional[int] = ..., world_size: _Optional[int] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., shuffle: _Optional[bool] = ..., drop_last: _Optional[bool] = ..., job_id: _Optional[str] = ..., fields: _Optional[_Iterable[str]] = ..., client: _Optional[_Union[ClientProcess, _Mapping]] = ..., shuffle_mode: _Optional[str] = ...) -> None: ...
 
 class ClientProcess(_message.Message):
     __slots__ = ("pid", "start_ticks", "boot_id")
@@ -73,16 +75,18 @@ class FieldInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., spatial_axes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "num_samples", "steps_per_epoch", "fields")
+    __slots__ = ("session_id", "num_samples", "steps_per_epoch", "fields", "shuffle")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_samples: int
     steps_per_epoch: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldInfo]
-    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldInfo, _Mapping]]] = ...) -> None: ...
+    shuffle: str
+    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldInfo, _Mapping]]] = ..., shuffle: _Optional[str] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
     __slots__ = ("session_id", "rank", "epoch", "start_step", "max_batches", "transport", "prefetch", "done", "mapped", "held")
