@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import mpi_job, run_job
 
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
@@ -41,10 +42,12 @@ def test_halo_exchange_keeps_channels_last_exactly(results, dtype):
 def test_dist_conv3d_keeps_channels_last_in_float32(results):
     """Overlap on and off, stride 1 and 2. Outputs and weight and bias gradients are exact; the
     input gradient is torch's own CPU convolution backward, which rounds differently by layout
-    (a plain ``F.conv3d`` differs as much)."""
+    (a plain ``F.conv3d`` differs as much): within 16 float32 ulps of its largest value (seen:
+    7e-7 to 1.1e-6, with the kernels oneDNN picks under load)."""
+    ulp = torch.finfo(torch.float32).eps
     for key, r in cases(results, "conv", "float32").items():
         assert r["output"] == r["weight_grad"] == r["bias_grad"] == 0, (key, r)
-        assert r["input_grad"] < 1e-6, (key, r)
+        assert r["input_grad"] <= 16 * ulp * r["input_grad_scale"], (key, r)
         assert r["output_not_cl"] == 0 and r["input_grad_not_cl"] == 0, (key, r)
         assert r["conversions"] == [], key
         assert r["overlapped"] == ("overlap=True" in key), key

@@ -98,6 +98,7 @@ def compare(
     names = ["input_grad", "weight_grad", "bias_grad"][: len(got)]
     errs = {"output": float((cl_out - out).abs().max())}
     errs.update({n: float((a - b).abs().max()) for n, a, b in zip(names, got, want, strict=True)})
+    errs["input_grad_scale"] = float(want[0].abs().max())
     errs["output_not_cl"] = float(not cl_out.is_contiguous(memory_format=CL))
     errs["input_grad_not_cl"] = float(not got[0].is_contiguous(memory_format=CL))
     return errs, mode.seen
