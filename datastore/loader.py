@@ -431,8 +431,7 @@ class DataStoreLoader(EpochPosition):
             info = chosen_fields(self.reader.fields, o.fields)  # fields=[] refused earlier
             view = self._view(info, owner)
             grid, layout, schedule = view.grid, view.layout, view.schedule
-            by_block = {k: list(f) for k, f in enumerate(view.by_block)}
-            mine = view.fields
+            mine = list(view.fields)
             if owner is not None:
                 keys = owned_keys(owner, self.world.rank)
                 per_key = sum(
@@ -463,6 +462,7 @@ class DataStoreLoader(EpochPosition):
         else:
             specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in info.items()}
             store = Store(keys, specs, self._read_sample, o.memory_budget, o.spill_dir)
+            by_block = {k: view.fields_of(k) for k in range(layout.spatial_size)}
             ex = self._make_exchange(owner, layout, by_block, store)
             planned = Planned(schedule, owner, layout, keys, ex)
             source = EmbeddedSource(schedule, store, planned, ex, StepSync(self._coll, o.timeout))

@@ -29,25 +29,27 @@ class RankView:
         grid: the spatial grid (``None``: whole samples).
         layout: the rank's place in the data x spatial grid.
         schedule: the job's sample sequence (every rank's alike).
-        by_block: the delivered fields of each spatial block, by block.
+        fields: the fields this rank receives (its block's).
         local_batch: the samples this rank receives per step.
+        info: the delivered fields as found in the data (``{name: FieldInfo}``).
     """
 
     grid: Grid | None
     layout: RankLayout
     schedule: Schedule
-    by_block: tuple[tuple[Delivered, ...], ...]
+    fields: tuple[Delivered, ...]
     local_batch: int
+    info: Mapping[str, Any] = dataclasses.field(repr=False)
 
-    @property
-    def fields(self) -> list[Delivered]:
-        """The fields this rank receives."""
-        return list(self.by_block[self.layout.spatial_rank])
+    def fields_of(self, block: int) -> list[Delivered]:
+        """The fields spatial block ``block`` receives (computed on demand: a job may have
+        many blocks)."""
+        return delivered_fields(dict(self.info), self.grid, block)
 
     def of_rank(self, rank: int) -> RankView:
         """The same job's view from ``rank`` (``ValueError`` outside the world)."""
         lay = rank_layout(rank, self.layout.world, self.layout.spatial_size)
-        return dataclasses.replace(self, layout=lay)
+        return dataclasses.replace(self, layout=lay, fields=tuple(self.fields_of(lay.spatial_rank)))
 
 
 def global_batch(
@@ -100,5 +102,5 @@ def rank_view(
         )
     schedule = Schedule(num_samples, gb, seed, shuffle, "drop" if drop_last else "pad", homes)
     local = schedule.local_batch(layout.data_world)
-    by_block = tuple(tuple(delivered_fields(dict(info), grid, k)) for k in range(blocks))
-    return RankView(grid, layout, schedule, by_block, local)
+    fields = tuple(delivered_fields(dict(info), grid, layout.spatial_rank))
+    return RankView(grid, layout, schedule, fields, local, info)

@@ -50,8 +50,8 @@ def jobs(draw):
 
 def _same(a, b) -> bool:
     """Equal views (homes compared by their digest)."""
-    return (a.grid, a.layout, a.by_block, a.local_batch) == (
-        b.grid, b.layout, b.by_block, b.local_batch
+    return (a.grid, a.layout, a.fields, a.local_batch) == (
+        b.grid, b.layout, b.fields, b.local_batch
     ) and state(a.schedule, 0, 0) == state(b.schedule, 0, 0)  # fmt: skip
 
 
@@ -70,7 +70,7 @@ def test_ranks_share_one_schedule_and_split_each_step(job):
     assert first.local_batch * lay.data_world == job["global_batch_size"]
     for v in views:  # spatial-fastest: rank = data_rank * S + spatial_rank
         assert v.layout.data_rank * v.layout.spatial_size + v.layout.spatial_rank == v.layout.rank
-        assert v.fields == list(v.by_block[v.layout.spatial_rank])
+        assert list(v.fields) == v.fields_of(v.layout.spatial_rank)
         assert v.local_batch == first.local_batch
     sched, steps = first.schedule, first.schedule.steps_per_epoch
     assert steps >= 1
@@ -116,16 +116,15 @@ def test_of_rank_and_batch_size_give_the_same_view(job):
 def test_blocks_tile_each_spatial_field(job):
     v = _views(job)[0]
     parts = job["spatial"]["parts"] if job["spatial"] else (1, 1)
-    assert len(v.by_block) == math.prod(parts)
+    by_block = [v.fields_of(k) for k in range(math.prod(parts))]
     halo = job["spatial"]["halo"] if job["spatial"] else 0
-    for block in v.by_block:
-        x, y = block
+    for x, y in by_block:
         assert (y.shape, y.blocked) == ((3,), False)  # not spatial: whole, in every block
         assert x.shape[0] == 2 and x.sample_shape == (2, 8, 8)
     # along each spatial axis the blocks tile the volume, each padded by the (zero) halo
     for axis, p in zip((1, 2), parts, strict=True):
         step = math.prod(parts[axis:])  # blocks numbered last-axis-fastest
-        edges = [v.by_block[k * step][0] for k in range(p)]
+        edges = [by_block[k * step][0] for k in range(p)]
         assert sum(f.shape[axis] for f in edges) == 8 + 2 * halo * p
 
 

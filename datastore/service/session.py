@@ -111,7 +111,7 @@ class Session:
         def plan(step: int) -> np.ndarray:
             return sched.rank_samples(epoch, step, lay.data_rank, lay.data_world)
 
-        fields = view.fields
+        fields = list(view.fields)
 
         def fetch(samples: np.ndarray) -> dict[tuple[int, str], np.ndarray]:
             return self.resident.fetch(samples, fields, self.spatial, lay.spatial_rank)

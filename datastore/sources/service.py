@@ -155,7 +155,7 @@ class ServiceSource:
             spatial=spatial,
         )
         self.grid, self.layout, self.schedule = view.grid, view.layout, view.schedule
-        self.fields, self.batch_size = view.fields, view.local_batch
+        self.fields, self.batch_size = list(view.fields), view.local_batch
         self._kept: collections.deque[tuple[Buffer, int]] = collections.deque()
         # regions kept (queued ahead, and the consumer's) before batches are copied instead
         self.hold = options.prefetch + 2
