@@ -175,8 +175,8 @@ class DataStoreLoader(EpochPosition):
             hold, so no sample crosses between data ranks (the local source reads only its
             share). ``"window:K"``: the same samples read in shuffled windows of ``K``
             consecutive ones, shuffled within (a streaming loader's shuffle buffer).
-            ``"none"`` (or ``False``): storage order. ``"shard"`` and ``"window:K"`` are for
-            the embedded store. Default: ``True``.
+            ``"none"`` (or ``False``): storage order. Through ``service=`` each data rank's
+            share is its contiguous range of the dataset. Default: ``True``.
         drop_last: drop the last partial global batch, else pad it with the epoch's first
             samples and add ``batch["valid"]``, a bool tensor that is ``False`` for the
             padding repeats. Every rank gets the same number of batches. Default: ``True``.
