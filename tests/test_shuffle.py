@@ -203,12 +203,16 @@ def test_the_local_source_holds_only_its_home_with_shard(tmp_path):
     assert sorted(seen) == list(range(24))
 
 
-@pytest.mark.parametrize(("shuffle", "drop_last"), [("shard", True), ("window:3", False)])
+@pytest.mark.parametrize(
+    ("shuffle", "drop_last", "parts"),
+    [("shard", True, None), ("window:3", False, None), ("shard", False, (2, 1, 1))],
+)
 def test_shard_and_window_shuffles_through_the_service_are_the_embedded_order(
-    tmp_path, shuffle, drop_last
+    tmp_path, shuffle, drop_last, parts
 ):
-    """``datastore serve`` gives each rank of two exactly the batches (and padding masks) the
-    embedded loader gives it with ``shard`` and ``window:K``, over two epochs."""
+    """``datastore serve`` gives each rank of two data ranks (of two spatial blocks each with
+    ``parts``) exactly the batches (and padding masks) the embedded loader gives it with
+    ``shard`` and ``window:K``, over two epochs."""
     import os
 
     import h5py
@@ -217,7 +221,10 @@ def test_shard_and_window_shuffles_through_the_service_are_the_embedded_order(
     from datastore.sources.options import ServiceOptions
     from staging.cluster import LAUNCH_ENV
 
-    x = np.arange(27 * 2, dtype=np.float32).reshape(27, 2)  # homes of 14 and 13 samples
+    # every voxel of sample i is i; homes of 14 and 13 samples
+    x = np.broadcast_to(np.arange(27, dtype=np.float32)[:, None, None, None], (27, 2, 2, 2))
+    spatial = {"parts": parts} if parts else None
+    world = 4 if parts else 2
     with h5py.File(tmp_path / "d.h5", "w") as f:
         f["x"] = x
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
@@ -225,19 +232,20 @@ def test_shard_and_window_shuffles_through_the_service_are_the_embedded_order(
 
     def passes(**kw) -> list:
         out = []
-        for rank in range(2):
+        for rank in range(world):
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # two ranks, no exchange: known
+                warnings.simplefilter("ignore", UserWarning)  # ranks without exchange: known
                 loader = DataStoreLoader(
-                    str(tmp_path / "d.h5"), batch_size=4, rank=rank, world=2, seed=5,
-                    shuffle=shuffle, drop_last=drop_last, **kw,
+                    str(tmp_path / "d.h5"), batch_size=4, rank=rank, world=world, seed=5,
+                    shuffle=shuffle, drop_last=drop_last, spatial=spatial, **kw,
                 )  # fmt: skip
             with loader:
                 for e in (0, 1):
                     loader.set_epoch(e)
                     for b in loader:
                         valid = b["valid"].tolist() if "valid" in b else None
-                        out.append((rank, e, (b["x"][:, 0] // 2).int().tolist(), valid))
+                        ids = b["x"].reshape(len(b["x"]), -1)[:, 0].int().tolist()
+                        out.append((rank, e, tuple(b["x"].shape), ids, valid))
         return out
 
     embedded = passes()
@@ -245,5 +253,7 @@ def test_shard_and_window_shuffles_through_the_service_are_the_embedded_order(
         remote = passes(service=ServiceOptions(str(sock)))
     assert remote == embedded
     homes = ({*range(14)}, {*range(14, 27)})
-    assert all(set(ids) <= homes[rank] for rank, _, ids, _ in embedded)
-    assert len(embedded) == (2 * 2 * 3 if drop_last else 2 * 2 * 4)
+    data_rank = [r * 2 // world for r in range(world)]
+    assert all(set(ids) <= homes[data_rank[r]] for r, _, _, ids, _ in embedded)
+    assert len(embedded) == world * 2 * (3 if drop_last else 4)
+    assert {shape for _, _, shape, _, _ in embedded} == {(4, 1, 2, 2) if parts else (4, 2, 2, 2)}
