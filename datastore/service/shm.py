@@ -161,7 +161,8 @@ class ClientMaps:
         """Forget the mappings (each is unmapped once no tensor uses it). Page-locked ones are
         unregistered once the copies queued on ``copies_on`` so far are done (one may still
         read them): an event recorded on that stream is waited for, on the stream's own
-        device whatever device is current, and the rest of that GPU's work is not."""
+        device whatever device is current. (``cudaHostUnregister`` itself then waited for the
+        whole GPU on an H100: once per session, not per batch.)"""
         from datastore.device import unregister_host
 
         if self._pinned:
