@@ -73,6 +73,22 @@ def test_ranks_sharing_the_gpu_follow_one_rank(data, tmp_path):
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-3
 
 
+def test_channels_last_ranks_sharing_the_gpu_follow_one_contiguous_rank(data, tmp_path):
+    """channels_last_3d end to end in training (input blocks, weights, halos, gradients) on 2
+    ranks splitting every sample on the one GPU over gloo, against one rank in contiguous
+    format; float32 (amp and TF32 off)."""
+    more = ["amp=false", "tf32=false", "backend=gloo", "cudnn_benchmark=false"]
+    one = launch(1, base(data, tmp_path / "one", *more, "channels_last=false"))
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = launch(2, base(data, tmp_path / "two", *more, "spatial_parts=[2,1,1]"))
+    assert two.returncode == 0, two.stdout + two.stderr
+    (a, _), (b, events) = log_of(tmp_path / "one"), log_of(tmp_path / "two")
+    start = events[0]
+    assert (start["device"], start["backend"], start["world"]) == ("cuda:0", "gloo", 2), start
+    diff = max(abs(x - y) for x, y in zip(a, b, strict=True))
+    assert diff < 1e-3, f"losses off by {diff}: contiguous {a}, channels_last split {b}"
+
+
 def resumed_and_whole(n: int, data: Path, tmp: Path, more: list[str]) -> tuple[list, list]:
     """The losses of a run stopped after 4 steps and resumed, and of the same run whole."""
     whole = launch(n, base(data, tmp / "w", *more, f"checkpoint_dir={tmp}/w.ck"))  # w: its log

@@ -1,14 +1,18 @@
 """Under ``mpiexec -n 4 python -m mpi4py``: the halo exchange (whole, and split into start and
 finish) and ``DistConv3d`` (overlap on and off, stride 1 and 2) on a ``channels_last_3d`` block
-against the same on the contiguous block, in float32 and float64; rank 0 writes JSON.
+against the same on the contiguous block, in float32 and float64; rank 0 writes JSON. With
+DEVICE (``cuda:0``) every rank runs on that one GPU over gloo (messages staged through pinned
+host memory; NCCL refuses two ranks on one GPU), in float32 only with TF32 off: cuDNN keeps
+float64 convolutions contiguous whatever the layout.
 
 Per case and dtype: the largest absolute differences of the outputs and of every gradient
-(input, weight, bias) between the two layouts, whether the output and the input gradient are
+(input, weight, bias) between the two layouts and the largest absolute value of each in the
+contiguous run (``*_scale``), whether the output and the input gradient are
 ``channels_last_3d``, and every tensor of 5 axes that an operation made in forward and backward
 with its channels not innermost (a layout conversion: ``TorchDispatchMode`` sees each aten
 operation's outputs).
 
-Usage: channels_last_job.py OUT_JSON
+Usage: channels_last_job.py OUT_JSON [DEVICE]   (4 ranks, or 2: one split axis at a time)
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from trainer.layers import DistConv3d
 CL = torch.channels_last_3d
 SHAPE = (8, 8, 8)
 N, C_IN, C_OUT = 2, 3, 5  # no block side is 3 or 5: see Conversions
-PARTS = [(2, 2, 1), (1, 2, 2)]  # two split axes: corners travel in two hops
+# 4 ranks: two split axes (corners travel in two hops); 2 ranks: the outer or the inner axis
+PARTS = {4: [(2, 2, 1), (1, 2, 2)], 2: [(2, 1, 1), (1, 1, 2)]}
+DEVICE = torch.device("cpu")  # where the blocks and layers live (argv[2])
 
 
 class Conversions(TorchDispatchMode):
@@ -61,7 +67,7 @@ def block(pg: ProcessGrid, seed: int, channels: int, dtype: torch.dtype) -> torc
     g = torch.Generator().manual_seed(seed)
     whole = torch.randn((N, channels, *SHAPE), generator=g, dtype=torch.float64).to(dtype)
     bounds = block_bounds(Grid(SHAPE, pg.parts, (0, 0, 0), "zero"), pg.spatial_rank)
-    return whole[(slice(None), slice(None), *bounds)].clone()
+    return whole[(slice(None), slice(None), *bounds)].to(DEVICE, copy=True)
 
 
 def gathered(errs: dict[str, float], seen: list[str]) -> dict:
@@ -89,7 +95,8 @@ def compare(
     from the same gradient (contiguous, resp. ``channels_last_3d`` as the next layer gives)."""
     xc = x.clone().requires_grad_()
     out = run(xc)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
     want = torch.autograd.grad(out, [xc, *params], grad)
     xl = x.contiguous(memory_format=CL).requires_grad_()
     with Conversions() as mode:
@@ -98,7 +105,8 @@ def compare(
     names = ["input_grad", "weight_grad", "bias_grad"][: len(got)]
     errs = {"output": float((cl_out - out).abs().max())}
     errs.update({n: float((a - b).abs().max()) for n, a, b in zip(names, got, want, strict=True)})
-    errs["input_grad_scale"] = float(want[0].abs().max())
+    errs["output_scale"] = float(out.abs().max())
+    errs.update({f"{n}_scale": float(b.abs().max()) for n, b in zip(names, want, strict=True)})
     errs["output_not_cl"] = float(not cl_out.is_contiguous(memory_format=CL))
     errs["input_grad_not_cl"] = float(not got[0].is_contiguous(memory_format=CL))
     return errs, mode.seen
@@ -113,7 +121,7 @@ def conv_pair(pg: ProcessGrid, dtype: torch.dtype, stride: int, overlap: bool):
     """Two equal ``DistConv3d``; the second's weight in ``channels_last_3d``."""
     pair = [
         DistConv3d(C_IN, C_OUT, 3, pg, stride=stride, overlap=overlap, broadcast=False,
-                   dtype=dtype)
+                   device=DEVICE, dtype=dtype)
         for _ in range(2)
     ]  # fmt: skip
     with torch.no_grad():
@@ -123,12 +131,20 @@ def conv_pair(pg: ProcessGrid, dtype: torch.dtype, stride: int, overlap: bool):
 
 
 def main() -> None:
+    global DEVICE
     torch.set_num_threads(1)
-    rank, _ = init_distributed()
+    dtypes = (torch.float32, torch.float64)
+    if len(sys.argv) > 2:  # every rank on this GPU, over gloo
+        DEVICE = torch.device(sys.argv[2])
+        torch.cuda.set_device(DEVICE)
+        torch.backends.cudnn.allow_tf32 = False  # float32 really: both layouts round alike
+        torch.backends.cuda.matmul.allow_tf32 = False
+        dtypes = (torch.float32,)
+    rank, world = init_distributed()
     results = {}
-    for parts in PARTS:
+    for parts in PARTS[world]:
         pg = ProcessGrid.create(parts)
-        for dtype in (torch.float32, torch.float64):
+        for dtype in dtypes:
             x = block(pg, 1, C_IN, dtype)
             name = f"parts={parts} {str(dtype)[6:]}"
             for halo in ((1, 1, 1), (2, 1, 0)):
