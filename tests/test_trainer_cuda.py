@@ -1,6 +1,7 @@
 """The trainer on a GPU: one rank on NCCL (bf16 autocast, channels_last_3d, batches delivered
 on the device), ranks sharing one GPU over gloo (messages staged through pinned host memory)
-following the one-rank run, and Lion Cub's exact resume there. Skipped without CUDA."""
+following the one-rank run (and, in channels_last_3d, the contiguous one), and Lion Cub's exact
+resume there. Skipped without CUDA. The tests of several ranks are marked ``mpi`` too."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def test_one_rank_trains_on_the_gpu_over_nccl(data, tmp_path, model):
     assert val["val_mse"] > 0
 
 
+@pytest.mark.mpi  # several ranks (gpu_session.sh runs these first)
 def test_ranks_sharing_the_gpu_follow_one_rank(data, tmp_path):
     """float32 (amp and TF32 off) so that the split and the whole model compute alike."""
     more = ["amp=false", "tf32=false", "backend=gloo"]
@@ -73,6 +75,7 @@ def test_ranks_sharing_the_gpu_follow_one_rank(data, tmp_path):
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-3
 
 
+@pytest.mark.mpi  # several ranks (gpu_session.sh runs these first)
 def test_channels_last_ranks_sharing_the_gpu_follow_one_contiguous_rank(data, tmp_path):
     """channels_last_3d end to end in training (input blocks, weights, halos, gradients) on 2
     ranks splitting every sample on the one GPU over gloo, against one rank in contiguous
@@ -101,6 +104,7 @@ def resumed_and_whole(n: int, data: Path, tmp: Path, more: list[str]) -> tuple[l
     return a + b, w
 
 
+@pytest.mark.mpi  # several ranks (gpu_session.sh runs these first)
 def test_lion_cub_resume_on_the_gpu_is_exact(data, tmp_path):
     more = ["optimizer=lion_cub", "backend=gloo", "amp=false", "tf32=false"]
     resumed, whole = resumed_and_whole(2, data, tmp_path, [*more, "cudnn_benchmark=false"])
