@@ -54,6 +54,7 @@ from datastore.sources.options import (
     moved_keywords,
     service_of,
 )
+from datastore.sources.owners import ExchangeSetup
 from datastore.store import Counters, SlotSpec, Store
 from datastore.world import World, detect_world
 
@@ -79,10 +80,8 @@ class LoaderOptions:
     device: torch.device | None
     threads: int | None
     timeout: float
-    memory_budget: int | None
-    spill_dir: str | None
-    preload: bool
-    exchange: bool | None
+    store: StoreOptions
+    exchange: ExchangeOptions
 
     @classmethod
     def of(cls, **kw: Any) -> LoaderOptions:
@@ -134,7 +133,7 @@ class LoaderOptions:
             "drop_last": repr(self.drop_last),
             "spatial": repr(self.spatial),
             "fields": repr(self.fields),
-            "exchange": repr(self.exchange),
+            "exchange": repr(self.exchange.enabled),
         }
 
 
@@ -269,10 +268,8 @@ class DataStoreLoader(EpochPosition):
             "device": device,
             "threads": threads,
             "timeout": timeout,
-            "memory_budget": store.memory_budget,
-            "spill_dir": store.spill_dir,
-            "preload": store.preload,
-            "exchange": exchange.enabled,
+            "store": store,
+            "exchange": exchange,
         }
         self.transform, self.collate = transform, collate
         remote = service is not None
@@ -300,7 +297,6 @@ class DataStoreLoader(EpochPosition):
         except (ValueError, TypeError) as exc:
             error = exc
         self._broken: str | None = None
-        self.store: Store | None = None  # the embedded source's
         reader = None
         if not remote:
             try:
@@ -452,7 +448,7 @@ class DataStoreLoader(EpochPosition):
         self.fields: list[Delivered] = mine
         self.batch_size = view.local_batch
         if owner is None:
-            local = LocalSource(self.reader, mine, o.memory_budget, o.spill_dir, self.gather, keys)
+            local = LocalSource(self.reader, mine, o.store, self.gather, keys)
             sched, d, w = schedule, layout.data_rank, layout.data_world
             source = EmbeddedSource(
                 schedule,
@@ -461,32 +457,33 @@ class DataStoreLoader(EpochPosition):
             )
         else:
             specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in info.items()}
-            store = Store(keys, specs, self._read_sample, o.memory_budget, o.spill_dir)
+            store = Store(keys, specs, self._read_sample, o.store.memory_budget, o.store.spill_dir)
             by_block = {k: view.fields_of(k) for k in range(layout.spatial_size)}
             ex = self._make_exchange(owner, layout, by_block, store)
             planned = Planned(schedule, owner, layout, keys, ex)
             source = EmbeddedSource(schedule, store, planned, ex, StepSync(self._coll, o.timeout))
-        self.store = source.store
-        if o.preload:
-            self.store.preload(threads=max(4, self.gather.threads))
+        if o.store.preload:
+            source.store.preload(threads=max(4, self.gather.threads))
         return source
 
     def _make_exchange(
         self, owner: RunOwners, layout: RankLayout, by_block: dict, store: Store
     ) -> Any:
-        o = self.options
-        args = (owner, layout.data_world, layout.spatial_size, store, by_block, self.gather)
+        setup = ExchangeSetup(
+            owner, layout.data_world, layout.spatial_size, store, by_block, self.gather,
+            self.options.timeout,
+        )  # fmt: skip
         if self._coll.comm is not None:
             from datastore.sources.mpi import MpiExchange
 
-            return MpiExchange(self._coll.comm, *args, timeout=o.timeout)
+            return MpiExchange(self._coll.comm, setup)
         from datastore.sources.torch_dist import TorchExchange
 
-        return TorchExchange(self._coll.group, *args, timeout=o.timeout)
+        return TorchExchange(self._coll.group, setup)
 
     def _check_memory(self, need: int) -> None:
         """Refuse, before reading, a store larger than the memory this process can use."""
-        if self.options.memory_budget is not None:
+        if self.options.store.memory_budget is not None:
             return
         free = available_memory()
         if free is not None and need > free:
@@ -505,19 +502,11 @@ class DataStoreLoader(EpochPosition):
         """A session of ``datastore serve`` (a ``ServiceSource``)."""
         from datastore.sources.service import ServiceSource
 
-        o = self.options
+        copies_on = self._stage.stream if self._stage is not None else None
         source = ServiceSource(
-            dataset,
-            service.address,
-            options=o,
-            world=self.world,
-            token=service.token,
-            transport=service.transport,
-            job_id=service.job_id,
-            tls_ca=service.tls_ca,
-            gather=self.gather,
-            copies_on=self._stage.stream if self._stage is not None else None,
-        )
+            dataset, service, options=self.options, world=self.world, gather=self.gather,
+            copies_on=copies_on,
+        )  # fmt: skip
         self.grid, self.layout, self.schedule = source.grid, source.layout, source.schedule
         self.fields = source.fields
         self.batch_size = source.batch_size
@@ -629,6 +618,11 @@ class DataStoreLoader(EpochPosition):
     @property
     def counters(self) -> Counters:
         return self._source.counters
+
+    @property
+    def store(self) -> Store | None:
+        """The embedded source's store of this rank's samples (``None``: ``service=``)."""
+        return getattr(self._source, "store", None)
 
     def close(self) -> None:
         """Free the store, the exchange, the session with the service; tensors handed out

@@ -204,7 +204,7 @@ def test_4_a_field_named_valid_with_padding_is_refused(tmp_path):
 )
 def test_7_memory_budget_as_on_the_cli(h5, budget, nbytes):
     with DataStoreLoader(h5[0], batch_size=2, store=StoreOptions(memory_budget=budget)) as loader:
-        assert loader.options.memory_budget == nbytes
+        assert loader.options.store.memory_budget == nbytes
         assert len(list(loader)) == N // 2
 
 

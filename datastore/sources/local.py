@@ -17,6 +17,7 @@ from datastore.agree import StepSync
 from datastore.delivery import Copy, Delivered, Gather, covered
 from datastore.order import Schedule
 from datastore.ring import Buffer, BufferRing
+from datastore.sources.options import StoreOptions
 from datastore.store import SlotSpec, Store
 
 __all__ = ["LocalSource", "filled_batches"]
@@ -28,7 +29,7 @@ class LocalSource:
     Args:
         reader: the dataset.
         fields: the fields as this rank receives them.
-        budget, spill_dir: the store's memory policy (``datastore.store``).
+        store: the store's memory policy and spill directory.
         gather: the batch copies.
         keys: the samples this rank may need. Default: all.
     """
@@ -37,8 +38,7 @@ class LocalSource:
         self,
         reader: Any,
         fields: list[Delivered],
-        budget: int | None,
-        spill_dir: str | None,
+        store: StoreOptions,
         gather: Gather,
         keys: np.ndarray | None = None,
     ) -> None:
@@ -46,7 +46,7 @@ class LocalSource:
         self.fields = {f.name: f for f in fields}
         specs = {f.name: SlotSpec(f.shape, f.dtype) for f in fields}
         keys = np.arange(len(reader)) if keys is None else keys
-        self.store = Store(keys, specs, self._read, budget, spill_dir)
+        self.store = Store(keys, specs, self._read, store.memory_budget, store.spill_dir)
 
     def _read(self, index: int, name: str, out: np.ndarray) -> None:
         f = self.fields[name]

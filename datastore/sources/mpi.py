@@ -20,11 +20,9 @@ from typing import Any
 import numpy as np
 
 from datastore.agree import poll
-from datastore.delivery import Delivered, Gather, covered, pad_copies
+from datastore.delivery import covered, pad_copies
 from datastore.exchange import Message
-from datastore.ownership import RunOwners
-from datastore.sources.owners import Owners
-from datastore.store import Store
+from datastore.sources.owners import ExchangeSetup, Owners
 
 __all__ = ["MpiExchange"]
 
@@ -34,29 +32,17 @@ class MpiExchange(Owners):
 
     Args:
         comm: the job's mpi4py communicator (duplicated: our messages never mix with yours).
-        owner, data_world, spatial_size, store, fields, gather, timeout: see
-            :class:`~datastore.sources.owners.Owners`.
+        setup: what the exchange moves (:class:`~datastore.sources.owners.ExchangeSetup`).
     """
 
     kind = "mpi"
 
-    def __init__(
-        self,
-        comm: Any,
-        owner: RunOwners,
-        data_world: int,
-        spatial_size: int,
-        store: Store,
-        fields: dict[int, list[Delivered]],
-        gather: Gather,
-        timeout: float,
-    ) -> None:
+    def __init__(self, comm: Any, setup: ExchangeSetup) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
         self.comm = comm.Dup()
-        args = (owner, data_world, spatial_size, store, fields, gather, timeout)
-        super().__init__(self.comm.Get_rank(), *args)
+        super().__init__(self.comm.Get_rank(), setup)
         self._types: dict[tuple, Any] = {}
 
     def _type(self, array: np.ndarray, box: tuple[slice, ...]) -> Any:
@@ -102,21 +88,21 @@ class MpiExchange(Owners):
                     copies.extend(pad_copies(f, dst))
         for m in msgs:
             if m.src == me and m.dst != me:
-                for f in self.fields[m.block]:
-                    vol = self.store.lasting(m.sample, f.name)  # it must outlive the send
+                for f in self.setup.fields[m.block]:
+                    vol = self.setup.store.lasting(m.sample, f.name)  # it must outlive the send
                     src, _ = covered(f)
                     requests.append(self.comm.Isend([vol, 1, self._type(vol, src)], m.dst))
                     peers.append(m.dst)
                     self.bytes_sent += f.nbytes
         copies.extend(self.own_copies(msgs, out))
-        self.gather.run(copies)
+        self.setup.gather.run(copies)
 
         def pending() -> list[int]:
             return sorted({p for r, p in zip(requests, peers, strict=True) if not r.Test()})
 
         poll(
             lambda: self._mpi.Request.Testall(requests),
-            deadline=time.monotonic() + self.timeout,
+            deadline=time.monotonic() + self.setup.timeout,
             what="the MPI exchange",
             step=step,
             pending=pending,

@@ -3,6 +3,8 @@ step, and the copies of the samples a rank both owns and consumes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from datastore.delivery import Copy, Delivered, Gather, box_copies
@@ -10,14 +12,15 @@ from datastore.exchange import Message, rank_plan
 from datastore.ownership import RunOwners
 from datastore.store import Store
 
-__all__ = ["Owners"]
+__all__ = ["ExchangeSetup", "Owners"]
 
 
-class Owners:
-    """The state of an exchange over ``rank``'s view of the job.
+@dataclass(frozen=True)
+class ExchangeSetup:
+    """What an exchange moves, between which ranks, from where, whatever carries it (MPI or
+    ``torch.distributed``).
 
     Args:
-        rank: this rank in the exchange's communicator or group.
         owner: ``owner[sample]``, the rank that stores each sample: a
             :class:`~datastore.ownership.RunOwners`: contiguous shares (O(ranks)) or a sharded
             dataset's runs of files (O(files)).
@@ -28,27 +31,33 @@ class Owners:
         timeout: seconds a step may wait for its messages.
     """
 
-    def __init__(
-        self,
-        rank: int,
-        owner: RunOwners,
-        data_world: int,
-        spatial_size: int,
-        store: Store,
-        fields: dict[int, list[Delivered]],
-        gather: Gather,
-        timeout: float,
-    ) -> None:
-        self.rank, self.owner = rank, owner
-        self.data_world, self.spatial_size = data_world, spatial_size
-        self.store, self.fields, self.gather, self.timeout = store, fields, gather, timeout
-        self.mine = fields[rank % spatial_size]  # what this rank receives
+    owner: RunOwners
+    data_world: int
+    spatial_size: int
+    store: Store
+    fields: dict[int, list[Delivered]]
+    gather: Gather
+    timeout: float
+
+
+class Owners:
+    """The state of an exchange over ``rank``'s view of the job.
+
+    Args:
+        rank: this rank in the exchange's communicator or group.
+        setup: what the exchange moves (:class:`ExchangeSetup`).
+    """
+
+    def __init__(self, rank: int, setup: ExchangeSetup) -> None:
+        self.rank, self.setup = rank, setup
+        self.mine = setup.fields[rank % setup.spatial_size]  # what this rank receives
         self.bytes_sent = 0
         self.seconds = 0.0  # time spent in step()
 
     def messages(self, batch: np.ndarray) -> list[Message]:
         """The messages this rank sends or receives at the step of global ``batch``."""
-        return rank_plan(batch, self.owner, self.data_world, self.spatial_size, self.rank)
+        s = self.setup
+        return rank_plan(batch, s.owner, s.data_world, s.spatial_size, self.rank)
 
     def own_copies(self, msgs: list[Message], out: dict[str, np.ndarray]) -> list[Copy]:
         """The copies of the samples this rank owns and consumes itself, into ``out``."""
@@ -56,6 +65,6 @@ class Owners:
         for m in msgs:
             if m.src == self.rank and m.dst == self.rank:
                 for f in self.mine:
-                    vol = self.store.lasting(m.sample, f.name)
+                    vol = self.setup.store.lasting(m.sample, f.name)
                     copies.extend(box_copies(f, out[f.name][m.pos, ...], vol))
         return copies

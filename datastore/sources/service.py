@@ -39,6 +39,7 @@ from datastore.delivery import Gather
 from datastore.rank_view import global_batch, rank_view
 from datastore.readers.base import FieldInfo
 from datastore.ring import Buffer, BufferRing
+from datastore.sources.options import ServiceOptions
 from datastore.store import Counters
 
 __all__ = ["ServiceSource"]
@@ -49,10 +50,9 @@ class ServiceSource:
 
     Args:
         dataset: the dataset's path on the service's node.
-        address: a Unix socket path, ``unix://PATH`` or ``HOST:PORT``.
+        service: the service and how to reach it (address, token, transport, job id, TLS CA).
         options: the loader's checked options (``datastore.loader.LoaderOptions``).
         world: this rank and the world size.
-        token, transport, job_id, tls_ca: see ``DataStoreLoader``.
         gather: copies into the ring's buffers.
         copies_on: the CUDA stream that copies batches to the device (``device=``): the
             shared-memory segments are then page-locked for it. Default: ``None``.
@@ -63,14 +63,10 @@ class ServiceSource:
     def __init__(
         self,
         dataset: Any,
-        address: str,
+        service: ServiceOptions,
         *,
         options: Any,
         world: Any,
-        token: str | None,
-        transport: str,
-        job_id: str,
-        tls_ca: Any,
         gather: Gather,
         copies_on: Any = None,
     ) -> None:
@@ -89,24 +85,22 @@ class ServiceSource:
         from datastore.service.wire import keep_large_blocks
 
         if not isinstance(dataset, (str, os.PathLike)):
-            raise TypeError("with address=, the dataset is a path (on the service's node)")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+            raise TypeError("with service=, the dataset is a path (on the service's node)")
         self._pb, self._raise_for = pb, raise_for
         self.options, self.gather, self.counters = options, gather, Counters()
         self._copies_on = copies_on
         self.rank, self.world_size = world.rank, world.size
         spatial = options.spatial
         gb = global_batch(options.batch_size, options.global_batch_size, self.world_size, spatial)
-        self.transport = TRANSPORTS[transport]
-        self.address = address
-        self.target = target_of(address)
-        self._channel = open_channel(self.target, tls_ca)
+        self.transport = TRANSPORTS[service.transport]
+        self.address = service.address
+        self.target = target_of(service.address)
+        self._channel = open_channel(self.target, service.tls_ca)
         self._stub = pb_grpc.DataStoreStub(self._channel)
         self._stream_batches = stream_batches(self._channel)
-        self._metadata = bearer(token) if token else None
+        self._metadata = bearer(service.token) if service.token else None
         unix = self.target.startswith("unix:")
-        self.shared = transport == "shm" or (transport == "auto" and unix)
+        self.shared = service.transport == "shm" or (service.transport == "auto" and unix)
         if not self.shared:
             keep_large_blocks()  # inline batches: messages of tens of MiB
         layout = pb.SpatialLayout()
@@ -125,7 +119,7 @@ class ServiceSource:
             shuffle=options.shuffle == "global",
             shuffle_mode="" if options.shuffle in ("global", "none") else options.shuffle,
             drop_last=options.drop_last,
-            job_id=job_id or job_identity(),
+            job_id=service.job_id or job_identity(),
             fields=list(options.fields or ()),
             client=client_process(),  # the service ends the session when this process ends
         )
@@ -140,8 +134,9 @@ class ServiceSource:
         if reply.shuffle != asked and (reply.shuffle or asked not in ("global", "none")):
             self.close()  # a service from before the shard and window shuffles
             raise ValueError(
-                f"{address}: the session shuffles {reply.shuffle or 'globally or not at all'}, "
-                f"not shuffle={asked!r}: update datastore serve there"
+                f"{self.address}: the session shuffles "
+                f"{reply.shuffle or 'globally or not at all'}, not shuffle={asked!r}: update "
+                "datastore serve there"
             )
         view = rank_view(
             info,

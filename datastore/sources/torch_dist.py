@@ -27,12 +27,10 @@ import torch
 import torch.distributed as dist
 
 from datastore.agree import timeout_error
-from datastore.delivery import Copy, Delivered, Gather, covered, pad_copies
+from datastore.delivery import Copy, covered, pad_copies
 from datastore.errors import DataStoreError, PeerFailed
 from datastore.exchange import Message
-from datastore.ownership import RunOwners
-from datastore.sources.owners import Owners
-from datastore.store import Store
+from datastore.sources.owners import ExchangeSetup, Owners
 
 __all__ = ["TorchExchange", "gloo_group"]
 
@@ -62,26 +60,15 @@ class TorchExchange(Owners):
     Args:
         group: a gloo group of the exchange's own (:func:`gloo_group`), used by nobody
             else at the same time.
-        owner, data_world, spatial_size, store, fields, gather, timeout: as
-            :class:`~datastore.sources.mpi.MpiExchange`; ranks are the group's ranks.
+        setup: what the exchange moves (:class:`~datastore.sources.owners.ExchangeSetup`);
+            ranks are the group's ranks.
     """
 
     kind = "torch.distributed"
 
-    def __init__(
-        self,
-        group: Any,
-        owner: RunOwners,
-        data_world: int,
-        spatial_size: int,
-        store: Store,
-        fields: dict[int, list[Delivered]],
-        gather: Gather,
-        timeout: float,
-    ) -> None:
+    def __init__(self, group: Any, setup: ExchangeSetup) -> None:
         self.group = group
-        args = (owner, data_world, spatial_size, store, fields, gather, timeout)
-        super().__init__(dist.get_rank(group), *args)
+        super().__init__(dist.get_rank(group), setup)
         self._rooms = _Rooms()
         self._failed: int | None = None  # the step that timed out or failed
 
@@ -120,11 +107,11 @@ class TorchExchange(Owners):
                     copies.extend(pad_copies(f, dst))
         for m in msgs:
             if m.src == me and m.dst != me:
-                for f in self.fields[m.block]:
+                for f in self.setup.fields[m.block]:
                     src, _ = covered(f)
                     # lasting: gloo reads the array until the send completes, after this
                     # step's later gets (a re-read sample's scratch array is reused by them)
-                    part = self.store.lasting(m.sample, f.name)[(*src, ...)]
+                    part = self.setup.store.lasting(m.sample, f.name)[(*src, ...)]
                     if not part.flags.c_contiguous:
                         packed = self._rooms.take(part.shape, part.dtype)
                         np.copyto(packed, part)
@@ -133,15 +120,15 @@ class TorchExchange(Owners):
                     work = dist.isend(_wire(part), self._peer(m.dst), group=self.group, tag=tag)
                     works.append((work, m.dst))
                     self.bytes_sent += part.nbytes
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.setup.timeout
         copies.extend(self.own_copies(msgs, out))
-        self.gather.run(copies)
+        self.setup.gather.run(copies)
         try:
             self._wait(works, step, deadline)
         except DataStoreError:
             self._failed = step
             raise
-        self.gather.run(unpack)
+        self.setup.gather.run(unpack)
         self.seconds += time.perf_counter() - t0
 
     def _wait(self, works: list[tuple[Any, int]], step: int, deadline: float) -> None:

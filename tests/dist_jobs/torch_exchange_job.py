@@ -32,6 +32,7 @@ from datastore.order import Schedule
 from datastore.ownership import RangeOwners
 from datastore.partition import Grid
 from datastore.readers.base import FieldInfo
+from datastore.sources.owners import ExchangeSetup
 from datastore.sources.torch_dist import TorchExchange, gloo_group
 from datastore.store import SlotSpec, Store
 
@@ -66,7 +67,8 @@ def setup(path: str, gb: int, parts: str, halo: str, budget: int | None, timeout
     store = Store(keys, specs, read, budget=budget)
     group = gloo_group()
     data_world = world // blocks
-    ex = TorchExchange(group, owner, data_world, blocks, store, by_block, Gather(1), timeout)
+    shares = ExchangeSetup(owner, data_world, blocks, store, by_block, Gather(1), timeout)
+    ex = TorchExchange(group, shares)
     return ex, by_block[rank % blocks], Schedule(n, gb, seed=5), whole, data_world, blocks
 
 
@@ -94,9 +96,9 @@ def check(path: str, out: str, gb: str, parts: str, halo: str, budget: str, epoc
     result = {
         "steps": steps,
         "bad": bad,
-        "keys": len(ex.store.keys),
+        "keys": len(ex.setup.store.keys),
         "bytes_sent": ex.bytes_sent,
-        "misses": ex.store.counters.misses,
+        "misses": ex.setup.store.counters.misses,
     }
     ex.close()
     return result
