@@ -17,7 +17,7 @@ from datastore.readers import DatasetSpec, open_dataset
 from datastore.readers.base import DatasetError
 from datastore.readers.spec import detect
 from datastore.sources.options import ServiceOptions
-from trainer.cosmology import write_samples
+from trainer.cosmology import write_dataset
 
 FILES, PER_FILE, SHAPE = 4, 16, (4, 8, 8, 8)
 
@@ -98,7 +98,7 @@ def test_trainer_per_sample_files_are_read_as_samples(tmp_path):
     """``trainer.cosmology --per-sample`` (x (4, S, S, S), y (3,)): no shared leading length,
     and the files say per-sample; a layout that contradicts the shapes is refused by name."""
     d = tmp_path / "train"
-    write_samples(d, 5, 4, seed=0)
+    write_dataset(d, 5, 4, seed=0, per_sample=True)
     with DataStoreLoader(str(d), batch_size=5, shuffle=False) as loader:
         (batch,) = list(loader)
         assert tuple(batch["x"].shape) == (5, 4, 4, 4, 4) and tuple(batch["y"].shape) == (5, 3)

@@ -134,7 +134,7 @@ def test_cli_writes_a_split_that_datastore_inspect_reads(tmp_path):
 
 def test_per_sample_files_hold_the_same_samples_and_read_as_hdf5_per_sample(tmp_path):
     out = tmp_path / "train"
-    cosmo.write_samples(out, 3, 8, seed=2, noise=0.1)
+    cosmo.write_dataset(out, 3, 8, seed=2, noise=0.1, per_sample=True)
     assert sorted(os.listdir(out)) == [f"sample-0000{i}.h5" for i in range(3)]
     with open_dataset(str(out)) as ds:
         assert (ds.format, len(ds)) == ("hdf5-per-sample", 3)
@@ -147,10 +147,10 @@ def test_per_sample_files_hold_the_same_samples_and_read_as_hdf5_per_sample(tmp_
     with h5py.File(out / "sample-00001.h5") as f:
         assert (f.attrs["index"], f.attrs["seed"], f.attrs["split"]) == (1, 2, 0)
     # a second write replaces the directory whole and leaves no temporary behind
-    cosmo.write_samples(out, 2, 8, seed=2)
+    cosmo.write_dataset(out, 2, 8, seed=2, per_sample=True)
     assert sorted(os.listdir(tmp_path)) == ["train"] and len(os.listdir(out)) == 2
     with pytest.raises(ValueError, match="n_samples"):
-        cosmo.write_samples(tmp_path / "none", 0, 8, seed=2)
+        cosmo.write_dataset(tmp_path / "none", 0, 8, seed=2, per_sample=True)
     assert sorted(os.listdir(tmp_path)) == ["train"]
 
 

@@ -35,11 +35,11 @@ With ``--noise SIGMA`` each file also holds ``noisy``: ``x`` plus Gaussian noise
 deviation ``SIGMA`` (:func:`noisy_copy`), the input of the U-Net's denoising task (recover ``x``
 from ``noisy``).
 
-With ``--per-sample`` (``write_samples``) each split is a directory of one HDF5 file per sample
-instead, ``OUT/train/sample-00000.h5``... (``x`` ``(4, S, S, S)``, ``y`` ``(3,)``, ``noisy``),
-read as ``hdf5-per-sample``: the layout ``datastore stage --mode shard`` spreads over nodes and
-``datastore serve`` peers serve as one store (set ``train_file = "train"``,
-``validation_file = "validation"``).
+With ``--per-sample`` (``write_dataset(..., per_sample=True)``) each split is a directory of one
+HDF5 file per sample instead, ``OUT/train/sample-00000.h5``... (``x`` ``(4, S, S, S)``, ``y``
+``(3,)``, ``noisy``), read as ``hdf5-per-sample``: the layout ``datastore stage --mode shard``
+spreads over nodes and ``datastore serve`` peers serve as one store (set ``train_file =
+"train"``, ``validation_file = "validation"``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ __all__ = [
     "shell_average",
     "wavenumbers",
     "write_dataset",
-    "write_samples",
     "write_split",
 ]
 
@@ -220,6 +219,48 @@ def _renamed_when_written(path: str) -> Iterator[str]:
             os.unlink(tmp)
 
 
+def _samples(
+    n_samples: int, size: int, seed: int, split: int, noise: float
+) -> Iterator[dict[str, np.ndarray]]:
+    """Each sample's arrays in order: ``x``, ``y`` and, when ``noise`` is positive, ``noisy``."""
+    for i in range(n_samples):
+        x, y = sample(seed, split, i, size)
+        arrays = {"x": x, "y": y}
+        if noise > 0:
+            arrays["noisy"] = noisy_copy(x, noise, seed, split, i)
+        yield arrays
+
+
+def _write_file(path: str, samples: Iterator, attrs: dict[str, Any], n_samples: int) -> None:
+    """One HDF5 file, the samples stacked on a leading axis (one chunk a sample)."""
+    size = attrs["size"]
+    with h5py.File(path, "w") as f:
+        volume = dict(
+            shape=(n_samples, len(GROWTH), size, size, size), dtype=np.float32,
+            chunks=(1, len(GROWTH), size, size, size),
+        )  # fmt: skip
+        out = {"x": f.create_dataset("x", **volume)}
+        if attrs["noise"] > 0:
+            out["noisy"] = f.create_dataset("noisy", **volume)
+        out["y"] = f.create_dataset("y", (n_samples, len(PARAMS)), np.float32)
+        for i, arrays in enumerate(samples):
+            for name, a in arrays.items():
+                out[name][i] = a
+        f.attrs.update(attrs)
+
+
+def _write_dir(path: str, samples: Iterator, attrs: dict[str, Any], n_samples: int) -> None:
+    """A directory of one HDF5 file a sample, without the sample axis."""
+    os.makedirs(path)
+    for i, arrays in enumerate(samples):
+        with h5py.File(os.path.join(path, f"sample-{i:05d}.h5"), "w") as f:
+            for name, a in arrays.items():
+                f.create_dataset(name, data=a)
+            f.attrs.update(attrs)
+            # datastore_layout is what detection reads (hdf5_reader)
+            f.attrs.update(index=i, datastore_layout="per-sample")
+
+
 def write_dataset(
     path: str | os.PathLike,
     n_samples: int,
@@ -228,62 +269,30 @@ def write_dataset(
     *,
     split: int = 0,
     noise: float = 0.0,
+    per_sample: bool = False,
 ) -> None:
-    """Write ``n_samples`` samples of a ``size^3`` grid to one HDF5 file (module docstring).
+    """Write ``n_samples`` samples of a ``size^3`` grid to one HDF5 file (module docstring),
+    or with ``per_sample`` to a directory of one HDF5 file each.
 
     Args:
-        path: the ``.h5`` file to create (replaced if it exists; written under a temporary
-            name and renamed, so a reader never sees half a file).
+        path: the ``.h5`` file (or with ``per_sample`` the directory) to create, replaced if
+            it exists; written under a temporary name and renamed, so a reader never sees half
+            of it.
         n_samples: samples to write.
         size: grid points per axis.
         seed: the dataset seed.
         split: the seed stream: ``0`` training, ``1`` validation (:data:`SPLITS`). Default: ``0``.
         noise: when positive, also write ``noisy`` (:func:`noisy_copy` of ``x``), the input of
             the U-Net's denoising task. Default: ``0.0``.
+        per_sample: write ``sample-00000.h5``... into the directory ``path``, each holding
+            ``x``, ``y`` (and ``noisy``) without the sample axis and the file's attributes plus
+            ``index`` and ``datastore_layout = "per-sample"``. Default: ``False``.
     """
     _check_sizes(n_samples, size, noise)
-    with _renamed_when_written(os.fspath(path)) as tmp, h5py.File(tmp, "w") as f:
-        volume = dict(
-            shape=(n_samples, len(GROWTH), size, size, size), dtype=np.float32,
-            chunks=(1, len(GROWTH), size, size, size),
-        )  # fmt: skip
-        x = f.create_dataset("x", **volume)
-        noisy = f.create_dataset("noisy", **volume) if noise > 0 else None
-        y = f.create_dataset("y", (n_samples, len(PARAMS)), np.float32)
-        for i in range(n_samples):
-            x[i], y[i] = sample(seed, split, i, size)
-            if noisy is not None:
-                noisy[i] = noisy_copy(x[i], noise, seed, split, i)
-        f.attrs.update(_file_attrs(seed, split, size, noise))
-
-
-def write_samples(
-    out_dir: str | os.PathLike,
-    n_samples: int,
-    size: int,
-    seed: int,
-    *,
-    split: int = 0,
-    noise: float = 0.0,
-) -> None:
-    """Write the samples of :func:`write_dataset` as one HDF5 file each, ``sample-00000.h5``...,
-    into the directory ``out_dir`` (replaced if it exists; written under a temporary name and
-    renamed, so a reader never sees half of it). Each file holds ``x``, ``y`` (and ``noisy``)
-    without the sample axis, and the attributes of :func:`write_dataset` plus ``index`` and
-    ``datastore_layout = "per-sample"``."""
-    _check_sizes(n_samples, size, noise)
-    with _renamed_when_written(os.fspath(out_dir)) as tmp:
-        os.makedirs(tmp)
-        for i in range(n_samples):
-            x, y = sample(seed, split, i, size)
-            with h5py.File(os.path.join(tmp, f"sample-{i:05d}.h5"), "w") as f:
-                f.create_dataset("x", data=x)
-                f.create_dataset("y", data=y)
-                if noise > 0:
-                    f.create_dataset("noisy", data=noisy_copy(x, noise, seed, split, i))
-                f.attrs.update(_file_attrs(seed, split, size, noise))
-                # datastore_layout is what detection reads (hdf5_reader)
-                f.attrs.update(index=i, datastore_layout="per-sample")
+    write = _write_dir if per_sample else _write_file
+    samples = _samples(n_samples, size, seed, split, noise)
+    with _renamed_when_written(os.fspath(path)) as tmp:
+        write(tmp, samples, _file_attrs(seed, split, size, noise), n_samples)
 
 
 def write_split(
@@ -297,14 +306,11 @@ def write_split(
 ) -> None:
     """``out_dir/train.h5`` (split 0) and ``out_dir/validation.h5`` (split 1); with
     ``per_sample``, the directories ``out_dir/train`` and ``out_dir/validation``
-    (:func:`write_samples`)."""
+    (:func:`write_dataset`)."""
     os.makedirs(out_dir, exist_ok=True)
     for name, n, split in (("train", n_train, 0), ("validation", n_val, 1)):
-        if per_sample:
-            write_samples(os.path.join(out_dir, name), n, size, seed, split=split, noise=noise)
-        else:
-            path = os.path.join(out_dir, f"{name}.h5")
-            write_dataset(path, n, size, seed, split=split, noise=noise)
+        path = os.path.join(out_dir, name if per_sample else f"{name}.h5")
+        write_dataset(path, n, size, seed, split=split, noise=noise, per_sample=per_sample)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -393,9 +393,8 @@ class Hdf5Reader(_Hdf5Base):
         kind, where = layout
         path = self.files[k]
         if kind == "contiguous":
-            RawArray(path, where + local * info.nbytes, info.dtype, info.shape, False).read_into(
-                out, sel
-            )
+            at = where + local * info.nbytes
+            RawArray(path, info.dtype, info.shape, False, offset=at).read_into(out, sel)
             return True
         chunks = where
         box = [(local, local + 1)] + [(s.start, s.stop) for s in sel]
@@ -415,7 +414,7 @@ class Hdf5Reader(_Hdf5Base):
                 slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, box, strict=True)
             )
             target = whole[in_out]
-            raw = RawArray(path, offset, info.dtype, tuple(chunks), False)
+            raw = RawArray(path, info.dtype, tuple(chunks), False, offset=offset)
             if target.flags.c_contiguous:
                 raw.read_into(target, in_chunk)
             else:

@@ -27,20 +27,30 @@ import numpy as np
 
 from staging.directio import PositionedReader
 
-__all__ = ["RawArray", "ZippedArray", "locate_npy", "locate_npz", "npy_in_buffer"]
+__all__ = ["RawArray", "StoredArray", "ZippedArray", "locate_npy", "locate_npz", "npy_in_buffer"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra length
 
 
 @dataclass(frozen=True)
-class RawArray:
-    """An array stored raw at byte ``offset`` of ``path``."""
+class StoredArray:
+    """An array that lies in the file ``path``: its ``dtype``, ``shape`` and order (as a
+    ``.npy`` header gives them); :meth:`read_into` copies a box of it."""
 
     path: str
-    offset: int
     dtype: np.dtype
     shape: tuple[int, ...]
     fortran: bool
+
+    def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class RawArray(StoredArray):
+    """An array stored raw at byte ``offset`` of ``path``."""
+
+    offset: int
 
     def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         """Copy the box ``sel`` into ``out`` (C-contiguous), reading only the bytes it covers.
@@ -107,17 +117,13 @@ def _c_runs(
     return offsets, sizes[k] * strides[k] * item
 
 
-@dataclass(frozen=True)
-class ZippedArray:
+@dataclass(frozen=True, kw_only=True)
+class ZippedArray(StoredArray):
     """A deflated ``.npz`` member: ``member`` of the zip at ``[base, base + size)`` of ``path``."""
 
-    path: str
     base: int
     size: int
     member: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    fortran: bool
 
     def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         """Decode the whole member, then copy the box ``sel`` into ``out``."""
@@ -202,17 +208,15 @@ def locate_npy(path: str, base: int = 0, size: int | None = None) -> RawArray:
     need = start + _nbytes(shape, dtype)
     if need > size:
         raise ValueError(f"truncated: the header promises {need} bytes, there are {size}")
-    return RawArray(path, base + start, dtype, shape, fortran)
+    return RawArray(path, dtype, shape, fortran, offset=base + start)
 
 
-def locate_npz(
-    path: str, base: int = 0, size: int | None = None
-) -> dict[str, RawArray | ZippedArray]:
+def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, StoredArray]:
     """``{key: array}`` of the ``.npz`` file at ``[base, base + size)`` of ``path``; keys are
     member names without ``.npy``, as ``np.load`` gives them. Raises ``ValueError`` or
     ``zipfile.BadZipFile`` for a malformed file, ``OSError`` for one that cannot be read."""
     size = _size(path, size)
-    out: dict[str, RawArray | ZippedArray] = {}
+    out: dict[str, StoredArray] = {}
     with open(path, "rb") as fh:
         win = _Window(fh, base, size)
         with zipfile.ZipFile(win) as zf:
@@ -223,7 +227,9 @@ def locate_npz(
                 if info.compress_type != zipfile.ZIP_STORED:
                     with zf.open(info) as m:
                         shape, fortran, dtype = _header(m)
-                    out[key] = ZippedArray(path, base, size, info.filename, dtype, shape, fortran)
+                    out[key] = ZippedArray(
+                        path, dtype, shape, fortran, base=base, size=size, member=info.filename
+                    )
                     continue
                 win.seek(info.header_offset)
                 sig, name_len, extra_len = _LOCAL_HEADER.unpack(win.read(_LOCAL_HEADER.size))
@@ -235,7 +241,7 @@ def locate_npz(
                 start = win.tell()
                 if start - data + _nbytes(shape, dtype) > info.file_size:
                     raise ValueError(f"member {info.filename}: truncated array data")
-                out[key] = RawArray(path, base + start, dtype, shape, fortran)
+                out[key] = RawArray(path, dtype, shape, fortran, offset=base + start)
     return out
 
 

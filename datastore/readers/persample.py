@@ -22,14 +22,14 @@ import numpy as np
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.labels import ValueArray
-from datastore.readers.npyfile import RawArray, ZippedArray
+from datastore.readers.npyfile import StoredArray
 
 __all__ = ["NPY_FIELD", "Located", "PerSampleFiles", "reading"]
 
 NPY_FIELD = "data"  # the field of a .npy sample when the spec names none
 CACHED_SAMPLES = 4096  # located samples kept per reader and process
 
-Located = dict[str, RawArray | ZippedArray | ValueArray]
+Located = dict[str, StoredArray | ValueArray]
 
 
 @contextmanager
@@ -100,7 +100,7 @@ class PerSampleFiles(Reader):
         return self._where(index)
 
     # -- checking ------------------------------------------------------------------------
-    def _array(self, index: int, info: FieldInfo) -> RawArray | ZippedArray | ValueArray:
+    def _array(self, index: int, info: FieldInfo) -> StoredArray | ValueArray:
         lock = self._process_lock()
         with lock:
             arrays = self._cache.get(index)
@@ -114,9 +114,7 @@ class PerSampleFiles(Reader):
                     self._cache.popitem(last=False)
         return self._checked(index, arrays, info)
 
-    def _checked(
-        self, index: int, arrays: Located, info: FieldInfo
-    ) -> RawArray | ZippedArray | ValueArray:
+    def _checked(self, index: int, arrays: Located, info: FieldInfo) -> StoredArray | ValueArray:
         """``info``'s array of sample ``index``, if it has sample 0's dtype and shape (a
         decoded value may widen to it: an integer where sample 0 has a float)."""
         a = arrays.get(info.name)
