@@ -4,7 +4,12 @@
 #
 # A session lent a GPU has about 15 minutes of device time, start-up included, and at most
 # 10 minutes a command: so everything goes in one command, the steps that say most come first,
-# and a step that fails or runs out of time leaves its log and the next step still runs.
+# and a step that fails or runs out of time leaves its log and the next step still runs. First
+# what has never run on a GPU (issue 23): the CUDA tests of several ranks (`-m mpi`: ranks
+# sharing the one GPU over gloo; NCCL refuses two ranks on one GPU) and train_gpu's cases 2-4
+# (split memory, exposure); then the other CUDA tests, gpu_feed and train_gpu's case 1, which
+# ran on an H100 before (docs/benchmarks.md). pytest prints its 15 slowest tests, to size the
+# steps' limits.
 #
 # On the CPU machine, once:   ../shared/tools/gpu-wheels.sh --mpi    (fills .whl/)
 #                             and msgspec (zarr >= 3.2 imports it; the tool leaves it out):
@@ -18,13 +23,16 @@
 #                             GPU_SESSION_SMOKE=1 OUT=/tmp/gs bash benchmarks/gpu_session.sh
 #
 # Variables: OUT (default ./gpu-session-out), GPU_SESSION_BUDGET seconds for all steps
-# (default 560), GPU_SESSION_SMOKE=1 (CPU, toy sizes), PYTHON (default python3).
+# (default 560), GPU_SESSION_SMOKE=1 (CPU, toy sizes), PYTHON (default python3),
+# GPU_SESSION_STEPS (the names of the steps to run, e.g. "env gpu-feed train-fed" for a rerun;
+# default all).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/gpu-session-out}
 BUDGET=${GPU_SESSION_BUDGET:-560}
 SMOKE=${GPU_SESSION_SMOKE:-0}
 PY=${PYTHON:-python3}
+STEPS=${GPU_SESSION_STEPS:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 # a step cut off by its limit keeps what it printed
 start=$SECONDS
@@ -41,7 +49,10 @@ if [ -d .whl ]; then # the GPU machine's image lacks these (../shared/reference/
         # world of 1. --prefix keeps lib/, and MPI4PY_LIBMPI names the library to load.
         "$PY" -m pip install -q --no-index --no-deps --no-compile --ignore-installed \
             --prefix /tmp/mpich "${mpich[@]}" >> "$OUT/wheels.log" 2>&1 || echo "mpich: install failed"
-        export PATH=/tmp/mpich/bin:$PATH MPI4PY_LIBMPI=/tmp/mpich/lib/libmpi.so.12
+        # The tests launch with DATASTORE_TEST_MPIEXEC (tests/helpers.py), train_gpu with the
+        # first mpiexec on PATH: both the wheel's.
+        export PATH=/tmp/mpich/bin:$PATH MPI4PY_LIBMPI=/tmp/mpich/lib/libmpi.so.12 \
+            DATASTORE_TEST_MPIEXEC=/tmp/mpich/bin/mpiexec
     fi
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -51,6 +62,9 @@ fi
 step() {
     local name=$1 limit=$2 left rc t0=$SECONDS
     shift 2
+    if [ -n "$STEPS" ] && [[ " $STEPS " != *" $name "* ]]; then
+        return
+    fi
     left=$((BUDGET - (SECONDS - start)))
     if [ "$left" -lt 15 ]; then
         echo "== $name: skipped, budget spent" | tee -a "$OUT/summary.txt"
@@ -76,13 +90,20 @@ else
     train=(--reps 1)
 fi
 
-step env 60 bash -c "nvidia-smi || true; $PY -c 'import torch; print(torch.__version__, \
-torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\")'; \
-$PY deploy/check_mpi.py || true; $PY -c 'import zarr, numcodecs, lmdb, grpc, mpi4py; \
-print(\"imports ok: zarr\", zarr.__version__)'"
-step cuda-tests 240 "$PY" -m pytest -q -rs -p no:cacheprovider -k cuda tests
+# what runs where; a 2-rank world must say "world: 2 rank(s)" (a world of 1 is an MPI mix-up)
+env_check="nvidia-smi || true
+$PY -c 'import torch; c = torch.cuda.is_available(); print(torch.__version__, c, c and torch.cuda.get_device_name(0))'
+mpiexec -n 2 $PY deploy/check_mpi.py || true
+$PY -c 'import zarr, numcodecs, lmdb, grpc, mpi4py; print(\"imports ok: zarr\", zarr.__version__)'
+echo 'tests launch with' \"\${DATASTORE_TEST_MPIEXEC:-the mpiexec next to $PY, else on PATH}\"
+$PY -c 'import sys; sys.path[0] = \"benchmarks\"; from common import venv_tool; print(\"train_gpu launches with\", venv_tool(\"mpiexec\"))'"
+step env 60 bash -c "$env_check"
+tests=(-m pytest -q -rs -p no:cacheprovider --durations=15 -k cuda tests)
+step cuda-ranks 270 "$PY" "${tests[@]}" -m mpi
+step train-split 150 "$PY" benchmarks/train_gpu.py "${train[@]}" --cases 234
+step cuda-tests 150 "$PY" "${tests[@]}" -m "not mpi"
 step gpu-feed 170 "$PY" benchmarks/gpu_feed.py "${feed[@]}" --json "$OUT/gpu_feed.json"
-step train-gpu 140 "$PY" benchmarks/train_gpu.py "${train[@]}"
+step train-fed 90 "$PY" benchmarks/train_gpu.py "${train[@]}" --cases 1
 mode=""
 [ "$SMOKE" = 1 ] && mode=" (CPU smoke run)"
 echo "== all steps: $((SECONDS - start)) s of a ${BUDGET} s budget$mode" | tee -a "$OUT/summary.txt"
