@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,14 @@ import numpy as np
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
 from datastore.service.errors import ServiceError
-from datastore.service.peers import Listing
+from datastore.service.peers import Listing, Pending, Segments, segments
 from datastore.service.wire import bytes_field, bytes_field_view
 
 __all__ = ["CHUNK", "GrpcPeers", "PeersServicer", "add_peers_to_server", "parse_peers"]
 
 SERVICE = "datastore.v1.Peers"
 CHUNK = 4 * 1024 * 1024
+FETCH_THREADS = 8  # fetches in flight at once (a stream's next steps, every owner)
 _DATA = 1  # FetchBlocksResponse.data
 _OPTIONS = [
     ("grpc.max_receive_message_length", 2 * CHUNK),
@@ -110,6 +112,7 @@ class GrpcPeers:
             self._credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
         self._lock = threading.Lock()
         self._channels: dict[int, grpc.Channel] = {}
+        self._pool: ThreadPoolExecutor | None = None  # fetches in flight at once
 
     def _channel(self, dest: int) -> grpc.Channel:
         with self._lock:
@@ -155,8 +158,19 @@ class GrpcPeers:
         signature = {f.name: (f.dtype, tuple(f.shape)) for f in r.fields}
         return r.shardable, list(r.files), signature
 
-    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
-        """Node ``dest``'s packed blocks of ``request["samples"]`` into ``out`` (uint8)."""
+    def start(self, dest: int, request: dict, out: Segments) -> Pending:
+        """:meth:`fetch` on a thread of the link's pool; returns at once."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="datastore-grpc")
+            future = self._pool.submit(self.fetch, dest, request, out)
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        return Pending(done, future.result)
+
+    def fetch(self, dest: int, request: dict, out: Segments) -> None:
+        """Node ``dest``'s packed blocks of ``request["samples"]`` into ``out`` (uint8
+        buffers, filled one after the other), each chunk copied once, straight into place."""
         call = self._channel(dest).unary_stream(
             f"/{SERVICE}/FetchBlocks",
             request_serializer=pb.FetchBlocksRequest.SerializeToString,
@@ -170,22 +184,20 @@ class GrpcPeers:
             spatial=_layout(request["spatial"]),
             block=request["block"],
         )
-        at = 0
+        into = _Filler(segments(out))
         try:
             for chunk in call(
                 message, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=True
             ):
-                if at + len(chunk) > out.nbytes:
+                if not into.put(np.frombuffer(chunk, np.uint8)):
                     raise ServiceError(
-                        "INTERNAL", f"node {dest} sent more than the {out.nbytes} bytes asked"
+                        "INTERNAL", f"node {dest} sent more than the {into.nbytes} bytes asked"
                     )
-                out[at : at + len(chunk)] = np.frombuffer(chunk, np.uint8)
-                at += len(chunk)
         except grpc.RpcError as exc:
             raise self._failed(dest, "FetchBlocks", exc) from None
-        if at != out.nbytes:
-            raise ServiceError("INTERNAL", f"node {dest} sent {at} of {out.nbytes} bytes")
-        self.bytes_received += at
+        if into.at != into.nbytes:
+            raise ServiceError("INTERNAL", f"node {dest} sent {into.at} of {into.nbytes} bytes")
+        self.bytes_received += into.at
 
     def close(self, *, stop_all: bool) -> None:
         """Close the channels; the peers are independent services and keep running."""
@@ -194,6 +206,32 @@ class GrpcPeers:
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+
+class _Filler:
+    """Bytes written one after the other into several buffers."""
+
+    def __init__(self, out: list[np.ndarray]) -> None:
+        self.out, self.nbytes, self.at = out, sum(b.nbytes for b in out), 0
+        self._k, self._in = 0, 0  # the buffer written now, and where in it
+
+    def put(self, data: np.ndarray) -> bool:
+        """Write ``data`` next; ``False`` (nothing written) if it does not fit."""
+        if self.at + data.nbytes > self.nbytes:
+            return False
+        done = 0
+        while done < data.nbytes:
+            buf = self.out[self._k]
+            n = min(buf.nbytes - self._in, data.nbytes - done)
+            buf[self._in : self._in + n] = data[done : done + n]
+            done, self._in = done + n, self._in + n
+            if self._in == buf.nbytes:
+                self._k, self._in = self._k + 1, 0
+        self.at += done
+        return True
 
 
 # -- answering ---------------------------------------------------------------------------------

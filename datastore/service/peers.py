@@ -25,26 +25,46 @@ services on one host, as in tests).
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from datastore.service.errors import ServiceError
 
-__all__ = ["Listing", "MpiPeers", "Peers", "Pieces", "node_path", "runs"]
+__all__ = [
+    "STATS_ENV",
+    "ExchangeStats",
+    "Listing",
+    "MpiPeers",
+    "Peers",
+    "Pending",
+    "Pieces",
+    "Segments",
+    "cut_into",
+    "node_path",
+    "runs",
+    "segments",
+]
 
 Listing = tuple[bool, list[str], dict[str, tuple[str, tuple[int, ...]]]]
 """``(shardable, files held here, {field: (dtype, shape)})``: a node's view of a dataset."""
 
+STATS_ENV = "DATASTORE_PEER_STATS"
 REQUEST = 1  # tag of every request; replies use a tag per request
 FIRST_REPLY_TAG = 100
 TAG_SPAN = 30000  # reply tags cycle through [FIRST_REPLY_TAG, +TAG_SPAN): MPI guarantees 32767
-IDLE_NAP = (0.0005, 0.02)  # seconds between polls for requests: while busy, idle at most
+FLIGHT_NAP = 0.0002  # seconds between polls while a request or a send is in flight
+BUSY_NAP = 0.0002  # seconds between polls for requests within BUSY_S of the last one
+BUSY_S = 1.0
+IDLE_NAP = 0.02  # seconds between polls once idle longer: no CPU burnt between jobs
 
 
 MIN_RUN = 64 * 1024  # a piece cut into runs shorter than this on average is packed instead
@@ -79,9 +99,94 @@ def runs(part: np.ndarray) -> list[np.ndarray]:
     return [r for sub in part for r in runs(sub)]
 
 
+def cut_into(runs: list[int], sizes: list[int]) -> list[tuple[int, int, int]] | None:
+    """Where each of the messages ``runs`` (bytes) lands in buffers of ``sizes`` filled one
+    after the other: ``[(buffer, start, stop)]``; ``None`` if one straddles two buffers or
+    the totals differ."""
+    out, k, at = [], 0, 0
+    for n in runs:
+        while k < len(sizes) and at == sizes[k] and n:
+            k, at = k + 1, 0
+        if n and (k == len(sizes) or at + n > sizes[k]):
+            return None
+        out.append((k if n else 0, at, at + n))
+        at += n
+    if sum(runs) != sum(sizes):
+        return None
+    return out
+
+
 def node_path(path: str, node: int) -> str:
     """``path`` with ``{node}`` replaced by this service's rank."""
     return path.replace("{node}", str(node))
+
+
+class ExchangeStats:
+    """When a service's fetches were in flight and what they moved: ``in_flight_s`` (the time
+    at least one was), ``bytes``. With ``$DATASTORE_PEER_STATS`` set to a path (``{node}``:
+    this service's rank), also every span in flight (``time.monotonic()``, the same clock in
+    every process of a host) and each fetch's message sizes, written there as JSON whenever
+    none is in flight any more: what ``benchmarks/peers.py`` measures the link by."""
+
+    def __init__(self, path: str, node: int) -> None:
+        self.path = node_path(path, node) if path else ""
+        self.in_flight_s = 0.0
+        self.bytes = 0
+        self.spans: list[tuple[float, float]] = []
+        self.fetches: list[list[int]] = []
+        self._active, self._since = 0, 0.0
+
+    def begin(self, now: float) -> None:
+        if not self._active:
+            self._since = now
+        self._active += 1
+
+    def end(self, now: float, nbytes: int, sizes: list[int]) -> None:
+        self._active -= 1
+        self.bytes += nbytes
+        if self.path and nbytes:
+            self.fetches.append(sizes)
+        if not self._active:
+            self.in_flight_s += now - self._since
+            if self.path:
+                self.spans.append((self._since, now))
+                self.write()
+
+    def write(self) -> None:
+        if not self.path:
+            return
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(
+                {"bytes": self.bytes, "in_flight_s": self.in_flight_s, "spans": self.spans,
+                 "fetches": self.fetches}, f)  # fmt: skip
+        os.replace(tmp, self.path)
+
+
+Segments = np.ndarray | Sequence[np.ndarray]
+"""Where a fetch's bytes land: one uint8 buffer, or several filled one after the other."""
+
+
+def segments(out: Segments) -> list[np.ndarray]:
+    """``out`` as a list of its non-empty 1-d uint8 buffers."""
+    return [b for b in ([out] if isinstance(out, np.ndarray) else out) if b.nbytes]
+
+
+class Pending:
+    """A request in flight: :meth:`wait` for it, then :meth:`result` (its reply, or its
+    error); :meth:`abandon` it if it is no longer wanted."""
+
+    def __init__(
+        self,
+        done: threading.Event,
+        result: Callable[[], Any],
+        abandon: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._done, self.result, self.abandon = done, result, abandon
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it is over (its reply in, or failed), waiting up to ``timeout`` s."""
+        return self._done.wait(timeout)
 
 
 class Peers(Protocol):
@@ -96,10 +201,14 @@ class Peers(Protocol):
         """Node ``dest``'s :data:`Listing` of the dataset clients call ``path``."""
         ...
 
-    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
-        """Node ``dest``'s packed blocks into ``out`` (uint8): :meth:`Resident.blocks`, or,
-        where the link :attr:`sends_pieces`, :meth:`Resident.pieces` (no halo outside the
-        volume)."""
+    def start(self, dest: int, request: dict, out: Segments) -> Pending:
+        """Ask node ``dest`` for its packed blocks, to land in ``out`` (uint8, one after the
+        other): :meth:`Resident.blocks`, or, where the link :attr:`sends_pieces`,
+        :meth:`Resident.pieces` (no halo outside the volume); returns at once."""
+        ...
+
+    def fetch(self, dest: int, request: dict, out: Segments) -> None:
+        """:meth:`start`, waiting for the blocks."""
         ...
 
     def close(self, *, stop_all: bool) -> None:
@@ -110,10 +219,16 @@ class Peers(Protocol):
 class MpiPeers:
     """Requests to and answers from the other services of one MPI job.
 
+    One thread (the link's) makes every MPI call of the service: it takes peers' requests,
+    posts the sends and receives the service's threads ask for, and completes them; a thread
+    asking waits on an event, never inside MPI. So no two threads contend for MPI's lock, many
+    requests are in flight at once (a stream's fetches of the next steps, to every owner), and
+    a reply's bytes land straight in the asker's buffer.
+
     Args:
         comm: an mpi4py communicator of the services (duplicated here).
         answer: ``answer(request) -> reply``: what this service replies to a peer's request; a
-            reply is a picklable object, or a numpy array sent as raw bytes.
+            reply is a picklable object, a numpy array sent as raw bytes, or :class:`Pieces`.
         timeout_s: how long a request may wait for its reply. Default: ``60``.
         tag_span: how many reply tags to cycle through (tests make it small to wrap quickly).
             Default: :data:`TAG_SPAN`.
@@ -131,120 +246,210 @@ class MpiPeers:
         self._answer = answer
         self.timeout_s = timeout_s
         self.tag_span = tag_span
+        self.bytes_received = 0
+        self.sends_pieces = True
+        self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), self.node)
         self._rids = itertools.count()
         self._tag_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # work for the link's thread
+        self._calls: list[_Call] = []  # (the link's thread only) requests awaiting replies
+        self._sends: list[tuple[list[Any], Any]] = []  # (requests, what they send from)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="datastore-peer")
-        self.bytes_received = 0
-        self.sends_pieces = True
-        self._thread = threading.Thread(target=self._serve, name="datastore-peers", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="datastore-peers", daemon=True)
         self._thread.start()
 
-    # -- asking --------------------------------------------------------------------------------
-    def _tag(self) -> tuple[int, int]:
-        """``(reply tag, request number)`` of a new request."""
+    # -- asking (any thread) --------------------------------------------------------------------
+    def _start(self, dest: int, request: dict, out: list[np.ndarray] | None = None) -> _Call:
         with self._tag_lock:
             rid = next(self._rids)
-        return FIRST_REPLY_TAG + rid % self.tag_span, rid
+        tag = FIRST_REPLY_TAG + rid % self.tag_span
+        call = _Call(dest, tag, rid, request["kind"], out, time.monotonic() + self.timeout_s)
+        message = {**request, "tag": tag, "rid": rid}
+        if out is not None:
+            message["nbytes"] = call.nbytes
+        self._do(lambda: self._post(call, message))
+        return call
 
-    def _wait(self, req: Any, dest: int, what: str, deadline: float) -> Any:
-        while True:
-            done, value = req.test()
-            if done:
-                return value
-            if self._stop.is_set() or time.monotonic() > deadline:
-                req.Cancel()
-                raise ServiceError(
-                    "UNAVAILABLE",
-                    f"node {dest} did not answer {what} within {self.timeout_s:.0f} s",
-                )
-            time.sleep(0.0002)
-
-    def _reply_to(self, dest: int, tag: int, rid: int, what: str, deadline: float) -> dict:
-        """The envelope ``{"rid", ...}`` of request ``rid``, dropping late replies to earlier
-        requests that used the same tag (and the raw payload that follows an ``"ok"``)."""
-        while True:
-            msg = self._wait(self.comm.irecv(source=dest, tag=tag), dest, what, deadline)
-            if msg["rid"] == rid:
-                return msg
-            if "ok" in msg:  # a stale raw reply: take its bytes off the queue too
-                stale = np.empty(msg["ok"], dtype=np.uint8)
-                self._receive(dest, tag, stale, msg.get("runs", [msg["ok"]]), deadline)
+    def _finish(self, call: _Call) -> Any:
+        """``call``'s reply, once it came (the link's thread fails it at its deadline)."""
+        if not call.done.wait(self.timeout_s + 5.0):  # the link's thread itself is stuck
+            call.error = ServiceError("UNAVAILABLE", f"node {call.dest}: the link is stuck")
+        if call.error is not None:
+            raise call.error
+        reply = call.reply
+        if isinstance(reply, dict) and "error" in reply:
+            raise ServiceError(reply["code"], f"node {call.dest}: {reply['error']}")
+        return reply
 
     def ask(self, dest: int, request: dict) -> Any:
         """Send ``request`` to node ``dest``; its pickled reply."""
-        tag, rid = self._tag()
-        deadline = time.monotonic() + self.timeout_s
-        self.comm.send({**request, "tag": tag, "rid": rid}, dest=dest, tag=REQUEST)
-        reply = self._reply_to(dest, tag, rid, request["kind"], deadline)["reply"]
-        if isinstance(reply, dict) and "error" in reply:
-            raise ServiceError(reply["code"], f"node {dest}: {reply['error']}")
-        return reply
+        return self._finish(self._start(dest, request))
 
     def describe(self, dest: int, path: str) -> Listing:
         """Node ``dest``'s listing of ``path``."""
         return self.ask(dest, {"kind": "describe", "path": path})
 
-    def fetch(self, dest: int, request: dict, out: np.ndarray) -> None:
-        """Send ``request`` to node ``dest`` and receive its raw reply into ``out`` (uint8):
-        one message, or the runs of :class:`Pieces` (``request["pieces"]``: sent straight
-        from the owner's store), each straight into its place in ``out``."""
-        tag, rid = self._tag()
-        deadline = time.monotonic() + self.timeout_s
-        request = {**request, "tag": tag, "rid": rid, "nbytes": out.nbytes}
-        self.comm.send(request, dest=dest, tag=REQUEST)
-        status = self._reply_to(dest, tag, rid, request["kind"], deadline)
-        if "ok" not in status:
-            reply = status["reply"]
-            raise ServiceError(reply["code"], f"node {dest}: {reply['error']}")
-        if status["ok"] != out.nbytes:
-            raise ServiceError(
-                "INTERNAL", f"node {dest} sent {status['ok']} bytes, not {out.nbytes}"
-            )
-        self._receive(dest, tag, out, status.get("runs", [out.nbytes]), deadline)
-        self.bytes_received += out.nbytes
+    def start(self, dest: int, request: dict, out: Segments) -> Pending:
+        """Send ``request`` to node ``dest``, its raw reply to land in ``out`` (uint8
+        buffers, filled one after the other): one message, or the runs of :class:`Pieces`
+        (sent straight from the owner's store), each received straight into its place. A run
+        must not straddle two buffers of ``out`` (the owner cuts runs within its boxes)."""
+        call = self._start(dest, request, segments(out))
+        return Pending(call.done, lambda: self._finish(call), lambda: self._abandon(call))
 
-    def _receive(
-        self, dest: int, tag: int, out: np.ndarray, sizes: list[int], deadline: float
-    ) -> None:
-        """The messages of ``sizes`` bytes from ``dest`` on ``tag``, one after the other in
-        ``out``; polled without naps (the payload follows its envelope) until ``deadline``."""
-        from mpi4py import MPI
+    def fetch(self, dest: int, request: dict, out: Segments) -> None:
+        """:meth:`start`, waiting for the reply."""
+        self.start(dest, request, out).result()
 
-        at, reqs = 0, []
-        for n in sizes:
-            reqs.append(self.comm.Irecv(out[at : at + n], source=dest, tag=tag))
-            at += n
-        while not MPI.Request.Testall(reqs):
-            if self._stop.is_set() or time.monotonic() > deadline:
-                for r in reqs:
-                    r.Cancel()
-                raise ServiceError("UNAVAILABLE", f"node {dest} did not send its blocks in time")
-            time.sleep(0)
+    def _abandon(self, call: _Call) -> None:
+        """No longer wait for ``call``'s reply, unless its bytes are already coming (those
+        land where they were to: its buffers stay in use until :meth:`Pending.wait` says)."""
+
+        def drop() -> None:
+            if call in self._calls and call.recvs is None:
+                self._give_up(call, "was no longer waited for")
+
+        self._do(drop)
 
     def tell_all(self, request: dict) -> None:
         """Send ``request`` to every other node, expecting no reply."""
         for dest in range(self.nodes):
             if dest != self.node:
-                self.comm.send({**request, "tag": None}, dest=dest, tag=REQUEST)
+                message = {**request, "tag": None}
+                self._do(lambda d=dest, m=message: self._isend(m, d, REQUEST))
 
-    # -- answering -----------------------------------------------------------------------------
-    def _serve(self) -> None:
+    def _do(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the link's thread (which makes every MPI call)."""
+        self._inbox.put(work)
+        self._wake.set()
+
+    # -- the link's thread ---------------------------------------------------------------------
+    def _run(self) -> None:
         from mpi4py import MPI
 
-        status = MPI.Status()
-        nap = IDLE_NAP[0]
+        last = 0.0  # when a peer last asked, or this service last had a request in flight
         while not self._stop.is_set():
-            if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=REQUEST, status=status):
-                time.sleep(nap)  # longer naps while idle: no CPU burnt between jobs
-                nap = min(2 * nap, IDLE_NAP[1])
+            self._drain()
+            asked = self._requests(MPI)
+            moved = self._progress(MPI)
+            now = time.monotonic()
+            if asked or self._calls:
+                last = now
+            if asked or moved:
                 continue
-            nap = IDLE_NAP[0]
-            source = status.Get_source()
-            request = self.comm.recv(source=source, tag=REQUEST)
-            self._pool.submit(self._reply, source, request)
+            # a reply in flight is polled for at once; a request is taken within a short nap
+            # while a job runs, a long one when idle (no CPU burnt between jobs)
+            if self._calls or self._sends:
+                nap = FLIGHT_NAP
+            else:
+                nap = BUSY_NAP if now - last < BUSY_S else IDLE_NAP
+            if self._wake.wait(nap):
+                self._wake.clear()
+        self._drain()
+        deadline = time.monotonic() + 1.0  # what was being sent goes out, if the peers take it
+        while self._sends and time.monotonic() < deadline:
+            self._progress(MPI)
+            time.sleep(FLIGHT_NAP)
+        for call in list(self._calls):
+            self._give_up(call, "was not asked: this service is stopping")
 
+    def _drain(self) -> None:
+        while True:
+            try:
+                work = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            work()
+
+    def _isend(self, message: Any, dest: int, tag: int) -> None:
+        self._sends.append(([self.comm.isend(message, dest=dest, tag=tag)], message))
+
+    def _post(self, call: _Call, message: dict) -> None:
+        self._isend(message, call.dest, REQUEST)
+        self._calls.append(call)
+        if call.out is not None:
+            self.stats.begin(time.monotonic())
+
+    def _requests(self, MPI: Any) -> bool:
+        """Take the peers' requests, to be answered by the pool; whether there were any."""
+        any_ = False
+        status = MPI.Status()
+        while True:
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=REQUEST, status=status)
+            if msg is None:
+                return any_
+            any_ = True
+            self._pool.submit(self._reply, status.Get_source(), msg.recv())
+
+    def _progress(self, MPI: Any) -> bool:
+        """Advance every request in flight and every send; whether anything completed."""
+        moved = False
+        now = time.monotonic()
+        for call in list(self._calls):
+            if call.recvs is None:
+                msg = self.comm.improbe(source=call.dest, tag=call.tag)
+                if msg is not None:
+                    moved = True
+                    self._envelope(call, msg.recv())
+                elif now > call.deadline:
+                    self._give_up(call, f"did not answer {call.what} within {self.timeout_s:g} s")
+            elif MPI.Request.Testall(call.recvs):
+                moved = True
+                self.bytes_received += call.nbytes
+                self._done(call, call.nbytes)
+            elif now > call.deadline:
+                for r in call.recvs:
+                    r.Cancel()
+                self._sends.append((call.recvs, call.out))  # completed (or cancelled) later
+                self._give_up(call, f"did not send its blocks within {self.timeout_s:g} s")
+        for sent in list(self._sends):
+            if MPI.Request.Testall(sent[0]):
+                self._sends.remove(sent)
+                moved = True
+        return moved
+
+    def _envelope(self, call: _Call, env: dict) -> None:
+        """``call``'s reply envelope ``env``: its reply, or the raw runs to receive; a late
+        reply to an earlier request on the same tag is dropped (its raw bytes too)."""
+        if env["rid"] != call.rid:
+            if "ok" in env:  # stale raw bytes: taken off the queue before ours (MPI's order)
+                stale = [np.empty(n, np.uint8) for n in env["runs"]]
+                self._sends.append((self._irecvs(call.dest, call.tag, stale, env["runs"]), stale))
+            return
+        if "ok" not in env:
+            call.reply = env["reply"]
+            self._done(call)
+            return
+        runs = cut_into(env["runs"], [b.nbytes for b in call.out or []])
+        if call.out is None or env["ok"] != call.nbytes or runs is None:
+            want = "nothing" if call.out is None else f"{call.nbytes} bytes in its boxes"
+            self._give_up(call, f"sent {env['ok']} bytes as {env['runs']}, not {want}", "INTERNAL")
+        else:
+            call.sizes = env["runs"]
+            call.recvs = self._irecvs(call.dest, call.tag, call.out, runs)
+
+    def _irecvs(self, dest: int, tag: int, out: list[np.ndarray], runs: Any) -> list[Any]:
+        """Receives of ``runs`` (``[(buffer, start, stop)]``, or sizes: one buffer each)."""
+        if runs and isinstance(runs[0], int):
+            runs = [(k, 0, n) for k, n in enumerate(runs)]
+        return [self.comm.Irecv(out[k][a:b], source=dest, tag=tag) for k, a, b in runs]
+
+    def _done(self, call: _Call, nbytes: int = 0) -> None:
+        """``call`` is over (``nbytes``: the raw bytes it received)."""
+        self._calls.remove(call)
+        if call.out is not None:
+            self.stats.end(time.monotonic(), nbytes, call.sizes)
+        call.done.set()
+
+    def _give_up(self, call: _Call, why: str, code: str = "UNAVAILABLE") -> None:
+        call.error = ServiceError(code, f"node {call.dest} {why}")
+        self._done(call)
+
+    # -- answering -----------------------------------------------------------------------------
     def _reply(self, source: int, request: dict) -> None:
+        """(A pool thread) ``request``'s reply, handed to the link's thread to send."""
         tag, rid = request["tag"], request.get("rid")
         try:
             reply = self._answer(request)
@@ -255,25 +460,49 @@ class MpiPeers:
         if tag is None:
             return
         if isinstance(reply, Pieces):  # straight from the store: nothing packed
-            from mpi4py import MPI
-
             cut = reply.runs()
-            sizes = [r.nbytes for r in cut]
-            self.comm.send({"rid": rid, "ok": sum(sizes), "runs": sizes}, dest=source, tag=tag)
-            MPI.Request.Waitall([self.comm.Isend(r, dest=source, tag=tag) for r in cut])
         elif isinstance(reply, np.ndarray):
-            raw = np.ascontiguousarray(reply).view(np.uint8)
-            self.comm.send({"rid": rid, "ok": raw.nbytes}, dest=source, tag=tag)
-            self.comm.Send(raw, dest=source, tag=tag)
+            cut = [np.ascontiguousarray(reply).reshape(-1).view(np.uint8)]
         else:
-            self.comm.send({"rid": rid, "reply": reply}, dest=source, tag=tag)
+            self._do(lambda: self._isend({"rid": rid, "reply": reply}, source, tag))
+            return
+        sizes = [r.nbytes for r in cut]
+        envelope = {"rid": rid, "ok": sum(sizes), "runs": sizes}
+        self._do(lambda: self._send_raw(source, tag, envelope, cut))
+
+    def _send_raw(self, dest: int, tag: int, envelope: dict, cut: list[np.ndarray]) -> None:
+        self._isend(envelope, dest, tag)
+        self._sends.append(([self.comm.Isend(r, dest=dest, tag=tag) for r in cut], cut))
 
     def close(self, *, stop_all: bool) -> None:
         """Stop answering; ``stop_all``: tell the other services to stop too (one MPI job
         lives and ends together)."""
         if stop_all:
             self.tell_all({"kind": "shutdown", "node": self.node})
+        self._pool.shutdown(wait=True)  # replies being made are handed over first
         self._stop.set()
+        self._wake.set()
         self._thread.join()
-        self._pool.shutdown(wait=True)
+        self.stats.write()
         self.comm.Free()
+
+
+@dataclass(eq=False)
+class _Call:
+    """One request in flight: its reply's envelope, then (a fetch) its raw bytes into ``out``."""
+
+    dest: int
+    tag: int
+    rid: int
+    what: str
+    out: list[np.ndarray] | None
+    deadline: float
+    reply: Any = None
+    error: ServiceError | None = None
+    recvs: list[Any] | None = None  # the receives of the raw bytes, once posted
+    sizes: list[int] = field(default_factory=list)  # the raw bytes' messages
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.out or [])

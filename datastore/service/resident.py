@@ -15,7 +15,6 @@ the node-local copies they were opened from) in the background.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import glob
 import json
 import os
@@ -29,10 +28,12 @@ from typing import Any
 import numpy as np
 
 from datastore.delivery import (
+    Copy,
     Delivered,
     covered,
     delivered_fields,
     fill_batch,
+    pad_copies,
     spatial_grid,
 )
 from datastore.errors import DatasetNotFound
@@ -41,12 +42,12 @@ from datastore.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
 from datastore.service.paths import checked_path, shown
-from datastore.service.peers import Peers, Pieces
+from datastore.service.peers import Peers, Pending, Pieces
 from datastore.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store import SlotSpec, Store
 from staging.confine import beneath
 
-__all__ = ["Residency", "Resident", "resolve_dataset"]
+__all__ = ["Fetching", "Residency", "Resident", "resolve_dataset"]
 
 DESCRIBE_THREADS = 16  # peers asked at once for their files of a dataset
 
@@ -74,6 +75,35 @@ def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
 
 def _outside(roots: tuple[Path, ...]) -> str:
     return f"outside the allowed roots ({', '.join(str(r) for r in roots)})"
+
+
+@dataclass(frozen=True)
+class Fetching:
+    """A batch's samples from other nodes, being received into it."""
+
+    positions: frozenset[int]  # the batch positions that come from other nodes
+    pending: list[Pending]  # one request per owner
+    after: list[Copy]  # once they are in: the copies of parts received aside, the zero halo
+
+    def result(self, stop: threading.Event) -> list[Copy] | None:
+        """The copies left to do once every owner answered; ``None`` if ``stop`` was set
+        first (the requests are then abandoned, and this waits until no byte can still land
+        in the batch: its slot may be reused). Raises the first owner's error."""
+        for p in self.pending:
+            while not p.wait(0.05):
+                if stop.is_set():
+                    self.abandon()
+                    return None
+        for p in self.pending:
+            p.result()
+        return self.after
+
+    def abandon(self) -> None:
+        """Give up the requests; return once none can still write into the batch."""
+        for p in self.pending:
+            p.abandon()
+        for p in self.pending:
+            p.wait()  # bounded: each request fails at its deadline
 
 
 @dataclass
@@ -117,36 +147,56 @@ class Resident:
         """Field ``name`` of sample ``index`` (read from disk on first use)."""
         return self.store.get(index, name)
 
-    def fetch(
-        self, samples: np.ndarray, fields: list[Delivered], spatial: Any, block: int
-    ) -> dict[tuple[int, str], np.ndarray]:
-        """The delivered arrays of the ``samples`` other nodes own, fetched from their owners:
-        ``{(sample, field): array}`` (empty when every sample is here); over a link that
-        :attr:`~datastore.service.peers.Peers.sends_pieces`, their parts inside the volume."""
+    def start_fetch(
+        self,
+        samples: np.ndarray,
+        fields: list[Delivered],
+        spatial: Any,
+        block: int,
+        out: dict[str, np.ndarray],
+    ) -> Fetching | None:
+        """Ask the owners of the ``samples`` other nodes own for them, every owner at once, to
+        land straight in the batch ``out`` (``{field: (n, *box)}``; a box whose part inside
+        the volume is not contiguous there is received aside and copied); returns at once.
+        ``None`` when every sample is here. Over a link that
+        :attr:`~datastore.service.peers.Peers.sends_pieces`, only the parts inside the volume
+        come (the halo outside it is zeroed here)."""
         if self.owner is None or self.link is None:
-            return {}
-        out: dict[tuple[int, str], np.ndarray] = {}
+            return None
         samples = np.asarray(samples, dtype=np.int64)
-        owners = self.owner[samples]
-        for dest in sorted(set(owners.tolist()) - {self.node}):
-            wanted = samples[owners == dest].tolist()
-            # over MPI only the parts inside the volume come (fill_batch pads the rest)
-            laid = [_inside(f) for f in fields] if self.link.sends_pieces else fields
-            buf, arrays = _packed(laid, len(wanted))
+        owners = np.asarray(self.owner[samples]).reshape(-1)
+        remote = owners != self.node
+        if not remote.any():
+            return None
+        pieces, names = self.link.sends_pieces, [f.name for f in fields]
+        pending, after = [], []
+        for dest in sorted(set(owners[remote].tolist())):
+            at = np.flatnonzero(owners == dest).tolist()
+            into = []
+            for f in fields:  # the reply's order: field after field, sample after sample
+                inner = covered(f)[1] if pieces else tuple(slice(0, n) for n in f.shape)
+                for pos in at:
+                    dst = out[f.name][pos]
+                    part = dst[inner]
+                    if part.flags.c_contiguous:
+                        into.append(part.reshape(-1).view(np.uint8))
+                    else:
+                        aside = np.empty(part.shape, part.dtype)
+                        into.append(aside.reshape(-1).view(np.uint8))
+                        after.append((part, aside))
+                    if pieces:
+                        after += pad_copies(f, dst)
             request = {
                 "kind": "fetch",
                 "path": self.template,
-                "samples": wanted,
-                "fields": [f.name for f in fields],
+                "samples": samples[at].tolist(),
+                "fields": names,
                 "spatial": spatial,
                 "block": block,
-                "pieces": self.link.sends_pieces,
+                "pieces": pieces,
             }
-            self.link.fetch(dest, request, buf)
-            for pos, i in enumerate(wanted):
-                for f in fields:
-                    out[(i, f.name)] = arrays[f.name][pos]
-        return out
+            pending.append(self.link.start(dest, request, into))
+        return Fetching(frozenset(np.flatnonzero(remote).tolist()), pending, after)
 
     def blocks(self, samples: list[int], names: list[str], spatial: Any, block: int) -> np.ndarray:
         """What a peer asked for: ``block`` of every field of ``samples``, packed as
@@ -204,12 +254,6 @@ class Resident:
             self.loader.join()
         self.store.close()
         self.reader.close()
-
-
-def _inside(f: Delivered) -> Delivered:
-    """``f`` cut to its part inside the volume (the halo beyond the volume left out)."""
-    _, inner = covered(f)
-    return dataclasses.replace(f, shape=tuple(s.stop - s.start for s in inner))
 
 
 def _packed(fields: list[Delivered], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:

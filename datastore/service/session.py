@@ -29,7 +29,7 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.paths import shown
 from datastore.service.peers import node_path
-from datastore.service.resident import Residency, Resident, resolve_dataset
+from datastore.service.resident import Fetching, Residency, Resident, resolve_dataset
 from datastore.service.stream import SlotRing, Stream
 from datastore.service.watch import ProcessWatch
 
@@ -38,6 +38,7 @@ __all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions", "spatial_of"]
 MAX_GLOBAL_BATCH = 1_000_000
 MAX_WORLD = 1_000_000
 MAX_PREFETCH = 64
+FETCH_AHEAD = 3  # steps of a sharded dataset whose blocks are being fetched at once, at most
 
 
 def spatial_of(layout: Any) -> dict[str, Any] | None:
@@ -113,8 +114,8 @@ class Session:
 
         fields = list(view.fields)
 
-        def fetch(samples: np.ndarray) -> dict[tuple[int, str], np.ndarray]:
-            return self.resident.fetch(samples, fields, self.spatial, lay.spatial_rank)
+        def fetch(samples: np.ndarray, out: dict[str, np.ndarray]) -> Fetching | None:
+            return self.resident.start_fetch(samples, fields, self.spatial, lay.spatial_rank, out)
 
         sharded = self.resident.owner is not None
 
@@ -147,6 +148,7 @@ class Session:
                 ring=ring,
                 on_stall=self._stalled,
                 gather=self.gather,
+                fetch_ahead=min(FETCH_AHEAD, int(r.prefetch) or 2),
             )
             if shared_memory:  # the rank's newest stream takes over its slots
                 for old in self.streams:

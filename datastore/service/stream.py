@@ -19,6 +19,7 @@ the service shuts down.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import os
@@ -26,13 +27,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from datastore.delivery import Delivered, Gather, fill_batch
+from datastore.delivery import Delivered, Gather, box_copies, fill_batch
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
+from datastore.service.resident import Fetching
 from datastore.service.shm import Segment
 from datastore.service.wire import MAX_MESSAGE, ChunkedBatch, batch_message, chunk_messages
 
@@ -123,6 +126,13 @@ class SlotRing:
                 continue
         return None
 
+    def poll(self) -> int | None:
+        """A free slot if there is one now, else ``None``."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
     def give(self, slot: int) -> None:
         self._free.put(slot)
 
@@ -172,32 +182,14 @@ class SlotRing:
             self.segment.unmap()
 
 
-class _Ahead:
-    """``fetch(samples)`` running in a thread of its own (a daemon: a peer that does not
-    answer never holds up the service's exit); :meth:`result` waits for it."""
+@dataclass
+class _Filling:
+    """A batch being filled in a slot: its message, and its blocks coming from other nodes."""
 
-    def __init__(self, fetch: Callable[[np.ndarray], Any], samples: np.ndarray) -> None:
-        self._fetch, self._samples = fetch, samples
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="datastore-fetch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._value = self._fetch(self._samples)
-        except BaseException as exc:  # handed to the producer by result()
-            self._error = exc
-
-    def result(self, stop: threading.Event) -> Any:
-        """The fetched arrays; ``None`` if ``stop`` was set first."""
-        while self._thread.is_alive():
-            if stop.is_set():
-                return None
-            self._thread.join(0.05)
-        if self._error is not None:
-            raise self._error
-        return self._value
+    step: int
+    slot: int
+    message: Any
+    fetching: Fetching | None
 
 
 class Stream:
@@ -207,12 +199,14 @@ class Stream:
         plan: ``plan(step) -> sample indices`` of this rank's share of global batch ``step``.
         ring: the rank's slots, and the fields they hold.
         sample: ``sample(index, field)``: the stored whole sample.
-        fetch: ``fetch(samples)``: ``{(index, field): delivered array}`` of the samples other
-            nodes own; ``None``: every sample is on this node. The next step's fetch runs
-            while this step's batch is filled.
+        fetch: ``fetch(samples, out) -> Fetching | None``: ask for the samples other nodes
+            own, to land straight in the batch ``out`` (``None``: every one is here); ``None``:
+            every sample is on this node. Up to ``fetch_ahead`` batches are being fetched at
+            once, as slots allow.
         steps: ``(epoch, start, end, steps_per_epoch, rank)``.
         on_stall: ``on_stall(seconds)``: time the call waited for a batch.
         gather: the batch copies (threads shared by the service's streams).
+        fetch_ahead: batches being fetched at once, at most. Default: ``1``.
     """
 
     def __init__(
@@ -220,13 +214,15 @@ class Stream:
         *,
         plan: Callable[[int], np.ndarray],
         sample: Callable[[int, str], np.ndarray],
-        fetch: Callable[[np.ndarray], dict[tuple[int, str], np.ndarray]] | None,
+        fetch: Callable[[np.ndarray, dict[str, Any]], Fetching | None] | None,
         steps: tuple[int, int, int, int, int],
         ring: SlotRing,
         on_stall: Callable[[float], None],
         gather: Gather | None = None,
+        fetch_ahead: int = 1,
     ) -> None:
         self._plan, self._fields, self._gather = plan, ring.fields, gather
+        self._depth = max(1, fetch_ahead)
         self._sample, self._fetch = sample, fetch
         self.epoch, self.start, self.end, self._steps_per_epoch, self.rank = steps
         self._on_stall = on_stall
@@ -241,46 +237,92 @@ class Stream:
 
     # -- producer ------------------------------------------------------------------------------
     def _produce(self) -> None:
-        slot = None
-        ahead = self._fetch_ahead(self.start)
+        """Fill the steps' batches in order. A batch whose samples other nodes own starts
+        (its requests sent, its local samples copied) up to ``fetch_ahead`` steps before it
+        is handed over, as long as slots are free: the owners' replies land straight in it
+        meanwhile."""
+        filling: collections.deque[_Filling] = collections.deque()
+        step = self.start
         try:
-            for step in range(self.start, self.end):
-                samples = self._plan(step)
-                fetched = ahead.result(self.stop) if ahead is not None else None
-                if self.stop.is_set():
-                    return
-                ahead = self._fetch_ahead(step + 1)
-                slot = self.ring.take(self.stop)
-                if slot is None:
-                    return
-                header = self._header(step, samples)
-                tensors = [(m, self.ring.shapes[m.name], m.dtype) for m in self._metas]
-                out: dict[str, Any]
-                if self.ring.segment is None and self._nbytes > self._chunk:
-                    message = chunk_messages(header, tensors, self._chunk)  # filled in place
-                    out = dict(message.out)
-                elif self.ring.segment is None:  # inline: filled in place, in its message
-                    message, room = batch_message(header, tensors)
-                    out = {f.name: a for f, a in zip(self._fields, room, strict=True)}
-                else:
-                    message, out = header, self.ring.slots[slot]
-                fill_batch(samples, self._fields, self._sample, out, fetched, self._gather)
-                if isinstance(message, ChunkedBatch):
-                    message.finish()
-                self._ready.put((step, slot, message))
+            while step < self.end or filling:
                 slot = None
+                if step < self.end and len(filling) < self._depth:
+                    slot = self.ring.poll() if filling else self.ring.take(self.stop)
+                    if slot is None and not filling:
+                        return  # stopped
+                if slot is not None:
+                    filling.append(self._begin(step, slot))
+                    step += 1
+                elif not self._complete(filling[0]):
+                    return  # stopped
+                else:
+                    filling.popleft()
         except BaseException as exc:  # handed to the call, which fails with it
-            if slot is not None:
-                self.ring.give(slot)
             self._ready.put((None, None, exc))
             return
+        finally:
+            for f in filling:  # stopped, or failed: no reply lands in its slot any more
+                if f.fetching is not None:
+                    f.fetching.abandon()
+                self.ring.give(f.slot)
         self._ready.put((None, None, None))
 
-    def _fetch_ahead(self, step: int) -> _Ahead | None:
-        """Step ``step``'s blocks from other nodes, being fetched (``None``: nothing to fetch)."""
-        if self._fetch is None or step >= self.end:
-            return None
-        return _Ahead(self._fetch, self._plan(step))
+    def _begin(self, step: int, slot: int) -> _Filling:
+        """Start step ``step``'s batch in ``slot``: ask for its remote samples, straight into
+        their places, and copy the local ones."""
+        samples = self._plan(step)
+        header = self._header(step, samples)
+        tensors = [(m, self.ring.shapes[m.name], m.dtype) for m in self._metas]
+        out: dict[str, Any]
+        if self.ring.segment is None and self._nbytes > self._chunk:
+            message = chunk_messages(header, tensors, self._chunk)  # filled in place
+            out = dict(message.out)
+        elif self.ring.segment is None:  # inline: filled in place, in its message
+            message, room = batch_message(header, tensors)
+            out = {f.name: a for f, a in zip(self._fields, room, strict=True)}
+        else:
+            message, out = header, self.ring.slots[slot]
+        fetching = self._fetch(samples, out) if self._fetch is not None else None
+        if fetching is None:
+            fill_batch(samples, self._fields, self._sample, out, None, self._gather)
+            return _Filling(step, slot, message, None)
+        try:
+            copies = [
+                c
+                for pos, index in enumerate(samples.tolist())
+                if pos not in fetching.positions
+                for f in self._fields
+                for c in box_copies(f, out[f.name][pos], self._sample(index, f.name))
+            ]
+            self._copy(copies)
+        except BaseException:
+            fetching.abandon()
+            self.ring.give(slot)
+            raise
+        return _Filling(step, slot, message, fetching)
+
+    def _complete(self, f: _Filling) -> bool:
+        """Finish ``f`` once its remote samples are in, and hand it over; ``False`` if the
+        stream was stopped first."""
+        if f.fetching is not None:
+            after = f.fetching.result(self.stop)
+            if after is None:
+                return False
+            self._copy(after)
+        if isinstance(f.message, ChunkedBatch):
+            f.message.finish()
+        self._ready.put((f.step, f.slot, f.message))
+        return True
+
+    def _copy(self, copies: list[Any]) -> None:
+        if self._gather is None:
+            for dst, src in copies:
+                if src is None:
+                    dst.fill(0)
+                else:
+                    np.copyto(dst, src)
+        else:
+            self._gather.run(copies)
 
     # -- the call ------------------------------------------------------------------------------
     def messages(self) -> Iterator[tuple[Any, int]]:
