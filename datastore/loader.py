@@ -22,7 +22,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,7 @@ from datastore.rank_view import RankView, rank_view
 from datastore.readers import open_dataset
 from datastore.ring import BufferRing, can_pin, staging_pinned
 from datastore.shards import shard_layout
-from datastore.sources.embedded import EmbeddedSource, Planned
+from datastore.sources.embedded import EmbeddedSource, ExchangeSource
 from datastore.sources.local import LocalSource
 from datastore.sources.options import (
     ExchangeOptions,
@@ -314,6 +314,7 @@ class DataStoreLoader(EpochPosition):
             self._source = self._open_embedded(dataset, reader)
             self.source = self._source.kind
         self.epoch, self._step = 0, 0
+        self._waited = 0.0  # seconds the consumer waited for batches
         self._workers: list[threading.Thread] = []  # the prefetch threads of live passes
         pin = can_pin(staging_pinned(o.pin_memory, o.device))  # without CUDA: a note, once
         # pinned batches handed out are copied by the consumer, out of the ring's sight
@@ -448,20 +449,13 @@ class DataStoreLoader(EpochPosition):
         self.fields: list[Delivered] = mine
         self.batch_size = view.local_batch
         if owner is None:
-            local = LocalSource(self.reader, mine, o.store, self.gather, keys)
-            sched, d, w = schedule, layout.data_rank, layout.data_world
-            source = EmbeddedSource(
-                schedule,
-                local.store,
-                lambda epoch, step, out: local.deliver(sched.rank_samples(epoch, step, d, w), out),
-            )
+            source: EmbeddedSource = LocalSource(self.reader, view, o.store, self.gather, keys)
         else:
             specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in info.items()}
             store = Store(keys, specs, self._read_sample, o.store.memory_budget, o.store.spill_dir)
             by_block = {k: view.fields_of(k) for k in range(layout.spatial_size)}
             ex = self._make_exchange(owner, layout, by_block, store)
-            planned = Planned(schedule, owner, layout, keys, ex)
-            source = EmbeddedSource(schedule, store, planned, ex, StepSync(self._coll, o.timeout))
+            source = ExchangeSource(schedule, layout, keys, ex, StepSync(self._coll, o.timeout))
         if o.store.preload:
             source.store.preload(threads=max(4, self.gather.threads))
         return source
@@ -568,7 +562,6 @@ class DataStoreLoader(EpochPosition):
         )
         worker.start()
         self._workers = [w for w in self._workers if w.is_alive()] + [worker]
-        counters = self._source.counters
         try:
             while True:
                 t0 = time.perf_counter()
@@ -581,7 +574,7 @@ class DataStoreLoader(EpochPosition):
                         "failed",
                         start,
                     ) from None
-                counters.wait_seconds += time.perf_counter() - t0
+                self._waited += time.perf_counter() - t0
                 if step is None:
                     if batch is not None:
                         raise batch
@@ -617,7 +610,8 @@ class DataStoreLoader(EpochPosition):
 
     @property
     def counters(self) -> Counters:
-        return self._source.counters
+        """What the loader did so far (a snapshot)."""
+        return replace(self._source.counters, wait_seconds=self._waited)
 
     @property
     def store(self) -> Store | None:

@@ -24,24 +24,31 @@ import numpy as np
 
 from datastore.keyindex import KeyIndex
 
-__all__ = ["Counters", "SlotSpec", "Store"]
+__all__ = ["Counters", "SlotSpec", "Store", "StoreCounts"]
 
 
 @dataclass
-class Counters:
-    """What the store did; the exchange and the loader add their own counts."""
+class StoreCounts:
+    """What a store did."""
 
     bytes_resident: int = 0
     bytes_spilled: int = 0
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
-    bytes_exchanged: int = 0
-    exchange_seconds: float = 0.0
-    wait_seconds: float = 0.0  # time the consumer waited for a batch
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+@dataclass
+class Counters(StoreCounts):
+    """What a loader did: its store's counts (none with a service), its exchange's, and the
+    time its consumer waited for batches."""
+
+    bytes_exchanged: int = 0
+    exchange_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class Store:
         self.keys = np.asarray(keys, dtype=np.int64)
         self._slot = KeyIndex(self.keys)  # no Python object per key
         self.fields, self._fill = fields, fill
-        self.counters = Counters()
+        self.counters = StoreCounts()
         per_slot = sum(s.nbytes for s in fields.values())
         n = len(self.keys)
         self.ram_slots = n if budget is None or per_slot == 0 else min(n, budget // per_slot)

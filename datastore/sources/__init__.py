@@ -8,9 +8,10 @@
   ``torch.distributed`` with gloo under torchrun).
 - :class:`~datastore.sources.service.ServiceSource`: ``datastore serve`` streams the batches.
 
-The loader opens one source: a :class:`~datastore.sources.embedded.EmbeddedSource` (its store,
-and the local reads or the exchange) or a ``ServiceSource``; both give ``batches(epoch, start,
-stop, ring)``, ``counters``, ``session_id``, ``steps_together`` and ``close()``.
+The loader opens one source: an :class:`~datastore.sources.embedded.EmbeddedSource` (a
+``LocalSource`` or an :class:`~datastore.sources.embedded.ExchangeSource`, each owning its store,
+and the exchange its plan) or a ``ServiceSource``; all give ``batches(epoch, start, stop,
+ring)``, ``counters``, ``session_id``, ``steps_together`` and ``close()``.
 :func:`~datastore.sources.describe.describe_dataset` tells a dataset's samples and fields as
 either sees it.
 

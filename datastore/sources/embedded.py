@@ -1,6 +1,7 @@
-"""The embedded store as one source: this rank's own reads (local) or an exchange between
-the ranks, behind the interface of the service source (``batches`` into the ring,
-``counters``, ``close``)."""
+"""The embedded sources: batches from a store of this process, read by this rank itself
+(:class:`~datastore.sources.local.LocalSource`) or exchanged between the ranks that hold the
+dataset once between them (:class:`ExchangeSource`), behind the interface of the service
+source (``batches`` into the ring, ``counters``, ``close``)."""
 
 from __future__ import annotations
 
@@ -14,80 +15,111 @@ from datastore.agree import StepSync
 from datastore.exchange import EpochPlan
 from datastore.order import RankLayout, Schedule
 from datastore.ring import Buffer, BufferRing
-from datastore.sources.local import filled_batches
 from datastore.store import Counters, Store
 
-__all__ = ["EmbeddedSource", "Planned"]
+__all__ = ["EmbeddedSource", "ExchangeSource"]
 
 
 class EmbeddedSource:
-    """Batches from a store of this process.
+    """What the embedded sources share; a subclass delivers each step (:meth:`deliver`).
 
     Args:
         schedule: the sample sequence.
         store: the rank's samples; closed by :meth:`close`.
-        deliver: ``deliver(epoch, step, arrays)`` fills a batch's arrays.
-        exchange: the exchange between the ranks (``MpiExchange``, ``TorchExchange``), closed
-            by :meth:`close`; with it ``sync`` steps the ranks together. Default: ``None``
-            (local reads).
-        sync: the ranks' agreement on where a pass starts and stops. Default: ``None``.
+        sync: the ranks' agreement on where a pass starts and stops. Default: ``None`` (this
+            rank alone).
     """
 
     session_id = None  # no service session
+    kind: str  # "local", "mpi" or "torch.distributed"
 
-    def __init__(
-        self,
-        schedule: Schedule,
-        store: Store,
-        deliver: Any,
-        exchange: Any = None,
-        sync: StepSync | None = None,
-    ) -> None:
-        self.schedule, self.store, self._deliver = schedule, store, deliver
-        self.exchange, self._sync = exchange, sync
+    def __init__(self, schedule: Schedule, store: Store, sync: StepSync | None = None) -> None:
+        self.schedule, self.store, self.sync = schedule, store, sync
 
-    @property
-    def kind(self) -> str:
-        """``"local"``, ``"mpi"`` or ``"torch.distributed"``."""
-        return self.exchange.kind if self.exchange is not None else "local"
+    def deliver(self, epoch: int, step: int, out: dict[str, np.ndarray]) -> None:
+        """Fill ``out`` with this rank's share of ``step`` of ``epoch``."""
+        raise NotImplementedError
 
     @property
     def steps_together(self) -> bool:
         """The ranks step together, so a loader runs one pass at a time."""
-        return self._sync is not None
+        return self.sync is not None
 
     def batches(
         self, epoch: int, start: int, stop: threading.Event, ring: BufferRing
     ) -> Iterator[tuple[int, Buffer]]:
-        return filled_batches(self.schedule, epoch, start, stop, ring, self._deliver, self._sync)
+        """``(step, buffer)`` of ``epoch`` from ``start``, each step delivered into a buffer of
+        ``ring``. With ``sync`` every rank starts at the same position and stops at the same
+        step."""
+        sync = self.sync
+        if sync is not None:
+            sync.start(epoch, start)
+        for step in range(start, self.schedule.steps_per_epoch):
+            if sync is not None:
+                if sync.halt(step, stop.is_set()):
+                    return
+            elif stop.is_set():
+                return
+            buf = ring.take()
+            try:
+                self.deliver(epoch, step, buf.arrays)
+            except BaseException:
+                ring.give_back(buf)
+                raise
+            yield step, buf
 
     @property
     def counters(self) -> Counters:
-        c = self.store.counters
-        if self.exchange is not None:
-            c.bytes_exchanged = self.exchange.bytes_sent
-            c.exchange_seconds = self.exchange.seconds
+        return Counters(**self.store.counters.as_dict())
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class ExchangeSource(EmbeddedSource):
+    """The ranks hold the dataset once between them; ``exchange`` delivers every step, its
+    messages planned an epoch at a time (:class:`EpochPlan`).
+
+    Args:
+        schedule: the sample sequence.
+        layout: this rank's place in the data x spatial grid.
+        owned: the samples this rank stores.
+        exchange: an ``MpiExchange`` or ``TorchExchange`` (its store is this source's); closed
+            by :meth:`close`.
+        sync: the ranks' agreement on where a pass starts and stops.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        layout: RankLayout,
+        owned: np.ndarray,
+        exchange: Any,
+        sync: StepSync,
+    ) -> None:
+        super().__init__(schedule, exchange.setup.store, sync)
+        self.layout, self.owned, self.exchange = layout, owned, exchange
+        self.plan: EpochPlan | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"mpi"`` or ``"torch.distributed"``."""
+        return self.exchange.kind
+
+    def deliver(self, epoch: int, step: int, out: dict[str, np.ndarray]) -> None:
+        if self.plan is None or self.plan.epoch != epoch:
+            owner = self.exchange.setup.owner
+            self.plan = EpochPlan(self.schedule, owner, self.layout, epoch, self.owned)
+        self.exchange.step(step, self.plan.messages(step), out)
+
+    @property
+    def counters(self) -> Counters:
+        c = super().counters
+        c.bytes_exchanged, c.exchange_seconds = self.exchange.bytes_sent, self.exchange.seconds
         return c
 
     def close(self) -> None:
         if self.exchange is not None:
             self.exchange.close()
             self.exchange = None
-        self.store.close()
-
-
-class Planned:
-    """An exchange's deliveries, planned an epoch at a time (:class:`EpochPlan`)."""
-
-    def __init__(
-        self, schedule: Schedule, owner: Any, layout: RankLayout, owned: np.ndarray, ex: Any
-    ) -> None:
-        self.schedule, self.owner, self.layout, self.owned, self.ex = (
-            schedule, owner, layout, owned, ex
-        )  # fmt: skip
-        self.plan: EpochPlan | None = None
-
-    def __call__(self, epoch: int, step: int, out: dict[str, np.ndarray]) -> None:
-        if self.plan is None or self.plan.epoch != epoch:
-            self.plan = EpochPlan(self.schedule, self.owner, self.layout, epoch, self.owned)
-        self.ex.step(step, self.plan.messages(step), out)
+        super().close()
