@@ -18,12 +18,12 @@ Usage: channels_last_job.py OUT_JSON [DEVICE]   (4 ranks, or 2: one split axis a
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from job_results import write_results
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -158,11 +158,7 @@ def main() -> None:
                 errs, seen = compare(conv, params, cl_conv, cl_params, x, 3)
                 errs["overlapped"] = float(conv.overlapped())
                 results[f"conv overlap={overlap} stride={stride}, {name}"] = gathered(errs, seen)
-    if rank == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results(results, rank)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ Usage: layers_job.py OUT_JSON
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from job_results import write_results
 from torch import nn
 
 from datastore.partition import Grid, block_bounds
@@ -365,11 +364,7 @@ def main() -> None:
         put(f"gather_flatten, {name}", flat)
         put(f"chain, {name}", check_chain(case))
     assert list(results) == case_keys(world), (list(results), case_keys(world))
-    if rank == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results(results, rank)
 
 
 if __name__ == "__main__":

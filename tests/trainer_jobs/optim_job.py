@@ -7,11 +7,9 @@ Usage: optim_job.py OUT_JSON
 
 from __future__ import annotations
 
-import json
-import sys
-
 import torch
 import torch.distributed as dist
+from job_results import write_results
 from torch import nn
 
 from datastore.partition import Grid, block_bounds
@@ -272,11 +270,7 @@ def main() -> None:
         results.update(check_reducer(ProcessGrid.create(parts)))
     for parts in lion_parts:
         results.update(check_lion_cub(ProcessGrid.create(parts)))
-    if rank == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results(results, rank)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ Usage: spatial_job.py OUT_JSON [DEVICE]
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
 import torch
 import torch.distributed as dist
+from job_results import write_results
 from torch import nn
 
 from datastore.partition import Grid, block_bounds, extract_block
@@ -171,11 +171,7 @@ def main() -> None:
         for k in kernels:
             for overlap in OVERLAPS:
                 results[f"conv k={k} overlap={overlap}, {name}"] = check_conv(pg, k, overlap)
-    if rank == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results(results, rank)
 
 
 if __name__ == "__main__":
