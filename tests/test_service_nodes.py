@@ -77,6 +77,35 @@ def test_a_job_across_two_services_gets_the_embedded_batches(store, spatial):
         assert ds.num_samples == 20 and ds.local_samples == 10
 
 
+@pytest.mark.parametrize(
+    ("spatial", "transport", "prefetch"),
+    [(None, "shm", 1), ({"parts": (2, 1, 1), "halo": (1, 1, 1)}, "inline", 4)],
+    ids=["whole-shm-ahead1", "blocks-inline-ahead3"],
+)
+def test_fetch_ahead_keeps_the_embedded_batches_across_a_partial_step_and_epochs(
+    store, spatial, transport, prefetch
+):
+    """Batches of 3 per rank over 20 samples: the last step of each epoch is partial (padded,
+    ``valid`` saying which), and the fetches of the next steps (1 or 3 ahead) end with the
+    epoch."""
+    src, template, sockets, _ = store
+    for rank in range(2):
+        kw = {"rank": rank, "world": 2, "seed": 7, "spatial": spatial, "drop_last": False}
+        service = ServiceOptions(str(sockets[rank]), transport=transport)
+        remote = DataStoreLoader(template, batch_size=3, service=service, prefetch=prefetch, **kw)
+        local = DataStoreLoader(
+            str(src), batch_size=3, exchange=ExchangeOptions(enabled=False), **kw
+        )
+        try:
+            for _ in range(3):
+                got, want = batches(remote), batches(local)
+                assert not got[-1]["valid"].all()  # the partial last step, padded
+                assert_same(got, want)
+        finally:
+            remote.close()
+            local.close()
+
+
 def test_shutdown_of_one_service_stops_the_store(store):
     _, _, sockets, proc = store
     with Client(sockets[1]) as c:

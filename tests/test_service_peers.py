@@ -134,6 +134,34 @@ def test_a_job_across_two_grpc_peers_gets_the_embedded_batches(store, spatial):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("spatial", "transport", "prefetch"),
+    [(None, "shm", 4), ({"parts": (2, 1, 1), "halo": (1, 1, 1)}, "inline", 1)],
+    ids=["whole-shm-ahead3", "blocks-inline-ahead1"],
+)
+def test_grpc_fetch_ahead_keeps_the_embedded_batches_across_a_partial_step_and_epochs(
+    store, spatial, transport, prefetch
+):
+    """Batches of 3 per rank over 20 samples: each epoch ends in a partial step (padded)."""
+    src, template, s = store
+    for rank in range(2):
+        kw = {"rank": rank, "world": 2, "seed": 7, "spatial": spatial, "drop_last": False}
+        service = ServiceOptions(str(s.sockets[rank]), transport=transport)
+        remote = DataStoreLoader(template, batch_size=3, service=service, prefetch=prefetch, **kw)
+        local = DataStoreLoader(
+            str(src), batch_size=3, exchange=ExchangeOptions(enabled=False), **kw
+        )
+        try:
+            for _ in range(3):
+                got = batches(remote)
+                assert not got[-1]["valid"].all()  # the partial last step, padded
+                assert_same(got, batches(local))
+        finally:
+            remote.close()
+            local.close()
+
+
+@pytest.mark.mpi
 def test_the_peer_api_answers_only_the_store_and_what_a_node_owns(store):
     _, template, s = store
     held = sorted(os.listdir(s.tmp / "node1" / "src"))

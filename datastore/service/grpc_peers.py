@@ -17,6 +17,7 @@ serving; once the peer is back, the next call reaches it.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,14 @@ import numpy as np
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
 from datastore.service.errors import ServiceError
-from datastore.service.peers import Listing, Pending, Segments, segments
+from datastore.service.peers import (
+    STATS_ENV,
+    ExchangeStats,
+    Listing,
+    Pending,
+    Segments,
+    segments,
+)
 from datastore.service.wire import bytes_field, bytes_field_view
 
 __all__ = ["CHUNK", "GrpcPeers", "PeersServicer", "add_peers_to_server", "parse_peers"]
@@ -113,6 +121,7 @@ class GrpcPeers:
         self._lock = threading.Lock()
         self._channels: dict[int, grpc.Channel] = {}
         self._pool: ThreadPoolExecutor | None = None  # fetches in flight at once
+        self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), node)
 
     def _channel(self, dest: int) -> grpc.Channel:
         with self._lock:
@@ -184,7 +193,8 @@ class GrpcPeers:
             spatial=_layout(request["spatial"]),
             block=request["block"],
         )
-        into = _Filler(segments(out))
+        into, sizes = _Filler(segments(out)), []
+        self.stats.begin()
         try:
             for chunk in call(
                 message, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=True
@@ -193,8 +203,11 @@ class GrpcPeers:
                     raise ServiceError(
                         "INTERNAL", f"node {dest} sent more than the {into.nbytes} bytes asked"
                     )
+                sizes.append(len(chunk))
         except grpc.RpcError as exc:
             raise self._failed(dest, "FetchBlocks", exc) from None
+        finally:
+            self.stats.end(into.at if into.at == into.nbytes else 0, sizes)
         if into.at != into.nbytes:
             raise ServiceError("INTERNAL", f"node {dest} sent {into.at} of {into.nbytes} bytes")
         self.bytes_received += into.at

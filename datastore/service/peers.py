@@ -128,33 +128,38 @@ class ExchangeStats:
     every process of a host) and each fetch's message sizes, written there as JSON whenever
     none is in flight any more: what ``benchmarks/peers.py`` measures the link by."""
 
-    def __init__(self, path: str, node: int) -> None:
+    def __init__(self, path: str, node: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = node_path(path, node) if path else ""
+        self._clock = clock
         self.in_flight_s = 0.0
         self.bytes = 0
         self.spans: list[tuple[float, float]] = []
         self.fetches: list[list[int]] = []
         self._active, self._since = 0, 0.0
+        self._lock = threading.Lock()
 
-    def begin(self, now: float) -> None:
-        if not self._active:
-            self._since = now
-        self._active += 1
+    def begin(self) -> None:
+        """A fetch was sent."""
+        with self._lock:
+            if not self._active:
+                self._since = self._clock()
+            self._active += 1
 
-    def end(self, now: float, nbytes: int, sizes: list[int]) -> None:
-        self._active -= 1
-        self.bytes += nbytes
-        if self.path and nbytes:
-            self.fetches.append(sizes)
-        if not self._active:
-            self.in_flight_s += now - self._since
-            if self.path:
-                self.spans.append((self._since, now))
-                self.write()
+    def end(self, nbytes: int, sizes: list[int]) -> None:
+        """A fetch is over, ``nbytes`` received in messages of ``sizes`` (0: it failed)."""
+        with self._lock:
+            self._active -= 1
+            self.bytes += nbytes
+            if self.path and nbytes:
+                self.fetches.append(list(sizes))
+            if not self._active:
+                now = self._clock()
+                self.in_flight_s += now - self._since
+                if self.path:
+                    self.spans.append((self._since, now))
+                    self._write()
 
-    def write(self) -> None:
-        if not self.path:
-            return
+    def _write(self) -> None:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(
@@ -370,7 +375,7 @@ class MpiPeers:
         self._isend(message, call.dest, REQUEST)
         self._calls.append(call)
         if call.out is not None:
-            self.stats.begin(time.monotonic())
+            self.stats.begin()
 
     def _requests(self, MPI: Any) -> bool:
         """Take the peers' requests, to be answered by the pool; whether there were any."""
@@ -440,7 +445,7 @@ class MpiPeers:
         """``call`` is over (``nbytes``: the raw bytes it received)."""
         self._calls.remove(call)
         if call.out is not None:
-            self.stats.end(time.monotonic(), nbytes, call.sizes)
+            self.stats.end(nbytes, call.sizes)
         call.done.set()
 
     def _give_up(self, call: _Call, why: str, code: str = "UNAVAILABLE") -> None:
@@ -483,7 +488,6 @@ class MpiPeers:
         self._stop.set()
         self._wake.set()
         self._thread.join()
-        self.stats.write()
         self.comm.Free()
 
 
