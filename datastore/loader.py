@@ -61,6 +61,8 @@ from datastore.world import World, detect_world
 __all__ = ["VALID", "DataStoreLoader", "LoaderOptions"]
 
 VALID = "valid"  # the key of the mask of real samples when drop_last=False
+# the arguments that fix which samples each rank receives at every step (``rank_view``'s)
+ORDER_KEYS = ("batch_size", "global_batch_size", "seed", "shuffle", "drop_last", "spatial")
 
 
 @dataclass(frozen=True)
@@ -123,25 +125,25 @@ class LoaderOptions:
             }
         )
 
+    def view(
+        self, info: dict[str, Any], num_samples: int, world: World, owner: RunOwners | None = None
+    ) -> RankView:
+        """The view these options give this rank of ``world`` on a dataset of ``num_samples``
+        samples with the delivered fields ``info`` (:func:`~datastore.rank_view.rank_view`)."""
+        order = {k: getattr(self, k) for k in ORDER_KEYS}
+        return rank_view(info, num_samples, rank=world.rank, world=world.size, owner=owner, **order)
+
     def fingerprint(self) -> dict[str, str]:
         """What must be the same on every rank of a job."""
-        return {
-            "batch_size": repr(self.batch_size),
-            "global_batch_size": repr(self.global_batch_size),
-            "seed": repr(self.seed),
-            "shuffle": repr(self.shuffle),
-            "drop_last": repr(self.drop_last),
-            "spatial": repr(self.spatial),
-            "fields": repr(self.fields),
-            "exchange": repr(self.exchange.enabled),
-        }
+        order = {k: repr(getattr(self, k)) for k in ORDER_KEYS}
+        return {**order, "fields": repr(self.fields), "exchange": repr(self.exchange.enabled)}
 
 
 def _raw_fingerprint(kw: dict[str, Any]) -> dict[str, str]:
     """The fingerprint of arguments that did not pass the checks (so every rank still agrees
     on which rank refused)."""
-    keys = ("batch_size", "global_batch_size", "seed", "shuffle", "drop_last", "spatial")
-    return {**{k: repr(kw[k]) for k in keys}, "fields": repr(kw["fields"]), "exchange": "?"}
+    order = {k: repr(kw[k]) for k in ORDER_KEYS}
+    return {**order, "fields": repr(kw["fields"]), "exchange": "?"}
 
 
 def _offer(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
@@ -389,21 +391,8 @@ class DataStoreLoader(EpochPosition):
         self._unchecked = None
 
     def _view(self, info: dict[str, Any], owner: RunOwners | None) -> RankView:
-        o = self.options
-        view = rank_view(
-            info,
-            len(self.reader),
-            rank=self.world.rank,
-            world=self.world.size,
-            batch_size=o.batch_size,
-            global_batch_size=o.global_batch_size,
-            seed=o.seed,
-            shuffle=o.shuffle,
-            drop_last=o.drop_last,
-            spatial=o.spatial,
-            owner=owner,
-        )
-        if not o.drop_last and VALID in info:
+        view = self.options.view(info, len(self.reader), self.world, owner)
+        if not self.options.drop_last and VALID in info:
             raise ValueError(
                 f"the dataset has a field named {VALID!r}, the key of the padding mask with "
                 "drop_last=False: leave it out with fields=[...] or use drop_last=True"

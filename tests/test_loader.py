@@ -62,6 +62,17 @@ def test_second_epoch_comes_from_memory(h5):
     assert loader.counters.misses == after_preload and loader.counters.hits == 2 * 2 * N
 
 
+def test_counters_are_the_stores_counts_plus_the_loaders_own_wait(h5):
+    """``loader.counters`` adds the consumer's wait to the store's counts; the store's own
+    counters hold only what the store did."""
+    with DataStoreLoader(str(h5[0]), batch_size=4, fields=["idx"]) as loader:
+        sequence(loader)
+        c, s = loader.counters, loader.store.counters
+        assert (c.hits, c.misses, c.bytes_read) == (s.hits, s.misses, s.bytes_read) == (N, N, N * 8)
+        assert c.wait_seconds > 0 and c.bytes_exchanged == 0
+        assert not hasattr(s, "wait_seconds")
+
+
 def test_resume_mid_epoch_equals_uninterrupted(h5):
     path = str(h5[0])
     full = sequence(DataStoreLoader(path, batch_size=3, seed=9), epochs=2)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from datastore.delivery import Gather
-from datastore.rank_view import global_batch, rank_view
+from datastore.rank_view import global_batch
 from datastore.readers.base import FieldInfo
 from datastore.ring import Buffer, BufferRing
 from datastore.sources.options import ServiceOptions
@@ -51,7 +51,8 @@ class ServiceSource:
     Args:
         dataset: the dataset's path on the service's node.
         service: the service and how to reach it (address, token, transport, job id, TLS CA).
-        options: the loader's checked options (``datastore.loader.LoaderOptions``).
+        options: the loader's checked options (``datastore.loader.LoaderOptions``), which give
+            the rank's view of the job.
         world: this rank and the world size.
         gather: copies into the ring's buffers.
         copies_on: the CUDA stream that copies batches to the device (``device=``): the
@@ -138,17 +139,7 @@ class ServiceSource:
                 f"{reply.shuffle or 'globally or not at all'}, not shuffle={asked!r}: update "
                 "datastore serve there"
             )
-        view = rank_view(
-            info,
-            int(reply.num_samples),
-            rank=self.rank,
-            world=self.world_size,
-            global_batch_size=gb,
-            seed=options.seed,
-            shuffle=options.shuffle,
-            drop_last=options.drop_last,
-            spatial=spatial,
-        )
+        view = options.view(info, int(reply.num_samples), world)
         self.grid, self.layout, self.schedule = view.grid, view.layout, view.schedule
         self.fields, self.batch_size = list(view.fields), view.local_batch
         self._kept: collections.deque[tuple[Buffer, int]] = collections.deque()
