@@ -4,15 +4,19 @@ arguments, help and checks of values; what each does is :mod:`datastore.service.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from datastore.memory import parse_size
 from datastore.service.commands import run_load, run_serve, run_shutdown, run_status, run_unload
-from datastore.service.config import MAX_GRACE_S
+from datastore.service.config import MAX_GRACE_S, ServeConfig
 
 __all__ = ["add_parser", "parse_bytes"]
+
+# serve's defaults are ServeConfig's; an option of serve is stored under its field's name
+SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
 
 
 SERVE_EPILOG = """\
@@ -134,14 +138,13 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: TCP over TLS")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    _seconds_option(p, "--grace", "grace_s", "how long shutdown lets calls in flight finish")
     p.add_argument(
-        "--grace",
-        type=float,
-        default=5.0,
-        metavar="SECONDS",
-        help="how long shutdown lets calls in flight finish (default: 5)",
+        "--workers",
+        type=int,
+        default=SERVE_DEFAULTS["workers"],
+        help="threads serving calls (default: %(default)s)",
     )
-    p.add_argument("--workers", type=int, default=16, help="threads serving calls (default: 16)")
     p.add_argument(
         "--memory-budget",
         type=parse_bytes,
@@ -165,13 +168,8 @@ def add_parser(sub: Any) -> None:
         help="where resident datasets are listed, to reload them after a restart "
         "(default: under $XDG_STATE_HOME/datastore, one per socket)",
     )
-    p.add_argument(
-        "--session-idle",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="close a session with no stream for this long: its client died (default: 600)",
-    )
+    what = "close a session with no stream for this long: its client died"
+    _seconds_option(p, "--session-idle", "session_idle_s", what)
     p.add_argument(
         "--metrics",
         metavar="HOST:PORT",
@@ -192,13 +190,8 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="PEM certificate(s) to check the peers' TLS against (default: --tls-cert)",
     )
-    p.add_argument(
-        "--peer-timeout",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="how long a request to a peer waits for it before failing (default: 60)",
-    )
+    what = "how long a request to a peer waits for it before failing"
+    _seconds_option(p, "--peer-timeout", "peer_timeout_s", what)
 
     s = _command(
         sub,
@@ -254,6 +247,14 @@ def add_parser(sub: Any) -> None:
     )
     sd.add_argument("--reason", default="datastore shutdown", help="logged by the service")
     _client_options(sd, default)
+
+
+def _seconds_option(p: Any, flag: str, field: str, what: str) -> None:
+    """Serve's option ``flag SECONDS``, stored as its ServeConfig ``field`` (whose default it
+    takes); ``what`` it sets, for the help."""
+    help = f"{what} (default: %(default)g)"
+    default = SERVE_DEFAULTS[field]
+    p.add_argument(flag, type=float, dest=field, default=default, metavar="SECONDS", help=help)
 
 
 def _command(

@@ -5,6 +5,7 @@ code and says why it failed in one line on stderr."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -28,25 +29,16 @@ def run_serve(args: argparse.Namespace) -> int:
     private = args.socket is None
     socket = default_socket() if private else args.socket
     try:
-        config = ServeConfig(
-            socket=socket,
-            private=private,
-            tcp=args.tcp,
-            token_file=args.token_file,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            grace_s=args.grace,
-            workers=args.workers,
-            memory_budget=args.memory_budget,
-            state_file=args.state_file or default_state_file(socket),
-            allowed_roots=tuple(args.allow),
-            session_idle_s=args.session_idle,
-            metrics=args.metrics,
-            peers=parse_peers(args.peers) if args.peers else (),
-            node=args.node,
-            peer_ca=args.peer_ca,
-            peer_timeout_s=args.peer_timeout,
-        )
+        derived = {  # the settings the options do not give as they are
+            "socket": socket,
+            "private": private,
+            "state_file": args.state_file or default_state_file(socket),
+            "allowed_roots": tuple(args.allow),
+            "peers": parse_peers(args.peers) if args.peers else (),
+        }
+        names = {f.name for f in dataclasses.fields(ServeConfig)} - derived.keys()
+        # the other options are stored under their ServeConfig field's name (service.cli)
+        config = ServeConfig(**derived, **{k: v for k, v in vars(args).items() if k in names})
     except ValueError as exc:
         print(f"datastore serve: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
