@@ -22,8 +22,9 @@ the compute stream around the step); the host seconds blocked in halo waits
 the layers' sums): host seconds in gloo waits, the compute stream's stall in NCCL waits and
 each transfer's time on NCCL's stream, the staged copies' device time. ``--without-reduce``
 also times the steps without the gradient all-reduce (``step_device_without_reduce_s``, to
-subtract). Peak memory: on CUDA ``torch.cuda.max_memory_allocated``, on the CPU the bytes
-autograd saves in one forward. A CUDA out-of-memory error is reported as ``"oom": true``.
+subtract). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the timed steps (not
+the warm-up, whose ``cudnn.benchmark`` tries algorithms in transient workspaces), on the CPU
+the bytes autograd saves in one forward. A CUDA out-of-memory error is reported as ``"oom": true``.
 
 ``--probe`` (world 1, NCCL): the gradients' all-reduce and the first convolution's halo slab
 sent by the rank to itself (``start_exchange``'s NCCL branch), each either started before a
@@ -126,7 +127,9 @@ def timed_steps(model, x, y, opt, reducer, n: int, grid: ProcessGrid, coll: torc
     then the ``comm_clock`` fields of ``KINDS``. ``reducer=None``: no gradient all-reduce."""
     device = x.device
     rows: list[list[float]] = []
-    for _ in range(n + 1):  # the first is a warm-up
+    for i in range(n + 1):  # the first is a warm-up
+        if i == 1 and device.type == "cuda":  # the peak of the timed steps only
+            torch.cuda.reset_peak_memory_stats(device)
         all_reduce_sum(torch.zeros(1, device=coll), None, grid.timeout)  # start together
         sync(device)
         wait_clock.reset()
@@ -157,8 +160,6 @@ def run(a: argparse.Namespace, grid: ProcessGrid, device: torch.device, coll: to
     partial = layers.spatially_partial()
     reducer = GradientReducer(model, grid, spatially_partial=partial, overlap=a.reduce_overlap)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     figures = timed_steps(model, x, y, opt, reducer, a.steps, grid, coll)
     if device.type == "cuda":
         figures.append(torch.cuda.max_memory_allocated(device))
