@@ -35,6 +35,7 @@ from datastore.service.peers import (
     ExchangeStats,
     Listing,
     Pending,
+    Pieces,
     Segments,
     segments,
 )
@@ -310,9 +311,14 @@ class PeersServicer:
             "spatial": self._spatial_of(request.spatial),
             "block": request.block,
         }
-        buf = np.ascontiguousarray(self._call(asked, context)).reshape(-1).view(np.uint8)
-        for at in range(0, buf.nbytes, CHUNK):
-            yield buf[at : at + CHUNK]
+        reply = self._call(asked, context)
+        if isinstance(reply, Pieces):  # straight from the store: nothing packed
+            cut = reply.runs()
+        else:
+            cut = [np.ascontiguousarray(reply).reshape(-1).view(np.uint8)]
+        for run in cut:
+            for at in range(0, run.nbytes, CHUNK):
+                yield run[at : at + CHUNK]
 
 
 def add_peers_to_server(servicer: PeersServicer, server: grpc.Server) -> None:

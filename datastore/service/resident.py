@@ -198,10 +198,15 @@ class Resident:
             pending.append(self.link.start(dest, request, into))
         return Fetching(frozenset(np.flatnonzero(remote).tolist()), pending, after)
 
-    def blocks(self, samples: list[int], names: list[str], spatial: Any, block: int) -> np.ndarray:
+    def blocks(
+        self, samples: list[int], names: list[str], spatial: Any, block: int
+    ) -> np.ndarray | Pieces:
         """What a peer asked for: ``block`` of every field of ``samples``, packed as
-        :func:`_packed` lays it out."""
+        :func:`_packed` lays it out; as :class:`Pieces` (the same bytes, straight from the
+        store) where no box reaches outside the volume (nothing to pad)."""
         fields = self._asked(samples, names, spatial, block)
+        if not any(_padded(f) for f in fields):
+            return self._pieces(samples, fields)
         buf, arrays = _packed(fields, len(samples))
         fill_batch(samples, fields, self.sample, arrays)
         return buf
@@ -209,7 +214,9 @@ class Resident:
     def pieces(self, samples: list[int], names: list[str], spatial: Any, block: int) -> Pieces:
         """:meth:`blocks` unpacked: the parts inside the volume, straight from the store, in
         the packed order (field after field); the asker zeroes the halo outside the volume."""
-        fields = self._asked(samples, names, spatial, block)
+        return self._pieces(samples, self._asked(samples, names, spatial, block))
+
+    def _pieces(self, samples: list[int], fields: list[Delivered]) -> Pieces:
         return Pieces(
             [(self.store.lasting(i, f.name), covered(f)[0]) for f in fields for i in samples]
         )
@@ -254,6 +261,12 @@ class Resident:
             self.loader.join()
         self.store.close()
         self.reader.close()
+
+
+def _padded(f: Delivered) -> bool:
+    """Whether ``f``'s box reaches outside the volume (a halo there, zero)."""
+    _, inner = covered(f)
+    return any(s.start > 0 or s.stop < n for s, n in zip(inner, f.shape, strict=True))
 
 
 def _packed(fields: list[Delivered], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -38,7 +38,7 @@ __all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions", "spatial_of"]
 MAX_GLOBAL_BATCH = 1_000_000
 MAX_WORLD = 1_000_000
 MAX_PREFETCH = 64
-FETCH_AHEAD = 3  # steps of a sharded dataset whose blocks are being fetched at once, at most
+FETCH_AHEAD = 4  # batches of a sharded dataset being fetched at once, at most
 
 
 def spatial_of(layout: Any) -> dict[str, Any] | None:
@@ -148,7 +148,7 @@ class Session:
                 ring=ring,
                 on_stall=self._stalled,
                 gather=self.gather,
-                fetch_ahead=min(FETCH_AHEAD, int(r.prefetch) or 2),
+                fetch_ahead=FETCH_AHEAD,  # (bounded by the free slots, where fetches land)
             )
             if shared_memory:  # the rank's newest stream takes over its slots
                 for old in self.streams:
