@@ -93,7 +93,9 @@ class Servicer(pb_grpc.DataStoreServicer):
         self._stop = stop
         self._counters = counters
         self._log = log
-        self.link: Peers | None = MpiPeers(comm, self.answer) if comm is not None else peers
+        self.link: Peers | None = peers
+        if comm is not None:  # --peer-timeout bounds every wait on an MPI peer too
+            self.link = MpiPeers(comm, self.answer, timeout_s=config.peer_timeout_s)
         self.residency = Residency(
             config.memory_budget,
             config.state_file,
