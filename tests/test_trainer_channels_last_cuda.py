@@ -3,9 +3,11 @@ staged through pinned host memory: NCCL refuses two ranks on one GPU), split alo
 and along the inner axis (tests/trainer_jobs/channels_last_job.py): the halo exchange and
 ``DistConv3d`` on a ``channels_last_3d`` block and weight give the contiguous run's values, keep
 the layout in outputs and input gradients, and no operation makes a tensor with its channels
-not innermost. float32 with TF32 off. Its CPU twin (4 ranks, float32 and float64) is
-test_trainer_channels_last.py; a training step in ``channels_last_3d`` on ranks sharing the GPU
-against one contiguous rank is in test_trainer_cuda.py. Skipped without CUDA."""
+not innermost. float32 with TF32 off. The same 2-rank job and checks run on the CPU too (the
+``cpu`` variants; the CPU test of 4 ranks, float32 and float64, exactly, is
+test_trainer_channels_last.py); a training step in ``channels_last_3d`` on ranks sharing the GPU
+against one contiguous rank is in test_trainer_cuda.py. The ``cuda`` variants skip without
+CUDA."""
 
 from __future__ import annotations
 
@@ -15,11 +17,10 @@ import pytest
 import torch
 from helpers import mpi_job, run_job
 
-pytestmark = [
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
+CUDA = [
     pytest.mark.cuda,
-    pytest.mark.mpi,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("no_stale_mpich_shm"),
 ]
 
 JOBS = Path(__file__).parent / "trainer_jobs"
@@ -29,20 +30,23 @@ JOBS = Path(__file__).parent / "trainer_jobs"
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("channels_last_cuda") / "out.json"
-    return run_job(mpi_job(2, JOBS / "channels_last_job.py", out, "cuda:0"), out, timeout=180)
+@pytest.fixture(
+    scope="module", params=[pytest.param("cuda:0", id="cuda", marks=CUDA), pytest.param("cpu")]
+)
+def results(request, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("channels_last_2_ranks") / "out.json"
+    cmd = mpi_job(2, JOBS / "channels_last_job.py", out, request.param)
+    return run_job(cmd, out, timeout=180)
 
 
 def cases(results: dict, prefix: str) -> dict:
-    got = {k: v for k, v in results.items() if k.startswith(prefix)}
+    """The float32 cases (the only ones on a GPU; the CPU runs float64 too)."""
+    got = {k: v for k, v in results.items() if k.startswith(prefix) and k.endswith("float32")}
     assert len(got) == {"halo": 8, "conv": 6}[prefix], f"the job ran other cases: {sorted(results)}"
-    assert all(k.endswith("float32") for k in got), sorted(got)
     return got
 
 
-def test_halo_exchange_on_a_shared_gpu_keeps_channels_last_exactly_cuda(results):
+def test_halo_exchange_of_2_ranks_keeps_channels_last_exactly(results):
     """Whole and split (start/finish), halos (1, 1, 1) and (2, 1, 0): copies and sums of the
     same values in the same order, so exactly the contiguous run's."""
     for key, r in cases(results, "halo").items():
@@ -51,7 +55,7 @@ def test_halo_exchange_on_a_shared_gpu_keeps_channels_last_exactly_cuda(results)
         assert r["conversions"] == [], f"{key}: channels not innermost: {r['conversions'][:4]}"
 
 
-def test_dist_conv3d_on_a_shared_gpu_keeps_channels_last_cuda(results):
+def test_dist_conv3d_of_2_ranks_keeps_channels_last(results):
     """Overlap on and off, stride 1 and 2; the weight in ``channels_last_3d`` as the trainer's
     ``model.to(memory_format=...)`` leaves it."""
     for key, r in cases(results, "conv").items():

@@ -1,9 +1,9 @@
 """Under ``mpiexec -n 4 python -m mpi4py``: the halo exchange (whole, and split into start and
 finish) and ``DistConv3d`` (overlap on and off, stride 1 and 2) on a ``channels_last_3d`` block
 against the same on the contiguous block, in float32 and float64; rank 0 writes JSON. With
-DEVICE (``cuda:0``) every rank runs on that one GPU over gloo (messages staged through pinned
-host memory; NCCL refuses two ranks on one GPU), in float32 only with TF32 off: cuDNN keeps
-float64 convolutions contiguous whatever the layout.
+DEVICE ``cuda:0`` (default ``cpu``) every rank runs on that one GPU over gloo (messages staged
+through pinned host memory; NCCL refuses two ranks on one GPU), in float32 only with TF32 off:
+cuDNN keeps float64 convolutions contiguous whatever the layout.
 
 Per case and dtype: the largest absolute differences of the outputs and of every gradient
 (input, weight, bias) between the two layouts and the largest absolute value of each in the
@@ -134,8 +134,8 @@ def main() -> None:
     global DEVICE
     torch.set_num_threads(1)
     dtypes = (torch.float32, torch.float64)
-    if len(sys.argv) > 2:  # every rank on this GPU, over gloo
-        DEVICE = torch.device(sys.argv[2])
+    DEVICE = torch.device(sys.argv[2] if len(sys.argv) > 2 else "cpu")
+    if DEVICE.type == "cuda":  # every rank on this GPU, over gloo
         torch.cuda.set_device(DEVICE)
         torch.backends.cudnn.allow_tf32 = False  # float32 really: both layouts round alike
         torch.backends.cuda.matmul.allow_tf32 = False
