@@ -6,12 +6,15 @@ stage --mode shard``: nodes hold different files under the same path), a service
 peer which files it holds (``describe``), and from then on fetches from their owners the blocks
 its local trainer ranks need (``fetch``): the owner sends block ``k``'s part inside the volume
 straight from its resident sample, as the sample's contiguous runs (:class:`Pieces`; MPI
-derived datatypes are slow in mpich), and the asker writes the zero halo. Fetches run in a
-session's producer thread, so they are prefetched from the known order like the rest of a batch.
+derived datatypes are slow in mpich), and the asker writes the zero halo. A session's stream
+asks for a batch's remote samples as soon as it has the slot they go to, every owner at once,
+up to several batches ahead (:meth:`MpiPeers.start` returns at once), and the runs land
+straight in the slot (:data:`Segments`).
 
-The requests are point-to-point MPI messages (pickled requests, raw replies) answered by a
-thread in each service, so no service ever waits in a collective on a client's behalf. Every
-wait has a deadline: a peer that died makes the request fail (``UNAVAILABLE``), never hang.
+The requests are point-to-point MPI messages (pickled requests, raw replies), so no service
+ever waits in a collective on a client's behalf; one thread per service makes every MPI call.
+Every wait has a deadline: a peer that hangs or dies mid-reply makes the request fail
+(``UNAVAILABLE``), never hang.
 
 Replies travel on a tag per request, taken from a cycle of ``tag_span`` tags, and carry the
 request's number (``rid``, never reused). A reply that comes after its request gave up stays in
