@@ -18,13 +18,13 @@ Usage: detect_world_job.py PORT_A PORT_B PORT_C PORT_D OUT
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from job_rows import write_row
 from mpi4py import MPI
 
 from datastore.world import detect_world
@@ -68,8 +68,7 @@ def main() -> None:
     seen["torch_other_size"] = outcome(detect_world)
     dist.destroy_process_group()
 
-    with open(f"{out_prefix}.{rank}.json", "w") as f:
-        json.dump(seen, f)
+    write_row(out_prefix, rank, seen)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ Usage: step_check_job.py OUT
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any
 
+from job_rows import write_row
 from mpi4py import MPI
 
 from datastore.agree import Collective, StepSync
@@ -62,8 +62,7 @@ def main() -> None:
         time.sleep(SHORT + 3.0)
     else:
         out["absent"] = outcome(lambda: short.halt(0, False))
-    with open(f"{sys.argv[1]}.{rank}.json", "w") as f:
-        json.dump(out, f)
+    write_row(sys.argv[1], rank, out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Usage: traps_epochs_job.py CASE OUT DATASET
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ import traceback
 
 import h5py
 import numpy as np
+from job_rows import write_row
 from mpi4py import MPI
 
 from datastore import DataStoreLoader
@@ -144,10 +144,7 @@ def main() -> None:
             out.update(stop(case, path, rank, out_prefix, x_all))
     except Exception as exc:  # an error outside what the case expects
         out["error"] = error_row(exc, 0.0)
-    tmp = f"{out_prefix}.{rank}.json.tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f)
-    os.replace(tmp, f"{out_prefix}.{rank}.json")
+    write_row(out_prefix, rank, out)
 
 
 if __name__ == "__main__":

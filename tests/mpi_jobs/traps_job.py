@@ -9,7 +9,6 @@ Usage: traps_job.py CASE OUT DATASET [OTHER_DATASET]  (writes OUT.RANK.json)
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ import traceback
 
 import h5py
 import numpy as np
+from job_rows import write_row
 from mpi4py import MPI
 
 from datastore import DataStoreLoader
@@ -116,10 +116,7 @@ def main() -> None:
         for line in traceback.format_exc().splitlines():
             print(f"[{rank}] {line}", file=sys.stderr, flush=True)
     out["seconds"] = time.monotonic() - t0
-    tmp = f"{out_prefix}.{rank}.json.tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f)
-    os.replace(tmp, f"{out_prefix}.{rank}.json")
+    write_row(out_prefix, rank, out)
 
 
 if __name__ == "__main__":

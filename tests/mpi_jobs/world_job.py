@@ -7,10 +7,10 @@ Usage: world_job.py DATASET MODE PORT OUT
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch.distributed as dist
+from job_rows import write_row
 from mpi4py import MPI
 
 from datastore import DataStoreLoader
@@ -36,8 +36,7 @@ def main() -> None:
         "exchanged": loader.counters.bytes_exchanged,
         "ids": ids,
     }
-    with open(f"{out_prefix}.{rank}.json", "w") as f:
-        json.dump(out, f)
+    write_row(out_prefix, rank, out)
     loader.close()
     if mode == "torch":
         dist.destroy_process_group()
