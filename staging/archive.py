@@ -1,7 +1,8 @@
 """Tar archives as staging sources: kinds, member listing, and the safety check.
 
-Every member list is validated as a whole (``check_members``, a pure function) before any byte
-of the archive is written, so an archive with one hostile member is rejected entirely.
+Every member list is validated as a whole (``check_members``, a pure function) before any
+member is placed in DEST, so an archive with one hostile member is rejected entirely (members
+written ahead of the check stay hidden in DEST's temp space and are deleted).
 Uncompressed tars are indexed by seeking over headers: each member is a byte range of the
 archive that the copy engine reads in parallel. Compressed tars (gzip, zstd) are scanned once
 to validate, then extracted in one sequential pass.
@@ -14,7 +15,7 @@ import os
 import posixpath
 import tarfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -239,11 +240,19 @@ def zst_truncated(path: str) -> bool:
         return pos > size
 
 
-def list_members(path: str, kind: str, size: int, direct: bool = False) -> list[Member]:
+def list_members(
+    path: str,
+    kind: str,
+    size: int,
+    direct: bool = False,
+    on_member: Callable[[Member], None] | None = None,
+) -> list[Member]:
     """Every member of the archive at ``path`` (``size`` bytes), validated by ``check_members``.
 
     ``direct``: walk the headers of an uncompressed tar with ``O_DIRECT`` reads; else they
     are read through the page cache with the archive read ahead (``staging.prefetch``).
+    ``on_member``: called with each regular member of an uncompressed tar as the walk finds
+    it, before the archive as a whole is known good (``staging.copy.Engine.ahead``).
 
     Raises ``ArchiveError`` for truncated or corrupt archives as well as unsafe ones.
     """
@@ -262,6 +271,8 @@ def list_members(path: str, kind: str, size: int, direct: bool = False) -> list[
                             path, "corrupt or truncated archive: data runs past end of file", m.name
                         )
                     members.append(m)
+                    if on_member is not None and m.kind == "file" and not m.sparse:
+                        on_member(m)
         else:
             with open_stream(path, kind) as stream, tarfile.open(fileobj=stream, mode="r|") as tf:
                 for info in tf:

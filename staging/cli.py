@@ -18,7 +18,7 @@ exit codes:
   1  staging failed: an I/O error, a destination locked by another run, or a failed rank
   2  bad input: usage error, a missing or unreadable source, an unsafe or corrupt archive
      (the other sources are still staged)
-  3  not enough free space in DEST (checked before anything is copied)
+  3  not enough free space in DEST (checked before anything is placed there)
   4  --verify found missing or changed files
   with --service: the stage's code; 1 also when no service answers or none is named, 2 when
   it refuses the request (a path outside its --allow roots), 130 on Ctrl-C (the service

@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import os
 import queue
+import shutil
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
@@ -80,16 +81,20 @@ def extents(items: list[Item], limit: int = BUF_BYTES) -> list[list[Item]]:
     """
     runs: list[list[Item]] = []
     for item in sorted(items, key=lambda i: i.offset):
-        run = runs[-1] if runs else None
-        if (
-            run is not None
-            and item.offset - (run[-1].offset + run[-1].size) <= EXTENT_GAP
-            and item.offset + item.size - run[0].offset <= limit
-        ):
-            run.append(item)
+        if runs and _joins(runs[-1], item, limit):
+            runs[-1].append(item)
         else:
             runs.append([item])
     return runs
+
+
+def _joins(run: list[Item], item: Item, limit: int = BUF_BYTES) -> bool:
+    """Whether ``item``, next by offset, extends the extent ``run`` (see :func:`extents`)."""
+    return (
+        item.path == run[0].path
+        and item.offset - (run[-1].offset + run[-1].size) <= EXTENT_GAP
+        and item.offset + item.size - run[0].offset <= limit
+    )
 
 
 def within(dest: str, path: str) -> bool:
@@ -330,15 +335,22 @@ class Engine:
         self.mode_mask = 0o7777 if special_bits else 0o777
         self.confine = confine
         self.on_bytes = on_bytes
+        self.rank = rank
         self.tmp = tmp_dir(dest)
         os.makedirs(self.tmp, exist_ok=True)
-        self.journal = Journal(dest, rank)
         self.stats = Stats()
         self._lock = threading.Lock()
         self._sources: dict[str, list] = {}  # path -> [Fd, users]
         self._direct_from_512 = True  # direct writes from 512-aligned addresses (tar data)
         self._archives: set[str] = set()  # uncompressed tars: read direct when cold (auto)
         self._shards: set[str] = set()  # subdirectories of tmp/ made so far
+        # written ahead of the plan (ahead, settle): the run being gathered, the jobs, room
+        # left on DEST for them, and each finished member's temp file and digest
+        self._pending: list[Item] = []
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._ahead_seen: set[Item] = set()
+        self._room: int | None = None
+        self._held: dict[Item, tuple[str, str | None]] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -411,11 +423,14 @@ class Engine:
         with self._lock:
             self.stats.errors.append(f"{item.source}: {msg}")
 
-    def _tmp_path(self, item: Item) -> str:
+    def _tmp_path(self, item: Item, ahead: bool = False) -> str:
         """``tmp/KK/KEY.part``: spread over up to 256 directories, since creating many files
         in one directory and renaming them out of it cost 0.42-0.47 s per 1,000 creations on
-        the reference VM, against 0.13-0.28 s spread (ext4)."""
-        key = hashlib.sha1(os.fsencode(item.dest)).hexdigest()[:20]  # any file name bytes
+        the reference VM, against 0.13-0.28 s spread (ext4). ``ahead``: a member written
+        ahead of the plan, keyed by its offset too (of two members of one name, the walk
+        writes both before the last is known to win)."""
+        name = os.fsencode(item.dest) + (b"\0%d" % item.offset if ahead else b"")
+        key = hashlib.sha1(name).hexdigest()[:20]  # any file name bytes
         shard = os.path.join(self.tmp, key[:2])
         if shard not in self._shards:
             os.makedirs(shard, exist_ok=True)
@@ -434,10 +449,17 @@ class Engine:
         }
 
     def _finish(
-        self, item: Item, out: Fd, tmp: str, digest: str | None, written_back: bool = False
+        self,
+        item: Item,
+        out: Fd,
+        tmp: str,
+        digest: str | None,
+        written_back: bool = False,
+        hold: bool = False,
     ) -> None:
         """Close a finished temp file and hand it to the committer; ``written_back``: its
-        writeback already started (``copy_range`` starts it piece by piece)."""
+        writeback already started (``copy_range`` starts it piece by piece); ``hold``: keep
+        it hidden until :meth:`settle` decides (written ahead of the plan)."""
         fd = out.fd
         if out.direct and item.size % ALIGN:
             os.ftruncate(fd, item.size)  # drop the padding of the last direct write
@@ -447,6 +469,14 @@ class Engine:
         if not (out.direct or written_back):
             start_writeback(fd)
         os.close(fd)
+        if hold:
+            with self._lock:
+                self._held[item] = (tmp, digest)
+            return
+        self._publish(item, tmp, digest)
+
+    def _publish(self, item: Item, tmp: str, digest: str | None) -> None:
+        """Hand a finished temp file to the committer, which places it under its name."""
         self.committer.add(tmp, item.dest, self._record(item, digest, item.size), item.size)
         with self._lock:
             self.stats.files += 1
@@ -471,8 +501,10 @@ class Engine:
             _unlink(tmp)
             self._fail(item, exc)
 
-    def _copy_extent(self, items: list[Item]) -> None:
-        """Copy neighbouring members of one archive with a single read of their whole span."""
+    def _copy_extent(self, items: list[Item], ahead: bool = False) -> None:
+        """Copy neighbouring members of one archive with a single read of their whole span.
+        ``ahead``: written ahead of the plan (:meth:`ahead`): held, not placed, not counted,
+        and a failure is left for :meth:`run` to meet and report."""
         base = items[0].offset
         span = items[-1].offset + items[-1].size - base
         try:
@@ -482,13 +514,13 @@ class Engine:
             if got < span:
                 raise OSError(errno.EIO, "archive ended early (changed while staging?)")
         except OSError as exc:
-            for item in items:
+            for item in () if ahead else items:
                 self._fail(item, exc)
             return
         for item in items:
             rel = item.offset - base
             view = buf[rel : rel + item.size]
-            tmp = self._tmp_path(item)
+            tmp = self._tmp_path(item, ahead)
             try:
                 out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 try:
@@ -501,11 +533,13 @@ class Engine:
                 except BaseException:
                     os.close(out.fd)
                     raise
-                self.on_bytes(item.size)
-                self._finish(item, out, tmp, digest)
+                if not ahead:
+                    self.on_bytes(item.size)
+                self._finish(item, out, tmp, digest, hold=ahead)
             except OSError as exc:
                 _unlink(tmp)
-                self._fail(item, exc)
+                if not ahead:
+                    self._fail(item, exc)
 
     def _write_view(self, out: Fd, view: memoryview) -> None:
         """Write ``view`` at offset 0 without touching the bytes around it in its buffer."""
@@ -653,11 +687,78 @@ class Engine:
             _unlink(tmp)
             self._fail(item, exc)
 
+    # -- ahead of the plan ----------------------------------------------------------------------
+    def ahead(self, item: Item) -> None:
+        """Start writing member ``item`` of an uncompressed tar while the walk over the archive
+        goes on (``build_plan(ahead=...)``; the walk calls this as it reads each header).
+
+        Neighbouring members are gathered into extents and copied by the engine's streams
+        into hidden temp files under ``DEST/.datastore/tmp/``, as :meth:`run` would copy
+        them; nothing is placed under its name before :meth:`settle` has kept it (the archive
+        checked as a whole, its space counted) and :meth:`run` commits it. An extent that
+        would not fit in the space free on DEST when the first was written stops the writing
+        ahead; members larger than one extent are left to :meth:`run`.
+        """
+        if item in self._ahead_seen or item.size > BUF_BYTES - ALIGN or self._room == 0:
+            return
+        self._ahead_seen.add(item)
+        run = self._pending
+        if run and not _joins(run, item):
+            self._write_ahead(run)
+            run = self._pending = []
+        run.append(item)
+
+    def _write_ahead(self, run: list[Item]) -> None:
+        nbytes = sum(i.size for i in run)
+        if self._room is None:
+            usage = shutil.disk_usage(self.dest)
+            self._room = usage.free if usage.total else 0  # no capacity known: no room
+        if nbytes > self._room:
+            self._room = 0
+            return
+        self._room -= nbytes
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(self.streams, thread_name_prefix="ahead")
+        with self._lock:
+            self._archives.add(run[0].path)
+        self._ahead_pool.submit(self._copy_extent, run, True)
+
+    def settle(self, groups: list[Group]) -> int:
+        """Keep what :meth:`ahead` wrote for an item of ``groups`` (this rank's work, after
+        the plan's checks and the skips) and remove the rest: the members of an archive
+        refused late in its walk, or skipped. Returns the bytes kept, which :meth:`run`
+        places without copying them again; ``settle([])`` removes everything written ahead.
+        Members the walk gathered but had not handed to the streams yet are left to
+        :meth:`run`."""
+        self._finish_ahead()
+        wanted = {i for g in groups if g.ident and not g.stream for i in g.items}
+        kept = {}
+        for item, held in self._held.items():
+            if item in wanted:
+                kept[item] = held
+            else:
+                _unlink(held[0])
+        self._held = kept
+        return sum(i.size for i in kept)
+
+    def _finish_ahead(self) -> None:
+        """Wait for every extent handed to the streams ahead of the plan."""
+        self._pending = []
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True)
+            self._ahead_pool = None
+
     # -- driver ------------------------------------------------------------------------------
     def run(self, groups: list[Group]) -> Stats:
-        """Stage ``groups`` (already filtered to what this rank must write)."""
+        """Stage ``groups`` (already filtered to what this rank must write; the members that
+        :meth:`settle` kept are placed as they are)."""
+        self.journal = Journal(self.dest, self.rank)
         self.committer = Committer(self.dest, self.journal)
         self._archives = {g.source for g in groups if g.ident and not g.stream}
+        done, self._held = self._held, {}
+        for item, (tmp, digest) in done.items():
+            self.on_bytes(item.size)
+            self._publish(item, tmp, digest)
         futures: list[Future] = []
         try:
             with ThreadPoolExecutor(self.streams, thread_name_prefix="stream") as pool:
@@ -668,7 +769,7 @@ class Engine:
                         continue
                     for item in (i for i in g.items if i.kind == "symlink"):
                         self._symlink(item)
-                    files = [i for i in g.items if i.kind != "symlink"]
+                    files = [i for i in g.items if i.kind != "symlink" and i not in done]
                     if g.ident:  # an uncompressed tar: small members in extents
                         small = [i for i in files if i.size <= BUF_BYTES - ALIGN]
                         for run in extents(small):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -143,14 +143,39 @@ def _file_item(path: str, dest: str, st: os.stat_result) -> Item:
     )
 
 
-def _archive_group(path: str, kind: str, st: os.stat_result, io: str) -> Group:
+def _member_item(path: str, m: Member, arch_ident: str, offset: int) -> Item:
+    """The item of archive member ``m``; ``offset``: its byte offset in an uncompressed tar,
+    else its index in the stream."""
+    return Item(
+        dest=m.name,
+        kind=m.kind,
+        source=f"{path}::{m.name}",
+        ident=f"{m.size}:{m.mtime}@{arch_ident}",
+        size=m.size,
+        mtime_ns=m.mtime * 1_000_000_000,
+        mode=m.mode,
+        path=path,
+        offset=offset,
+        link=normalize_name(m.link) if m.kind == "hardlink" else m.link,
+    )
+
+
+def _archive_group(
+    path: str, kind: str, st: os.stat_result, io: str, ahead: Callable[[Item], None] | None
+) -> Group:
     direct = kind == "tar" and reads_direct(path, io)
-    members = list_members(path, kind, st.st_size, direct)
+    arch_ident = _ident(st)
+    on_member = None
+    if ahead is not None and kind == "tar":
+
+        def on_member(m: Member) -> None:
+            ahead(_member_item(path, m, arch_ident, m.offset or 0))
+
+    members = list_members(path, kind, st.st_size, direct, on_member)
     stream = None if kind == "tar" else kind
     if kind == "tar" and any(m.sparse for m in members):
         stream = "tar"  # sparse members are not one byte range: extract sequentially
     last = {m.name: i for i, m in enumerate(members)}  # tar semantics: the last duplicate wins
-    arch_ident = _ident(st)
     seen: dict[str, Member] = {}
     items = []
     for i, m in enumerate(members):
@@ -159,22 +184,9 @@ def _archive_group(path: str, kind: str, st: os.stat_result, io: str) -> Group:
             target = seen[normalize_name(m.link)]
             m = replace(m, kind="file", size=target.size, offset=target.offset, link="")
         seen[m.name] = m
-        if last[m.name] != i:
-            continue
-        items.append(
-            Item(
-                dest=m.name,
-                kind=m.kind,
-                source=f"{path}::{m.name}",
-                ident=f"{m.size}:{m.mtime}@{arch_ident}",
-                size=m.size,
-                mtime_ns=m.mtime * 1_000_000_000,
-                mode=m.mode,
-                path=path,
-                offset=(m.offset or 0) if stream is None else i,
-                link=normalize_name(m.link) if m.kind == "hardlink" else m.link,
-            )
-        )
+        if last[m.name] == i:
+            offset = (m.offset or 0) if stream is None else i
+            items.append(_member_item(path, m, arch_ident, offset))
     return Group(source=path, items=tuple(items), stream=stream, ident=arch_ident)
 
 
@@ -205,6 +217,7 @@ def build_plan(
     io: str = "auto",
     confine: Sequence[str] = (),
     dest: str = "",
+    ahead: Callable[[Item], None] | None = None,
 ) -> Plan:
     """Walk ``sources`` into groups of items; a bad source becomes an error, not an exception.
 
@@ -215,6 +228,8 @@ def build_plan(
     policy (``staging.directio``) for reading tar headers. ``confine``: roots every source and
     every symlink inside a source tree must resolve beneath (``staging.confine``). ``dest``:
     DEST, refused inside a directory source (the copy would copy itself, deeper every run).
+    ``ahead``: called with each regular member of an uncompressed tar as the walk finds it
+    (``staging.copy.Engine.ahead``), before the archive is checked as a whole.
     """
     known = known or {}
     plan = Plan()
@@ -242,7 +257,7 @@ def build_plan(
             if kind and known.get(path, {}).get("ident") == _ident(st):
                 group = _group_from_record(path, known[path])
             elif kind:
-                group = _archive_group(path, kind, st, io)
+                group = _archive_group(path, kind, st, io, ahead)
             elif stat.S_ISDIR(st.st_mode):
                 items = _walk_dir(path, name, plan.errors, confine)
                 group = Group(source=path, items=tuple(items))

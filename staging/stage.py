@@ -143,12 +143,22 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         log.errors(errors)
         return Exit.FAILED
 
-    # 2. rank 0 plans (the sources are shared); each node's leader gets its node's groups
+    # 2. rank 0 plans (the sources are shared); each node's leader gets its node's groups.
+    #    A stage of one process writes an uncompressed tar's members to hidden temp files as
+    #    the walk finds them (Engine.ahead); step 3 keeps them once the archive is known good.
     plan = Plan()
+    policy = IoPolicy(cfg.io, meta_dir(dest), log=lay.is_leader and not cfg.quiet)
+    engine = _engine(cfg, dest, lay.rank, policy) if lay.size == 1 else None
     if lay.rank == 0:
-        plan = build_plan(
-            list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine, dest
-        )
+        try:
+            plan = build_plan(
+                list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine, dest,
+                ahead=engine.ahead if engine is not None else None,
+            )  # fmt: skip
+        except BaseException:
+            if engine is not None:
+                engine.settle([])
+            raise
     groups = _node_groups(plan, cfg.mode, comm, lay)
     planned = comm.bcast(bool(plan.groups) if lay.rank == 0 else None, root=0)
 
@@ -158,6 +168,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.is_leader:
         try:
             work = _node_work(groups, manifest, dest, lay.local_size)
+            held = engine.settle(work.per_rank[0]) if engine is not None else 0
             usage = shutil.disk_usage(dest)
             if usage.total == 0 and not cfg.quiet:  # ramfs and the like report no capacity
                 print(
@@ -165,11 +176,11 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                     "skipping the free-space check",
                     file=sys.stderr,
                 )
-            if usage.total and work.todo_bytes > usage.free:
+            if usage.total and work.todo_bytes - held > usage.free:  # held: written already
                 work.code = Exit.NO_SPACE
                 work.error = (
                     f"{dest}: not enough space: need {human_bytes(work.todo_bytes)}, "
-                    f"{human_bytes(usage.free)} available"
+                    f"{human_bytes(usage.free + held)} available"
                 )
             else:
                 for item in (i for g in groups for i in g.items if i.kind == "dir"):
@@ -184,6 +195,9 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     status = comm.allgather((work.code, work.error))
     if any(code for code, _ in status):
         if lock_fd is not None:  # refused here or on another node: leave nothing this run made
+            if engine is not None:
+                engine.settle([])
+                clean_tmp(dest)
             _unmake(dest, made, dirs[::-1])
             os.close(lock_fd)
         log.errors([e for _, e in status if e])
@@ -192,13 +206,12 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     # 4. copy
     mine = work.per_rank[lay.local_rank]
     total = sum(g.nbytes for g in mine)
-    policy = IoPolicy(cfg.io, meta_dir(dest), log=lay.is_leader and not cfg.quiet)
     with Progress(total, enabled=log.progress, json_lines=log.progress_json) as bar:
-        engine = Engine(
-            dest, lay.rank, cfg.checksum, cfg.streams, policy, bar.advance,
-            special_bits=cfg.preserve_special_bits, confine=cfg.confine,
-        ) if mine else None  # fmt: skip
-        stats = engine.run(mine) if engine is not None else Stats()
+        if mine and engine is None:
+            engine = _engine(cfg, dest, lay.rank, policy)
+        if engine is not None:
+            engine.on_bytes = bar.advance
+        stats = engine.run(mine) if mine and engine is not None else Stats()
 
     # 5. the leader folds the node's journals into the manifest and clears the temp space
     node_comm.Barrier()
@@ -230,6 +243,13 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.rank == 0:
         log.summary(plan, every, elapsed, lay)
     return code
+
+
+def _engine(cfg: StageConfig, dest: str, rank: int, policy: IoPolicy) -> Engine:
+    return Engine(
+        dest, rank, cfg.checksum, cfg.streams, policy,
+        special_bits=cfg.preserve_special_bits, confine=cfg.confine,
+    )  # fmt: skip
 
 
 def _absent(path: str) -> list[str]:

@@ -1,0 +1,144 @@
+"""An uncompressed tar's members are written while the walk over the archive goes on
+(``Engine.ahead``), into hidden temp files, and placed only once the archive is known good and
+its space counted: an archive refused late in its walk, or one that does not fit, leaves
+nothing at DEST and nothing in ``DEST/.datastore``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+from helpers import META, file_info, meta_listing, random_bytes, snapshot, tar_bytes
+
+import staging.copy as copy
+from staging.cluster import world
+from staging.config import StageConfig
+from staging.directio import IoPolicy
+from staging.exitcodes import Exit
+from staging.manifest import Manifest, meta_dir
+from staging.plan import build_plan
+from staging.stage import stage
+
+KIB, MIB = 1024, 1024 * 1024
+MEMBER = 256 * KIB
+COUNT = 48  # 12 MiB: the walk hands extents of up to 8 MiB to the streams before it ends
+
+
+def members(count: int = COUNT, size: int = MEMBER) -> list[tuple[str, bytes]]:
+    return [(f"d/m{k:03d}.bin", random_bytes(size, seed=k)) for k in range(count)]
+
+
+def write_tar(path: Path, files: list[tuple[str, bytes]], tail=()) -> Path:
+    path.write_bytes(tar_bytes([(file_info(n), d) for n, d in files] + list(tail)))
+    return path
+
+
+def temp_files(dest: str | Path) -> list[str]:
+    tmp = Path(meta_dir(str(dest))) / "tmp"
+    return sorted(p.name for p in tmp.rglob("*") if p.is_file()) if tmp.exists() else []
+
+
+@pytest.fixture
+def ahead_seen(monkeypatch):
+    """What DEST held when the walk had ended and every extent written ahead was finished:
+    ``(temp files under .datastore/tmp, DEST's snapshot without .datastore)``."""
+    seen: list[tuple[list[str], dict]] = []
+    finish = copy.Engine._finish_ahead
+
+    def look(self):
+        finish(self)
+        if not seen:
+            seen.append((temp_files(self.dest), snapshot(Path(self.dest))))
+
+    monkeypatch.setattr(copy.Engine, "_finish_ahead", look)
+    return seen
+
+
+def run_stage(dest: Path, *sources: Path) -> int:
+    cfg = StageConfig(dest=str(dest), sources=tuple(map(str, sources)), quiet=True)
+    return stage(cfg, world())
+
+
+def test_members_written_ahead_stay_hidden_until_the_archive_is_settled(tmp_path):
+    files = members()
+    arc = write_tar(tmp_path / "x.tar", files)
+    dest = str(tmp_path / "dest")
+    os.makedirs(meta_dir(dest))
+    engine = copy.Engine(dest, 0, "xxh3", 4, IoPolicy("auto", meta_dir(dest), log=False))
+    plan = build_plan([str(arc)], ahead=engine.ahead)
+    engine._finish_ahead()
+    hidden = temp_files(dest)
+    assert len(hidden) >= 31, hidden  # at least the first extent of 8 MiB, 31 members
+    assert os.listdir(dest) == [META]  # nothing under a final name
+    kept = engine.settle(plan.groups)
+    assert kept == len(hidden) * MEMBER
+    stats = engine.run(plan.groups)
+    assert stats.errors == [] and (stats.files, stats.bytes) == (COUNT, COUNT * MEMBER)
+    assert snapshot(Path(dest)) == {"d": ("dir",), **{n: ("file", d) for n, d in files}}
+    entries = Manifest.load(dest).entries
+    assert sorted(entries) == [n for n, _ in files]
+    assert all(e["hash"].startswith("xxh3:") for e in entries.values())
+
+
+def _hostile_last(tmp_path: Path) -> tuple[Path, str]:
+    link = tarfile.TarInfo("zz")
+    link.type, link.linkname = tarfile.SYMTYPE, "../../outside"
+    arc = write_tar(tmp_path / "hostile.tar", members(), tail=[(link, None)])
+    return arc, "member 'zz': symlink '../../outside' points outside DEST"
+
+
+def _truncated_last(tmp_path: Path) -> tuple[Path, str]:
+    raw = tar_bytes([(file_info(n), d) for n, d in members()])
+    with tarfile.open(fileobj=__import__("io").BytesIO(raw)) as tf:
+        last = tf.getmembers()[-1]
+    (tmp_path / "cut.tar").write_bytes(raw[: last.offset_data + last.size // 2])
+    return tmp_path / "cut.tar", f"member {last.name!r}: corrupt or truncated archive"
+
+
+@pytest.mark.parametrize("make", [_hostile_last, _truncated_last], ids=["hostile", "truncated"])
+def test_an_archive_refused_late_in_its_walk_leaves_nothing(tmp_path, ahead_seen, capsys, make):
+    arc, says = make(tmp_path)
+    good = tmp_path / "good.bin"
+    good.write_bytes(b"staged anyway\n")
+    dest = tmp_path / "box" / "dest"
+
+    assert run_stage(dest, arc, good) == Exit.BAD_INPUT
+    assert f"{arc}: {says}" in capsys.readouterr().err
+    hidden, visible = ahead_seen[0]
+    assert len(hidden) >= 31 and visible == {}  # written ahead, and hidden
+    assert snapshot(dest) == {"good.bin": ("file", b"staged anyway\n")}
+    assert meta_listing(dest) == {"manifest.json", "lock"}
+    assert str(arc) not in (dest / META / "manifest.json").read_text()
+
+    ahead_seen.clear()  # alone, the refused archive leaves not even the DEST it made
+    assert run_stage(tmp_path / "box" / "new", arc) == Exit.BAD_INPUT
+    assert len(ahead_seen[0][0]) >= 31
+    assert os.listdir(tmp_path / "box") == ["dest"]
+
+
+def test_an_archive_that_does_not_fit_leaves_nothing(tmp_path, ahead_seen, capsys):
+    # 4 members of 3 MiB on a tmpfs of 8 MiB: the first two fit and are written ahead, the
+    # other two are left to the copy, and the space check refuses the whole archive.
+    arc = write_tar(tmp_path / "big.tar", members(4, 3 * MIB))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {(proc.stderr + proc.stdout).strip()}")
+    try:
+        assert run_stage(mnt / "dest", arc) == Exit.NO_SPACE
+        err = capsys.readouterr().err
+        assert f"{mnt / 'dest'}: not enough space: need 12.0 MiB, " in err, err
+        hidden, visible = ahead_seen[0]
+        assert len(hidden) == 2 and visible == {}
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True, timeout=30)
