@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 from datastore import plan_cmd
 from datastore._version import __version__
@@ -15,6 +18,28 @@ from staging import cli as stage_cli
 from staging.exitcodes import Exit
 
 __all__ = ["main"]
+
+# the commands of the datastore core: (module, name, summary, about); each module gives the
+# arguments (add_arguments), what the command does (run) and the end of its help (EPILOG)
+COMMANDS = (
+    (
+        inspect_cmd,
+        "inspect",
+        "describe a dataset: format, samples, fields (dtype, shape, spatial axes), bytes",
+        "Detect the format of a dataset (HDF5, one HDF5 file per sample, zarr, LMDB, .npy/.npz "
+        "files, WebDataset-style tar shards) or read a spec file (.json/.toml), and print its "
+        "sample count, fields and size. Every file of a set of files is looked into; the first "
+        "that does not match the others is named.",
+    ),
+    (
+        plan_cmd,
+        "plan",
+        "predict staging time, memory and exchange of each layout on a machine, and recommend one",
+        "Predict, for a dataset on a machine: the staging time (replicate vs shard), the bytes "
+        "each node holds in memory and on NVMe, the exchange each shuffle costs per step, the "
+        "memory per rank of each spatial split; and recommend a layout.",
+    ),
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,9 +51,31 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     stage_cli.add_parser(sub)
     sub.choices["stage"].set_defaults(func=_stage)
-    inspect_cmd.add_parser(sub)
-    plan_cmd.add_parser(sub)
-    service_cli.add_parser(sub)
+    command = functools.partial(_command, sub)
+    for module, name, summary, about in COMMANDS:
+        module.add_arguments(command(name, module.run, summary, about, module.EPILOG))
+    service_cli.add_parser(command)
+    return p
+
+
+def _command(
+    sub: Any,
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    summary: str,
+    about: str,
+    epilog: str,
+) -> argparse.ArgumentParser:
+    """The subcommand ``name`` of the subparsers ``sub``, carried out by ``run``: ``summary``
+    in the list of commands, ``about`` atop its help, ``epilog`` (laid out as written) below."""
+    p = sub.add_parser(
+        name,
+        help=summary,
+        description=about,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.set_defaults(func=run)
     return p
 
 

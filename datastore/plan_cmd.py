@@ -24,7 +24,7 @@ from staging.progress import human_bytes
 if TYPE_CHECKING:
     from datastore.plan_model import DatasetSize, Plan
 
-__all__ = ["DEFAULTS", "add_parser", "format_text", "plan_dict", "run"]
+__all__ = ["DEFAULTS", "EPILOG", "add_arguments", "format_text", "plan_dict", "run"]
 
 
 def _count(least: int) -> Callable[[Any, str], int]:
@@ -168,17 +168,8 @@ examples:
 """
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="predict staging time, memory and exchange of each layout on a machine, and "
-        "recommend one",
-        description="Predict, for a dataset on a machine: the staging time (replicate vs "
-        "shard), the bytes each node holds in memory and on NVMe, the exchange each shuffle "
-        "costs per step, the memory per rank of each spatial split; and recommend a layout.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``datastore plan`` (``datastore.cli`` makes its parser)."""
     p.add_argument("dataset", nargs="?", metavar="DATASET", help="a dataset (as for inspect)")
     d = p.add_argument_group("a dataset given by its sizes (instead of DATASET)")
     d.add_argument("--samples", help="number of samples")
@@ -197,7 +188,6 @@ def add_parser(sub: Any) -> None:
         else:
             m.add_argument(flag, help=text + shown)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 # ----------------------------------------------------------------------------- values

@@ -13,7 +13,7 @@ from staging.progress import human_bytes
 if TYPE_CHECKING:
     from datastore.readers.base import Reader
 
-__all__ = ["add_parser", "describe", "format_text", "run"]
+__all__ = ["EPILOG", "add_arguments", "describe", "format_text", "run"]
 
 
 EPILOG = """\
@@ -37,17 +37,8 @@ spec files (.toml or .json; every key, with an example for each format: docs/loa
 """
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "inspect",
-        help="describe a dataset: format, samples, fields (dtype, shape, spatial axes), bytes",
-        description="Detect the format of a dataset (HDF5, one HDF5 file per sample, zarr, "
-        "LMDB, .npy/.npz files, WebDataset-style tar shards) or read a spec file (.json/.toml), "
-        "and print its sample count, fields and size. Every file of a set of files is "
-        "looked into; the first that does not match the others is named.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``datastore inspect`` (``datastore.cli`` makes its parser)."""
     p.add_argument("path", metavar="PATH", help="a dataset file, directory or glob, or a spec file")
     p.add_argument(
         "--layout",
@@ -57,7 +48,6 @@ def add_parser(sub: Any) -> None:
         "whose datasets share a leading length are refused without it)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 def describe(reader: Reader, path: str) -> dict[str, Any]:

@@ -105,14 +105,13 @@ examples:
 """
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``serve``, ``status``, ``load``, ``unload`` and ``shutdown`` on the
-    ``datastore`` subparsers ``sub``."""
+def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
+    """Register ``serve``, ``status``, ``load``, ``unload`` and ``shutdown`` through
+    ``command(name, run, summary, about, epilog)``, ``datastore.cli``'s subcommand builder."""
     from datastore.service.paths import default_socket
 
     default = default_socket()
-    p = _command(
-        sub,
+    p = command(
         "serve",
         run_serve,
         "run the node data service (gRPC on a private Unix socket)",
@@ -193,8 +192,7 @@ def add_parser(sub: Any) -> None:
     what = "how long a request to a peer waits for it before failing"
     _seconds_option(p, "--peer-timeout", "peer_timeout_s", what)
 
-    s = _command(
-        sub,
+    s = command(
         "status",
         run_status,
         "show what a running `datastore serve` holds and has served",
@@ -205,8 +203,7 @@ def add_parser(sub: Any) -> None:
     _client_options(s, default)
     s.add_argument("--json", action="store_true", help="print the whole reply as JSON")
 
-    ld = _command(
-        sub,
+    ld = command(
         "load",
         run_load,
         "make a dataset resident in a running `datastore serve`",
@@ -218,8 +215,7 @@ def add_parser(sub: Any) -> None:
     ld.add_argument("--wait", action="store_true", help="return once every sample is in memory")
     _client_options(ld, default, timeout=None)
 
-    un = _command(
-        sub,
+    un = command(
         "unload",
         run_unload,
         "drop a resident dataset from a running `datastore serve`",
@@ -229,8 +225,7 @@ def add_parser(sub: Any) -> None:
     un.add_argument("path", help="the dataset, as it was loaded")
     _client_options(un, default)
 
-    sd = _command(
-        sub,
+    sd = command(
         "shutdown",
         run_shutdown,
         "stop a running `datastore serve` (drain, then exit)",
@@ -255,27 +250,6 @@ def _seconds_option(p: Any, flag: str, field: str, what: str) -> None:
     help = f"{what} (default: %(default)g)"
     default = SERVE_DEFAULTS[field]
     p.add_argument(flag, type=float, dest=field, default=default, metavar="SECONDS", help=help)
-
-
-def _command(
-    sub: Any,
-    name: str,
-    run: Callable[[argparse.Namespace], int],
-    summary: str,
-    about: str,
-    epilog: str,
-) -> argparse.ArgumentParser:
-    """The subcommand ``name``, carried out by ``run``: ``summary`` in the list of commands,
-    ``about`` atop its help, ``epilog`` (laid out as written) below."""
-    p = sub.add_parser(
-        name,
-        help=summary,
-        description=about,
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.set_defaults(func=run)
-    return p
 
 
 def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
