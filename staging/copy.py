@@ -387,16 +387,21 @@ class Engine:
 
     def _open_read(self, path: str, whole: bool = False) -> Fd:
         """``path`` opened to read, direct where the I/O policy says (not shared yet: safe to
-        switch)."""
+        switch). A small file read whole direct is opened direct: two system calls fewer per
+        file than switching it after the open."""
+        if whole and self.algo != "none" and self.policy.reads_whole_direct(path):
+            try:
+                return Fd(self._open_source(path, os.O_RDONLY | os.O_DIRECT), True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
         fd = self._open_source(path, os.O_RDONLY)
         try:
             archive = path in self._archives
-            direct = self.algo != "none" and (
-                (whole and self.policy.reads_whole_direct(path))
-                or (
-                    self.policy.may_read_direct(archive)
-                    and self.policy.read_direct(path, fd, os.fstat(fd).st_size, archive)
-                )
+            direct = (
+                self.algo != "none"
+                and self.policy.may_read_direct(archive)
+                and self.policy.read_direct(path, fd, os.fstat(fd).st_size, archive)
             )
             direct = direct and _set_direct(fd)
         except BaseException:

@@ -100,7 +100,12 @@ def _glusterfs_live(mnt: str) -> bool:
     not _glusterfs_live(NETFS_MNT),
     reason=f"no live GlusterFS mount at {NETFS_MNT} (benchmarks/netfs.sh up, as root)",
 )
-def test_small_files_on_a_fuse_filesystem_are_read_direct_and_staged_whole(tmp_path):
+def test_small_files_on_a_fuse_filesystem_are_read_direct_and_staged_whole(tmp_path, monkeypatch):
+    # each is opened direct, not switched to direct after the open (two system calls more)
+    reads, switched = [], []
+    read_at = copy.read_at
+    monkeypatch.setattr(copy, "_set_direct", lambda fd: switched.append(fd) or True)
+    monkeypatch.setattr(copy, "read_at", lambda *a: reads.append(a[4]) or read_at(*a))
     src = tempfile.mkdtemp(prefix="test-stage-sources-", dir=NETFS_MNT)
     try:
         files = {f"f{k}": os.urandom(5000 + k * 4096) for k in range(3)}
@@ -120,6 +125,7 @@ def test_small_files_on_a_fuse_filesystem_are_read_direct_and_staged_whole(tmp_p
             groups
         )
         assert stats.errors == [] and stats.files == 3
+        assert reads == [True, True, True] and switched == []
         for name, data in files.items():
             with open(os.path.join(dest, os.path.basename(src), name), "rb") as f:
                 assert f.read() == data
