@@ -44,6 +44,10 @@ How
   reading every input byte, 8 files (or 8 MiB pieces of the tar) at a time, into the page
   cache and no further (``sendfile`` to ``/dev/null``), writing nothing.
 * The load average (``/proc/loadavg``, 1 min) is recorded before every repetition.
+* Around every timed command the CPU time is recorded: the command's own (user + system of
+  ``sh -c 'CMD && sync'`` and all it ran), the GlusterFS daemons' (``--netfs``: the client,
+  the brick server and glusterd, from ``/proc``), and how busy the machine's cores were
+  (``/proc/stat``): on a machine whose cores are busy the time is the CPU's, not the I/O's.
 
 Usage::
 
@@ -58,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -101,6 +106,17 @@ class Case:
         default_factory=lambda: {"ours": [], "peer": [], "floor": []}
     )
     load: list[float] = field(default_factory=list)  # 1-min load average before each rep
+    cpu: dict[str, list[Cpu]] = field(default_factory=lambda: {"ours": [], "peer": []})
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """CPU around one timed command: seconds of the command itself (user + system), of the
+    GlusterFS daemons, and the share of the machine's cores that were busy."""
+
+    own: float
+    netfs: float
+    busy: float
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -281,6 +297,26 @@ def verify(case: Case, side: str, out: str, proc: subprocess.CompletedProcess) -
     )
 
 
+def _cpu_now() -> tuple[float, float, int, int]:
+    """(CPU seconds of this process's finished children, of the GlusterFS daemons, busy and
+    total jiffies of the machine)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    netfs, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue  # gone meanwhile
+        if name.split("(", 1)[1].startswith("gluster"):
+            fields = rest.split()
+            netfs += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    with open("/proc/stat") as f:
+        jiffies = [int(x) for x in f.readline().split()[1:9]]
+    idle = jiffies[3] + jiffies[4]  # idle, iowait
+    return ru.ru_utime + ru.ru_stime, netfs, sum(jiffies) - idle, sum(jiffies)
+
+
 def load1() -> float:
     """The 1-minute load average."""
     with open("/proc/loadavg") as f:
@@ -307,8 +343,12 @@ def run_one(case: Case, side: str, out: str, cold: Cold) -> float:
     if side == "peer" and case.pre_peer:
         subprocess.run(["sh", "-c", case.pre_peer], check=True)
     cold()
+    before = _cpu_now()
     secs, proc = timed(case.ours if side == "ours" else case.peer)
+    after = _cpu_now()
     verify(case, side, out, proc)
+    own, netfs, busy, total = (b - a for a, b in zip(before, after, strict=True))
+    case.cpu[side].append(Cpu(own, netfs, busy / total if total else 0.0))
     return secs
 
 
@@ -495,6 +535,7 @@ def report(
     spread = []
     for c in cases:
         s = summarize(c)
+        spread_cpu = cpu_line(c)
         lines.append(
             f"| {c.key}: {c.title} ({plural(c.files)}, {c.nbytes / MIB:.0f} MiB) "
             f"| {s['ours']:.3f} | {s['peer']:.3f} | {s['ours_mbs']:.0f} | {s['peer_mbs']:.0f} "
@@ -506,6 +547,7 @@ def report(
             f"peer min/max {min(t['peer']):.3f}/{max(t['peer']):.3f} s; load average "
             f"(1 min) before each rep: {', '.join(f'{x:.2f}' for x in c.load)}"
         )
+        spread.append(spread_cpu)
         if t["floor"] and c.read_floor:
             floor = statistics.median(t["floor"])
             spread.append(
@@ -541,6 +583,20 @@ def report(
     )
 
 
+def cpu_line(case: Case) -> str:
+    """The CPU seconds of both sides (and the GlusterFS daemons'), medians over the reps."""
+
+    def side(name: str) -> str:
+        runs = case.cpu[name]
+        own = statistics.median(r.own for r in runs)
+        netfs = statistics.median(r.netfs for r in runs)
+        busy = statistics.median(r.busy for r in runs)
+        daemons = f" + GlusterFS daemons {netfs:.2f}" if case.remote else ""
+        return f"{name} {own:.2f}{daemons} (cores {busy:.0%} busy)"
+
+    return f"  - CPU seconds per run, medians: {side('ours')}; {side('peer')}"
+
+
 def as_json(
     cases: list[Case], args: argparse.Namespace, work: str, cache: PageCache, disk: str, source: str
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -571,6 +627,14 @@ def as_json(
             "peer_name": peer,
             "seconds": {side: stats(c.times[side]) for side in ("ours", "peer", "floor")},
             "load": c.load,
+            "cpu_seconds": {
+                side: {
+                    "own": stats([r.own for r in c.cpu[side]]),
+                    "netfs_daemons": stats([r.netfs for r in c.cpu[side]]),
+                    "cores_busy": stats([r.busy for r in c.cpu[side]]),
+                }
+                for side in ("ours", "peer")
+            },
             "ours_mbs": s["ours_mbs"],
             "peer_mbs": s["peer_mbs"],
             "ratio": s["ratio"],
