@@ -106,6 +106,27 @@ def test_fetch_ahead_keeps_the_embedded_batches_across_a_partial_step_and_epochs
             local.close()
 
 
+def test_a_stream_left_mid_epoch_leaves_its_slots_clean_for_the_next(store):
+    """A client that stops reading after one batch (its stream stopped with fetches in flight,
+    abandoned before its slots are reused), then a new loader on the same session's ring: the
+    embedded batches, byte for byte."""
+    src, template, sockets, _ = store
+    kw = {"rank": 1, "world": 2, "seed": 11, "spatial": None}
+    service = ServiceOptions(str(sockets[1]), transport="shm")
+    for cut in (1, 2):
+        remote = DataStoreLoader(template, batch_size=2, service=service, prefetch=4, **kw)
+        local = DataStoreLoader(
+            str(src), batch_size=2, exchange=ExchangeOptions(enabled=False), **kw
+        )
+        try:
+            assert_same(batches(remote, cut), batches(local, cut))  # then left mid-epoch
+            assert_same(batches(remote), batches(local))
+            assert_same(batches(remote), batches(local))
+        finally:
+            remote.close()
+            local.close()
+
+
 def test_shutdown_of_one_service_stops_the_store(store):
     _, _, sockets, proc = store
     with Client(sockets[1]) as c:
