@@ -98,6 +98,10 @@ class Fetching:
             p.result()
         return self.after
 
+    def arrived(self) -> bool:
+        """Whether every owner answered (or failed), without waiting."""
+        return all(p.wait(0) for p in self.pending)
+
     def abandon(self) -> None:
         """Give up the requests; return once none can still write into the batch."""
         for p in self.pending:

@@ -191,6 +191,10 @@ class _Filling:
     message: Any
     fetching: Fetching | None
 
+    def ready(self) -> bool:
+        """Whether every remote sample is in (or there are none)."""
+        return self.fetching is None or self.fetching.arrived()
+
 
 class Stream:
     """Batches ``start..end-1`` of one rank in one epoch.
@@ -245,6 +249,9 @@ class Stream:
         step = self.start
         try:
             while step < self.end or filling:
+                while filling and filling[0].ready():  # handed over as soon as it can be
+                    self._complete(filling[0])
+                    filling.popleft()
                 slot = None
                 if step < self.end and len(filling) < self._depth:
                     slot = self.ring.poll() if filling else self.ring.take(self.stop)
@@ -253,6 +260,8 @@ class Stream:
                 if slot is not None:
                     filling.append(self._begin(step, slot))
                     step += 1
+                elif not filling:
+                    continue  # (the last batches were handed over just now)
                 elif not self._complete(filling[0]):
                     return  # stopped
                 else:
