@@ -192,57 +192,69 @@ class Stats:
         self.errors.extend(other.errors)
 
 
+Batch = list[tuple[str, str, dict[str, Any], int]]
+"""Finished temp files: (temp path, DEST-relative name, manifest record, bytes)."""
+
+
 class Committer:
-    """Makes finished temp files durable in batches, renames them, and journals them."""
+    """Makes finished temp files durable in batches, renames them, and journals them.
+
+    Finished files gather in a batch that its thread takes when it is full (``batch_bytes`` or
+    ``batch_files``), on :meth:`drain` and :meth:`close`, and once a second whatever there is:
+    the thread is woken once per batch, not once per file (a thread hand-off per file)."""
 
     def __init__(
         self, dest: str, journal: Journal, batch_bytes: int = 256 << 20, batch_files: int = 1024
     ):
         self.dest, self.journal = dest, journal
         self.batch_bytes, self.batch_files = batch_bytes, batch_files
-        self._q: queue.Queue[tuple[str, str, dict[str, Any], int] | None] = queue.Queue()
+        self._q: queue.Queue[Batch | threading.Event | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._batch: Batch = []
+        self._pending = 0  # bytes in _batch
         self._made: set[str] = set()
         self.errors: list[str] = []
         self._thread = threading.Thread(target=self._loop, name="committer", daemon=True)
         self._thread.start()
 
     def add(self, tmp: str, dest_rel: str, record: dict[str, Any], nbytes: int) -> None:
-        self._q.put((tmp, dest_rel, record, nbytes))
+        with self._lock:
+            self._batch.append((tmp, dest_rel, record, nbytes))
+            self._pending += nbytes
+            if self._pending < self.batch_bytes and len(self._batch) < self.batch_files:
+                return
+        self._q.put(self._take())
 
     def drain(self) -> None:
         """Block until everything added so far is durable under its final name."""
         ev = threading.Event()
-        self._q.put(("", "", {"_drain": ev}, 0))
+        self._q.put(ev)
         ev.wait()
 
     def close(self) -> None:
         self._q.put(None)
         self._thread.join()
 
+    def _take(self) -> Batch:
+        with self._lock:
+            batch, self._batch, self._pending = self._batch, [], 0
+        return batch
+
     def _loop(self) -> None:
-        batch: list[tuple[str, str, dict[str, Any], int]] = []
-        pending = 0
         while True:
             try:
                 job = self._q.get(timeout=1.0)
             except queue.Empty:
-                job = ("", "", {}, 0) if batch else None
-                if job is None:
-                    continue
+                job = []  # a second without a full batch: commit what there is
+            if isinstance(job, list):
+                self._flush_or_record(job or self._take())
+                continue
+            self._flush_or_record(self._take())
             if job is None:
-                self._flush_or_record(batch)
                 return
-            tmp, _rel, rec, nbytes = job
-            if tmp:
-                batch.append(job)
-                pending += nbytes
-            if not tmp or pending >= self.batch_bytes or len(batch) >= self.batch_files:
-                self._flush_or_record(batch)
-                batch, pending = [], 0
-                if "_drain" in rec:
-                    rec["_drain"].set()
+            job.set()
 
-    def _flush_or_record(self, batch: list[tuple[str, str, dict[str, Any], int]]) -> None:
+    def _flush_or_record(self, batch: Batch) -> None:
         try:
             self._flush(batch)
         except Exception as exc:  # a dead committer thread would leave drain() waiting for ever
@@ -250,7 +262,7 @@ class Committer:
             for tmp, *_ in batch:
                 _unlink(tmp)
 
-    def _flush(self, batch: list[tuple[str, str, dict[str, Any], int]]) -> None:
+    def _flush(self, batch: Batch) -> None:
         if not batch:
             return
         try:

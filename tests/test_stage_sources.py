@@ -1,7 +1,8 @@
 """How the copy engine reaches its sources: the streams open them at the same time (on a
 network filesystem every open is a round trip to the server), a small hashed file moves in
 one read and one write, on a FUSE filesystem a small file is read direct, and the tar walk
-waits for the read-ahead of the chunk it reads; the plan lists directories in parallel."""
+waits for the read-ahead of the chunk it reads; the plan lists directories in parallel; the
+committer thread is woken once per batch of finished files."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from staging import plan as plan_mod
 from staging import prefetch
 from staging.checksum import new_hasher
 from staging.directio import IoPolicy, fs_type
-from staging.manifest import Manifest, meta_dir
+from staging.manifest import META, Journal, Manifest, meta_dir
 from staging.plan import Group, build_plan
 
 
@@ -178,3 +179,24 @@ def test_the_plan_lists_directories_at_the_same_time_in_the_same_order(tmp_path,
         *("src/b/f", "src/b/sub", "src/b/sub/g"),
         *("src/a/f", "src/a/sub", "src/a/sub/g"),
     ]
+
+
+def test_the_committer_is_woken_once_per_batch_not_once_per_file(tmp_path):
+    dest = str(tmp_path / "dest")
+    os.makedirs(meta_dir(dest))
+    journal = Journal(dest, 0)
+    committer = copy.Committer(dest, journal, batch_files=10)
+    handed, put = [], committer._q.put
+    committer._q.put = lambda job: handed.append(job) or put(job)
+    for k in range(25):
+        tmp = os.path.join(meta_dir(dest), f"t{k}")
+        with open(tmp, "wb") as f:
+            f.write(bytes([k]))
+        committer.add(tmp, f"f{k:02d}", {"entry": f"f{k:02d}", "kind": "file"}, 1)
+    committer.close()
+    journal.close()
+    # two full batches, then close() with the last five (was: one hand-off per file)
+    assert [len(b) if isinstance(b, list) else b for b in handed] == [10, 10, None]
+    assert committer.errors == []
+    assert sorted(os.listdir(dest)) == [META, *(f"f{k:02d}" for k in range(25))]
+    assert sorted(Manifest.load(dest).entries) == [f"f{k:02d}" for k in range(25)]
