@@ -24,6 +24,8 @@ CHUNK = 8 << 20
 WINDOW = 64 << 20
 """How far ahead of the reader's position jobs are started."""
 THREADS = 8
+BLOCK = 4096
+"""Small reads are served from the aligned block of this size around them."""
 
 
 def _budget() -> int:
@@ -68,6 +70,8 @@ class AheadReader(PositionedReader):
         self._next = 0  # the first byte no job was started for
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: dict[int, Future] = {}  # chunk offset -> its read-ahead job, until done
+        self._block = memoryview(bytearray(BLOCK))  # the block last read, at _base
+        self._base, self._valid = 0, 0
         self._lock = threading.Lock()
 
     def _ahead(self) -> None:
@@ -97,9 +101,34 @@ class AheadReader(PositionedReader):
                 job.result()
 
     def readinto(self, b: memoryview) -> int:  # type: ignore[override]
-        """Fill ``b`` completely unless the file ends first (tarfile expects full reads)."""
-        self._ahead()
+        """Fill ``b`` completely unless the file ends first (tarfile expects full reads).
+
+        A read of less than :data:`BLOCK` is served from the aligned block around it, kept:
+        tarfile reads the byte before each header (to see that the member's data is there)
+        and then the header, most often in one block, so a walk makes one system call per
+        member instead of two."""
         view = memoryview(b).cast("B")
+        if len(view) >= BLOCK:
+            return self._read(view)
+        got = 0
+        while got < len(view):
+            start = self._pos - self._base
+            if not 0 <= start < self._valid:
+                self._base = self._pos - self._pos % BLOCK
+                keep, self._pos = self._pos, self._base
+                self._valid = self._read(self._block)
+                self._pos, start = keep, keep - self._base
+                if start >= self._valid:
+                    break  # end of file
+            n = min(len(view) - got, self._valid - start)
+            view[got : got + n] = self._block[start : start + n]
+            got += n
+            self._pos += n
+        return got
+
+    def _read(self, view: memoryview) -> int:
+        """Read into ``view`` at the position (and past it), waiting for the read-ahead."""
+        self._ahead()
         self._wait(self._pos + len(view))
         got = 0
         while got < len(view):
