@@ -456,7 +456,7 @@ def region_shape(region: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int
 
 
 def run_case2(args: argparse.Namespace, paths: Paths) -> list[BlockRuns]:
-    from datastore.partition import Grid, full_region
+    from datastore.maths.partition import Grid, full_region
     from datastore.readers import open_dataset
 
     n, h = args.samples, args.halo

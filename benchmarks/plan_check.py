@@ -60,7 +60,7 @@ from typing import Any
 from common import key_ratio, machine_info, median, venv_tool, write_results
 from peers import Job, Store, clean_env, ensure_data, run_jobs
 
-from datastore.memory import available_memory
+from datastore.store.memory import available_memory
 
 MIB = 1 << 20
 PROBE_BYTES = 256 * MIB

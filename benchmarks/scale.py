@@ -51,10 +51,10 @@ from typing import Any
 import numpy as np
 from common import machine_info, spread
 
-from datastore.exchange import EpochPlan, rank_plan
-from datastore.keyindex import KeyIndex
-from datastore.order import Schedule, rank_layout
-from datastore.ownership import RangeOwners, RunOwners
+from datastore.maths.exchange import EpochPlan, rank_plan
+from datastore.maths.order import Schedule, rank_layout
+from datastore.maths.ownership import RangeOwners, RunOwners
+from datastore.store.keyindex import KeyIndex
 
 MIB = 1 << 20
 TARGETS = ((10**8, 4096), (10**9, 65536))  # (N, P) where the plan must stay under the bounds

@@ -41,8 +41,8 @@ import h5py
 import numpy as np
 from common import key_ratio, machine_info, spread, stats, venv_tool, write_results
 
-from datastore.order import Schedule
-from datastore.ownership import Homes, RangeOwners
+from datastore.maths.order import Schedule
+from datastore.maths.ownership import Homes, RangeOwners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -3,7 +3,7 @@
 What is measured
 ----------------
 Every step of an exchange the ranks check whether any consumer stopped
-(``datastore.agree.StepSync.halt``). Before: :meth:`Collective.allgather_ints`, a message
+(``datastore.ranks.agree.StepSync.halt``). Before: :meth:`Collective.allgather_ints`, a message
 to and from every other rank, 2 (P - 1) per rank. Now: one ``Iallreduce`` of 6 int64
 (:meth:`Collective.allreduce_max`), which MPICH runs as recursive doubling for a few bytes:
 ``r(P) = log2 p`` rounds for the largest power of two ``p <= P``, plus 2 when ``P > p`` (the
@@ -108,7 +108,7 @@ def job(checks: int) -> None:
     """One rank's part: seconds per check of each kind, gathered and printed by rank 0."""
     from mpi4py import MPI
 
-    from datastore.agree import Collective
+    from datastore.ranks.agree import Collective
 
     world = MPI.COMM_WORLD
     coll = Collective(world)

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from train_step_job import saved_bytes  # the same measure as the CPU step benchmark
 
-from datastore.partition import Grid, block_bounds
+from datastore.maths.partition import Grid, block_bounds
 from staging.cluster import local_rank, local_size
 from trainer.comm import CommTimes, all_reduce_sum, comm_clock, start_all_reduce, start_exchange
 from trainer.devices import pick_device

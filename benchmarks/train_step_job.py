@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import trainer.halo as halo
-from datastore.partition import Grid, block_bounds
+from datastore.maths.partition import Grid, block_bounds
 from trainer.dist_models import DistLayers
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.lion_cub import LionCub

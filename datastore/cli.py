@@ -10,8 +10,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from datastore import plan_cmd
 from datastore._version import __version__
+from datastore.plan import plan_cmd
 from datastore.readers import inspect_cmd
 from datastore.service import cli as service_cli
 from staging import cli as stage_cli

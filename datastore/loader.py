@@ -4,8 +4,8 @@ One front end over three sources (``datastore.sources``): the rank's own reads (
 exchange between the ranks that hold the dataset once between them (MPI, or
 ``torch.distributed`` under torchrun), or ``datastore serve`` (``service=``). The loader checks
 its arguments once, on every rank alike; owns the position in the sample sequence
-(``datastore.order``), the batch buffers (``datastore.ring``), the prefetch thread and the
-device stage (``datastore.device``); each source only fills the buffers it is given.
+(``datastore.maths.order``), the batch buffers (``datastore.store.ring``), the prefetch thread and
+the device stage (``datastore.store.device``); each source only fills the buffers it is given.
 
 A background thread prepares ``prefetch`` batches ahead: the source fills a buffer (copies
 spread over ``threads`` threads), the batch is copied to ``device`` on a side stream and
@@ -28,22 +28,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from datastore.agree import Collective, StepSync, StoreCollective, agree
-from datastore.delivery import (
+from datastore.errors import ExchangeTimeout, InsufficientMemory
+from datastore.maths.delivery import (
     Delivered,
     Gather,
     chosen_fields,
     parse_spatial,
 )
-from datastore.device import DeviceStage, parse_device
-from datastore.errors import ExchangeTimeout, InsufficientMemory
-from datastore.memory import available_memory
-from datastore.order import EpochPosition, RankLayout, parse_shuffle
-from datastore.ownership import RangeOwners, RunOwners, owned_keys
-from datastore.rank_view import RankView, rank_view
+from datastore.maths.order import EpochPosition, RankLayout, parse_shuffle
+from datastore.maths.ownership import RangeOwners, RunOwners, owned_keys
+from datastore.maths.rank_view import RankView, rank_view
+from datastore.ranks.agree import Collective, StepSync, StoreCollective, agree
+from datastore.ranks.world import World, detect_world
 from datastore.readers import open_dataset
-from datastore.ring import BufferRing, can_pin, staging_pinned
-from datastore.shards import shard_layout
 from datastore.sources.embedded import EmbeddedSource, ExchangeSource
 from datastore.sources.local import LocalSource
 from datastore.sources.options import (
@@ -55,8 +52,11 @@ from datastore.sources.options import (
     service_of,
 )
 from datastore.sources.owners import ExchangeSetup
-from datastore.store import Counters, SlotSpec, Store
-from datastore.world import World, detect_world
+from datastore.store.device import DeviceStage, parse_device
+from datastore.store.memory import available_memory
+from datastore.store.ring import BufferRing, can_pin, staging_pinned
+from datastore.store.shards import shard_layout
+from datastore.store.store import Counters, SlotSpec, Store
 
 __all__ = ["VALID", "DataStoreLoader", "LoaderOptions"]
 
@@ -129,7 +129,8 @@ class LoaderOptions:
         self, info: dict[str, Any], num_samples: int, world: World, owner: RunOwners | None = None
     ) -> RankView:
         """The view these options give this rank of ``world`` on a dataset of ``num_samples``
-        samples with the delivered fields ``info`` (:func:`~datastore.rank_view.rank_view`)."""
+        samples with the delivered fields ``info``
+        (:func:`~datastore.maths.rank_view.rank_view`)."""
         order = {k: getattr(self, k) for k in ORDER_KEYS}
         return rank_view(info, num_samples, rank=world.rank, world=world.size, owner=owner, **order)
 
@@ -170,7 +171,7 @@ class DataStoreLoader(EpochPosition):
             ``global_batch_size`` instead, the samples per step over all data-parallel ranks.
         fields: fields to deliver. Default: all.
         seed: shuffle seed, the same on every rank. Default: ``0``.
-        shuffle: the order of every epoch (``datastore.order``). ``"global"`` (or ``True``):
+        shuffle: the order of every epoch (``datastore.maths.order``). ``"global"`` (or ``True``):
             a new permutation of the whole dataset, the same for any world size.
             ``"shard"``: each data rank draws a permutation of the samples its own ranks
             hold, so no sample crosses between data ranks (the local source reads only its
@@ -185,7 +186,7 @@ class DataStoreLoader(EpochPosition):
             its block of every spatial field (``halo``: one width, or one per axis). Ranks
             are spatial-fastest: ``rank = data_rank * blocks + block``. Default: ``None``.
         rank, world: this rank and the world size. Default: from the launcher
-            (``datastore.world``); under an MPI launcher the exchange runs over MPI even when
+            (``datastore.ranks.world``); under an MPI launcher the exchange runs over MPI even when
             they are given or ``torch.distributed`` is initialized.
         prefetch: batches prepared ahead. Default: ``2``.
         pin_memory: page-locked batches, for the consumer's ``.cuda(non_blocking=True)``
@@ -215,7 +216,7 @@ class DataStoreLoader(EpochPosition):
         sampler: the loader itself, whose ``set_epoch`` trainers call (Lightning).
 
     Every ``iter()`` is a whole pass, as with torch's loaders; only the first after
-    ``load_state_dict`` resumes mid-epoch (``datastore.order.EpochPosition``).
+    ``load_state_dict`` resumes mid-epoch (``datastore.maths.order.EpochPosition``).
 
     Raises:
         TypeError: an unknown keyword argument, or a settings object of the wrong class.

@@ -1,7 +1,7 @@
 """Where this process stands in the job: ranks, nodes, and the node's I/O leader.
 
 This is the one module that reads launchers' variables (MPI's PMI, Open MPI's, torchrun's,
-Slurm's); ``datastore.world`` builds the loader's view of the world on it.
+Slurm's); ``datastore.ranks.world`` builds the loader's view of the world on it.
 
 Without an MPI launcher nothing imports MPI and a single-process ``SoloComm`` stands in, so one
 rank needs no MPI at all. Under ``mpiexec``/``srun`` the nodes are found with an MPI

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore.delivery import (
+from datastore.maths.delivery import (
     Gather,
     box_copies,
     covered,
@@ -17,9 +17,9 @@ from datastore.delivery import (
     parse_spatial,
     spatial_grid,
 )
-from datastore.partition import extract_block
+from datastore.maths.partition import extract_block
 from datastore.readers.base import FieldInfo
-from datastore.ring import BufferRing
+from datastore.store.ring import BufferRing
 
 
 def _info(shape=(2, 8, 6, 4)):

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore.exchange import EpochPlan, Message, plan, rank_plan
-from datastore.order import Schedule, rank_layout
-from datastore.ownership import Homes, RangeOwners, RunOwners, owned_keys
+from datastore.maths.exchange import EpochPlan, Message, plan, rank_plan
+from datastore.maths.order import Schedule, rank_layout
+from datastore.maths.ownership import Homes, RangeOwners, RunOwners, owned_keys
 
 
 @settings(deadline=None, max_examples=80)

@@ -14,11 +14,11 @@ import pytest
 from helpers import MPIEXEC, stage_sharded
 
 from datastore import DataStoreLoader
-from datastore.order import Schedule
+from datastore.maths.order import Schedule
 from datastore.readers import DatasetSpec, FieldSpec, open_dataset
 from datastore.readers.base import DatasetError
 from datastore.readers.spec import detect
-from datastore.shards import LocalView, local_files, owners_by_holders, plan_shards
+from datastore.store.shards import LocalView, local_files, owners_by_holders, plan_shards
 from staging.progress import human_bytes
 
 COUNTS = (4, 5, 3)

@@ -7,8 +7,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from datastore.keyindex import KeyIndex
-from datastore.store import SlotSpec, Store
+from datastore.store.keyindex import KeyIndex
+from datastore.store.store import SlotSpec, Store
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from datastore import DataStoreLoader
-from datastore.order import Schedule
+from datastore.maths.order import Schedule
 from datastore.readers import DatasetSpec, open_dataset, write_lmdb
 from datastore.readers.base import DatasetError
 from datastore.readers.lmdb_layout import LmdbLayout, RecordField

@@ -14,8 +14,8 @@ import torch
 from helpers import MPIEXEC
 
 from datastore import DataStoreLoader
-from datastore.order import Schedule
-from datastore.partition import Grid, extract_block
+from datastore.maths.order import Schedule
+from datastore.maths.partition import Grid, extract_block
 from datastore.sources.options import StoreOptions
 
 N, C, D = 24, 2, 8

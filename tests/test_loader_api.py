@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from datastore import DataStoreLoader
-from datastore.device import tensors_in
-from datastore.order import Schedule
-from datastore.partition import Grid, extract_block
+from datastore.maths.order import Schedule
+from datastore.maths.partition import Grid, extract_block
 from datastore.sources.options import ExchangeOptions, ServiceOptions, StoreOptions
+from datastore.store.device import tensors_in
 
 N, C, D = 12, 2, 8
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

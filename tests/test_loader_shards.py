@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from helpers import MPIEXEC
 
-from datastore.order import Schedule
-from datastore.ownership import Homes
-from datastore.shards import owners_by_holders
+from datastore.maths.order import Schedule
+from datastore.maths.ownership import Homes
+from datastore.store.shards import owners_by_holders
 
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "shard_job.py")
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import datastore.loader
-import datastore.ring
+import datastore.store.ring
 from datastore import DataStoreLoader
 from datastore.errors import DataStoreError, InsufficientMemory
-from datastore.order import Schedule
-from datastore.partition import Grid, extract_block
+from datastore.maths.order import Schedule
+from datastore.maths.partition import Grid, extract_block
 from datastore.sources.options import ServiceOptions, StoreOptions
 
 N, C, D = 22, 2, 8
@@ -277,7 +277,7 @@ def test_7_a_dataset_larger_than_memory_is_refused_before_reading(tmp_path, monk
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the note is for machines without CUDA")
 def test_8_the_pin_memory_note_comes_once_per_process(h5, monkeypatch):
     path, x, _ = h5
-    monkeypatch.setattr(datastore.ring, "_pin_noted", False)
+    monkeypatch.setattr(datastore.store.ring, "_pin_noted", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # not Python's once-per-place filter: the loader's own
         first = DataStoreLoader(path, batch_size=2, pin_memory=True, prefetch=4)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import MPIEXEC
 
-from datastore.order import Schedule
+from datastore.maths.order import Schedule
 
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "traps_job.py")
 EPOCHS_JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "traps_epochs_job.py")

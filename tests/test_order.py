@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore.order import (
+from datastore.maths.order import (
     Schedule,
     check_state,
     epoch_order,
@@ -17,7 +17,7 @@ from datastore.order import (
     sample_at,
     state,
 )
-from datastore.ownership import RangeOwners, contiguous_owners, owned_keys
+from datastore.maths.ownership import RangeOwners, contiguous_owners, owned_keys
 
 
 def test_order_is_pinned_across_numpy_versions():

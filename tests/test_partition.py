@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore.partition import (
+from datastore.maths.partition import (
     Grid,
     assemble,
     block_bounds,

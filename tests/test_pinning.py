@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from datastore import DataStoreLoader
-from datastore.delivery import delivered_fields
+from datastore.maths.delivery import delivered_fields
 from datastore.readers.base import FieldInfo
-from datastore.ring import BufferRing, staging_pinned
 from datastore.service.shm import ClientMaps, Segment
+from datastore.store.ring import BufferRing, staging_pinned
 
 INFO = {"x": FieldInfo(name="x", dtype=np.dtype("float32"), shape=(3, 4), spatial_axes=())}
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore.order import Schedule
-from datastore.partition import Grid, block_shape
-from datastore.plan_model import (
+from datastore.maths.order import Schedule
+from datastore.maths.partition import Grid, block_shape
+from datastore.plan.plan_model import (
     DatasetSize,
     Job,
     Machine,

@@ -1,4 +1,4 @@
-"""One rank's view (``datastore.rank_view``): the layout, the schedule and the fields agree
+"""One rank's view (``datastore.maths.rank_view``): the layout, the schedule and the fields agree
 over the ranks of a job, and every bad argument is refused by name."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore.order import state
-from datastore.ownership import RangeOwners
-from datastore.rank_view import global_batch, rank_view
+from datastore.maths.order import state
+from datastore.maths.ownership import RangeOwners
+from datastore.maths.rank_view import global_batch, rank_view
 from datastore.readers.base import FieldInfo
 
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datastore import DataStoreLoader
-from datastore.order import Schedule, check_state, home_order, parse_shuffle, state
-from datastore.ownership import Homes, RangeOwners, RunOwners, contiguous_owners
-from datastore.shards import owners_by_holders
+from datastore.maths.order import Schedule, check_state, home_order, parse_shuffle, state
+from datastore.maths.ownership import Homes, RangeOwners, RunOwners, contiguous_owners
+from datastore.store.shards import owners_by_holders
 
 
 def test_parse_shuffle_canonical_forms_and_refusals():

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from datastore.store import SlotSpec, Store
+from datastore.store.store import SlotSpec, Store
 
 FIELDS = {"x": SlotSpec((4,), np.dtype(np.int64))}
 

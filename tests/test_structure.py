@@ -3,13 +3,23 @@
 Layers, lowest first; a module may import its own layer and the ones below, never one above:
 
 1. ``staging``: copying datasets to node-local storage, the launcher probe, the exit codes;
-2. ``datastore`` core: readers, store, delivery, order, partition, world, errors...;
-3. ``datastore.service``: ``datastore serve`` and its client side;
-4. the ``datastore`` front end: the loader (``datastore.loader``, ``datastore.sources``, which
-   reach the service as its client), the package root that re-exports it, the CLI, the demo;
-5. ``trainer``.
+2. the leaves of ``datastore``: ``datastore.errors`` (what a user catches), ``datastore._version``;
+3. ``datastore.maths``: pure functions, numpy only: blocks and halos, the sample order, owners,
+   the exchange's messages, what one rank receives;
+4. ``datastore.readers``: the dataset formats, behind one interface;
+5. ``datastore.ranks``: who this process is (``world``), checks all ranks pass alike (``agree``);
+6. ``datastore.store``: what a rank holds: its samples in memory (``store``, its key index, the
+   nodes' shards, the memory left), its batch buffers (``ring``), their copies to the GPU;
+7. ``datastore.plan``: ``datastore plan``, what a layout costs before anything is staged;
+8. ``datastore.service``: ``datastore serve`` and its client side;
+9. ``datastore.sources``: where the loader's batches come from (the embedded store and the
+   exchanges, or the service as its client);
+10. the ``datastore`` front end: the loader, the package root that re-exports it, the CLI, the
+    demos;
+11. ``trainer``.
 
-Imports inside functions count too: a lazy import is a dependency all the same.
+Every module is in exactly one layer: a new module at the top of ``datastore/`` must be placed
+in ``LAYERS``. Imports inside functions count too: a lazy import is a dependency all the same.
 """
 
 from __future__ import annotations
@@ -17,21 +27,40 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("staging", "datastore", "trainer")
-LAYERS = ("staging", "datastore", "datastore.service", "datastore front end", "trainer")
-FRONT_END = (
-    "datastore",
-    "datastore.__main__",
-    "datastore.cli",
-    "datastore.demo",
-    "datastore.demo_read",
+FRONT_END = "datastore front end"
+# (layer, its members), lowest first; a member is a module, or a package with all below it
+LAYERS = (
+    ("staging", ("staging",)),
+    ("datastore leaves", ("datastore.errors", "datastore._version")),
+    ("datastore.maths", ("datastore.maths",)),
+    ("datastore.readers", ("datastore.readers",)),
+    ("datastore.ranks", ("datastore.ranks",)),
+    ("datastore.store", ("datastore.store",)),
+    ("datastore.plan", ("datastore.plan",)),
+    ("datastore.service", ("datastore.service",)),
+    ("datastore.sources", ("datastore.sources",)),
+    (
+        FRONT_END,
+        (
+            "datastore",  # the package root alone, not what is below it
+            "datastore.__main__",
+            "datastore.cli",
+            "datastore.demo",
+            "datastore.demo_read",
+            "datastore.loader",
+        ),
+    ),
+    ("trainer", ("trainer",)),
 )
-FRONT_END_PREFIXES = ("datastore.loader", "datastore.sources")
+ORDER = [name for name, _ in LAYERS]
+MATHS_NEEDS = {"numpy"}  # besides the standard library and the layers below
 
 
 def _modules(root: Path = REPO) -> dict[str, Path]:
@@ -91,17 +120,16 @@ def _owner(name: str, modules: dict[str, Path]) -> str:
 
 
 def layer(module: str) -> str:
-    """The layer (one of ``LAYERS``) a module belongs to."""
-    top = module.split(".")[0]
-    if top in ("staging", "trainer"):
-        return top
-    if module == "datastore.service" or module.startswith("datastore.service."):
-        return "datastore.service"
-    if module in FRONT_END or any(
-        module == p or module.startswith(p + ".") for p in FRONT_END_PREFIXES
-    ):
-        return "datastore front end"
-    return "datastore"
+    """The layer (a name of ``LAYERS``) a module belongs to: that of its longest member."""
+    found = [
+        (len(member), name)
+        for name, members in LAYERS
+        for member in members
+        if module == member or (member != "datastore" and module.startswith(member + "."))
+    ]
+    if not found:
+        raise ValueError(f"{module} is in no layer: place it in LAYERS of tests/test_structure.py")
+    return max(found)[1]
 
 
 def _edges(root: Path = REPO) -> dict[tuple[str, str], list[str]]:
@@ -150,7 +178,7 @@ def test_the_layer_graph_has_no_cycle_and_goes_down_only():
     if cycle is not None:
         why = [f"{a} -> {b}: {', '.join(edges[a, b][:5])}" for a, b in itertools.pairwise(cycle)]
         raise AssertionError("layer cycle " + " -> ".join(cycle) + "\n  " + "\n  ".join(why))
-    up = {k: v for k, v in edges.items() if LAYERS.index(k[1]) > LAYERS.index(k[0])}
+    up = {k: v for k, v in edges.items() if ORDER.index(k[1]) > ORDER.index(k[0])}
     assert not up, "imports of a higher layer:\n" + "\n".join(
         f"  {a} -> {b}: {', '.join(v)}" for (a, b), v in up.items()
     )
@@ -225,10 +253,13 @@ def test_the_layer_of_each_kind_of_module():
         layer(m)
         for m in (
             "staging.cluster",
-            "datastore.world",
+            "datastore.errors",
+            "datastore.maths.partition",
             "datastore.readers.base",
+            "datastore.ranks.agree",
+            "datastore.store.store",
+            "datastore.plan.plan_model",
             "datastore.service.client",
-            "datastore.service.servicer",
             "datastore.service.commands",
             "datastore.sources.service",
             "datastore.loader",
@@ -238,17 +269,62 @@ def test_the_layer_of_each_kind_of_module():
         )
     ] == [
         "staging",
-        "datastore",
-        "datastore",
+        "datastore leaves",
+        "datastore.maths",
+        "datastore.readers",
+        "datastore.ranks",
+        "datastore.store",
+        "datastore.plan",
         "datastore.service",
         "datastore.service",
-        "datastore.service",
-        "datastore front end",
-        "datastore front end",
-        "datastore front end",
-        "datastore front end",
+        "datastore.sources",
+        FRONT_END,
+        FRONT_END,
+        FRONT_END,
         "trainer",
     ]
+    with pytest.raises(ValueError, match=r"datastore\.stray is in no layer"):
+        layer("datastore.stray")
+
+
+def test_every_module_is_in_one_layer_and_each_layer_package_says_what_it_is():
+    placed = {name: layer(name) for name in _modules()}  # raises for a module in no layer
+    assert set(placed.values()) == set(ORDER), "a layer of LAYERS has no module"
+    for _, members in LAYERS:
+        for member in members:
+            init = REPO.joinpath(*member.split("."), "__init__.py")
+            if member.startswith("datastore.") and init.is_file():
+                assert ast.get_docstring(ast.parse(init.read_text())), f"{init}: no docstring"
+
+
+def _foreign_in_maths(root: Path = REPO) -> dict[str, list[str]]:
+    """``{module of datastore.maths: the packages it imports beyond MATHS_NEEDS}``."""
+    out = {}
+    for name, path in _modules(root).items():
+        if layer(name) != "datastore.maths":
+            continue
+        tops = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                tops.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                tops.add(node.module.split(".")[0])
+        foreign = tops - set(sys.stdlib_module_names) - set(PACKAGES) - MATHS_NEEDS
+        if foreign:
+            out[name] = sorted(foreign)
+    return out
+
+
+def test_the_maths_import_numpy_and_the_standard_library_only(tmp_path):
+    """The pure layer runs anywhere: no torch, no MPI, no file formats, no gRPC."""
+    assert _foreign_in_maths() == {}
+    for path in (REPO / "datastore" / "maths").glob("*.py"):
+        dest = tmp_path / path.relative_to(REPO)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(path.read_text())
+    order = tmp_path / "datastore" / "maths" / "order.py"
+    order.write_text(order.read_text() + "\n\ndef f():\n    import torch.distributed\n")
+    assert _foreign_in_maths(tmp_path) == {"datastore.maths.order": ["torch"]}
 
 
 @pytest.mark.parametrize(
@@ -260,17 +336,45 @@ def test_the_layer_of_each_kind_of_module():
             "staging -> datastore.service",
         ),
         (
-            "datastore/store.py",
+            "datastore/store/store.py",
             "from datastore import DataStoreLoader",
-            "datastore -> datastore front end",
+            f"datastore.store -> {FRONT_END}",
+        ),
+        (
+            "datastore/maths/order.py",
+            "import datastore.store.ring",
+            "datastore.maths -> datastore.store",
+        ),
+        (
+            "datastore/ranks/agree.py",
+            "from datastore.store.memory import parse_size",
+            "datastore.ranks -> datastore.store",
+        ),
+        (
+            "datastore/errors.py",
+            "from datastore.maths import order",
+            "datastore leaves -> datastore.maths",
         ),
         (
             "datastore/service/shm.py",
             "import datastore.sources.service",
-            "datastore.service -> datastore front end",
+            "datastore.service -> datastore.sources",
         ),
-        ("datastore/order.py", "def f():\n    from trainer import grid", "datastore -> trainer"),
-        ("datastore/readers/base.py", "from ..loader import x", "datastore -> datastore front end"),
+        (
+            "datastore/maths/order.py",
+            "def f():\n    from trainer import grid",
+            "datastore.maths -> trainer",
+        ),
+        (
+            "datastore/readers/base.py",
+            "from ..loader import x",
+            f"datastore.readers -> {FRONT_END}",
+        ),
+        (
+            "datastore/maths/partition.py",
+            "from ..plan import plan_model",
+            "datastore.maths -> datastore.plan",
+        ),
     ],
 )
 def test_the_checker_sees_an_import_of_a_higher_layer(tmp_path, module, line, expected):
@@ -284,7 +388,7 @@ def test_the_checker_sees_an_import_of_a_higher_layer(tmp_path, module, line, ex
                 dest.write_text(path.read_text())
 
     def up() -> list[str]:
-        return [f"{a} -> {b}" for a, b in _edges(tmp_path) if LAYERS.index(b) > LAYERS.index(a)]
+        return [f"{a} -> {b}" for a, b in _edges(tmp_path) if ORDER.index(b) > ORDER.index(a)]
 
     assert up() == []
     target = tmp_path / module

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from datastore import DataStoreLoader
-from datastore.order import Schedule
+from datastore.maths.order import Schedule
 from datastore.readers import DatasetError, FieldInfo, open_dataset
 from datastore.readers.tar_keys import split_member
-from datastore.shards import LocalView, local_files, plan_shards
+from datastore.store.shards import LocalView, local_files, plan_shards
 
 N = 10
 # Shard k holds these samples, keys listed in the order they first appear in its tar.

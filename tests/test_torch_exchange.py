@@ -15,9 +15,9 @@ import h5py
 import numpy as np
 import pytest
 
-from datastore.order import Schedule
-from datastore.ownership import contiguous_owners
-from datastore.partition import Grid, extract_block
+from datastore.maths.order import Schedule
+from datastore.maths.ownership import contiguous_owners
+from datastore.maths.partition import Grid, extract_block
 from staging.cluster import LAUNCH_ENV
 
 pytestmark = pytest.mark.slow  # torchrun jobs of several processes: not in `make test-quick`

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from datastore.order import rank_layout
-from datastore.partition import Grid, block_coords
+from datastore.maths.order import rank_layout
+from datastore.maths.partition import Grid, block_coords
 from trainer.grid import group_members, neighbours_of, spatial_coords_of
 from trainer.halo import exchange_slices, padded_shape
 from trainer.layers import _triple

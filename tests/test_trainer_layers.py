@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from helpers import MPIEXEC
 
-from datastore.partition import Grid, block_bounds, split_sizes
+from datastore.maths.partition import Grid, block_bounds, split_sizes
 from staging.cluster import LAUNCH_ENV
 from trainer.geometry import (
     block_offsets,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from helpers import MPIEXEC
 
-from datastore.order import Schedule
-from datastore.world import detect_world
+from datastore.maths.order import Schedule
+from datastore.ranks.world import detect_world
 from staging.cluster import (
     LAUNCH_ENV,
     env_world,

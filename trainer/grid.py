@@ -4,14 +4,14 @@ Layout
     A job of ``W`` ranks runs ``D`` data-parallel replicas of a model whose every sample is split
     into ``S = prod(parts)`` spatial blocks (``parts`` e.g. ``(2, 1, 1)`` depth slabs, ``(2, 2, 1)``
     a 2-D or ``(2, 2, 2)`` a 3-D decomposition), ``W = D * S``. Ranks are numbered
-    spatial-fastest, as the loader numbers them (``datastore.order.rank_layout``)::
+    spatial-fastest, as the loader numbers them (``datastore.maths.order.rank_layout``)::
 
         rank = data_rank * S + spatial_rank
 
     so the ``S`` ranks of one sample are consecutive (usually on one node).
 
 Numbering inside the spatial group
-    Spatial rank ``s`` holds block ``s`` of ``datastore.partition``: block coordinates in C
+    Spatial rank ``s`` holds block ``s`` of ``datastore.maths.partition``: block coordinates in C
     order over ``parts``, last axis fastest (``block_coords``). For ``parts=(2, 2, 1)`` spatial
     rank 1 has coordinates ``(0, 1, 0)`` and spatial rank 2 ``(1, 0, 0)``.
 
@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from datastore.order import rank_layout
-from datastore.partition import Grid, block_coords, block_index
+from datastore.maths.order import rank_layout
+from datastore.maths.partition import Grid, block_coords, block_index
 from staging.cluster import launched_by_mpi, torchrun_world
 from staging.launcher import comm_world
 

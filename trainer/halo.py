@@ -4,8 +4,9 @@ A rank holds the owned block ``x`` of shape ``(N, C, *owned)`` of a volume split
 ``ProcessGrid.parts`` (the last ``len(parts)`` axes are spatial, in grid-axis order).
 :func:`halo_exchange` returns ``(N, C, *(owned + 2 * halo))``: the block surrounded by a halo of
 ``halo[axis]`` voxels per side, filled with the neighbours' voxels, corners included, and zero
-where the halo sticks out of the global volume. It equals ``datastore.partition.extract_block``
-of the whole volume with ``Grid(shape, parts, halo, boundary="zero")``.
+where the halo sticks out of the global volume. It equals
+``datastore.maths.partition.extract_block`` of the whole volume with ``Grid(shape, parts, halo,
+boundary="zero")``.
 
 Forward, ``H = E_{d-1} ... E_1 E_0 P``
     ``P`` zero-pads every axis by its halo. ``E_k`` exchanges along axis ``k`` only: each rank

@@ -3,10 +3,10 @@
 A spatially split model fails late and on one rank: a block too small for a pooling, or of an
 odd length before a stride-2 layer, raises on the rank that holds it while its neighbours wait
 in the halo exchange. The driver therefore runs :func:`check_run` on every rank before any
-layer communicates and agrees on the outcome (``datastore.agree``), so a configuration that
+layer communicates and agrees on the outcome (``datastore.ranks.agree``), so a configuration that
 cannot work is one clear error on every rank.
 
-Block lengths follow the loader's split (``datastore.partition.split_sizes``: the first
+Block lengths follow the loader's split (``datastore.maths.partition.split_sizes``: the first
 ``n % parts`` blocks one voxel longer). Through the model (:func:`level_blocks`):
 
 - a "same" convolution of kernel ``k`` keeps the lengths and needs every block along a split
@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from decimal import Decimal
 
-from datastore.partition import split_sizes
+from datastore.maths.partition import split_sizes
 from trainer.model_table import model_named, parameter_count
 
 __all__ = [

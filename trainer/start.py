@@ -8,7 +8,7 @@ then checks on every rank: GPUs per node for NCCL, the datasets and their fields
 against ``spatial_parts``, the model's blocks at every level (``trainer.preflight``), the global
 batch against the data ranks and the dataset, the learning-rate schedule, the output paths
 (:func:`check_paths`) and a checkpoint it would resume (:func:`check_resume`). The ranks then
-agree (``datastore.agree``: one round of small messages with a deadline) on the outcome and on
+agree (``datastore.ranks.agree``: one round of small messages with a deadline) on the outcome and on
 the configuration itself: one rank's failure, or ranks started with different configurations,
 is the same :class:`~trainer.config.ConfigError` on every rank. Only then is the
 :class:`~trainer.grid.ProcessGrid` created. A tournament's ranks (``trainer.tournament``) are
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from datastore.agree import Collective, agree
 from datastore.errors import DataStoreError
-from datastore.memory import available_memory
+from datastore.ranks.agree import Collective, agree
 from datastore.sources.describe import describe_dataset, hold_datasets
 from datastore.sources.options import ServiceOptions
+from datastore.store.memory import available_memory
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
 from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_log
@@ -187,7 +187,7 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
 
 def memory_of(device: torch.device) -> tuple[int | None, int | None]:
     """``(bytes device can still hold, bytes the host can)``: a GPU's free memory, else the
-    host's available memory (``datastore.memory.available_memory``); ``None``: unknown."""
+    host's available memory (``datastore.store.memory.available_memory``); ``None``: unknown."""
     host = available_memory()
     if device.type != "cuda":
         return host, host

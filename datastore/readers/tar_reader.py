@@ -57,7 +57,7 @@ class TarReader(PerSampleFiles):
         if not self._samples:
             raise DatasetError(self.location, "the tar shards hold no members")
         self._length = len(self._samples)
-        # shard k holds samples offsets[k]:offsets[k + 1] (``datastore.shards`` reads it)
+        # shard k holds samples offsets[k]:offsets[k + 1] (``datastore.store.shards`` reads it)
         per_shard = np.bincount([k for k, _, _ in self._samples], minlength=len(self.files))
         self.offsets = np.zeros(len(self.files) + 1, dtype=np.int64)
         np.cumsum(per_shard, out=self.offsets[1:])

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from datastore.memory import parse_size
 from datastore.service.commands import run_load, run_serve, run_shutdown, run_status, run_unload
 from datastore.service.config import MAX_GRACE_S, ServeConfig
+from datastore.store.memory import parse_size
 
 __all__ = ["add_parser", "parse_bytes"]
 

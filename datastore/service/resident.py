@@ -1,7 +1,7 @@
 """Datasets held in memory by ``datastore serve``: one resident copy per dataset, shared by jobs.
 
 A dataset becomes resident when a session (or ``LoadDataset``) first asks for it: its samples
-go into one :class:`~datastore.store.Store` (whole samples, every field), read in the
+go into one :class:`~datastore.store.store.Store` (whole samples, every field), read in the
 background and on first use, and every session on the dataset reads from that store. It stays
 resident after its sessions end, so the next job of a campaign starts on memory, until it is
 unloaded, or evicted (least recently used first, never while a session uses it) to make room
@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import (
+from datastore.errors import DatasetNotFound
+from datastore.maths.delivery import (
     Copy,
     Delivered,
     covered,
@@ -36,15 +37,14 @@ from datastore.delivery import (
     pad_copies,
     spatial_grid,
 )
-from datastore.errors import DatasetNotFound
-from datastore.ownership import RunOwners
-from datastore.partition import Grid
+from datastore.maths.ownership import RunOwners
+from datastore.maths.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
 from datastore.service.paths import checked_path, shown
 from datastore.service.peers import Peers, Pending, Pieces
-from datastore.shards import SHARDABLE, LocalView, owners_by_holders
-from datastore.store import SlotSpec, Store
+from datastore.store.shards import SHARDABLE, LocalView, owners_by_holders
+from datastore.store.store import SlotSpec, Store
 from staging.confine import beneath
 
 __all__ = ["Fetching", "Residency", "Resident", "resolve_dataset"]

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from datastore._version import __version__
-from datastore.delivery import Gather
+from datastore.maths.delivery import Gather
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.calls import CallCounter

@@ -1,7 +1,7 @@
 """Sessions of ``datastore serve``: what fixes one job's batches, and the streams serving them.
 
 A session is one job on one dataset: seed, global batch, world size and spatial layout fix the
-sample sequence (``datastore.order.Schedule``, the embedded loader's), and every rank streams
+sample sequence (``datastore.maths.order.Schedule``, the embedded loader's), and every rank streams
 its share, filled from the dataset's resident copy (``datastore.service.resident``), which all
 sessions on that dataset share. A session lives until ``CloseSession``, or until it has had no
 stream for ``idle_s`` (its client died or forgot to close it): then it is closed and the dataset
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import Gather, chosen_fields
-from datastore.order import Schedule
-from datastore.rank_view import RankView, rank_view
+from datastore.maths.delivery import Gather, chosen_fields
+from datastore.maths.order import Schedule
+from datastore.maths.rank_view import RankView, rank_view
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.paths import shown

@@ -150,7 +150,7 @@ class ClientMaps:
         return np.frombuffer(m, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def _register(self, m: mmap.mmap) -> None:
-        from datastore.device import register_host
+        from datastore.store.device import register_host
 
         whole = np.frombuffer(m, dtype=np.uint8)
         with _on_device_of(self._copies_on):
@@ -163,7 +163,7 @@ class ClientMaps:
         read them): an event recorded on that stream is waited for, on the stream's own
         device whatever device is current. (``cudaHostUnregister`` itself then waited for the
         whole GPU on an H100: once per session, not per batch.)"""
-        from datastore.device import unregister_host
+        from datastore.store.device import unregister_host
 
         if self._pinned:
             import torch

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import Delivered, Gather, box_copies, fill_batch
+from datastore.maths.delivery import Delivered, Gather, box_copies, fill_batch
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.resident import Fetching

@@ -20,5 +20,5 @@ Their settings are :class:`~datastore.sources.options.StoreOptions`,
 :class:`~datastore.sources.options.ServiceOptions` (``DataStoreLoader``'s ``store=``,
 ``exchange=`` and ``service=``).
 
-Sources receive buffers (:class:`~datastore.ring.Buffer`) and never call back into the loader.
+Sources receive buffers (:class:`~datastore.store.ring.Buffer`) and never call back into the loader.
 """

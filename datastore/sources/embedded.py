@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from datastore.agree import StepSync
-from datastore.exchange import EpochPlan
-from datastore.order import RankLayout, Schedule
-from datastore.ring import Buffer, BufferRing
-from datastore.store import Counters, Store
+from datastore.maths.exchange import EpochPlan
+from datastore.maths.order import RankLayout, Schedule
+from datastore.ranks.agree import StepSync
+from datastore.store.ring import Buffer, BufferRing
+from datastore.store.store import Counters, Store
 
 __all__ = ["EmbeddedSource", "ExchangeSource"]
 

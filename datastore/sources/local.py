@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import Copy, Gather, covered
-from datastore.rank_view import RankView
+from datastore.maths.delivery import Copy, Gather, covered
+from datastore.maths.rank_view import RankView
 from datastore.sources.embedded import EmbeddedSource
 from datastore.sources.options import StoreOptions
-from datastore.store import SlotSpec, Store
+from datastore.store.store import SlotSpec, Store
 
 __all__ = ["LocalSource"]
 

@@ -1,7 +1,7 @@
 """The MPI exchange: owners send each consumer exactly the blocks it needs, every step.
 
 Every rank owns a share of the samples (``owner[sample]``), read once into its store. The
-messages of a step are a pure function of the global batch (``datastore.exchange.plan``), so
+messages of a step are a pure function of the global batch (``datastore.maths.exchange.plan``), so
 sender and receiver agree on every message without talking about it.
 
 Messages are non-blocking point-to-point calls (buffer-based, no pickles) with no staging
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from datastore.agree import poll
-from datastore.delivery import covered, pad_copies
-from datastore.exchange import Message
+from datastore.maths.delivery import covered, pad_copies
+from datastore.maths.exchange import Message
+from datastore.ranks.agree import poll
 from datastore.sources.owners import ExchangeSetup, Owners
 
 __all__ = ["MpiExchange"]

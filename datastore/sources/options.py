@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from datastore.memory import parse_size
 from datastore.service.paths import named_address
+from datastore.store.memory import parse_size
 
 __all__ = [
     "ExchangeOptions", "ServiceOptions", "StoreOptions", "check_options", "moved_keywords",

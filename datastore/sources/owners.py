@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from datastore.delivery import Copy, Delivered, Gather, box_copies
-from datastore.exchange import Message, rank_plan
-from datastore.ownership import RunOwners
-from datastore.store import Store
+from datastore.maths.delivery import Copy, Delivered, Gather, box_copies
+from datastore.maths.exchange import Message, rank_plan
+from datastore.maths.ownership import RunOwners
+from datastore.store.store import Store
 
 __all__ = ["ExchangeSetup", "Owners"]
 
@@ -22,7 +22,7 @@ class ExchangeSetup:
 
     Args:
         owner: ``owner[sample]``, the rank that stores each sample: a
-            :class:`~datastore.ownership.RunOwners`: contiguous shares (O(ranks)) or a sharded
+            :class:`~datastore.maths.ownership.RunOwners`: contiguous shares (O(ranks)) or a sharded
             dataset's runs of files (O(files)).
         data_world, spatial_size: the data x spatial grid (ranks spatial-fastest).
         store: this rank's store of the whole samples it owns.

@@ -35,12 +35,12 @@ import grpc
 import numpy as np
 import torch
 
-from datastore.delivery import Gather
-from datastore.rank_view import global_batch
+from datastore.maths.delivery import Gather
+from datastore.maths.rank_view import global_batch
 from datastore.readers.base import FieldInfo
-from datastore.ring import Buffer, BufferRing
 from datastore.sources.options import ServiceOptions
-from datastore.store import Counters
+from datastore.store.ring import Buffer, BufferRing
+from datastore.store.store import Counters
 
 __all__ = ["ServiceSource"]
 

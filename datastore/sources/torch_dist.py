@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from datastore.agree import timeout_error
-from datastore.delivery import Copy, covered, pad_copies
 from datastore.errors import DataStoreError, PeerFailed
-from datastore.exchange import Message
+from datastore.maths.delivery import Copy, covered, pad_copies
+from datastore.maths.exchange import Message
+from datastore.ranks.agree import timeout_error
 from datastore.sources.owners import ExchangeSetup, Owners
 
 __all__ = ["TorchExchange", "gloo_group"]

@@ -26,15 +26,15 @@ import h5py
 import numpy as np
 import torch.distributed as dist
 
-from datastore.delivery import Gather, delivered_fields, fill_batch
 from datastore.errors import ExchangeTimeout
-from datastore.order import Schedule
-from datastore.ownership import RangeOwners
-from datastore.partition import Grid
+from datastore.maths.delivery import Gather, delivered_fields, fill_batch
+from datastore.maths.order import Schedule
+from datastore.maths.ownership import RangeOwners
+from datastore.maths.partition import Grid
 from datastore.readers.base import FieldInfo
 from datastore.sources.owners import ExchangeSetup
 from datastore.sources.torch_dist import TorchExchange, gloo_group
-from datastore.store import SlotSpec, Store
+from datastore.store.store import SlotSpec, Store
 
 SENTINEL = 7.0
 

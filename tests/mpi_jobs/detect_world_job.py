@@ -27,7 +27,7 @@ import torch.distributed as dist
 from job_rows import write_row
 from mpi4py import MPI
 
-from datastore.world import detect_world
+from datastore.ranks.world import detect_world
 
 
 def torch_group(rank: int, size: int, port: str) -> None:

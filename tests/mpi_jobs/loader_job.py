@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from datastore import DataStoreLoader
-from datastore.partition import Grid, extract_block
+from datastore.maths.partition import Grid, extract_block
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""Under ``mpiexec -n P python -m mpi4py``: the loader's checks (``datastore.agree``) on P real
-ranks, case after case; each rank writes what it saw as JSON to ``OUT.<rank>.json``.
+"""Under ``mpiexec -n P python -m mpi4py``: the loader's checks (``datastore.ranks.agree``) on P
+real ranks, case after case; each rank writes what it saw as JSON to ``OUT.<rank>.json``.
 
 Cases: the reduction's maximum; steps where nobody stops; a step where all stop; a step where
 the last rank stops and the others go on; passes that start at different positions; ranks at
@@ -18,8 +18,8 @@ from typing import Any
 from job_rows import write_row
 from mpi4py import MPI
 
-from datastore.agree import Collective, StepSync
 from datastore.errors import ExchangeTimeout
+from datastore.ranks.agree import Collective, StepSync
 
 TIMEOUT = 30.0  # never reached by the cases that complete, even on a loaded machine
 SHORT = 2.0  # the absent rank's case

@@ -27,7 +27,7 @@ from job_results import write_results
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from datastore.partition import Grid, block_bounds
+from datastore.maths.partition import Grid, block_bounds
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.halo import finish_halo_exchange, halo_exchange, start_halo_exchange
 from trainer.layers import DistConv3d

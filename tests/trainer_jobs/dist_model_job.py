@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from datastore.partition import Grid, block_bounds
+from datastore.maths.partition import Grid, block_bounds
 from trainer.dist_models import DistLayers
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.models import CosmoFlow, TorchLayers, UNet3D

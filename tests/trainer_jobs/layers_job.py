@@ -23,7 +23,7 @@ import torch.distributed as dist
 from job_results import write_results
 from torch import nn
 
-from datastore.partition import Grid, block_bounds
+from datastore.maths.partition import Grid, block_bounds
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.layers import DistConv3d, broadcast_parameters, sum_spatial_grads
 from trainer.norm import DistBatchNorm3d

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from job_results import write_results
 from torch import nn
 
-from datastore.partition import Grid, block_bounds, extract_block
+from datastore.maths.partition import Grid, block_bounds, extract_block
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.halo import (
     exchange_axes,

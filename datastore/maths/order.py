@@ -26,7 +26,7 @@ first samples of the same epoch's order (``tail="pad"``): either way every rank 
 number of equal batches, so no rank waits at a collective for a batch that never comes.
 
 That is ``shuffle="global"``. Two more keep each data rank on the samples its own ranks hold
-(its *home*, ``datastore.ownership.Homes``), so no sample crosses between data ranks:
+(its *home*, ``datastore.maths.ownership.Homes``), so no sample crosses between data ranks:
 ``"shard"`` draws a keyed bijection of the home every epoch, ``"window:K"`` reads the home in
 shuffled windows of ``K`` consecutive samples (:func:`home_order`). Both trade mixing for
 traffic and depend on the world size; ``"none"`` keeps storage order.
@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.ownership import Homes
+from datastore.maths.ownership import Homes
 
 __all__ = [
     "ROUNDS",

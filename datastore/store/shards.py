@@ -12,7 +12,7 @@ and an owner reads only its own files through ``LocalView``. If every rank sees 
 nothing changes.
 
 No rank receives every rank's list: rank 0 gathers them and plans, then broadcasts the owners
-as runs (``datastore.ownership.RunOwners``: at most files + ranks of them) and scatters to
+as runs (``datastore.maths.ownership.RunOwners``: at most files + ranks of them) and scatters to
 each rank where its own files start in the global index.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.ownership import RunOwners
+from datastore.maths.ownership import RunOwners
 
 __all__ = [
     "SHARDABLE",
@@ -202,7 +202,7 @@ def plan_shards(every: list[Listing]) -> tuple[list[str], np.ndarray, RunOwners]
 def shard_layout(reader: Any, root: str, comm: Any) -> tuple[LocalView, RunOwners] | None:
     """``(view, owners)`` when ranks hold different files of a shardable dataset, else ``None``.
 
-    Collective over ``comm`` (a ``datastore.agree.Collective``): rank 0 gathers the listings
+    Collective over ``comm`` (a ``datastore.ranks.agree.Collective``): rank 0 gathers the listings
     and plans; every rank receives the owners as runs and where its own files start, never the
     other ranks' lists. Refuses (``ValueError``, on every rank) datasets whose formats, fields
     or file sample counts differ by node (:func:`plan_shards`).

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from datastore.order import RankLayout, Schedule
+from datastore.maths.order import RankLayout, Schedule
 
 __all__ = ["EpochPlan", "Message", "StepMessages", "plan", "rank_plan"]
 

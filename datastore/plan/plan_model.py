@@ -31,14 +31,14 @@ Exchange under a shuffle (per step, per rank; what crosses the network)
     Under ``shuffle="global"`` a rank's samples are spread evenly over the dataset, so the
     share owned by other nodes is ``(N-1)/N`` when sharded and 0 when every node holds
     everything (a replicated dataset is served from local memory). A rank receives only its
-    block with halo (:mod:`datastore.partition`, via :func:`datastore.delivery.delivered_fields`).
-    ``"none"`` moves as many bytes but every global batch lies on one node, which sends it
-    all. ``"shard"`` and ``"window:K"`` keep each data rank on its home (the samples its own
-    ranks hold): nothing crosses the network unless a spatial group spans nodes. The time is
-    the busiest node link's bytes over ``min(network_bw, exchange_bw)``, the store's own rate
-    (cutting blocks, packing, unpacking: measured, it can be well below the link); its share
-    of a step is that over ``step_time`` (a share above 1: the exchange cannot keep up,
-    whatever the prefetch).
+    block with halo (:mod:`datastore.maths.partition`, via
+    :func:`datastore.maths.delivery.delivered_fields`). ``"none"`` moves as many bytes but every
+    global batch lies on one node, which sends it all. ``"shard"`` and ``"window:K"`` keep each data
+    rank on its home (the samples its own ranks hold): nothing crosses the network unless a spatial
+    group spans nodes. The time is the busiest node link's bytes over ``min(network_bw,
+    exchange_bw)``, the store's own rate (cutting blocks, packing, unpacking: measured, it can be
+    well below the link); its share of a step is that over ``step_time`` (a share above 1: the
+    exchange cannot keep up, whatever the prefetch).
 
 A spatial split of ``S`` blocks leaves ``W = N R / S`` data ranks, each taking
 ``global_batch / W`` samples a step; a rank's memory is that many blocks with halo
@@ -55,8 +55,8 @@ from typing import Any
 
 import numpy as np
 
-from datastore.delivery import delivered_fields, spatial_grid
-from datastore.partition import BOUNDARIES
+from datastore.maths.delivery import delivered_fields, spatial_grid
+from datastore.maths.partition import BOUNDARIES
 from datastore.readers.base import FieldInfo
 from staging.progress import human_bytes
 

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from datastore.delivery import Delivered, delivered_fields, parse_spatial, spatial_grid
-from datastore.order import RankLayout, Schedule, parse_shuffle, rank_layout
-from datastore.ownership import Homes, RunOwners
-from datastore.partition import Grid
+from datastore.maths.delivery import Delivered, delivered_fields, parse_spatial, spatial_grid
+from datastore.maths.order import RankLayout, Schedule, parse_shuffle, rank_layout
+from datastore.maths.ownership import Homes, RunOwners
+from datastore.maths.partition import Grid
 
 __all__ = ["RankView", "global_batch", "rank_view"]
 

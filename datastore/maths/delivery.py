@@ -1,7 +1,7 @@
 """What one rank receives, and filling its batches: the delivery core of every source.
 
 A rank gets, for every delivered field, the whole sample (non-spatial fields, or no spatial
-split) or its block with halo (``datastore.partition``). The embedded loader, its exchanges
+split) or its block with halo (``datastore.maths.partition``). The embedded loader, its exchanges
 and ``datastore serve`` all describe a rank's fields with :func:`delivered_fields` and fill
 batch buffers with :func:`fill_batch`, so every path gives the same shapes, the same bytes and
 the same zero halo outside the volume.
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.partition import BOUNDARIES, Grid, full_region
+from datastore.maths.partition import BOUNDARIES, Grid, full_region
 from staging.cluster import local_size
 
 __all__ = [

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from datastore.keyindex import KeyIndex
+from datastore.store.keyindex import KeyIndex
 
 __all__ = ["Counters", "SlotSpec", "Store", "StoreCounts"]
 

@@ -1,6 +1,6 @@
 """The ``datastore plan`` command: how to stage, hold and shuffle a dataset on a machine.
 
-A thin layer over :mod:`datastore.plan_model`: it reads the dataset (a path, through the
+A thin layer over :mod:`datastore.plan.plan_model`: it reads the dataset (a path, through the
 readers ``datastore inspect`` uses, or ``--samples`` with ``--sample-bytes`` or
 ``--shape``/``--dtype``), merges the machine and job values (defaults, then a TOML file, then
 flags: what was measured overrides the defaults), and prints the plan as tables or JSON.
@@ -22,7 +22,7 @@ from staging.exitcodes import Exit
 from staging.progress import human_bytes
 
 if TYPE_CHECKING:
-    from datastore.plan_model import DatasetSize, Plan
+    from datastore.plan.plan_model import DatasetSize, Plan
 
 __all__ = ["DEFAULTS", "EPILOG", "add_arguments", "format_text", "plan_dict", "run"]
 
@@ -52,7 +52,7 @@ def _number(value: Any, name: str, *, allow_zero: bool = False) -> float:
 
 
 def _size(value: Any, name: str) -> int:
-    from datastore.memory import parse_size
+    from datastore.store.memory import parse_size
 
     return parse_size(value, name)
 
@@ -243,7 +243,7 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
     """The dataset's sizes, and how to name it."""
     import numpy as np
 
-    from datastore.plan_model import DatasetSize
+    from datastore.plan.plan_model import DatasetSize
     from datastore.readers.base import FieldInfo, default_spatial_axes
 
     direct = [args.samples, args.sample_bytes, args.shape, args.dtype, args.spatial_axes]
@@ -298,7 +298,7 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
 
 
 def _read_dataset(path: str) -> DatasetSize:
-    from datastore.plan_model import DatasetSize
+    from datastore.plan.plan_model import DatasetSize
     from datastore.readers.spec import open_dataset
 
     with open_dataset(path) as reader:
@@ -347,7 +347,7 @@ def _yes(ok: bool) -> str:
 
 def format_text(plan: Plan, name: str, origin: dict[str, str]) -> str:
     """The plan as tables for people."""
-    from datastore.plan_model import duration
+    from datastore.plan.plan_model import duration
 
     ds, m, job = plan.dataset, plan.machine, plan.job
     fields = ", ".join(f"{f.name} {f.dtype.name} {tuple(f.shape)}" for f in ds.fields)
@@ -465,7 +465,7 @@ def plan_dict(plan: Plan, name: str, origin: dict[str, str]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from datastore.plan_model import Job, Machine, make_plan
+    from datastore.plan.plan_model import Job, Machine, make_plan
     from datastore.readers.base import DatasetError
 
     try:

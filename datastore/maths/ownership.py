@@ -7,7 +7,7 @@ most files + ranks runs). Either costs O(runs) memory where an owner per sample 
 sample (800 MB per rank for 10^8 samples).
 
 :class:`Homes` says what each data-parallel rank draws its samples from when the shuffle stays
-within a rank's shards (``shuffle="shard"`` or ``"window:K"``, ``datastore.order``): the
+within a rank's shards (``shuffle="shard"`` or ``"window:K"``, ``datastore.maths.order``): the
 samples its own ranks hold, in storage order.
 """
 

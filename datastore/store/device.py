@@ -6,7 +6,7 @@ When the batch is handed out, the consumer's current stream waits for that event
 synchronisation), and every tensor is marked as used by the consumer's stream
 (``record_stream``), so the caching allocator never gives its memory to another batch while
 the training step still reads it. The host buffer is reused only once its copy is done (the
-event is kept on the buffer, see ``datastore.ring``).
+event is kept on the buffer, see ``datastore.store.ring``).
 
 Copies from pinned memory run at the link's speed without blocking the host; from pageable
 memory they are synchronous and several times slower, so the loader pins its buffers, and the

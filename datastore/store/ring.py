@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datastore.delivery import Delivered
+from datastore.maths.delivery import Delivered
 
 __all__ = ["Buffer", "BufferRing", "can_pin", "staging_pinned", "torch_dtype", "use_count"]
 

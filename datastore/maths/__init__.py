@@ -1,0 +1,1 @@
+"""Pure functions, numpy only: blocks, order, owners, messages, what one rank receives."""

@@ -1,0 +1,1 @@
+"""``datastore plan``: what staging, holding, shuffling a dataset will cost."""

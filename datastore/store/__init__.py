@@ -1,0 +1,1 @@
+"""What a rank holds: samples (store, key index, shards, memory), batches, GPU copies."""
