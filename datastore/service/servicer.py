@@ -31,6 +31,7 @@ from datastore.service.logs import JsonLog
 from datastore.service.peers import MpiPeers, Peers, node_path
 from datastore.service.resident import Residency, Resident, listing, resolve_dataset
 from datastore.service.session import Sessions
+from datastore.service.shm import remove_own
 from datastore.service.stage_job import landed, stream_stage
 from datastore.service.stream import Stream
 from staging.exitcodes import Exit
@@ -325,6 +326,9 @@ class Servicer(pb_grpc.DataStoreServicer):
             self.link.close(stop_all=bool(self._stop.why) and not by_peer)
         self.sessions.close_all()
         self.residency.close()
+        leaked = remove_own()
+        if leaked:  # a defect of ours, not the user's: say so in the log
+            self._log.warning("segments_removed", count=len(leaked), paths=[str(p) for p in leaked])
 
 
 def _dataset_status(r: Resident) -> Any:

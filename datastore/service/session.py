@@ -247,7 +247,13 @@ class Sessions:
             self.residency.release(resident)
             raise
         with self._lock:
-            self._by_id[session.session_id] = session
+            stopping = self._stop.is_set()  # close_all ran while this session was made
+            if not stopping:
+                self._by_id[session.session_id] = session
+        if stopping:
+            session.close("the service is stopping")
+            self.residency.release(resident)
+            raise ServiceError("UNAVAILABLE", "the service is stopping")
         if r.HasField("client"):
             self._watch_client(session.session_id, r.client)
         return session

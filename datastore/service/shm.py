@@ -5,7 +5,8 @@ The service owns every segment: one file per stream under ``/dev/shm`` (0600, na
 service removes it when the stream ends, however it ends (done, cancelled, client killed); a
 client's mapping stays valid after that (Linux frees the pages at its last unmap). Segments
 left by a service that was killed are removed by the next service of the same user on start
-(their owner pid is dead), so a crashed run never blocks or leaks into the next one.
+(their owner pid is dead), so a crashed run never blocks or leaks into the next one; a service
+that stops removes whatever of its own is still there (:func:`remove_own`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ClientMaps", "Segment", "reclaim_stale", "segment_dir"]
+__all__ = ["ClientMaps", "Segment", "reclaim_stale", "remove_own", "segment_dir"]
 
 PREFIX = "datastore"
 # a client maps a segment with its pages in place: faulting them in one by one as batches are
@@ -53,6 +54,18 @@ def reclaim_stale(directory: Path | None = None) -> list[Path]:
         parts = path.name.split(".")
         if len(parts) != 4 or not parts[2].isdigit() or _alive(int(parts[2])):
             continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def remove_own(directory: Path | None = None) -> list[Path]:
+    """Remove every segment of this process (a stopping service: none may outlive it, whatever
+    stream or session failed to remove its own); the paths removed."""
+    directory = directory or segment_dir()
+    removed = []
+    for path in directory.glob(f"{PREFIX}.{os.getuid()}.{os.getpid()}.*"):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed.append(path)

@@ -94,7 +94,12 @@ class SlotRing:
         shapes = {f.name: (batch_size, *f.shape) for f in fields}
         if shared:  # a new file is all zeros: halos outside the volume start at zero
             self.segment = Segment(nslots, batch_size * sum(f.nbytes for f in fields))
-            self.segment.fault_in(gather)
+            try:  # (a service stopping meanwhile shuts the gather's threads down)
+                self.segment.fault_in(gather)
+            except BaseException:
+                self.segment.close()
+                self.segment.unmap()
+                raise
             at = 0
             for f in fields:
                 self.at[f.name] = at
