@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["NODES", "SlurmCluster", "free_port", "skip_reason"]
+__all__ = ["KILL_WAIT", "NODES", "SlurmCluster", "free_port", "skip_reason"]
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue",
             "ip", "unshare", "nsenter", "mount")  # fmt: skip

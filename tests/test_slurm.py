@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from slurm_cluster import NODES, SlurmCluster, free_port, skip_reason
+from slurm_cluster import KILL_WAIT, NODES, SlurmCluster, free_port, skip_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "deploy" / "configs" / "tiny-cosmoflow.toml"
@@ -144,8 +144,11 @@ class Campaign:
 
     def assert_drained_and_nothing_left(self) -> None:
         """Every node's service drained and stopped; no process, run directory (socket) or
-        /dev/shm segment of a service is left on any node."""
+        /dev/shm segment of a service is left on any node. Judged once the job's processes
+        are gone: a cancelled job's steps finish their exit (the wrapper removes the run
+        directory after its service) within KillWait of the job's end."""
         run_dir = f"{self.local_dir()}/run-{self.id}"
+        assert self.cluster.leftover_processes(wait=KILL_WAIT + 10) == [], self.output
         for node in NODES:
             events = self.serve_log(node)
             names = [e["event"] for e in events]
@@ -155,7 +158,6 @@ class Campaign:
             shm = self.cluster.node_path(node, "/dev/shm")
             assert sorted(shm.glob(f"datastore.*.{pid}.*")) == [], node
             assert not self.cluster.node_path(node, run_dir).exists(), (node, self.output)
-        assert self.cluster.leftover_processes(wait=10) == [], self.output
         assert not (self.out / "token").exists()
 
 
