@@ -251,8 +251,7 @@ class Sessions:
             if not stopping:
                 self._by_id[session.session_id] = session
         if stopping:
-            session.close("the service is stopping")
-            self.residency.release(resident)
+            self._end(session, "the service is stopping")
             raise ServiceError("UNAVAILABLE", "the service is stopping")
         if r.HasField("client"):
             self._watch_client(session.session_id, r.client)
@@ -322,6 +321,10 @@ class Sessions:
                 self._forget_pid(int(s.request.client.pid), sid)
         if s is None:
             raise ServiceError("NOT_FOUND", f"no session {shown(sid)}")
+        self._end(s, why)
+
+    def _end(self, s: Session, why: str) -> None:
+        """Close ``s`` (no longer listed) and let its dataset go."""
         s.close(why)
         self.residency.release(s.resident)
 
@@ -346,5 +349,4 @@ class Sessions:
         with self._lock:
             sessions, self._by_id = list(self._by_id.values()), {}
         for s in sessions:
-            s.close("the service is stopping")
-            self.residency.release(s.resident)
+            self._end(s, "the service is stopping")
