@@ -5,11 +5,12 @@ Each service owns the samples staged on its node's disk. When a dataset is shard
 stage --mode shard``: nodes hold different files under the same path), a service asks every
 peer which files it holds (``describe``), and from then on fetches from their owners the blocks
 its local trainer ranks need (``fetch``): the owner sends block ``k``'s part inside the volume
-straight from its resident sample, as the sample's contiguous runs (:class:`Pieces`; MPI
-derived datatypes are slow in mpich), and the asker writes the zero halo. A session's stream
-asks for a batch's remote samples as soon as it has the slot they go to, every owner at once,
-up to several batches ahead (:meth:`MpiPeers.start` returns at once), and the runs land
-straight in the slot (:data:`Segments`).
+straight from its resident sample (:class:`Pieces`), one message per sample and field, and the
+asker receives it straight into its place in the batch slot, halo around it or not (a part
+that is not contiguous is an MPI subarray type on both sides,
+:class:`~datastore.ranks.subarrays.Subarrays`); the asker writes the zero halo. A session's
+stream asks for a batch's remote samples as soon as it has the slot they go to, every owner at
+once, up to several batches ahead (:meth:`MpiPeers.start` returns at once) (:data:`Segments`).
 
 The requests are point-to-point MPI messages (pickled requests, raw replies), so no service
 ever waits in a collective on a client's behalf; one thread per service makes every MPI call.
@@ -40,10 +41,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from datastore.maths.subarray import view
+from datastore.ranks.subarrays import Subarrays
 from datastore.service.errors import ServiceError
 
 __all__ = [
     "STATS_ENV",
+    "Box",
     "ExchangeStats",
     "Listing",
     "MpiPeers",
@@ -171,13 +175,35 @@ class ExchangeStats:
         os.replace(tmp, self.path)
 
 
-Segments = np.ndarray | Sequence[np.ndarray]
-"""Where a fetch's bytes land: one uint8 buffer, or several filled one after the other."""
+Box = tuple[np.ndarray, tuple[slice, ...]]
+"""``(array, box)``: the part ``array[box]`` of a C-contiguous array, in place."""
+
+Segments = np.ndarray | Sequence[np.ndarray | Box]
+"""Where a fetch's bytes land: one uint8 buffer, or several filled one after the other; over
+a link that :attr:`~MpiPeers.receives_boxes`, also :data:`Box` parts, each filled by exactly
+one of the reply's messages."""
 
 
 def segments(out: Segments) -> list[np.ndarray]:
-    """``out`` as a list of its non-empty 1-d uint8 buffers."""
+    """``out`` as a list of its non-empty 1-d uint8 buffers (no :data:`Box` parts)."""
     return [b for b in ([out] if isinstance(out, np.ndarray) else out) if b.nbytes]
+
+
+def targets(out: Segments) -> list[np.ndarray | Box]:
+    """``out`` as a list of its non-empty parts: 1-d uint8 buffers, a :data:`Box` whose part
+    is contiguous made one, and the other boxes."""
+    got: list[np.ndarray | Box] = []
+    for t in [out] if isinstance(out, np.ndarray) else out:
+        if isinstance(t, tuple) and view(*t).flags.c_contiguous:
+            t = view(*t).reshape(-1).view(np.uint8)
+        if nbytes(t):
+            got.append(t)
+    return got
+
+
+def nbytes(target: np.ndarray | Box) -> int:
+    """The bytes a fetch writes into ``target``."""
+    return view(*target).nbytes if isinstance(target, tuple) else target.nbytes
 
 
 class Pending:
@@ -231,7 +257,8 @@ class MpiPeers:
     posts the sends and receives the service's threads ask for, and completes them; a thread
     asking waits on an event, never inside MPI. So no two threads contend for MPI's lock, many
     requests are in flight at once (a stream's fetches of the next steps, to every owner), and
-    a reply's bytes land straight in the asker's buffer.
+    a reply's bytes land straight in the asker's buffer (:attr:`receives_boxes`: also in a
+    :data:`Box` part of it, such as a block's part inside the volume amid its halo).
 
     Args:
         comm: an mpi4py communicator of the services (duplicated here).
@@ -256,8 +283,12 @@ class MpiPeers:
         self.tag_span = tag_span
         self.bytes_received = 0
         self.sends_pieces = True
+        self.receives_boxes = True
         self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), self.node)
         self._rids = itertools.count()
+        from mpi4py import MPI
+
+        self._types = Subarrays(MPI)  # (the link's thread only)
         self._tag_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -269,7 +300,7 @@ class MpiPeers:
         self._thread.start()
 
     # -- asking (any thread) --------------------------------------------------------------------
-    def _start(self, dest: int, request: dict, out: list[np.ndarray] | None = None) -> _Call:
+    def _start(self, dest: int, request: dict, out: list[np.ndarray | Box] | None = None) -> _Call:
         with self._tag_lock:
             rid = next(self._rids)
         tag = FIRST_REPLY_TAG + rid % self.tag_span
@@ -303,8 +334,9 @@ class MpiPeers:
         """Send ``request`` to node ``dest``, its raw reply to land in ``out`` (uint8
         buffers, filled one after the other): one message, or the runs of :class:`Pieces`
         (sent straight from the owner's store), each received straight into its place. A run
-        must not straddle two buffers of ``out`` (the owner cuts runs within its boxes)."""
-        call = self._start(dest, request, segments(out))
+        must not straddle two buffers of ``out`` (the owner cuts runs within its boxes), and a
+        :data:`Box` of ``out`` takes exactly one message."""
+        call = self._start(dest, request, targets(out))
         return Pending(call.done, lambda: self._finish(call), lambda: self._abandon(call))
 
     def fetch(self, dest: int, request: dict, out: Segments) -> None:
@@ -430,7 +462,12 @@ class MpiPeers:
             call.reply = env["reply"]
             self._done(call)
             return
-        runs = cut_into(env["runs"], [b.nbytes for b in call.out or []])
+        into = call.out or []
+        runs = cut_into(env["runs"], [nbytes(b) for b in into])
+        if runs is not None and any(
+            isinstance(into[k], tuple) and (a, b) != (0, nbytes(into[k])) for k, a, b in runs
+        ):
+            runs = None  # a box takes one whole message
         if call.out is None or env["ok"] != call.nbytes or runs is None:
             want = "nothing" if call.out is None else f"{call.nbytes} bytes in its boxes"
             self._give_up(call, f"sent {env['ok']} bytes as {env['runs']}, not {want}", "INTERNAL")
@@ -438,11 +475,19 @@ class MpiPeers:
             call.sizes = env["runs"]
             call.recvs = self._irecvs(call.dest, call.tag, call.out, runs)
 
-    def _irecvs(self, dest: int, tag: int, out: list[np.ndarray], runs: Any) -> list[Any]:
-        """Receives of ``runs`` (``[(buffer, start, stop)]``, or sizes: one buffer each)."""
+    def _irecvs(self, dest: int, tag: int, out: list[Any], runs: Any) -> list[Any]:
+        """Receives of ``runs`` (``[(buffer, start, stop)]``, or sizes: one buffer each); a
+        :data:`Box` of ``out`` is received whole, in place."""
         if runs and isinstance(runs[0], int):
             runs = [(k, 0, n) for k, n in enumerate(runs)]
-        return [self.comm.Irecv(out[k][a:b], source=dest, tag=tag) for k, a, b in runs]
+        return [
+            self.comm.Irecv(
+                self._types.buffer(*out[k]) if isinstance(out[k], tuple) else out[k][a:b],
+                source=dest,
+                tag=tag,
+            )
+            for k, a, b in runs
+        ]
 
     def _done(self, call: _Call, nbytes: int = 0) -> None:
         """``call`` is over (``nbytes``: the raw bytes it received)."""
@@ -467,20 +512,22 @@ class MpiPeers:
             reply = {"error": f"internal error: {type(exc).__name__}", "code": "INTERNAL"}
         if tag is None:
             return
-        if isinstance(reply, Pieces):  # straight from the store: nothing packed
-            cut = reply.runs()
+        cut: list[Any]
+        if isinstance(reply, Pieces):  # straight from the store: one message per box
+            cut = [_sendable(a, box) for a, box in reply.boxes if view(a, box).nbytes]
         elif isinstance(reply, np.ndarray):
             cut = [np.ascontiguousarray(reply).reshape(-1).view(np.uint8)]
         else:
             self._do(lambda: self._isend({"rid": rid, "reply": reply}, source, tag))
             return
-        sizes = [r.nbytes for r in cut]
+        sizes = [nbytes(r) for r in cut]
         envelope = {"rid": rid, "ok": sum(sizes), "runs": sizes}
         self._do(lambda: self._send_raw(source, tag, envelope, cut))
 
-    def _send_raw(self, dest: int, tag: int, envelope: dict, cut: list[np.ndarray]) -> None:
+    def _send_raw(self, dest: int, tag: int, envelope: dict, cut: list[Any]) -> None:
         self._isend(envelope, dest, tag)
-        self._sends.append(([self.comm.Isend(r, dest=dest, tag=tag) for r in cut], cut))
+        bufs = [self._types.buffer(*r) if isinstance(r, tuple) else r for r in cut]
+        self._sends.append(([self.comm.Isend(b, dest=dest, tag=tag) for b in bufs], cut))
 
     def close(self, *, stop_all: bool) -> None:
         """Stop answering; ``stop_all``: tell the other services to stop too (one MPI job
@@ -491,7 +538,16 @@ class MpiPeers:
         self._stop.set()
         self._wake.set()
         self._thread.join()
+        self._types.free()
         self.comm.Free()
+
+
+def _sendable(array: np.ndarray, box: tuple[slice, ...]) -> np.ndarray | Box:
+    """``array[box]`` as the link sends it: in place, or packed where ``array`` itself is
+    strided (no subarray type describes it)."""
+    if array.flags.c_contiguous or view(array, box).flags.c_contiguous:
+        return (array, box)
+    return np.ascontiguousarray(view(array, box)).reshape(-1).view(np.uint8)
 
 
 @dataclass(eq=False)
@@ -502,7 +558,7 @@ class _Call:
     tag: int
     rid: int
     what: str
-    out: list[np.ndarray] | None
+    out: list[np.ndarray | Box] | None
     deadline: float
     reply: Any = None
     error: ServiceError | None = None
@@ -512,4 +568,4 @@ class _Call:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.out or [])
+        return sum(nbytes(b) for b in self.out or [])

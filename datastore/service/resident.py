@@ -161,7 +161,9 @@ class Resident:
     ) -> Fetching | None:
         """Ask the owners of the ``samples`` other nodes own for them, every owner at once, to
         land straight in the batch ``out`` (``{field: (n, *box)}``; a box whose part inside
-        the volume is not contiguous there is received aside and copied); returns at once.
+        the volume is not contiguous there goes in place over a link that
+        :attr:`~datastore.service.peers.MpiPeers.receives_boxes`, else is received aside and
+        copied); returns at once.
         ``None`` when every sample is here. Over a link that
         :attr:`~datastore.service.peers.Peers.sends_pieces`, only the parts inside the volume
         come (the halo outside it is zeroed here)."""
@@ -173,6 +175,7 @@ class Resident:
         if not remote.any():
             return None
         pieces, names = self.link.sends_pieces, [f.name for f in fields]
+        boxes = getattr(self.link, "receives_boxes", False)  # parts amid a halo, in place
         pending, after = [], []
         for dest in sorted(set(owners[remote].tolist())):
             at = np.flatnonzero(owners == dest).tolist()
@@ -184,6 +187,8 @@ class Resident:
                     part = dst[inner]
                     if part.flags.c_contiguous:
                         into.append(part.reshape(-1).view(np.uint8))
+                    elif boxes and dst.flags.c_contiguous:
+                        into.append((dst, inner))
                     else:
                         aside = np.empty(part.shape, part.dtype)
                         into.append(aside.reshape(-1).view(np.uint8))

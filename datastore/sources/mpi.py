@@ -22,6 +22,7 @@ import numpy as np
 from datastore.maths.delivery import covered, pad_copies
 from datastore.maths.exchange import Message
 from datastore.ranks.agree import poll
+from datastore.ranks.subarrays import Subarrays
 from datastore.sources.owners import ExchangeSetup, Owners
 
 __all__ = ["MpiExchange"]
@@ -43,26 +44,7 @@ class MpiExchange(Owners):
         self._mpi = MPI
         self.comm = comm.Dup()
         super().__init__(self.comm.Get_rank(), setup)
-        self._types: dict[tuple, Any] = {}
-
-    def _type(self, array: np.ndarray, box: tuple[slice, ...]) -> Any:
-        """A committed MPI subarray type for ``array[box]`` (bytes on the last axis), cached."""
-        shape, item = array.shape, array.itemsize
-        starts = tuple(s.start for s in box)
-        sizes = tuple(s.stop - s.start for s in box)
-        key = (shape, starts, sizes, item)
-        t = self._types.get(key)
-        if t is None:
-            if not shape:  # a 0-d field: just its bytes
-                t = self._mpi.BYTE.Create_contiguous(item)
-            else:
-                full = [*shape[:-1], shape[-1] * item]
-                sub = [*sizes[:-1], sizes[-1] * item]
-                at = [*starts[:-1], starts[-1] * item]
-                t = self._mpi.BYTE.Create_subarray(full, sub, at)
-            t.Commit()
-            self._types[key] = t
-        return t
+        self._types = Subarrays(MPI)
 
     def step(
         self,
@@ -83,7 +65,7 @@ class MpiExchange(Owners):
                 for f in self.mine:
                     dst = out[f.name][m.pos, ...]
                     _, inner = covered(f)
-                    requests.append(self.comm.Irecv([dst, 1, self._type(dst, inner)], m.src))
+                    requests.append(self.comm.Irecv(self._types.buffer(dst, inner), m.src))
                     peers.append(m.src)
                     copies.extend(pad_copies(f, dst))
         for m in msgs:
@@ -91,7 +73,7 @@ class MpiExchange(Owners):
                 for f in self.setup.fields[m.block]:
                     vol = self.setup.store.lasting(m.sample, f.name)  # it must outlive the send
                     src, _ = covered(f)
-                    requests.append(self.comm.Isend([vol, 1, self._type(vol, src)], m.dst))
+                    requests.append(self.comm.Isend(self._types.buffer(vol, src), m.dst))
                     peers.append(m.dst)
                     self.bytes_sent += f.nbytes
         copies.extend(self.own_copies(msgs, out))
@@ -110,7 +92,5 @@ class MpiExchange(Owners):
         self.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
-        for t in self._types.values():
-            t.Free()
-        self._types.clear()
+        self._types.free()
         self.comm.Free()

@@ -1,7 +1,7 @@
 """Under ``mpiexec -n 2 python -m mpi4py``: node 1 fetches from node 0 boxes of three fields of
-two samples, which node 0 sends straight from its arrays (``Pieces``: contiguous runs, a box of
-short runs packed); node 1 writes the bytes it got, what it expected, and how many messages
-node 0 cut the reply into, as JSON to OUT.
+two samples, which node 0 sends straight from its arrays (``Pieces``: one message per box, a
+subarray type where the box is not contiguous), into one buffer; node 1 writes the bytes it
+got, what it expected, and the messages' sizes, as JSON to OUT.
 
 Usage: peer_pieces_job.py OUT
 """
@@ -9,12 +9,13 @@ Usage: peer_pieces_job.py OUT
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
 from mpi4py import MPI
 
-from datastore.service.peers import MpiPeers, Pieces
+from datastore.service.peers import STATS_ENV, MpiPeers, Pieces
 
 # sample i's fields, as node 0 stores them (distinct values everywhere)
 STORE = {}
@@ -23,21 +24,19 @@ for i in range(3):
     STORE[i, "y"] = np.arange(7, dtype=np.int16) - 10 * i
     STORE[i, "z"] = np.arange(3 * 200 * 128, dtype=np.float32).reshape(3, 200, 128) - i
 BOX = {
-    "x": (slice(1, 4), slice(2, 6), slice(0, 5)),  # 3 runs of 80 bytes: packed
+    "x": (slice(1, 4), slice(2, 6), slice(0, 5)),  # 3 runs of 80 bytes
     "y": (slice(0, 7),),  # contiguous
-    "z": (slice(0, 3), slice(10, 150), slice(0, 128)),  # 3 runs of 70 KiB: sent as they are
+    "z": (slice(0, 3), slice(10, 150), slice(0, 128)),  # 3 runs of 70 KiB
 }
-RUNS = []
 
 
 def answer(request: dict) -> object:
-    reply = Pieces([(STORE[i, f], BOX[f]) for f in request["fields"] for i in request["samples"]])
-    RUNS.append(len(reply.runs()))
-    return reply
+    return Pieces([(STORE[i, f], BOX[f]) for f in request["fields"] for i in request["samples"]])
 
 
 def main() -> None:
     comm = MPI.COMM_WORLD
+    os.environ[STATS_ENV] = sys.argv[1] + ".stats{node}"
     peers = MpiPeers(comm, answer, timeout_s=10)
     if comm.Get_rank() == 1:
         samples, fields = [2, 0], ["x", "y", "z"]
@@ -48,15 +47,11 @@ def main() -> None:
         peers.fetch(0, {"kind": "fetch", "samples": samples, "fields": fields}, out)
         same = bool(np.array_equal(out, want))
         got = {"same": same, "nbytes": int(out.nbytes), "received": peers.bytes_received}
+        with open(sys.argv[1] + ".stats1") as fh:
+            got["messages"] = json.load(fh)["fetches"]
         with open(sys.argv[1], "w") as fh:
             json.dump(got, fh)
     comm.Barrier()
-    runs = comm.bcast(RUNS, root=0)
-    if comm.Get_rank() == 1:
-        with open(sys.argv[1]) as fh:
-            got = json.load(fh)
-        with open(sys.argv[1], "w") as fh:
-            json.dump({**got, "runs": runs}, fh)
     peers.close(stop_all=False)
 
 

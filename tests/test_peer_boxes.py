@@ -1,0 +1,41 @@
+"""The MPI link between services receives a part of a sample straight into a box of the batch
+slot (a block's part inside the volume amid its halo; strided on either side) with MPI subarray
+types: exactly the part's bytes land, the halo around it is untouched, one message per box
+(real ``mpiexec`` ranks); and the pure part: a box as a subarray type's parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import mpi_job, run_job
+
+from datastore.maths.subarray import byte_subarray
+
+JOB = Path(__file__).parent / "mpi_jobs" / "peer_boxes_job.py"
+
+
+@pytest.mark.mpi
+@pytest.mark.usefixtures("no_stale_mpich_shm")
+def test_parts_land_in_their_boxes_in_place_and_nothing_around_them(tmp_path):
+    out = tmp_path / "got.json"
+    got = run_job(mpi_job(2, JOB, out), out, timeout=120)
+    for case in ("low edge", "high edge", "middle"):
+        assert got[case] == {"inside": True, "halo untouched": True, "whole": True}, case
+    # one message per sample and field, float32 parts then the int16 field
+    assert got["messages"] == [[2 * 3 * 4 * 5 * 4] * 2 + [18] * 2,
+                               [2 * 2 * 4 * 3 * 4] * 2 + [18] * 2,
+                               [1 * 2 * 5 * 3 * 4] * 2 + [18] * 2]  # fmt: skip
+    assert got["mismatch"] == [
+        "INTERNAL", "node 0 sent 498 bytes as [480, 18], not 402 bytes in its boxes"
+    ]  # fmt: skip
+
+
+def test_a_box_is_a_subarray_of_bytes():
+    box = (slice(1, 3), slice(0, 4), slice(2, 5))
+    assert byte_subarray((3, 4, 6), 4, box) == ([3, 4, 24], [2, 4, 12], [1, 0, 8])
+    assert byte_subarray((), 8, ()) == ([8], [8], [0])
+    with pytest.raises(ValueError, match="not within shape"):
+        byte_subarray((3,), 4, (slice(2, 4),))
+    with pytest.raises(ValueError, match="step-1"):
+        byte_subarray((3,), 4, (slice(0, 3, 2),))
