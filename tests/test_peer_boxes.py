@@ -1,7 +1,7 @@
-"""The MPI link between services receives a part of a sample straight into a box of the batch
-slot (a block's part inside the volume amid its halo; strided on either side) with MPI subarray
-types: exactly the part's bytes land, the halo around it is untouched, one message per box
-(real ``mpiexec`` ranks); and the pure part: a box as a subarray type's parameters."""
+"""The MPI link between services receives a part of a sample into a box of the batch slot (a
+block's part inside the volume amid its halo; strided on either side): exactly the part's bytes
+land, the halo around it is untouched, and a reply of other bytes fails naming the node (real
+``mpiexec`` ranks); and the pure part: a box as an MPI subarray type's parameters."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_parts_land_in_their_boxes_in_place_and_nothing_around_them(tmp_path):
     got = run_job(mpi_job(2, JOB, out), out, timeout=120)
     for case in ("low edge", "high edge", "middle"):
         assert got[case] == {"inside": True, "halo untouched": True, "whole": True}, case
-    # one message per sample and field, float32 parts then the int16 field
+    # a part of short runs is packed: one message per sample and field
     assert got["messages"] == [[2 * 3 * 4 * 5 * 4] * 2 + [18] * 2,
                                [2 * 2 * 4 * 3 * 4] * 2 + [18] * 2,
                                [1 * 2 * 5 * 3 * 4] * 2 + [18] * 2]  # fmt: skip

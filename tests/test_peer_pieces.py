@@ -1,6 +1,6 @@
-"""The MPI link between services sends a fetch reply straight from the owner's arrays, one
-message per box (nothing packed): exactly the bytes inside the boxes arrive, in order, into one
-buffer (real ``mpiexec`` ranks)."""
+"""The MPI link between services sends a fetch reply straight from the owner's arrays, as
+contiguous runs of them (a box of short runs packed): exactly the bytes inside the boxes arrive,
+in order (real ``mpiexec`` ranks)."""
 
 from __future__ import annotations
 
@@ -20,4 +20,5 @@ def test_pieces_arrive_exactly_and_in_order(tmp_path):
     assert got["same"]
     # x: 2 x (3 x 4 x 5) float32, y: 2 x 7 int16, z: 2 x (3 x 140 x 128) float32
     assert got["nbytes"] == got["received"] == 2 * 240 + 2 * 14 + 2 * 3 * 140 * 128 * 4
-    assert got["messages"] == [[240, 240, 14, 14, 3 * 140 * 512, 3 * 140 * 512]]  # one per box
+    # x packed per sample, y whole, z's runs as stored
+    assert got["messages"] == [[240, 240, 14, 14] + [140 * 128 * 4] * 6]

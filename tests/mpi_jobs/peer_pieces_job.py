@@ -1,7 +1,7 @@
 """Under ``mpiexec -n 2 python -m mpi4py``: node 1 fetches from node 0 boxes of three fields of
-two samples, which node 0 sends straight from its arrays (``Pieces``: one message per box, a
-subarray type where the box is not contiguous), into one buffer; node 1 writes the bytes it
-got, what it expected, and the messages' sizes, as JSON to OUT.
+two samples, which node 0 sends straight from its arrays (``Pieces``: contiguous runs, a box of
+short runs packed), into one buffer; node 1 writes the bytes it got, what it expected, and the
+messages' sizes, as JSON to OUT.
 
 Usage: peer_pieces_job.py OUT
 """
@@ -24,9 +24,9 @@ for i in range(3):
     STORE[i, "y"] = np.arange(7, dtype=np.int16) - 10 * i
     STORE[i, "z"] = np.arange(3 * 200 * 128, dtype=np.float32).reshape(3, 200, 128) - i
 BOX = {
-    "x": (slice(1, 4), slice(2, 6), slice(0, 5)),  # 3 runs of 80 bytes
+    "x": (slice(1, 4), slice(2, 6), slice(0, 5)),  # 3 runs of 80 bytes: packed
     "y": (slice(0, 7),),  # contiguous
-    "z": (slice(0, 3), slice(10, 150), slice(0, 128)),  # 3 runs of 70 KiB
+    "z": (slice(0, 3), slice(10, 150), slice(0, 128)),  # 3 runs of 70 KiB: sent as they are
 }
 
 
