@@ -7,7 +7,10 @@ service on their TCP addresses, with the store's shared token (and TLS when it i
 :class:`~datastore.service.peers.MpiPeers` asks over MPI: which files of a sharded dataset they
 hold (``Describe``), and the blocks its local ranks need of the samples they own
 (``FetchBlocks``, streamed in chunks of at most :data:`CHUNK` bytes, so that a block of any
-size fits gRPC's message limits).
+size fits gRPC's message limits). As over MPI, the owner sends each box's part inside the
+volume straight from its store (``pieces``: nothing packed there), and the asker writes the
+chunks straight into the batch slot, a part amid its halo included (one copy; the asker zeroes
+the halo outside the volume).
 
 The services are independent processes: one that stops does not stop the others. Every call
 waits for a peer that is not up yet (a store starting, or a peer restarting) up to
@@ -28,17 +31,19 @@ from typing import Any
 import grpc
 import numpy as np
 
+from datastore.maths.subarray import view
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
 from datastore.service.errors import ServiceError
 from datastore.service.peers import (
     STATS_ENV,
+    Box,
     ExchangeStats,
     Listing,
     Pending,
     Pieces,
     Segments,
-    segments,
+    targets,
 )
 from datastore.service.wire import bytes_field, bytes_field_view
 
@@ -137,7 +142,8 @@ class GrpcPeers:
         self.addresses, self.node, self.nodes = addresses, node, len(addresses)
         self.timeout_s = timeout_s
         self.bytes_received = 0
-        self.sends_pieces = False  # whole boxes, halo included (packed by the owner)
+        self.sends_pieces = True  # the parts inside the volume, straight from the store
+        self.receives_boxes = True  # a part amid its halo is written in place, not aside
         self._metadata = bearer(token)
         self._credentials = None
         if tls_ca is not None:
@@ -204,7 +210,8 @@ class GrpcPeers:
 
     def fetch(self, dest: int, request: dict, out: Segments) -> None:
         """Node ``dest``'s packed blocks of ``request["samples"]`` into ``out`` (uint8
-        buffers, filled one after the other), each chunk copied once, straight into place."""
+        arrays, strided ones included, filled one after the other in C order), each chunk
+        copied once, straight into place."""
         call = self._channel(dest).unary_stream(
             f"/{SERVICE}/FetchBlocks",
             request_serializer=pb.FetchBlocksRequest.SerializeToString,
@@ -217,8 +224,9 @@ class GrpcPeers:
             fields=request["fields"],
             spatial=_layout(request["spatial"]),
             block=request["block"],
+            pieces=bool(request.get("pieces")),
         )
-        into, sizes = _Filler(segments(out)), []
+        into, sizes = _Filler([_as_bytes(t) for t in targets(out)]), []
         self.stats.begin()
         try:
             for chunk in call(
@@ -250,11 +258,11 @@ class GrpcPeers:
 
 
 class _Filler:
-    """Bytes written one after the other into several buffers."""
+    """Bytes written one after the other into several uint8 arrays (each in C order)."""
 
     def __init__(self, out: list[np.ndarray]) -> None:
         self.out, self.nbytes, self.at = out, sum(b.nbytes for b in out), 0
-        self._k, self._in = 0, 0  # the buffer written now, and where in it
+        self._k, self._in = 0, 0  # the array written now, and where in it
 
     def put(self, data: np.ndarray) -> bool:
         """Write ``data`` next; ``False`` (nothing written) if it does not fit."""
@@ -264,12 +272,39 @@ class _Filler:
         while done < data.nbytes:
             buf = self.out[self._k]
             n = min(buf.nbytes - self._in, data.nbytes - done)
-            buf[self._in : self._in + n] = data[done : done + n]
+            put_flat(buf, self._in, data[done : done + n])
             done, self._in = done + n, self._in + n
             if self._in == buf.nbytes:
                 self._k, self._in = self._k + 1, 0
         self.at += done
         return True
+
+
+def _as_bytes(target: np.ndarray | Box) -> np.ndarray:
+    """A fetch's target as uint8: a :data:`Box` part strided, its last axis its bytes."""
+    return view(*target).view(np.uint8) if isinstance(target, tuple) else target
+
+
+def put_flat(out: np.ndarray, start: int, data: np.ndarray) -> None:
+    """Write the 1-d ``data`` at ``start`` of ``out``'s elements in C order (``out`` may be
+    strided): a partial row, whole rows at once, a partial row, down the axes; a few numpy
+    copies whatever the size."""
+    if out.ndim <= 1:
+        out.reshape(-1)[start : start + data.size] = data
+        return
+    row = out[0].size
+    i, at = divmod(start, row)
+    done = 0
+    if at:
+        done = min(row - at, data.size)
+        put_flat(out[i], at, data[:done])
+        i += 1
+    whole = (data.size - done) // row
+    if whole:
+        out[i : i + whole] = data[done : done + whole * row].reshape(whole, *out.shape[1:])
+        done, i = done + whole * row, i + whole
+    if done < data.size:
+        put_flat(out[i], 0, data[done:])
 
 
 # -- answering ---------------------------------------------------------------------------------
@@ -334,6 +369,7 @@ class PeersServicer:
             "fields": list(request.fields),
             "spatial": self._spatial_of(request.spatial),
             "block": request.block,
+            "pieces": request.pieces,
         }
         reply = self._call(asked, context)
         if isinstance(reply, Pieces):  # straight from the store: nothing packed

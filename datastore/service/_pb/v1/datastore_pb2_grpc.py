@@ -448,8 +448,9 @@ class PeersServicer:
 
     def FetchBlocks(self, request, context):
         """One spatial block (with halo) of some fields of samples this node owns, packed
-        field-major: field after field, each (samples, *block shape), C order; streamed in
-        chunks of at most 4 MiB, to be concatenated.
+        field-major: field after field, each (samples, *block shape), C order (with `pieces`,
+        each box's part inside the volume instead); streamed in chunks of at most 4 MiB, to be
+        concatenated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
