@@ -10,6 +10,7 @@ to validate, then extracted in one sequential pass.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import os
 import posixpath
@@ -18,12 +19,12 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import zstandard
 
-from staging.directio import DirectReader
-from staging.prefetch import AheadReader
+from staging.directio import DirectReader, fs_type
+from staging.prefetch import AheadReader, Held, HeldReader
 
 __all__ = [
     "ArchiveError",
@@ -240,19 +241,50 @@ def zst_truncated(path: str) -> bool:
         return pos > size
 
 
+def _walk_reader(path: str, direct: bool, held: bool, io: str) -> BinaryIO:
+    """The reader of an uncompressed tar's walk (:func:`list_members`)."""
+    if direct:
+        return DirectReader(path)
+    if not held:
+        return AheadReader(path)
+    fuse = io == "auto" and fs_type(path).startswith("fuse")
+    try:
+        return HeldReader(path, direct=fuse)
+    except OSError as exc:
+        if not fuse or exc.errno != errno.EINVAL:
+            raise
+        return HeldReader(path)  # this FUSE filesystem refuses O_DIRECT
+
+
+def _hand_over(on_member: Callable[[Member, Held | None], None], m: Member, raw: Any) -> None:
+    """Call ``on_member`` with ``m`` and its bytes held where the reader holds them; the
+    callee releases them (at once if it raises)."""
+    held = raw.hold(m.offset, m.size) if isinstance(raw, HeldReader) else None
+    try:
+        on_member(m, held)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+
+
 def list_members(
     path: str,
     kind: str,
     size: int,
     direct: bool = False,
-    on_member: Callable[[Member], None] | None = None,
+    on_member: Callable[[Member, Held | None], None] | None = None,
+    io: str = "auto",
 ) -> list[Member]:
     """Every member of the archive at ``path`` (``size`` bytes), validated by ``check_members``.
 
     ``direct``: walk the headers of an uncompressed tar with ``O_DIRECT`` reads; else they
-    are read through the page cache with the archive read ahead (``staging.prefetch``).
+    are read with the archive read ahead (``staging.prefetch``).
     ``on_member``: called with each regular member of an uncompressed tar as the walk finds
-    it, before the archive as a whole is known good (``staging.copy.Engine.ahead``).
+    it, before the archive as a whole is known good (``staging.copy.Engine.ahead``), and,
+    unless ``direct``, its bytes read ahead with the walk's and held in memory until the
+    callee releases them (``HeldReader``: read with ``O_DIRECT`` from a FUSE filesystem
+    under ``io="auto"``); without ``on_member`` they go to the page cache (``AheadReader``).
 
     Raises ``ArchiveError`` for truncated or corrupt archives as well as unsafe ones.
     """
@@ -260,7 +292,7 @@ def list_members(
     error: Exception | None = None
     try:
         if kind == "tar":
-            raw = DirectReader(path) if direct else AheadReader(path)
+            raw = _walk_reader(path, direct, on_member is not None, io)
             with raw, tarfile.open(fileobj=raw, mode="r:") as tf:
                 for info in tf:
                     m = _member(info, offsets=True)
@@ -272,7 +304,7 @@ def list_members(
                         )
                     members.append(m)
                     if on_member is not None and m.kind == "file" and not m.sparse:
-                        on_member(m)
+                        _hand_over(on_member, m, raw)
         else:
             with open_stream(path, kind) as stream, tarfile.open(fileobj=stream, mode="r|") as tf:
                 for info in tf:

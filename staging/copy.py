@@ -33,6 +33,7 @@ from staging.directio import ALIGN, IoPolicy, aligned_buffer, read_at, write_at
 from staging.durable import start_writeback, syncfs
 from staging.manifest import Journal, meta_dir
 from staging.plan import Group, Item
+from staging.prefetch import Held
 from staging.splice import splice_range
 
 __all__ = ["Engine", "Stats", "hash_range", "tmp_dir", "within"]
@@ -359,6 +360,7 @@ class Engine:
         # written ahead of the plan (ahead, settle): the run being gathered, the jobs, room
         # left on DEST for them, and each finished member's temp file and digest
         self._pending: list[Item] = []
+        self._pending_held: list[Held | None] = []
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._ahead_seen: set[Item] = set()
         self._room: int | None = None
@@ -558,6 +560,37 @@ class Engine:
                 if not ahead:
                     self._fail(item, exc)
 
+    def _write_held(self, items: list[Item], held: list[Held]) -> None:
+        """Write members ahead of the plan (:meth:`ahead`) from their bytes held in the
+        walk's memory: hashed and written where they lie, no copy in between, each released
+        once written. A failure is left for :meth:`run` to meet and report."""
+        for item, data in zip(items, held, strict=True):
+            tmp = self._tmp_path(item, True)
+            try:
+                views = data.views()
+                out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                try:
+                    digest = None
+                    if self.algo != "none":
+                        h = new_hasher(self.algo)
+                        for view in views:
+                            h.update(view)
+                        digest = combine(self.algo, [h.digest()])
+                    if out.direct:
+                        buf = _buffer(item.size)
+                        buf[: item.size] = b"".join(views)
+                        self._write_view(out, buf[: item.size])
+                    else:
+                        _write_views(out.fd, views)
+                except BaseException:
+                    os.close(out.fd)
+                    raise
+                self._finish(item, out, tmp, digest, hold=True)
+            except OSError:
+                _unlink(tmp)
+            finally:
+                data.release()
+
     def _write_view(self, out: Fd, view: memoryview) -> None:
         """Write ``view`` at offset 0 without touching the bytes around it in its buffer."""
         n = len(view)
@@ -705,9 +738,11 @@ class Engine:
             self._fail(item, exc)
 
     # -- ahead of the plan ----------------------------------------------------------------------
-    def ahead(self, item: Item) -> None:
+    def ahead(self, item: Item, held: Held | None = None) -> None:
         """Start writing member ``item`` of an uncompressed tar while the walk over the archive
-        goes on (``build_plan(ahead=...)``; the walk calls this as it reads each header).
+        goes on (``build_plan(ahead=...)``; the walk calls this as it reads each header), from
+        its bytes ``held`` in the walk's memory (released here once written or declined), or
+        else read from the archive.
 
         Neighbouring members are gathered into extents and copied by the engine's streams
         into hidden temp files under ``DEST/.datastore/tmp/``, as :meth:`run` would copy
@@ -717,37 +752,44 @@ class Engine:
         ahead; members larger than one extent are left to :meth:`run`.
         """
         if item in self._ahead_seen or item.size > BUF_BYTES - ALIGN or self._room == 0:
+            if held is not None:
+                held.release()
             return
         self._ahead_seen.add(item)
         run = self._pending
         if run and not _joins(run, item):
-            self._write_ahead(run)
-            run = self._pending = []
+            self._write_ahead(run, self._pending_held)
+            run, self._pending, self._pending_held = [], [], []
+        self._pending = run
         run.append(item)
+        self._pending_held.append(held)
 
-    def _write_ahead(self, run: list[Item]) -> None:
+    def _write_ahead(self, run: list[Item], held: list[Held | None]) -> None:
         nbytes = sum(i.size for i in run)
         if self._room is None:
             usage = shutil.disk_usage(self.dest)
             self._room = usage.free if usage.total else 0  # no capacity known: no room
         if nbytes > self._room:
             self._room = 0
+            _release(held)
             return
         self._room -= nbytes
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(self.streams, thread_name_prefix="ahead")
         with self._lock:
             self._archives.add(run[0].path)
-        self._ahead_pool.submit(self._copy_extent, run, True)
+        if all(h is not None for h in held):
+            self._ahead_pool.submit(self._write_held, run, held)
+        else:
+            _release(held)
+            self._ahead_pool.submit(self._copy_extent, run, True)
 
     def settle(self, groups: list[Group]) -> int:
         """Keep what :meth:`ahead` wrote for an item of ``groups`` (this rank's work, after
         the plan's checks and the skips) and remove the rest: the members of an archive
         refused late in its walk, or skipped. Returns the bytes kept, which :meth:`run`
-        places without copying them again; ``settle([])`` removes everything written ahead.
-        Members the walk gathered but had not handed to the streams yet are left to
-        :meth:`run`."""
-        self._finish_ahead()
+        places without copying them again; ``settle([])`` removes everything written ahead."""
+        self._finish_ahead(flush=bool(groups))
         wanted = {i for g in groups if g.ident and not g.stream for i in g.items}
         kept = {}
         for item, held in self._held.items():
@@ -758,9 +800,14 @@ class Engine:
         self._held = kept
         return sum(i.size for i in kept)
 
-    def _finish_ahead(self) -> None:
-        """Wait for every extent handed to the streams ahead of the plan."""
-        self._pending = []
+    def _finish_ahead(self, flush: bool = True) -> None:
+        """Wait for every extent handed to the streams ahead of the plan; ``flush``: hand
+        them the extent the walk was gathering when it ended, else let it go."""
+        if flush and self._pending:
+            self._write_ahead(self._pending, self._pending_held)
+        else:
+            _release(self._pending_held)
+        self._pending, self._pending_held = [], []
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown(wait=True)
             self._ahead_pool = None
@@ -826,6 +873,25 @@ def _raw_stream(group: Group) -> Any:
     if group.stream == "tar":
         return open(group.source, "rb")
     return open_stream(group.source, group.stream or "")
+
+
+def _release(held: list[Held | None]) -> None:
+    for h in held:
+        if h is not None:
+            h.release()
+
+
+def _write_views(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` one after another from offset 0 (``pwritev``, again where short)."""
+    done = 0
+    while views:
+        n = os.pwritev(fd, views, done)
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if views and n:
+            views = [views[0][n:], *views[1:]]
 
 
 def _fill(f: Any, view: memoryview) -> None:

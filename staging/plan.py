@@ -23,6 +23,7 @@ from staging.archive import (
 )
 from staging.confine import beneath
 from staging.directio import reads_direct
+from staging.prefetch import Held
 
 __all__ = ["Group", "Item", "Plan", "archive_record", "assign", "build_plan", "split_by_bytes"]
 
@@ -161,17 +162,17 @@ def _member_item(path: str, m: Member, arch_ident: str, offset: int) -> Item:
 
 
 def _archive_group(
-    path: str, kind: str, st: os.stat_result, io: str, ahead: Callable[[Item], None] | None
+    path: str, kind: str, st: os.stat_result, io: str, ahead: Callable[..., None] | None
 ) -> Group:
     direct = kind == "tar" and reads_direct(path, io)
     arch_ident = _ident(st)
     on_member = None
     if ahead is not None and kind == "tar":
 
-        def on_member(m: Member) -> None:
-            ahead(_member_item(path, m, arch_ident, m.offset or 0))
+        def on_member(m: Member, held: Held | None) -> None:
+            ahead(_member_item(path, m, arch_ident, m.offset or 0), held)
 
-    members = list_members(path, kind, st.st_size, direct, on_member)
+    members = list_members(path, kind, st.st_size, direct, on_member, io)
     stream = None if kind == "tar" else kind
     if kind == "tar" and any(m.sparse for m in members):
         stream = "tar"  # sparse members are not one byte range: extract sequentially
@@ -217,7 +218,7 @@ def build_plan(
     io: str = "auto",
     confine: Sequence[str] = (),
     dest: str = "",
-    ahead: Callable[[Item], None] | None = None,
+    ahead: Callable[[Item, Held | None], None] | None = None,
 ) -> Plan:
     """Walk ``sources`` into groups of items; a bad source becomes an error, not an exception.
 
@@ -229,7 +230,8 @@ def build_plan(
     every symlink inside a source tree must resolve beneath (``staging.confine``). ``dest``:
     DEST, refused inside a directory source (the copy would copy itself, deeper every run).
     ``ahead``: called with each regular member of an uncompressed tar as the walk finds it
-    (``staging.copy.Engine.ahead``), before the archive is checked as a whole.
+    (``staging.copy.Engine.ahead``), before the archive is checked as a whole, and its bytes
+    held in memory by the walk's reader or ``None`` (``staging.archive.list_members``).
     """
     known = known or {}
     plan = Plan()

@@ -11,13 +11,14 @@ members' bytes there too.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from staging.directio import PositionedReader
+from staging.directio import PositionedReader, aligned_buffer
 
-__all__ = ["AheadReader"]
+__all__ = ["AheadReader", "Held", "HeldReader"]
 
 CHUNK = 8 << 20
 """The bytes one read-ahead job brings in."""
@@ -145,4 +146,189 @@ class AheadReader(PositionedReader):
                 self._pool.shutdown(wait=True, cancel_futures=True)
             os.close(self._fd)
             os.close(self._null)
+        super().close()
+
+
+HELD_CHUNK = 4 << 20
+"""The bytes of one read of :class:`HeldReader`."""
+HELD_WINDOW = 32 << 20
+"""The most bytes :class:`HeldReader` holds: chunks read ahead and chunks with members held.
+Members held and not yet on their way to release must stay well below it (two chunks less):
+the walk waits for memory to read on, and only a release gives it (``staging.copy`` gathers
+at most 8 MiB before handing members to its streams)."""
+HELD_THREADS = 2
+
+
+class Held:
+    """The bytes of one archive member, held in a :class:`HeldReader`'s memory until
+    :meth:`release` (which may come from any thread, once)."""
+
+    __slots__ = ("_live", "_reader", "offset", "size")
+
+    def __init__(self, reader: HeldReader, offset: int, size: int):
+        self._reader, self.offset, self.size, self._live = reader, offset, size, True
+
+    def views(self) -> list[memoryview]:
+        """The member's bytes, one view per chunk they lie in (waits for them to be read)."""
+        return self._reader._views(self.offset, self.size)
+
+    def release(self) -> None:
+        if self._live:
+            self._live = False
+            self._reader._pin(self.offset, self.size, -1)
+
+
+class _Chunk:
+    __slots__ = ("buf", "error", "got", "job")
+
+    def __init__(self, buf: memoryview):
+        self.buf, self.got, self.error, self.job = buf, -1, None, None  # got: -1 until read
+
+
+class HeldReader(PositionedReader):
+    """A seekable read-only file read in order, :data:`HELD_CHUNK` bytes a read, into memory
+    of its own, at most :data:`HELD_WINDOW` of it at once.
+
+    For the walk over an uncompressed tar whose members are written as it goes: the walk's
+    headers and the members' bytes (:meth:`hold`) come from the same read, so each byte of
+    the archive is read once, with large reads, and copied once (``direct``: read with
+    ``O_DIRECT``, straight from the filesystem into this memory). A chunk is reused once the
+    walk has passed it and no member held in it is left. :class:`AheadReader` instead reads
+    ahead into the page cache, and the copy reads the members from there again.
+    """
+
+    def __init__(self, path: str, direct: bool = False):
+        self._fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        self._size = os.fstat(self._fd).st_size
+        self._chunk, self._most = HELD_CHUNK, max(2, HELD_WINDOW // HELD_CHUNK)
+        self._chunks: dict[int, _Chunk] = {}  # chunk offset -> chunk, being read or read
+        self._pins: dict[int, int] = {}  # chunk offset -> members held in it
+        self._free: list[memoryview] = []
+        self._made = 0
+        self._next = 0  # the first chunk not read yet
+        self._pos = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._cond = threading.Condition()
+        self._shut = False
+
+    def hold(self, offset: int, size: int) -> Held:
+        """Keep the ``size`` bytes at ``offset`` (ahead of the walk) until released."""
+        self._pin(offset, size, 1)
+        return Held(self, offset, size)
+
+    def readinto(self, b: memoryview) -> int:  # type: ignore[override]
+        """Fill ``b`` completely unless the file ends first (tarfile expects full reads)."""
+        view = memoryview(b).cast("B")
+        got = 0
+        while got < len(view) and self._pos < self._size:
+            base = self._pos - self._pos % self._chunk
+            chunk = self._wait(base, walk=True)
+            start = self._pos - base
+            n = min(len(view) - got, chunk.got - start)
+            if n <= 0:
+                break  # the file was cut while read
+            view[got : got + n] = chunk.buf[start : start + n]
+            got += n
+            self._pos += n
+        return got
+
+    def _end(self) -> int:
+        return self._size
+
+    # -- chunks -----------------------------------------------------------------------------
+    def _spans(self, offset: int, size: int) -> range:
+        return range(offset - offset % self._chunk, offset + max(size, 1), self._chunk)
+
+    def _pin(self, offset: int, size: int, delta: int) -> None:
+        with self._cond:
+            for base in self._spans(offset, size):
+                self._pins[base] = self._pins.get(base, 0) + delta
+                if not self._pins[base]:
+                    del self._pins[base]
+            if delta < 0:
+                self._recycle()
+
+    def _views(self, offset: int, size: int) -> list[memoryview]:
+        views = []
+        for base in self._spans(offset, size):
+            chunk = self._wait(base)
+            lo, hi = max(offset, base) - base, min(offset + size, base + self._chunk) - base
+            if hi > chunk.got:
+                raise OSError(errno.EIO, "archive ended early (changed while staging?)")
+            views.append(chunk.buf[lo:hi])
+        return views
+
+    def _wait(self, base: int, walk: bool = False) -> _Chunk:
+        """The chunk at ``base``, read; ``walk``: the walk is there (chunks before it that
+        hold no member are reused, and reading goes on up to the window)."""
+        with self._cond:
+            if walk:
+                self._recycle()
+                if base > self._next and not any(self._next <= b < base for b in self._pins):
+                    self._next = base  # the walk skipped what nobody holds: not read
+            while True:
+                chunk = self._chunks.get(base)
+                if chunk is None and (base < self._next or self._shut):
+                    raise OSError(errno.EIO, f"archive bytes at {base} no longer held")
+                if chunk is not None and chunk.got >= 0:
+                    break
+                if chunk is not None and chunk.error is not None:
+                    raise chunk.error
+                if chunk is not None and chunk.job is not None and chunk.job.cancelled():
+                    raise OSError(errno.EIO, f"archive bytes at {base} not read (closed)")
+                self._fill()
+                self._cond.wait()
+        return chunk
+
+    def _fill(self) -> None:
+        """Start reading the next chunks while there is memory for them (lock held)."""
+        while not self._shut and self._next < self._size:
+            if self._free:
+                buf = self._free.pop()
+            elif self._made < self._most:
+                buf, self._made = aligned_buffer(self._chunk), self._made + 1
+            else:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(HELD_THREADS, thread_name_prefix="held")
+            chunk = self._chunks[self._next] = _Chunk(buf)
+            chunk.job = self._pool.submit(self._read, self._next, chunk)
+            self._next += self._chunk
+
+    def _recycle(self) -> None:
+        """Reuse the chunks the walk has passed that are read and hold no member (lock held)."""
+        passed = self._pos - self._pos % self._chunk
+        for base in [b for b, c in self._chunks.items() if b < passed and c.got >= 0]:
+            if base not in self._pins:
+                self._free.append(self._chunks.pop(base).buf)
+        self._fill()
+
+    def _read(self, base: int, chunk: _Chunk) -> None:
+        want = min(self._chunk, self._size - base)
+        got = 0
+        try:
+            while got < want:
+                n = os.preadv(self._fd, [chunk.buf[got : self._chunk]], base + got)
+                if n == 0:
+                    break
+                got += n
+        except OSError as exc:
+            chunk.error = exc
+        with self._cond:
+            if chunk.error is None:
+                chunk.got = min(got, want)
+            self._recycle()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop reading ahead; members held stay readable where their chunks were read."""
+        if not self.closed:
+            with self._cond:
+                self._shut = True
+                for base, chunk in self._chunks.items():
+                    if base not in self._pins and chunk.job is not None:
+                        chunk.job.cancel()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            os.close(self._fd)
         super().close()

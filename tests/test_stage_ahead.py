@@ -14,6 +14,8 @@ import pytest
 from helpers import META, file_info, meta_listing, random_bytes, snapshot, tar_bytes
 
 import staging.copy as copy
+from staging import prefetch
+from staging.checksum import combine, new_hasher
 from staging.cluster import world
 from staging.config import StageConfig
 from staging.directio import IoPolicy
@@ -48,13 +50,31 @@ def ahead_seen(monkeypatch):
     seen: list[tuple[list[str], dict]] = []
     finish = copy.Engine._finish_ahead
 
-    def look(self):
-        finish(self)
+    def look(self, **kw):
+        finish(self, **kw)
         if not seen:
             seen.append((temp_files(self.dest), snapshot(Path(self.dest))))
 
     monkeypatch.setattr(copy.Engine, "_finish_ahead", look)
     return seen
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A tmpfs of its own: a filesystem whose archives the walk reads into memory of its own
+    (``HeldReader``; on a local disk it reads their headers direct)."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {(proc.stderr + proc.stdout).strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True, timeout=30)
 
 
 def run_stage(dest: Path, *sources: Path) -> int:
@@ -83,6 +103,32 @@ def test_members_written_ahead_stay_hidden_until_the_archive_is_settled(tmp_path
     assert all(e["hash"].startswith("xxh3:") for e in entries.values())
 
 
+def test_members_read_with_the_walk_are_written_from_its_memory(tmp_path, tmpfs, monkeypatch):
+    # chunks of 64 KiB: members of odd sizes lie across chunks; a window of 9 MiB (the
+    # streams gather up to 8 MiB) makes the reader reuse its chunks over the 12 MiB archive
+    monkeypatch.setattr(prefetch, "HELD_CHUNK", 64 * KIB)
+    monkeypatch.setattr(prefetch, "HELD_WINDOW", 9 * MIB)
+    files = [(f"d/m{k:03d}.bin", random_bytes(200 * KIB + 77 * k, seed=k)) for k in range(60)]
+    files.append(("d/empty", b""))
+    arc = write_tar(tmpfs / "x.tar", files)
+    dest = str(tmp_path / "dest")
+    os.makedirs(meta_dir(dest))
+    engine = copy.Engine(dest, 0, "xxh3", 4, IoPolicy("auto", meta_dir(dest), log=False))
+    plan = build_plan([str(arc)], ahead=engine.ahead)
+    engine._finish_ahead()
+    assert len(temp_files(dest)) == len(files)  # all, the last extent too
+    assert os.listdir(dest) == [META]
+    assert engine.settle(plan.groups) == sum(len(d) for _, d in files)
+    stats = engine.run(plan.groups)
+    assert stats.errors == [] and stats.files == len(files)
+    assert snapshot(Path(dest)) == {"d": ("dir",), **{n: ("file", d) for n, d in files}}
+    entries = Manifest.load(dest).entries
+    for name, data in files:
+        h = new_hasher("xxh3")
+        h.update(data)
+        assert entries[name]["hash"] == combine("xxh3", [h.digest()]), name
+
+
 def _hostile_last(tmp_path: Path) -> tuple[Path, str]:
     link = tarfile.TarInfo("zz")
     link.type, link.linkname = tarfile.SYMTYPE, "../../outside"
@@ -98,9 +144,12 @@ def _truncated_last(tmp_path: Path) -> tuple[Path, str]:
     return tmp_path / "cut.tar", f"member {last.name!r}: corrupt or truncated archive"
 
 
+@pytest.mark.parametrize("where", ["local", "tmpfs"])
 @pytest.mark.parametrize("make", [_hostile_last, _truncated_last], ids=["hostile", "truncated"])
-def test_an_archive_refused_late_in_its_walk_leaves_nothing(tmp_path, ahead_seen, capsys, make):
-    arc, says = make(tmp_path)
+def test_an_archive_refused_late_in_its_walk_leaves_nothing(
+    tmp_path, ahead_seen, capsys, make, where, request
+):
+    arc, says = make(tmp_path if where == "local" else request.getfixturevalue("tmpfs"))
     good = tmp_path / "good.bin"
     good.write_bytes(b"staged anyway\n")
     dest = tmp_path / "box" / "dest"
