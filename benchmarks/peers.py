@@ -417,7 +417,7 @@ def peer_stats(store: Store) -> list[dict[str, Any]]:
             with open(os.path.join(store.tmp, f"peer{k}.json")) as f:
                 out.append(json.load(f))
         except FileNotFoundError:
-            out.append({"bytes": 0, "spans": [], "fetches": []})
+            out.append({"bytes": 0, "spans": [], "fetches": [], "legs": []})
     return out
 
 
@@ -469,6 +469,7 @@ class Job:
     link_bytes: list[int] = field(default_factory=list)  # the fetches' bytes, both services
     in_flight_s: list[float] = field(default_factory=list)  # a fetch of either in flight
     fetches: list[list[list[list[int]]]] = field(default_factory=list)  # per node, per fetch
+    legs: list[list[list[float]]] = field(default_factory=list)  # per fetch (envelope, bytes) s
 
     def rate(self, values: list[int] | list[float]) -> float:
         return median([v / s for v, s in zip(values, self.seconds, strict=True)])
@@ -494,6 +495,23 @@ class Job:
     def in_flight_gb_s(self) -> float | None:
         return median(self.in_flight_rates) if self.in_flight_rates else None
 
+    def fetch_ms(self) -> dict[str, float] | None:
+        """Each fetch's time (ms, every rep's fetches pooled): from asked to the reply's
+        envelope in, from there to its last byte in, and the whole, median and 90th
+        percentile; ``None`` where the link does not time its legs."""
+        legs = [leg for rep in self.legs for leg in rep if any(leg)]
+        if not legs:
+            return None
+        out = {}
+        for name, values in (
+            ("envelope", [a for a, _ in legs]),
+            ("bytes", [b for _, b in legs]),
+            ("whole", [a + b for a, b in legs]),
+        ):
+            out[name] = 1e3 * median(values)
+            out[f"{name}_p90"] = 1e3 * float(np.percentile(values, 90))
+        return out
+
     def summary(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -513,6 +531,7 @@ class Job:
             "exchange_in_flight_s": median(self.in_flight_s) if self.in_flight_s else None,
             "exchange_gb_per_s_in_flight": self.in_flight_gb_s,
             "exchange_gb_per_s_in_flight_reps": self.in_flight_rates,
+            "fetch_ms": self.fetch_ms(),
             "reps": {
                 "seconds": self.seconds,
                 "batches": self.batches,
@@ -574,6 +593,8 @@ def record_link(job: Job, res: list[dict[str, Any]], before: list[dict], after: 
     job.fetches.append(
         [a["fetches"][len(b["fetches"]) :] for a, b in zip(after, before, strict=True)]
     )
+    legs = [(a.get("legs", []), len(b.get("legs", []))) for a, b in zip(after, before, strict=True)]
+    job.legs.append([leg for new, old in legs for leg in new[old:]])  # (no legs: older services)
 
 
 def record(
@@ -637,8 +658,9 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
         ratio_rows.append(f"| {r['layout']} | {r['case']} | {r['batches']:.2f}x | {ex} |")
     link_rows = [
         "| store | layout | exchange GB/s in flight (reps) | in flight s | exchange GB/s per "
-        "epoch time (reps) | bare mpi4py GB/s (reps) | in flight / bare | epoch / bare |",
-        "|---|---|---|---:|---|---|---:|---:|",
+        "epoch time (reps) | bare mpi4py GB/s (reps) | in flight / bare | epoch / bare "
+        "| per fetch ms: envelope + bytes = whole (p90) |",
+        "|---|---|---|---:|---|---|---:|---:|---|",
     ]
     for layout in args.layouts:
         for kind in ("mpi", "grpc"):
@@ -653,9 +675,16 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
             if bare:
                 row += f"| {median(bare):.2f} ({spread(bare, '{:.2f}')}) "
                 row += f"| {median(flight) / median(bare):.2f}x "
-                row += f"| {median(epoch) / median(bare):.2f}x |"
+                row += f"| {median(epoch) / median(bare):.2f}x "
             else:
-                row += "| - | - | - |"
+                row += "| - | - | - "
+            ms = j.fetch_ms()
+            if ms:
+                legs = [f"{ms[k]:.1f} + {ms['bytes' + p]:.1f} = {ms['whole' + p]:.1f}"
+                        for k, p in (("envelope", ""), ("envelope_p90", "_p90"))]  # fmt: skip
+                row += f"| {legs[0]} ({legs[1]}) |"
+            else:
+                row += "| - |"
             link_rows.append(row)
     target_rows = ["| issue 24 target | layout | measured | verdict |", "|---|---|---:|---|"]
     for r in ratios(jobs, args.layouts):
@@ -691,7 +720,9 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
             "bytes / the timed epochs' wall time. Bare mpi4py: two fresh ranks replaying the "
             "same fetches (each fetch's messages, both directions at once, "
             f"{FETCH_AHEAD} fetches in flight each way), bytes / time. Issue 24's 0.8x target "
-            "is judged on in flight / bare (both are bytes / time the link was busy). Medians "
+            "is judged on in flight / bare (both are bytes / time the link was busy). Per fetch: "
+            "from asked to the reply's envelope in, then to its last byte in (median, and 90th "
+            "percentile, of every fetch of the timed epochs). Medians "
             "over the reps; reps: the full range (min-max) over them.",
             f"- data: {args.samples} .npy samples x {mb:.1f} MiB (float32 (4, {args.side}, "
             f"{args.side}, {args.side})); global batch {2 * args.batch} "

@@ -52,11 +52,12 @@ def test_the_link_counts_the_time_any_fetch_was_in_flight(tmp_path):
     stats = ExchangeStats(str(tmp_path / "peer{node}.json"), 3, clock=lambda: next(clock))
     stats.begin()  # 10
     stats.begin()  # (overlaps)
-    stats.end(5, [5])
-    stats.end(7, [3, 4])  # 14: none in flight: 10..14
+    stats.end(5, [5], (1.0, 2.0))
+    stats.end(7, [3, 4], (0.5, 0.25))  # 14: none in flight: 10..14
     stats.begin()  # 20
     stats.end(0, [])  # 21: failed, no bytes
     saved = json.loads((tmp_path / "peer3.json").read_text())
     assert stats.in_flight_s == saved["in_flight_s"] == 5.0
     assert saved["bytes"] == 12 and saved["spans"] == [[10.0, 14.0], [20.0, 21.0]]
     assert saved["fetches"] == [[5], [3, 4]]
+    assert saved["legs"] == [[1.0, 2.0], [0.5, 0.25]]  # (envelope, bytes) s of each fetch

@@ -133,8 +133,9 @@ class ExchangeStats:
     """When a service's fetches were in flight and what they moved: ``in_flight_s`` (the time
     at least one was), ``bytes``. With ``$DATASTORE_PEER_STATS`` set to a path (``{node}``:
     this service's rank), also every span in flight (``time.monotonic()``, the same clock in
-    every process of a host) and each fetch's message sizes, written there as JSON whenever
-    none is in flight any more: what ``benchmarks/peers.py`` measures the link by."""
+    every process of a host), each fetch's message sizes and its legs (seconds from asked to
+    the reply's envelope in, and from there to its last byte in), written there as JSON
+    whenever none is in flight any more: what ``benchmarks/peers.py`` measures the link by."""
 
     def __init__(self, path: str, node: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = node_path(path, node) if path else ""
@@ -143,6 +144,7 @@ class ExchangeStats:
         self.bytes = 0
         self.spans: list[tuple[float, float]] = []
         self.fetches: list[list[int]] = []
+        self.legs: list[tuple[float, float]] = []
         self._active, self._since = 0, 0.0
         self._lock = threading.Lock()
 
@@ -153,13 +155,15 @@ class ExchangeStats:
                 self._since = self._clock()
             self._active += 1
 
-    def end(self, nbytes: int, sizes: list[int]) -> None:
-        """A fetch is over, ``nbytes`` received in messages of ``sizes`` (0: it failed)."""
+    def end(self, nbytes: int, sizes: list[int], legs: tuple[float, float] = (0.0, 0.0)) -> None:
+        """A fetch is over, ``nbytes`` received in messages of ``sizes`` (0: it failed), in
+        ``legs`` (envelope, bytes) seconds."""
         with self._lock:
             self._active -= 1
             self.bytes += nbytes
             if self.path and nbytes:
                 self.fetches.append(list(sizes))
+                self.legs.append(legs)
             if not self._active:
                 now = self._clock()
                 self.in_flight_s += now - self._since
@@ -172,7 +176,7 @@ class ExchangeStats:
         with open(tmp, "w") as f:
             json.dump(
                 {"bytes": self.bytes, "in_flight_s": self.in_flight_s, "spans": self.spans,
-                 "fetches": self.fetches}, f)  # fmt: skip
+                 "fetches": self.fetches, "legs": self.legs}, f)  # fmt: skip
         os.replace(tmp, self.path)
 
 
@@ -476,7 +480,7 @@ class MpiPeers:
             want = "nothing" if call.out is None else f"{call.nbytes} bytes in its boxes"
             self._give_up(call, f"sent {env['ok']} bytes as {env['runs']}, not {want}", "INTERNAL")
         else:
-            call.sizes = env["runs"]
+            call.sizes, call.enveloped = env["runs"], time.monotonic()
             call.recvs = self._irecvs(call.dest, call.tag, call.out, runs)
 
     def _irecvs(self, dest: int, tag: int, out: list[np.ndarray], runs: Any) -> list[Any]:
@@ -489,7 +493,9 @@ class MpiPeers:
         """``call`` is over (``nbytes``: the raw bytes it received)."""
         self._calls.remove(call)
         if call.out is not None:
-            self.stats.end(nbytes, call.sizes)
+            now = time.monotonic()
+            legs = (call.enveloped - call.asked, now - call.enveloped) if nbytes else (0.0, 0.0)
+            self.stats.end(nbytes, call.sizes, legs)
         call.done.set()
 
     def _give_up(self, call: _Call, why: str, code: str = "UNAVAILABLE") -> None:
@@ -573,6 +579,8 @@ class _Call:
     recvs: list[Any] | None = None  # the receives of the raw bytes, once posted
     sizes: list[int] = field(default_factory=list)  # the raw bytes' messages
     unpack: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (part, aside)
+    asked: float = field(default_factory=time.monotonic)
+    enveloped: float = 0.0  # when its envelope came (a fetch)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
