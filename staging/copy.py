@@ -12,6 +12,7 @@ name before it is complete, on disk and checksummed.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import fcntl
@@ -351,6 +352,7 @@ class Engine:
         self.rank = rank
         self.tmp = tmp_dir(dest)
         os.makedirs(self.tmp, exist_ok=True)
+        _spread_subdirs(self.tmp)
         self.stats = Stats()
         self._lock = threading.Lock()
         self._sources: dict[str, list] = {}  # path -> [Fd, users]
@@ -443,14 +445,13 @@ class Engine:
             self.stats.errors.append(f"{item.source}: {msg}")
 
     def _tmp_path(self, item: Item, ahead: bool = False) -> str:
-        """``tmp/KK/KEY.part``: spread over up to 256 directories, since creating many files
-        in one directory and renaming them out of it cost 0.42-0.47 s per 1,000 creations on
-        the reference VM, against 0.13-0.28 s spread (ext4). ``ahead``: a member written
-        ahead of the plan, keyed by its offset too (of two members of one name, the walk
-        writes both before the last is known to win)."""
+        """``tmp/K/KEY.part``: spread over 16 directories, which the filesystem spreads over
+        its block groups (:func:`_spread_subdirs`). ``ahead``: a member written ahead of the
+        plan, keyed by its offset too (of two members of one name, the walk writes both
+        before the last is known to win)."""
         name = os.fsencode(item.dest) + (b"\0%d" % item.offset if ahead else b"")
         key = hashlib.sha1(name).hexdigest()[:20]  # any file name bytes
-        shard = os.path.join(self.tmp, key[:2])
+        shard = os.path.join(self.tmp, key[:1])
         if shard not in self._shards:
             os.makedirs(shard, exist_ok=True)
             self._shards.add(shard)
@@ -873,6 +874,33 @@ def _raw_stream(group: Group) -> Any:
     if group.stream == "tar":
         return open(group.source, "rb")
     return open_stream(group.source, group.stream or "")
+
+
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_TOPDIR_FL = 0x80086601, 0x40086602, 0x00020000
+
+
+def _spread_subdirs(path: str) -> None:
+    """Ask the filesystem to spread the subdirectories of ``path`` over its block groups
+    (ext2/3/4's top-directory flag, ``chattr +T``); nothing where it has no such flag.
+
+    Else ext4 puts the temp files in the block group of their parent, where an unjournaled
+    ext4 also keeps the inodes of files deleted in the last minutes, and passes over every
+    one of those for each file it creates (a DEST staged again after ``rm -rf``: 28 % of the
+    stage's CPU time, GlusterFS tar of 1,000 x 512 KiB); spread, 8 %."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
+        if not flags[0] & FS_TOPDIR_FL:
+            flags[0] |= FS_TOPDIR_FL
+            fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags, True)
+    except OSError:
+        pass  # no such flags here (ENOTTY, EOPNOTSUPP, EINVAL)
+    finally:
+        os.close(fd)
 
 
 def _release(held: list[Held | None]) -> None:
