@@ -49,6 +49,9 @@ from and into ready buffers cycling through up to 256 MiB, after 2 untimed fetch
 (all bytes / time) and the ratios in flight / bare (issue 24's target: >= 0.8x; both are bytes
 per time the link was busy) and per epoch / bare. The bare ranks are not the services'
 processes (the service has no call to run a probe on its communicator); the messages are.
+**Per fetch**: each fetch's time from asked to its reply's envelope in (the request's way,
+the owner's answer, the envelope's way back), then to its last byte in, median and 90th
+percentile over the timed epochs' fetches (MPI peers; the legs the services record).
 
 Every service is shut down at the end; the run checks that no socket and no shared-memory
 segment of its services is left (``/dev/shm/datastore.<uid>.<pid>.*``) and says so.
