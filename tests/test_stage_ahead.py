@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import fcntl
+import io
 import os
 import subprocess
 import tarfile
@@ -103,6 +104,25 @@ def test_members_written_ahead_stay_hidden_until_the_archive_is_settled(tmp_path
     entries = Manifest.load(dest).entries
     assert sorted(entries) == [n for n, _ in files]
     assert all(e["hash"].startswith("xxh3:") for e in entries.values())
+
+
+def test_held_reader_serves_the_walk_and_the_members_it_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(prefetch, "HELD_CHUNK", 4096)
+    monkeypatch.setattr(prefetch, "HELD_WINDOW", 4 * 4096)  # chunks reused over 100,000 bytes
+    data = os.urandom(100_000)
+    (tmp_path / "f").write_bytes(data)
+    with prefetch.HeldReader(str(tmp_path / "f")) as r:
+        assert r.read(10) == data[:10]
+        first, last = r.hold(5000, 9000), r.hold(99_000, 1000)  # over 3 chunks; the last one
+        assert r.seek(50_000) == 50_000  # the walk passes the first: its chunks stay
+        assert r.read(7) == data[50_000:50_007]
+        assert [len(v) for v in first.views()] == [3192, 4096, 1712]
+        assert b"".join(first.views()) == data[5000:14000]
+        first.release()
+        assert r.seek(-5, io.SEEK_END) == 99_995
+        assert r.read(100) == data[-5:] and r.read(1) == b""
+    assert b"".join(last.views()) == data[99_000:]  # still there after the walk has ended
+    last.release()
 
 
 def test_members_read_with_the_walk_are_written_from_its_memory(tmp_path, tmpfs, monkeypatch):
