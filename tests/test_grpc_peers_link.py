@@ -6,6 +6,7 @@ settings) is process-wide.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ from datastore.service.grpc_peers import (
     _Filler,
     add_peers_to_server,
 )
-from datastore.service.peers import Pieces
+from datastore.service.peers import STATS_ENV, Pieces
 
 # Rounds of 8 chunk-sized buffers alive at once, written then freed (what a service does with
 # the messages of the fetches in flight): the page faults per round after the first 3.
@@ -107,11 +108,15 @@ def test_a_reply_cut_anywhere_lands_in_place_in_c_order():
             assert np.array_equal(got.view(np.uint8), e.view(np.uint8))
 
 
-def test_a_fetch_of_pieces_lands_amid_the_halo_straight_from_the_owners_store():
+def test_a_fetch_of_pieces_lands_amid_the_halo_straight_from_the_owners_store(
+    tmp_path, monkeypatch
+):
     """A real ``Peers`` server answering from a stored sample: the asker's ``pieces`` reach
-    the owner (which then packs nothing), and the part inside the volume lands in place in the
-    batch slot, the halo around it untouched (before: the flag was not sent, so the owner
-    packed whole boxes, and a part amid its halo was refused as a target)."""
+    the owner (which then packs nothing), the part inside the volume lands in place in the
+    batch slot, the halo around it untouched, and the fetch's legs (asked to first chunk, to
+    last byte) are in the peer stats (before: the flag was not sent, so the owner packed whole
+    boxes, a part amid its halo was refused as a target, and the legs were zero)."""
+    monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats{node}.json"))
     stored = np.arange(4 * 6 * 5, dtype=np.float32).reshape(4, 6, 5)
     inside = (slice(1, 4), slice(0, 6), slice(2, 5))  # the block's part inside the volume
     asked = []
@@ -135,6 +140,10 @@ def test_a_fetch_of_pieces_lands_amid_the_halo_straight_from_the_owners_store():
         link.close(stop_all=False)
         server.stop(None)
     assert [r["pieces"] for r in asked] == [True]
+    stats = json.loads((tmp_path / "stats0.json").read_text())
+    assert stats["bytes"] == stored[inside].nbytes and stats["fetches"] == [[stored[inside].nbytes]]
+    ((to_first, to_last),) = stats["legs"]
+    assert to_first > 0 and to_last >= 0, stats["legs"]
     want = np.full_like(slot, -1.0)
     want[1][amid] = stored[inside]
     assert np.array_equal(slot, want)

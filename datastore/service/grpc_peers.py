@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -228,10 +229,13 @@ class GrpcPeers:
         )
         into, sizes = _Filler([_as_bytes(t) for t in targets(out)]), []
         self.stats.begin()
+        asked, first = time.monotonic(), None  # the legs: asked -> first chunk -> last byte
         try:
             for chunk in call(
                 message, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=True
             ):
+                if first is None:
+                    first = time.monotonic()
                 if not into.put(np.frombuffer(chunk, np.uint8)):
                     raise ServiceError(
                         "INTERNAL", f"node {dest} sent more than the {into.nbytes} bytes asked"
@@ -240,7 +244,9 @@ class GrpcPeers:
         except grpc.RpcError as exc:
             raise self._failed(dest, "FetchBlocks", exc) from None
         finally:
-            self.stats.end(into.at if into.at == into.nbytes else 0, sizes)
+            whole = into.at == into.nbytes and first is not None
+            legs = (first - asked, time.monotonic() - first) if whole else (0.0, 0.0)
+            self.stats.end(into.at if whole else 0, sizes, legs)
         if into.at != into.nbytes:
             raise ServiceError("INTERNAL", f"node {dest} sent {into.at} of {into.nbytes} bytes")
         self.bytes_received += into.at
