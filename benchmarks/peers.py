@@ -94,7 +94,7 @@ from common import (
     write_results,
 )
 
-from datastore.service.peers import STATS_ENV
+from datastore.service.peers import STATS_ENV, read_stats
 from datastore.service.session import FETCH_AHEAD
 from staging.cluster import LAUNCH_ENV
 
@@ -226,7 +226,7 @@ class Store:
         self.kind = kind
         self.tmp = tempfile.mkdtemp(prefix=f"datastore-peers-{kind}-")
         self.env = clean_env(self.tmp)
-        self.env[STATS_ENV] = os.path.join(self.tmp, "peer{node}.json")  # the link's spans
+        self.env[STATS_ENV] = os.path.join(self.tmp, "peer{node}.jsonl")  # the link's spans
         self.procs: list[subprocess.Popen] = []
         serve = [sys.executable, "-m", "datastore", "serve"]
         if kind == "mpi":
@@ -413,15 +413,8 @@ def run_bare(fetches: list[list[list[int]]], env: dict[str, str], tmp: str) -> f
 
 
 def peer_stats(store: Store) -> list[dict[str, Any]]:
-    """Each service's :class:`~datastore.service.peers.ExchangeStats` file (empty: none yet)."""
-    out = []
-    for k in range(2):
-        try:
-            with open(os.path.join(store.tmp, f"peer{k}.json")) as f:
-                out.append(json.load(f))
-        except FileNotFoundError:
-            out.append({"bytes": 0, "spans": [], "fetches": [], "legs": []})
-    return out
+    """Each service's :class:`~datastore.service.peers.ExchangeStats` so far."""
+    return [read_stats(os.path.join(store.tmp, f"peer{k}.jsonl")) for k in range(2)]
 
 
 def in_flight(spans: list[list[float]], t0: float, t1: float) -> float:
@@ -596,8 +589,9 @@ def record_link(job: Job, res: list[dict[str, Any]], before: list[dict], after: 
     job.fetches.append(
         [a["fetches"][len(b["fetches"]) :] for a, b in zip(after, before, strict=True)]
     )
-    legs = [(a.get("legs", []), len(b.get("legs", []))) for a, b in zip(after, before, strict=True)]
-    job.legs.append([leg for new, old in legs for leg in new[old:]])  # (no legs: older services)
+    job.legs.append(
+        [leg for a, b in zip(after, before, strict=True) for leg in a["legs"][len(b["legs"]) :]]
+    )
 
 
 def record(

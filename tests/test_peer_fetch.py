@@ -5,7 +5,6 @@ each run lands, the gRPC link's chunk filler, the time a link was in flight."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 from helpers import mpi_job, run_job
 
 from datastore.service.grpc_peers import _Filler
-from datastore.service.peers import ExchangeStats, cut_into
+from datastore.service.peers import ExchangeStats, cut_into, read_stats
 
 JOB = Path(__file__).parent / "mpi_jobs" / "peer_faults_job.py"
 
@@ -56,7 +55,7 @@ def test_the_link_counts_the_time_any_fetch_was_in_flight(tmp_path):
     stats.end(7, [3, 4], (0.5, 0.25))  # 14: none in flight: 10..14
     stats.begin()  # 20
     stats.end(0, [])  # 21: failed, no bytes
-    saved = json.loads((tmp_path / "peer3.json").read_text())
+    saved = read_stats(str(tmp_path / "peer3.json"))
     assert stats.in_flight_s == saved["in_flight_s"] == 5.0
     assert saved["bytes"] == 12 and saved["spans"] == [[10.0, 14.0], [20.0, 21.0]]
     assert saved["fetches"] == [[5], [3, 4]]

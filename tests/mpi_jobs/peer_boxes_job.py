@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from datastore.service.errors import ServiceError
-from datastore.service.peers import STATS_ENV, MpiPeers, Pieces
+from datastore.service.peers import STATS_ENV, MpiPeers, Pieces, read_stats
 
 # sample i's fields, as node 0 stores them (distinct values everywhere)
 STORE = {}
@@ -66,8 +66,7 @@ def main() -> None:
     peers = MpiPeers(comm, answer, timeout_s=10)
     if comm.Get_rank() == 1:
         got = {case: fetch(peers, case, [2, 0], dst) for case, (_, dst) in CASES.items()}
-        with open(sys.argv[1] + ".stats1") as fh:
-            got["messages"] = json.load(fh)["fetches"]
+        got["messages"] = read_stats(sys.argv[1] + ".stats1")["fetches"]
         wrong = (slice(0, 2), slice(0, 3), slice(0, 4), slice(0, 4))  # a box of other bytes
         try:
             fetch(peers, "low edge", [1], wrong)

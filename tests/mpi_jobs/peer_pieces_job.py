@@ -15,7 +15,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from datastore.service.peers import STATS_ENV, MpiPeers, Pieces
+from datastore.service.peers import STATS_ENV, MpiPeers, Pieces, read_stats
 
 # sample i's fields, as node 0 stores them (distinct values everywhere)
 STORE = {}
@@ -47,8 +47,7 @@ def main() -> None:
         peers.fetch(0, {"kind": "fetch", "samples": samples, "fields": fields}, out)
         same = bool(np.array_equal(out, want))
         got = {"same": same, "nbytes": int(out.nbytes), "received": peers.bytes_received}
-        with open(sys.argv[1] + ".stats1") as fh:
-            got["messages"] = json.load(fh)["fetches"]
+        got["messages"] = read_stats(sys.argv[1] + ".stats1")["fetches"]
         with open(sys.argv[1], "w") as fh:
             json.dump(got, fh)
     comm.Barrier()
