@@ -568,6 +568,9 @@ class Engine:
         for item, data in zip(items, held, strict=True):
             tmp = self._tmp_path(item, True)
             try:
+                if item.size > BUF_BYTES - ALIGN:
+                    self._stream_held(item, data, tmp)
+                    continue
                 views = data.views()
                 out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 try:
@@ -591,6 +594,33 @@ class Engine:
                 _unlink(tmp)
             finally:
                 data.release()
+
+    def _stream_held(self, item: Item, data: Held, tmp: str) -> None:
+        """Write a member larger than one extent piece by piece as the walk's reader brings
+        it in, hashed leaf by leaf (``staging.checksum``), each piece let go once written."""
+        out = Fd(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))  # never direct
+        try:
+            digests: list[bytes] = []
+            h, left, pos = None, 0, 0
+            for piece in data.pieces():
+                _write_views(out.fd, [piece], pos)
+                start_writeback(out.fd, pos, len(piece))
+                pos += len(piece)
+                while self.algo != "none" and piece:
+                    if not left:
+                        if h is not None:
+                            digests.append(h.digest())
+                        h, left = new_hasher(self.algo), LEAF_BYTES
+                    n = min(left, len(piece))
+                    h.update(piece[:n])
+                    piece, left = piece[n:], left - n
+        except BaseException:
+            os.close(out.fd)
+            raise
+        if h is not None:
+            digests.append(h.digest())
+        digest = combine(self.algo, digests) if h is not None else None
+        self._finish(item, out, tmp, digest, written_back=True, hold=True)
 
     def _write_view(self, out: Fd, view: memoryview) -> None:
         """Write ``view`` at offset 0 without touching the bytes around it in its buffer."""
@@ -750,17 +780,22 @@ class Engine:
         them; nothing is placed under its name before :meth:`settle` has kept it (the archive
         checked as a whole, its space counted) and :meth:`run` commits it. An extent that
         would not fit in the space free on DEST when the first was written stops the writing
-        ahead; members larger than one extent are left to :meth:`run`.
+        ahead. A member larger than one extent is written on its own, streamed through the
+        walk's memory; without ``held`` it is left to :meth:`run`.
         """
-        if item in self._ahead_seen or item.size > BUF_BYTES - ALIGN or self._room == 0:
+        big = item.size > BUF_BYTES - ALIGN
+        if item in self._ahead_seen or self._room == 0 or (big and held is None):
             if held is not None:
                 held.release()
             return
         self._ahead_seen.add(item)
         run = self._pending
-        if run and not _joins(run, item):
+        if run and (big or not _joins(run, item)):
             self._write_ahead(run, self._pending_held)
             run, self._pending, self._pending_held = [], [], []
+        if big:
+            self._write_ahead([item], [held])
+            return
         self._pending = run
         run.append(item)
         self._pending_held.append(held)
@@ -909,9 +944,9 @@ def _release(held: list[Held | None]) -> None:
             h.release()
 
 
-def _write_views(fd: int, views: list[memoryview]) -> None:
-    """Write ``views`` one after another from offset 0 (``pwritev``, again where short)."""
-    done = 0
+def _write_views(fd: int, views: list[memoryview], offset: int = 0) -> None:
+    """Write ``views`` one after another from ``offset`` (``pwritev``, again where short)."""
+    done = offset
     while views:
         n = os.pwritev(fd, views, done)
         done += n

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from staging.directio import PositionedReader, aligned_buffer
@@ -163,19 +164,33 @@ class Held:
     """The bytes of one archive member, held in a :class:`HeldReader`'s memory until
     :meth:`release` (which may come from any thread, once)."""
 
-    __slots__ = ("_live", "_reader", "offset", "size")
+    __slots__ = ("_from", "_reader", "offset", "size")
 
     def __init__(self, reader: HeldReader, offset: int, size: int):
-        self._reader, self.offset, self.size, self._live = reader, offset, size, True
+        self._reader, self.offset, self.size = reader, offset, size
+        self._from = offset  # bytes before this are let go
 
     def views(self) -> list[memoryview]:
         """The member's bytes, one view per chunk they lie in (waits for them to be read)."""
         return self._reader._views(self.offset, self.size)
 
+    def pieces(self) -> Iterator[memoryview]:
+        """The member's bytes chunk by chunk, each chunk let go when the next is asked for:
+        a member larger than the reader's memory streams through it."""
+        end = self.offset + self.size
+        for base in self._reader._spans(self.offset, self.size):
+            start = max(self._from, base)
+            (view,) = self._reader._views(start, min(end, base + self._reader._chunk) - start)
+            yield view
+            self._reader._pin(start, 0, -1)
+            self._from = base + self._reader._chunk
+
     def release(self) -> None:
-        if self._live:
-            self._live = False
-            self._reader._pin(self.offset, self.size, -1)
+        """Let go of what is still held (once all is let go: nothing)."""
+        end = self.offset + max(self.size, 1)
+        if self._from < end:
+            self._reader._pin(self._from, end - self._from, -1)
+            self._from = end
 
 
 class _Chunk:

@@ -18,7 +18,7 @@ from helpers import META, file_info, meta_listing, random_bytes, snapshot, tar_b
 
 import staging.copy as copy
 from staging import prefetch
-from staging.checksum import combine, new_hasher
+from staging.checksum import LEAF_BYTES, combine, leaf_ranges, new_hasher
 from staging.cluster import world
 from staging.config import StageConfig
 from staging.directio import IoPolicy
@@ -69,7 +69,7 @@ def tmpfs(tmp_path):
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
     proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs", str(mnt)],
+        ["mount", "-t", "tmpfs", "-o", "size=128M", "tmpfs", str(mnt)],
         capture_output=True,
         text=True,
         timeout=30,
@@ -166,6 +166,34 @@ def test_the_temp_directory_asks_ext4_to_spread_its_subdirectories(tmp_path):
     finally:
         os.close(fd)
     assert flags[0] & copy.FS_TOPDIR_FL
+
+
+def test_members_larger_than_the_walks_memory_stream_through_it(tmp_path, tmpfs, monkeypatch):
+    monkeypatch.setattr(prefetch, "HELD_CHUNK", 64 * KIB)
+    monkeypatch.setattr(prefetch, "HELD_WINDOW", 9 * MIB)
+    files = [
+        ("a.bin", random_bytes(100 * KIB, seed=1)),
+        ("b.bin", random_bytes(9 * MIB + 3, seed=2)),  # more than one extent
+        ("c.bin", random_bytes(LEAF_BYTES + 5 * MIB + 7, seed=3)),  # two leaves
+        ("d.bin", random_bytes(10 * KIB, seed=4)),
+    ]
+    arc = write_tar(tmpfs / "x.tar", files)
+    dest = str(tmp_path / "dest")
+    os.makedirs(meta_dir(dest))
+    engine = copy.Engine(dest, 0, "xxh3", 4, IoPolicy("auto", meta_dir(dest), log=False))
+    plan = build_plan([str(arc)], ahead=engine.ahead)
+    assert engine.settle(plan.groups) == sum(len(d) for _, d in files)  # all written ahead
+    stats = engine.run(plan.groups)
+    assert stats.errors == [] and stats.files == len(files)
+    assert snapshot(Path(dest)) == {n: ("file", d) for n, d in files}
+    entries = Manifest.load(dest).entries
+    for name, data in files:
+        leaves = []
+        for off, n in leaf_ranges(len(data)):
+            h = new_hasher("xxh3")
+            h.update(data[off : off + n])
+            leaves.append(h.digest())
+        assert entries[name]["hash"] == combine("xxh3", leaves), name
 
 
 def _hostile_last(tmp_path: Path) -> tuple[Path, str]:
