@@ -311,8 +311,11 @@ class HeldReader(PositionedReader):
             self._next += self._chunk
 
     def _recycle(self) -> None:
-        """Reuse the chunks the walk has passed that are read and hold no member (lock held)."""
-        passed = self._pos - self._pos % self._chunk
+        """Reuse the chunks the walk has passed that are read and hold no member (lock held).
+        The byte before the position counts as not passed: tarfile reads it before each
+        header, after a member of no data one byte back."""
+        last = max(self._pos - 1, 0)
+        passed = last - last % self._chunk
         for base in [b for b, c in self._chunks.items() if b < passed and c.got >= 0]:
             if base not in self._pins:
                 self._free.append(self._chunks.pop(base).buf)

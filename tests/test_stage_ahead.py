@@ -112,10 +112,16 @@ def test_held_reader_serves_the_walk_and_the_members_it_holds(tmp_path, monkeypa
     data = os.urandom(100_000)
     (tmp_path / "f").write_bytes(data)
     with prefetch.HeldReader(str(tmp_path / "f")) as r:
-        assert r.read(10) == data[:10]
+        assert r.read(4096) == data[:4096]
+        with r._cond:  # as a read ahead finishing, or a release, would now
+            r._recycle()
+        r.seek(4095)  # tarfile's look at the byte before a header, after a member of no data
+        assert r.read(1) == data[4095:4096]
         first, last = r.hold(5000, 9000), r.hold(99_000, 1000)  # over 3 chunks; the last one
         assert r.seek(50_000) == 50_000  # the walk passes the first: its chunks stay
         assert r.read(7) == data[50_000:50_007]
+        with r._cond:
+            r._recycle()
         assert [len(v) for v in first.views()] == [3192, 4096, 1712]
         assert b"".join(first.views()) == data[5000:14000]
         first.release()
