@@ -6,7 +6,6 @@ settings) is process-wide.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ from datastore.service.grpc_peers import (
     _Filler,
     add_peers_to_server,
 )
-from datastore.service.peers import STATS_ENV, Pieces
+from datastore.service.peers import STATS_ENV, Pieces, read_stats
 
 # Rounds of 8 chunk-sized buffers alive at once, written then freed (what a service does with
 # the messages of the fetches in flight): the page faults per round after the first 3.
@@ -116,7 +115,7 @@ def test_a_fetch_of_pieces_lands_amid_the_halo_straight_from_the_owners_store(
     batch slot, the halo around it untouched, and the fetch's legs (asked to first chunk, to
     last byte) are in the peer stats (before: the flag was not sent, so the owner packed whole
     boxes, a part amid its halo was refused as a target, and the legs were zero)."""
-    monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats{node}.json"))
+    monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats{node}.jsonl"))
     stored = np.arange(4 * 6 * 5, dtype=np.float32).reshape(4, 6, 5)
     inside = (slice(1, 4), slice(0, 6), slice(2, 5))  # the block's part inside the volume
     asked = []
@@ -140,7 +139,7 @@ def test_a_fetch_of_pieces_lands_amid_the_halo_straight_from_the_owners_store(
         link.close(stop_all=False)
         server.stop(None)
     assert [r["pieces"] for r in asked] == [True]
-    stats = json.loads((tmp_path / "stats0.json").read_text())
+    stats = read_stats(str(tmp_path / "stats0.jsonl"))
     assert stats["bytes"] == stored[inside].nbytes and stats["fetches"] == [[stored[inside].nbytes]]
     ((to_first, to_last),) = stats["legs"]
     assert to_first > 0 and to_last >= 0, stats["legs"]
