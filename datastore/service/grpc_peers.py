@@ -20,7 +20,6 @@ serving; once the peer is back, the next call reaches it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -46,7 +45,7 @@ from datastore.service.peers import (
     Segments,
     targets,
 )
-from datastore.service.wire import bytes_field, bytes_field_view
+from datastore.service.wire import bytes_field, bytes_field_view, keep_large_blocks
 
 __all__ = ["CHUNK", "GrpcPeers", "PeersServicer", "add_peers_to_server", "parse_peers"]
 
@@ -61,28 +60,6 @@ _OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-
-
-# glibc's mallopt parameters: a freed message's memory is kept for the next one (see
-# reuse_message_memory)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def reuse_message_memory() -> bool:
-    """Let this process's ``malloc`` keep freed message buffers for the next messages; whether
-    it could (glibc only).
-
-    gRPC copies every message into fresh memory on both sides (a ``bytes`` per chunk and its
-    slices). By default glibc maps a buffer of a chunk's size for each message and unmaps it
-    after (or trims a thread's heap), so every byte received is also a page fault and a page
-    zeroed: half the receiving service's CPU. Buffers up to ``4 * CHUNK`` come from the heap
-    instead, and up to ``16 * CHUNK`` of free memory at a heap's top is kept."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    kept = mallopt(_M_MMAP_THRESHOLD, 4 * CHUNK) and mallopt(_M_TRIM_THRESHOLD, 16 * CHUNK)
-    return bool(kept)
 
 
 def parse_peers(text: str) -> tuple[str, ...]:
@@ -153,7 +130,7 @@ class GrpcPeers:
         self._channels: dict[int, grpc.Channel] = {}
         self._pool: ThreadPoolExecutor | None = None  # fetches in flight at once
         self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), node)
-        reuse_message_memory()  # this process sends and receives the peers' messages
+        keep_large_blocks()  # the peers' messages: freed buffers reused, not mapped afresh
 
     def _channel(self, dest: int) -> grpc.Channel:
         with self._lock:
