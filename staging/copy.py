@@ -37,7 +37,7 @@ from staging.plan import Group, Item
 from staging.prefetch import Held
 from staging.splice import splice_range
 
-__all__ = ["Engine", "Stats", "hash_range", "tmp_dir", "within"]
+__all__ = ["Engine", "Stats", "hash_range", "tmp_dir", "tmp_subdir", "within"]
 
 BUF_BYTES = 8 * 1024 * 1024
 BUFFERED_BYTES = 1024 * 1024
@@ -48,6 +48,13 @@ _local = threading.local()
 
 def tmp_dir(dest: str) -> str:
     return os.path.join(meta_dir(dest), "tmp")
+
+
+def tmp_subdir(key: str) -> str:
+    """The subdirectory of ``tmp/`` that holds the temp files of ``key``: its first hex digit
+    (older versions used none, then the first two; ``stage.clean_tmp`` moves their partial
+    copies here)."""
+    return key[:1]
 
 
 def _grown(name: str, need: int) -> memoryview:
@@ -451,7 +458,7 @@ class Engine:
         before the last is known to win)."""
         name = os.fsencode(item.dest) + (b"\0%d" % item.offset if ahead else b"")
         key = hashlib.sha1(name).hexdigest()[:20]  # any file name bytes
-        shard = os.path.join(self.tmp, key[:1])
+        shard = os.path.join(self.tmp, tmp_subdir(key))
         if shard not in self._shards:
             os.makedirs(shard, exist_ok=True)
             self._shards.add(shard)

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -18,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from staging.checksum import LEAF_BYTES
 from staging.cluster import Layout, layout
 from staging.config import StageConfig
-from staging.copy import Engine, Stats, tmp_dir, within
+from staging.copy import Engine, Stats, tmp_dir, tmp_subdir, within
 from staging.directio import IoPolicy
 from staging.exitcodes import Exit
 from staging.manifest import Manifest, lock_dest, meta_dir
@@ -55,26 +57,150 @@ def up_to_date(item: Item, entry: dict[str, Any] | None, dest: str) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size == entry["size"]
 
 
-def clean_tmp(dest: str) -> None:
-    """Remove temp debris, keeping large partial files whose leaf log allows a resume."""
+PARTIAL = re.compile(r"([0-9a-f]{20})\.(part|leaves)")
+"""A partial copy of a large file is ``KEY.part`` with its leaf log ``KEY.leaves`` beside it."""
+
+
+@dataclass
+class Freed:
+    """Temp files removed from DEST and the disk space they held (their allocated blocks)."""
+
+    files: int = 0
+    bytes: int = 0
+
+
+def clean_tmp(dest: str) -> Freed:
+    """Clear DEST's temp space (its lock held): everything under ``tmp/`` goes but the partial
+    copies a re-run resumes, which move to where this version looks for them
+    (``tmp/K/KEY.part`` and ``.leaves``; older versions left them in ``tmp/`` itself or in
+    ``tmp/KK/``). Links are removed, never followed."""
+    freed = Freed()
+    meta = os.open(meta_dir(dest), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            top = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=meta)
+        except FileNotFoundError:
+            return freed
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                raise
+            _remove(meta, "tmp", freed)  # a file or a link where tmp/ belongs
+            return freed
+        try:
+            subdirs = [n for n in os.listdir(top) if _is_dir(top, n)]
+            pairs: list[tuple[str, str]] = []  # (subdirectory, key), "" for tmp/ itself
+            for sub in ["", *subdirs]:
+                fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY, dir_fd=top) if sub else top
+                try:
+                    keys = _partials(fd)
+                    pairs += [(sub, k) for k in sorted(keys)]
+                    for name in os.listdir(fd):
+                        m = PARTIAL.fullmatch(name)
+                        if not (m and m[1] in keys) and not (sub == "" and name in subdirs):
+                            _remove(fd, name, freed)
+                finally:
+                    if sub:
+                        os.close(fd)
+            placed = {k for sub, k in pairs if sub == tmp_subdir(k)}
+            for sub, key in pairs:
+                if sub != tmp_subdir(key):
+                    _move_partial(top, sub, key, placed, freed)
+            for sub in subdirs:
+                with contextlib.suppress(OSError):  # not empty: it holds a partial copy
+                    os.rmdir(sub, dir_fd=top)
+        finally:
+            os.close(top)
+        with contextlib.suppress(OSError):
+            os.rmdir("tmp", dir_fd=meta)
+    finally:
+        os.close(meta)
+    return freed
+
+
+def drop_partials(dest: str, wanted: set[str]) -> Freed:
+    """Remove the partial copies whose leaf log's first line (``source ident algo``) is not in
+    ``wanted``: what this run is not going to resume. Touches nothing else under ``tmp/`` (the
+    members written ahead of the plan are there by now)."""
+    freed = Freed()
     tmp = tmp_dir(dest)
     if not os.path.isdir(tmp):
+        return freed
+    for e in os.scandir(tmp):
+        if not e.is_dir(follow_symlinks=False):
+            continue
+        fd = os.open(e.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            for key in _partials(fd):
+                with open(f"{key}.leaves", "rb", opener=_at(fd)) as f:
+                    ident = f.readline().rstrip(b"\n")
+                if os.fsdecode(ident) not in wanted:
+                    _remove(fd, f"{key}.part", freed)
+                    _remove(fd, f"{key}.leaves", freed)
+        finally:
+            os.close(fd)
+    return freed
+
+
+def _partials(fd: int) -> set[str]:
+    """The keys of the partial copies in directory ``fd``: a regular ``.part`` and ``.leaves``."""
+    found: dict[str, set[str]] = {}
+    for e in os.scandir(fd):
+        m = PARTIAL.fullmatch(e.name)
+        if m and e.is_file(follow_symlinks=False):
+            found.setdefault(m[1], set()).add(m[2])
+    return {k for k, exts in found.items() if len(exts) == 2}
+
+
+def _move_partial(top: int, sub: str, key: str, placed: set[str], freed: Freed) -> None:
+    """Move the partial copy ``key`` from ``tmp/sub`` to its place in this version's layout,
+    or remove it where a copy of this version is there already (the newer of the two)."""
+    src = os.open(sub, os.O_RDONLY | os.O_DIRECTORY, dir_fd=top) if sub else top
+    try:
+        if key in placed:
+            _remove(src, f"{key}.part", freed)
+            _remove(src, f"{key}.leaves", freed)
+            return
+        to = tmp_subdir(key)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(to, dir_fd=top)
+        dst = os.open(to, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+        try:
+            for ext in ("part", "leaves"):
+                name = f"{key}.{ext}"
+                os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+        finally:
+            os.close(dst)
+        placed.add(key)
+    finally:
+        if sub:
+            os.close(src)
+
+
+def _is_dir(fd: int, name: str) -> bool:
+    return stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+
+
+def _at(fd: int) -> Any:
+    return lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, dir_fd=fd)
+
+
+def _remove(fd: int, name: str, freed: Freed) -> None:
+    """Remove ``name`` in directory ``fd``, a directory with all it holds, counting into
+    ``freed`` each file and the blocks that go with it (none for a file linked elsewhere too)."""
+    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode):
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        try:
+            for child in os.listdir(sub):
+                _remove(sub, child, freed)
+        finally:
+            os.close(sub)
+        os.rmdir(name, dir_fd=fd)
         return
-    for shard in [tmp, *(e.path for e in os.scandir(tmp) if e.is_dir(follow_symlinks=False))]:
-        names = set(os.listdir(shard))
-        for name in names:
-            path = os.path.join(shard, name)
-            if shard != tmp or not os.path.isdir(path):
-                stem, ext = os.path.splitext(name)
-                keep = (ext == ".part" and stem + ".leaves" in names) or (
-                    ext == ".leaves" and stem + ".part" in names
-                )
-                if not keep:
-                    os.unlink(path)
-        if shard != tmp and not os.listdir(shard):
-            os.rmdir(shard)
-    if not os.listdir(tmp):
-        os.rmdir(tmp)
+    os.unlink(name, dir_fd=fd)
+    freed.files += 1
+    if st.st_nlink == 1 and stat.S_ISREG(st.st_mode):
+        freed.bytes += st.st_blocks * 512
 
 
 def _node_work(groups: list[Group], manifest: Manifest, dest: str, local_size: int) -> NodeWork:
@@ -122,7 +248,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     log = _Log(cfg, lay)
 
     # 1. every node's leader prepares its DEST and takes the lock
-    lock_fd, manifest, err = None, Manifest(), None
+    lock_fd, manifest, err, freed = None, Manifest(), None, Freed()
     made: list[str] = []  # DEST/.datastore and the parents this run creates, deepest first
     if lay.is_leader:
         try:
@@ -130,7 +256,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             os.makedirs(meta_dir(dest), exist_ok=True)
             lock_fd = lock_dest(dest)
             manifest = Manifest.load(dest)
-            clean_tmp(dest)
+            freed = clean_tmp(dest)
         except BlockingIOError:
             err = f"{dest}: another 'datastore stage' is writing to this destination"
         except (OSError, ValueError) as exc:
@@ -169,6 +295,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         try:
             work = _node_work(groups, manifest, dest, lay.local_size)
             held = engine.settle(work.per_rank[0]) if engine is not None else 0
+            unwanted = drop_partials(dest, _resumable(work, cfg.checksum))
+            freed.files, freed.bytes = freed.files + unwanted.files, freed.bytes + unwanted.bytes
             usage = shutil.disk_usage(dest)
             if usage.total == 0 and not cfg.quiet:  # ramfs and the like report no capacity
                 print(
@@ -192,16 +320,18 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         except OSError as exc:
             work.code, work.error = Exit.FAILED, f"{dest}: {exc.strerror}: {exc.filename}"
     work = node_comm.bcast(work, root=0)
-    status = comm.allgather((work.code, work.error))
-    if any(code for code, _ in status):
+    note = _freed_note(dest, freed) if lay.is_leader and freed.files else None
+    status = comm.allgather((work.code, work.error, note, freed.bytes))
+    log.notes([n for *_, n, _ in status if n])
+    if any(code for code, *_ in status):
         if lock_fd is not None:  # refused here or on another node: leave nothing this run made
             if engine is not None:
                 engine.settle([])
                 clean_tmp(dest)
             _unmake(dest, made, dirs[::-1])
             os.close(lock_fd)
-        log.errors([e for _, e in status if e])
-        return max(code for code, _ in status)
+        log.errors([e for _, e, *_ in status if e])
+        return max(code for code, *_ in status)
 
     # 4. copy
     mine = work.per_rank[lay.local_rank]
@@ -241,8 +371,26 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     code = Exit.FAILED if stats.errors else (Exit.BAD_INPUT if plan.errors else Exit.OK)
     code = comm.allreduce(code, op=_max_op(comm))
     if lay.rank == 0:
-        log.summary(plan, every, elapsed, lay)
+        log.summary(plan, every, elapsed, lay, sum(b for *_, b in status))
     return code
+
+
+def _resumable(work: NodeWork, algo: str) -> set[str]:
+    """The first lines of the leaf logs of the partial copies this node's ranks would resume."""
+    return {
+        f"{i.source} {i.ident} {algo}"
+        for groups in work.per_rank
+        for g in groups
+        for i in g.items
+        if i.size > LEAF_BYTES
+    }
+
+
+def _freed_note(dest: str, freed: Freed) -> str:
+    return (
+        f"{dest}: removed {freed.files} temp file(s) that an interrupted or older stage left "
+        f"in .datastore/tmp ({human_bytes(freed.bytes)} freed)"
+    )
 
 
 def _engine(cfg: StageConfig, dest: str, rank: int, policy: IoPolicy) -> Engine:
@@ -320,7 +468,14 @@ class _Log:
             for e in errors:
                 print(f"datastore stage: error: {e}", file=sys.stderr)
 
-    def summary(self, plan: Plan, every: list[Stats], elapsed: float, lay: Layout) -> None:
+    def notes(self, notes: list[str]) -> None:
+        if self.lay.rank == 0 and not self.cfg.quiet:
+            for n in notes:
+                print(f"datastore stage: note: {n}", file=sys.stderr)
+
+    def summary(
+        self, plan: Plan, every: list[Stats], elapsed: float, lay: Layout, freed: int
+    ) -> None:
         total = Stats()
         for s in every:
             total.add(s)
@@ -333,6 +488,7 @@ class _Log:
             "skipped": total.skipped,
             "skipped_bytes": total.skipped_bytes,
             "resumed_bytes": total.resumed_bytes,
+            "tmp_freed_bytes": freed,
             "ranks": lay.size,
             "nodes": lay.nodes,
             "mode": self.cfg.mode,
