@@ -6,7 +6,8 @@ Layout of ``DEST/.datastore/``:
 - ``journal-<rank>.jsonl``: entries appended by each rank while it stages, one JSON object a
   line, so that a run killed at any point keeps what it finished. Loading applies the journals
   on top of ``manifest.json``; compaction folds them in and deletes them.
-- ``tmp/``: files being written, never under their final name.
+- ``tmp/``: files being written, never under their final name; only the stage holding
+  ``lock`` writes there or clears it (``stage.clean_tmp``).
 - ``lock``: held (``flock``) by the node's leader for the whole run.
 """
 
