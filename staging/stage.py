@@ -78,7 +78,7 @@ def clean_tmp(dest: str) -> Freed:
     meta = os.open(meta_dir(dest), os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
-            top = os.open("tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=meta)
+            top = _opendir("tmp", meta)
         except FileNotFoundError:
             return freed
         except OSError as exc:
@@ -88,19 +88,13 @@ def clean_tmp(dest: str) -> Freed:
             return freed
         try:
             subdirs = [n for n in os.listdir(top) if _is_dir(top, n)]
-            pairs: list[tuple[str, str]] = []  # (subdirectory, key), "" for tmp/ itself
-            for sub in ["", *subdirs]:
-                fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY, dir_fd=top) if sub else top
+            pairs = [("", k) for k in _sweep(top, set(subdirs), freed)]  # (subdirectory, key)
+            for sub in subdirs:
+                fd = _opendir(sub, top)
                 try:
-                    keys = _partials(fd)
-                    pairs += [(sub, k) for k in sorted(keys)]
-                    for name in os.listdir(fd):
-                        m = PARTIAL.fullmatch(name)
-                        if not (m and m[1] in keys) and not (sub == "" and name in subdirs):
-                            _remove(fd, name, freed)
+                    pairs += [(sub, k) for k in _sweep(fd, set(), freed)]
                 finally:
-                    if sub:
-                        os.close(fd)
+                    os.close(fd)
             placed = {k for sub, k in pairs if sub == tmp_subdir(k)}
             for sub, key in pairs:
                 if sub != tmp_subdir(key):
@@ -128,7 +122,7 @@ def drop_partials(dest: str, wanted: set[str]) -> Freed:
     for e in os.scandir(tmp):
         if not e.is_dir(follow_symlinks=False):
             continue
-        fd = os.open(e.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = _opendir(e.path, None)
         try:
             for key in _partials(fd):
                 with open(f"{key}.leaves", "rb", opener=_at(fd)) as f:
@@ -139,6 +133,17 @@ def drop_partials(dest: str, wanted: set[str]) -> Freed:
         finally:
             os.close(fd)
     return freed
+
+
+def _sweep(fd: int, keep: set[str], freed: Freed) -> set[str]:
+    """Remove everything in directory ``fd`` but the names in ``keep`` and the partial copies;
+    returns the keys of those."""
+    keys = _partials(fd)
+    for name in os.listdir(fd):
+        m = PARTIAL.fullmatch(name)
+        if not (m and m[1] in keys) and name not in keep:
+            _remove(fd, name, freed)
+    return keys
 
 
 def _partials(fd: int) -> set[str]:
@@ -154,7 +159,7 @@ def _partials(fd: int) -> set[str]:
 def _move_partial(top: int, sub: str, key: str, placed: set[str], freed: Freed) -> None:
     """Move the partial copy ``key`` from ``tmp/sub`` to its place in this version's layout,
     or remove it where a copy of this version is there already (the newer of the two)."""
-    src = os.open(sub, os.O_RDONLY | os.O_DIRECTORY, dir_fd=top) if sub else top
+    src = _opendir(sub, top) if sub else top
     try:
         if key in placed:
             _remove(src, f"{key}.part", freed)
@@ -163,7 +168,7 @@ def _move_partial(top: int, sub: str, key: str, placed: set[str], freed: Freed) 
         to = tmp_subdir(key)
         with contextlib.suppress(FileExistsError):
             os.mkdir(to, dir_fd=top)
-        dst = os.open(to, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+        dst = _opendir(to, top)
         try:
             for ext in ("part", "leaves"):
                 name = f"{key}.{ext}"
@@ -174,6 +179,11 @@ def _move_partial(top: int, sub: str, key: str, placed: set[str], freed: Freed) 
     finally:
         if sub:
             os.close(src)
+
+
+def _opendir(name: str, dir_fd: int | None) -> int:
+    """Open directory ``name`` (in directory ``dir_fd``), never through a link."""
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
 
 
 def _is_dir(fd: int, name: str) -> bool:
@@ -189,7 +199,7 @@ def _remove(fd: int, name: str, freed: Freed) -> None:
     ``freed`` each file and the blocks that go with it (none for a file linked elsewhere too)."""
     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
     if stat.S_ISDIR(st.st_mode):
-        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        sub = _opendir(name, fd)
         try:
             for child in os.listdir(sub):
                 _remove(sub, child, freed)
