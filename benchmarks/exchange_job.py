@@ -11,6 +11,17 @@ when the loader's threads compete for the cores). Each rank reports the wall tim
 iteration, the seconds its compute took and the loader's counters (``exchange_seconds``,
 ``wait_seconds``, ``bytes_exchanged``); rank 0 prints them as one line ``EXCHANGE_JSON {...}``
 for the parent to parse.
+
+With ``--bare``, the ranks then replay the same bytes as **bare mpi4py**: per step, every rank
+sends each other rank its share of the bytes it sent per step (``Isend``/``Irecv`` of one
+contiguous buffer, taken in turn from ``BARE_POOL`` bytes of reused buffers so the bytes do not
+come from a cache), and report ``exchange_gb_per_s`` (the loader's: bytes sent / exchange
+seconds, which also count its local copies) beside ``bare_gb_per_s`` (bytes sent / seconds of
+the replay). Run it with ``--compute-ms 0`` to compare the two exchanges alone::
+
+    mpiexec -n 2 python -m mpi4py benchmarks/exchange_job.py DATA.h5 --compute-ms 0 --bare
+    mpiexec -n 2 python -m mpi4py benchmarks/exchange_job.py DATA.h5 --compute-ms 0 --bare \
+        --parts 2,1,1 --halo 1,1,1
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from datastore import DataStoreLoader
 from datastore.readers.spec import DatasetSpec, FieldSpec
 
 MARK = "EXCHANGE_JSON "
+BARE_POOL = 256 << 20  # bytes of buffers the bare replay cycles through, each way
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-ms", type=float, default=50.0, help="simulated compute per batch")
     p.add_argument("--parts", default="", help="spatial blocks, e.g. 2,1,1 (default: none)")
     p.add_argument("--halo", default="0,0,0", help="halo per spatial axis with --parts")
+    p.add_argument("--bare", action="store_true", help="replay the bytes as bare mpi4py too")
     return p.parse_args(argv)
 
 
@@ -65,6 +78,27 @@ def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {
         k: after[k] - before[k] for k in ("exchange_seconds", "wait_seconds", "bytes_exchanged")
     }
+
+
+def bare_seconds(comm: MPI.Comm, steps: int, nbytes: int) -> float:
+    """Seconds of ``steps`` steps in which every rank sends each other rank ``nbytes`` of
+    contiguous bytes and receives as many, from and into reused buffers."""
+    peers = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
+    k = max(1, min(steps, BARE_POOL // max(1, nbytes * len(peers))))
+    sends = [[np.ones(nbytes, np.uint8) for _ in peers] for _ in range(k)]
+    recvs = [[np.ones(nbytes, np.uint8) for _ in peers] for _ in range(k)]  # pages touched
+
+    def run(n: int) -> float:
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for s in range(n):
+            reqs = [comm.Irecv(b, source=p) for b, p in zip(recvs[s % k], peers, strict=True)]
+            reqs += [comm.Isend(b, dest=p) for b, p in zip(sends[s % k], peers, strict=True)]
+            MPI.Request.Waitall(reqs)
+        return time.perf_counter() - t0
+
+    run(k)  # a warm-up round over every buffer, as the loader's first epoch is
+    return run(steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": epochs,
         **delta,
     }
+    if delta["exchange_seconds"] > 0:
+        mine["exchange_gb_per_s"] = delta["bytes_exchanged"] / delta["exchange_seconds"] / 1e9
+    if args.bare and size > 1:
+        per_peer = int(comm.allreduce(delta["bytes_exchanged"], op=MPI.MAX)) // steps // (size - 1)
+        sent = per_peer * (size - 1) * steps
+        mine["bare_gb_per_s"] = sent / bare_seconds(comm, steps, per_peer) / 1e9
     everyone = comm.gather(mine, root=0)
     loader.close()
     if rank == 0:

@@ -1,7 +1,7 @@
 """The MPI link between services receives a part of a sample into a box of the batch slot (a
 block's part inside the volume amid its halo; strided on either side): exactly the part's bytes
 land, the halo around it is untouched, and a reply of other bytes fails naming the node (real
-``mpiexec`` ranks); and the pure part: a box as an MPI subarray type's parameters."""
+``mpiexec`` ranks). The pure part (a box's messages) is tests/test_subarray.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 from helpers import mpi_job, run_job
-
-from datastore.maths.subarray import byte_subarray
 
 JOB = Path(__file__).parent / "mpi_jobs" / "peer_boxes_job.py"
 
@@ -30,12 +28,3 @@ def test_parts_land_in_their_boxes_in_place_and_nothing_around_them(tmp_path):
         "INTERNAL", "node 0 sent 498 bytes as [480, 18], not 402 bytes in its boxes"
     ]  # fmt: skip
 
-
-def test_a_box_is_a_subarray_of_bytes():
-    box = (slice(1, 3), slice(0, 4), slice(2, 5))
-    assert byte_subarray((3, 4, 6), 4, box) == ([3, 4, 24], [2, 4, 12], [1, 0, 8])
-    assert byte_subarray((), 8, ()) == ([8], [8], [0])
-    with pytest.raises(ValueError, match="not within shape"):
-        byte_subarray((3,), 4, (slice(2, 4),))
-    with pytest.raises(ValueError, match="step-1"):
-        byte_subarray((3,), 4, (slice(0, 3, 2),))

@@ -42,7 +42,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from datastore.maths.subarray import view
+from datastore.maths.subarray import MIN_RUN, pieces, runs, view
+from datastore.ranks.subarrays import ASIDE_KEPT, Asides
 from datastore.service.errors import ServiceError
 
 __all__ = [
@@ -75,10 +76,6 @@ BUSY_S = 1.0
 IDLE_NAP = 0.02  # seconds between polls once idle longer: no CPU burnt between jobs
 
 
-MIN_RUN = 64 * 1024  # a piece cut into runs shorter than this on average is packed instead
-ASIDE_KEPT = 128 << 20  # bytes of buffers for parts received aside kept for reuse, at most
-
-
 @dataclass(frozen=True)
 class Pieces:
     """A ``fetch`` reply sent straight from the store: the bytes of each ``array[box]`` of
@@ -88,24 +85,9 @@ class Pieces:
 
     def runs(self) -> list[np.ndarray]:
         """The bytes to send, in order, as 1-d uint8 views of the arrays where the boxes'
-        parts are contiguous; a box cut into many short runs is packed (one copy)."""
-        out: list[np.ndarray] = []
-        for array, box in self.boxes:
-            part = array[box]
-            if not part.nbytes:
-                continue
-            cut = runs(part)
-            if len(cut) > 1 and part.nbytes < MIN_RUN * len(cut):
-                cut = [np.ascontiguousarray(part).reshape(-1).view(np.uint8)]
-            out += cut
-        return out
-
-
-def runs(part: np.ndarray) -> list[np.ndarray]:
-    """The contiguous runs of a strided view, in C order, as 1-d uint8 views of its memory."""
-    if part.flags.c_contiguous:
-        return [part.reshape(-1).view(np.uint8)]
-    return [r for sub in part for r in runs(sub)]
+        parts are contiguous; a box cut into runs shorter than :data:`MIN_RUN` on average is
+        packed (one copy): :func:`~datastore.maths.subarray.pieces`."""
+        return [p for array, box in self.boxes for p in pieces(array, box, MIN_RUN)]
 
 
 def cut_into(runs: list[int], sizes: list[int]) -> list[tuple[int, int, int]] | None:
@@ -312,7 +294,7 @@ class MpiPeers:
         self.receives_boxes = True
         self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), self.node)
         self._rids = itertools.count()
-        self._asides = _Asides(ASIDE_KEPT)
+        self._asides = Asides(ASIDE_KEPT)
         self._tag_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -560,29 +542,6 @@ class MpiPeers:
         self._wake.set()
         self._thread.join()
         self.comm.Free()
-
-
-class _Asides:
-    """Buffers for parts received aside, reused (fresh memory costs a page fault per page on
-    every fetch); at most ``limit`` bytes kept. Any thread."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit, self._kept = limit, 0
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> np.ndarray:
-        with self._lock:
-            if self._free.get(n):
-                self._kept -= n
-                return self._free[n].pop()
-        return np.empty(n, np.uint8)
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if self._kept + buf.nbytes <= self._limit:
-                self._free.setdefault(buf.nbytes, []).append(buf)
-                self._kept += buf.nbytes
 
 
 @dataclass(eq=False)
