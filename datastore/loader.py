@@ -31,7 +31,6 @@ import torch
 from datastore.errors import ExchangeTimeout, InsufficientMemory
 from datastore.maths.delivery import (
     Delivered,
-    Gather,
     chosen_fields,
     parse_spatial,
 )
@@ -53,6 +52,7 @@ from datastore.sources.options import (
 )
 from datastore.sources.owners import ExchangeSetup
 from datastore.store.device import DeviceStage, parse_device
+from datastore.store.gather import Gather
 from datastore.store.memory import available_memory
 from datastore.store.ring import BufferRing, can_pin, staging_pinned
 from datastore.store.shards import shard_layout

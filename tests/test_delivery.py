@@ -9,16 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datastore.maths.delivery import (
-    Gather,
     box_copies,
     covered,
     delivered_fields,
-    fill_batch,
     parse_spatial,
     spatial_grid,
 )
 from datastore.maths.partition import extract_block
 from datastore.readers.base import FieldInfo
+from datastore.store.gather import Gather, fill_batch
 from datastore.store.ring import BufferRing
 
 

@@ -61,6 +61,17 @@ LAYERS = (
 )
 ORDER = [name for name, _ in LAYERS]
 MATHS_NEEDS = {"numpy"}  # besides the standard library and the layers below
+MATHS_REFUSES = {
+    "os",
+    "socket",
+    "threading",
+    "concurrent",
+    "multiprocessing",
+    "subprocess",
+    "staging",
+}
+"""What the pure layer must not touch although it is the standard library or a layer below:
+the machine, threads, processes; the maths plan, the layers above run (``store.gather``)."""
 
 
 def _modules(root: Path = REPO) -> dict[str, Path]:
@@ -298,7 +309,8 @@ def test_every_module_is_in_one_layer_and_each_layer_package_says_what_it_is():
 
 
 def _foreign_in_maths(root: Path = REPO) -> dict[str, list[str]]:
-    """``{module of datastore.maths: the packages it imports beyond MATHS_NEEDS}``."""
+    """``{module of datastore.maths: the packages it imports beyond MATHS_NEEDS, or in
+    MATHS_REFUSES}``."""
     out = {}
     for name, path in _modules(root).items():
         if layer(name) != "datastore.maths":
@@ -309,7 +321,9 @@ def _foreign_in_maths(root: Path = REPO) -> dict[str, list[str]]:
                 tops.update(a.name.split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
                 tops.add(node.module.split(".")[0])
-        foreign = tops - set(sys.stdlib_module_names) - set(PACKAGES) - MATHS_NEEDS
+        foreign = (tops - set(sys.stdlib_module_names) - set(PACKAGES) - MATHS_NEEDS) | (
+            tops & MATHS_REFUSES
+        )
         if foreign:
             out[name] = sorted(foreign)
     return out
@@ -325,6 +339,23 @@ def test_the_maths_import_numpy_and_the_standard_library_only(tmp_path):
     order = tmp_path / "datastore" / "maths" / "order.py"
     order.write_text(order.read_text() + "\n\ndef f():\n    import torch.distributed\n")
     assert _foreign_in_maths(tmp_path) == {"datastore.maths.order": ["torch"]}
+
+
+def test_the_maths_start_no_threads_and_read_no_machine(tmp_path):
+    """A thread pool or the machine's cores belong to the layers that run the plans."""
+    for path in (REPO / "datastore" / "maths").glob("*.py"):
+        dest = tmp_path / path.relative_to(REPO)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(path.read_text())
+    delivery = tmp_path / "datastore" / "maths" / "delivery.py"
+    delivery.write_text(
+        delivery.read_text()
+        + "\nimport os\nfrom concurrent.futures import ThreadPoolExecutor\n"
+        + "from staging.cluster import local_size\n"
+    )
+    assert _foreign_in_maths(tmp_path) == {
+        "datastore.maths.delivery": ["concurrent", "os", "staging"]
+    }
 
 
 @pytest.mark.parametrize(

@@ -3,45 +3,40 @@
 A rank gets, for every delivered field, the whole sample (non-spatial fields, or no spatial
 split) or its block with halo (``datastore.maths.partition``). The embedded loader, its exchanges
 and ``datastore serve`` all describe a rank's fields with :func:`delivered_fields` and fill
-batch buffers with :func:`fill_batch`, so every path gives the same shapes, the same bytes and
-the same zero halo outside the volume.
+batch buffers with the copies of :func:`batch_copies` (run by ``datastore.store.gather``), so
+every path gives the same shapes, the same bytes and the same zero halo outside the volume.
 
 Buffers are reused, and a consumer may edit a batch in place, so a fill writes the whole
 delivered box every time: the part inside the volume from the sample, the rest zeros.
 
-Copies are plain numpy copies, which release the GIL: :class:`Gather` spreads one batch's
-copies over several threads, since one thread copies well below what a GPU consumes.
+This module plans the copies (views, nothing written); ``datastore.store.gather`` runs them.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
-import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from datastore.maths.partition import BOUNDARIES, Grid, full_region
-from staging.cluster import local_size
 
 __all__ = [
+    "Copy",
     "Delivered",
-    "Gather",
+    "batch_copies",
+    "box_copies",
     "chosen_fields",
     "covered",
     "delivered_fields",
-    "fill_batch",
+    "pad_copies",
     "parse_spatial",
     "spatial_grid",
     "tensor_dtype_problem",
 ]
-
-_PIECE = 2 << 20  # bytes: copies larger than this are split between threads
 
 
 def tensor_dtype_problem(dtype: Any) -> str | None:
@@ -199,84 +194,7 @@ def delivered_fields(info: dict[str, Any], grid: Grid | None, block: int) -> lis
     return out
 
 
-def default_threads() -> int:
-    """Gather threads for this rank: the cores it may use, shared with the ranks on its node."""
-    cores = len(os.sched_getaffinity(0))
-    per_node = local_size()
-    if per_node > 1 and cores > per_node * 2:  # an unbound rank sees the whole node
-        cores //= per_node
-    return max(1, min(16, cores))
-
-
 Copy = tuple[np.ndarray, np.ndarray | None]  # (destination, source); None: fill with zeros
-
-
-class Gather:
-    """Runs a batch's copies on ``threads`` threads (the calling one included).
-
-    Args:
-        threads: copies at a time. Default: :func:`default_threads`.
-    """
-
-    def __init__(self, threads: int | None = None) -> None:
-        self.threads = default_threads() if threads is None else int(threads)
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads!r}")
-        self._pool = (
-            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="datastore-gather")
-            if self.threads > 1
-            else None
-        )
-
-    def run(self, copies: list[Copy]) -> None:
-        """Do every copy; large ones are split along their first axis between the threads."""
-        if self._pool is None:
-            for dst, src in copies:
-                _copy(dst, src)
-            return
-        total = sum(d.nbytes for d, _ in copies)
-        piece = max(_PIECE, total // (self.threads * 2))
-        work: list[Copy] = []
-        for dst, src in copies:
-            work.extend(_split(dst, src, piece))
-        if len(work) <= 1:
-            _copy_all(work)
-            return
-        per = math.ceil(len(work) / self.threads)
-        parts = [work[i : i + per] for i in range(0, len(work), per)]
-        futures = [self._pool.submit(_copy_all, p) for p in parts[1:]]
-        _copy_all(parts[0])
-        for fut in futures:
-            fut.result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def _copy(dst: np.ndarray, src: np.ndarray | None) -> None:
-    if src is None:
-        dst.fill(0)
-    else:
-        np.copyto(dst, src, casting="same_kind")
-
-
-def _copy_all(copies: list[Copy]) -> None:
-    for dst, src in copies:
-        _copy(dst, src)
-
-
-def _split(dst: np.ndarray, src: np.ndarray | None, piece: int) -> list[Copy]:
-    if dst.nbytes <= piece or dst.ndim == 0 or dst.shape[0] < 2:
-        return [(dst, src)]
-    n = min(dst.shape[0], math.ceil(dst.nbytes / piece))
-    cuts = np.linspace(0, dst.shape[0], n + 1).astype(int)
-    return [
-        (dst[a:b], None if src is None else src[a:b])
-        for a, b in itertools.pairwise(cuts.tolist())
-        if b > a
-    ]
 
 
 def box_copies(f: Delivered, dst: np.ndarray, vol: np.ndarray) -> list[Copy]:
@@ -292,18 +210,17 @@ def pad_copies(f: Delivered, dst: np.ndarray) -> list[Copy]:
     return [(dst[s], None) for s in _pads(f)] if f.blocked else []
 
 
-def fill_batch(
+def batch_copies(
     samples: Sequence[int],
     fields: Sequence[Delivered],
     sample: Callable[[int, str], np.ndarray],
     out: dict[str, np.ndarray],
     fetched: dict[tuple[int, str], np.ndarray] | None = None,
-    gather: Gather | None = None,
-) -> None:
-    """Write ``samples`` into ``out[field][position]`` (whole boxes, zero halo included):
-    ``fetched[(index, field)]`` (from other nodes: the delivered array, or its part inside the
-    volume, the rest then zero), else cut from ``sample(index, field)``, the whole stored array
-    of a sample's field."""
+) -> list[Copy]:
+    """The copies writing ``samples`` into ``out[field][position]`` (whole boxes, zero halo
+    included): ``fetched[(index, field)]`` (from other nodes: the delivered array, or its part
+    inside the volume, the rest then zero), else cut from ``sample(index, field)``, the whole
+    stored array of a sample's field. Views only: nothing is written."""
     copies: list[Copy] = []
     for pos, index in enumerate(samples):
         for f in fields:
@@ -315,7 +232,4 @@ def fill_batch(
                 copies += [(dst[covered(f)[1]], got), *pad_copies(f, dst)]
             else:
                 copies.extend(box_copies(f, dst, sample(int(index), f.name)))
-    if gather is None:
-        _copy_all(copies)
-    else:
-        gather.run(copies)
+    return copies

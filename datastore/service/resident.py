@@ -33,7 +33,6 @@ from datastore.maths.delivery import (
     Delivered,
     covered,
     delivered_fields,
-    fill_batch,
     pad_copies,
     spatial_grid,
 )
@@ -43,6 +42,7 @@ from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
 from datastore.service.paths import checked_path, shown
 from datastore.service.peers import Peers, Pending, Pieces
+from datastore.store.gather import fill_batch
 from datastore.store.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store.store import SlotSpec, Store
 from staging.confine import beneath

@@ -20,7 +20,6 @@ from typing import Any
 import grpc
 
 from datastore._version import __version__
-from datastore.maths.delivery import Gather
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.calls import CallCounter
@@ -34,6 +33,7 @@ from datastore.service.session import Sessions
 from datastore.service.shm import remove_own
 from datastore.service.stage_job import landed, stream_stage
 from datastore.service.stream import Stream
+from datastore.store.gather import Gather
 from staging.exitcodes import Exit
 
 __all__ = ["Counters", "Servicer", "Stop"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.maths.delivery import Gather, chosen_fields
+from datastore.maths.delivery import chosen_fields
 from datastore.maths.order import Schedule
 from datastore.maths.rank_view import RankView, rank_view
 from datastore.service._pb.v1 import datastore_pb2 as pb
@@ -32,6 +32,7 @@ from datastore.service.peers import node_path
 from datastore.service.resident import Fetching, Residency, Resident, resolve_dataset
 from datastore.service.stream import SlotRing, Stream
 from datastore.service.watch import ProcessWatch
+from datastore.store.gather import Gather
 
 __all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions", "spatial_of"]
 

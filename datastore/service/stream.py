@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from datastore.maths.delivery import Delivered, Gather, box_copies, fill_batch
+from datastore.maths.delivery import Delivered, box_copies
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.resident import Fetching
 from datastore.service.shm import Segment
 from datastore.service.wire import MAX_MESSAGE, ChunkedBatch, batch_message, chunk_messages
+from datastore.store.gather import Gather, fill_batch
 
 __all__ = ["CHUNK_BYTES", "SlotRing", "Stream", "chunk_bytes"]
 

@@ -211,7 +211,7 @@ def plan_chunks(tensors: list[tuple[int, int]], limit: int) -> list[list[Piece]]
 
 class _Rows:
     """One tensor of a batch whose rows lie in different messages: indexed as
-    :func:`datastore.maths.delivery.fill_batch` indexes a batch array (``rows[pos, ...]``), it gives
+    :func:`datastore.store.gather.fill_batch` indexes a batch array (``rows[pos, ...]``), it gives
     row ``pos``, a writable array of the row's shape."""
 
     def __init__(self, rows: list[np.ndarray]) -> None:
@@ -233,7 +233,7 @@ class ChunkedBatch:
             :meth:`finish`.
         payload: payload bytes of each message.
         out: ``{tensor name: rows}``: where each row of the batch goes, ``out[name][pos, ...]``
-            as for a batch array (``datastore.maths.delivery.fill_batch`` fills it): a view of its
+            as for a batch array (``datastore.store.gather.fill_batch`` fills it): a view of its
             message, or a scratch row for a row cut across messages.
         scratch: ``(scratch row, [(message region, start, stop)])`` for each cut row:
             :meth:`finish` copies bytes ``start:stop`` of the row into each region.

@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from datastore.maths.delivery import Copy, Gather, covered
+from datastore.maths.delivery import Copy, covered
 from datastore.maths.rank_view import RankView
 from datastore.sources.embedded import EmbeddedSource
 from datastore.sources.options import StoreOptions
+from datastore.store.gather import Gather
 from datastore.store.store import SlotSpec, Store
 
 __all__ = ["LocalSource"]

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from datastore.maths.delivery import Copy, Delivered, Gather, box_copies
+from datastore.maths.delivery import Copy, Delivered, box_copies
 from datastore.maths.exchange import Message, rank_plan
 from datastore.maths.ownership import RunOwners
+from datastore.store.gather import Gather
 from datastore.store.store import Store
 
 __all__ = ["ExchangeSetup", "Owners"]

@@ -35,10 +35,10 @@ import grpc
 import numpy as np
 import torch
 
-from datastore.maths.delivery import Gather
 from datastore.maths.rank_view import global_batch
 from datastore.readers.base import FieldInfo
 from datastore.sources.options import ServiceOptions
+from datastore.store.gather import Gather
 from datastore.store.ring import Buffer, BufferRing
 from datastore.store.store import Counters
 

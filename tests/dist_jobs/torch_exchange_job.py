@@ -27,13 +27,14 @@ import numpy as np
 import torch.distributed as dist
 
 from datastore.errors import ExchangeTimeout
-from datastore.maths.delivery import Gather, delivered_fields, fill_batch
+from datastore.maths.delivery import delivered_fields
 from datastore.maths.order import Schedule
 from datastore.maths.ownership import RangeOwners
 from datastore.maths.partition import Grid
 from datastore.readers.base import FieldInfo
 from datastore.sources.owners import ExchangeSetup
 from datastore.sources.torch_dist import TorchExchange, gloo_group
+from datastore.store.gather import Gather, fill_batch
 from datastore.store.store import SlotSpec, Store
 
 SENTINEL = 7.0
