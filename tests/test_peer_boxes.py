@@ -27,4 +27,3 @@ def test_parts_land_in_their_boxes_in_place_and_nothing_around_them(tmp_path):
     assert got["mismatch"] == [
         "INTERNAL", "node 0 sent 498 bytes as [480, 18], not 402 bytes in its boxes"
     ]  # fmt: skip
-

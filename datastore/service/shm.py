@@ -98,8 +98,9 @@ class Segment:
 
     def fault_in(self, gather: Any = None) -> None:
         """Put every page in place now, zeros as in a new file, the writes spread over the
-        ``gather``'s threads (``datastore.store.gather.Gather``): faulting fresh shared memory in page by page
-        during the first batches' fills made each slot's first batch many times slower."""
+        ``gather``'s threads (``datastore.store.gather.Gather``): faulting fresh shared memory
+        in page by page during the first batches' fills made each slot's first batch many
+        times slower."""
         whole = np.frombuffer(self._map, np.uint8)
         if gather is None:
             whole.fill(0)
