@@ -283,6 +283,8 @@ class HeldReader(PositionedReader):
                     self._next = base  # the walk skipped what nobody holds: not read
             while True:
                 chunk = self._chunks.get(base)
+                if base >= self._size:  # a member said to run past the archive's end
+                    raise OSError(errno.EIO, "archive ended early (changed while staging?)")
                 if chunk is None and (base < self._next or self._shut):
                     raise OSError(errno.EIO, f"archive bytes at {base} no longer held")
                 if chunk is not None and chunk.got >= 0:
@@ -346,6 +348,7 @@ class HeldReader(PositionedReader):
                 for base, chunk in self._chunks.items():
                     if base not in self._pins and chunk.job is not None:
                         chunk.job.cancel()
+                self._cond.notify_all()  # members waiting for chunks never to be read
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             os.close(self._fd)

@@ -6,11 +6,13 @@ nothing at DEST and nothing in ``DEST/.datastore``."""
 from __future__ import annotations
 
 import array
+import errno
 import fcntl
 import io
 import os
 import subprocess
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -264,3 +266,29 @@ def test_an_archive_that_does_not_fit_leaves_nothing(tmp_path, ahead_seen, capsy
         assert os.listdir(mnt) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=True, timeout=30)
+
+
+def test_held_bytes_past_the_archives_end_fail_instead_of_waiting(tmp_path, monkeypatch):
+    # a truncated archive whose size is a whole number of chunks: the member held runs past
+    # its end, where no chunk is ever read; its writer must fail, not wait forever
+    monkeypatch.setattr(prefetch, "HELD_CHUNK", 4096)
+    monkeypatch.setattr(prefetch, "HELD_WINDOW", 4 * 4096)
+    (tmp_path / "f").write_bytes(os.urandom(2 * 4096))
+    got: list[BaseException] = []
+
+    def write(held: prefetch.Held) -> None:
+        try:
+            for _ in held.pieces():
+                pass
+        except OSError as exc:
+            got.append(exc)
+        finally:
+            held.release()
+
+    with prefetch.HeldReader(str(tmp_path / "f")) as r:
+        held = r.hold(4096, 3 * 4096)
+        writer = threading.Thread(target=write, args=(held,), daemon=True)
+        writer.start()
+        writer.join(10)
+        assert not writer.is_alive(), "the writer waits for bytes past the archive's end"
+    assert [e.errno for e in got] == [errno.EIO]
