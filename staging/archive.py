@@ -37,6 +37,9 @@ __all__ = [
 ]
 
 RESERVED = ".datastore"
+MTIME_MAX = 2**63 // 10**9 - 1
+"""The latest modification time (and before 1970 the earliest), in seconds, whose ns fit 64
+bits (``os.utime``, ``st_mtime_ns``); a tar's base-256 fields go far beyond."""
 _SUFFIXES = {".tar": "tar", ".tar.gz": "gz", ".tgz": "gz", ".tar.zst": "zst", ".tzst": "zst"}
 _MAGIC = {"gz": b"\x1f\x8b", "zst": b"\x28\xb5\x2f\xfd"}
 
@@ -115,9 +118,10 @@ def check_members(archive: str, members: list[Member]) -> None:
     """Raise ``ArchiveError`` naming the first member that could write outside DEST or clobber.
 
     Rejected: absolute names, ``..`` components, the reserved ``.datastore`` directory, device
-    and FIFO nodes, symlinks resolving outside DEST, hardlinks to anything but an earlier regular
-    member, members whose path runs through a symlink member, and a non-directory member whose
-    name is another member's directory.
+    and FIFO nodes, modification times out of range (:data:`MTIME_MAX`), symlinks resolving
+    outside DEST, hardlinks to anything but an earlier regular member, members whose path runs
+    through a symlink member, and a non-directory member whose name is another member's
+    directory.
     """
     symlinks: dict[str, str] = {}
     files_seen: set[str] = set()
@@ -132,6 +136,8 @@ def check_members(archive: str, members: list[Member]) -> None:
             raise ArchiveError(archive, f"writes into the reserved {RESERVED}/ directory", name)
         if m.kind == "special":
             raise ArchiveError(archive, "device or FIFO node", name)
+        if abs(m.mtime) > MTIME_MAX:
+            raise ArchiveError(archive, f"modification time {m.mtime} out of range", name)
         for i in range(1, len(parts)):
             parent = "/".join(parts[:i])
             if parent in symlinks:

@@ -488,14 +488,19 @@ class Engine:
         writeback already started (``copy_range`` starts it piece by piece); ``hold``: keep
         it hidden until :meth:`settle` decides (written ahead of the plan)."""
         fd = out.fd
-        if out.direct and item.size % ALIGN:
-            os.ftruncate(fd, item.size)  # drop the padding of the last direct write
-        os.fchmod(fd, item.mode & self.mode_mask)
-        if item.mtime_ns:
-            os.utime(fd, ns=(item.mtime_ns, item.mtime_ns))
-        if not (out.direct or written_back):
-            start_writeback(fd)
-        os.close(fd)
+        try:
+            if out.direct and item.size % ALIGN:
+                os.ftruncate(fd, item.size)  # drop the padding of the last direct write
+            os.fchmod(fd, item.mode & self.mode_mask)
+            if item.mtime_ns:
+                try:
+                    os.utime(fd, ns=(item.mtime_ns, item.mtime_ns))
+                except OverflowError:  # written ahead: the walk refuses the archive later
+                    raise OSError(errno.EOVERFLOW, "modification time out of range") from None
+            if not (out.direct or written_back):
+                start_writeback(fd)
+        finally:
+            os.close(fd)
         if hold:
             with self._lock:
                 self._held[item] = (tmp, digest)
@@ -572,35 +577,38 @@ class Engine:
         """Write members ahead of the plan (:meth:`ahead`) from their bytes held in the
         walk's memory: hashed and written where they lie, no copy in between, each released
         once written. A failure is left for :meth:`run` to meet and report."""
-        for item, data in zip(items, held, strict=True):
-            tmp = self._tmp_path(item, True)
-            try:
-                if item.size > BUF_BYTES - ALIGN:
-                    self._stream_held(item, data, tmp)
-                    continue
-                views = data.views()
-                out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            for item, data in zip(items, held, strict=True):
+                tmp = self._tmp_path(item, True)
                 try:
-                    digest = None
-                    if self.algo != "none":
-                        h = new_hasher(self.algo)
-                        for view in views:
-                            h.update(view)
-                        digest = combine(self.algo, [h.digest()])
-                    if out.direct:
-                        buf = _buffer(item.size)
-                        buf[: item.size] = b"".join(views)
-                        self._write_view(out, buf[: item.size])
-                    else:
-                        _write_views(out.fd, views)
-                except BaseException:
-                    os.close(out.fd)
-                    raise
-                self._finish(item, out, tmp, digest, hold=True)
-            except OSError:
-                _unlink(tmp)
-            finally:
-                data.release()
+                    if item.size > BUF_BYTES - ALIGN:
+                        self._stream_held(item, data, tmp)
+                        continue
+                    views = data.views()
+                    out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    try:
+                        digest = None
+                        if self.algo != "none":
+                            h = new_hasher(self.algo)
+                            for view in views:
+                                h.update(view)
+                            digest = combine(self.algo, [h.digest()])
+                        if out.direct:
+                            buf = _buffer(item.size)
+                            buf[: item.size] = b"".join(views)
+                            self._write_view(out, buf[: item.size])
+                        else:
+                            _write_views(out.fd, views)
+                    except BaseException:
+                        os.close(out.fd)
+                        raise
+                    self._finish(item, out, tmp, digest, hold=True)
+                except OSError:
+                    _unlink(tmp)
+                finally:
+                    data.release()
+        finally:
+            _release(held)  # what an unforeseen error left held (else the walk waits)
 
     def _stream_held(self, item: Item, data: Held, tmp: str) -> None:
         """Write a member larger than one extent piece by piece as the walk's reader brings

@@ -292,3 +292,22 @@ def test_held_bytes_past_the_archives_end_fail_instead_of_waiting(tmp_path, monk
         writer.join(10)
         assert not writer.is_alive(), "the writer waits for bytes past the archive's end"
     assert [e.errno for e in got] == [errno.EIO]
+
+
+@pytest.mark.parametrize("where", ["local", "tmpfs"])
+def test_a_member_dated_past_any_clock_is_refused_by_name(tmp_path, capsys, where, request):
+    # a tar's base-256 mtime no filesystem can hold: written ahead before the archive is
+    # checked, then refused with its name, not a traceback, and nothing left behind
+    src = tmp_path if where == "local" else request.getfixturevalue("tmpfs")
+    files = [
+        (file_info(n, mtime=10**20 if k % 3 == 1 else 1_600_000_000), d)
+        for k, (n, d) in enumerate(members(160))
+    ]
+    arc = src / "dated.tar"
+    arc.write_bytes(tar_bytes(files))
+    dest = tmp_path / "dest"
+
+    assert run_stage(dest, arc) == Exit.BAD_INPUT
+    says = "member 'd/m001.bin': modification time 100000000000000000000 out of range"
+    assert f"{arc}: {says}" in capsys.readouterr().err
+    assert not dest.exists()
