@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from datastore.maths.subarray import MIN_RUN, pieces, runs, view
+from datastore.maths.subarray import MIN_RUN, pieces, view
 from datastore.ranks.subarrays import ASIDE_KEPT, Asides
 from datastore.service.errors import ServiceError
 
@@ -59,7 +59,6 @@ __all__ = [
     "cut_into",
     "node_path",
     "read_stats",
-    "runs",
     "segments",
 ]
 
