@@ -10,6 +10,7 @@ import errno
 import fcntl
 import io
 import os
+import shutil
 import subprocess
 import tarfile
 import threading
@@ -311,3 +312,35 @@ def test_a_member_dated_past_any_clock_is_refused_by_name(tmp_path, capsys, wher
     says = "member 'd/m001.bin': modification time 100000000000000000000 out of range"
     assert f"{arc}: {says}" in capsys.readouterr().err
     assert not dest.exists()
+
+
+@pytest.mark.parametrize("where", ["local", "tmpfs"])
+def test_a_sparse_member_is_staged_and_its_truncation_named(tmp_path, capsys, where, request):
+    # GNU tar's sparse member: its size counts its holes, its data in the archive far less
+    if shutil.which("tar") is None:
+        pytest.skip("no tar to write a sparse member")
+    src = tmp_path if where == "local" else request.getfixturevalue("tmpfs")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.bin").write_bytes(random_bytes(3 * MIB, seed=1))
+    with open(tree / "sparse.bin", "wb") as f:
+        f.truncate(16 * MIB)
+        f.seek(10 * MIB)
+        f.write(b"amid holes")
+    arc = src / "sparse.tar"
+    subprocess.run(
+        ["tar", "--sparse", "-cf", str(arc), "-C", str(tree), "a.bin", "sparse.bin"],
+        check=True,
+        timeout=60,
+    )
+    assert arc.stat().st_size < 4 * MIB  # the holes are not in the archive
+
+    assert run_stage(tmp_path / "dest", arc) == Exit.OK
+    for name in ("a.bin", "sparse.bin"):
+        assert (tmp_path / "dest" / name).read_bytes() == (tree / name).read_bytes()
+
+    cut = src / "cut.tar"  # cut inside the sparse member's data
+    cut.write_bytes(arc.read_bytes()[: 3 * MIB + 2048])
+    assert run_stage(tmp_path / "cut", cut) == Exit.BAD_INPUT
+    assert f"{cut}: corrupt or truncated archive" in capsys.readouterr().err
+    assert not (tmp_path / "cut").exists()
