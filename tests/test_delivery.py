@@ -116,3 +116,19 @@ def test_the_ring_reuses_a_buffer_only_when_nobody_holds_it():
     c.views()
     assert ring.take() is a
     assert torch.equal(a.tensors["x"], torch.zeros_like(a.tensors["x"]))
+
+
+def test_a_failed_copy_returns_only_once_the_other_threads_are_done():
+    """The calling thread's copy fails at once; the pool's share (32 MiB) is still being
+    written: run must raise only after it, or the batch is written behind the caller's back."""
+    src = np.arange(16 << 20, dtype=np.float32).reshape(16, -1)  # 64 MiB, cut into 4 pieces
+    for _ in range(3):
+        dst = np.zeros_like(src)
+        bad = (np.zeros(2, np.float32), np.zeros(3, np.float32))  # cannot broadcast
+        gather = Gather(2)
+        try:
+            with pytest.raises(ValueError):
+                gather.run([bad, (dst, src)])
+            assert np.array_equal(dst[8:], src[8:]), "the pool's copies still ran after run"
+        finally:
+            gather.close()

@@ -10,7 +10,7 @@ import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -65,7 +65,10 @@ class Gather:
         per = math.ceil(len(work) / self.threads)
         parts = [work[i : i + per] for i in range(0, len(work), per)]
         futures = [self._pool.submit(_copy_all, p) for p in parts[1:]]
-        _copy_all(parts[0])
+        try:
+            _copy_all(parts[0])
+        finally:  # a failed copy here must not leave the other threads writing on
+            wait(futures)
         for fut in futures:
             fut.result()
 
