@@ -64,31 +64,32 @@ class MpiExchange(Owners):
         requests: list[Any] = []
         peers: list[int] = []
         copies = []
-        for m in msgs:  # receives first, in plan order (MPI matches same-pair messages in order)
-            if m.dst == me and m.src != me:
-                for f in self.mine:
-                    dst = out[f.name][m.pos, ...]
-                    src, inner = covered(f)
-                    sent = self._boxes.recv(dst, inner, (_sample_shape(f), src), m.src)
-                    requests += sent
-                    peers += [m.src] * len(sent)
-                    copies.extend(pad_copies(f, dst))
-        for m in msgs:
-            if m.src == me and m.dst != me:
-                for f in self.setup.fields[m.block]:
-                    vol = self.setup.store.lasting(m.sample, f.name)  # it must outlive the send
-                    src, _ = covered(f)
-                    sends = self._boxes.send(vol, src, m.dst)
-                    requests += sends
-                    peers += [m.dst] * len(sends)
-                    self.bytes_sent += f.nbytes
-        copies.extend(self.own_copies(msgs, out))
-        self.setup.gather.run(copies)
 
         def pending() -> list[int]:
             return sorted({p for r, p in zip(requests, peers, strict=True) if not r.Test()})
 
-        try:
+        try:  # whatever fails once a message is posted: this round's buffers are never reused
+            # receives first, in plan order (MPI matches same-pair messages in order)
+            for m in msgs:
+                if m.dst == me and m.src != me:
+                    for f in self.mine:
+                        dst = out[f.name][m.pos, ...]
+                        src, inner = covered(f)
+                        sent = self._boxes.recv(dst, inner, (_sample_shape(f), src), m.src)
+                        requests += sent
+                        peers += [m.src] * len(sent)
+                        copies.extend(pad_copies(f, dst))
+            for m in msgs:
+                if m.src == me and m.dst != me:
+                    for f in self.setup.fields[m.block]:
+                        vol = self.setup.store.lasting(m.sample, f.name)  # it must outlive the send
+                        src, _ = covered(f)
+                        sends = self._boxes.send(vol, src, m.dst)
+                        requests += sends
+                        peers += [m.dst] * len(sends)
+                        self.bytes_sent += f.nbytes
+            copies.extend(self.own_copies(msgs, out))
+            self.setup.gather.run(copies)
             poll(
                 lambda: self._mpi.Request.Testall(requests),
                 deadline=time.monotonic() + self.setup.timeout,
@@ -96,10 +97,10 @@ class MpiExchange(Owners):
                 step=step,
                 pending=pending,
             )
+            self.setup.gather.run(self._boxes.unpacks())
         except BaseException:
             self._boxes.abandon()
             raise
-        self.setup.gather.run(self._boxes.unpacks())
         self._boxes.release()
         self.seconds += time.perf_counter() - t0
 
