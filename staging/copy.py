@@ -708,7 +708,11 @@ class Engine:
                     os.close(fd.fd)
                     return  # the temp file and its leaf log stay: a re-run resumes them
                 digest = combine(self.algo, digests) if self.algo != "none" else None
-                self._finish(item, fd, tmp, digest, written_back=True)
+                try:
+                    self._finish(item, fd, tmp, digest, written_back=True)
+                except (OSError, ValueError) as exc:  # named like a leaf's failure; resumable
+                    self._fail(item, exc)
+                    return
                 _unlink(log.path)
 
         return [pool.submit(leaf, i, off, n) for i, (off, n) in enumerate(leaves)]

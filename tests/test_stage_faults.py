@@ -4,6 +4,7 @@ batch's files unplaced, names them, removes their temporary files, and ``drain()
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 
@@ -30,3 +31,34 @@ def test_a_failing_syncfs_is_an_error_not_a_hang(tmp_path, monkeypatch):
     committer.close()
     assert committer.errors == ["/src/a: cannot make a durable: Input/output error"]
     assert not tmp.exists() and not (tmp_path / "dest" / "a").exists()
+
+
+def test_a_large_file_failing_at_its_commit_is_named_and_resumable(tmp_path, monkeypatch, capsys):
+    """The last leaf of a file over ``LEAF_BYTES`` commits it; a failure there (here the
+    file's mode, which cannot be made to fail on demand for root) is the file's error, exit
+    non-zero, no traceback, and its finished leaves are resumed by the next run."""
+    from datastore.cli import main
+    from staging.checksum import LEAF_BYTES
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(1 << 20) * (LEAF_BYTES // (1 << 20) + 3)  # 2 leaves
+    (src / "big.bin").write_bytes(data)
+    dest = tmp_path / "dest"
+    real = os.fchmod
+
+    def broken_fchmod(fd: int, mode: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fchmod", broken_fchmod)
+    code = main(["stage", str(src), "--to", str(dest), "--quiet", "--json"])
+    said = capsys.readouterr()
+    assert code != 0 and "Traceback" not in said.err, said.err
+    assert json.loads(said.out)["errors"] == [f"{src / 'big.bin'}: Input/output error"]
+    assert not (dest / "src" / "big.bin").exists() and not (dest / "big.bin").exists()
+    monkeypatch.setattr(os, "fchmod", real)
+    assert main(["stage", str(src), "--to", str(dest), "--quiet", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["resumed_bytes"] == len(data), out
+    placed = [p for p in dest.rglob("big.bin")]
+    assert len(placed) == 1 and placed[0].read_bytes() == data
