@@ -60,3 +60,18 @@ def test_the_link_counts_the_time_any_fetch_was_in_flight(tmp_path):
     assert saved["bytes"] == 12 and saved["spans"] == [[10.0, 14.0], [20.0, 21.0]]
     assert saved["fetches"] == [[5], [3, 4]]
     assert saved["legs"] == [[1.0, 2.0], [0.5, 0.25]]  # (envelope, bytes) s of each fetch
+
+
+def test_peer_stats_close_their_file_and_record_nothing_after(tmp_path):
+    """A service's stats file is closed with its link; a fetch ending later (a gRPC fetch
+    still in flight at close) must not reopen it, which would truncate what was recorded."""
+    from datastore.service.peers import ExchangeStats
+
+    stats = ExchangeStats(str(tmp_path / "s{node}.jsonl"), 0)
+    stats.begin()
+    stats.end(8, [8])
+    stats.begin()
+    stats.close()
+    stats.end(4, [4])
+    recorded = read_stats(str(tmp_path / "s0.jsonl"))
+    assert (recorded["bytes"], recorded["fetches"]) == (8, [[8]]), recorded

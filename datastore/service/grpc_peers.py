@@ -238,6 +238,7 @@ class GrpcPeers:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
+        self.stats.close()
 
 
 class _Filler:

@@ -156,6 +156,14 @@ class ExchangeStats:
                 self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 - a line a write
             self._file.write(json.dumps(event) + "\n")
 
+    def close(self) -> None:
+        """Stop recording (a fetch still ending after this is not written)."""
+        with self._lock:
+            self.path = ""
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
 
 def read_stats(path: str) -> dict[str, Any]:
     """What an :class:`ExchangeStats` file holds so far: ``bytes``, ``in_flight_s``, ``spans``,
@@ -541,6 +549,7 @@ class MpiPeers:
         self._wake.set()
         self._thread.join()
         self.comm.Free()
+        self.stats.close()
 
 
 @dataclass(eq=False)
