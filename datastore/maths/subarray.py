@@ -60,7 +60,7 @@ def piece_sizes(
     """The sizes in bytes of the messages :func:`pieces` cuts ``array[box]`` into, for a
     C-contiguous array of ``shape`` and ``itemsize``: what a receiver posts, untold."""
     count, items = run_layout(shape, box)
-    if count > 1 and count * items * itemsize < min_run * count:
+    if count > 1 and items * itemsize < min_run:  # runs shorter than min_run: packed
         return [count * items * itemsize]
     return [items * itemsize] * count
 

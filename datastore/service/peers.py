@@ -244,6 +244,7 @@ class Peers(Protocol):
     nodes: int
     bytes_received: int
     sends_pieces: bool  # fetch replies are the parts inside the volume, not whole boxes
+    receives_boxes: bool  # a fetch's :data:`Box` targets are written in place, not aside
 
     def describe(self, dest: int, path: str) -> Listing:
         """Node ``dest``'s :data:`Listing` of the dataset clients call ``path``."""

@@ -162,7 +162,7 @@ class Resident:
         """Ask the owners of the ``samples`` other nodes own for them, every owner at once, to
         land straight in the batch ``out`` (``{field: (n, *box)}``; a box whose part inside
         the volume is not contiguous there goes in place over a link that
-        :attr:`~datastore.service.peers.MpiPeers.receives_boxes`, else is received aside and
+        :attr:`~datastore.service.peers.Peers.receives_boxes`, else is received aside and
         copied); returns at once.
         ``None`` when every sample is here. Over a link that
         :attr:`~datastore.service.peers.Peers.sends_pieces`, only the parts inside the volume
@@ -175,7 +175,7 @@ class Resident:
         if not remote.any():
             return None
         pieces, names = self.link.sends_pieces, [f.name for f in fields]
-        boxes = getattr(self.link, "receives_boxes", False)  # parts amid a halo, in place
+        boxes = self.link.receives_boxes  # parts amid a halo, in place
         pending, after = [], []
         for dest in sorted(set(owners[remote].tolist())):
             at = np.flatnonzero(owners == dest).tolist()
