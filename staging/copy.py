@@ -52,7 +52,7 @@ def tmp_dir(dest: str) -> str:
 
 def tmp_subdir(key: str) -> str:
     """The subdirectory of ``tmp/`` that holds the temp files of ``key``: its first hex digit
-    (older versions used none, then the first two; ``stage.clean_tmp`` moves their partial
+    (older versions used none, then the first two; ``tmpspace.clean_tmp`` moves their partial
     copies here)."""
     return key[:1]
 
