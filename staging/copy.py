@@ -554,20 +554,7 @@ class Engine:
             view = buf[rel : rel + item.size]
             tmp = self._tmp_path(item, ahead)
             try:
-                out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                try:
-                    digest = None
-                    if self.algo != "none":
-                        h = new_hasher(self.algo)
-                        h.update(view)
-                        digest = combine(self.algo, [h.digest()])
-                    self._write_view(out, view)
-                except BaseException:
-                    os.close(out.fd)
-                    raise
-                if not ahead:
-                    self.on_bytes(item.size)
-                self._finish(item, out, tmp, digest, hold=ahead)
+                self._write_small(item, [view], tmp, ahead)
             except OSError as exc:
                 _unlink(tmp)
                 if not ahead:
@@ -584,31 +571,39 @@ class Engine:
                     if item.size > BUF_BYTES - ALIGN:
                         self._stream_held(item, data, tmp)
                         continue
-                    views = data.views()
-                    out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                    try:
-                        digest = None
-                        if self.algo != "none":
-                            h = new_hasher(self.algo)
-                            for view in views:
-                                h.update(view)
-                            digest = combine(self.algo, [h.digest()])
-                        if out.direct:
-                            buf = _buffer(item.size)
-                            buf[: item.size] = b"".join(views)
-                            self._write_view(out, buf[: item.size])
-                        else:
-                            _write_views(out.fd, views)
-                    except BaseException:
-                        os.close(out.fd)
-                        raise
-                    self._finish(item, out, tmp, digest, hold=True)
+                    self._write_small(item, data.views(), tmp, True)
                 except OSError:
                     _unlink(tmp)
                 finally:
                     data.release()
         finally:
             _release(held)  # what an unforeseen error left held (else the walk waits)
+
+    def _write_small(self, item: Item, views: list[memoryview], tmp: str, ahead: bool) -> None:
+        """Write a member of at most one extent, its bytes ``views`` one after another, into
+        ``tmp``, hashed as its one leaf, and finish it (``ahead``: held, not counted)."""
+        out = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            digest = None
+            if self.algo != "none":
+                h = new_hasher(self.algo)
+                for view in views:
+                    h.update(view)
+                digest = combine(self.algo, [h.digest()])
+            if len(views) == 1:
+                self._write_view(out, views[0])
+            elif out.direct:  # one aligned buffer of the pieces
+                buf = _buffer(item.size)
+                buf[: item.size] = b"".join(views)
+                self._write_view(out, buf[: item.size])
+            else:
+                _write_views(out.fd, views)
+        except BaseException:
+            os.close(out.fd)
+            raise
+        if not ahead:
+            self.on_bytes(item.size)
+        self._finish(item, out, tmp, digest, hold=ahead)
 
     def _stream_held(self, item: Item, data: Held, tmp: str) -> None:
         """Write a member larger than one extent piece by piece as the walk's reader brings
