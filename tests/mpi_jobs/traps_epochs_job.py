@@ -44,8 +44,9 @@ def expected_box(x: np.ndarray, block: int, halo: int, parts: int) -> np.ndarray
 
 def error_row(exc: BaseException, seconds: float) -> dict:
     rank = MPI.COMM_WORLD.Get_rank()
-    for line in traceback.format_exc().splitlines():  # tagged: the test reads each rank's
-        print(f"[{rank}] {line}", file=sys.stderr, flush=True)
+    tagged = (f"[{rank}] {line}\n" for line in traceback.format_exc().splitlines())
+    sys.stderr.write("".join(tagged))  # tagged, the test reads each rank's; one write: the
+    sys.stderr.flush()  # ranks share a pipe, and a line written in pieces can be split
     return {
         "kind": type(exc).__name__,
         "text": str(exc),

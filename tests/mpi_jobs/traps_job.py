@@ -113,8 +113,9 @@ def main() -> None:
         out["timeout_error"] = isinstance(exc, TimeoutError)
         out["step"] = getattr(exc, "step", None)
         out["peers"] = list(getattr(exc, "peers", ()))
-        for line in traceback.format_exc().splitlines():
-            print(f"[{rank}] {line}", file=sys.stderr, flush=True)
+        tagged = (f"[{rank}] {line}\n" for line in traceback.format_exc().splitlines())
+        sys.stderr.write("".join(tagged))  # one write: the ranks share a pipe, and a line
+        sys.stderr.flush()  # written in pieces (print's text, then its newline) can be split
     out["seconds"] = time.monotonic() - t0
     write_row(out_prefix, rank, out)
 
