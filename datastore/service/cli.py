@@ -191,6 +191,15 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     what = "how long a request to a peer waits for it before failing"
     _seconds_option(p, "--peer-timeout", "peer_timeout_s", what)
+    p.add_argument(
+        "--data-port",
+        type=int,
+        default=SERVE_DEFAULTS["data_port"],
+        metavar="PORT",
+        help="with --peers: the port of the peers' data connections, on the host of --tcp "
+        "(default: 0, any free port; a firewall between nodes must open it too, else the "
+        "blocks come over gRPC, slower)",
+    )
 
     s = command(
         "status",

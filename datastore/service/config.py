@@ -37,6 +37,8 @@ class ServeConfig:
         node: this service's index in ``peers``. Default: none.
         peer_ca: PEM certificate(s) to check the peers' TLS against. Default: ``tls_cert``.
         peer_timeout_s: how long a request to a peer may wait. Default: ``60``.
+        data_port: the TCP port of the peers' data connections, on the host of ``tcp``
+            (:mod:`datastore.service.data_link`; 0: any free port). Default: ``0``.
     """
 
     socket: Path
@@ -56,6 +58,7 @@ class ServeConfig:
     node: int | None = None
     peer_ca: Path | None = None
     peer_timeout_s: float = 60.0
+    data_port: int = 0
 
     def __post_init__(self) -> None:
         if self.tcp is not None and self.token_file is None:
@@ -84,6 +87,10 @@ class ServeConfig:
             raise ValueError(f"--node {self.node} is not an index of the {len(self.peers)} --peers")
         if self.peer_ca is not None and self.tls_cert is None:
             raise ValueError("--peer-ca is for TLS (--tls-cert)")
+        if not 0 <= self.data_port < 65536:
+            raise ValueError(f"--data-port must be 0..65535, got {self.data_port}")
+        if self.data_port and not self.peers:
+            raise ValueError("--data-port goes with --peers")
         if self.peer_timeout_s <= 0:
             raise ValueError("the peer timeout must be > 0")
         for r in self.allowed_roots:

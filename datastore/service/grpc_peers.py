@@ -6,10 +6,13 @@ service its own index ``K`` in it. A service asks its peers through the ``datast
 service on their TCP addresses, with the store's shared token (and TLS when it is on), what
 :class:`~datastore.service.peers.MpiPeers` asks over MPI: which files of a sharded dataset they
 hold (``Describe``), and the blocks its local ranks need of the samples they own
-(``FetchBlocks``, streamed in chunks of at most :data:`CHUNK` bytes, so that a block of any
-size fits gRPC's message limits). As over MPI, the owner sends each box's part inside the
+(``FetchBlocks``). The blocks travel over a data connection beside gRPC
+(:mod:`datastore.service.data_link`: authorised by ``OpenData``, only the kernel copies the
+bytes), or, where the owner's data port cannot be reached (a firewall open to the gRPC port
+only), over the ``FetchBlocks`` stream (chunks of at most :data:`CHUNK` bytes, so that a block
+of any size fits gRPC's message limits). As over MPI, the owner sends each box's part inside the
 volume straight from its store (``pieces``: nothing packed there), and the asker writes the
-chunks straight into the batch slot, a part amid its halo included (one copy; the asker zeroes
+bytes straight into the batch slot, a part amid its halo included (one copy; the asker zeroes
 the halo outside the volume).
 
 The services are independent processes: one that stops does not stop the others. Every call
@@ -21,6 +24,7 @@ serving; once the peer is back, the next call reaches it.
 from __future__ import annotations
 
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,10 +34,17 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
-from datastore.maths.subarray import view
+from datastore.maths.subarray import MIN_RUN, runs, view
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
+from datastore.service.data_link import (
+    BadFrame,
+    DataConnection,
+    DataListener,
+    PeerError,
+)
 from datastore.service.errors import ServiceError
 from datastore.service.peers import (
     STATS_ENV,
@@ -52,6 +63,7 @@ __all__ = ["CHUNK", "GrpcPeers", "PeersServicer", "add_peers_to_server", "parse_
 SERVICE = "datastore.v1.Peers"
 CHUNK = 4 * 1024 * 1024
 FETCH_THREADS = 8  # fetches in flight at once (a stream's next steps, every owner)
+CONNECT_S = 3.0  # a data port not reached within this (or the timeout) falls back to gRPC
 _DATA = 1  # FetchBlocksResponse.data
 _OPTIONS = [
     ("grpc.max_receive_message_length", 2 * CHUNK),
@@ -104,7 +116,10 @@ class GrpcPeers:
         node: this service's index in ``addresses``.
         token: the store's shared secret (every service's ``--token-file``).
         tls_ca: PEM certificate(s) to check the peers' TLS against. Default: plaintext.
-        timeout_s: how long a call waits for a peer (its start included). Default: ``60``.
+        timeout_s: how long a call waits for a peer (its start included), and a data
+            connection's every send or receive. Default: ``60``.
+        on_event: ``on_event(event, **fields)``, told once per peer whose data port cannot
+            be reached (its fetches then go over gRPC). Default: nothing.
     """
 
     def __init__(
@@ -114,6 +129,7 @@ class GrpcPeers:
         token: str,
         tls_ca: Path | None = None,
         timeout_s: float = 60.0,
+        on_event: Callable[..., None] = lambda event, **fields: None,
     ) -> None:
         if not 0 <= node < len(addresses):
             raise ValueError(f"--node {node} is not an index of the {len(addresses)} --peers")
@@ -123,11 +139,16 @@ class GrpcPeers:
         self.sends_pieces = True  # the parts inside the volume, straight from the store
         self.receives_boxes = True  # a part amid its halo is written in place, not aside
         self._metadata = bearer(token)
-        self._credentials = None
+        self._credentials, self._tls = None, None
         if tls_ca is not None:
-            self._credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
+            ca = tls_ca.read_bytes()
+            self._credentials = grpc.ssl_channel_credentials(root_certificates=ca)
+            self._tls = ssl.create_default_context(cadata=ca.decode())
+        self._on_event = on_event
         self._lock = threading.Lock()
         self._channels: dict[int, grpc.Channel] = {}
+        self._idle: dict[int, list[DataConnection]] = {}  # data connections to reuse, by node
+        self._grpc_only: set[int] = set()  # nodes whose data port could not be reached
         self._pool: ThreadPoolExecutor | None = None  # fetches in flight at once
         self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), node)
         keep_large_blocks()  # the peers' messages: freed buffers reused, not mapped afresh
@@ -177,24 +198,30 @@ class GrpcPeers:
         return r.shardable, list(r.files), signature
 
     def start(self, dest: int, request: dict, out: Segments) -> Pending:
-        """:meth:`fetch` on a thread of the link's pool; returns at once."""
+        """:meth:`fetch` on a thread of the link's pool; returns at once. Its ``abandon``
+        returns once no byte can land in ``out`` any more."""
+        job = _Job()
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="datastore-grpc")
-            future = self._pool.submit(self.fetch, dest, request, out)
+            future = self._pool.submit(self._fetch, dest, request, out, job)
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
-        return Pending(done, future.result)
+
+        def abandon() -> None:
+            job.abandon()
+            future.cancel()
+            done.wait()  # bounded: every wait of a fetch has its timeout
+
+        return Pending(done, future.result, abandon)
 
     def fetch(self, dest: int, request: dict, out: Segments) -> None:
         """Node ``dest``'s packed blocks of ``request["samples"]`` into ``out`` (uint8
-        arrays, strided ones included, filled one after the other in C order), each chunk
-        copied once, straight into place."""
-        call = self._channel(dest).unary_stream(
-            f"/{SERVICE}/FetchBlocks",
-            request_serializer=pb.FetchBlocksRequest.SerializeToString,
-            response_deserializer=chunk_view,
-        )
+        arrays, strided ones included, filled one after the other in C order), received
+        straight into place."""
+        self._fetch(dest, request, out, _Job())
+
+    def _fetch(self, dest: int, request: dict, out: Segments, job: _Job) -> None:
         message = pb.FetchBlocksRequest(
             header=self._header(dest),
             dataset_path=request["path"],
@@ -204,29 +231,141 @@ class GrpcPeers:
             block=request["block"],
             pieces=bool(request.get("pieces")),
         )
-        into, sizes = _Filler([_as_bytes(t) for t in targets(out)]), []
+        into = [_as_bytes(t) for t in targets(out)]
+        conn = None if dest in self._grpc_only else self._connection(dest)
+        if conn is None:
+            self._fetch_grpc(dest, message, into, job)
+        else:
+            self._fetch_data(dest, message, into, job, conn)
+
+    def _connection(self, dest: int) -> DataConnection | None:
+        """A quiet data connection to node ``dest`` (reused, or opened through ``OpenData``);
+        ``None`` where its data port cannot be reached (logged once; gRPC from then on)."""
+        while True:
+            with self._lock:
+                conn = self._idle.get(dest, []).pop() if self._idle.get(dest) else None
+            if conn is None:
+                break
+            if conn.idle():
+                return conn
+            conn.close()  # the peer closed it (restarted?): a new one
+        call = self._channel(dest).unary_unary(
+            f"/{SERVICE}/OpenData",
+            request_serializer=pb.OpenDataRequest.SerializeToString,
+            response_deserializer=pb.OpenDataResponse.FromString,
+        )
+        request = pb.OpenDataRequest(header=self._header(dest))
+        try:
+            r = call(request, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # a peer without a data port
+                raise self._failed(dest, "OpenData", exc) from None
+            return self._unreachable(dest, f"OpenData: {exc.details()}")
+        host = self.addresses[dest].rpartition(":")[0]
+        address = f"{host}:{r.port}"
+        try:
+            return DataConnection(
+                address,
+                r.ticket,
+                tls=self._tls,
+                connect_s=min(CONNECT_S, self.timeout_s),
+                timeout_s=self.timeout_s,
+            )
+        except OSError as exc:
+            return self._unreachable(dest, f"{address}: {exc}")
+
+    def _unreachable(self, dest: int, why: str) -> None:
+        with self._lock:
+            first = dest not in self._grpc_only
+            self._grpc_only.add(dest)
+        if first:
+            self._on_event(
+                "peer_data_port_unreachable",
+                node=dest,
+                msg=f"node {dest}'s data connection cannot be made ({why}): its blocks come "
+                "over gRPC (slower; open the --data-port too)",
+            )
+
+    def _fetch_data(
+        self, dest: int, message: Any, into: list[np.ndarray], job: _Job, conn: DataConnection
+    ) -> None:
+        """One fetch over a data connection: received into each target's contiguous runs,
+        or, where they are short (a part amid its halo, cut on the last axis), aside then
+        copied in place (one numpy copy beats a Python view per run)."""
+        buffers, aside = [], []
+        for t in into:
+            if t.flags.c_contiguous or run_bytes(t) >= MIN_RUN:
+                buffers += runs(t)
+            else:
+                aside.append((t, np.empty(t.shape, np.uint8)))
+                buffers.append(aside[-1][1])
+        at, sizes, ok = f"node {dest} ({self.addresses[dest]})", [], False
+        self.stats.begin()
+        asked, first = time.monotonic(), 0.0
+        try:
+            if not job.attach(conn.stop):
+                raise ServiceError("CANCELLED", f"the fetch from {at} was abandoned")
+            sizes, first = conn.fetch(message.SerializeToString(), buffers)
+            for t, got in aside:
+                t[...] = got
+            ok = True
+        except PeerError as exc:
+            code = "FAILED_PRECONDITION" if exc.code == "UNAUTHENTICATED" else exc.code
+            raise ServiceError(code, f"{at}: {exc}") from None
+        except (OSError, EOFError) as exc:
+            if job.abandoned:
+                raise ServiceError("CANCELLED", f"the fetch from {at} was abandoned") from None
+            if isinstance(exc, TimeoutError):
+                why = f"did not answer FetchBlocks within {self.timeout_s:g} s"
+            else:
+                why = f"broke off FetchBlocks ({exc or type(exc).__name__})"
+            raise ServiceError("UNAVAILABLE", f"{at} {why}") from None
+        finally:
+            job.detach()
+            total = sum(sizes) if ok else 0
+            legs = (first - asked, time.monotonic() - first) if ok else (0.0, 0.0)
+            self.stats.end(total, sizes, legs)
+            if ok:
+                with self._lock:
+                    self._idle.setdefault(dest, []).append(conn)
+            else:
+                conn.close()
+        self.bytes_received += total
+
+    def _fetch_grpc(self, dest: int, message: Any, into: list[np.ndarray], job: _Job) -> None:
+        """One fetch over the ``FetchBlocks`` stream: each chunk copied once, into place."""
+        call = self._channel(dest).unary_stream(
+            f"/{SERVICE}/FetchBlocks",
+            request_serializer=pb.FetchBlocksRequest.SerializeToString,
+            response_deserializer=chunk_view,
+        )
+        filler, sizes = _Filler(into), []
         self.stats.begin()
         asked, first = time.monotonic(), None  # the legs: asked -> first chunk -> last byte
         try:
-            for chunk in call(
+            stream = call(
                 message, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=True
-            ):
+            )
+            if not job.attach(stream.cancel):
+                stream.cancel()
+            for chunk in stream:
                 if first is None:
                     first = time.monotonic()
-                if not into.put(np.frombuffer(chunk, np.uint8)):
+                if not filler.put(np.frombuffer(chunk, np.uint8)):
                     raise ServiceError(
-                        "INTERNAL", f"node {dest} sent more than the {into.nbytes} bytes asked"
+                        "INTERNAL", f"node {dest} sent more than the {filler.nbytes} bytes asked"
                     )
                 sizes.append(len(chunk))
         except grpc.RpcError as exc:
             raise self._failed(dest, "FetchBlocks", exc) from None
         finally:
-            whole = into.at == into.nbytes and first is not None
+            job.detach()
+            whole = filler.at == filler.nbytes and first is not None
             legs = (first - asked, time.monotonic() - first) if whole else (0.0, 0.0)
-            self.stats.end(into.at if whole else 0, sizes, legs)
-        if into.at != into.nbytes:
-            raise ServiceError("INTERNAL", f"node {dest} sent {into.at} of {into.nbytes} bytes")
-        self.bytes_received += into.at
+            self.stats.end(filler.at if whole else 0, sizes, legs)
+        if filler.at != filler.nbytes:
+            raise ServiceError("INTERNAL", f"node {dest} sent {filler.at} of {filler.nbytes} bytes")
+        self.bytes_received += filler.at
 
     def close(self, *, stop_all: bool) -> None:
         """Close the channels; the peers are independent services and keep running."""
@@ -235,10 +374,39 @@ class GrpcPeers:
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+            idle = [c for conns in self._idle.values() for c in conns]
+            self._idle.clear()
             pool, self._pool = self._pool, None
+        for conn in idle:
+            conn.close()
         if pool is not None:
             pool.shutdown(wait=False)
         self.stats.close()
+
+
+class _Job:
+    """A fetch that may be abandoned: how to stop the transfer it is in, if any."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.abandoned = False
+        self._stop: Callable[[], Any] | None = None
+
+    def attach(self, stop: Callable[[], Any]) -> bool:
+        """``stop`` ends the transfer now under way; ``False`` if already abandoned."""
+        with self._lock:
+            self._stop = stop
+            return not self.abandoned
+
+    def detach(self) -> None:
+        with self._lock:
+            self._stop = None
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            if self._stop is not None:
+                self._stop()
 
 
 class _Filler:
@@ -262,6 +430,16 @@ class _Filler:
                 self._k, self._in = self._k + 1, 0
         self.at += done
         return True
+
+
+def run_bytes(part: np.ndarray) -> int:
+    """The length of the contiguous runs ``part``'s bytes lie in (a uint8 view, in C order)."""
+    run = 1
+    for n, stride in zip(reversed(part.shape), reversed(part.strides), strict=True):
+        if stride != run:
+            break
+        run *= n
+    return run
 
 
 def _as_bytes(target: np.ndarray | Box) -> np.ndarray:
@@ -302,6 +480,8 @@ class PeersServicer:
         spatial_of: a ``SpatialLayout`` as the dict ``answer`` takes.
         on_error: told of an unexpected exception (logged there; the peer gets ``INTERNAL``
             without Python's text). Default: nothing.
+        data: this node's data listener, whose tickets ``OpenData`` hands out. Default: none
+            (``OpenData`` answers ``UNIMPLEMENTED``: the peers fetch over gRPC).
     """
 
     def __init__(
@@ -311,27 +491,40 @@ class PeersServicer:
         answer: Callable[[dict], Any],
         spatial_of: Callable[[Any], dict[str, Any] | None],
         on_error: Callable[[BaseException], None] = lambda exc: None,
+        data: DataListener | None = None,
     ) -> None:
         self.node, self.nodes = node, nodes
         self._answer, self._spatial_of, self._on_error = answer, spatial_of, on_error
+        self._data = data
+
+    def _mismatch(self, header: Any) -> ServiceError | None:
+        if (header.to_node, header.nodes) == (self.node, self.nodes):
+            return None
+        return ServiceError(
+            "FAILED_PRECONDITION",
+            f"this service is node {self.node} of {self.nodes}, asked as node "
+            f"{header.to_node} of {header.nodes}: every service needs the same --peers "
+            "and its own --node",
+        )
 
     def _check(self, header: Any, context: grpc.ServicerContext) -> None:
-        if (header.to_node, header.nodes) != (self.node, self.nodes):
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this service is node {self.node} of {self.nodes}, asked as node "
-                f"{header.to_node} of {header.nodes}: every service needs the same --peers "
-                "and its own --node",
-            )
+        if (wrong := self._mismatch(header)) is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(wrong))
+
+    def _answered(self, request: dict) -> Any:
+        try:
+            return self._answer(request)
+        except ServiceError:
+            raise
+        except Exception as exc:  # a peer's bad request must not kill this service
+            self._on_error(exc)
+            raise ServiceError("INTERNAL", "internal error (the service's log says why)") from None
 
     def _call(self, request: dict, context: grpc.ServicerContext) -> Any:
         try:
-            return self._answer(request)
+            return self._answered(request)
         except ServiceError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-        except Exception as exc:  # a peer's bad request must not kill this service
-            self._on_error(exc)
-            context.abort(grpc.StatusCode.INTERNAL, "internal error (the service's log says why)")
 
     def Describe(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._check(request.header, context)
@@ -344,25 +537,56 @@ class PeersServicer:
         ]
         return pb.DescribeResponse(shardable=ok, files=files, fields=fields)
 
+    def _fetched(self, request: Any) -> list[np.ndarray]:
+        """A ``FetchBlocksRequest`` answered: the reply's bytes as 1-d uint8 runs."""
+        reply = self._answered(
+            {
+                "kind": "fetch",
+                "path": request.dataset_path,
+                "samples": [int(i) for i in request.samples],
+                "fields": list(request.fields),
+                "spatial": self._spatial_of(request.spatial),
+                "block": request.block,
+                "pieces": request.pieces,
+            }
+        )
+        if isinstance(reply, Pieces):  # straight from the store: nothing packed
+            return reply.runs()
+        return [np.ascontiguousarray(reply).reshape(-1).view(np.uint8)]
+
     def FetchBlocks(self, request: Any, context: grpc.ServicerContext) -> Iterator[np.ndarray]:
         self._check(request.header, context)
-        asked = {
-            "kind": "fetch",
-            "path": request.dataset_path,
-            "samples": [int(i) for i in request.samples],
-            "fields": list(request.fields),
-            "spatial": self._spatial_of(request.spatial),
-            "block": request.block,
-            "pieces": request.pieces,
-        }
-        reply = self._call(asked, context)
-        if isinstance(reply, Pieces):  # straight from the store: nothing packed
-            cut = reply.runs()
-        else:
-            cut = [np.ascontiguousarray(reply).reshape(-1).view(np.uint8)]
+        try:
+            cut = self._fetched(request)
+        except ServiceError as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         for run in cut:
             for at in range(0, run.nbytes, CHUNK):
                 yield run[at : at + CHUNK]
+
+    def OpenData(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._check(request.header, context)
+        if self._data is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this service has no data listener")
+        ticket = self._data.ticket(request.header.from_node)
+        return pb.OpenDataResponse(port=self._data.port, ticket=ticket)
+
+    def serve_data(self, raw: bytes, node: int) -> list[np.ndarray]:
+        """A ``FetchBlocksRequest`` of node ``node`` on its data connection, answered.
+
+        Raises:
+            BadFrame: ``raw`` is not a request.
+            ServiceError: as ``FetchBlocks`` fails.
+        """
+        try:
+            request = pb.FetchBlocksRequest.FromString(raw)
+        except DecodeError:
+            raise BadFrame("not a FetchBlocksRequest") from None
+        if request.header.from_node != node:
+            raise BadFrame(f"node {node}'s ticket, asked as node {request.header.from_node}")
+        if (wrong := self._mismatch(request.header)) is not None:
+            raise wrong
+        return self._fetched(request)
 
 
 def add_peers_to_server(servicer: PeersServicer, server: grpc.Server) -> None:
@@ -377,6 +601,11 @@ def add_peers_to_server(servicer: PeersServicer, server: grpc.Server) -> None:
             servicer.FetchBlocks,
             request_deserializer=pb.FetchBlocksRequest.FromString,
             response_serializer=frame_chunk,
+        ),
+        "OpenData": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenData,
+            request_deserializer=pb.OpenDataRequest.FromString,
+            response_serializer=pb.OpenDataResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -1,6 +1,7 @@
 """The gRPC servers of ``datastore serve``: built, bound to the Unix socket and TCP, and the
 services registered on them (``datastore.v1.DataStore``, health checking, reflection, and
-``datastore.v1.Peers`` on TCP when the services peer over gRPC).
+``datastore.v1.Peers`` on TCP when the services peer over gRPC, and beside it their data
+listener, :mod:`datastore.service.data_link`).
 
 Replies up to ``MAX_MESSAGE`` (256 MiB) are allowed (gRPC's default is 4 MiB); an inline batch
 larger than the chunk size (64 MiB, ``DATASTORE_INLINE_CHUNK``) is sent as several messages
@@ -11,6 +12,7 @@ any handler reads them.
 from __future__ import annotations
 
 import os
+import ssl
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -21,12 +23,13 @@ from grpc_reflection.v1alpha import reflection
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
+from datastore.service.data_link import DataListener
 from datastore.service.grpc_peers import GrpcPeers, PeersServicer, add_peers_to_server
 from datastore.service.servicer import Servicer
 from datastore.service.session import spatial_of
 from datastore.service.wire import MAX_MESSAGE, serialize
 
-__all__ = ["MAX_REQUEST", "add_services", "bind_tcp", "bind_unix", "new_server"]
+__all__ = ["MAX_REQUEST", "add_services", "bind_data", "bind_tcp", "bind_unix", "new_server"]
 
 MAX_REQUEST = 4 * 1024 * 1024  # requests are small: a larger one is refused, never read
 MESSAGE_OPTIONS = [
@@ -70,6 +73,24 @@ def bind_tcp(server: grpc.Server, tcp: str, tls_cert: Path | None, tls_key: Path
     return f"{tcp.rsplit(':', 1)[0]}:{port}"
 
 
+def bind_data(
+    tcp: str, port: int, tls_cert: Path | None, tls_key: Path | None, timeout_s: float
+) -> DataListener:
+    """The peers' data listener on the host of ``tcp``, at ``port`` (0: any free port), over
+    TLS with the same certificate as ``tcp``.
+
+    Raises:
+        OSError: a TLS file cannot be read, or the port cannot be bound.
+    """
+    tls = None
+    if tls_cert is not None:
+        assert tls_key is not None  # checked by ServeConfig
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(tls_cert, tls_key)
+        tls.num_tickets = 0  # no resumption: nothing unasked on an idle connection
+    return DataListener(tcp.rsplit(":", 1)[0], port, tls, timeout_s)
+
+
 class _Handlers:
     """Catches the generated code's method handlers, to be adjusted before registering."""
 
@@ -101,9 +122,11 @@ def add_services(
     health_servicer: health.HealthServicer,
     *,
     peers: bool,
+    data: DataListener | None = None,
 ) -> None:
     """Register the services on ``server``; ``peers``: also ``datastore.v1.Peers`` when this
-    service peers over gRPC (on TCP, where the peers call)."""
+    service peers over gRPC (on TCP, where the peers call), its data listener ``data``
+    answering the fetches there."""
     _add_datastore(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [
@@ -114,8 +137,10 @@ def add_services(
     link = servicer.link
     if peers and isinstance(link, GrpcPeers):
         answering = PeersServicer(
-            link.node, link.nodes, servicer.answer, spatial_of, servicer.internal_error
+            link.node, link.nodes, servicer.answer, spatial_of, servicer.internal_error, data
         )
         add_peers_to_server(answering, server)
+        if data is not None:
+            data.start(answering.serve_data)
         names.append(pb.DESCRIPTOR.services_by_name["Peers"].full_name)
     reflection.enable_server_reflection(names, server)

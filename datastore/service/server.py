@@ -30,7 +30,7 @@ from datastore.service.auth import TokenInterceptor, read_token
 from datastore.service.config import ServeConfig
 from datastore.service.grpc_peers import GrpcPeers
 from datastore.service.guard import GuardInterceptor
-from datastore.service.listeners import add_services, bind_tcp, bind_unix, new_server
+from datastore.service.listeners import add_services, bind_data, bind_tcp, bind_unix, new_server
 from datastore.service.logs import JsonLog
 from datastore.service.metrics import serve_metrics
 from datastore.service.paths import AddressInUse, UnsafeDirectory, claim_socket, unix_target
@@ -169,6 +169,7 @@ def _run(
                 token,
                 config.peer_ca or config.tls_cert,
                 config.peer_timeout_s,
+                on_event=log.warning,
             )
         except OSError as exc:
             log.error("bad_tls_files", msg=f"cannot read the peers' CA: {exc}")
@@ -196,8 +197,18 @@ def _run(
             log.error("cannot_listen", tcp=config.tcp, msg=f"cannot bind {config.tcp}: {exc}")
             return Exit.FAILED
         servers.append(tcp_server)
+    data = None
+    if config.peers:
+        assert config.tcp is not None  # checked by ServeConfig
+        try:
+            data = bind_data(
+                config.tcp, config.data_port, config.tls_cert, config.tls_key, config.peer_timeout_s
+            )
+        except OSError as exc:
+            log.error("cannot_listen", data_port=config.data_port, msg=f"data listener: {exc}")
+            return Exit.FAILED
     for server in servers:
-        add_services(server, servicer, health_servicer, peers=server is not servers[0])
+        add_services(server, servicer, health_servicer, peers=server is not servers[0], data=data)
 
     def on_signal(signum: int, _frame: Any) -> None:
         stop.request(signal.Signals(signum).name)
@@ -223,6 +234,7 @@ def _run(
             workers=config.workers,
             node=servicer.residency.node,
             peers=list(config.peers) or None,
+            data_port=data.port if data is not None else None,
         )
         if config.metrics is not None:
             try:
@@ -254,6 +266,8 @@ def _run(
     finally:
         for server in servers:
             server.stop(None)
+        if data is not None:
+            data.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if metrics_server is not None:

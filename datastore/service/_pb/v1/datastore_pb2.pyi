@@ -405,3 +405,17 @@ class FetchBlocksResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class OpenDataRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: PeerHeader
+    def __init__(self, header: _Optional[_Union[PeerHeader, _Mapping]] = ...) -> None: ...
+
+class OpenDataResponse(_message.Message):
+    __slots__ = ("port", "ticket")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...

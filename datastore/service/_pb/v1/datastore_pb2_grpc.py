@@ -430,6 +430,11 @@ class PeersStub:
                 request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksRequest.SerializeToString,
                 response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksResponse.FromString,
                 _registered_method=True)
+        self.OpenData = channel.unary_unary(
+                '/datastore.v1.Peers/OpenData',
+                request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataRequest.SerializeToString,
+                response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataResponse.FromString,
+                _registered_method=True)
 
 
 class PeersServicer:
@@ -456,6 +461,16 @@ class PeersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenData(self, request, context):
+        """A data connection beside this channel, for FetchBlocks without gRPC's copies: the port
+        of this node's data listener (on the host of its TCP address) and a one-time ticket to
+        present there first, valid for the asking node only and for a short while. The framing
+        on that connection: docs/service.md.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeersServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -468,6 +483,11 @@ def add_PeersServicer_to_server(servicer, server):
                     servicer.FetchBlocks,
                     request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksRequest.FromString,
                     response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksResponse.SerializeToString,
+            ),
+            'OpenData': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenData,
+                    request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataRequest.FromString,
+                    response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +548,33 @@ class Peers:
             '/datastore.v1.Peers/FetchBlocks',
             datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksRequest.SerializeToString,
             datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.FetchBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/datastore.v1.Peers/OpenData',
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataRequest.SerializeToString,
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataResponse.FromString,
             options,
             channel_credentials,
             insecure,

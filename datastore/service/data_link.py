@@ -1,0 +1,319 @@
+"""The peers' data connection: fetched blocks over a plain TCP socket beside gRPC.
+
+gRPC copies each chunk of a ``FetchBlocks`` stream several times in user space (new bytes
+objects, HTTP/2 framing, Python per chunk). Here only the kernel copies: the owner sends the
+runs of a reply straight from its store (``sendmsg`` of up to :data:`IOV_MAX` buffers), the
+asker receives straight into the batch slot (``recvmsg_into`` over the targets' contiguous
+runs). With TLS on, both ends wrap the socket in :mod:`ssl` (the same certificate, key and CA
+as gRPC) and send and receive run by run.
+
+The connection is authorised through gRPC: ``Peers/OpenData`` (token checked, TLS when on)
+gives the asker the port of the owner's :class:`DataListener` and a one-time :data:`TICKET`
+byte ticket bound to the asking node. On the connection:
+
+- asker -> owner: the ticket, once; then per fetch a 4-byte big-endian length and a serialized
+  ``FetchBlocksRequest`` (at most :data:`MAX_REQUEST` bytes);
+- owner -> asker: :data:`REPLY` (the status's name length, its message length, the total
+  bytes, the number of runs), the status's name (empty: OK) and message (UTF-8), each run's
+  size (8 bytes big-endian), then the runs' bytes.
+
+A wrong, used or expired ticket, nothing sent within the timeout, or a malformed or oversized
+request closes the connection with nothing written. A connection serves one fetch at a time
+until the asker closes it; the asker closes one that saw any error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import secrets
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from datastore.service.errors import ServiceError
+
+__all__ = [
+    "IOV_MAX",
+    "MAX_REQUEST",
+    "REPLY",
+    "TICKET",
+    "BadFrame",
+    "DataConnection",
+    "DataListener",
+    "PeerError",
+]
+
+TICKET = 32  # bytes of a ticket
+MAX_REQUEST = 16 * 1024 * 1024  # a longer request frame closes the connection
+MAX_RUNS = 1 << 22  # a reply announcing more runs is garbage
+IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into (Linux's limit)
+_LENGTH = struct.Struct("!I")
+REPLY = struct.Struct("!HHQI")  # status name length, message length, total bytes, runs
+Serve = Callable[[bytes, int], Sequence[np.ndarray]]
+"""``serve(request, node) -> runs``: a request of node ``node`` answered (1-d uint8 arrays), or
+:class:`ServiceError` (sent back), or :class:`BadFrame` (the connection is closed)."""
+
+
+class BadFrame(ValueError):
+    """A request that is not one: the connection is closed, nothing written."""
+
+
+class PeerError(Exception):
+    """The owner's error reply: ``code`` (a gRPC status name) and its message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- bytes in and out ---------------------------------------------------------------------------
+def _views(buffers: Sequence[Any]) -> list[memoryview]:
+    return [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+
+
+def send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Send ``buffers`` one after the other: ``sendmsg`` of up to :data:`IOV_MAX` at a time
+    (partial sends resumed), or run by run over TLS."""
+    views = _views(buffers)
+    if isinstance(sock, ssl.SSLSocket):
+        for v in views:
+            sock.sendall(v)
+        return
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + IOV_MAX])
+        while sent:
+            if sent >= views[i].nbytes:
+                sent -= views[i].nbytes
+                i += 1
+            else:
+                views[i], sent = views[i][sent:], 0
+
+
+def recv_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Fill ``buffers`` one after the other: ``recvmsg_into`` up to :data:`IOV_MAX` at a time,
+    or ``recv_into`` each over TLS; ``EOFError`` if the peer closes first."""
+    views = _views(buffers)
+    i = 0
+    while i < len(views):
+        if isinstance(sock, ssl.SSLSocket):
+            got = sock.recv_into(views[i])
+        else:
+            got = sock.recvmsg_into(views[i : i + IOV_MAX])[0]
+        if not got:
+            raise EOFError("the connection closed mid-reply")
+        while got:
+            if got >= views[i].nbytes:
+                got -= views[i].nbytes
+                i += 1
+            else:
+                views[i], got = views[i][got:], 0
+
+
+def recv_bytes(sock: socket.socket, n: int) -> bytearray:
+    """Exactly ``n`` bytes; ``EOFError`` if the peer closes first."""
+    out = bytearray(n)
+    recv_all(sock, [out])
+    return out
+
+
+def _reply_head(runs: Sequence[np.ndarray], code: str, message: str) -> bytes:
+    sizes = [r.nbytes for r in runs]
+    name, text = code.encode(), message.encode()
+    head = REPLY.pack(len(name), len(text), sum(sizes), len(sizes))
+    return head + name + text + struct.pack(f"!{len(sizes)}Q", *sizes)
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+# -- the owner's side -------------------------------------------------------------------------
+class DataListener:
+    """A node's data listener: tickets handed out through ``Peers/OpenData``, and a thread per
+    accepted connection answering its requests with ``serve`` once its ticket checks out.
+
+    Args:
+        host: the host of the service's ``--tcp`` address.
+        port: the port to listen on (``0``: any free port; :attr:`port` says which).
+        tls: a server context (the service's certificate and key). Default: plaintext.
+        timeout_s: how long a ticket stays valid, and a send or a request's frame may take.
+            Default: ``60``.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+
+    def __init__(
+        self, host: str, port: int = 0, tls: ssl.SSLContext | None = None, timeout_s: float = 60.0
+    ) -> None:
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family)
+        self.port: int = self._sock.getsockname()[1]
+        self._tls, self.timeout_s = tls, timeout_s
+        self._lock = threading.Lock()
+        self._tickets: dict[bytes, tuple[int, float]] = {}  # ticket -> (node, expiry)
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self.served = 0  # requests answered (their replies sent, errors included)
+
+    def ticket(self, node: int) -> bytes:
+        """A fresh one-time ticket for node ``node``, valid for ``timeout_s``."""
+        ticket, now = secrets.token_bytes(TICKET), time.monotonic()
+        with self._lock:
+            self._tickets = {t: v for t, v in self._tickets.items() if v[1] > now}
+            self._tickets[ticket] = (node, now + self.timeout_s)
+        return ticket
+
+    def _redeem(self, ticket: bytes) -> int | None:
+        """The node a valid ticket was given to (the ticket is then used up); else ``None``."""
+        now, node = time.monotonic(), None
+        with self._lock:
+            for t in list(self._tickets):  # every one compared: no early exit to time
+                if hmac.compare_digest(t, ticket):
+                    held, expiry = self._tickets.pop(t)
+                    node = held if expiry > now else None
+        return node
+
+    def start(self, serve: Serve) -> None:
+        """Accept connections on a daemon thread; each is answered by ``serve``."""
+        threading.Thread(
+            target=self._accept, args=(serve,), name="datastore-data", daemon=True
+        ).start()
+
+    def _accept(self, serve: Serve) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(
+                target=self._answer, args=(conn, serve), name="datastore-data", daemon=True
+            ).start()
+
+    def _answer(self, conn: socket.socket, serve: Serve) -> None:
+        sock = conn
+        try:
+            conn.settimeout(self.timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(conn, server_side=True)
+            node = self._redeem(bytes(recv_bytes(sock, TICKET)))
+            while node is not None:
+                sock.settimeout(None)  # idle between fetches: the asker keeps it for the next
+                (n,) = _LENGTH.unpack(recv_bytes(sock, _LENGTH.size))
+                sock.settimeout(self.timeout_s)
+                if n > MAX_REQUEST:
+                    return
+                request = bytes(recv_bytes(sock, n))
+                try:
+                    runs, code, message = serve(request, node), "", ""
+                except ServiceError as exc:
+                    runs, code, message = [], exc.code, str(exc)
+                send_all(sock, [_reply_head(runs, code, message), *runs])
+                with self._lock:
+                    self.served += 1
+        except (OSError, EOFError, BadFrame):
+            return  # closed, timed out, or not a peer: nothing more written
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            sock.close()
+
+    def close(self) -> None:
+        """Stop listening and end every connection (their threads then exit)."""
+        with self._lock:
+            self._closed = True
+            conns, self._conns = list(self._conns), set()
+        for s in [self._sock, *conns]:
+            with contextlib.suppress(OSError):  # not connected
+                s.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+# -- the asker's side -------------------------------------------------------------------------
+class DataConnection:
+    """One data connection to a peer, presenting its ticket; one fetch at a time.
+
+    Raises:
+        OSError: the connection cannot be made within ``connect_s`` (refused, unreachable,
+            timed out, TLS handshake failed).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        ticket: bytes,
+        *,
+        tls: ssl.SSLContext | None,
+        connect_s: float,
+        timeout_s: float,
+    ) -> None:
+        host, port = _split(address)
+        raw = socket.create_connection((host, port), timeout=connect_s)
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = raw if tls is None else tls.wrap_socket(raw, server_hostname=host)
+            self.sock.settimeout(timeout_s)
+            self.sock.sendall(ticket)
+        except BaseException:
+            raw.close()
+            raise
+
+    def fetch(self, request: bytes, into: Sequence[Any]) -> tuple[list[int], float]:
+        """Send ``request``, receive the reply's bytes into ``into`` (writable buffers, filled
+        one after the other; their total must be the reply's); ``(run sizes, time of the
+        reply's header in)``.
+
+        Raises:
+            PeerError: the owner's error, or a reply of another size than ``into``.
+            OSError, EOFError: the connection failed, timed out, or closed mid-reply.
+        """
+        send_all(self.sock, [_LENGTH.pack(len(request)), request])
+        code_n, message_n, total, count = REPLY.unpack(recv_bytes(self.sock, REPLY.size))
+        first = time.monotonic()
+        if count > MAX_RUNS:
+            raise PeerError("INTERNAL", f"a reply of {count} runs")
+        head = recv_bytes(self.sock, code_n + message_n + 8 * count)
+        if code_n:
+            raise PeerError(head[:code_n].decode(), head[code_n:][:message_n].decode())
+        sizes = list(struct.unpack_from(f"!{count}Q", head, code_n + message_n))
+        want = sum(memoryview(b).nbytes for b in into)
+        if total != want or sum(sizes) != total:
+            raise PeerError("INTERNAL", f"sent {total} bytes where {want} were asked")
+        recv_all(self.sock, into)
+        return sizes, first
+
+    def idle(self) -> bool:
+        """Whether the connection is still quiet (the peer sent nothing, not even its end):
+        fit to reuse."""
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return False
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    def stop(self) -> None:
+        """Shut the connection down: a send or receive in progress returns at once."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,317 @@
+"""The gRPC peers' data connection (:mod:`datastore.service.data_link`): blocks over a plain
+(or TLS) TCP socket beside gRPC, authorised by ``Peers/OpenData``.
+
+In-process cases run a real ``Peers`` gRPC server and its data listener on loopback; the
+others run two real ``datastore serve --peers`` processes over a sharded dataset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from helpers import stage_sharded
+
+from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service.data_link import TICKET, DataConnection
+from datastore.service.errors import ServiceError
+from datastore.service.grpc_peers import GrpcPeers, PeersServicer, add_peers_to_server
+from datastore.service.listeners import bind_data
+from datastore.service.peers import STATS_ENV, Pieces, read_stats
+from tests.test_service_peers import TOKEN, Store, _free_port, _job
+
+# Stored samples of the in-process owner: sample i is (4, 70, 256) float32 of i*1000 + arange.
+SHAPE = (4, 70, 256)
+
+
+def _stored(i: int) -> np.ndarray:
+    return (np.arange(np.prod(SHAPE), dtype=np.float32) + i * 1000).reshape(SHAPE)
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    """``(cert, key)``: a self-signed certificate for 127.0.0.1."""
+    tmp = tmp_path_factory.mktemp("tls")
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    openssl += ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+    san = "subjectAltName=DNS:localhost,IP:127.0.0.1"
+    subprocess.run([*openssl, "-addext", san], check=True, capture_output=True)
+    return cert, key
+
+
+@contextlib.contextmanager
+def owner(answer, tls=None, timeout_s=10.0):
+    """Node 1 of 2: a real ``Peers`` server on loopback and its data listener, answering with
+    ``answer``; yields ``(its address, the listener)``."""
+    listener = bind_data("127.0.0.1:0", 0, *(tls or (None, None)), timeout_s)
+    servicer = PeersServicer(1, 2, answer, lambda s: None, data=listener)
+    server = grpc.server(ThreadPoolExecutor(4))
+    add_peers_to_server(servicer, server)
+    if tls is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        pair = (tls[1].read_bytes(), tls[0].read_bytes())
+        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([pair]))
+    server.start()
+    listener.start(servicer.serve_data)
+    try:
+        yield f"127.0.0.1:{port}", listener
+    finally:
+        server.stop(None)
+        listener.close()
+
+
+def _pieces(request):
+    return Pieces([(_stored(i), (slice(None),) * 3) for i in request["samples"]])
+
+
+def _ask(samples):
+    return {"path": "d", "samples": samples, "fields": ["data"], "spatial": None, "block": 0}
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_whole_samples_and_parts_amid_their_halo_arrive_exactly_over_the_data_connection(
+    cert, tls, tmp_path, monkeypatch
+):
+    """A whole sample into a flat buffer, and samples into boxes amid a halo (long runs:
+    received in place; short runs, cut on the last axis: aside, then copied): the exact bytes,
+    the halo untouched, every fetch answered by the data listener (not the gRPC stream), and
+    its legs and run sizes in the peer stats."""
+    monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats{node}.jsonl"))
+    with owner(_pieces, tls=cert if tls else None) as (address, listener):
+        ca = cert[0] if tls else None
+        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, tls_ca=ca, timeout_s=10)
+        try:
+            flat = np.zeros(_stored(0).nbytes, np.uint8)
+            link.fetch(1, _ask([3]), flat)
+            assert np.array_equal(flat.view(np.float32).reshape(SHAPE), _stored(3))
+            slot = np.full((2, 6, 72, 258), -1.0, np.float32)
+            short_runs = (slice(1, 5), slice(1, 71), slice(1, 257))  # rows of 1 KiB
+            long_slot = np.full((2, 6, 72, 256), -1.0, np.float32)
+            long_runs = (slice(1, 5), slice(1, 71), slice(0, 256))  # runs of 70 KiB
+            link.fetch(1, _ask([5, 6]), [(slot[0], short_runs), (long_slot[1], long_runs)])
+            stored_short = np.full_like(slot, -1.0)
+            stored_short[0][short_runs] = _stored(5)
+            stored_long = np.full_like(long_slot, -1.0)
+            stored_long[1][long_runs] = _stored(6)
+            assert np.array_equal(slot, stored_short)
+            assert np.array_equal(long_slot, stored_long)
+            assert listener.served == 2  # both fetches over the data connection
+        finally:
+            link.close(stop_all=False)
+    stats = read_stats(str(tmp_path / "stats0.jsonl"))
+    n = _stored(0).nbytes
+    assert stats["bytes"] == 3 * n and stats["fetches"] == [[n], [n, n]]
+    assert all(to_first > 0 and to_last >= 0 for to_first, to_last in stats["legs"])
+
+
+def test_a_wrong_used_or_other_nodes_ticket_and_an_oversized_request_get_nothing(cert):
+    """The listener answers only a connection whose first bytes are a ticket it gave out,
+    once, to the node that asks; anything else is closed with nothing written."""
+    asked = []
+
+    def answer(request):
+        asked.append(request["samples"])
+        return _pieces(request)
+
+    with owner(answer, timeout_s=5) as (_, listener):
+        data = f"127.0.0.1:{listener.port}"
+        header = pb.PeerHeader(from_node=0, to_node=1, nodes=2)
+        raw = pb.FetchBlocksRequest(header=header, dataset_path="d", samples=[1])
+        raw = raw.SerializeToString()
+        into = np.zeros(_stored(0).nbytes, np.uint8)
+
+        def fetch(ticket, frame=raw):
+            conn = DataConnection(data, ticket, tls=None, connect_s=5, timeout_s=5)
+            try:
+                conn.fetch(frame, [into])
+            finally:
+                conn.close()
+
+        with pytest.raises((EOFError, ConnectionError)):
+            fetch(os.urandom(TICKET))  # never given out
+        ticket = listener.ticket(0)
+        fetch(ticket)  # the ticket's one use
+        assert np.array_equal(into.view(np.float32).reshape(SHAPE), _stored(1))
+        with pytest.raises((EOFError, ConnectionError)):
+            fetch(ticket)  # used
+        with pytest.raises((EOFError, ConnectionError)):
+            fetch(listener.ticket(1))  # node 1's ticket, a request of node 0
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as s:
+            s.sendall(listener.ticket(0) + struct.pack("!I", 16 * 1024 * 1024 + 1) + raw)
+            with contextlib.suppress(ConnectionResetError):  # closed, the frame unread
+                assert s.recv(1) == b""  # oversized: closed unanswered
+        assert asked == [[1]] and listener.served == 1
+
+
+def test_abandon_returns_only_once_nothing_can_land(cert):
+    """A fetch abandoned while the owner is still answering: ``abandon`` returns with the
+    fetch over, and the owner's reply, sent after, lands nowhere (before: abandon returned at
+    once and the late reply was written into the batch slot)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def answer(request):
+        entered.set()
+        release.wait(10)
+        return _pieces(request)
+
+    with owner(answer) as (address, _):
+        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
+        try:
+            out = np.zeros(_stored(0).nbytes, np.uint8)
+            pending = link.start(1, _ask([2]), out)
+            assert entered.wait(10)
+            pending.abandon()
+            assert pending.wait(0)  # over when abandon returns
+            release.set()
+            time.sleep(0.3)  # the owner's reply goes out now, to a closed connection
+            assert not out.any()
+            with pytest.raises(ServiceError) as e:
+                pending.result()
+            assert e.value.code == "CANCELLED"
+            link.fetch(1, _ask([4]), out)  # the link goes on, on a new connection
+            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(4))
+        finally:
+            release.set()
+            link.close(stop_all=False)
+
+
+def test_an_unreachable_data_port_falls_back_to_the_grpc_stream_logged_once(cert):
+    """``OpenData`` names a port nothing listens on (a firewall open to gRPC only): the
+    fetches come over ``FetchBlocks``, exact, and the link says so once."""
+    with owner(_pieces) as (address, listener):
+        listener.close()  # its port now refuses connections
+        events = []
+        link = GrpcPeers(
+            ("127.0.0.1:9", address),
+            0,
+            TOKEN,
+            timeout_s=10,
+            on_event=lambda event, **fields: events.append((event, fields)),
+        )
+        try:
+            for i in (7, 8):
+                out = np.zeros(_stored(0).nbytes, np.uint8)
+                link.fetch(1, _ask([i]), out)
+                assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(i))
+        finally:
+            link.close(stop_all=False)
+    ((event, fields),) = events
+    assert event == "peer_data_port_unreachable" and fields["node"] == 1
+    assert f"127.0.0.1:{listener.port}" in fields["msg"] and "over gRPC" in fields["msg"]
+
+
+# -- two real services ------------------------------------------------------------------------
+class DataStore(Store):
+    """:class:`~tests.test_service_peers.Store` with fixed ``--data-port``s."""
+
+    def __init__(self, tmp, env):
+        super().__init__(tmp, env)
+        self.data_ports = [_free_port() for _ in range(2)]
+
+    def start(self, node: int) -> None:
+        cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(self.sockets[node])]
+        cmd += ["--tcp", self.addresses[node], "--token-file", str(self.tmp / "token")]
+        cmd += ["--peers", ",".join(self.addresses), "--node", str(node), "--peer-timeout", "3"]
+        cmd += ["--state-file", str(self.tmp / f"state{node}.json")]
+        cmd += ["--data-port", str(self.data_ports[node])]
+        log = open(self.tmp / f"serve{node}.log", "a")  # noqa: SIM115 - the child owns it
+        self.procs[node] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + 60
+        while not self.sockets[node].exists():
+            assert self.procs[node].poll() is None, (self.tmp / f"serve{node}.log").read_text()
+            assert time.monotonic() < deadline, "the service did not start"
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("data-link")
+    src, env = stage_sharded(tmp)
+    s = DataStore(tmp, env)
+    try:
+        s.start(0)
+        s.start(1)
+        yield src, str(tmp / "node{node}" / "src"), s
+    finally:
+        s.kill_all()
+
+
+def _connected(port: int) -> int:
+    """The established TCP connections to ``port`` on this host (``/proc/net/tcp``)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(int(r[1].split(":")[1], 16) == port and r[3] == "01" for r in rows)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="Linux's /proc/net/tcp")
+def test_two_services_exchange_over_their_data_connections_the_embedded_batches(store):
+    """Whole samples and half-blocks with halo, both ranks: the batches of the embedded
+    loader, the blocks carried by data connections on both services' ``--data-port`` (they
+    stay open for the next fetches), no fallback logged."""
+    src, template, s = store
+    for spatial in (None, {"parts": (2, 1, 1), "halo": (1, 1, 1)}):
+        _job(src, template, s, spatial, epochs=1)
+    assert all(_connected(port) for port in s.data_ports)
+    for node in range(2):
+        log = (s.tmp / f"serve{node}.log").read_text()
+        assert "peer_data_port_unreachable" not in log
+        assert f'"data_port":{s.data_ports[node]}' in log
+
+
+@pytest.mark.mpi
+def test_a_stalled_or_killed_peer_fails_naming_it_and_a_restarted_one_is_reached(store):
+    """Node 1 stopped (SIGSTOP) with a data connection open: the fetch fails ``UNAVAILABLE``
+    naming it at the timeout; killed while a fetch waits on it: at once; restarted: the next
+    fetch opens a new data connection."""
+    _, template, s = store
+    held = set(os.listdir(s.tmp / "node1" / "src"))
+    sample = next(i for i in range(20) if f"s{i:03d}.npy" in held)
+    request = {**_ask([sample]), "path": template}
+    link = GrpcPeers(tuple(s.addresses), 0, TOKEN, timeout_s=1)
+    out = np.zeros(2 * 6 * 4 * 4 * 4, np.uint8)
+    try:
+        link.fetch(1, request, out)  # a data connection, now idle
+        assert out.view(np.float32)[0] == sample
+        s.procs[1].send_signal(signal.SIGSTOP)
+        with pytest.raises(ServiceError) as e:
+            link.fetch(1, request, out)
+        assert e.value.code == "UNAVAILABLE" and f"node 1 ({s.addresses[1]})" in str(e.value)
+        assert "within 1 s" in str(e.value)
+        slow = GrpcPeers(tuple(s.addresses), 0, TOKEN, timeout_s=60)
+        try:
+            s.procs[1].send_signal(signal.SIGCONT)
+            slow.fetch(1, request, out)  # connected while node 1 runs...
+            s.procs[1].send_signal(signal.SIGSTOP)
+            pending = slow.start(1, request, out)  # ...then waiting on a stopped node 1
+            time.sleep(0.2)
+            s.procs[1].kill()
+            assert pending.wait(20), "the fetch still waits on a killed peer"
+            with pytest.raises(ServiceError) as e:
+                pending.result()
+            assert e.value.code == "UNAVAILABLE" and f"node 1 ({s.addresses[1]})" in str(e.value)
+            assert "broke off FetchBlocks" in str(e.value)  # on its data connection
+        finally:
+            slow.close(stop_all=False)
+        s.procs[1].wait(10)
+        s.start(1)
+        out[:] = 0
+        link.timeout_s = 20  # the restarted node reloads its shard
+        link.fetch(1, request, out)
+        assert out.view(np.float32)[0] == sample
+    finally:
+        link.close(stop_all=False)
