@@ -14,7 +14,15 @@ reused buffer and is copied in. MPI derived datatypes would spare that copy, but
 (shared memory) a subarray type moves 0.2-0.9 GB/s where contiguous bytes move 2-7 GB/s.
 
 The requests are point-to-point MPI messages (pickled requests, raw replies), so no service
-ever waits in a collective on a client's behalf; one thread per service makes every MPI call.
+ever waits in a collective on a client's behalf. One thread per service (the link's) makes
+every MPI call but one: where MPI runs ``MPI_THREAD_MULTIPLE`` (mpi4py's default), a thread
+asking sends its request itself, so it is on its way before the link's thread wakes (a
+thread hop less per fetch on the way there). The link answers a fetch of samples in RAM
+itself, at once (views of the store: no read, no file system call; a box of short runs is
+packed there, one copy), and hands every other request to a pool (a describe, a read from
+disk): two thread hops less per fetch on the owner. What is left of a fetch's way there and
+back is each side's link thread noticing a message: it polls (MPI cannot wake a sleeping
+thread), so on a loaded host that is the wait for a core (see docs/benchmarks.md).
 Every wait has a deadline: a peer that hangs or dies mid-reply makes the request fail
 (``UNAVAILABLE``), never hang.
 
@@ -73,6 +81,7 @@ FLIGHT_NAP = 0.0002  # seconds between polls while a request or a send is in fli
 BUSY_NAP = 0.0002  # seconds between polls for requests within BUSY_S of the last one
 BUSY_S = 1.0
 IDLE_NAP = 0.02  # seconds between polls once idle longer: no CPU burnt between jobs
+STOPPING = "this service is stopping"
 
 
 @dataclass(frozen=True)
@@ -268,13 +277,15 @@ class Peers(Protocol):
 class MpiPeers:
     """Requests to and answers from the other services of one MPI job.
 
-    One thread (the link's) makes every MPI call of the service: it takes peers' requests,
-    posts the sends and receives the service's threads ask for, and completes them; a thread
-    asking waits on an event, never inside MPI. So no two threads contend for MPI's lock, many
-    requests are in flight at once (a stream's fetches of the next steps, to every owner), and
-    a reply's bytes land straight in the asker's buffer (:attr:`receives_boxes`: a :data:`Box`
-    part of it that is not contiguous, such as a block's part inside the volume amid its halo,
-    lands in a reused buffer and is copied in by the thread that takes the result).
+    One thread (the link's) makes the service's MPI calls: it takes peers' requests (answering
+    those ``at_once`` answers, the others on a pool), posts the sends and receives the
+    service's threads ask for, and completes them; a thread asking sends its request itself
+    where MPI is ``MPI_THREAD_MULTIPLE`` (else the link's thread does), then waits on an
+    event, never inside MPI. So many requests are in flight at once (a stream's fetches of the
+    next steps, to every owner), and a reply's bytes land straight in the asker's buffer
+    (:attr:`receives_boxes`: a :data:`Box` part of it that is not contiguous, such as a
+    block's part inside the volume amid its halo, lands in a reused buffer and is copied in by
+    the thread that takes the result).
 
     Args:
         comm: an mpi4py communicator of the services (duplicated here).
@@ -283,6 +294,9 @@ class MpiPeers:
         timeout_s: how long a request may wait for its reply. Default: ``60``.
         tag_span: how many reply tags to cycle through (tests make it small to wrap quickly).
             Default: :data:`TAG_SPAN`.
+        at_once: ``at_once(request) -> reply | None``: ``answer``'s reply where it is ready in
+            memory, made on the link's thread (so it must not read or wait); ``None`` hands
+            the request to ``answer`` on the pool. Default: every request to the pool.
     """
 
     def __init__(
@@ -291,19 +305,23 @@ class MpiPeers:
         answer: Callable[[dict], Any],
         timeout_s: float = 60.0,
         tag_span: int = TAG_SPAN,
+        at_once: Callable[[dict], Any] | None = None,
     ) -> None:
         self.comm = comm.Dup()
         self.node, self.nodes = self.comm.Get_rank(), self.comm.Get_size()
         self._answer = answer
+        self._at_once = at_once or (lambda request: None)
         self.timeout_s = timeout_s
         self.tag_span = tag_span
         self.bytes_received = 0
         self.sends_pieces = True
         self.receives_boxes = True
         self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), self.node)
+        self._multiple = _thread_multiple()
         self._rids = itertools.count()
         self._asides = Asides(ASIDE_KEPT)
         self._tag_lock = threading.Lock()
+        self._ask_lock = threading.Lock()  # (MPI_THREAD_MULTIPLE) askers' sends vs the close
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # work for the link's thread
@@ -322,7 +340,16 @@ class MpiPeers:
         message = {**request, "tag": tag, "rid": rid}
         if out is not None:
             message["nbytes"] = call.nbytes
-        self._do(lambda: self._post(call, message))
+        if not self._multiple:
+            self._do(lambda: self._post(call, None, message))
+            return call
+        with self._ask_lock:  # the request goes out from this thread, before the link wakes
+            if self._stop.is_set():
+                call.error = ServiceError("UNAVAILABLE", f"node {dest} was not asked: {STOPPING}")
+                call.done.set()
+                return call
+            sent = self.comm.isend(message, dest=dest, tag=REQUEST)
+        self._do(lambda: self._post(call, sent, message))
         return call
 
     def _finish(self, call: _Call) -> Any:
@@ -417,7 +444,7 @@ class MpiPeers:
             self._progress(MPI)
             time.sleep(FLIGHT_NAP)
         for call in list(self._calls):
-            self._give_up(call, "was not asked: this service is stopping")
+            self._give_up(call, f"was not asked: {STOPPING}")
 
     def _drain(self) -> None:
         while True:
@@ -430,14 +457,19 @@ class MpiPeers:
     def _isend(self, message: Any, dest: int, tag: int) -> None:
         self._sends.append(([self.comm.isend(message, dest=dest, tag=tag)], message))
 
-    def _post(self, call: _Call, message: dict) -> None:
-        self._isend(message, call.dest, REQUEST)
+    def _post(self, call: _Call, sent: Any, message: dict) -> None:
+        """Await ``call``'s reply; its request ``message`` is sent (``sent``), or sent now."""
+        if sent is None:
+            self._isend(message, call.dest, REQUEST)
+        else:
+            self._sends.append(([sent], message))
         self._calls.append(call)
         if call.out is not None:
             self.stats.begin()
 
     def _requests(self, MPI: Any) -> bool:
-        """Take the peers' requests, to be answered by the pool; whether there were any."""
+        """Take the peers' requests: answer here those the service answers at once, hand the
+        others to the pool; whether there were any."""
         any_ = False
         status = MPI.Status()
         while True:
@@ -445,7 +477,12 @@ class MpiPeers:
             if msg is None:
                 return any_
             any_ = True
-            self._pool.submit(self._reply, status.Get_source(), msg.recv())
+            source, request = status.Get_source(), msg.recv()
+            reply = _answered(self._at_once, request)
+            if reply is None:
+                self._pool.submit(self._reply, source, request)
+            else:
+                self._send(source, request, reply, _raw(reply))
 
     def _progress(self, MPI: Any) -> bool:
         """Advance every request in flight and every send; whether anything completed."""
@@ -516,29 +553,21 @@ class MpiPeers:
     # -- answering -----------------------------------------------------------------------------
     def _reply(self, source: int, request: dict) -> None:
         """(A pool thread) ``request``'s reply, handed to the link's thread to send."""
-        tag, rid = request["tag"], request.get("rid")
-        try:
-            reply = self._answer(request)
-        except ServiceError as exc:
-            reply = {"error": str(exc), "code": exc.code}
-        except Exception as exc:  # a peer's bad request must not kill this service
-            reply = {"error": f"internal error: {type(exc).__name__}", "code": "INTERNAL"}
-        if tag is None:
-            return
-        if isinstance(reply, Pieces):  # straight from the store: nothing packed
-            cut = reply.runs()
-        elif isinstance(reply, np.ndarray):
-            cut = [np.ascontiguousarray(reply).reshape(-1).view(np.uint8)]
-        else:
-            self._do(lambda: self._isend({"rid": rid, "reply": reply}, source, tag))
-            return
-        sizes = [r.nbytes for r in cut]
-        envelope = {"rid": rid, "ok": sum(sizes), "runs": sizes}
-        self._do(lambda: self._send_raw(source, tag, envelope, cut))
+        reply = _answered(self._answer, request)
+        raw = _raw(reply)  # (runs cut here, off the link's thread)
+        self._do(lambda: self._send(source, request, reply, raw))
 
-    def _send_raw(self, dest: int, tag: int, envelope: dict, cut: list[np.ndarray]) -> None:
-        self._isend(envelope, dest, tag)
-        self._sends.append(([self.comm.Isend(r, dest=dest, tag=tag) for r in cut], cut))
+    def _send(self, dest: int, request: dict, reply: Any, raw: list[np.ndarray] | None) -> None:
+        """Send ``request``'s reply: pickled, or its envelope and its ``raw`` messages."""
+        tag, rid = request["tag"], request.get("rid")
+        if tag is None:  # (told, not asked)
+            return
+        if raw is None:
+            self._isend({"rid": rid, "reply": reply}, dest, tag)
+            return
+        sizes = [r.nbytes for r in raw]
+        self._isend({"rid": rid, "ok": sum(sizes), "runs": sizes}, dest, tag)
+        self._sends.append(([self.comm.Isend(r, dest=dest, tag=tag) for r in raw], raw))
 
     def close(self, *, stop_all: bool) -> None:
         """Stop answering; ``stop_all``: tell the other services to stop too (one MPI job
@@ -549,8 +578,36 @@ class MpiPeers:
         self._stop.set()
         self._wake.set()
         self._thread.join()
-        self.comm.Free()
+        with self._ask_lock:
+            self.comm.Free()
         self.stats.close()
+
+
+def _answered(answer: Callable[[dict], Any], request: dict) -> Any:
+    """``answer(request)``, or the error reply of what it raised."""
+    try:
+        return answer(request)
+    except ServiceError as exc:
+        return {"error": str(exc), "code": exc.code}
+    except Exception as exc:  # a peer's bad request must not kill this service
+        return {"error": f"internal error: {type(exc).__name__}", "code": "INTERNAL"}
+
+
+def _raw(reply: Any) -> list[np.ndarray] | None:
+    """The raw messages ``reply`` is sent as (:class:`Pieces`' runs, straight from the store;
+    an array's bytes); ``None``: it is pickled."""
+    if isinstance(reply, Pieces):
+        return reply.runs()
+    if isinstance(reply, np.ndarray):
+        return [np.ascontiguousarray(reply).reshape(-1).view(np.uint8)]
+    return None
+
+
+def _thread_multiple() -> bool:
+    """Whether MPI lets any thread make MPI calls at any time (``MPI_THREAD_MULTIPLE``)."""
+    from mpi4py import MPI
+
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 @dataclass(eq=False)

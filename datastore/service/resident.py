@@ -225,6 +225,16 @@ class Resident:
         the packed order (field after field); the asker zeroes the halo outside the volume."""
         return self._pieces(samples, self._asked(samples, names, spatial, block))
 
+    def pieces_in_ram(
+        self, samples: list[int], names: list[str], spatial: Any, block: int
+    ) -> Pieces | None:
+        """:meth:`pieces` where every field of ``samples`` is in RAM (views: nothing read);
+        ``None`` where one is not."""
+        fields = self._asked(samples, names, spatial, block)
+        if all(self.store.in_ram(i, f.name) for f in fields for i in samples):
+            return self._pieces(samples, fields)
+        return None
+
     def _pieces(self, samples: list[int], fields: list[Delivered]) -> Pieces:
         return Pieces(
             [(self.store.lasting(i, f.name), covered(f)[0]) for f in fields for i in samples]
@@ -388,6 +398,16 @@ class Residency:
         if opened is not None:  # another call loaded it meanwhile
             opened[0].close()
         return r
+
+    def named(self, template: str) -> Resident | None:
+        """The resident dataset clients call ``template`` (touched), if one is: no file system
+        call (its path was checked when it was loaded)."""
+        with self._lock:
+            for r in self._by_path.values():
+                if r.template == template:
+                    r.last_used = time.time()
+                    return r
+        return None
 
     def release(self, r: Resident) -> None:
         with self._lock:

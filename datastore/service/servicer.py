@@ -96,7 +96,9 @@ class Servicer(pb_grpc.DataStoreServicer):
         self._log = log
         self.link: Peers | None = peers
         if comm is not None:  # --peer-timeout bounds every wait on an MPI peer too
-            self.link = MpiPeers(comm, self.answer, timeout_s=config.peer_timeout_s)
+            self.link = MpiPeers(
+                comm, self.answer, timeout_s=config.peer_timeout_s, at_once=self.answer_at_once
+            )
         self.residency = Residency(
             config.memory_budget,
             config.state_file,
@@ -126,6 +128,17 @@ class Servicer(pb_grpc.DataStoreServicer):
             asked = (request["samples"], request["fields"], request["spatial"], request["block"])
             return r.pieces(*asked) if request.get("pieces") else r.blocks(*asked)
         raise ServiceError("INVALID_ARGUMENT", f"unknown peer request {kind!r}")
+
+    def answer_at_once(self, request: dict) -> Any:
+        """A peer's fetch of samples in RAM here (:meth:`answer`'s reply: views, no read, no
+        file system call); ``None`` for any other request, answered by :meth:`answer`."""
+        if request["kind"] != "fetch" or not request.get("pieces"):
+            return None
+        r = self.residency.named(request["path"])
+        if r is None:
+            return None
+        asked = (request["samples"], request["fields"], request["spatial"], request["block"])
+        return r.pieces_in_ram(*asked)
 
     def internal_error(self, exc: BaseException) -> None:
         """Log an unexpected exception of a call in full; its caller gets only ``INTERNAL``."""

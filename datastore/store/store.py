@@ -127,6 +127,11 @@ class Store:
         """Whether ``key`` has a slot of its own (RAM or spill), rather than a re-read scratch."""
         return self._slot[int(key)] < self.ram_slots + self.spill_slots
 
+    def in_ram(self, key: int, field: str) -> bool:
+        """Whether ``(key, field)`` is read into its RAM slot: :meth:`get` is a view, at once."""
+        slot = self._slot[int(key)]
+        return slot < self.ram_slots and bool(self._filled[field][slot])
+
     def _place(self, field: str, slot: int) -> np.ndarray | None:
         if slot < self.ram_slots:  # [slot, ...]: a view even for 0-d fields
             return self._ram[field][slot, ...]

@@ -1,0 +1,57 @@
+"""The MPI link answers a fetch of samples in RAM on its own thread, the other requests on its
+pool, with the same bytes and errors (real ``mpiexec`` ranks); and what says a fetch can be
+answered at once: a resident dataset by the name clients give it, its samples in RAM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from helpers import mpi_job, run_job
+
+from datastore.service.resident import Residency
+
+JOB = Path(__file__).parent / "mpi_jobs" / "peer_at_once_job.py"
+
+
+@pytest.mark.mpi
+@pytest.mark.usefixtures("no_stale_mpich_shm")
+def test_fetches_in_ram_are_answered_by_the_link_while_the_pool_is_busy(tmp_path):
+    out = tmp_path / "got.json"
+    got = run_job(mpi_job(2, JOB, out), out, timeout=120)
+    assert got["described"] == ["busy"]  # answered once a fetch was, while it waited
+    assert got["resident"] is True and got["on_disk"] is True  # exact bytes either way
+    assert got["refused"] == ["OUT_OF_RANGE", "node 0: sample 1 is refused"]
+    threads = got["threads"]
+    assert threads["fetch [0]"] == "datastore-peers", threads  # the link's thread
+    assert threads["fetch [2, 0]"].startswith("datastore-peer_"), threads  # the pool
+    assert threads["describe"].startswith("datastore-peer_"), threads
+    assert got["thread_multiple"] is True  # the askers send their requests themselves
+    assert got["closed"] == ["UNAVAILABLE", "node 0 was not asked: this service is stopping"]
+
+
+def test_a_fetch_is_answered_at_once_only_where_every_sample_is_in_ram(tmp_path):
+    data = np.random.default_rng(0).standard_normal((8, 2, 4, 4), np.float32)
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = data
+    residency = Residency(budget=4 * data[0].nbytes, threads=1)  # 4 samples of 8 in RAM
+    try:
+        r = residency.load(str(path), "t{node}.h5")
+        assert r.wait(10)
+        assert residency.named("t{node}.h5") is r and residency.named(str(path)) is None
+        in_ram = [i for i in range(8) if r.store.in_ram(i, "x")]
+        assert len(in_ram) == 4
+        elsewhere = next(i for i in range(8) if i not in in_ram)
+        asked = (["x"], None, 0)
+        pieces = r.pieces_in_ram(in_ram[:2], *asked)
+        assert pieces is not None
+        got = np.concatenate([p.view(np.float32) for p in pieces.runs()])
+        assert np.array_equal(got, data[in_ram[:2]].reshape(-1))
+        assert r.pieces_in_ram([in_ram[0], elsewhere], *asked) is None  # the pool reads it
+        runs = r.pieces([elsewhere], *asked).runs()
+        assert np.array_equal(np.concatenate(runs).view(np.float32), data[elsewhere].reshape(-1))
+    finally:
+        residency.close()
