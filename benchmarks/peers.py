@@ -13,7 +13,8 @@ other, each in fresh ``XDG_RUNTIME_DIR``/``XDG_STATE_HOME`` directories:
   two services peer over MPI (:class:`datastore.service.peers.MpiPeers`).
 - **grpc**: two plain ``datastore serve --socket TMP/g{k}.sock --tcp 127.0.0.1:P_k --token-file
   F --peers P_0,P_1 --node k`` processes; they peer over gRPC on TCP
-  (:class:`datastore.service.grpc_peers.GrpcPeers`).
+  (:class:`datastore.service.grpc_peers.GrpcPeers`), the blocks over the data connection
+  beside it (:mod:`datastore.service.data_link`, ``--data-port`` any free port).
 - **local**: one ``datastore serve --socket TMP/l.sock`` over the unsharded source directory:
   every sample is local, no exchange (the ceiling of the two above).
 

@@ -119,7 +119,8 @@ def test_whole_samples_and_parts_amid_their_halo_arrive_exactly_over_the_data_co
 
 def test_a_wrong_used_or_other_nodes_ticket_and_an_oversized_request_get_nothing(cert):
     """The listener answers only a connection whose first bytes are a ticket it gave out,
-    once, to the node that asks; anything else is closed with nothing written."""
+    once, to the node that asks, and only requests of at most 16 MiB; anything else, and a
+    connection silent past the timeout, is closed with nothing written."""
     asked = []
 
     def answer(request):
@@ -154,6 +155,11 @@ def test_a_wrong_used_or_other_nodes_ticket_and_an_oversized_request_get_nothing
             with contextlib.suppress(ConnectionResetError):  # closed, the frame unread
                 assert s.recv(1) == b""  # oversized: closed unanswered
         assert asked == [[1]] and listener.served == 1
+    with owner(answer, timeout_s=1) as (_, listener):
+        silent = socket.create_connection(("127.0.0.1", listener.port), timeout=30)
+        with silent:
+            assert silent.recv(1) == b""  # no ticket within the listener's timeout: closed
+    assert asked == [[1]]
 
 
 def test_abandon_returns_only_once_nothing_can_land(cert):

@@ -310,8 +310,7 @@ class GrpcPeers:
                 t[...] = got
             ok = True
         except PeerError as exc:
-            code = "FAILED_PRECONDITION" if exc.code == "UNAUTHENTICATED" else exc.code
-            raise ServiceError(code, f"{at}: {exc}") from None
+            raise ServiceError(exc.code, f"{at}: {exc}") from None
         except (OSError, EOFError) as exc:
             if job.abandoned:
                 raise ServiceError("CANCELLED", f"the fetch from {at} was abandoned") from None
