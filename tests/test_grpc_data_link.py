@@ -29,6 +29,7 @@ from datastore.service.errors import ServiceError
 from datastore.service.grpc_peers import GrpcPeers, PeersServicer, add_peers_to_server
 from datastore.service.listeners import bind_data
 from datastore.service.peers import STATS_ENV, Pieces, read_stats
+from staging.cluster import LAUNCH_ENV
 from tests.test_service_peers import TOKEN, Store, _free_port, _job
 
 # Stored samples of the in-process owner: sample i is (4, 70, 256) float32 of i*1000 + arange.
@@ -321,3 +322,41 @@ def test_a_stalled_or_killed_peer_fails_naming_it_and_a_restarted_one_is_reached
         assert out.view(np.float32)[0] == sample
     finally:
         link.close(stop_all=False)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--peers", "127.0.0.1:7001,127.0.0.1:7002", "--node", "0", "--data-port", "70000"],
+         "--data-port must be 0..65535"),
+        (["--data-port", "7003"], "--data-port goes with --peers"),
+    ],
+    ids=["out-of-range", "without-peers"],
+)  # fmt: skip
+def test_bad_data_port_options_exit_2_naming_the_option(tmp_path, args, says):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(tmp_path / "s.sock")]
+    cmd += ["--tcp", "127.0.0.1:0", "--token-file", str(token), *args]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_data_port_in_use_fails_the_start_naming_it(tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.update(XDG_RUNTIME_DIR=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(tmp_path / "s.sock")]
+        cmd += ["--tcp", "127.0.0.1:0", "--token-file", str(token), "--node", "0"]
+        cmd += ["--peers", "127.0.0.1:7001,127.0.0.1:7002", "--data-port", str(port)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1 and "cannot_listen" in r.stderr, r.stderr
+    assert f'"data_port":{port}' in r.stderr and "Address already in use" in r.stderr
+    assert not (tmp_path / "s.sock").exists()
