@@ -22,9 +22,10 @@ itself, at once (views of the store: no read, no file system call; a box of shor
 packed there, one copy), and hands every other request to a pool (a describe, a read from
 disk): two thread hops less per fetch on the owner. What is left of a fetch's way there and
 back is each side's link thread noticing a message: it polls (MPI cannot wake a sleeping
-thread), so on a loaded host that is the wait for a core (see docs/benchmarks.md). While a
-reply's bytes come in, the link polls without a nap (yielding the core, up to
-:data:`SPIN_S` a reply): mpich moves a transfer only inside MPI calls.
+thread), so on a loaded host that is the wait for a core (see docs/benchmarks.md). For
+:data:`SPIN_S` after a fetch was asked, and again after its envelope came, the link polls
+without a nap, yielding the core: the reply is due, and mpich moves a transfer only inside
+MPI calls (a 0.2 ms nap per step cost a block fetch about 2 ms).
 Every wait has a deadline: a peer that hangs or dies mid-reply makes the request fail
 (``UNAVAILABLE``), never hang.
 
@@ -83,7 +84,7 @@ FLIGHT_NAP = 0.0002  # seconds between polls while a request or a send is in fli
 BUSY_NAP = 0.0002  # seconds between polls for requests within BUSY_S of the last one
 BUSY_S = 1.0
 IDLE_NAP = 0.02  # seconds between polls once idle longer: no CPU burnt between jobs
-SPIN_S = 0.02  # seconds a reply's receives are polled for without a nap (then FLIGHT_NAP)
+SPIN_S = 0.02  # seconds a fetch's envelope, then its bytes, are polled for without a nap
 STOPPING = "this service is stopping"
 
 
@@ -433,8 +434,8 @@ class MpiPeers:
                 last = now
             if asked or moved:
                 continue
-            if any(c.recvs is not None and now - c.enveloped < SPIN_S for c in self._calls):
-                time.sleep(0)  # a reply's bytes are coming: they move inside our MPI calls
+            if self._fetch_young(now):
+                time.sleep(0)  # (yields the core, not the turn of the next poll)
                 continue
             # a reply in flight is polled for at once; a request is taken within a short nap
             # while a job runs, a long one when idle (no CPU burnt between jobs)
@@ -451,6 +452,13 @@ class MpiPeers:
             time.sleep(FLIGHT_NAP)
         for call in list(self._calls):
             self._give_up(call, f"was not asked: {STOPPING}")
+
+    def _fetch_young(self, now: float) -> bool:
+        """Whether a fetch was asked, or its envelope came, less than :data:`SPIN_S` ago."""
+        return any(
+            c.out is not None and now - (c.asked if c.recvs is None else c.enveloped) < SPIN_S
+            for c in self._calls
+        )
 
     def _drain(self) -> None:
         while True:
