@@ -435,7 +435,7 @@ class MpiPeers:
             if asked or moved:
                 continue
             if self._fetch_young(now):
-                time.sleep(0)  # (yields the core, not the turn of the next poll)
+                time.sleep(0)  # its reply is due: poll again at once, yielding the core
                 continue
             # a reply in flight is polled for at once; a request is taken within a short nap
             # while a job runs, a long one when idle (no CPU burnt between jobs)
