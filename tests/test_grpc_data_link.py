@@ -79,7 +79,14 @@ def _pieces(request):
 
 
 def _ask(samples):
-    return {"path": "d", "samples": samples, "fields": ["data"], "spatial": None, "block": 0}
+    return {
+        "path": "d",
+        "samples": samples,
+        "fields": ["data"],
+        "spatial": None,
+        "block": 0,
+        "pieces": True,
+    }
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])

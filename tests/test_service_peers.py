@@ -173,10 +173,16 @@ def test_the_peer_api_answers_only_the_store_and_what_a_node_owns(store):
         # node 1 refuses to send what it does not own
         sample = next(i for i in range(20) if f"s{i:03d}.npy" not in held)
         request = {"path": template, "samples": [sample], "fields": ["data"]}
-        request.update(spatial=None, block=0)
+        request.update(spatial=None, block=0, pieces=True)
         with pytest.raises(ServiceError) as e:
             as_node0.fetch(1, request, np.empty(2 * 6 * 4 * 4 * 4, np.uint8))
         assert e.value.code == "FAILED_PRECONDITION" and "not on node 1" in str(e.value)
+        # a peer of an older version, asking for whole boxes, is told to match versions
+        owned = int(held[0][1:4])
+        with pytest.raises(ServiceError) as e:
+            older = {**request, "samples": [owned], "pieces": False}
+            as_node0.fetch(1, older, np.empty(2 * 6 * 4 * 4 * 4, np.uint8))
+        assert e.value.code == "FAILED_PRECONDITION" and "same version" in str(e.value)
         with pytest.raises(ServiceError) as e:
             as_node0.describe(1, str(s.tmp / "nowhere"))
         assert e.value.code == "NOT_FOUND"

@@ -136,8 +136,6 @@ class GrpcPeers:
         self.addresses, self.node, self.nodes = addresses, node, len(addresses)
         self.timeout_s = timeout_s
         self.bytes_received = 0
-        self.sends_pieces = True  # the parts inside the volume, straight from the store
-        self.receives_boxes = True  # a part amid its halo is written in place, not aside
         self._metadata = bearer(token)
         self._credentials, self._tls = None, None
         if tls_ca is not None:

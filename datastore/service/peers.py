@@ -207,8 +207,8 @@ Box = tuple[np.ndarray, tuple[slice, ...]]
 """``(array, box)``: the part ``array[box]`` of a C-contiguous array, in place."""
 
 Segments = np.ndarray | Sequence[np.ndarray | Box]
-"""Where a fetch's bytes land: one uint8 buffer, or several filled one after the other; over
-a link that :attr:`~MpiPeers.receives_boxes`, also :data:`Box` parts."""
+"""Where a fetch's bytes land: one uint8 buffer, or several filled one after the other, and
+:data:`Box` parts (a block's part inside the volume amid its halo, written in place)."""
 
 
 def segments(out: Segments) -> list[np.ndarray]:
@@ -256,17 +256,14 @@ class Peers(Protocol):
     node: int  # this service's index in the store
     nodes: int
     bytes_received: int
-    sends_pieces: bool  # fetch replies are the parts inside the volume, not whole boxes
-    receives_boxes: bool  # a fetch's :data:`Box` targets are written in place, not aside
 
     def describe(self, dest: int, path: str) -> Listing:
         """Node ``dest``'s :data:`Listing` of the dataset clients call ``path``."""
         ...
 
     def start(self, dest: int, request: dict, out: Segments) -> Pending:
-        """Ask node ``dest`` for its packed blocks, to land in ``out`` (uint8, one after the
-        other): :meth:`Resident.blocks`, or, where the link :attr:`sends_pieces`,
-        :meth:`Resident.pieces` (no halo outside the volume); returns at once."""
+        """Ask node ``dest`` for blocks, to land in ``out`` one after the other: what
+        :meth:`Resident.pieces` answers (the parts inside the volume); returns at once."""
         ...
 
     def fetch(self, dest: int, request: dict, out: Segments) -> None:
@@ -287,7 +284,7 @@ class MpiPeers:
     where MPI is ``MPI_THREAD_MULTIPLE`` (else the link's thread does), then waits on an
     event, never inside MPI. So many requests are in flight at once (a stream's fetches of the
     next steps, to every owner), and a reply's bytes land straight in the asker's buffer
-    (:attr:`receives_boxes`: a :data:`Box` part of it that is not contiguous, such as a
+    (a :data:`Box` part of it that is not contiguous, such as a
     block's part inside the volume amid its halo, lands in a reused buffer and is copied in by
     the thread that takes the result).
 
@@ -318,8 +315,6 @@ class MpiPeers:
         self.timeout_s = timeout_s
         self.tag_span = tag_span
         self.bytes_received = 0
-        self.sends_pieces = True
-        self.receives_boxes = True
         self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), self.node)
         self._multiple = _thread_multiple()
         self._rids = itertools.count()

@@ -42,7 +42,6 @@ from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
 from datastore.service.paths import checked_path, shown
 from datastore.service.peers import Peers, Pending, Pieces
-from datastore.store.gather import fill_batch
 from datastore.store.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store.store import SlotSpec, Store
 from staging.confine import beneath
@@ -160,13 +159,9 @@ class Resident:
         out: dict[str, np.ndarray],
     ) -> Fetching | None:
         """Ask the owners of the ``samples`` other nodes own for them, every owner at once, to
-        land straight in the batch ``out`` (``{field: (n, *box)}``; a box whose part inside
-        the volume is not contiguous there goes in place over a link that
-        :attr:`~datastore.service.peers.Peers.receives_boxes`, else is received aside and
-        copied); returns at once.
-        ``None`` when every sample is here. Over a link that
-        :attr:`~datastore.service.peers.Peers.sends_pieces`, only the parts inside the volume
-        come (the halo outside it is zeroed here)."""
+        land straight in the batch ``out`` (``{field: (n, *box)}``: a box's part inside the
+        volume lands in place, amid its halo included; the halo outside the volume is zeroed
+        here); returns at once. ``None`` when every sample is here."""
         if self.owner is None or self.link is None:
             return None
         samples = np.asarray(samples, dtype=np.int64)
@@ -174,27 +169,25 @@ class Resident:
         remote = owners != self.node
         if not remote.any():
             return None
-        pieces, names = self.link.sends_pieces, [f.name for f in fields]
-        boxes = self.link.receives_boxes  # parts amid a halo, in place
+        names = [f.name for f in fields]
         pending, after = [], []
         for dest in sorted(set(owners[remote].tolist())):
             at = np.flatnonzero(owners == dest).tolist()
             into = []
             for f in fields:  # the reply's order: field after field, sample after sample
-                inner = covered(f)[1] if pieces else tuple(slice(0, n) for n in f.shape)
+                inner = covered(f)[1]
                 for pos in at:
                     dst = out[f.name][pos]
                     part = dst[inner]
                     if part.flags.c_contiguous:
                         into.append(part.reshape(-1).view(np.uint8))
-                    elif boxes and dst.flags.c_contiguous:
+                    elif dst.flags.c_contiguous:
                         into.append((dst, inner))
                     else:
                         aside = np.empty(part.shape, part.dtype)
                         into.append(aside.reshape(-1).view(np.uint8))
                         after.append((part, aside))
-                    if pieces:
-                        after += pad_copies(f, dst)
+                    after += pad_copies(f, dst)
             request = {
                 "kind": "fetch",
                 "path": self.template,
@@ -202,27 +195,15 @@ class Resident:
                 "fields": names,
                 "spatial": spatial,
                 "block": block,
-                "pieces": pieces,
+                "pieces": True,  # (a peer of an older version sent whole boxes)
             }
             pending.append(self.link.start(dest, request, into))
         return Fetching(frozenset(np.flatnonzero(remote).tolist()), pending, after)
 
-    def blocks(
-        self, samples: list[int], names: list[str], spatial: Any, block: int
-    ) -> np.ndarray | Pieces:
-        """What a peer asked for: ``block`` of every field of ``samples``, packed as
-        :func:`_packed` lays it out; as :class:`Pieces` (the same bytes, straight from the
-        store) where no box reaches outside the volume (nothing to pad)."""
-        fields = self._asked(samples, names, spatial, block)
-        if not any(_padded(f) for f in fields):
-            return self._pieces(samples, fields)
-        buf, arrays = _packed(fields, len(samples))
-        fill_batch(samples, fields, self.sample, arrays)
-        return buf
-
     def pieces(self, samples: list[int], names: list[str], spatial: Any, block: int) -> Pieces:
-        """:meth:`blocks` unpacked: the parts inside the volume, straight from the store, in
-        the packed order (field after field); the asker zeroes the halo outside the volume."""
+        """What a peer asked for: ``block`` of every field of ``samples``, its parts inside the
+        volume straight from the store, field after field, sample after sample; the asker
+        zeroes the halo outside the volume."""
         return self._pieces(samples, self._asked(samples, names, spatial, block))
 
     def pieces_in_ram(
@@ -280,23 +261,6 @@ class Resident:
             self.loader.join()
         self.store.close()
         self.reader.close()
-
-
-def _padded(f: Delivered) -> bool:
-    """Whether ``f``'s box reaches outside the volume (a halo there, zero)."""
-    _, inner = covered(f)
-    return any(s.start > 0 or s.stop < n for s, n in zip(inner, f.shape, strict=True))
-
-
-def _packed(fields: list[Delivered], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """One byte buffer holding ``n`` samples of each field, field after field, and its views
-    ``{field: (n, *shape)}``: the layout of a peer's ``fetch`` reply."""
-    buf = np.empty(n * sum(f.nbytes for f in fields), np.uint8)
-    arrays, at = {}, 0
-    for f in fields:
-        arrays[f.name] = buf[at : at + n * f.nbytes].view(f.dtype).reshape(n, *f.shape)
-        at += n * f.nbytes
-    return buf, arrays
 
 
 def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:

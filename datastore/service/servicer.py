@@ -124,9 +124,16 @@ class Servicer(pb_grpc.DataStoreServicer):
         if kind == "describe":
             return listing(path, self._config.allowed_roots)
         if kind == "fetch":
+            if not request.get("pieces"):
+                raise ServiceError(
+                    "FAILED_PRECONDITION",
+                    f"node {self.residency.node} sends a block's parts inside the volume only, "
+                    "asked for whole boxes by an older datastore: every service of a store "
+                    "needs the same version",
+                )
             r = self.residency.load(path, request["path"])
             asked = (request["samples"], request["fields"], request["spatial"], request["block"])
-            return r.pieces(*asked) if request.get("pieces") else r.blocks(*asked)
+            return r.pieces(*asked)
         raise ServiceError("INVALID_ARGUMENT", f"unknown peer request {kind!r}")
 
     def answer_at_once(self, request: dict) -> Any:
