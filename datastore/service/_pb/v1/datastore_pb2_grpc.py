@@ -452,10 +452,9 @@ class PeersServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchBlocks(self, request, context):
-        """One spatial block (with halo) of some fields of samples this node owns, packed
-        field-major: field after field, each (samples, *block shape), C order (with `pieces`,
-        each box's part inside the volume instead); streamed in chunks of at most 4 MiB, to be
-        concatenated.
+        """One spatial block of some fields of samples this node owns: each box's part inside the
+        volume (`pieces`), field after field, sample after sample, C order; streamed in chunks of
+        at most 4 MiB, to be concatenated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
