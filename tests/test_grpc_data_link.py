@@ -234,21 +234,7 @@ class DataStore(Store):
     def __init__(self, tmp, env):
         super().__init__(tmp, env)
         self.data_ports = [_free_port() for _ in range(2)]
-
-    def start(self, node: int) -> None:
-        cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(self.sockets[node])]
-        cmd += ["--tcp", self.addresses[node], "--token-file", str(self.tmp / "token")]
-        cmd += ["--peers", ",".join(self.addresses), "--node", str(node), "--peer-timeout", "3"]
-        cmd += ["--state-file", str(self.tmp / f"state{node}.json")]
-        cmd += ["--data-port", str(self.data_ports[node])]
-        log = open(self.tmp / f"serve{node}.log", "a")  # noqa: SIM115 - the child owns it
-        self.procs[node] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=log)
-        log.close()
-        deadline = time.monotonic() + 60
-        while not self.sockets[node].exists():
-            assert self.procs[node].poll() is None, (self.tmp / f"serve{node}.log").read_text()
-            assert time.monotonic() < deadline, "the service did not start"
-            time.sleep(0.1)
+        self.options = [["--data-port", str(port)] for port in self.data_ports]
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ class Store:
         self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
         self.sockets = [tmp / f"g{k}.sock" for k in range(2)]
         self.procs: list[subprocess.Popen | None] = [None, None]
+        self.options: list[list[str]] = [[], []]  # more of each node's ``serve`` options
         (tmp / "token").write_text(TOKEN)
         (tmp / "token").chmod(0o600)
 
@@ -54,7 +55,7 @@ class Store:
         cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(self.sockets[node])]
         cmd += ["--tcp", self.addresses[node], "--token-file", str(self.tmp / "token")]
         cmd += ["--peers", ",".join(self.addresses), "--node", str(node), "--peer-timeout", "3"]
-        cmd += ["--state-file", str(self.tmp / f"state{node}.json")]
+        cmd += ["--state-file", str(self.tmp / f"state{node}.json"), *self.options[node]]
         log = open(self.tmp / f"serve{node}.log", "a")  # noqa: SIM115 - the child owns it
         self.procs[node] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=log)
         log.close()
