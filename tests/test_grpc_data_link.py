@@ -26,7 +26,8 @@ from helpers import stage_sharded
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.data_link import TICKET, DataConnection
 from datastore.service.errors import ServiceError
-from datastore.service.grpc_peers import GrpcPeers, PeersServicer, add_peers_to_server
+from datastore.service.grpc_answer import PeersServicer, add_peers_to_server
+from datastore.service.grpc_peers import GrpcPeers
 from datastore.service.listeners import bind_data
 from datastore.service.peers import STATS_ENV, Pieces, read_stats
 from staging.cluster import LAUNCH_ENV

@@ -15,13 +15,8 @@ import numpy as np
 import pytest
 
 from datastore.maths.subarray import view
-from datastore.service.grpc_peers import (
-    GrpcPeers,
-    PeersServicer,
-    _as_bytes,
-    _Filler,
-    add_peers_to_server,
-)
+from datastore.service.grpc_answer import PeersServicer, add_peers_to_server
+from datastore.service.grpc_peers import GrpcPeers, _as_bytes, _Filler
 from datastore.service.peers import STATS_ENV, Pieces, read_stats
 
 # Rounds of 8 chunk-sized buffers alive at once, written then freed (what a service does with

@@ -25,7 +25,8 @@ from datastore.errors import ServiceUnavailable
 from datastore.loader import DataStoreLoader
 from datastore.service.client import Client
 from datastore.service.errors import ServiceError
-from datastore.service.grpc_peers import GrpcPeers, chunk_view, frame_chunk
+from datastore.service.grpc_answer import frame_chunk
+from datastore.service.grpc_peers import GrpcPeers, chunk_view
 from datastore.sources.options import ExchangeOptions, ServiceOptions
 from staging.cluster import LAUNCH_ENV
 from tests.test_service_stream import assert_same, batches

@@ -27,22 +27,19 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from datastore.maths.subarray import MIN_RUN, runs, view
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
 from datastore.service.data_link import (
-    BadFrame,
     DataConnection,
-    DataListener,
     PeerError,
 )
 from datastore.service.errors import ServiceError
@@ -52,19 +49,18 @@ from datastore.service.peers import (
     ExchangeStats,
     Listing,
     Pending,
-    Pieces,
     Segments,
     targets,
 )
-from datastore.service.wire import bytes_field, bytes_field_view, keep_large_blocks
+from datastore.service.wire import bytes_field_view, keep_large_blocks
 
-__all__ = ["CHUNK", "GrpcPeers", "PeersServicer", "add_peers_to_server", "parse_peers"]
+__all__ = ["CHUNK", "DATA_FIELD", "SERVICE", "GrpcPeers", "chunk_view", "parse_peers"]
 
 SERVICE = "datastore.v1.Peers"
 CHUNK = 4 * 1024 * 1024
 FETCH_THREADS = 8  # fetches in flight at once (a stream's next steps, every owner)
 CONNECT_S = 3.0  # a data port not reached within this (or the timeout) falls back to gRPC
-_DATA = 1  # FetchBlocksResponse.data
+DATA_FIELD = 1  # FetchBlocksResponse.data
 _OPTIONS = [
     ("grpc.max_receive_message_length", 2 * CHUNK),
     # a restarted peer is retried within a second, not after gRPC's backoff of up to 2 min
@@ -86,15 +82,10 @@ def parse_peers(text: str) -> tuple[str, ...]:
     return peers
 
 
-# -- the chunks of a FetchBlocks reply, framed by hand: one copy on each side ----------------
-def frame_chunk(chunk: np.ndarray) -> bytes:
-    """A ``FetchBlocksResponse`` whose ``data`` is ``chunk``'s bytes."""
-    return bytes_field(_DATA, chunk)
-
-
+# -- the chunks of a FetchBlocks reply (framed by hand by grpc_answer): read in place ---------
 def chunk_view(raw: bytes) -> memoryview:
     """The ``data`` of a serialized ``FetchBlocksResponse``, without copying it."""
-    return bytes_field_view(raw, _DATA)
+    return bytes_field_view(raw, DATA_FIELD)
 
 
 def _layout(spatial: dict[str, Any] | None) -> Any:
@@ -464,145 +455,3 @@ def put_flat(out: np.ndarray, start: int, data: np.ndarray) -> None:
         done, i = done + whole * row, i + whole
     if done < data.size:
         put_flat(out[i], 0, data[done:])
-
-
-# -- answering ---------------------------------------------------------------------------------
-class PeersServicer:
-    """``datastore.v1.Peers``: a peer's requests, answered by ``answer`` (the servicer's).
-
-    Args:
-        node, nodes: this service's index and the store's size.
-        answer: ``answer(request) -> reply`` as :class:`~datastore.service.peers.MpiPeers`
-            takes it (``{"kind": "describe" | "fetch", ...}``).
-        spatial_of: a ``SpatialLayout`` as the dict ``answer`` takes.
-        on_error: told of an unexpected exception (logged there; the peer gets ``INTERNAL``
-            without Python's text). Default: nothing.
-        data: this node's data listener, whose tickets ``OpenData`` hands out. Default: none
-            (``OpenData`` answers ``UNIMPLEMENTED``: the peers fetch over gRPC).
-    """
-
-    def __init__(
-        self,
-        node: int,
-        nodes: int,
-        answer: Callable[[dict], Any],
-        spatial_of: Callable[[Any], dict[str, Any] | None],
-        on_error: Callable[[BaseException], None] = lambda exc: None,
-        data: DataListener | None = None,
-    ) -> None:
-        self.node, self.nodes = node, nodes
-        self._answer, self._spatial_of, self._on_error = answer, spatial_of, on_error
-        self._data = data
-
-    def _mismatch(self, header: Any) -> ServiceError | None:
-        if (header.to_node, header.nodes) == (self.node, self.nodes):
-            return None
-        return ServiceError(
-            "FAILED_PRECONDITION",
-            f"this service is node {self.node} of {self.nodes}, asked as node "
-            f"{header.to_node} of {header.nodes}: every service needs the same --peers "
-            "and its own --node",
-        )
-
-    def _check(self, header: Any, context: grpc.ServicerContext) -> None:
-        if (wrong := self._mismatch(header)) is not None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(wrong))
-
-    def _answered(self, request: dict) -> Any:
-        try:
-            return self._answer(request)
-        except ServiceError:
-            raise
-        except Exception as exc:  # a peer's bad request must not kill this service
-            self._on_error(exc)
-            raise ServiceError("INTERNAL", "internal error (the service's log says why)") from None
-
-    def _call(self, request: dict, context: grpc.ServicerContext) -> Any:
-        try:
-            return self._answered(request)
-        except ServiceError as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-
-    def Describe(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._check(request.header, context)
-        ok, files, signature = self._call(
-            {"kind": "describe", "path": request.dataset_path}, context
-        )
-        fields = [
-            pb.FieldSignature(name=n, dtype=dtype, shape=shape)
-            for n, (dtype, shape) in signature.items()
-        ]
-        return pb.DescribeResponse(shardable=ok, files=files, fields=fields)
-
-    def _fetched(self, request: Any) -> list[np.ndarray]:
-        """A ``FetchBlocksRequest`` answered: the reply's bytes as 1-d uint8 runs."""
-        reply = self._answered(
-            {
-                "kind": "fetch",
-                "path": request.dataset_path,
-                "samples": [int(i) for i in request.samples],
-                "fields": list(request.fields),
-                "spatial": self._spatial_of(request.spatial),
-                "block": request.block,
-                "pieces": request.pieces,
-            }
-        )
-        if isinstance(reply, Pieces):  # straight from the store: nothing packed
-            return reply.runs()
-        return [np.ascontiguousarray(reply).reshape(-1).view(np.uint8)]
-
-    def FetchBlocks(self, request: Any, context: grpc.ServicerContext) -> Iterator[np.ndarray]:
-        self._check(request.header, context)
-        try:
-            cut = self._fetched(request)
-        except ServiceError as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-        for run in cut:
-            for at in range(0, run.nbytes, CHUNK):
-                yield run[at : at + CHUNK]
-
-    def OpenData(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._check(request.header, context)
-        if self._data is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this service has no data listener")
-        ticket = self._data.ticket(request.header.from_node)
-        return pb.OpenDataResponse(port=self._data.port, ticket=ticket)
-
-    def serve_data(self, raw: bytes, node: int) -> list[np.ndarray]:
-        """A ``FetchBlocksRequest`` of node ``node`` on its data connection, answered.
-
-        Raises:
-            BadFrame: ``raw`` is not a request.
-            ServiceError: as ``FetchBlocks`` fails.
-        """
-        try:
-            request = pb.FetchBlocksRequest.FromString(raw)
-        except DecodeError:
-            raise BadFrame("not a FetchBlocksRequest") from None
-        if request.header.from_node != node:
-            raise BadFrame(f"node {node}'s ticket, asked as node {request.header.from_node}")
-        if (wrong := self._mismatch(request.header)) is not None:
-            raise wrong
-        return self._fetched(request)
-
-
-def add_peers_to_server(servicer: PeersServicer, server: grpc.Server) -> None:
-    """Register ``datastore.v1.Peers``; ``FetchBlocks`` chunks are framed by hand."""
-    handlers = {
-        "Describe": grpc.unary_unary_rpc_method_handler(
-            servicer.Describe,
-            request_deserializer=pb.DescribeRequest.FromString,
-            response_serializer=pb.DescribeResponse.SerializeToString,
-        ),
-        "FetchBlocks": grpc.unary_stream_rpc_method_handler(
-            servicer.FetchBlocks,
-            request_deserializer=pb.FetchBlocksRequest.FromString,
-            response_serializer=frame_chunk,
-        ),
-        "OpenData": grpc.unary_unary_rpc_method_handler(
-            servicer.OpenData,
-            request_deserializer=pb.OpenDataRequest.FromString,
-            response_serializer=pb.OpenDataResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -24,7 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
 from datastore.service.data_link import DataListener
-from datastore.service.grpc_peers import GrpcPeers, PeersServicer, add_peers_to_server
+from datastore.service.grpc_answer import PeersServicer, add_peers_to_server
+from datastore.service.grpc_peers import GrpcPeers
 from datastore.service.servicer import Servicer
 from datastore.service.session import spatial_of
 from datastore.service.wire import MAX_MESSAGE, serialize
