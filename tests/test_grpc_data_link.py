@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from helpers import stage_sharded
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.data_link import TICKET, DataConnection
@@ -31,7 +30,7 @@ from datastore.service.grpc_peers import GrpcPeers
 from datastore.service.listeners import bind_data
 from datastore.service.peers import STATS_ENV, Pieces, read_stats
 from staging.cluster import LAUNCH_ENV
-from tests.test_service_peers import TOKEN, Store, _free_port, _job
+from tests.test_service_peers import TOKEN, Store, _free_port, _job, two_services
 
 # Stored samples of the in-process owner: sample i is (4, 70, 256) float32 of i*1000 + arange.
 SHAPE = (4, 70, 256)
@@ -240,15 +239,8 @@ class DataStore(Store):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("data-link")
-    src, env = stage_sharded(tmp)
-    s = DataStore(tmp, env)
-    try:
-        s.start(0)
-        s.start(1)
-        yield src, str(tmp / "node{node}" / "src"), s
-    finally:
-        s.kill_all()
+    with two_services(tmp_path_factory.mktemp("data-link"), DataStore) as running:
+        yield running
 
 
 def _connected(port: int) -> int:

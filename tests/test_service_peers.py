@@ -79,18 +79,25 @@ class Store:
                 proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """``(source dir, dataset template, Store)``."""
-    tmp = tmp_path_factory.mktemp("peers")
+@contextlib.contextmanager
+def two_services(tmp, kind=Store):
+    """A dataset staged sharded under ``tmp`` and both services of a ``kind`` store on it:
+    ``(source dir, dataset template, store)``; the services are killed at the end."""
     src, env = stage_sharded(tmp)
-    s = Store(tmp, env)
+    s = kind(tmp, env)
     try:
         s.start(0)
         s.start(1)
         yield src, str(tmp / "node{node}" / "src"), s
     finally:
         s.kill_all()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """``(source dir, dataset template, Store)``."""
+    with two_services(tmp_path_factory.mktemp("peers")) as running:
+        yield running
 
 
 def _job(src, template, store, spatial, epochs=2):
