@@ -14,7 +14,9 @@ other, each in fresh ``XDG_RUNTIME_DIR``/``XDG_STATE_HOME`` directories:
 - **grpc**: two plain ``datastore serve --socket TMP/g{k}.sock --tcp 127.0.0.1:P_k --token-file
   F --peers P_0,P_1 --node k`` processes; they peer over gRPC on TCP
   (:class:`datastore.service.grpc_peers.GrpcPeers`), the blocks over the data connection
-  beside it (:mod:`datastore.service.data_link`, ``--data-port`` any free port).
+  beside it (:mod:`datastore.service.data_link`, ``--data-port`` any free port). With
+  ``--tls``, both talk TLS (``--tls-cert/--tls-key``, a self-signed certificate made here with
+  ``openssl``), gRPC and the data connection alike.
 - **local**: one ``datastore serve --socket TMP/l.sock`` over the unsharded source directory:
   every sample is local, no exchange (the ceiling of the two above).
 
@@ -126,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="whole,blocks")
     p.add_argument("--quick", action="store_true", help="smoke run: N=16, S=32, B=2, 1 rep")
     p.add_argument(
+        "--tls", action="store_true", help="the grpc store's peers talk TLS (a self-signed cert)"
+    )
+    p.add_argument(
         "--json", "--out", default=None, metavar="FILE", help="also write the results as JSON"
     )
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
@@ -213,6 +218,18 @@ def stage_shards(work: str, src: str) -> tuple[str, float, list[int]]:
 # ----------------------------------------------------------------------------- the stores
 
 
+def self_signed(where: str) -> list[str]:
+    """``serve`` options for TLS with a fresh self-signed certificate for 127.0.0.1 (the
+    peers check each other against it: ``--peer-ca`` defaults to ``--tls-cert``)."""
+    cert, key = os.path.join(where, "cert.pem"), os.path.join(where, "key.pem")
+    if not os.path.exists(cert):
+        openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        openssl += ["-keyout", key, "-out", cert, "-subj", "/CN=localhost"]
+        openssl += ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"]
+        subprocess.run(openssl, check=True, capture_output=True)
+    return ["--tls-cert", cert, "--tls-key", key]
+
+
 class Store:
     """The services of one kind of store, started as subprocesses in a fresh directory.
 
@@ -221,7 +238,7 @@ class Store:
         path: the dataset path clients name.
     """
 
-    def __init__(self, kind: str, template: str, src: str) -> None:
+    def __init__(self, kind: str, template: str, src: str, tls: bool = False) -> None:
         from datastore.service.client import Client
 
         self.kind = kind
@@ -245,7 +262,7 @@ class Store:
             for k in range(2):
                 cmd = [*serve, "--socket", self.sockets[k], "--tcp", peers[k]]
                 cmd += ["--token-file", token, "--peers", ",".join(peers), "--node", str(k)]
-                self._start(cmd)
+                self._start(cmd + (self_signed(self.tmp) if tls else []))
         else:
             self.path = src
             self._start([*serve, "--socket", f"{self.tmp}/l.sock"])
@@ -780,7 +797,7 @@ def run_store(
 ) -> tuple[float, list[str]]:
     """Start one store, run its jobs, measure it idle, stop it: (idle CPU in cores, debris)."""
     t0 = time.monotonic()
-    store = Store(kind, template, src)
+    store = Store(kind, template, src, tls=args.tls)
     started = time.monotonic() - t0
     try:
         run_jobs(store, args, jobs)
