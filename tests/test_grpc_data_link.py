@@ -346,3 +346,31 @@ def test_a_data_port_in_use_fails_the_start_naming_it(tmp_path):
     assert r.returncode == 1 and "cannot_listen" in r.stderr, r.stderr
     assert f'"data_port":{port}' in r.stderr and "Address already in use" in r.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_closing_the_listener_ends_its_idle_connections(cert, tls):
+    """A stopping service's listener ends the connections its peers keep between fetches:
+    their threads exit and the asker sees the end (before: under TLS the wrapped socket was
+    left open, its thread waiting for a next request for good)."""
+    before = set(threading.enumerate())
+    with owner(_pieces, tls=cert if tls else None) as (address, listener):
+        link = GrpcPeers(
+            ("127.0.0.1:9", address), 0, TOKEN, tls_ca=cert[0] if tls else None, timeout_s=10
+        )
+        try:
+            out = np.zeros(_stored(0).nbytes, np.uint8)
+            link.fetch(1, _ask([1]), out)  # its connection now idles, kept for the next
+            (kept,) = link._idle[1]
+            listener.close()
+            kept.sock.settimeout(5)
+            assert kept.sock.recv(1) == b""  # the owner ended it (not a 5 s timeout)
+        finally:
+            link.close(stop_all=False)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        left = [t for t in set(threading.enumerate()) - before if t.name == "datastore-data"]
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left

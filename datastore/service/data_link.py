@@ -212,7 +212,12 @@ class DataListener:
             conn.settimeout(self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
-                sock = self._tls.wrap_socket(conn, server_side=True)
+                sock = self._tls.wrap_socket(conn, server_side=True)  # (conn is detached)
+                with self._lock:  # close() must shut the socket that now holds the fd
+                    self._conns.discard(conn)
+                    if self._closed:
+                        return
+                    self._conns.add(sock)
             node = self._redeem(bytes(recv_bytes(sock, TICKET)))
             while node is not None:
                 sock.settimeout(None)  # idle between fetches: the asker keeps it for the next
@@ -233,6 +238,7 @@ class DataListener:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._conns.discard(sock)
             sock.close()
 
     def close(self) -> None:
