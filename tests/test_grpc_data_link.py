@@ -374,3 +374,20 @@ def test_closing_the_listener_ends_its_idle_connections(cert, tls):
             break
         time.sleep(0.05)
     assert not left
+
+
+def test_abandoning_a_fetch_that_waits_for_a_down_peer_cancels_it_at_once():
+    """A stream stopped while an owner is down (its ``OpenData`` waiting for it to come up):
+    the fetch is cancelled, not left to fail ``UNAVAILABLE`` at the peer timeout (before:
+    ``abandon`` waited out the whole timeout, holding up the stream's stop)."""
+    link = GrpcPeers(("127.0.0.1:9", f"127.0.0.1:{_free_port()}"), 0, TOKEN, timeout_s=5)
+    try:
+        pending = link.start(1, _ask([0]), np.zeros(_stored(0).nbytes, np.uint8))
+        time.sleep(0.3)  # (its OpenData is waiting for the peer by now)
+        pending.abandon()
+        assert pending.wait(0)
+        with pytest.raises(ServiceError) as e:
+            pending.result()
+        assert e.value.code == "CANCELLED" and "node 1 (127.0.0.1:" in str(e.value)
+    finally:
+        link.close(stop_all=False)

@@ -221,15 +221,16 @@ class GrpcPeers:
             pieces=bool(request.get("pieces")),
         )
         into = [_as_bytes(t) for t in targets(out)]
-        conn = None if dest in self._grpc_only else self._connection(dest)
+        conn = None if dest in self._grpc_only else self._connection(dest, job)
         if conn is None:
             self._fetch_grpc(dest, message, into, job)
         else:
             self._fetch_data(dest, message, into, job, conn)
 
-    def _connection(self, dest: int) -> DataConnection | None:
-        """A quiet data connection to node ``dest`` (reused, or opened through ``OpenData``);
-        ``None`` where its data port cannot be reached (logged once; gRPC from then on)."""
+    def _connection(self, dest: int, job: _Job) -> DataConnection | None:
+        """A quiet data connection to node ``dest`` (reused, or opened through ``OpenData``,
+        which ``job``'s abandon cancels); ``None`` where its data port cannot be reached
+        (logged once; gRPC from then on)."""
         while True:
             with self._lock:
                 conn = self._idle.get(dest, []).pop() if self._idle.get(dest) else None
@@ -244,12 +245,21 @@ class GrpcPeers:
             response_deserializer=pb.OpenDataResponse.FromString,
         )
         request = pb.OpenDataRequest(header=self._header(dest))
+        opening = call.future(
+            request, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=True
+        )
         try:
-            r = call(request, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=True)
-        except grpc.RpcError as exc:
+            if not job.attach(opening.cancel):
+                opening.cancel()
+            r = opening.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            if job.abandoned:
+                raise self._abandoned(dest) from None
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # a peer without a data port
                 raise self._failed(dest, "OpenData", exc) from None
             return self._unreachable(dest, f"OpenData: {exc.details()}")
+        finally:
+            job.detach()
         host = self.addresses[dest].rpartition(":")[0]
         address = f"{host}:{r.port}"
         try:
@@ -262,6 +272,11 @@ class GrpcPeers:
             )
         except OSError as exc:
             return self._unreachable(dest, f"{address}: {exc}")
+
+    def _abandoned(self, dest: int) -> ServiceError:
+        return ServiceError(
+            "CANCELLED", f"the fetch from node {dest} ({self.addresses[dest]}) was abandoned"
+        )
 
     def _unreachable(self, dest: int, why: str) -> None:
         with self._lock:
@@ -293,7 +308,7 @@ class GrpcPeers:
         asked, first = time.monotonic(), 0.0
         try:
             if not job.attach(conn.stop):
-                raise ServiceError("CANCELLED", f"the fetch from {at} was abandoned")
+                raise self._abandoned(dest)
             sizes, first = conn.fetch(message.SerializeToString(), buffers)
             for t, got in aside:
                 t[...] = got
@@ -302,7 +317,7 @@ class GrpcPeers:
             raise ServiceError(exc.code, f"{at}: {exc}") from None
         except (OSError, EOFError) as exc:
             if job.abandoned:
-                raise ServiceError("CANCELLED", f"the fetch from {at} was abandoned") from None
+                raise self._abandoned(dest) from None
             if isinstance(exc, TimeoutError):
                 why = f"did not answer FetchBlocks within {self.timeout_s:g} s"
             else:
