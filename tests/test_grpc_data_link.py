@@ -391,3 +391,19 @@ def test_abandoning_a_fetch_that_waits_for_a_down_peer_cancels_it_at_once():
         assert e.value.code == "CANCELLED" and "node 1 (127.0.0.1:" in str(e.value)
     finally:
         link.close(stop_all=False)
+
+
+def test_a_ticket_dripped_byte_by_byte_is_cut_off_at_the_timeout():
+    """A connection that never presents a whole ticket within the listener's timeout is
+    closed, however it spaces its bytes (before: each byte reset the timeout, so anyone who
+    could reach the port held a thread and a socket for as long as they dripped)."""
+    with owner(_pieces, timeout_s=2) as (_, listener):
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as s:
+            with contextlib.suppress(ConnectionError):  # (closed while dripping)
+                for _ in range(8):  # 8 bytes over 4 s: each well within the timeout
+                    s.sendall(b"x")
+                    time.sleep(0.5)
+            s.settimeout(0.5)  # closed 2 s ago by now: not still waiting for the next byte
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(1) == b""
+        assert listener.served == 0

@@ -17,9 +17,9 @@ byte ticket bound to the asking node. On the connection:
   bytes, the number of runs), the status's name (empty: OK) and message (UTF-8), each run's
   size (8 bytes big-endian), then the runs' bytes.
 
-A wrong, used or expired ticket, nothing sent within the timeout, or a malformed or oversized
-request closes the connection with nothing written. A connection serves one fetch at a time
-until the asker closes it; the asker closes one that saw any error.
+A wrong, used or expired ticket, no whole ticket within the timeout, or a malformed or
+oversized request closes the connection with nothing written. A connection serves one fetch
+at a time until the asker closes it; the asker closes one that saw any error.
 """
 
 from __future__ import annotations
@@ -98,12 +98,18 @@ def send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
                 views[i], sent = views[i][sent:], 0
 
 
-def recv_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
+def recv_all(sock: socket.socket, buffers: Sequence[Any], deadline: float | None = None) -> None:
     """Fill ``buffers`` one after the other: ``recvmsg_into`` up to :data:`IOV_MAX` at a time,
-    or ``recv_into`` each over TLS; ``EOFError`` if the peer closes first."""
+    or ``recv_into`` each over TLS; ``EOFError`` if the peer closes first, ``TimeoutError``
+    past ``deadline`` (``time.monotonic()``; default: the socket's timeout per receive)."""
     views = _views(buffers)
     i = 0
     while i < len(views):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("not all in before the deadline")
+            sock.settimeout(left)
         if isinstance(sock, ssl.SSLSocket):
             got = sock.recv_into(views[i])
         else:
@@ -118,10 +124,11 @@ def recv_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
                 views[i], got = views[i][got:], 0
 
 
-def recv_bytes(sock: socket.socket, n: int) -> bytearray:
-    """Exactly ``n`` bytes; ``EOFError`` if the peer closes first."""
+def recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """Exactly ``n`` bytes; ``EOFError`` if the peer closes first (``deadline``: as
+    :func:`recv_all`)."""
     out = bytearray(n)
-    recv_all(sock, [out])
+    recv_all(sock, [out], deadline)
     return out
 
 
@@ -207,7 +214,7 @@ class DataListener:
             ).start()
 
     def _answer(self, conn: socket.socket, serve: Serve) -> None:
-        sock = conn
+        sock, deadline = conn, time.monotonic() + self.timeout_s
         try:
             conn.settimeout(self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -218,7 +225,8 @@ class DataListener:
                     if self._closed:
                         return
                     self._conns.add(sock)
-            node = self._redeem(bytes(recv_bytes(sock, TICKET)))
+            # the whole ticket within the timeout: bytes dripped in never hold a thread long
+            node = self._redeem(bytes(recv_bytes(sock, TICKET, deadline)))
             while node is not None:
                 sock.settimeout(None)  # idle between fetches: the asker keeps it for the next
                 (n,) = _LENGTH.unpack(recv_bytes(sock, _LENGTH.size))
