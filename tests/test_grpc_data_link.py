@@ -407,3 +407,30 @@ def test_a_ticket_dripped_byte_by_byte_is_cut_off_at_the_timeout():
             with contextlib.suppress(ConnectionResetError):
                 assert s.recv(1) == b""
         assert listener.served == 0
+
+
+def test_closing_the_link_ends_a_fetch_in_flight_to_a_hung_owner():
+    """A service stopping while one of its fetches waits on a hung owner: closing the link
+    ends that fetch at once (before: the data connection was left to its timeout, and the
+    service's exit waited for it, as Python joins the fetch pool's threads; the gRPC
+    stream's fetches ended with the channel)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def answer(request):
+        entered.set()
+        release.wait(20)
+        return _pieces(request)
+
+    with owner(answer, timeout_s=20) as (address, _):
+        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=20)
+        try:
+            pending = link.start(1, _ask([2]), np.zeros(_stored(0).nbytes, np.uint8))
+            assert entered.wait(10)
+            link.close(stop_all=False)
+            assert pending.wait(5)  # not left waiting for the owner's reply
+            with pytest.raises(ServiceError) as e:
+                pending.result()
+            assert e.value.code == "UNAVAILABLE" and "node 1 (127.0.0.1:" in str(e.value)
+            assert "stopping" in str(e.value)
+        finally:
+            release.set()

@@ -137,6 +137,8 @@ class GrpcPeers:
         self._lock = threading.Lock()
         self._channels: dict[int, grpc.Channel] = {}
         self._idle: dict[int, list[DataConnection]] = {}  # data connections to reuse, by node
+        self._busy: set[DataConnection] = set()  # data connections of fetches in flight
+        self._closed = False
         self._grpc_only: set[int] = set()  # nodes whose data port could not be reached
         self._pool: ThreadPoolExecutor | None = None  # fetches in flight at once
         self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), node)
@@ -307,6 +309,11 @@ class GrpcPeers:
         self.stats.begin()
         asked, first = time.monotonic(), 0.0
         try:
+            with self._lock:
+                stopping = self._closed
+                self._busy.add(conn)
+            if stopping:
+                raise ServiceError("UNAVAILABLE", f"{at} was not asked: this service is stopping")
             if not job.attach(conn.stop):
                 raise self._abandoned(dest)
             sizes, first = conn.fetch(message.SerializeToString(), buffers)
@@ -318,7 +325,9 @@ class GrpcPeers:
         except (OSError, EOFError) as exc:
             if job.abandoned:
                 raise self._abandoned(dest) from None
-            if isinstance(exc, TimeoutError):
+            if self._closed:
+                why = "was not waited for: this service is stopping"
+            elif isinstance(exc, TimeoutError):
                 why = f"did not answer FetchBlocks within {self.timeout_s:g} s"
             else:
                 why = f"broke off FetchBlocks ({exc or type(exc).__name__})"
@@ -328,10 +337,12 @@ class GrpcPeers:
             total = sum(sizes) if ok else 0
             legs = (first - asked, time.monotonic() - first) if ok else (0.0, 0.0)
             self.stats.end(total, sizes, legs)
-            if ok:
-                with self._lock:
+            with self._lock:
+                self._busy.discard(conn)
+                keep = ok and not self._closed
+                if keep:
                     self._idle.setdefault(dest, []).append(conn)
-            else:
+            if not keep:
                 conn.close()
         self.bytes_received += total
 
@@ -374,6 +385,8 @@ class GrpcPeers:
         """Close the channels; the peers are independent services and keep running."""
         del stop_all
         with self._lock:
+            self._closed = True
+            busy = list(self._busy)
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
@@ -382,6 +395,8 @@ class GrpcPeers:
             pool, self._pool = self._pool, None
         for conn in idle:
             conn.close()
+        for conn in busy:  # a fetch in flight ends now (its thread closes the connection)
+            conn.stop()
         if pool is not None:
             pool.shutdown(wait=False)
         self.stats.close()
