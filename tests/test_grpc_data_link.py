@@ -267,6 +267,23 @@ def test_two_services_exchange_over_their_data_connections_the_embedded_batches(
 
 
 @pytest.mark.mpi
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGSTOP ``proc`` and wait until every thread of it is stopped (a thread running on
+    another core finishes what it was doing first)."""
+    proc.send_signal(signal.SIGSTOP)
+    tasks = f"/proc/{proc.pid}/task"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for t in os.listdir(tasks):
+            with contextlib.suppress(OSError), open(f"{tasks}/{t}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {proc.pid} did not stop")
+
+
 def test_a_stalled_or_killed_peer_fails_naming_it_and_a_restarted_one_is_reached(store):
     """Node 1 stopped (SIGSTOP) with a data connection open: the fetch fails ``UNAVAILABLE``
     naming it at the timeout; killed while a fetch waits on it: at once; restarted: the next
@@ -280,7 +297,7 @@ def test_a_stalled_or_killed_peer_fails_naming_it_and_a_restarted_one_is_reached
     try:
         link.fetch(1, request, out)  # a data connection, now idle
         assert out.view(np.float32)[0] == sample
-        s.procs[1].send_signal(signal.SIGSTOP)
+        _stop(s.procs[1])
         with pytest.raises(ServiceError) as e:
             link.fetch(1, request, out)
         assert e.value.code == "UNAVAILABLE" and f"node 1 ({s.addresses[1]})" in str(e.value)
@@ -289,7 +306,7 @@ def test_a_stalled_or_killed_peer_fails_naming_it_and_a_restarted_one_is_reached
         try:
             s.procs[1].send_signal(signal.SIGCONT)
             slow.fetch(1, request, out)  # connected while node 1 runs...
-            s.procs[1].send_signal(signal.SIGSTOP)
+            _stop(s.procs[1])
             pending = slow.start(1, request, out)  # ...then waiting on a stopped node 1
             time.sleep(0.2)
             s.procs[1].kill()
