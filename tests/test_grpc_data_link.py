@@ -53,18 +53,18 @@ def cert(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def owner(answer, tls=None, timeout_s=10.0):
-    """Node 1 of 2: a real ``Peers`` server on loopback and its data listener, answering with
-    ``answer``; yields ``(its address, the listener)``."""
-    listener = bind_data("127.0.0.1:0", 0, *(tls or (None, None)), timeout_s)
+def owner(answer, tls=None, timeout_s=10.0, host="127.0.0.1"):
+    """Node 1 of 2: a real ``Peers`` server on ``host`` (loopback) and its data listener,
+    answering with ``answer``; yields ``(its address on 127.0.0.1, the listener)``."""
+    listener = bind_data(f"{host}:0", 0, *(tls or (None, None)), timeout_s)
     servicer = PeersServicer(1, 2, answer, lambda s: None, data=listener)
     server = grpc.server(ThreadPoolExecutor(4))
     add_peers_to_server(servicer, server)
     if tls is None:
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_insecure_port(f"{host}:0")
     else:
         pair = (tls[1].read_bytes(), tls[0].read_bytes())
-        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([pair]))
+        port = server.add_secure_port(f"{host}:0", grpc.ssl_server_credentials([pair]))
     server.start()
     listener.start(servicer.serve_data)
     try:
@@ -451,3 +451,26 @@ def test_closing_the_link_ends_a_fetch_in_flight_to_a_hung_owner():
             assert "stopping" in str(e.value)
         finally:
             release.set()
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="no dual-stack IPv6 here")
+def test_a_service_on_every_address_takes_ipv4_peers_on_its_data_port_too():
+    """``--tcp [::]:PORT``: gRPC takes IPv4 peers, and so does the data listener (before: it
+    was IPv6-only, so IPv4 peers fell back to the slower gRPC stream, told to open a port
+    that was open)."""
+    with owner(_pieces, host="[::]") as (address, listener):
+        events = []
+        link = GrpcPeers(
+            ("127.0.0.1:9", address),
+            0,
+            TOKEN,
+            timeout_s=10,
+            on_event=lambda event, **fields: events.append(event),
+        )
+        try:
+            out = np.zeros(_stored(0).nbytes, np.uint8)
+            link.fetch(1, _ask([3]), out)
+            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(3))
+        finally:
+            link.close(stop_all=False)
+        assert events == [] and listener.served == 1  # over the data connection

@@ -165,7 +165,8 @@ class DataListener:
     ) -> None:
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family)
+        every = host == "::" and socket.has_dualstack_ipv6()  # IPv4 peers too, as gRPC takes
+        self._sock = socket.create_server((host, port), family=family, dualstack_ipv6=every)
         self.port: int = self._sock.getsockname()[1]
         self._tls, self.timeout_s = tls, timeout_s
         self._lock = threading.Lock()
