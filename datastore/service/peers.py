@@ -489,9 +489,12 @@ class MpiPeers:
             source, request = status.Get_source(), msg.recv()
             reply = _answered(self._at_once, request)
             if reply is None:
-                self._pool.submit(self._reply, source, request)
-            else:
-                self._send(source, request, reply, _raw(reply))
+                try:
+                    self._pool.submit(self._reply, source, request)
+                    continue
+                except RuntimeError:  # the pool is shut: closing (this thread must go on)
+                    reply = {"error": STOPPING, "code": "UNAVAILABLE"}
+            self._send(source, request, reply, _raw(reply))
 
     def _progress(self, MPI: Any) -> bool:
         """Advance every request in flight and every send; whether anything completed."""
