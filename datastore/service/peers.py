@@ -320,7 +320,7 @@ class MpiPeers:
         self._rids = itertools.count()
         self._asides = Asides(ASIDE_KEPT)
         self._tag_lock = threading.Lock()
-        self._ask_lock = threading.Lock()  # (MPI_THREAD_MULTIPLE) askers' sends vs the close
+        self._ask_lock = threading.Lock()  # askers' requests vs the stop and the comm's Free
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # work for the link's thread
@@ -339,16 +339,14 @@ class MpiPeers:
         message = {**request, "tag": tag, "rid": rid}
         if out is not None:
             message["nbytes"] = call.nbytes
-        if not self._multiple:
-            self._do(lambda: self._post(call, None, message))
-            return call
-        with self._ask_lock:  # the request goes out from this thread, before the link wakes
+        with self._ask_lock:  # handed to the link before its stop (its last drain sees it)
             if self._stop.is_set():
                 call.error = ServiceError("UNAVAILABLE", f"node {dest} was not asked: {STOPPING}")
                 call.done.set()
                 return call
-            sent = self.comm.isend(message, dest=dest, tag=REQUEST)
-        self._do(lambda: self._post(call, sent, message))
+            # (MPI_THREAD_MULTIPLE) the request goes out from this thread, before the link wakes
+            sent = self.comm.isend(message, dest=dest, tag=REQUEST) if self._multiple else None
+            self._do(lambda: self._post(call, sent, message))
         return call
 
     def _finish(self, call: _Call) -> Any:
@@ -587,7 +585,8 @@ class MpiPeers:
         if stop_all:
             self.tell_all({"kind": "shutdown", "node": self.node})
         self._pool.shutdown(wait=True)  # replies being made are handed over first
-        self._stop.set()
+        with self._ask_lock:  # a request handed over, or refused: none left in between
+            self._stop.set()
         self._wake.set()
         self._thread.join()
         with self._ask_lock:
