@@ -74,7 +74,7 @@ def service(tmp_path_factory):
 
 def fetch(tcp: str, token: str, **kw) -> grpc.RpcError:
     request = {"header": pb.PeerHeader(from_node=0, to_node=0, nodes=1), "samples": [0],
-               "fields": ["x"], "block": 0, **kw}  # fmt: skip
+               "fields": ["x"], "block": 0, "pieces": True, **kw}  # fmt: skip
     with grpc.insecure_channel(tcp) as ch:
         call = ch.unary_stream(
             "/datastore.v1.Peers/FetchBlocks",

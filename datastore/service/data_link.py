@@ -173,7 +173,7 @@ class DataListener:
         self._tickets: dict[bytes, tuple[int, float]] = {}  # ticket -> (node, expiry)
         self._conns: set[socket.socket] = set()
         self._closed = False
-        self.served = 0  # requests answered (their replies sent, errors included)
+        self.served = 0  # requests answered (counted before the reply goes out, errors included)
 
     def ticket(self, node: int) -> bytes:
         """A fresh one-time ticket for node ``node``, valid for ``timeout_s``."""
@@ -239,9 +239,9 @@ class DataListener:
                     runs, code, message = serve(request, node), "", ""
                 except ServiceError as exc:
                     runs, code, message = [], exc.code, str(exc)
-                send_all(sock, [_reply_head(runs, code, message), *runs])
-                with self._lock:
+                with self._lock:  # (before the send: an asker that has the reply sees it)
                     self.served += 1
+                send_all(sock, [_reply_head(runs, code, message), *runs])
         except (OSError, EOFError, BadFrame):
             return  # closed, timed out, or not a peer: nothing more written
         finally:
