@@ -474,3 +474,33 @@ def test_a_service_on_every_address_takes_ipv4_peers_on_its_data_port_too():
         finally:
             link.close(stop_all=False)
         assert events == [] and listener.served == 1  # over the data connection
+
+
+def test_a_data_connection_is_reused_by_a_service_with_over_1024_files_open():
+    """A service holding many files (a dataset's shards, clients' rings) still keeps its data
+    connections for the next fetch (before: ``select`` cannot take a descriptor above 1023,
+    so every fetch paid a new ``OpenData`` and connection)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"at most {hard} open files here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with owner(_pieces) as (address, _):
+            link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
+            try:
+                out = np.zeros(_stored(0).nbytes, np.uint8)
+                link.fetch(1, _ask([1]), out)
+                (first,) = link._idle[1]
+                assert first.sock.fileno() > 1023
+                link.fetch(1, _ask([2]), out)
+                assert link._idle[1] == [first]  # the same connection, reused
+                assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(2))
+            finally:
+                link.close(stop_all=False)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -319,11 +319,12 @@ class DataConnection:
         fit to reuse."""
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
             return False
+        poll = select.poll()  # (select cannot take a descriptor above 1023)
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
+            poll.register(self.sock, select.POLLIN)
+        except (OSError, ValueError):  # closed
             return False
-        return not readable
+        return not poll.poll(0)
 
     def stop(self) -> None:
         """Shut the connection down: a send or receive in progress returns at once."""
