@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
+from datastore.service import grpc_peers
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.data_link import TICKET, DataConnection
 from datastore.service.errors import ServiceError
@@ -504,3 +505,44 @@ def test_a_data_connection_is_reused_by_a_service_with_over_1024_files_open():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_data_port_opened_later_is_used_again_after_the_retry_pause(monkeypatch):
+    """Fallen back to gRPC (the data port refused), the link tries the data connection again
+    after ``RETRY_S`` and, the port open by then, fetches over it; a second failure later
+    would be told again."""
+    monkeypatch.setattr(grpc_peers, "RETRY_S", 0.5)
+    closed = bind_data("127.0.0.1:0", 0, None, None, 10.0)
+    port = closed.port
+    closed.close()  # its port now refuses connections
+    servicer = PeersServicer(1, 2, _pieces, lambda s: None, data=closed)
+    server = grpc.server(ThreadPoolExecutor(4))
+    add_peers_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    events, opened = [], None
+    link = GrpcPeers(
+        ("127.0.0.1:9", address),
+        0,
+        TOKEN,
+        timeout_s=10,
+        on_event=lambda event, **fields: events.append(event),
+    )
+    try:
+        out = np.zeros(_stored(0).nbytes, np.uint8)
+        link.fetch(1, _ask([3]), out)  # over gRPC
+        opened = bind_data(f"127.0.0.1:{port}", port, None, None, 10.0)
+        opened.start(servicer.serve_data)
+        servicer._data = opened  # the port is open now (a firewall rule added)
+        link.fetch(1, _ask([4]), out)  # within the pause: still over gRPC
+        assert opened.served == 0
+        time.sleep(0.6)
+        link.fetch(1, _ask([5]), out)
+        assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(5))
+        assert opened.served == 1, "the data connection was not tried again"
+    finally:
+        link.close(stop_all=False)
+        server.stop(None)
+        if opened is not None:
+            opened.close()
+    assert events == ["peer_data_port_unreachable"]

@@ -55,6 +55,8 @@ TICKET = 32  # bytes of a ticket
 MAX_REQUEST = 16 * 1024 * 1024  # a longer request frame closes the connection
 MAX_RUNS = 1 << 22  # a reply announcing more runs is garbage
 IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into (Linux's limit)
+MAX_MESSAGE = 4096  # bytes of an error message sent back (longer ones are cut)
+KEEPALIVE_S = 60  # a silent connection is probed after half of it, dropped after about all
 _LENGTH = struct.Struct("!I")
 REPLY = struct.Struct("!HHQI")  # status name length, message length, total bytes, runs
 Serve = Callable[[bytes, int], Sequence[np.ndarray]]
@@ -134,9 +136,20 @@ def recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> by
 
 def _reply_head(runs: Sequence[np.ndarray], code: str, message: str) -> bytes:
     sizes = [r.nbytes for r in runs]
-    name, text = code.encode(), message.encode()
+    name, text = code.encode(), message.encode()[:MAX_MESSAGE]  # (the header's 16 bits)
     head = REPLY.pack(len(name), len(text), sum(sizes), len(sizes))
     return head + name + text + struct.pack(f"!{len(sizes)}Q", *sizes)
+
+
+def tune(sock: socket.socket) -> None:
+    """A data connection's socket options: no Nagle delay, and TCP keepalive, so that a peer
+    whose host died without closing is found out within about :data:`KEEPALIVE_S` of
+    silence (the owner's thread and descriptor then end)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_S // 2)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_S // 6)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -218,7 +231,7 @@ class DataListener:
         sock, deadline = conn, time.monotonic() + self.timeout_s
         try:
             conn.settimeout(self.timeout_s)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(conn)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(conn, server_side=True)  # (conn is detached)
                 with self._lock:  # close() must shut the socket that now holds the fd
@@ -282,7 +295,7 @@ class DataConnection:
         host, port = _split(address)
         raw = socket.create_connection((host, port), timeout=connect_s)
         try:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(raw)
             self.sock = raw if tls is None else tls.wrap_socket(raw, server_hostname=host)
             self.sock.settimeout(timeout_s)
             self.sock.sendall(ticket)

@@ -60,6 +60,7 @@ SERVICE = "datastore.v1.Peers"
 CHUNK = 4 * 1024 * 1024
 FETCH_THREADS = 8  # fetches in flight at once (a stream's next steps, every owner)
 CONNECT_S = 3.0  # a data port not reached within this (or the timeout) falls back to gRPC
+RETRY_S = 60.0  # ...for this long; then the data connection is tried again
 DATA_FIELD = 1  # FetchBlocksResponse.data
 _OPTIONS = [
     ("grpc.max_receive_message_length", 2 * CHUNK),
@@ -109,8 +110,9 @@ class GrpcPeers:
         tls_ca: PEM certificate(s) to check the peers' TLS against. Default: plaintext.
         timeout_s: how long a call waits for a peer (its start included), and a data
             connection's every send or receive. Default: ``60``.
-        on_event: ``on_event(event, **fields)``, told once per peer whose data port cannot
-            be reached (its fetches then go over gRPC). Default: nothing.
+        on_event: ``on_event(event, **fields)``, told when a peer's data port cannot be
+            reached (first, or again after it was): its fetches then go over gRPC for
+            :data:`RETRY_S`, then the data connection is tried again. Default: nothing.
     """
 
     def __init__(
@@ -139,7 +141,7 @@ class GrpcPeers:
         self._idle: dict[int, list[DataConnection]] = {}  # data connections to reuse, by node
         self._busy: set[DataConnection] = set()  # data connections of fetches in flight
         self._closed = False
-        self._grpc_only: set[int] = set()  # nodes whose data port could not be reached
+        self._grpc_only: dict[int, float] = {}  # node -> when its data port was not reached
         self._pool: ThreadPoolExecutor | None = None  # fetches in flight at once
         self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), node)
         keep_large_blocks()  # the peers' messages: freed buffers reused, not mapped afresh
@@ -223,7 +225,7 @@ class GrpcPeers:
             pieces=bool(request.get("pieces")),
         )
         into = [_as_bytes(t) for t in targets(out)]
-        conn = None if dest in self._grpc_only else self._connection(dest, job)
+        conn = None if self._over_grpc(dest) else self._connection(dest, job)
         if conn is None:
             self._fetch_grpc(dest, message, into, job)
         else:
@@ -232,7 +234,7 @@ class GrpcPeers:
     def _connection(self, dest: int, job: _Job) -> DataConnection | None:
         """A quiet data connection to node ``dest`` (reused, or opened through ``OpenData``,
         which ``job``'s abandon cancels); ``None`` where its data port cannot be reached
-        (logged once; gRPC from then on)."""
+        (logged; gRPC for the next :data:`RETRY_S`)."""
         while True:
             with self._lock:
                 conn = self._idle.get(dest, []).pop() if self._idle.get(dest) else None
@@ -265,7 +267,7 @@ class GrpcPeers:
         host = self.addresses[dest].rpartition(":")[0]
         address = f"{host}:{r.port}"
         try:
-            return DataConnection(
+            conn = DataConnection(
                 address,
                 r.ticket,
                 tls=self._tls,
@@ -274,16 +276,26 @@ class GrpcPeers:
             )
         except OSError as exc:
             return self._unreachable(dest, f"{address}: {exc}")
+        with self._lock:
+            self._grpc_only.pop(dest, None)  # reached (again): a later failure is told anew
+        return conn
 
     def _abandoned(self, dest: int) -> ServiceError:
         return ServiceError(
             "CANCELLED", f"the fetch from node {dest} ({self.addresses[dest]}) was abandoned"
         )
 
+    def _over_grpc(self, dest: int) -> bool:
+        """Whether node ``dest``'s data port was found unreachable less than
+        :data:`RETRY_S` ago (its fetches go over gRPC until then)."""
+        with self._lock:
+            since = self._grpc_only.get(dest)
+        return since is not None and time.monotonic() - since < RETRY_S
+
     def _unreachable(self, dest: int, why: str) -> None:
         with self._lock:
             first = dest not in self._grpc_only
-            self._grpc_only.add(dest)
+            self._grpc_only[dest] = time.monotonic()
         if first:
             self._on_event(
                 "peer_data_port_unreachable",
