@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
-from datastore.service import grpc_peers
+from datastore.service import data_link, grpc_peers
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.data_link import TICKET, DataConnection
 from datastore.service.errors import ServiceError
@@ -546,3 +546,30 @@ def test_a_data_port_opened_later_is_used_again_after_the_retry_pause(monkeypatc
         if opened is not None:
             opened.close()
     assert events == ["peer_data_port_unreachable"]
+
+
+def test_a_flood_of_connections_without_tickets_is_turned_away_and_peers_still_served(
+    monkeypatch,
+):
+    """More connections waiting to present a ticket than ``MAX_UNTICKETED`` are closed at
+    once, unanswered (each would hold a thread until the timeout); once those go, a peer's
+    fetch is served as before."""
+    monkeypatch.setattr(data_link, "MAX_UNTICKETED", 2)
+    with owner(_pieces) as (address, listener):
+        silent = [socket.create_connection(("127.0.0.1", listener.port)) for _ in range(2)]
+        time.sleep(0.3)  # both accepted, waiting for their tickets
+        extra = socket.create_connection(("127.0.0.1", listener.port))
+        extra.settimeout(5)
+        assert extra.recv(1) == b"", "a connection over the limit was kept open"
+        extra.close()
+        for s in silent:
+            s.close()
+        time.sleep(0.3)  # their threads see the close and stop counting
+        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
+        try:
+            out = np.zeros(_stored(0).nbytes, np.uint8)
+            link.fetch(1, _ask([6]), out)
+            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(6))
+            assert listener.served == 1
+        finally:
+            link.close(stop_all=False)

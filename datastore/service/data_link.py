@@ -55,6 +55,7 @@ TICKET = 32  # bytes of a ticket
 MAX_REQUEST = 16 * 1024 * 1024  # a longer request frame closes the connection
 MAX_RUNS = 1 << 22  # a reply announcing more runs is garbage
 IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into (Linux's limit)
+MAX_UNTICKETED = 128  # connections waiting to present a ticket at once; more are closed
 MAX_MESSAGE = 4096  # bytes of an error message sent back (longer ones are cut)
 KEEPALIVE_S = 60  # a silent connection is probed after half of it, dropped after about all
 _LENGTH = struct.Struct("!I")
@@ -186,6 +187,7 @@ class DataListener:
         self._tickets: dict[bytes, tuple[int, float]] = {}  # ticket -> (node, expiry)
         self._conns: set[socket.socket] = set()
         self._closed = False
+        self._unticketed = 0  # connections not past their ticket yet
         self.served = 0  # requests answered (counted before the reply goes out, errors included)
 
     def ticket(self, node: int) -> bytes:
@@ -222,13 +224,28 @@ class DataListener:
                 if self._closed:
                     conn.close()
                     return
+                if self._unticketed >= MAX_UNTICKETED:  # a flood: closed unanswered
+                    conn.close()
+                    continue
+                self._unticketed += 1
                 self._conns.add(conn)
-            threading.Thread(
-                target=self._answer, args=(conn, serve), name="datastore-data", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._answer, args=(conn, serve), name="datastore-data", daemon=True
+                ).start()
+            except RuntimeError:  # no thread to be had: this one closed, the next tried
+                self._ticketed(conn)
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
+
+    def _ticketed(self, conn: socket.socket) -> None:
+        """``conn`` is past its ticket (or gone): no longer counted as waiting for one."""
+        with self._lock:
+            self._unticketed -= 1
 
     def _answer(self, conn: socket.socket, serve: Serve) -> None:
-        sock, deadline = conn, time.monotonic() + self.timeout_s
+        sock, deadline, waiting = conn, time.monotonic() + self.timeout_s, True
         try:
             conn.settimeout(self.timeout_s)
             tune(conn)
@@ -241,6 +258,8 @@ class DataListener:
                     self._conns.add(sock)
             # the whole ticket within the timeout: bytes dripped in never hold a thread long
             node = self._redeem(bytes(recv_bytes(sock, TICKET, deadline)))
+            waiting = False
+            self._ticketed(conn)
             while node is not None:
                 sock.settimeout(None)  # idle between fetches: the asker keeps it for the next
                 (n,) = _LENGTH.unpack(recv_bytes(sock, _LENGTH.size))
@@ -258,6 +277,8 @@ class DataListener:
         except (OSError, EOFError, BadFrame):
             return  # closed, timed out, or not a peer: nothing more written
         finally:
+            if waiting:
+                self._ticketed(conn)
             with self._lock:
                 self._conns.discard(conn)
                 self._conns.discard(sock)
