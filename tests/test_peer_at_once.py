@@ -41,7 +41,11 @@ def test_a_fetch_is_answered_at_once_only_where_every_sample_is_in_ram(tmp_path)
     try:
         r = residency.load(str(path), "t{node}.h5")
         assert r.wait(10)
-        assert residency.named("t{node}.h5") is r and residency.named(str(path)) is None
+        assert residency.acquire_named(str(path)) is None  # by the name clients give only
+        held = residency.acquire_named("t{node}.h5")
+        assert held is r and r.sessions == 1
+        residency.release(held)
+        assert r.sessions == 0
         in_ram = [i for i in range(8) if r.store.in_ram(i, "x")]
         assert len(in_ram) == 4
         elsewhere = next(i for i in range(8) if i not in in_ram)
@@ -53,5 +57,29 @@ def test_a_fetch_is_answered_at_once_only_where_every_sample_is_in_ram(tmp_path)
         assert r.pieces_in_ram([in_ram[0], elsewhere], *asked) is None  # the pool reads it
         runs = r.pieces([elsewhere], *asked).runs()
         assert np.array_equal(np.concatenate(runs).view(np.float32), data[elsewhere].reshape(-1))
+    finally:
+        residency.close()
+
+
+def test_a_dataset_a_peer_is_being_answered_from_is_not_evicted_under_it(tmp_path):
+    """While a peer's fetch is answered (the dataset held, as ``answer`` and ``answer_at_once``
+    hold it), making room for another dataset leaves it resident; once released, it is the
+    one evicted."""
+    data = np.arange(8 * 32, dtype=np.float32).reshape(8, 32)
+    paths = []
+    for k in range(3):
+        paths.append(tmp_path / f"d{k}.h5")
+        with h5py.File(paths[-1], "w") as f:
+            f["x"] = data + k
+    residency = Residency(budget=data.nbytes + data[:4].nbytes, threads=1)  # 1.5 datasets
+    try:
+        first = residency.load(str(paths[0]), "first")
+        assert first.wait(10)
+        held = residency.acquire_named("first")
+        residency.load(str(paths[1])).wait(10)  # wants all the room: first is held
+        assert first in residency.all(), "a dataset being answered from was evicted"
+        residency.release(held)
+        residency.load(str(paths[2])).wait(10)
+        assert first not in residency.all()  # released: least recently used, evicted
     finally:
         residency.close()

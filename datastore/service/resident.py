@@ -363,12 +363,14 @@ class Residency:
             opened[0].close()
         return r
 
-    def named(self, template: str) -> Resident | None:
-        """The resident dataset clients call ``template`` (touched), if one is: no file system
-        call (its path was checked when it was loaded)."""
+    def acquire_named(self, template: str) -> Resident | None:
+        """The resident dataset clients call ``template``, if one is, held as
+        :meth:`acquire` holds it (until :meth:`release`): no file system call (its path was
+        checked when it was loaded)."""
         with self._lock:
             for r in self._by_path.values():
                 if r.template == template:
+                    r.sessions += 1
                     r.last_used = time.time()
                     return r
         return None

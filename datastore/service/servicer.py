@@ -131,9 +131,11 @@ class Servicer(pb_grpc.DataStoreServicer):
                     "asked for whole boxes by an older datastore: every service of a store "
                     "needs the same version",
                 )
-            r = self.residency.load(path, request["path"])
-            asked = (request["samples"], request["fields"], request["spatial"], request["block"])
-            return r.pieces(*asked)
+            r = self.residency.acquire(path, request["path"])  # not evicted while answered
+            try:
+                return r.pieces(*_asked(request))
+            finally:
+                self.residency.release(r)  # (the reply's views keep what it sends alive)
         raise ServiceError("INVALID_ARGUMENT", f"unknown peer request {kind!r}")
 
     def answer_at_once(self, request: dict) -> Any:
@@ -141,11 +143,13 @@ class Servicer(pb_grpc.DataStoreServicer):
         file system call); ``None`` for any other request, answered by :meth:`answer`."""
         if request["kind"] != "fetch" or not request.get("pieces"):
             return None
-        r = self.residency.named(request["path"])
+        r = self.residency.acquire_named(request["path"])
         if r is None:
             return None
-        asked = (request["samples"], request["fields"], request["spatial"], request["block"])
-        return r.pieces_in_ram(*asked)
+        try:
+            return r.pieces_in_ram(*_asked(request))
+        finally:
+            self.residency.release(r)
 
     def internal_error(self, exc: BaseException) -> None:
         """Log an unexpected exception of a call in full; its caller gets only ``INTERNAL``."""
@@ -365,3 +369,8 @@ def _dataset_status(r: Resident) -> Any:
         misses=r.store.counters.misses,
         local_samples=len(r.store.keys),
     )
+
+
+def _asked(request: dict) -> tuple:
+    """A peer's fetch as :meth:`~datastore.service.resident.Resident.pieces` takes it."""
+    return request["samples"], request["fields"], request["spatial"], request["block"]
