@@ -573,3 +573,24 @@ def test_a_flood_of_connections_without_tickets_is_turned_away_and_peers_still_s
             assert listener.served == 1
         finally:
             link.close(stop_all=False)
+
+
+def test_an_unused_data_connection_is_closed_by_its_owner_and_the_asker_opens_another(
+    monkeypatch,
+):
+    """The owner closes a data connection that brought no request for ``IDLE_S`` (its thread
+    and socket freed); the asker, finding it closed, fetches over a new one."""
+    monkeypatch.setattr(data_link, "IDLE_S", 0.5)
+    with owner(_pieces) as (address, listener):
+        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
+        try:
+            out = np.zeros(_stored(0).nbytes, np.uint8)
+            link.fetch(1, _ask([1]), out)
+            assert _connected(listener.port) == 1
+            time.sleep(1.5)
+            assert _connected(listener.port) == 0, "an unused data connection was kept open"
+            link.fetch(1, _ask([2]), out)
+            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(2))
+            assert listener.served == 2 and _connected(listener.port) == 1
+        finally:
+            link.close(stop_all=False)

@@ -56,6 +56,8 @@ MAX_REQUEST = 16 * 1024 * 1024  # a longer request frame closes the connection
 MAX_RUNS = 1 << 22  # a reply announcing more runs is garbage
 IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into (Linux's limit)
 MAX_UNTICKETED = 128  # connections waiting to present a ticket at once; more are closed
+IDLE_S = 600.0  # a connection with no request for this long is closed (the asker stops
+# reusing one well before: grpc_peers.REUSE_S)
 MAX_MESSAGE = 4096  # bytes of an error message sent back (longer ones are cut)
 KEEPALIVE_S = 60  # a silent connection is probed after half of it, dropped after about all
 _LENGTH = struct.Struct("!I")
@@ -261,7 +263,7 @@ class DataListener:
             waiting = False
             self._ticketed(conn)
             while node is not None:
-                sock.settimeout(None)  # idle between fetches: the asker keeps it for the next
+                sock.settimeout(IDLE_S)  # between fetches: the asker keeps it for the next
                 (n,) = _LENGTH.unpack(recv_bytes(sock, _LENGTH.size))
                 sock.settimeout(self.timeout_s)
                 if n > MAX_REQUEST:
@@ -318,6 +320,7 @@ class DataConnection:
         try:
             tune(raw)
             self.sock = raw if tls is None else tls.wrap_socket(raw, server_hostname=host)
+            self.quiet_since = time.monotonic()  # (when it last finished a fetch)
             self.sock.settimeout(timeout_s)
             self.sock.sendall(ticket)
         except BaseException:

@@ -38,10 +38,7 @@ import numpy as np
 from datastore.maths.subarray import MIN_RUN, runs, view
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
-from datastore.service.data_link import (
-    DataConnection,
-    PeerError,
-)
+from datastore.service.data_link import IDLE_S, DataConnection, PeerError
 from datastore.service.errors import ServiceError
 from datastore.service.peers import (
     STATS_ENV,
@@ -61,6 +58,8 @@ CHUNK = 4 * 1024 * 1024
 FETCH_THREADS = 8  # fetches in flight at once (a stream's next steps, every owner)
 CONNECT_S = 3.0  # a data port not reached within this (or the timeout) falls back to gRPC
 RETRY_S = 60.0  # ...for this long; then the data connection is tried again
+REUSE_S = IDLE_S / 2  # a data connection unused longer is closed, not reused (the owner
+# closes one after IDLE_S: never while this side may still pick it)
 DATA_FIELD = 1  # FetchBlocksResponse.data
 _OPTIONS = [
     ("grpc.max_receive_message_length", 2 * CHUNK),
@@ -240,9 +239,9 @@ class GrpcPeers:
                 conn = self._idle.get(dest, []).pop() if self._idle.get(dest) else None
             if conn is None:
                 break
-            if conn.idle():
+            if conn.idle() and time.monotonic() - conn.quiet_since <= REUSE_S:
                 return conn
-            conn.close()  # the peer closed it (restarted?): a new one
+            conn.close()  # the peer closed it (restarted?), or it sat unused: a new one
         call = self._channel(dest).unary_unary(
             f"/{SERVICE}/OpenData",
             request_serializer=pb.OpenDataRequest.SerializeToString,
@@ -349,13 +348,17 @@ class GrpcPeers:
             total = sum(sizes) if ok else 0
             legs = (first - asked, time.monotonic() - first) if ok else (0.0, 0.0)
             self.stats.end(total, sizes, legs)
+            now, stale = time.monotonic(), []
             with self._lock:
                 self._busy.discard(conn)
                 keep = ok and not self._closed
                 if keep:
-                    self._idle.setdefault(dest, []).append(conn)
-            if not keep:
-                conn.close()
+                    conn.quiet_since = now
+                    pool = self._idle.setdefault(dest, [])
+                    stale = [c for c in pool if now - c.quiet_since > REUSE_S]
+                    pool[:] = [c for c in pool if c not in stale] + [conn]
+            for c in stale if keep else [conn]:
+                c.close()
         self.bytes_received += total
 
     def _fetch_grpc(self, dest: int, message: Any, into: list[np.ndarray], job: _Job) -> None:
