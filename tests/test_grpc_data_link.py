@@ -594,3 +594,25 @@ def test_an_unused_data_connection_is_closed_by_its_owner_and_the_asker_opens_an
             assert listener.served == 2 and _connected(listener.port) == 1
         finally:
             link.close(stop_all=False)
+
+
+def test_an_asker_does_not_reuse_a_data_connection_that_sat_unused_too_long(monkeypatch):
+    """A connection back in the asker's pool longer than ``REUSE_S`` is closed and a new one
+    opened (the owner may be about to close it at ``IDLE_S``); a fresh one is reused."""
+    monkeypatch.setattr(grpc_peers, "REUSE_S", 0.5)
+    with owner(_pieces) as (address, listener):
+        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
+        try:
+            out = np.zeros(_stored(0).nbytes, np.uint8)
+            link.fetch(1, _ask([1]), out)
+            (first,) = link._idle[1]
+            link.fetch(1, _ask([2]), out)
+            assert link._idle[1] == [first], "a fresh connection was not reused"
+            time.sleep(0.8)
+            link.fetch(1, _ask([3]), out)
+            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(3))
+            (second,) = link._idle[1]
+            assert second is not first and first.sock.fileno() == -1
+            assert listener.served == 3
+        finally:
+            link.close(stop_all=False)
