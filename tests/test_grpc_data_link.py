@@ -616,3 +616,23 @@ def test_an_asker_does_not_reuse_a_data_connection_that_sat_unused_too_long(monk
             assert listener.served == 3
         finally:
             link.close(stop_all=False)
+
+
+def test_a_fetch_or_describe_after_the_link_closed_is_refused_at_once():
+    """After ``close`` (a service stopping), a fetch queued before it or asked after it, and a
+    describe, are refused ``UNAVAILABLE`` at once: no channel is opened again to wait for a
+    peer that may be gone (which held up the service's exit past Slurm's KillWait)."""
+    link = GrpcPeers(("127.0.0.1:9", "127.0.0.1:1"), 0, TOKEN, timeout_s=30)
+    link.close(stop_all=False)
+    out = np.zeros(_stored(0).nbytes, np.uint8)
+    t0 = time.monotonic()
+    pending = link.start(1, _ask([1]), out)
+    assert pending.wait(5)
+    for call in (pending.result, lambda: link.fetch(1, _ask([1]), out),
+                 lambda: link.describe(1, "d")):  # fmt: skip
+        with pytest.raises(ServiceError) as e:
+            call()
+        assert e.value.code == "UNAVAILABLE" and "this service is stopping" in str(e.value)
+        assert "node 1 (127.0.0.1:1)" in str(e.value)
+    assert time.monotonic() - t0 < 5
+    assert link._channels == {}

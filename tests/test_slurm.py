@@ -157,7 +157,8 @@ class Campaign:
             (pid,) = [e["pid"] for e in events if e["event"] == "listening"]
             shm = self.cluster.node_path(node, "/dev/shm")
             assert sorted(shm.glob(f"datastore.*.{pid}.*")) == [], node
-            assert not self.cluster.node_path(node, run_dir).exists(), (node, self.output)
+            log = (self.out / "logs" / f"serve-{node}.log").read_text()[-4000:]
+            assert not self.cluster.node_path(node, run_dir).exists(), (node, log, self.output)
         assert not (self.out / "token").exists()
 
 

@@ -188,6 +188,7 @@ class DataListener:
         self._lock = threading.Lock()
         self._tickets: dict[bytes, tuple[int, float]] = {}  # ticket -> (node, expiry)
         self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()  # the connections' threads, running
         self._closed = False
         self._unticketed = 0  # connections not past their ticket yet
         self.served = 0  # requests answered (counted before the reply goes out, errors included)
@@ -231,10 +232,13 @@ class DataListener:
                     continue
                 self._unticketed += 1
                 self._conns.add(conn)
+            thread = threading.Thread(
+                target=self._answer, args=(conn, serve), name="datastore-data", daemon=True
+            )
             try:
-                threading.Thread(
-                    target=self._answer, args=(conn, serve), name="datastore-data", daemon=True
-                ).start()
+                with self._lock:
+                    self._threads.add(thread)
+                thread.start()
             except RuntimeError:  # no thread to be had: this one closed, the next tried
                 self._ticketed(conn)
                 with self._lock:
@@ -284,17 +288,25 @@ class DataListener:
             with self._lock:
                 self._conns.discard(conn)
                 self._conns.discard(sock)
+                self._threads.discard(threading.current_thread())
             sock.close()
 
-    def close(self) -> None:
-        """Stop listening and end every connection (their threads then exit)."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop listening, end every connection, and wait up to ``wait_s`` for their threads
+        (one answering a request finishes it first): none is left answering while the
+        process exits."""
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns), set()
+            threads = list(self._threads)
         for s in [self._sock, *conns]:
             with contextlib.suppress(OSError):  # not connected
                 s.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        deadline = time.monotonic() + wait_s
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
 
 # -- the asker's side -------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,8 @@ class GrpcPeers:
 
     def _channel(self, dest: int) -> grpc.Channel:
         with self._lock:
+            if self._closed:  # (a fetch queued before the close, run after it)
+                raise self._stopping(dest)
             if dest not in self._channels:
                 target = self.addresses[dest]
                 if self._credentials is None:
@@ -155,6 +157,12 @@ class GrpcPeers:
                     ch = grpc.secure_channel(target, self._credentials, options=_OPTIONS)
                 self._channels[dest] = ch
             return self._channels[dest]
+
+    def _stopping(self, dest: int) -> ServiceError:
+        """A call asked after :meth:`close`: refused, never sent (a channel opened now would
+        wait for a peer that may be gone, holding up this service's exit)."""
+        at = f"node {dest} ({self.addresses[dest]})"
+        return ServiceError("UNAVAILABLE", f"{at} was not asked: this service is stopping")
 
     def _header(self, dest: int) -> Any:
         return pb.PeerHeader(from_node=self.node, to_node=dest, nodes=self.nodes)
@@ -194,9 +202,15 @@ class GrpcPeers:
         returns once no byte can land in ``out`` any more."""
         job = _Job()
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="datastore-grpc")
-            future = self._pool.submit(self._fetch, dest, request, out, job)
+            if self._closed:  # a new pool now would hold up the service's exit
+                future: Future = Future()
+                future.set_exception(self._stopping(dest))
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        FETCH_THREADS, thread_name_prefix="datastore-grpc"
+                    )
+                future = self._pool.submit(self._fetch, dest, request, out, job)
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
 

@@ -120,6 +120,10 @@ class Servicer(pb_grpc.DataStoreServicer):
         if kind == "shutdown":
             self._stop.request(f"node {request['node']} stopped")
             return None
+        if self._stop.event.is_set():  # nothing loaded or sent while this service stops
+            raise ServiceError(
+                "UNAVAILABLE", f"node {self.residency.node} is stopping ({self._stop.why})"
+            )
         path = self._resolve(request["path"])
         if kind == "describe":
             return listing(path, self._config.allowed_roots)
@@ -141,8 +145,8 @@ class Servicer(pb_grpc.DataStoreServicer):
     def answer_at_once(self, request: dict) -> Any:
         """A peer's fetch of samples in RAM here (:meth:`answer`'s reply: views, no read, no
         file system call); ``None`` for any other request, answered by :meth:`answer`."""
-        if request["kind"] != "fetch" or not request.get("pieces"):
-            return None
+        if request["kind"] != "fetch" or not request.get("pieces") or self._stop.event.is_set():
+            return None  # (answer refuses it while this service stops)
         r = self.residency.acquire_named(request["path"])
         if r is None:
             return None
