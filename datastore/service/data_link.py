@@ -84,6 +84,18 @@ def _views(buffers: Sequence[Any]) -> list[memoryview]:
     return [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
 
 
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """``n`` more bytes of ``views`` moved from ``views[i]`` on: the index of the first view
+    not done (a view partly done is cut to what is left)."""
+    while n:
+        if n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        else:
+            views[i], n = views[i][n:], 0
+    return i
+
+
 def send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """Send ``buffers`` one after the other: ``sendmsg`` of up to :data:`IOV_MAX` at a time
     (partial sends resumed), or run by run over TLS."""
@@ -94,13 +106,7 @@ def send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
         return
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + IOV_MAX])
-        while sent:
-            if sent >= views[i].nbytes:
-                sent -= views[i].nbytes
-                i += 1
-            else:
-                views[i], sent = views[i][sent:], 0
+        i = _advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
 
 
 def recv_all(sock: socket.socket, buffers: Sequence[Any], deadline: float | None = None) -> None:
@@ -121,12 +127,7 @@ def recv_all(sock: socket.socket, buffers: Sequence[Any], deadline: float | None
             got = sock.recvmsg_into(views[i : i + IOV_MAX])[0]
         if not got:
             raise EOFError("the connection closed mid-reply")
-        while got:
-            if got >= views[i].nbytes:
-                got -= views[i].nbytes
-                i += 1
-            else:
-                views[i], got = views[i][got:], 0
+        i = _advance(views, i, got)
 
 
 def recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
