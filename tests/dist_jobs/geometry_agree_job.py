@@ -12,6 +12,7 @@ import json
 import sys
 
 import torch
+import torch.distributed as dist
 
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.layers import DistConv3d
@@ -56,6 +57,8 @@ def main() -> None:
     got["valid-new-batch"] = {"error": None, "agreed": len(m.agreed.shapes)}
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(got, f)
+    dist.barrier()  # none leaves while the other still sends; then leave the group cleanly
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
