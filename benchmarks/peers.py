@@ -131,6 +131,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tls", action="store_true", help="the grpc store's peers talk TLS (a self-signed cert)"
     )
     p.add_argument(
+        "--node-cpus",
+        default=None,
+        metavar="A/B",
+        help="pin node 0's processes to CPUs A and node 1's to B (taskset lists, e.g. 0/1); "
+        "one node is then the whole dataset on each node",
+    )
+    p.add_argument(
         "--json", "--out", default=None, metavar="FILE", help="also write the results as JSON"
     )
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)
@@ -152,7 +159,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("need --samples >= 4 x --batch (two steps an epoch), --reps, --epochs >= 1")
     if args.side < 4:
         p.error("--side must be >= 4")
+    if args.node_cpus is not None:
+        args.node_cpus = args.node_cpus.split("/")
+        have = os.sched_getaffinity(0)
+        if len(args.node_cpus) != 2 or not all(cpu_list(c) <= have for c in args.node_cpus):
+            p.error(f"--node-cpus: two CPU lists A/B among this process's {sorted(have)}")
     return args
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a taskset list (``0``, ``0,2``, ``0-3``); empty where it is malformed."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi or lo).isdigit():
+            return set()
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    """``cmd`` run on the CPUs ``cpus`` (a taskset list), or as it is where ``None``."""
+    return cmd if cpus is None else ["taskset", "-c", cpus, *cmd]
 
 
 # ----------------------------------------------------------------------------- the dataset
@@ -238,10 +266,12 @@ class Store:
         path: the dataset path clients name.
     """
 
-    def __init__(self, kind: str, template: str, src: str, tls: bool = False) -> None:
+    def __init__(
+        self, kind: str, template: str, src: str, tls: bool = False, cpus: list[str] | None = None
+    ) -> None:
         from datastore.service.client import Client
 
-        self.kind = kind
+        self.kind, self.cpus = kind, cpus
         self.tmp = tempfile.mkdtemp(prefix=f"datastore-peers-{kind}-")
         self.env = clean_env(self.tmp)
         self.env[STATS_ENV] = os.path.join(self.tmp, "peer{node}.jsonl")  # the link's spans
@@ -249,9 +279,9 @@ class Store:
         serve = [sys.executable, "-m", "datastore", "serve"]
         if kind == "mpi":
             self.path = template
-            mpi = [venv_tool("mpiexec"), "-n", "2", sys.executable, "-m", "mpi4py", *serve[1:]]
-            self._start([*mpi, "--socket", f"{self.tmp}/s{{rank}}.sock"])
             self.sockets = [f"{self.tmp}/s0.sock", f"{self.tmp}/s1.sock"]
+            rank = [sys.executable, "-m", "mpi4py", *serve[1:], "--socket"]
+            self._start(mpmd([[*rank, sock] for sock in self.sockets], cpus))
         elif kind == "grpc":
             self.path = template
             token = os.path.join(self.tmp, "token")
@@ -262,11 +292,17 @@ class Store:
             for k in range(2):
                 cmd = [*serve, "--socket", self.sockets[k], "--tcp", peers[k]]
                 cmd += ["--token-file", token, "--peers", ",".join(peers), "--node", str(k)]
-                self._start(cmd + (self_signed(self.tmp) if tls else []))
-        else:
+                cmd += self_signed(self.tmp) if tls else []
+                self._start(pinned(cmd, cpus and cpus[k]))
+        elif cpus is None:
             self.path = src
             self._start([*serve, "--socket", f"{self.tmp}/l.sock"])
             self.sockets = [f"{self.tmp}/l.sock"] * 2
+        else:  # pinned nodes: the whole dataset on each node, each rank on its own node
+            self.path = src
+            self.sockets = [f"{self.tmp}/l{k}.sock" for k in range(2)]
+            for k in range(2):
+                self._start(pinned([*serve, "--socket", self.sockets[k]], cpus[k]))
         self.services = sorted(set(self.sockets))
         deadline = time.monotonic() + 90
         while not all(os.path.exists(s) for s in self.services):
@@ -415,14 +451,24 @@ def bare(spec: str) -> int:
     return 0
 
 
-def run_bare(fetches: list[list[list[int]]], env: dict[str, str], tmp: str) -> float:
+def mpmd(ranks: list[list[str]], cpus: list[str] | None) -> list[str]:
+    """``mpiexec`` running ``ranks[k]`` as rank k, on the CPUs ``cpus[k]`` where given."""
+    cmd = [venv_tool("mpiexec")]
+    for k, argv in enumerate(ranks):
+        cmd += [":"] if k else []
+        cmd += ["-n", "1", *pinned(argv, cpus and cpus[k])]
+    return cmd
+
+
+def run_bare(
+    fetches: list[list[list[int]]], env: dict[str, str], tmp: str, cpus: list[str] | None
+) -> float:
     """GB/s of bare mpi4py replaying ``fetches`` (node k's fetches, each its message sizes),
     both directions / time."""
     spec = os.path.join(tmp, "bare.json")
     with open(spec, "w") as f:
         json.dump({"fetches": fetches, "depth": FETCH_AHEAD}, f)
-    cmd = [venv_tool("mpiexec"), "-n", "2", sys.executable, "-m", "mpi4py", __file__]
-    cmd += ["--bare", spec]
+    cmd = mpmd([[sys.executable, "-m", "mpi4py", __file__, "--bare", spec]] * 2, cpus)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise SystemExit(f"bare mpi4py exchange failed:\n{r.stdout}{r.stderr}")
@@ -445,10 +491,10 @@ def in_flight(spans: list[list[float]], t0: float, t1: float) -> float:
     return total
 
 
-def spawn(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen:
+def spawn(spec: dict[str, Any], env: dict[str, str], cpus: str | None) -> subprocess.Popen:
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, HERE]))}
     return subprocess.Popen(
-        [sys.executable, __file__, "--client", json.dumps(spec)],
+        pinned([sys.executable, __file__, "--client", json.dumps(spec)], cpus),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -509,6 +555,14 @@ class Job:
     def in_flight_gb_s(self) -> float | None:
         return median(self.in_flight_rates) if self.in_flight_rates else None
 
+    @property
+    def depth(self) -> float | None:
+        """Fetches in flight at once, on average while one was (their times summed / the time
+        in flight), median over the reps; ``None`` where the link does not time its legs."""
+        reps = zip(self.legs, self.in_flight_s, strict=True)
+        per_rep = [sum(a + b for a, b in legs) / t for legs, t in reps if t and legs]
+        return median(per_rep) if per_rep and any(per_rep) else None
+
     def fetch_ms(self) -> dict[str, float] | None:
         """Each fetch's time (ms, every rep's fetches pooled): from asked to the reply's
         envelope in, from there to its last byte in, and the whole, median and 90th
@@ -546,6 +600,7 @@ class Job:
             "exchange_gb_per_s_in_flight": self.in_flight_gb_s,
             "exchange_gb_per_s_in_flight_reps": self.in_flight_rates,
             "fetch_ms": self.fetch_ms(),
+            "fetches_in_flight": self.depth,
             "reps": {
                 "seconds": self.seconds,
                 "batches": self.batches,
@@ -573,7 +628,7 @@ def run_jobs(store: Store, args: argparse.Namespace, jobs: dict[tuple[str, str],
                 "layouts": args.layouts,
                 "epochs": args.epochs,
             }
-            procs.append(spawn(spec, store.env))
+            procs.append(spawn(spec, store.env, store.cpus and store.cpus[rank]))
         for layout in args.layouts:
             for p in procs:
                 if read_tagged(p) != "ready":
@@ -674,8 +729,8 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
     link_rows = [
         "| store | layout | exchange GB/s in flight (reps) | in flight s | exchange GB/s per "
         "epoch time (reps) | bare mpi4py GB/s (reps) | in flight / bare | epoch / bare "
-        "| per fetch ms: envelope + bytes = whole (p90) |",
-        "|---|---|---|---:|---|---|---:|---:|---|",
+        "| per fetch ms: envelope + bytes = whole (p90) | fetches in flight |",
+        "|---|---|---|---:|---|---|---:|---:|---|---:|",
     ]
     for layout in args.layouts:
         for kind in ("mpi", "grpc"):
@@ -697,9 +752,9 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
             if ms:
                 legs = [f"{ms[k]:.1f} + {ms['bytes' + p]:.1f} = {ms['whole' + p]:.1f}"
                         for k, p in (("envelope", ""), ("envelope_p90", "_p90"))]  # fmt: skip
-                row += f"| {legs[0]} ({legs[1]}) |"
+                row += f"| {legs[0]} ({legs[1]}) | {j.depth:.1f} |"
             else:
-                row += "| - |"
+                row += "| - | - |"
             link_rows.append(row)
     target_rows = ["| issue 24 target | layout | measured | verdict |", "|---|---|---:|---|"]
     for r in ratios(jobs, args.layouts):
@@ -737,7 +792,8 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
             f"{FETCH_AHEAD} fetches in flight each way), bytes / time. Issue 24's 0.8x target "
             "is judged on in flight / bare (both are bytes / time the link was busy). Per fetch: "
             "from asked to the reply's envelope in, then to its last byte in (median, and 90th "
-            "percentile, of every fetch of the timed epochs). Medians "
+            "percentile, of every fetch of the timed epochs); fetches in flight: their times "
+            "summed / the time in flight (both services). Medians "
             "over the reps; reps: the full range (min-max) over them.",
             f"- data: {args.samples} .npy samples x {mb:.1f} MiB (float32 (4, {args.side}, "
             f"{args.side}, {args.side})); global batch {2 * args.batch} "
@@ -797,7 +853,7 @@ def run_store(
 ) -> tuple[float, list[str]]:
     """Start one store, run its jobs, measure it idle, stop it: (idle CPU in cores, debris)."""
     t0 = time.monotonic()
-    store = Store(kind, template, src, tls=args.tls)
+    store = Store(kind, template, src, tls=args.tls, cpus=args.node_cpus)
     started = time.monotonic() - t0
     try:
         run_jobs(store, args, jobs)
@@ -809,7 +865,9 @@ def run_store(
                 rate = job.link_bytes[-1] / job.in_flight_s[-1] / 1e9
                 bare_note = f"; {rate:.2f} GB/s in flight ({job.in_flight_s[-1]:.2f} s)"
             if kind == "mpi":
-                job.bare_gb_s.append(run_bare(job.fetches[-1], store.env, store.tmp))
+                job.bare_gb_s.append(
+                    run_bare(job.fetches[-1], store.env, store.tmp, args.node_cpus)
+                )
                 bare_note += f"; bare mpi4py {job.bare_gb_s[-1]:.2f} GB/s"
             print(
                 f"rep {rep + 1}: {kind:5s} {layout:6s}: {job.batches[-1] / wall:6.1f} batches/s, "
@@ -841,6 +899,12 @@ def main(argv: list[str] | None = None) -> int:
         f"- staged with `mpiexec -n 2 datastore stage --mode shard` in {stage_s:.1f} s: "
         f"{shares[0]} + {shares[1]} files on node0 + node1"
     ]
+    if args.node_cpus:
+        notes.append(
+            f"- nodes pinned: node 0's service and rank on CPUs {args.node_cpus[0]}, node 1's on "
+            f"{args.node_cpus[1]} (taskset), the bare ranks likewise; one node ('local') is the "
+            "whole dataset on each node, rank k streaming from node k's service"
+        )
     print(notes[0][2:], flush=True)
     jobs = {(k, lay): Job(k, lay) for k in args.kinds for lay in args.layouts}
     idle: dict[str, list[float]] = {k: [] for k in args.kinds}
