@@ -56,6 +56,12 @@ processes (the service has no call to run a probe on its communicator); the mess
 the owner's answer, the envelope's way back), then to its last byte in, median and 90th
 percentile over the timed epochs' fetches (MPI peers; the legs the services record).
 
+With ``--node-cpus A/B`` each node gets its own CPUs (``taskset``): node k's service, rank k
+and bare rank k run on CPUs A (k = 0) or B (k = 1), and the one-node reference ``local`` is
+then the whole dataset on each node (two services over the unsharded directory, rank k
+streaming from node k's): the same processes, cores and pinning as the sharded stores, only
+without the exchange. Unpinned (the default), the stores share this host's cores.
+
 Every service is shut down at the end; the run checks that no socket and no shared-memory
 segment of its services is left (``/dev/shm/datastore.<uid>.<pid>.*``) and says so.
 
@@ -64,6 +70,7 @@ Usage::
     python benchmarks/peers.py                   # full run (about 2 min on 2 cores)
     python benchmarks/peers.py --quick           # smoke run: N=16, S=32, B=2, 1 rep
     python benchmarks/peers.py --kinds mpi,grpc --layouts whole --json /tmp/peers.json
+    python benchmarks/peers.py --node-cpus 0/1   # a core per node
 """
 
 from __future__ import annotations
