@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 
 from datastore.service import data_link, grpc_peers
 from datastore.service._pb.v1 import datastore_pb2 as pb
-from datastore.service.data_link import TICKET, DataConnection
+from datastore.service.data_link import REPLY, TICKET, DataConnection, recv_bytes
 from datastore.service.errors import ServiceError
 from datastore.service.grpc_answer import PeersServicer, add_peers_to_server
 from datastore.service.grpc_peers import GrpcPeers
@@ -53,12 +54,8 @@ def cert(tmp_path_factory):
     return cert, key
 
 
-@contextlib.contextmanager
-def owner(answer, tls=None, timeout_s=10.0, host="127.0.0.1"):
-    """Node 1 of 2: a real ``Peers`` server on ``host`` (loopback) and its data listener,
-    answering with ``answer``; yields ``(its address on 127.0.0.1, the listener)``."""
-    listener = bind_data(f"{host}:0", 0, *(tls or (None, None)), timeout_s)
-    servicer = PeersServicer(1, 2, answer, lambda s: None, data=listener)
+def _peers_server(servicer, tls=None, host="127.0.0.1"):
+    """A started gRPC server of ``servicer`` on ``host``: ``(it, its address on 127.0.0.1)``."""
     server = grpc.server(ThreadPoolExecutor(4))
     add_peers_to_server(servicer, server)
     if tls is None:
@@ -67,12 +64,82 @@ def owner(answer, tls=None, timeout_s=10.0, host="127.0.0.1"):
         pair = (tls[1].read_bytes(), tls[0].read_bytes())
         port = server.add_secure_port(f"{host}:0", grpc.ssl_server_credentials([pair]))
     server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "tls"])
+def tls(request, cert):
+    """``(cert, key)`` in the TLS case, ``None`` in the plaintext one."""
+    return cert if request.param else None
+
+
+@contextlib.contextmanager
+def owner(answer, tls=None, timeout_s=10.0, host="127.0.0.1"):
+    """Node 1 of 2: a real ``Peers`` server on ``host`` (loopback) and its data listener,
+    answering with ``answer``; yields ``(its address on 127.0.0.1, the listener)``."""
+    listener = bind_data(f"{host}:0", 0, *(tls or (None, None)), timeout_s)
+    servicer = PeersServicer(1, 2, answer, lambda s: None, data=listener)
+    server, address = _peers_server(servicer, tls, host)
     listener.start(servicer.serve_data)
     try:
-        yield f"127.0.0.1:{port}", listener
+        yield address, listener
     finally:
         server.stop(None)
         listener.close()
+
+
+@contextlib.contextmanager
+def linked(address, **options):
+    """Node 0's link to the owner at ``address`` (``GrpcPeers`` options: a 10 s timeout
+    unless told), closed at the end."""
+    link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, **{"timeout_s": 10, **options})
+    try:
+        yield link
+    finally:
+        link.close(stop_all=False)
+
+
+def _flat() -> np.ndarray:
+    """A fetch target for one stored sample, zeroed."""
+    return np.zeros(_stored(0).nbytes, np.uint8)
+
+
+def _frame(samples) -> bytes:
+    """A data connection's request frame of node 0 for ``samples`` (length, then request)."""
+    header = pb.PeerHeader(from_node=0, to_node=1, nodes=2)
+    raw = pb.FetchBlocksRequest(header=header, dataset_path="d", samples=samples)
+    raw = raw.SerializeToString()
+    return struct.pack("!I", len(raw)) + raw
+
+
+def _data_conn(listener, ticket=None, cert=None) -> DataConnection:
+    """A data connection of node 0 to ``listener`` (``ticket``: a fresh one of node 0)."""
+    tls = None if cert is None else ssl.create_default_context(cafile=cert[0])
+    ticket = listener.ticket(0) if ticket is None else ticket
+    address = f"127.0.0.1:{listener.port}"
+    return DataConnection(address, ticket, tls=tls, connect_s=5, timeout_s=10)
+
+
+def _raw(listener, cert=None) -> socket.socket:
+    """A bare (TLS: handshaken) connection to ``listener`` that has sent nothing."""
+    sock = socket.create_connection(("127.0.0.1", listener.port), timeout=10)
+    if cert is None:
+        return sock
+    return ssl.create_default_context(cafile=cert[0]).wrap_socket(sock, server_hostname="127.0.0.1")
+
+
+def _reply(sock) -> bytes:
+    """An OK reply's bytes, read off ``sock`` by hand."""
+    code_n, message_n, total, count = REPLY.unpack(recv_bytes(sock, REPLY.size))
+    head = recv_bytes(sock, code_n + message_n + 8 * count)
+    assert code_n == 0, bytes(head)
+    return bytes(recv_bytes(sock, total))
+
+
+def _listener_threads(before) -> list[threading.Thread]:
+    """The data listeners' threads started since ``before`` (``threading.enumerate()``)."""
+    now = set(threading.enumerate()) - set(before)
+    return [t for t in now if t.name.startswith("datastore-data")]
 
 
 def _pieces(request):
@@ -90,43 +157,40 @@ def _ask(samples):
     }
 
 
-@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_whole_samples_and_parts_amid_their_halo_arrive_exactly_over_the_data_connection(
-    cert, tls, tmp_path, monkeypatch
+    tls, tmp_path, monkeypatch
 ):
     """A whole sample into a flat buffer, and samples into boxes amid a halo (long runs:
     received in place; short runs, cut on the last axis: aside, then copied): the exact bytes,
     the halo untouched, every fetch answered by the data listener (not the gRPC stream), and
     its legs and run sizes in the peer stats."""
     monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats{node}.jsonl"))
-    with owner(_pieces, tls=cert if tls else None) as (address, listener):
-        ca = cert[0] if tls else None
-        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, tls_ca=ca, timeout_s=10)
-        try:
-            flat = np.zeros(_stored(0).nbytes, np.uint8)
-            link.fetch(1, _ask([3]), flat)
-            assert np.array_equal(flat.view(np.float32).reshape(SHAPE), _stored(3))
-            slot = np.full((2, 6, 72, 258), -1.0, np.float32)
-            short_runs = (slice(1, 5), slice(1, 71), slice(1, 257))  # rows of 1 KiB
-            long_slot = np.full((2, 6, 72, 256), -1.0, np.float32)
-            long_runs = (slice(1, 5), slice(1, 71), slice(0, 256))  # runs of 70 KiB
-            link.fetch(1, _ask([5, 6]), [(slot[0], short_runs), (long_slot[1], long_runs)])
-            stored_short = np.full_like(slot, -1.0)
-            stored_short[0][short_runs] = _stored(5)
-            stored_long = np.full_like(long_slot, -1.0)
-            stored_long[1][long_runs] = _stored(6)
-            assert np.array_equal(slot, stored_short)
-            assert np.array_equal(long_slot, stored_long)
-            assert listener.served == 2  # both fetches over the data connection
-        finally:
-            link.close(stop_all=False)
+    with (
+        owner(_pieces, tls=tls) as (address, listener),
+        linked(address, tls_ca=tls and tls[0]) as link,
+    ):
+        flat = _flat()
+        link.fetch(1, _ask([3]), flat)
+        assert np.array_equal(flat.view(np.float32).reshape(SHAPE), _stored(3))
+        slot = np.full((2, 6, 72, 258), -1.0, np.float32)
+        short_runs = (slice(1, 5), slice(1, 71), slice(1, 257))  # rows of 1 KiB
+        long_slot = np.full((2, 6, 72, 256), -1.0, np.float32)
+        long_runs = (slice(1, 5), slice(1, 71), slice(0, 256))  # runs of 70 KiB
+        link.fetch(1, _ask([5, 6]), [(slot[0], short_runs), (long_slot[1], long_runs)])
+        stored_short = np.full_like(slot, -1.0)
+        stored_short[0][short_runs] = _stored(5)
+        stored_long = np.full_like(long_slot, -1.0)
+        stored_long[1][long_runs] = _stored(6)
+        assert np.array_equal(slot, stored_short)
+        assert np.array_equal(long_slot, stored_long)
+        assert listener.served == 2  # both fetches over the data connection
     stats = read_stats(str(tmp_path / "stats0.jsonl"))
     n = _stored(0).nbytes
     assert stats["bytes"] == 3 * n and stats["fetches"] == [[n], [n, n]]
     assert all(to_first > 0 and to_last >= 0 for to_first, to_last in stats["legs"])
 
 
-def test_a_wrong_used_or_other_nodes_ticket_and_an_oversized_request_get_nothing(cert):
+def test_a_wrong_used_or_other_nodes_ticket_and_an_oversized_request_get_nothing():
     """The listener answers only a connection whose first bytes are a ticket it gave out,
     once, to the node that asks, and only requests of at most 16 MiB; anything else, and a
     connection silent past the timeout, is closed with nothing written."""
@@ -137,16 +201,13 @@ def test_a_wrong_used_or_other_nodes_ticket_and_an_oversized_request_get_nothing
         return _pieces(request)
 
     with owner(answer, timeout_s=5) as (_, listener):
-        data = f"127.0.0.1:{listener.port}"
-        header = pb.PeerHeader(from_node=0, to_node=1, nodes=2)
-        raw = pb.FetchBlocksRequest(header=header, dataset_path="d", samples=[1])
-        raw = raw.SerializeToString()
-        into = np.zeros(_stored(0).nbytes, np.uint8)
+        raw = _frame([1])[4:]
+        into = _flat()
 
-        def fetch(ticket, frame=raw):
-            conn = DataConnection(data, ticket, tls=None, connect_s=5, timeout_s=5)
+        def fetch(ticket):
+            conn = _data_conn(listener, ticket)
             try:
-                conn.fetch(frame, [into])
+                conn.fetch(raw, [into])
             finally:
                 conn.close()
 
@@ -171,7 +232,7 @@ def test_a_wrong_used_or_other_nodes_ticket_and_an_oversized_request_get_nothing
     assert asked == [[1]]
 
 
-def test_abandon_returns_only_once_nothing_can_land(cert):
+def test_abandon_returns_only_once_nothing_can_land():
     """A fetch abandoned while the owner is still answering: ``abandon`` returns with the
     fetch over, and the owner's reply, sent after, lands nowhere (before: abandon returned at
     once and the late reply was written into the batch slot)."""
@@ -182,10 +243,9 @@ def test_abandon_returns_only_once_nothing_can_land(cert):
         release.wait(10)
         return _pieces(request)
 
-    with owner(answer) as (address, _):
-        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
+    with owner(answer) as (address, _), linked(address) as link:
         try:
-            out = np.zeros(_stored(0).nbytes, np.uint8)
+            out = _flat()
             pending = link.start(1, _ask([2]), out)
             assert entered.wait(10)
             pending.abandon()
@@ -200,29 +260,20 @@ def test_abandon_returns_only_once_nothing_can_land(cert):
             assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(4))
         finally:
             release.set()
-            link.close(stop_all=False)
 
 
-def test_an_unreachable_data_port_falls_back_to_the_grpc_stream_logged_once(cert):
+def test_an_unreachable_data_port_falls_back_to_the_grpc_stream_logged_once():
     """``OpenData`` names a port nothing listens on (a firewall open to gRPC only): the
     fetches come over ``FetchBlocks``, exact, and the link says so once."""
     with owner(_pieces) as (address, listener):
         listener.close()  # its port now refuses connections
         events = []
-        link = GrpcPeers(
-            ("127.0.0.1:9", address),
-            0,
-            TOKEN,
-            timeout_s=10,
-            on_event=lambda event, **fields: events.append((event, fields)),
-        )
-        try:
+        told = lambda event, **fields: events.append((event, fields))  # noqa: E731
+        with linked(address, on_event=told) as link:
             for i in (7, 8):
-                out = np.zeros(_stored(0).nbytes, np.uint8)
+                out = _flat()
                 link.fetch(1, _ask([i]), out)
                 assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(i))
-        finally:
-            link.close(stop_all=False)
     ((event, fields),) = events
     assert event == "peer_data_port_unreachable" and fields["node"] == 1
     assert f"127.0.0.1:{listener.port}" in fields["msg"] and "over gRPC" in fields["msg"]
@@ -267,7 +318,6 @@ def test_two_services_exchange_over_their_data_connections_the_embedded_batches(
         assert f'"data_port":{s.data_ports[node]}' in log
 
 
-@pytest.mark.mpi
 def _stop(proc: subprocess.Popen) -> None:
     """SIGSTOP ``proc`` and wait until every thread of it is stopped (a thread running on
     another core finishes what it was doing first)."""
@@ -328,6 +378,19 @@ def test_a_stalled_or_killed_peer_fails_naming_it_and_a_restarted_one_is_reached
         link.close(stop_all=False)
 
 
+def _serve(tmp_path, *args) -> subprocess.CompletedProcess:
+    """``datastore serve`` on ``tmp_path``'s socket and ``127.0.0.1:0`` with a token, and
+    ``args``, run to its end (outside any launcher)."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.update(XDG_RUNTIME_DIR=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(tmp_path / "s.sock")]
+    cmd += ["--tcp", "127.0.0.1:0", "--token-file", str(token), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -338,77 +401,50 @@ def test_a_stalled_or_killed_peer_fails_naming_it_and_a_restarted_one_is_reached
     ids=["out-of-range", "without-peers"],
 )  # fmt: skip
 def test_bad_data_port_options_exit_2_naming_the_option(tmp_path, args, says):
-    token = tmp_path / "token"
-    token.write_text(TOKEN)
-    token.chmod(0o600)
-    cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(tmp_path / "s.sock")]
-    cmd += ["--tcp", "127.0.0.1:0", "--token-file", str(token), *args]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    r = _serve(tmp_path, *args)
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_a_data_port_in_use_fails_the_start_naming_it(tmp_path):
-    token = tmp_path / "token"
-    token.write_text(TOKEN)
-    token.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env.update(XDG_RUNTIME_DIR=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(tmp_path / "s.sock")]
-        cmd += ["--tcp", "127.0.0.1:0", "--token-file", str(token), "--node", "0"]
-        cmd += ["--peers", "127.0.0.1:7001,127.0.0.1:7002", "--data-port", str(port)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+        peers = ["--peers", "127.0.0.1:7001,127.0.0.1:7002", "--data-port", str(port)]
+        r = _serve(tmp_path, "--node", "0", *peers)
     assert r.returncode == 1 and "cannot_listen" in r.stderr, r.stderr
     assert f'"data_port":{port}' in r.stderr and "Address already in use" in r.stderr
     assert not (tmp_path / "s.sock").exists()
 
 
-@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
-def test_closing_the_listener_ends_its_idle_connections(cert, tls):
+def test_closing_the_listener_ends_its_idle_connections(tls):
     """A stopping service's listener ends the connections its peers keep between fetches:
-    their threads exit and the asker sees the end (before: under TLS the wrapped socket was
-    left open, its thread waiting for a next request for good)."""
-    before = set(threading.enumerate())
-    with owner(_pieces, tls=cert if tls else None) as (address, listener):
-        link = GrpcPeers(
-            ("127.0.0.1:9", address), 0, TOKEN, tls_ca=cert[0] if tls else None, timeout_s=10
-        )
-        try:
-            out = np.zeros(_stored(0).nbytes, np.uint8)
-            link.fetch(1, _ask([1]), out)  # its connection now idles, kept for the next
-            (kept,) = link._idle[1]
-            listener.close()
-            kept.sock.settimeout(5)
-            assert kept.sock.recv(1) == b""  # the owner ended it (not a 5 s timeout)
-        finally:
-            link.close(stop_all=False)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        left = [t for t in set(threading.enumerate()) - before if t.name == "datastore-data"]
-        if not left:
-            break
-        time.sleep(0.05)
-    assert not left
+    the listener's threads exit and the asker sees the end (before: under TLS the wrapped
+    socket was left open, its thread waiting for a next request for good)."""
+    before = threading.enumerate()
+    with (
+        owner(_pieces, tls=tls) as (address, listener),
+        linked(address, tls_ca=tls and tls[0]) as link,
+    ):
+        link.fetch(1, _ask([1]), _flat())  # its connection now idles, kept for the next
+        (kept,) = link._idle[1]
+        listener.close()
+        kept.sock.settimeout(5)
+        assert kept.sock.recv(1) == b""  # the owner ended it (not a 5 s timeout)
+        assert not _listener_threads(before)  # (close waited for them)
 
 
 def test_abandoning_a_fetch_that_waits_for_a_down_peer_cancels_it_at_once():
     """A stream stopped while an owner is down (its ``OpenData`` waiting for it to come up):
     the fetch is cancelled, not left to fail ``UNAVAILABLE`` at the peer timeout (before:
     ``abandon`` waited out the whole timeout, holding up the stream's stop)."""
-    link = GrpcPeers(("127.0.0.1:9", f"127.0.0.1:{_free_port()}"), 0, TOKEN, timeout_s=5)
-    try:
-        pending = link.start(1, _ask([0]), np.zeros(_stored(0).nbytes, np.uint8))
+    with linked(f"127.0.0.1:{_free_port()}", timeout_s=5) as link:
+        pending = link.start(1, _ask([0]), _flat())
         time.sleep(0.3)  # (its OpenData is waiting for the peer by now)
         pending.abandon()
         assert pending.wait(0)
         with pytest.raises(ServiceError) as e:
             pending.result()
         assert e.value.code == "CANCELLED" and "node 1 (127.0.0.1:" in str(e.value)
-    finally:
-        link.close(stop_all=False)
 
 
 def test_a_ticket_dripped_byte_by_byte_is_cut_off_at_the_timeout():
@@ -439,10 +475,9 @@ def test_closing_the_link_ends_a_fetch_in_flight_to_a_hung_owner():
         release.wait(20)
         return _pieces(request)
 
-    with owner(answer, timeout_s=20) as (address, _):
-        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=20)
+    with owner(answer, timeout_s=20) as (address, _), linked(address, timeout_s=20) as link:
         try:
-            pending = link.start(1, _ask([2]), np.zeros(_stored(0).nbytes, np.uint8))
+            pending = link.start(1, _ask([2]), _flat())
             assert entered.wait(10)
             link.close(stop_all=False)
             assert pending.wait(5)  # not left waiting for the owner's reply
@@ -461,19 +496,10 @@ def test_a_service_on_every_address_takes_ipv4_peers_on_its_data_port_too():
     that was open)."""
     with owner(_pieces, host="[::]") as (address, listener):
         events = []
-        link = GrpcPeers(
-            ("127.0.0.1:9", address),
-            0,
-            TOKEN,
-            timeout_s=10,
-            on_event=lambda event, **fields: events.append(event),
-        )
-        try:
-            out = np.zeros(_stored(0).nbytes, np.uint8)
+        with linked(address, on_event=lambda event, **fields: events.append(event)) as link:
+            out = _flat()
             link.fetch(1, _ask([3]), out)
             assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(3))
-        finally:
-            link.close(stop_all=False)
         assert events == [] and listener.served == 1  # over the data connection
 
 
@@ -489,18 +515,14 @@ def test_a_data_connection_is_reused_by_a_service_with_over_1024_files_open():
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     try:
-        with owner(_pieces) as (address, _):
-            link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
-            try:
-                out = np.zeros(_stored(0).nbytes, np.uint8)
-                link.fetch(1, _ask([1]), out)
-                (first,) = link._idle[1]
-                assert first.sock.fileno() > 1023
-                link.fetch(1, _ask([2]), out)
-                assert link._idle[1] == [first]  # the same connection, reused
-                assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(2))
-            finally:
-                link.close(stop_all=False)
+        with owner(_pieces) as (address, _), linked(address) as link:
+            out = _flat()
+            link.fetch(1, _ask([1]), out)
+            (first,) = link._idle[1]
+            assert first.sock.fileno() > 1023
+            link.fetch(1, _ask([2]), out)
+            assert link._idle[1] == [first]  # the same connection, reused
+            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(2))
     finally:
         for fd in held:
             os.close(fd)
@@ -516,32 +538,22 @@ def test_a_data_port_opened_later_is_used_again_after_the_retry_pause(monkeypatc
     port = closed.port
     closed.close()  # its port now refuses connections
     servicer = PeersServicer(1, 2, _pieces, lambda s: None, data=closed)
-    server = grpc.server(ThreadPoolExecutor(4))
-    add_peers_to_server(servicer, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
+    server, address = _peers_server(servicer)
     events, opened = [], None
-    link = GrpcPeers(
-        ("127.0.0.1:9", address),
-        0,
-        TOKEN,
-        timeout_s=10,
-        on_event=lambda event, **fields: events.append(event),
-    )
     try:
-        out = np.zeros(_stored(0).nbytes, np.uint8)
-        link.fetch(1, _ask([3]), out)  # over gRPC
-        opened = bind_data(f"127.0.0.1:{port}", port, None, None, 10.0)
-        opened.start(servicer.serve_data)
-        servicer._data = opened  # the port is open now (a firewall rule added)
-        link.fetch(1, _ask([4]), out)  # within the pause: still over gRPC
-        assert opened.served == 0
-        time.sleep(0.6)
-        link.fetch(1, _ask([5]), out)
-        assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(5))
-        assert opened.served == 1, "the data connection was not tried again"
+        with linked(address, on_event=lambda event, **fields: events.append(event)) as link:
+            out = _flat()
+            link.fetch(1, _ask([3]), out)  # over gRPC
+            opened = bind_data(f"127.0.0.1:{port}", port, None, None, 10.0)
+            opened.start(servicer.serve_data)
+            servicer._data = opened  # the port is open now (a firewall rule added)
+            link.fetch(1, _ask([4]), out)  # within the pause: still over gRPC
+            assert opened.served == 0
+            time.sleep(0.6)
+            link.fetch(1, _ask([5]), out)
+            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(5))
+            assert opened.served == 1, "the data connection was not tried again"
     finally:
-        link.close(stop_all=False)
         server.stop(None)
         if opened is not None:
             opened.close()
@@ -552,7 +564,7 @@ def test_a_flood_of_connections_without_tickets_is_turned_away_and_peers_still_s
     monkeypatch,
 ):
     """More connections waiting to present a ticket than ``MAX_UNTICKETED`` are closed at
-    once, unanswered (each would hold a thread until the timeout); once those go, a peer's
+    once, unanswered (each would hold a socket until the timeout); once those go, a peer's
     fetch is served as before."""
     monkeypatch.setattr(data_link, "MAX_UNTICKETED", 2)
     with owner(_pieces) as (address, listener):
@@ -564,58 +576,47 @@ def test_a_flood_of_connections_without_tickets_is_turned_away_and_peers_still_s
         extra.close()
         for s in silent:
             s.close()
-        time.sleep(0.3)  # their threads see the close and stop counting
-        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
-        try:
-            out = np.zeros(_stored(0).nbytes, np.uint8)
+        time.sleep(0.3)  # the listener sees them close and stops counting them
+        with linked(address) as link:
+            out = _flat()
             link.fetch(1, _ask([6]), out)
             assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(6))
             assert listener.served == 1
-        finally:
-            link.close(stop_all=False)
 
 
 def test_an_unused_data_connection_is_closed_by_its_owner_and_the_asker_opens_another(
     monkeypatch,
 ):
-    """The owner closes a data connection that brought no request for ``IDLE_S`` (its thread
-    and socket freed); the asker, finding it closed, fetches over a new one."""
+    """The owner closes a data connection that brought no request for ``IDLE_S`` (its socket
+    freed); the asker, finding it closed, fetches over a new one."""
     monkeypatch.setattr(data_link, "IDLE_S", 0.5)
-    with owner(_pieces) as (address, listener):
-        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
-        try:
-            out = np.zeros(_stored(0).nbytes, np.uint8)
-            link.fetch(1, _ask([1]), out)
-            assert _connected(listener.port) == 1
-            time.sleep(1.5)
-            assert _connected(listener.port) == 0, "an unused data connection was kept open"
-            link.fetch(1, _ask([2]), out)
-            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(2))
-            assert listener.served == 2 and _connected(listener.port) == 1
-        finally:
-            link.close(stop_all=False)
+    with owner(_pieces) as (address, listener), linked(address) as link:
+        out = _flat()
+        link.fetch(1, _ask([1]), out)
+        assert _connected(listener.port) == 1
+        time.sleep(1.5)
+        assert _connected(listener.port) == 0, "an unused data connection was kept open"
+        link.fetch(1, _ask([2]), out)
+        assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(2))
+        assert listener.served == 2 and _connected(listener.port) == 1
 
 
 def test_an_asker_does_not_reuse_a_data_connection_that_sat_unused_too_long(monkeypatch):
     """A connection back in the asker's pool longer than ``REUSE_S`` is closed and a new one
     opened (the owner may be about to close it at ``IDLE_S``); a fresh one is reused."""
     monkeypatch.setattr(grpc_peers, "REUSE_S", 0.5)
-    with owner(_pieces) as (address, listener):
-        link = GrpcPeers(("127.0.0.1:9", address), 0, TOKEN, timeout_s=10)
-        try:
-            out = np.zeros(_stored(0).nbytes, np.uint8)
-            link.fetch(1, _ask([1]), out)
-            (first,) = link._idle[1]
-            link.fetch(1, _ask([2]), out)
-            assert link._idle[1] == [first], "a fresh connection was not reused"
-            time.sleep(0.8)
-            link.fetch(1, _ask([3]), out)
-            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(3))
-            (second,) = link._idle[1]
-            assert second is not first and first.sock.fileno() == -1
-            assert listener.served == 3
-        finally:
-            link.close(stop_all=False)
+    with owner(_pieces) as (address, listener), linked(address) as link:
+        out = _flat()
+        link.fetch(1, _ask([1]), out)
+        (first,) = link._idle[1]
+        link.fetch(1, _ask([2]), out)
+        assert link._idle[1] == [first], "a fresh connection was not reused"
+        time.sleep(0.8)
+        link.fetch(1, _ask([3]), out)
+        assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(3))
+        (second,) = link._idle[1]
+        assert second is not first and first.sock.fileno() == -1
+        assert listener.served == 3
 
 
 def test_a_fetch_or_describe_after_the_link_closed_is_refused_at_once():
@@ -624,7 +625,7 @@ def test_a_fetch_or_describe_after_the_link_closed_is_refused_at_once():
     peer that may be gone (which held up the service's exit past Slurm's KillWait)."""
     link = GrpcPeers(("127.0.0.1:9", "127.0.0.1:1"), 0, TOKEN, timeout_s=30)
     link.close(stop_all=False)
-    out = np.zeros(_stored(0).nbytes, np.uint8)
+    out = _flat()
     t0 = time.monotonic()
     pending = link.start(1, _ask([1]), out)
     assert pending.wait(5)
@@ -636,3 +637,71 @@ def test_a_fetch_or_describe_after_the_link_closed_is_refused_at_once():
         assert "node 1 (127.0.0.1:1)" in str(e.value)
     assert time.monotonic() - t0 < 5
     assert link._channels == {}
+
+
+# -- many connections, one watcher ------------------------------------------------------------
+def test_many_idle_data_connections_hold_a_bounded_number_of_threads(tls):
+    """64 data connections, each after a fetch idle and kept open (an asker keeps 8 per
+    peer, an owner of a store of hundreds of nodes hundreds to thousands): the listener
+    runs a watcher and its answering threads, however many are open (before: a thread per
+    connection), and every connection gets exact bytes on its next fetch."""
+    before = threading.enumerate()
+    with owner(_pieces, tls=tls) as (_, listener):
+        conns = [_data_conn(listener, cert=tls) for _ in range(64)]
+        try:
+            for round_ in range(2):
+                for i, conn in enumerate(conns):
+                    out = _flat()
+                    conn.fetch(_frame([i + round_])[4:], [out])
+                    assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(i + round_))
+                threads = _listener_threads(before)
+                assert len(threads) <= 1 + data_link.WORKERS, [t.name for t in threads]
+                assert _connected(listener.port) == 64  # all kept open, idle
+            assert listener.served == 128
+        finally:
+            for conn in conns:
+                conn.close()
+
+
+def test_tickets_dripped_on_many_connections_hold_up_no_other_connections_fetch(tls):
+    """Twice as many connections as answering threads drip their tickets a byte at a time
+    (and as many more stop mid-handshake, or mid-ticket in plaintext): between their bytes,
+    another connection's fetches are answered at once (none waits for a dripped ticket's
+    timeout), the listener's threads stay bounded, and each dripping connection, once its
+    ticket and request are whole, gets exact bytes."""
+    before = threading.enumerate()
+    with owner(_pieces, tls=tls, timeout_s=30) as (_, listener):
+        dripping = [_raw(listener, tls) for _ in range(2 * data_link.WORKERS)]
+        stuck = [_raw(listener) for _ in range(data_link.WORKERS)]
+        tickets = [listener.ticket(0) for _ in dripping]
+        peer = _data_conn(listener, cert=tls)
+        try:
+            for s in stuck:
+                s.sendall(b"\x16")  # (a TLS handshake record's first byte)
+            for k in range(3):
+                for s, ticket in zip(dripping, tickets, strict=True):
+                    s.sendall(ticket[k : k + 1])
+                out = _flat()
+                peer.fetch(_frame([k])[4:], [out])  # (its socket times out after 10 s)
+                assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(k))
+                threads = _listener_threads(before)
+                assert len(threads) <= 1 + data_link.WORKERS, [t.name for t in threads]
+            for i, (s, ticket) in enumerate(zip(dripping, tickets, strict=True)):
+                s.sendall(ticket[3:] + _frame([i]))
+                assert _reply(s) == _stored(i).tobytes()
+            assert listener.served == 3 + len(dripping)
+        finally:
+            for s in [*dripping, *stuck]:
+                s.close()
+            peer.close()
+
+
+def test_a_ticket_and_requests_sent_at_once_are_all_answered(tls):
+    """A ticket and two requests in one send (over TLS, one record: the requests wait in the
+    TLS buffer, decrypted, where the socket shows nothing more to read): both are answered,
+    in order, exact."""
+    with owner(_pieces, tls=tls) as (_, listener), _raw(listener, tls) as s:
+        s.sendall(listener.ticket(0) + _frame([4]) + _frame([9]))
+        assert _reply(s) == _stored(4).tobytes()
+        assert _reply(s) == _stored(9).tobytes()
+        assert listener.served == 2

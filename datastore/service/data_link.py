@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import math
+import queue
 import secrets
 import select
+import selectors
 import socket
 import ssl
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +62,7 @@ IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into (Linux's limit)
 MAX_UNTICKETED = 128  # connections waiting to present a ticket at once; more are closed
 IDLE_S = 600.0  # a connection with no request for this long is closed (the asker stops
 # reusing one well before: grpc_peers.REUSE_S)
+WORKERS = 8  # threads answering requests, however many connections are open
 MAX_MESSAGE = 4096  # bytes of an error message sent back (longer ones are cut)
 KEEPALIVE_S = 60  # a silent connection is probed after half of it, dropped after about all
 _LENGTH = struct.Struct("!I")
@@ -148,7 +153,7 @@ def _reply_head(runs: Sequence[np.ndarray], code: str, message: str) -> bytes:
 def tune(sock: socket.socket) -> None:
     """A data connection's socket options: no Nagle delay, and TCP keepalive, so that a peer
     whose host died without closing is found out within about :data:`KEEPALIVE_S` of
-    silence (the owner's thread and descriptor then end)."""
+    silence (the owner's descriptor then ends)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_S // 2)
@@ -162,16 +167,53 @@ def _split(address: str) -> tuple[str, int]:
 
 
 # -- the owner's side -------------------------------------------------------------------------
+class _Conn:
+    """An accepted connection and the frame it is sending: its ticket, then per fetch a
+    request's length and the request (read without blocking as the bytes come)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline  # closed past it (the ticket's, then next)
+        self.shaking = isinstance(sock, ssl.SSLSocket)  # its TLS handshake still to finish
+        self.node: int | None = None  # the ticket's node, once redeemed
+        self.framed = False  # the length read: now the request
+        self.buf, self.got = bytearray(TICKET), 0
+
+    def expect(self, n: int) -> None:
+        self.buf, self.got = bytearray(n), 0
+
+    def fill(self) -> bool:
+        """Read what has come in: whether :attr:`buf` is full.
+
+        Raises:
+            EOFError: the peer closed. OSError: the connection failed.
+        """
+        while self.got < len(self.buf):
+            try:
+                n = self.sock.recv_into(memoryview(self.buf)[self.got :])
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return False
+            if not n:
+                raise EOFError("the connection closed")
+            self.got += n
+        return True
+
+
 class DataListener:
-    """A node's data listener: tickets handed out through ``Peers/OpenData``, and a thread per
-    accepted connection answering its requests with ``serve`` once its ticket checks out.
+    """A node's data listener: tickets handed out through ``Peers/OpenData``, and the
+    connections presenting one answered with ``serve``.
+
+    One thread (``datastore-data``) accepts the connections and watches every one waiting for
+    its TLS handshake, its ticket or its next request, reading them without blocking; each
+    whole request is answered by one of :data:`WORKERS` threads (``datastore-data-answer``),
+    which sends the reply and hands the connection back. An idle connection costs a
+    descriptor, not a thread, and bytes dripped in hold no thread.
 
     Args:
         host: the host of the service's ``--tcp`` address.
         port: the port to listen on (``0``: any free port; :attr:`port` says which).
         tls: a server context (the service's certificate and key). Default: plaintext.
-        timeout_s: how long a ticket stays valid, and a send or a request's frame may take.
-            Default: ``60``.
+        timeout_s: how long a ticket stays valid, the TLS handshake and the ticket may take
+            together, and a reply's send or a request's frame may take. Default: ``60``.
 
     Raises:
         OSError: the address cannot be bound.
@@ -184,14 +226,20 @@ class DataListener:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         every = host == "::" and socket.has_dualstack_ipv6()  # IPv4 peers too, as gRPC takes
         self._sock = socket.create_server((host, port), family=family, dualstack_ipv6=every)
+        self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
         self._tls, self.timeout_s = tls, timeout_s
         self._lock = threading.Lock()
         self._tickets: dict[bytes, tuple[int, float]] = {}  # ticket -> (node, expiry)
-        self._conns: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()  # the connections' threads, running
+        self._conns: set[socket.socket] = set()  # open: watched, or being answered
+        self._ready: queue.SimpleQueue[_Conn | None] = queue.SimpleQueue()  # to answer
+        self._back: list[_Conn] = []  # answered: to watch again
+        self._wake, self._waker = socket.socketpair()  # (a byte: look at _back, or _closed)
+        self._wake.setblocking(False)
+        self._threads: list[threading.Thread] = []
         self._closed = False
-        self._unticketed = 0  # connections not past their ticket yet
+        self._due = math.inf  # the watcher's next look at the deadlines (none sooner)
+        self._unticketed = 0  # connections not past their ticket yet (the watcher's count)
         self.served = 0  # requests answered (counted before the reply goes out, errors included)
 
     def ticket(self, node: int) -> bytes:
@@ -213,101 +261,232 @@ class DataListener:
         return node
 
     def start(self, serve: Serve) -> None:
-        """Accept connections on a daemon thread; each is answered by ``serve``."""
-        threading.Thread(
-            target=self._accept, args=(serve,), name="datastore-data", daemon=True
-        ).start()
+        """Accept and watch connections on a daemon thread; :data:`WORKERS` more answer their
+        requests with ``serve``."""
+        threads = [threading.Thread(target=self._watch, name="datastore-data", daemon=True)]
+        for _ in range(WORKERS):
+            work = threading.Thread(
+                target=self._work, args=(serve,), name="datastore-data-answer", daemon=True
+            )
+            threads.append(work)
+        with self._lock:
+            if self._closed:
+                return
+            self._threads = threads
+        for t in threads:
+            t.start()
 
-    def _accept(self, serve: Serve) -> None:
+    # -- the watcher: accepting, handshakes, tickets and request frames, never blocking -------
+    def _watch(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake, selectors.EVENT_READ)
+        sel.register(self._sock, selectors.EVENT_READ)
+        paused = math.inf  # accepting paused until (out of descriptors)
+        try:
+            while True:
+                wait = self._due - time.monotonic()
+                events = sel.select(None if wait == math.inf else max(wait, 0.0))
+                with self._lock:
+                    if self._closed:
+                        return
+                    back, self._back = self._back, []
+                now = time.monotonic()
+                for key, _ in events:
+                    if key.fileobj is self._wake:
+                        with contextlib.suppress(BlockingIOError):
+                            self._wake.recv(4096)
+                    elif key.fileobj is not self._sock:
+                        self._advance(sel, key.data)
+                    elif not self._accept(sel, now):
+                        sel.unregister(self._sock)
+                        paused = now + 1.0
+                        self._due = min(self._due, paused)
+                for c in back:
+                    sel.register(c.sock, selectors.EVENT_READ, c)
+                    self._due = min(self._due, c.deadline)
+                    if isinstance(c.sock, ssl.SSLSocket) and c.sock.pending():
+                        self._advance(sel, c)  # decrypted already: its fd may not be ready
+                if now >= paused:
+                    sel.register(self._sock, selectors.EVENT_READ)
+                    paused = math.inf
+                if now >= self._due:
+                    self._due = min(paused, self._expire(sel, now))
+        finally:
+            with self._lock:
+                back, self._back = self._back, []
+            watched = [k.data for k in sel.get_map().values() if isinstance(k.data, _Conn)]
+            for c in watched + back:
+                self._drop(c)
+            sel.close()
+            self._sock.close()
+
+    def _accept(self, sel: selectors.BaseSelector, now: float) -> bool:
+        """Take the connections waiting to be accepted; ``False``: none can be (out of
+        descriptors, or the listener shut)."""
         while True:
             try:
                 conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return True
             except OSError:
-                return  # closed
+                return False
+            if self._unticketed >= MAX_UNTICKETED:  # a flood: closed unanswered
+                conn.close()
+                continue
+            try:
+                conn.setblocking(False)
+                tune(conn)
+                sock = conn
+                if self._tls is not None:  # (conn is detached; handshaken as bytes come)
+                    sock = self._tls.wrap_socket(
+                        conn, server_side=True, do_handshake_on_connect=False
+                    )
+            except OSError:  # (gone already)
+                conn.close()
+                continue
+            c = _Conn(sock, now + self.timeout_s)
+            with self._lock:
+                self._conns.add(sock)
+            self._unticketed += 1
+            sel.register(sock, selectors.EVENT_READ, c)
+            self._due = min(self._due, c.deadline)
+
+    def _advance(self, sel: selectors.BaseSelector, c: _Conn) -> None:
+        """``c`` moved on with what it sent: its handshake, ticket and request frame read as
+        far as they came; a whole request handed to the workers."""
+        try:
+            if c.shaking and not self._shaken(sel, c):
+                return
+            while True:
+                quiet = c.framed is False and c.node is not None and not c.got
+                full = c.fill()
+                if quiet and c.got:  # a request's first bytes: the frame within the timeout
+                    c.deadline = time.monotonic() + self.timeout_s
+                    self._due = min(self._due, c.deadline)
+                if not full:
+                    return
+                if c.node is None:
+                    c.node = self._redeem(bytes(c.buf))
+                    if c.node is None:
+                        raise BadFrame("not a ticket given out, or used, or expired")
+                    self._unticketed -= 1
+                    c.expect(_LENGTH.size)
+                    c.deadline = time.monotonic() + IDLE_S
+                    self._due = min(self._due, c.deadline)
+                elif not c.framed:
+                    (n,) = _LENGTH.unpack(c.buf)
+                    if n > MAX_REQUEST:
+                        raise BadFrame(f"a request of {n} bytes")
+                    c.expect(n)
+                    c.framed = True
+                else:
+                    sel.unregister(c.sock)
+                    self._ready.put(c)
+                    return
+        except (OSError, EOFError, BadFrame):  # closed, or not a peer: nothing written
+            sel.unregister(c.sock)
+            self._drop(c)
+
+    def _shaken(self, sel: selectors.BaseSelector, c: _Conn) -> bool:
+        """Whether ``c``'s TLS handshake is over (else it waits for the bytes it needs)."""
+        try:
+            c.sock.do_handshake()  # type: ignore[attr-defined]
+        except ssl.SSLWantReadError:
+            sel.modify(c.sock, selectors.EVENT_READ, c)
+            return False
+        except ssl.SSLWantWriteError:
+            sel.modify(c.sock, selectors.EVENT_WRITE, c)
+            return False
+        c.shaking = False
+        sel.modify(c.sock, selectors.EVENT_READ, c)
+        return True
+
+    def _expire(self, sel: selectors.BaseSelector, now: float) -> float:
+        """The watched connections past their deadline closed; the next deadline."""
+        due = math.inf
+        for key in list(sel.get_map().values()):
+            c = key.data
+            if not isinstance(c, _Conn):
+                continue
+            if c.deadline <= now:
+                sel.unregister(c.sock)
+                self._drop(c)
+            else:
+                due = min(due, c.deadline)
+        return due
+
+    def _drop(self, c: _Conn) -> None:
+        """``c`` closed (no longer watched)."""
+        with self._lock:
+            self._conns.discard(c.sock)
+        if c.node is None:
+            self._unticketed -= 1
+        c.sock.close()
+
+    # -- the workers: a request answered, the connection handed back ----------------------------
+    def _work(self, serve: Serve) -> None:
+        while (c := self._ready.get()) is not None:
+            try:
+                self._answer(c, serve)
+            except Exception:  # a bug, not the peer's: told as a thread's uncaught exception
+                threading.excepthook(
+                    threading.ExceptHookArgs((*sys.exc_info(), threading.current_thread()))
+                )
+
+    def _answer(self, c: _Conn, serve: Serve) -> None:
+        kept = False
+        try:
             with self._lock:
                 if self._closed:
-                    conn.close()
                     return
-                if self._unticketed >= MAX_UNTICKETED:  # a flood: closed unanswered
-                    conn.close()
-                    continue
-                self._unticketed += 1
-                self._conns.add(conn)
-            thread = threading.Thread(
-                target=self._answer, args=(conn, serve), name="datastore-data", daemon=True
-            )
+            assert c.node is not None  # (ticketed before its request was read)
             try:
-                with self._lock:
-                    self._threads.add(thread)
-                thread.start()
-            except RuntimeError:  # no thread to be had: this one closed, the next tried
-                self._ticketed(conn)
-                with self._lock:
-                    self._conns.discard(conn)
-                conn.close()
-
-    def _ticketed(self, conn: socket.socket) -> None:
-        """``conn`` is past its ticket (or gone): no longer counted as waiting for one."""
-        with self._lock:
-            self._unticketed -= 1
-
-    def _answer(self, conn: socket.socket, serve: Serve) -> None:
-        sock, deadline, waiting = conn, time.monotonic() + self.timeout_s, True
-        try:
-            conn.settimeout(self.timeout_s)
-            tune(conn)
-            if self._tls is not None:
-                sock = self._tls.wrap_socket(conn, server_side=True)  # (conn is detached)
-                with self._lock:  # close() must shut the socket that now holds the fd
-                    self._conns.discard(conn)
-                    if self._closed:
-                        return
-                    self._conns.add(sock)
-            # the whole ticket within the timeout: bytes dripped in never hold a thread long
-            node = self._redeem(bytes(recv_bytes(sock, TICKET, deadline)))
-            waiting = False
-            self._ticketed(conn)
-            while node is not None:
-                sock.settimeout(IDLE_S)  # between fetches: the asker keeps it for the next
-                (n,) = _LENGTH.unpack(recv_bytes(sock, _LENGTH.size))
-                sock.settimeout(self.timeout_s)
-                if n > MAX_REQUEST:
+                runs, code, message = serve(bytes(c.buf), c.node), "", ""
+            except ServiceError as exc:
+                runs, code, message = [], exc.code, str(exc)
+            with self._lock:  # (before the send: an asker that has the reply sees it)
+                self.served += 1
+            c.sock.settimeout(self.timeout_s)
+            send_all(c.sock, [_reply_head(runs, code, message), *runs])
+            c.sock.setblocking(False)
+            c.expect(_LENGTH.size)
+            c.framed, c.deadline = False, time.monotonic() + IDLE_S
+            with self._lock:
+                if self._closed:
                     return
-                request = bytes(recv_bytes(sock, n))
-                try:
-                    runs, code, message = serve(request, node), "", ""
-                except ServiceError as exc:
-                    runs, code, message = [], exc.code, str(exc)
-                with self._lock:  # (before the send: an asker that has the reply sees it)
-                    self.served += 1
-                send_all(sock, [_reply_head(runs, code, message), *runs])
-        except (OSError, EOFError, BadFrame):
+                self._back.append(c)
+                kept = True
+            with contextlib.suppress(OSError):  # (a full pipe: the watcher is waking anyway)
+                self._waker.send(b"\0", socket.MSG_DONTWAIT)
+        except (OSError, BadFrame):
             return  # closed, timed out, or not a peer: nothing more written
         finally:
-            if waiting:
-                self._ticketed(conn)
-            with self._lock:
-                self._conns.discard(conn)
-                self._conns.discard(sock)
-                self._threads.discard(threading.current_thread())
-            sock.close()
+            if not kept:
+                self._drop(c)
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Stop listening, end every connection, and wait up to ``wait_s`` for their threads
-        (one answering a request finishes it first): none is left answering while the
+        """Stop listening, end every connection, and wait up to ``wait_s`` for the listener's
+        threads (one answering a request finishes it first): none is left answering while the
         process exits."""
         with self._lock:
             self._closed = True
-            conns, self._conns = list(self._conns), set()
-            threads = list(self._threads)
+            conns, threads = list(self._conns), self._threads
         for s in [self._sock, *conns]:
             with contextlib.suppress(OSError):  # not connected
                 s.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        with contextlib.suppress(OSError):
+            self._waker.send(b"\0", socket.MSG_DONTWAIT)
+        for _ in threads[1:]:
+            self._ready.put(None)
+        if not threads:
+            self._sock.close()
         deadline = time.monotonic() + wait_s
         for t in threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in threads):
+            self._wake.close()
+            self._waker.close()
 
 
 # -- the asker's side -------------------------------------------------------------------------
