@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from datastore.maths.subarray import piece_sizes, pieces, run_layout, runs, view
+from datastore.maths.subarray import piece_sizes, pieces, run_bytes, run_layout, runs, view
 
 
 def boxes(shape: tuple[int, ...]):
@@ -29,6 +29,19 @@ def test_the_sizes_a_receiver_computes_are_the_pieces_sent(min_run):
         assert count * items == part.size, box
         if part.size:
             assert count == len(runs(part)), box
+
+
+def test_the_run_length_of_a_parts_bytes_is_its_layouts():
+    """A box of an int16 array, seen as its bytes (the last axis its bytes, strided as the
+    data connection's asker receives into it): contiguous runs of the layout's items, 2 bytes
+    each, for every non-empty box; a contiguous part is one run of all its bytes."""
+    array = np.arange(2 * 3 * 4, dtype=np.int16).reshape(2, 3, 4)
+    for box in boxes(array.shape):
+        part = view(array, box).view(np.uint8)
+        if part.size:
+            assert run_bytes(part) == 2 * run_layout(array.shape, box)[1], box
+    assert run_bytes(array.view(np.uint8)) == array.nbytes
+    assert run_bytes(np.zeros((), np.uint8)) == 1
 
 
 def test_short_runs_are_packed_long_ones_sent_in_place():

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-__all__ = ["MIN_RUN", "piece_sizes", "pieces", "run_layout", "runs", "view"]
+__all__ = ["MIN_RUN", "piece_sizes", "pieces", "run_bytes", "run_layout", "runs", "view"]
 
 MIN_RUN = 64 * 1024  # a part cut into runs shorter than this on average is packed instead
 
@@ -63,6 +63,16 @@ def piece_sizes(
     if count > 1 and items * itemsize < min_run:  # runs shorter than min_run: packed
         return [count * items * itemsize]
     return [items * itemsize] * count
+
+
+def run_bytes(part: np.ndarray) -> int:
+    """The length of the contiguous runs ``part``'s bytes lie in (a uint8 view, in C order)."""
+    run = 1
+    for n, stride in zip(reversed(part.shape), reversed(part.strides), strict=True):
+        if stride != run:
+            break
+        run *= n
+    return run
 
 
 def runs(part: np.ndarray) -> list[np.ndarray]:

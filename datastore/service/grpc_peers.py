@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from datastore.maths.subarray import MIN_RUN, runs, view
+from datastore.maths.subarray import MIN_RUN, run_bytes, runs, view
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
 from datastore.service.data_link import IDLE_S, DataConnection, PeerError
@@ -477,16 +477,6 @@ class _Filler:
                 self._k, self._in = self._k + 1, 0
         self.at += done
         return True
-
-
-def run_bytes(part: np.ndarray) -> int:
-    """The length of the contiguous runs ``part``'s bytes lie in (a uint8 view, in C order)."""
-    run = 1
-    for n, stride in zip(reversed(part.shape), reversed(part.strides), strict=True):
-        if stride != run:
-            break
-        run *= n
-    return run
 
 
 def _as_bytes(target: np.ndarray | Box) -> np.ndarray:
