@@ -104,6 +104,11 @@ def _flat() -> np.ndarray:
     return np.zeros(_stored(0).nbytes, np.uint8)
 
 
+def _holds(out: np.ndarray, i: int) -> bool:
+    """Whether the flat ``out`` holds stored sample ``i`` exactly."""
+    return np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(i))
+
+
 def _frame(samples) -> bytes:
     """A data connection's request frame of node 0 for ``samples`` (length, then request)."""
     header = pb.PeerHeader(from_node=0, to_node=1, nodes=2)
@@ -171,7 +176,7 @@ def test_whole_samples_and_parts_amid_their_halo_arrive_exactly_over_the_data_co
     ):
         flat = _flat()
         link.fetch(1, _ask([3]), flat)
-        assert np.array_equal(flat.view(np.float32).reshape(SHAPE), _stored(3))
+        assert _holds(flat, 3)
         slot = np.full((2, 6, 72, 258), -1.0, np.float32)
         short_runs = (slice(1, 5), slice(1, 71), slice(1, 257))  # rows of 1 KiB
         long_slot = np.full((2, 6, 72, 256), -1.0, np.float32)
@@ -215,7 +220,7 @@ def test_a_wrong_used_or_other_nodes_ticket_and_an_oversized_request_get_nothing
             fetch(os.urandom(TICKET))  # never given out
         ticket = listener.ticket(0)
         fetch(ticket)  # the ticket's one use
-        assert np.array_equal(into.view(np.float32).reshape(SHAPE), _stored(1))
+        assert _holds(into, 1)
         with pytest.raises((EOFError, ConnectionError)):
             fetch(ticket)  # used
         with pytest.raises((EOFError, ConnectionError)):
@@ -257,7 +262,7 @@ def test_abandon_returns_only_once_nothing_can_land():
                 pending.result()
             assert e.value.code == "CANCELLED"
             link.fetch(1, _ask([4]), out)  # the link goes on, on a new connection
-            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(4))
+            assert _holds(out, 4)
         finally:
             release.set()
 
@@ -273,7 +278,7 @@ def test_an_unreachable_data_port_falls_back_to_the_grpc_stream_logged_once():
             for i in (7, 8):
                 out = _flat()
                 link.fetch(1, _ask([i]), out)
-                assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(i))
+                assert _holds(out, i)
     ((event, fields),) = events
     assert event == "peer_data_port_unreachable" and fields["node"] == 1
     assert f"127.0.0.1:{listener.port}" in fields["msg"] and "over gRPC" in fields["msg"]
@@ -499,7 +504,7 @@ def test_a_service_on_every_address_takes_ipv4_peers_on_its_data_port_too():
         with linked(address, on_event=lambda event, **fields: events.append(event)) as link:
             out = _flat()
             link.fetch(1, _ask([3]), out)
-            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(3))
+            assert _holds(out, 3)
         assert events == [] and listener.served == 1  # over the data connection
 
 
@@ -522,7 +527,7 @@ def test_a_data_connection_is_reused_by_a_service_with_over_1024_files_open():
             assert first.sock.fileno() > 1023
             link.fetch(1, _ask([2]), out)
             assert link._idle[1] == [first]  # the same connection, reused
-            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(2))
+            assert _holds(out, 2)
     finally:
         for fd in held:
             os.close(fd)
@@ -551,7 +556,7 @@ def test_a_data_port_opened_later_is_used_again_after_the_retry_pause(monkeypatc
             assert opened.served == 0
             time.sleep(0.6)
             link.fetch(1, _ask([5]), out)
-            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(5))
+            assert _holds(out, 5)
             assert opened.served == 1, "the data connection was not tried again"
     finally:
         server.stop(None)
@@ -580,7 +585,7 @@ def test_a_flood_of_connections_without_tickets_is_turned_away_and_peers_still_s
         with linked(address) as link:
             out = _flat()
             link.fetch(1, _ask([6]), out)
-            assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(6))
+            assert _holds(out, 6)
             assert listener.served == 1
 
 
@@ -597,7 +602,7 @@ def test_an_unused_data_connection_is_closed_by_its_owner_and_the_asker_opens_an
         time.sleep(1.5)
         assert _connected(listener.port) == 0, "an unused data connection was kept open"
         link.fetch(1, _ask([2]), out)
-        assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(2))
+        assert _holds(out, 2)
         assert listener.served == 2 and _connected(listener.port) == 1
 
 
@@ -613,7 +618,7 @@ def test_an_asker_does_not_reuse_a_data_connection_that_sat_unused_too_long(monk
         assert link._idle[1] == [first], "a fresh connection was not reused"
         time.sleep(0.8)
         link.fetch(1, _ask([3]), out)
-        assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(3))
+        assert _holds(out, 3)
         (second,) = link._idle[1]
         assert second is not first and first.sock.fileno() == -1
         assert listener.served == 3
@@ -653,7 +658,7 @@ def test_many_idle_data_connections_hold_a_bounded_number_of_threads(tls):
                 for i, conn in enumerate(conns):
                     out = _flat()
                     conn.fetch(_frame([i + round_])[4:], [out])
-                    assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(i + round_))
+                    assert _holds(out, i + round_)
                 threads = _listener_threads(before)
                 assert len(threads) <= 1 + data_link.WORKERS, [t.name for t in threads]
                 assert _connected(listener.port) == 64  # all kept open, idle
@@ -683,7 +688,7 @@ def test_tickets_dripped_on_many_connections_hold_up_no_other_connections_fetch(
                     s.sendall(ticket[k : k + 1])
                 out = _flat()
                 peer.fetch(_frame([k])[4:], [out])  # (its socket times out after 10 s)
-                assert np.array_equal(out.view(np.float32).reshape(SHAPE), _stored(k))
+                assert _holds(out, k)
                 threads = _listener_threads(before)
                 assert len(threads) <= 1 + data_link.WORKERS, [t.name for t in threads]
             for i, (s, ticket) in enumerate(zip(dripping, tickets, strict=True)):
