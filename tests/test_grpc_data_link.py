@@ -710,3 +710,48 @@ def test_a_ticket_and_requests_sent_at_once_are_all_answered(tls):
         assert _reply(s) == _stored(4).tobytes()
         assert _reply(s) == _stored(9).tobytes()
         assert listener.served == 2
+
+
+def test_answered_connections_handed_back_at_once_are_all_watched_again():
+    """Rounds of two fetches at once on two connections, each round waiting for both (as a
+    stream waits for a batch's fetches): the two replies' threads hand their connections back
+    to the watcher at about the same time, and each next request is read as it comes.
+    Before, the watcher could take the connections handed back so far, then drain the
+    wake-up byte of one handed back just after: that one was left unwatched with nothing
+    else to wake the watcher, its fetch waiting out the next deadline (a 60 s stall in
+    benchmarks/peers.py; here the asker's 10 s timeout)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads interleave every few bytecodes
+    rounds = 300
+    with owner(_pieces, timeout_s=60) as (_, listener):
+        conns = [_data_conn(listener) for _ in range(2)]
+        both = threading.Barrier(len(conns), timeout=30)
+
+        def fetch(k: int, i: int) -> None:
+            out = _flat()
+            conns[k].fetch(_frame([i])[4:], [out])
+            assert _holds(out, i)
+
+        def fetches(k: int) -> int:
+            try:
+                for n in range(rounds):
+                    both.wait()
+                    fetch(k, k + n)  # both at once
+                    both.wait()
+                    if n % 2 == k:  # then one alone: the other cannot wake the watcher
+                        fetch(k, n)
+            except threading.BrokenBarrierError:
+                return 0  # the other thread failed: its error is the test's
+            except BaseException:
+                both.abort()  # (the other thread stops at once)
+                raise
+            return rounds
+
+        try:
+            with ThreadPoolExecutor(len(conns)) as pool:
+                assert sum(pool.map(fetches, range(len(conns)))) == 2 * rounds
+            assert listener.served == 3 * rounds
+        finally:
+            sys.setswitchinterval(interval)
+            for conn in conns:
+                conn.close()

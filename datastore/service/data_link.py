@@ -286,6 +286,8 @@ class DataListener:
             while True:
                 wait = self._due - time.monotonic()
                 events = sel.select(None if wait == math.inf else max(wait, 0.0))
+                with contextlib.suppress(BlockingIOError):  # the wake-ups so far, then what
+                    self._wake.recv(4096)  # they were for: one handed back later wakes anew
                 with self._lock:
                     if self._closed:
                         return
@@ -293,9 +295,8 @@ class DataListener:
                 now = time.monotonic()
                 for key, _ in events:
                     if key.fileobj is self._wake:
-                        with contextlib.suppress(BlockingIOError):
-                            self._wake.recv(4096)
-                    elif key.fileobj is not self._sock:
+                        continue
+                    if key.fileobj is not self._sock:
                         self._advance(sel, key.data)
                     elif not self._accept(sel, now):
                         sel.unregister(self._sock)
