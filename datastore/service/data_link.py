@@ -101,9 +101,23 @@ def _advance(views: list[memoryview], i: int, n: int) -> int:
     return i
 
 
+def kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """Make the plain socket ``sock`` blocking, a send or receive that moves nothing for
+    ``timeout_s`` failing in the kernel (``SO_SNDTIMEO``/``SO_RCVTIMEO``): a reply then moves
+    in one ``sendmsg`` and one ``recvmsg_into`` (``MSG_WAITALL``), each releasing the GIL
+    once, where a socket with a Python timeout polls and takes the GIL back per segment (64
+    calls an 8 MiB reply on loopback)."""
+    whole = int(timeout_s)
+    tv = struct.pack("ll", whole, int((timeout_s - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.settimeout(None)
+
+
 def send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """Send ``buffers`` one after the other: ``sendmsg`` of up to :data:`IOV_MAX` at a time
-    (partial sends resumed), or run by run over TLS."""
+    (partial sends resumed), or run by run over TLS; ``TimeoutError`` where the peer takes
+    nothing within the socket's timeout."""
     views = _views(buffers)
     if isinstance(sock, ssl.SSLSocket):
         for v in views:
@@ -111,35 +125,37 @@ def send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
         return
     i = 0
     while i < len(views):
-        i = _advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
+        try:
+            i = _advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
+        except BlockingIOError as exc:  # (SO_SNDTIMEO ran out: kernel_timeouts)
+            raise TimeoutError("the peer took nothing within the timeout") from exc
 
 
-def recv_all(sock: socket.socket, buffers: Sequence[Any], deadline: float | None = None) -> None:
-    """Fill ``buffers`` one after the other: ``recvmsg_into`` up to :data:`IOV_MAX` at a time,
-    or ``recv_into`` each over TLS; ``EOFError`` if the peer closes first, ``TimeoutError``
-    past ``deadline`` (``time.monotonic()``; default: the socket's timeout per receive)."""
+def recv_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Fill ``buffers`` one after the other: ``recvmsg_into`` up to :data:`IOV_MAX` at a time
+    (on a blocking socket, waiting for all of them), or ``recv_into`` each over TLS;
+    ``EOFError`` if the peer closes first, ``TimeoutError`` where nothing comes within the
+    socket's timeout."""
     views = _views(buffers)
+    wait_all = socket.MSG_WAITALL if sock.gettimeout() is None else 0
     i = 0
     while i < len(views):
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("not all in before the deadline")
-            sock.settimeout(left)
         if isinstance(sock, ssl.SSLSocket):
             got = sock.recv_into(views[i])
         else:
-            got = sock.recvmsg_into(views[i : i + IOV_MAX])[0]
+            try:
+                got = sock.recvmsg_into(views[i : i + IOV_MAX], 0, wait_all)[0]
+            except BlockingIOError as exc:  # (SO_RCVTIMEO ran out: kernel_timeouts)
+                raise TimeoutError("nothing came within the timeout") from exc
         if not got:
             raise EOFError("the connection closed mid-reply")
         i = _advance(views, i, got)
 
 
-def recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
-    """Exactly ``n`` bytes; ``EOFError`` if the peer closes first (``deadline``: as
-    :func:`recv_all`)."""
+def recv_bytes(sock: socket.socket, n: int) -> bytearray:
+    """Exactly ``n`` bytes; ``EOFError`` if the peer closes first."""
     out = bytearray(n)
-    recv_all(sock, [out], deadline)
+    recv_all(sock, [out])
     return out
 
 
@@ -447,7 +463,10 @@ class DataListener:
                 runs, code, message = [], exc.code, str(exc)
             with self._lock:  # (before the send: an asker that has the reply sees it)
                 self.served += 1
-            c.sock.settimeout(self.timeout_s)
+            if isinstance(c.sock, ssl.SSLSocket):
+                c.sock.settimeout(self.timeout_s)
+            else:
+                kernel_timeouts(c.sock, self.timeout_s)
             send_all(c.sock, [_reply_head(runs, code, message), *runs])
             c.sock.setblocking(False)
             c.expect(_LENGTH.size)
@@ -516,6 +535,8 @@ class DataConnection:
             self.quiet_since = time.monotonic()  # (when it last finished a fetch)
             self.sock.settimeout(timeout_s)
             self.sock.sendall(ticket)
+            if tls is None:
+                kernel_timeouts(self.sock, timeout_s)
         except BaseException:
             raw.close()
             raise
