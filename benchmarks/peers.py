@@ -169,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.node_cpus is not None:
         args.node_cpus = args.node_cpus.split("/")
         have = os.sched_getaffinity(0)
-        if len(args.node_cpus) != 2 or not all(cpu_list(c) <= have for c in args.node_cpus):
+        sets = [cpu_list(c) for c in args.node_cpus]
+        if len(sets) != 2 or not all(cpus and cpus <= have for cpus in sets):
             p.error(f"--node-cpus: two CPU lists A/B among this process's {sorted(have)}")
     return args
 
@@ -178,8 +179,8 @@ def cpu_list(text: str) -> set[int]:
     """The CPUs of a taskset list (``0``, ``0,2``, ``0-3``); empty where it is malformed."""
     cpus: set[int] = set()
     for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or not (hi or lo).isdigit():
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or not (hi if dash else lo).isdigit():
             return set()
         cpus.update(range(int(lo), int(hi or lo) + 1))
     return cpus

@@ -325,3 +325,21 @@ def test_the_readmes_figures_are_the_generated_results(bench):
     outside = section.replace(generated(text), "")
     figures = re.findall(r"\d[\d.,]*\s*(?:x\b|GB/s|MB/s|MiB/s|ms\b|%)", outside)
     assert figures == [], "README.md's Benchmarks section: figures outside the generated block"
+
+
+def test_peers_node_cpus_takes_two_cpu_lists_of_this_process(bench, capsys):
+    """``benchmarks/peers.py --node-cpus A/B``: taskset lists, each non-empty and among the
+    CPUs this process may use; anything else is refused naming the option."""
+    peers = bench["peers"]
+    assert peers.cpu_list("0") == {0}
+    assert peers.cpu_list("0,2-4") == {0, 2, 3, 4}
+    assert peers.cpu_list("a") == peers.cpu_list("0-") == peers.cpu_list("") == set()
+    have = sorted(peers.os.sched_getaffinity(0))
+    one = str(have[0])
+    assert peers.parse_args(["--node-cpus", f"{one}/{one}"]).node_cpus == [one, one]
+    assert peers.parse_args([]).node_cpus is None
+    for bad in ("a/0", f"{one}-/{one}", one, f"{one}/{max(have) + 1}", f"{one}/{one}/{one}"):
+        with pytest.raises(SystemExit) as e:
+            peers.parse_args(["--node-cpus", bad])
+        assert e.value.code == 2
+        assert "--node-cpus: two CPU lists A/B" in capsys.readouterr().err
