@@ -302,8 +302,9 @@ class DataListener:
             while True:
                 wait = self._due - time.monotonic()
                 events = sel.select(None if wait == math.inf else max(wait, 0.0))
-                with contextlib.suppress(BlockingIOError):  # the wake-ups so far, then what
-                    self._wake.recv(4096)  # they were for: one handed back later wakes anew
+                if any(key.fileobj is self._wake for key, _ in events):
+                    with contextlib.suppress(BlockingIOError):  # the wake-ups so far, then
+                        self._wake.recv(4096)  # what they were for: one later wakes anew
                 with self._lock:
                     if self._closed:
                         return

@@ -338,7 +338,7 @@ class GrpcPeers:
                 stopping = self._closed
                 self._busy.add(conn)
             if stopping:
-                raise ServiceError("UNAVAILABLE", f"{at} was not asked: this service is stopping")
+                raise self._stopping(dest)
             if not job.attach(conn.stop):
                 raise self._abandoned(dest)
             sizes, first = conn.fetch(message.SerializeToString(), buffers)
