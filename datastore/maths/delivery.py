@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from datastore.maths.partition import BOUNDARIES, Grid, full_region
+from datastore.maths.subarray import MIN_RUN, piece_sizes
 
 __all__ = [
     "Copy",
@@ -31,6 +32,7 @@ __all__ = [
     "box_copies",
     "chosen_fields",
     "covered",
+    "covered_sizes",
     "delivered_fields",
     "pad_copies",
     "parse_spatial",
@@ -97,6 +99,14 @@ def covered(f: Delivered) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
         src.append(slice(lo, hi))
         dst.append(slice(lo - o, hi - o))
     return tuple(src), tuple(dst)
+
+
+def covered_sizes(f: Delivered) -> list[int]:
+    """The sizes of the messages one sample's part of ``f`` inside the volume travels in
+    between services, as its owner cuts it from a C-contiguous sample
+    (:func:`~datastore.maths.subarray.pieces`): what the asker posts receives for."""
+    shape = f.sample_shape if f.blocked else f.shape
+    return piece_sizes(shape, f.dtype.itemsize, covered(f)[0], MIN_RUN)
 
 
 def _pads(f: Delivered) -> list[tuple[slice, ...]]:

@@ -34,6 +34,16 @@ request's number (``rid``, never reused). A reply that comes after its request g
 MPI's queue under its tag; when the cycle comes round to that tag again, the asker takes it,
 sees another ``rid``, and drops it (and the raw payload that follows it) before reading its
 own reply: a late answer can never pass for a new one.
+A fetch that tells the sizes of its reply's messages (``expect``: the asker computes them as the
+owner cuts them, :func:`~datastore.maths.delivery.covered_sizes`) has its receives posted with
+the request, on a second tag of its own (the next ``tag_span`` tags), and the owner sends the
+bytes with no envelope before them (an owner holding them cut otherwise recuts them; one
+holding another total answers an error on the reply tag, as it does any error): a message and
+a pickle less per fetch, and the receives ready before the bytes leave. Its bytes carry no
+``rid``, so a fetch that gives up while they may still come (its deadline, or abandoned)
+cancels its receives, last first, and receives what may still come aside, on that tag; until
+it came, no fetch to that owner uses the tag (where none is free, a fetch is told its sizes
+by an envelope as before).
 A dataset path may contain ``{node}``, filled in by each service with its own rank (several
 services on one host, as in tests).
 """
@@ -68,9 +78,12 @@ __all__ = [
     "Pieces",
     "Segments",
     "cut_into",
+    "expect",
+    "fitted",
     "node_path",
     "read_stats",
     "segments",
+    "sizes_of",
 ]
 
 Listing = tuple[bool, list[str], dict[str, tuple[str, tuple[int, ...]]]]
@@ -79,12 +92,14 @@ Listing = tuple[bool, list[str], dict[str, tuple[str, tuple[int, ...]]]]
 STATS_ENV = "DATASTORE_PEER_STATS"
 REQUEST = 1  # tag of every request; replies use a tag per request
 FIRST_REPLY_TAG = 100
-TAG_SPAN = 30000  # reply tags cycle through [FIRST_REPLY_TAG, +TAG_SPAN): MPI guarantees 32767
+TAG_SPAN = 16000  # reply tags cycle through [FIRST_REPLY_TAG, +TAG_SPAN), the bytes of a fetch
+# whose receives were posted with it through the next TAG_SPAN tags: MPI guarantees 32767
 FLIGHT_NAP = 0.0002  # seconds between polls while a request or a send is in flight
 BUSY_NAP = 0.0002  # seconds between polls for requests within BUSY_S of the last one
 BUSY_S = 1.0
 IDLE_NAP = 0.02  # seconds between polls once idle longer: no CPU burnt between jobs
 SPIN_S = 0.02  # seconds a fetch's envelope, then its bytes, are polled for without a nap
+CANCEL_S = 1.0  # seconds a fetch's cancelled receives are given to end before it is let go
 STOPPING = "this service is stopping"
 
 
@@ -117,6 +132,44 @@ def cut_into(runs: list[int], sizes: list[int]) -> list[tuple[int, int, int]] | 
     if sum(runs) != sum(sizes):
         return None
     return out
+
+
+def expect(sizes: Sequence[int]) -> list[list[int]]:
+    """A fetch request's ``expect``: the sizes of the messages its reply comes in (as the
+    asker computes them: :func:`~datastore.maths.subarray.piece_sizes`), run-length coded
+    (``[[size, count], ...]``: a block of many equal runs stays a short request)."""
+    out: list[list[int]] = []
+    for n in sizes:
+        if out and out[-1][0] == n:
+            out[-1][1] += 1
+        else:
+            out.append([int(n), 1])
+    return out
+
+
+def sizes_of(expected: Sequence[Sequence[int]]) -> list[int]:
+    """The message sizes an :func:`expect` list codes."""
+    return [n for n, count in expected for _ in range(count)]
+
+
+def fitted(raw: list[np.ndarray], sizes: list[int]) -> list[np.ndarray] | None:
+    """``raw`` (1-d uint8 messages) as messages of ``sizes``: itself where they match, else
+    its bytes copied and cut into them (a sample not stored C-contiguous); ``None`` where
+    the totals differ."""
+    if [r.nbytes for r in raw] == sizes:
+        return raw
+    if sum(r.nbytes for r in raw) != sum(sizes):
+        return None
+    whole = np.concatenate(raw) if raw else np.empty(0, np.uint8)
+    return np.split(whole, np.cumsum(sizes)[:-1].tolist()) if sizes else []
+
+
+def _preposted(request: dict, out: list[np.ndarray] | None) -> list[tuple[int, int, int]] | None:
+    """Where the messages a fetch ``request`` expects land in ``out`` (``[(buffer, start,
+    stop)]``); ``None`` where it expects none or they do not fit ``out``."""
+    if out is None or "expect" not in request:
+        return None
+    return cut_into(sizes_of(request["expect"]), [b.nbytes for b in out])
 
 
 def node_path(path: str, node: int) -> str:
@@ -325,6 +378,8 @@ class MpiPeers:
         self._wake = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # work for the link's thread
         self._calls: list[_Call] = []  # (the link's thread only) requests awaiting replies
+        self._spoiled: set[tuple[int, int]] = set()  # (owner, rid % tag_span): late bytes due
+        self._drains: list[tuple[list[Any], list[np.ndarray], tuple[int, int]]] = []
         self._sends: list[tuple[list[Any], Any]] = []  # (requests, what they send from)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="datastore-peer")
         self._thread = threading.Thread(target=self._run, name="datastore-peers", daemon=True)
@@ -332,20 +387,36 @@ class MpiPeers:
 
     # -- asking (any thread) --------------------------------------------------------------------
     def _start(self, dest: int, request: dict, out: list[np.ndarray] | None = None) -> _Call:
-        with self._tag_lock:
+        runs = _preposted(request, out)
+        with self._tag_lock:  # a tag whose late bytes may still come is skipped
             rid = next(self._rids)
+            if runs is not None:
+                for _ in range(self.tag_span):
+                    if (dest, rid % self.tag_span) not in self._spoiled:
+                        break
+                    rid = next(self._rids)
+                else:  # every tag awaits late bytes: this fetch is told its sizes instead
+                    runs = None
         tag = FIRST_REPLY_TAG + rid % self.tag_span
         call = _Call(dest, tag, rid, request["kind"], out, time.monotonic() + self.timeout_s)
-        message = {**request, "tag": tag, "rid": rid}
+        message = {k: v for k, v in request.items() if k != "expect" or runs is not None}
+        message.update(tag=tag, rid=rid)
         if out is not None:
             message["nbytes"] = call.nbytes
+        if runs is not None:  # its bytes come on a tag of their own, no envelope before them
+            call.data_tag, call.runs = tag + self.tag_span, runs
+            call.sizes, call.enveloped = [b - a for _, a, b in runs], call.asked
+            message["data_tag"] = call.data_tag
         with self._ask_lock:  # handed to the link before its stop (its last drain sees it)
             if self._stop.is_set():
                 call.error = ServiceError("UNAVAILABLE", f"node {dest} was not asked: {STOPPING}")
                 call.done.set()
                 return call
-            # (MPI_THREAD_MULTIPLE) the request goes out from this thread, before the link wakes
-            sent = self.comm.isend(message, dest=dest, tag=REQUEST) if self._multiple else None
+            sent = None
+            if self._multiple:  # the receives, then the request, go out from this thread
+                if runs is not None:
+                    call.recvs = self._irecvs(dest, call.data_tag, call.out or [], runs)
+                sent = self.comm.isend(message, dest=dest, tag=REQUEST)
             self._do(lambda: self._post(call, sent, message))
         return call
 
@@ -376,7 +447,10 @@ class MpiPeers:
         """Send ``request`` to node ``dest``, its raw reply to land in ``out`` (uint8
         buffers, filled one after the other): one message, or the runs of :class:`Pieces`
         (sent straight from the owner's store), each received straight into its place. A run
-        must not straddle two buffers of ``out`` (the owner cuts runs within its boxes)."""
+        must not straddle two buffers of ``out`` (the owner cuts runs within its boxes).
+        Where ``request["expect"]`` (:func:`expect`) tells the messages' sizes and they fit
+        ``out``, the receives are posted with the request and the bytes come without an
+        envelope before them (a message and a wake-up less per fetch)."""
         into, unpack = [], []
         for t in targets(out):
             if isinstance(t, tuple):  # received aside, copied in by :meth:`Pending.result`
@@ -396,7 +470,13 @@ class MpiPeers:
         land where they were to: its buffers stay in use until :meth:`Pending.wait` says)."""
 
         def drop() -> None:
-            if call in self._calls and call.recvs is None:
+            if call not in self._calls:
+                return
+            if call.data_tag is not None:
+                if not call.let_go:
+                    why = "was no longer waited for"
+                    self._cancel(call, self._failure(call, why), late=True)
+            elif call.recvs is None:
                 self._give_up(call, "was no longer waited for")
 
         self._do(drop)
@@ -444,6 +524,9 @@ class MpiPeers:
             self._progress(MPI)
             time.sleep(FLIGHT_NAP)
         for call in list(self._calls):
+            if call.data_tag is not None and not call.let_go:
+                for r in reversed(call.recvs or []):
+                    r.Cancel()
             self._give_up(call, f"was not asked: {STOPPING}")
 
     def _fetch_young(self, now: float) -> bool:
@@ -465,8 +548,11 @@ class MpiPeers:
         self._sends.append(([self.comm.isend(message, dest=dest, tag=tag)], message))
 
     def _post(self, call: _Call, sent: Any, message: dict) -> None:
-        """Await ``call``'s reply; its request ``message`` is sent (``sent``), or sent now."""
+        """Await ``call``'s reply; its request ``message`` is sent (``sent``), or sent now
+        (after the receives of its bytes, where it tells their sizes)."""
         if sent is None:
+            if call.data_tag is not None:
+                call.recvs = self._irecvs(call.dest, call.data_tag, call.out or [], call.runs)
             self._isend(message, call.dest, REQUEST)
         else:
             self._sends.append(([sent], message))
@@ -499,7 +585,9 @@ class MpiPeers:
         moved = False
         now = time.monotonic()
         for call in list(self._calls):
-            if call.recvs is None:
+            if call.data_tag is not None:
+                moved = self._progress_posted(MPI, call, now) or moved
+            elif call.recvs is None:
                 msg = self.comm.improbe(source=call.dest, tag=call.tag)
                 if msg is not None:
                     moved = True
@@ -519,15 +607,91 @@ class MpiPeers:
             if MPI.Request.Testall(sent[0]):
                 self._sends.remove(sent)
                 moved = True
+        for drain in list(self._drains):
+            if MPI.Request.Testall(drain[0]):  # the late bytes came: the tag is free again
+                self._drains.remove(drain)
+                with self._tag_lock:
+                    self._spoiled.discard(drain[2])
         return moved
+
+    def _progress_posted(self, MPI: Any, call: _Call, now: float) -> bool:
+        """Advance a fetch whose receives went out with its request: its bytes in, or the
+        owner's envelope instead (an error), or its deadline; whether it moved."""
+        if call.let_go:  # its receives cancelled: over once none can still land
+            statuses = [MPI.Status() for _ in call.recvs or []]
+            if MPI.Request.Testall(call.recvs, statuses):
+                cut = [k for k, st in enumerate(statuses) if st.Is_cancelled()]
+                if cut and call.late:  # their bytes may come yet: taken aside, on that tag
+                    self._drain_late(call, [call.sizes[k] for k in cut])
+                self._done(call)
+                return True
+            if now > call.let_go:  # a receive begun never ends: that tag is never used again
+                self._sends.append((call.recvs, call.out))
+                with self._tag_lock:
+                    self._spoiled.add((call.dest, call.rid % self.tag_span))
+                self._done(call)
+                return True
+            return False
+        if MPI.Request.Testall(call.recvs):
+            self.bytes_received += call.nbytes
+            self._done(call, call.nbytes)
+            return True
+        msg = self.comm.improbe(source=call.dest, tag=call.tag)
+        if msg is not None:
+            env = msg.recv()
+            if env["rid"] != call.rid:
+                self._drop_stale(call, env)
+            elif isinstance(env.get("reply"), dict) and "error" in env["reply"]:
+                self._cancel(call, None, env["reply"])  # (raised by the asker's thread)
+            else:  # bytes on the reply tag, or a reply that is no bytes: not what was asked
+                self._drop_stale(call, env)
+                why = "answered the fetch without its bytes"
+                self._cancel(call, self._failure(call, why, "INTERNAL"))
+            return True
+        if now > call.deadline:
+            why = f"did not send its blocks within {self.timeout_s:g} s"
+            self._cancel(call, self._failure(call, why), late=True)
+            return True
+        return False
+
+    def _cancel(
+        self, call: _Call, error: ServiceError | None, reply: Any = None, late: bool = False
+    ) -> None:
+        """End ``call`` without its bytes (``error``, or the owner's ``reply``): its receives
+        are cancelled, and it is over once none can still land (or after :data:`CANCEL_S`);
+        ``late``: the owner may send them yet. Cancelled last first, so a message that comes
+        meanwhile lands in its own receive or in none (never in the next one's)."""
+        for r in reversed(call.recvs or []):
+            r.Cancel()
+        call.error, call.reply, call.late = error, reply, late
+        call.let_go = time.monotonic() + CANCEL_S
+
+    def _drain_late(self, call: _Call, sizes: list[int]) -> None:
+        """Receive aside the messages of ``sizes`` that may still come on ``call``'s data tag,
+        the only receives posted there until they came: no later fetch uses the tag till
+        then, so late bytes never land in one, and the owner's sends end."""
+        slot = (call.dest, call.rid % self.tag_span)
+        aside = [np.empty(n, np.uint8) for n in sizes]
+        recvs = [self.comm.Irecv(b, source=call.dest, tag=call.data_tag) for b in aside]
+        with self._tag_lock:
+            self._spoiled.add(slot)
+        self._drains.append((recvs, aside, slot))
+
+    def _failure(self, call: _Call, why: str, code: str = "UNAVAILABLE") -> ServiceError:
+        return ServiceError(code, f"node {call.dest} {why}")
+
+    def _drop_stale(self, call: _Call, env: dict) -> None:
+        """Drop ``env``, a reply on ``call``'s tag that is not its own (a late one), and the
+        raw bytes that follow it on that tag, if any (MPI's order: before ours)."""
+        if "ok" in env:
+            stale = [np.empty(n, np.uint8) for n in env["runs"]]
+            self._sends.append((self._irecvs(call.dest, call.tag, stale, env["runs"]), stale))
 
     def _envelope(self, call: _Call, env: dict) -> None:
         """``call``'s reply envelope ``env``: its reply, or the raw runs to receive; a late
         reply to an earlier request on the same tag is dropped (its raw bytes too)."""
         if env["rid"] != call.rid:
-            if "ok" in env:  # stale raw bytes: taken off the queue before ours (MPI's order)
-                stale = [np.empty(n, np.uint8) for n in env["runs"]]
-                self._sends.append((self._irecvs(call.dest, call.tag, stale, env["runs"]), stale))
+            self._drop_stale(call, env)
             return
         if "ok" not in env:
             call.reply = env["reply"]
@@ -557,7 +721,7 @@ class MpiPeers:
         call.done.set()
 
     def _give_up(self, call: _Call, why: str, code: str = "UNAVAILABLE") -> None:
-        call.error = ServiceError(code, f"node {call.dest} {why}")
+        call.error = self._failure(call, why, code)
         self._done(call)
 
     # -- answering -----------------------------------------------------------------------------
@@ -574,6 +738,17 @@ class MpiPeers:
             return
         if raw is None:
             self._isend({"rid": rid, "reply": reply}, dest, tag)
+            return
+        if request.get("data_tag") is not None:  # receives posted for sizes it told
+            want = sizes_of(request["expect"])
+            fit = fitted(raw, want)
+            if fit is None:
+                error = f"holds {sum(r.nbytes for r in raw)} bytes of the fetch, not the "
+                error += f"{sum(want)} asked for"
+                self._isend({"rid": rid, "reply": {"error": error, "code": "INTERNAL"}}, dest, tag)
+            else:
+                sent = [self.comm.Isend(r, dest=dest, tag=request["data_tag"]) for r in fit]
+                self._sends.append((sent, fit))
             return
         sizes = [r.nbytes for r in raw]
         self._isend({"rid": rid, "ok": sum(sizes), "runs": sizes}, dest, tag)
@@ -637,7 +812,11 @@ class _Call:
     sizes: list[int] = field(default_factory=list)  # the raw bytes' messages
     unpack: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (part, aside)
     asked: float = field(default_factory=time.monotonic)
-    enveloped: float = 0.0  # when its envelope came (a fetch)
+    enveloped: float = 0.0  # when its envelope came (a fetch; posted with it: when asked)
+    data_tag: int | None = None  # its receives posted with the request: the tag its bytes use
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # where they land in ``out``
+    let_go: float = 0.0  # its receives cancelled: when it is over even if one has not ended
+    late: bool = False  # (cancelled) the owner may still send its bytes
     done: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -32,6 +32,7 @@ from datastore.maths.delivery import (
     Copy,
     Delivered,
     covered,
+    covered_sizes,
     delivered_fields,
     pad_copies,
     spatial_grid,
@@ -41,7 +42,7 @@ from datastore.maths.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
 from datastore.service.paths import checked_path, shown
-from datastore.service.peers import Peers, Pending, Pieces
+from datastore.service.peers import Peers, Pending, Pieces, expect
 from datastore.store.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store.store import SlotSpec, Store
 from staging.confine import beneath
@@ -170,6 +171,7 @@ class Resident:
         if not remote.any():
             return None
         names = [f.name for f in fields]
+        sent = {f.name: covered_sizes(f) for f in fields}  # the messages of one sample's part
         pending, after = [], []
         for dest in sorted(set(owners[remote].tolist())):
             at = np.flatnonzero(owners == dest).tolist()
@@ -196,6 +198,7 @@ class Resident:
                 "spatial": spatial,
                 "block": block,
                 "pieces": True,  # (a peer of an older version sent whole boxes)
+                "expect": expect([n for f in fields for _ in at for n in sent[f.name]]),
             }
             pending.append(self.link.start(dest, request, into))
         return Fetching(frozenset(np.flatnonzero(remote).tolist()), pending, after)
