@@ -800,8 +800,9 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
             f"{FETCH_AHEAD} fetches in flight each way), bytes / time. Issue 24's 0.8x target "
             "is judged on in flight / bare (both are bytes / time the link was busy). Per fetch: "
             "from asked to the reply's envelope in, then to its last byte in (median, and 90th "
-            "percentile, of every fetch of the timed epochs); fetches in flight: their times "
-            "summed / the time in flight (both services). Medians "
+            "percentile, of every fetch of the timed epochs; the MPI peers' fetches post their "
+            "receives with the request, with no envelope before the bytes: 0 + the whole); "
+            "fetches in flight: their times summed / the time in flight (both services). Medians "
             "over the reps; reps: the full range (min-max) over them.",
             f"- data: {args.samples} .npy samples x {mb:.1f} MiB (float32 (4, {args.side}, "
             f"{args.side}, {args.side})); global batch {2 * args.batch} "
