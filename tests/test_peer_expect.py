@@ -65,6 +65,7 @@ def test_told_fetches_land_exactly_and_late_bytes_never_in_a_later_one(tmp_path)
     out = tmp_path / "got.json"
     got = run_job(mpi_job(2, JOB, out), out, timeout=120)
     assert got["split"] == [[1], [1]]  # one message at the owner, recut into the two expected
+    assert got["at_once"] == [[40], [41], [42], [43]]  # the 4th waited: no tag held by two
     assert got["short"] == ["INTERNAL", "node 0: holds 16 bytes of the fetch, not the 10 asked for"]
     assert got["refused"] == ["NOT_FOUND", "node 0: no sample 99 here"]
     assert got["short_bytes"] == got["refused_bytes"] == [[0]]  # nothing written
@@ -73,6 +74,6 @@ def test_told_fetches_land_exactly_and_late_bytes_never_in_a_later_one(tmp_path)
     assert got["while_no_tag_is_free"] == [[[20]], [[21]], [[22]]]
     assert got["late_bytes_landed"] == [[0], [0], [0]]  # taken aside, not into their buffers
     assert got["after"] == [[[30]], [[31]], [[32]], [[33]]]  # not the late 7s, 9s or 11s
-    legs = got["legs"]  # split, 20-22 (told their sizes: an envelope first), 30-33
-    assert len(legs) == 8 and legs[0] == 0.0 and legs[4:] == [0.0] * 4
-    assert all(leg > 0 for leg in legs[1:4])
+    legs = got["legs"]  # in the order they ended: split, the 4 at once, 20-22, 30-33
+    assert len(legs) == 12 and legs[:5] == [0.0] * 5 and legs[8:] == [0.0] * 4
+    assert all(leg > 0 for leg in legs[5:8])  # told their sizes by an envelope

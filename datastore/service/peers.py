@@ -43,7 +43,8 @@ a pickle less per fetch, and the receives ready before the bytes leave. Its byte
 ``rid``, so a fetch that gives up while they may still come (its deadline, or abandoned)
 cancels its receives, last first, and receives what may still come aside, on that tag; until
 it came, no fetch to that owner uses the tag (where none is free, a fetch is told its sizes
-by an envelope as before).
+by an envelope as before). No two requests to one owner in flight share a tag: a request
+waits for one to be free (within the timeout) where all ``tag_span`` are in use.
 A dataset path may contain ``{node}``, filled in by each service with its own rank (several
 services on one host, as in tests).
 """
@@ -379,6 +380,8 @@ class MpiPeers:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # work for the link's thread
         self._calls: list[_Call] = []  # (the link's thread only) requests awaiting replies
         self._spoiled: set[tuple[int, int]] = set()  # (owner, rid % tag_span): late bytes due
+        self._busy: set[tuple[int, int]] = set()  # the same, of the requests in flight
+        self._tags = threading.Condition(self._tag_lock)  # (a request ended: its tags free)
         self._drains: list[tuple[list[Any], list[np.ndarray], tuple[int, int]]] = []
         self._sends: list[tuple[list[Any], Any]] = []  # (requests, what they send from)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="datastore-peer")
@@ -388,15 +391,13 @@ class MpiPeers:
     # -- asking (any thread) --------------------------------------------------------------------
     def _start(self, dest: int, request: dict, out: list[np.ndarray] | None = None) -> _Call:
         runs = _preposted(request, out)
-        with self._tag_lock:  # a tag whose late bytes may still come is skipped
-            rid = next(self._rids)
-            if runs is not None:
-                for _ in range(self.tag_span):
-                    if (dest, rid % self.tag_span) not in self._spoiled:
-                        break
-                    rid = next(self._rids)
-                else:  # every tag awaits late bytes: this fetch is told its sizes instead
-                    runs = None
+        try:
+            rid, posted = self._take_tag(dest, runs is not None)
+        except ServiceError as exc:
+            call = _Call(dest, 0, -1, request["kind"], out, 0.0, error=exc)
+            call.done.set()
+            return call
+        runs = runs if posted else None
         tag = FIRST_REPLY_TAG + rid % self.tag_span
         call = _Call(dest, tag, rid, request["kind"], out, time.monotonic() + self.timeout_s)
         message = {k: v for k, v in request.items() if k != "expect" or runs is not None}
@@ -410,6 +411,7 @@ class MpiPeers:
         with self._ask_lock:  # handed to the link before its stop (its last drain sees it)
             if self._stop.is_set():
                 call.error = ServiceError("UNAVAILABLE", f"node {dest} was not asked: {STOPPING}")
+                self._free_tag(call)
                 call.done.set()
                 return call
             sent = None
@@ -419,6 +421,40 @@ class MpiPeers:
                 sent = self.comm.isend(message, dest=dest, tag=REQUEST)
             self._do(lambda: self._post(call, sent, message))
         return call
+
+    def _take_tag(self, dest: int, posting: bool) -> tuple[int, bool]:
+        """A request number for a request to ``dest`` whose tags no request in flight to it
+        uses (waiting for one to end where all do), and whether its fetch's receives may be
+        posted with it (``posting``, and no late bytes may come on its data tag; else it is
+        told its sizes by an envelope).
+
+        Raises:
+            ServiceError: ``UNAVAILABLE``, no tag freed within the timeout.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        with self._tags:
+            while True:
+                free = None
+                for _ in range(self.tag_span):
+                    rid = next(self._rids)
+                    slot = (dest, rid % self.tag_span)
+                    if slot in self._busy:
+                        continue
+                    if not posting or slot not in self._spoiled:
+                        self._busy.add(slot)
+                        return rid, posting
+                    free = rid if free is None else free
+                if free is not None:
+                    self._busy.add((dest, free % self.tag_span))
+                    return free, False
+                if not self._tags.wait(deadline - time.monotonic()):
+                    why = f"{self.tag_span} requests to it in flight for {self.timeout_s:g} s"
+                    raise ServiceError("UNAVAILABLE", f"node {dest} was not asked: {why}")
+
+    def _free_tag(self, call: _Call) -> None:
+        with self._tags:
+            self._busy.discard((call.dest, call.rid % self.tag_span))
+            self._tags.notify_all()
 
     def _finish(self, call: _Call) -> Any:
         """``call``'s reply, once it came (the link's thread fails it at its deadline)."""
@@ -666,7 +702,7 @@ class MpiPeers:
         call.error, call.reply, call.late = error, reply, late
         call.let_go = time.monotonic() + CANCEL_S
 
-    def _drain_late(self, call: _Call, sizes: list[int]) -> None:
+    def _drain_late(self, call: _Call, sizes: list[int]) -> None:  # (before it is freed)
         """Receive aside the messages of ``sizes`` that may still come on ``call``'s data tag,
         the only receives posted there until they came: no later fetch uses the tag till
         then, so late bytes never land in one, and the owner's sends end."""
@@ -714,6 +750,7 @@ class MpiPeers:
     def _done(self, call: _Call, nbytes: int = 0) -> None:
         """``call`` is over (``nbytes``: the raw bytes it received)."""
         self._calls.remove(call)
+        self._free_tag(call)
         if call.out is not None:
             now = time.monotonic()
             legs = (call.enveloped - call.asked, now - call.enveloped) if nbytes else (0.0, 0.0)
@@ -740,7 +777,7 @@ class MpiPeers:
             self._isend({"rid": rid, "reply": reply}, dest, tag)
             return
         if request.get("data_tag") is not None:  # receives posted for sizes it told
-            want = sizes_of(request["expect"])
+            want = sizes_of(request.get("expect", []))
             fit = fitted(raw, want)
             if fit is None:
                 error = f"holds {sum(r.nbytes for r in raw)} bytes of the fetch, not the "

@@ -4,7 +4,8 @@ their receives go out with the request. Node 0 answers each with ``nbytes`` byte
 request's ``value`` (one message; the link cuts it as the asker expects), after 1.5 s where the
 request is ``slow``, with an error where it says ``fail``.
 
-Node 1, in order: a fetch into two buffers; one expecting fewer bytes than node 0 holds; one
+Node 1, in order: a fetch into two buffers; four at once (3 tags: the fourth waits for
+one to be free), the first answered last; one expecting fewer bytes than node 0 holds; one
 node 0 refuses; one that times out and one abandoned (node 0 answers both late, on their tags);
 another abandoned at once and, while no tag is free, three more; then, once the late bytes
 came, four more. It writes each result, its buffers' bytes and each fetch's legs (the first
@@ -31,6 +32,7 @@ from datastore.service.peers import STATS_ENV, MpiPeers, expect, read_stats
 def answer(request: dict) -> object:
     if request.get("slow"):
         time.sleep(1.5)  # past the asker's 0.5 s timeout
+    time.sleep(request.get("nap", 0.0))
     if request.get("fail"):
         raise ServiceError("NOT_FOUND", "no sample 99 here")
     return np.full(request["holds"], request["value"], dtype=np.uint8)
@@ -57,6 +59,12 @@ def asker(peers: MpiPeers, stats: str) -> dict:
     two = [np.zeros(8, np.uint8), np.zeros(8, np.uint8)]
     peers.fetch(0, ask(1, [8, 8]), two)
     got["split"] = values(two)
+    outs = [np.zeros(16, np.uint8) for _ in range(4)]  # 4 at once, the first answered last
+    naps = [0.3, 0.0, 0.0, 0.0]
+    pending = [peers.start(0, ask(40 + k, [16], nap=naps[k]), outs[k]) for k in range(4)]
+    for p in pending:
+        p.result()
+    got["at_once"] = values(outs)
     short = np.zeros(10, np.uint8)
     got["short"] = failed(lambda: peers.fetch(0, {**ask(2, [10]), "holds": 16}, short))
     got["short_bytes"] = values([short])
