@@ -759,12 +759,13 @@ def test_answered_connections_handed_back_at_once_are_all_watched_again():
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="Linux's /proc/net/tcp")
 def test_askers_that_stop_reading_free_the_answering_threads_at_the_timeout():
-    """As many connections as answering threads ask for 64 samples (18 MiB, more than the
-    sockets buffer) and never read: each thread's send times out in the kernel after the
-    listener's 1 s (``SO_SNDTIMEO``) and drops that connection, and another connection's
-    fetch is answered, exact."""
+    """One more connection than answering threads asks for 64 samples (18 MiB, more than the
+    sockets buffer) and never reads: each thread's send times out in the kernel after the
+    listener's 1 s (``SO_SNDTIMEO``) and drops that connection; meanwhile the listener still
+    reads tickets and requests (another connection's 1 s ticket does not expire unread), and
+    that connection's fetch, answered once a thread is free, is exact."""
     with owner(_pieces, timeout_s=1) as (_, listener):
-        stalled = [_raw(listener) for _ in range(data_link.WORKERS)]
+        stalled = [_raw(listener) for _ in range(data_link.WORKERS + 1)]
         try:
             for s in stalled:
                 s.sendall(listener.ticket(0) + _frame(list(range(64))))
@@ -774,11 +775,11 @@ def test_askers_that_stop_reading_free_the_answering_threads_at_the_timeout():
             finally:
                 peer.close()
             assert _holds(out, 5)
-            assert listener.served == data_link.WORKERS + 1
-            deadline = time.monotonic() + 10  # every stalled one dropped by the owner
+            deadline = time.monotonic() + 10  # every stalled one answered, then dropped
             while _connected(listener.port) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert _connected(listener.port) == 0
+            assert listener.served == data_link.WORKERS + 2
             for s in stalled:  # dropped mid-reply: fewer bytes than the reply's
                 s.settimeout(10)
                 got = 0

@@ -24,10 +24,10 @@ at a time until the asker closes it; the asker closes one that saw any error.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hmac
 import math
-import queue
 import secrets
 import select
 import selectors
@@ -218,11 +218,12 @@ class DataListener:
     """A node's data listener: tickets handed out through ``Peers/OpenData``, and the
     connections presenting one answered with ``serve``.
 
-    One thread (``datastore-data``) accepts the connections and watches every one waiting for
-    its TLS handshake, its ticket or its next request, reading them without blocking; each
-    whole request is answered by one of :data:`WORKERS` threads (``datastore-data-answer``),
-    which sends the reply and hands the connection back. An idle connection costs a
-    descriptor, not a thread, and bytes dripped in hold no thread.
+    :data:`WORKERS` + 1 threads (``datastore-data``) take turns (leader/follower): the one
+    leading accepts the connections and watches every one waiting for its TLS handshake, its
+    ticket or its next request, reading them without blocking; once it has read a whole
+    request it lets the next thread lead, answers the request itself (no hand-off between the
+    request and its reply) and hands the connection back to be watched. An idle connection
+    costs a descriptor, not a thread, and bytes dripped in hold no thread.
 
     Args:
         host: the host of the service's ``--tcp`` address.
@@ -248,14 +249,19 @@ class DataListener:
         self._lock = threading.Lock()
         self._tickets: dict[bytes, tuple[int, float]] = {}  # ticket -> (node, expiry)
         self._conns: set[socket.socket] = set()  # open: watched, or being answered
-        self._ready: queue.SimpleQueue[_Conn | None] = queue.SimpleQueue()  # to answer
+        self._lead = threading.Lock()  # held by the thread watching (the others wait on it)
+        self._sel: selectors.BaseSelector | None = None  # (made by start)
+        self._whole: collections.deque[_Conn] = collections.deque()  # read, to be answered
+        self._paused = math.inf  # accepting paused until (out of descriptors)
+        self._ended = False  # (the leader that saw the close) connections closed
+        self._answering = 0  # threads answering a request (at most WORKERS)
         self._back: list[_Conn] = []  # answered: to watch again
         self._wake, self._waker = socket.socketpair()  # (a byte: look at _back, or _closed)
         self._wake.setblocking(False)
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._due = math.inf  # the watcher's next look at the deadlines (none sooner)
-        self._unticketed = 0  # connections not past their ticket yet (the watcher's count)
+        self._due = math.inf  # the leader's next look at the deadlines (none sooner)
+        self._unticketed = 0  # connections not past their ticket yet (the leaders' count)
         self.served = 0  # requests answered (counted before the reply goes out, errors included)
 
     def ticket(self, node: int) -> bytes:
@@ -277,66 +283,88 @@ class DataListener:
         return node
 
     def start(self, serve: Serve) -> None:
-        """Accept and watch connections on a daemon thread; :data:`WORKERS` more answer their
-        requests with ``serve``."""
-        threads = [threading.Thread(target=self._watch, name="datastore-data", daemon=True)]
-        for _ in range(WORKERS):
-            work = threading.Thread(
-                target=self._work, args=(serve,), name="datastore-data-answer", daemon=True
-            )
-            threads.append(work)
-        with self._lock:
-            if self._closed:
-                return
-            self._threads = threads
-        for t in threads:
-            t.start()
-
-    # -- the watcher: accepting, handshakes, tickets and request frames, never blocking -------
-    def _watch(self) -> None:
+        """Accept, watch and answer connections on :data:`WORKERS` + 1 daemon threads: one
+        watches (the leader) while the others wait their turn; the one that reads a whole
+        request lets the next one watch and answers it itself (no hand-off before the reply)."""
         sel = selectors.DefaultSelector()
         sel.register(self._wake, selectors.EVENT_READ)
         sel.register(self._sock, selectors.EVENT_READ)
-        paused = math.inf  # accepting paused until (out of descriptors)
-        try:
-            while True:
-                wait = self._due - time.monotonic()
-                events = sel.select(None if wait == math.inf else max(wait, 0.0))
-                if any(key.fileobj is self._wake for key, _ in events):
-                    with contextlib.suppress(BlockingIOError):  # the wake-ups so far, then
-                        self._wake.recv(4096)  # what they were for: one later wakes anew
-                with self._lock:
-                    if self._closed:
-                        return
-                    back, self._back = self._back, []
-                now = time.monotonic()
-                for key, _ in events:
-                    if key.fileobj is self._wake:
-                        continue
-                    if key.fileobj is not self._sock:
-                        self._advance(sel, key.data)
-                    elif not self._accept(sel, now):
-                        sel.unregister(self._sock)
-                        paused = now + 1.0
-                        self._due = min(self._due, paused)
-                for c in back:
-                    sel.register(c.sock, selectors.EVENT_READ, c)
-                    self._due = min(self._due, c.deadline)
-                    if isinstance(c.sock, ssl.SSLSocket) and c.sock.pending():
-                        self._advance(sel, c)  # decrypted already: its fd may not be ready
-                if now >= paused:
-                    sel.register(self._sock, selectors.EVENT_READ)
-                    paused = math.inf
-                if now >= self._due:
-                    self._due = min(paused, self._expire(sel, now))
-        finally:
+        threads = [
+            threading.Thread(target=self._work, args=(serve,), name="datastore-data", daemon=True)
+            for _ in range(WORKERS + 1)
+        ]
+        with self._lock:
+            if self._closed:
+                sel.close()
+                return
+            self._sel, self._threads = sel, threads
+        for t in threads:
+            t.start()
+
+    # -- the leader: accepting, handshakes, tickets and request frames, never blocking --------
+    def _next(self) -> _Conn | None:
+        """(The leader) the next connection whose request is whole, once a thread is left to
+        lead after this one (at most :data:`WORKERS` answer at once: one always watches, so
+        tickets and handshakes go on while askers that stop reading hold the others);
+        ``None``: closed."""
+        sel = self._sel
+        assert sel is not None
+        while not self._ended:
+            if self._whole and self._may_answer():
+                return self._whole.popleft()
+            wait = self._due - time.monotonic()
+            events = sel.select(None if wait == math.inf else max(wait, 0.0))
+            if any(key.fileobj is self._wake for key, _ in events):
+                with contextlib.suppress(BlockingIOError):  # the wake-ups so far, then
+                    self._wake.recv(4096)  # what they were for: one later wakes anew
             with self._lock:
+                closed = self._closed
                 back, self._back = self._back, []
-            watched = [k.data for k in sel.get_map().values() if isinstance(k.data, _Conn)]
-            for c in watched + back:
-                self._drop(c)
-            sel.close()
-            self._sock.close()
+            if closed:
+                self._back = back  # (closed by _end)
+                self._end(sel)
+                return None
+            now = time.monotonic()
+            for key, _ in events:
+                if key.fileobj is self._wake:
+                    continue
+                if key.fileobj is not self._sock:
+                    self._advance(sel, key.data)
+                elif not self._accept(sel, now):
+                    sel.unregister(self._sock)
+                    self._paused = now + 1.0
+                    self._due = min(self._due, self._paused)
+            for c in back:
+                sel.register(c.sock, selectors.EVENT_READ, c)
+                self._due = min(self._due, c.deadline)
+                if isinstance(c.sock, ssl.SSLSocket) and c.sock.pending():
+                    self._advance(sel, c)  # decrypted already: its fd may not be ready
+            if now >= self._paused:
+                sel.register(self._sock, selectors.EVENT_READ)
+                self._paused = math.inf
+            if now >= self._due:
+                self._due = min(self._paused, self._expire(sel, now))
+        return None
+
+    def _may_answer(self) -> bool:
+        """Whether the leader may answer a request (one more thread answering)."""
+        with self._lock:
+            if self._answering >= WORKERS:
+                return False
+            self._answering += 1
+            return True
+
+    def _end(self, sel: selectors.BaseSelector) -> None:
+        """(The leader that saw the close) every connection watched or handed back closed."""
+        self._ended = True
+        with self._lock:
+            back, self._back = self._back, []
+        watched = [k.data for k in sel.get_map().values() if isinstance(k.data, _Conn)]
+        for c in watched + back + list(self._whole):
+            self._drop(c)
+        self._whole.clear()
+        sel.close()
+        self._sock.close()
 
     def _accept(self, sel: selectors.BaseSelector, now: float) -> bool:
         """Take the connections waiting to be accepted; ``False``: none can be (out of
@@ -399,7 +427,7 @@ class DataListener:
                     c.framed = True
                 else:
                     sel.unregister(c.sock)
-                    self._ready.put(c)
+                    self._whole.append(c)
                     return
         except (OSError, EOFError, BadFrame):  # closed, or not a peer: nothing written
             sel.unregister(c.sock)
@@ -441,15 +469,25 @@ class DataListener:
             self._unticketed -= 1
         c.sock.close()
 
-    # -- the workers: a request answered, the connection handed back ----------------------------
+    # -- each thread: watch in turn, answer what it read, hand the connection back -------------
     def _work(self, serve: Serve) -> None:
-        while (c := self._ready.get()) is not None:
+        while True:
+            with self._lead:
+                c = self._next()
+            if c is None:
+                return
             try:
                 self._answer(c, serve)
             except Exception:  # a bug, not the peer's: told as a thread's uncaught exception
                 threading.excepthook(
                     threading.ExceptHookArgs((*sys.exc_info(), threading.current_thread()))
                 )
+            finally:
+                with self._lock:
+                    self._answering -= 1
+                if self._whole:  # requests read, waiting for a thread: the leader hands one
+                    with contextlib.suppress(OSError):
+                        self._waker.send(b"\0", socket.MSG_DONTWAIT)
 
     def _answer(self, c: _Conn, serve: Serve) -> None:
         kept = False
@@ -477,7 +515,7 @@ class DataListener:
                     return
                 self._back.append(c)
                 kept = True
-            with contextlib.suppress(OSError):  # (a full pipe: the watcher is waking anyway)
+            with contextlib.suppress(OSError):  # (a full pipe: the leader is waking anyway)
                 self._waker.send(b"\0", socket.MSG_DONTWAIT)
         except (OSError, BadFrame):
             return  # closed, timed out, or not a peer: nothing more written
@@ -497,8 +535,6 @@ class DataListener:
                 s.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._waker.send(b"\0", socket.MSG_DONTWAIT)
-        for _ in threads[1:]:
-            self._ready.put(None)
         if not threads:
             self._sock.close()
         deadline = time.monotonic() + wait_s
