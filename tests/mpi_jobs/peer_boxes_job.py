@@ -8,15 +8,11 @@ Usage: peer_boxes_job.py OUT
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import numpy as np
-from mpi4py import MPI
+from peer_job import asker_stats, run
 
 from datastore.service.errors import ServiceError
-from datastore.service.peers import STATS_ENV, MpiPeers, Pieces, read_stats
+from datastore.service.peers import MpiPeers, Pieces, read_stats
 
 # sample i's fields, as node 0 stores them (distinct values everywhere)
 STORE = {}
@@ -60,23 +56,16 @@ def fetch(peers: MpiPeers, case: str, samples: list[int], dst_box: tuple) -> dic
     return {"inside": inside, "halo untouched": halo, "whole": whole}
 
 
-def main() -> None:
-    comm = MPI.COMM_WORLD
-    os.environ[STATS_ENV] = sys.argv[1] + ".stats{node}"
-    peers = MpiPeers(comm, answer, timeout_s=10)
-    if comm.Get_rank() == 1:
-        got = {case: fetch(peers, case, [2, 0], dst) for case, (_, dst) in CASES.items()}
-        got["messages"] = read_stats(sys.argv[1] + ".stats1")["fetches"]
-        wrong = (slice(0, 2), slice(0, 3), slice(0, 4), slice(0, 4))  # a box of other bytes
-        try:
-            fetch(peers, "low edge", [1], wrong)
-        except ServiceError as exc:
-            got["mismatch"] = [exc.code, str(exc)]
-        with open(sys.argv[1], "w") as fh:
-            json.dump(got, fh)
-    comm.Barrier()
-    peers.close(stop_all=False)
+def asks(peers: MpiPeers) -> dict:
+    got = {case: fetch(peers, case, [2, 0], dst) for case, (_, dst) in CASES.items()}
+    got["messages"] = read_stats(asker_stats())["fetches"]
+    wrong = (slice(0, 2), slice(0, 3), slice(0, 4), slice(0, 4))  # a box of other bytes
+    try:
+        fetch(peers, "low edge", [1], wrong)
+    except ServiceError as exc:
+        got["mismatch"] = [exc.code, str(exc)]
+    return got
 
 
 if __name__ == "__main__":
-    main()
+    run(answer, asks, timeout_s=10)

@@ -16,17 +16,13 @@ Usage: peer_expect_job.py OUT
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
-from mpi4py import MPI
+from peer_job import asker_stats, failed, run
 
 from datastore.service.errors import ServiceError
-from datastore.service.peers import STATS_ENV, MpiPeers, expect, read_stats
+from datastore.service.peers import MpiPeers, expect, read_stats
 
 
 def answer(request: dict) -> object:
@@ -42,19 +38,11 @@ def ask(value: int, sizes: list[int], **more: object) -> dict:
     return {"kind": "fetch", "value": value, "holds": sum(sizes), "expect": expect(sizes), **more}
 
 
-def failed(call: Callable[[], object]) -> list[str]:
-    try:
-        call()
-    except ServiceError as exc:
-        return [exc.code, str(exc)]
-    return ["no error", ""]
-
-
 def values(buffers: list[np.ndarray]) -> list[list[int]]:
     return [sorted(set(b.tolist())) for b in buffers]
 
 
-def asker(peers: MpiPeers, stats: str) -> dict:
+def asker(peers: MpiPeers) -> dict:
     got: dict[str, object] = {}
     two = [np.zeros(8, np.uint8), np.zeros(8, np.uint8)]
     peers.fetch(0, ask(1, [8, 8]), two)
@@ -93,21 +81,9 @@ def asker(peers: MpiPeers, stats: str) -> dict:
         out = np.zeros(16, np.uint8)
         peers.fetch(0, ask(value, [16]), out)
         got["after"].append(values([out]))
-    got["legs"] = [leg[0] for leg in read_stats(stats)["legs"]]
+    got["legs"] = [leg[0] for leg in read_stats(asker_stats())["legs"]]
     return got
 
 
-def main() -> None:
-    comm = MPI.COMM_WORLD
-    os.environ[STATS_ENV] = sys.argv[1] + ".stats{node}"
-    peers = MpiPeers(comm, answer, timeout_s=0.5, tag_span=3)
-    if comm.Get_rank() == 1:
-        got = asker(peers, sys.argv[1] + ".stats1")
-        with open(sys.argv[1], "w") as fh:
-            json.dump(got, fh)
-    comm.Barrier()
-    peers.close(stop_all=False)
-
-
 if __name__ == "__main__":
-    main()
+    run(answer, asker, timeout_s=0.5, tag_span=3)

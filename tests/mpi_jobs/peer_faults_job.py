@@ -17,21 +17,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
+from peer_job import failed
 
-from datastore.service.errors import ServiceError
 from datastore.service.peers import REQUEST, MpiPeers
-
-
-def failed(call: Callable[[], object]) -> list[str]:
-    try:
-        call()
-    except ServiceError as exc:
-        return [exc.code, str(exc)]
-    return ["no error", ""]
 
 
 def owner(comm: MPI.Comm) -> None:

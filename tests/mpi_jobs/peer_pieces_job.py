@@ -8,14 +8,10 @@ Usage: peer_pieces_job.py OUT
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import numpy as np
-from mpi4py import MPI
+from peer_job import asker_stats, run
 
-from datastore.service.peers import STATS_ENV, MpiPeers, Pieces, read_stats
+from datastore.service.peers import MpiPeers, Pieces, read_stats
 
 # sample i's fields, as node 0 stores them (distinct values everywhere)
 STORE = {}
@@ -34,25 +30,18 @@ def answer(request: dict) -> object:
     return Pieces([(STORE[i, f], BOX[f]) for f in request["fields"] for i in request["samples"]])
 
 
-def main() -> None:
-    comm = MPI.COMM_WORLD
-    os.environ[STATS_ENV] = sys.argv[1] + ".stats{node}"
-    peers = MpiPeers(comm, answer, timeout_s=10)
-    if comm.Get_rank() == 1:
-        samples, fields = [2, 0], ["x", "y", "z"]
-        want = np.concatenate(
-            [STORE[i, f][BOX[f]].reshape(-1).view(np.uint8) for f in fields for i in samples]
-        )
-        out = np.zeros(want.nbytes, dtype=np.uint8)
-        peers.fetch(0, {"kind": "fetch", "samples": samples, "fields": fields}, out)
-        same = bool(np.array_equal(out, want))
-        got = {"same": same, "nbytes": int(out.nbytes), "received": peers.bytes_received}
-        got["messages"] = read_stats(sys.argv[1] + ".stats1")["fetches"]
-        with open(sys.argv[1], "w") as fh:
-            json.dump(got, fh)
-    comm.Barrier()
-    peers.close(stop_all=False)
+def asks(peers: MpiPeers) -> dict:
+    samples, fields = [2, 0], ["x", "y", "z"]
+    want = np.concatenate(
+        [STORE[i, f][BOX[f]].reshape(-1).view(np.uint8) for f in fields for i in samples]
+    )
+    out = np.zeros(want.nbytes, dtype=np.uint8)
+    peers.fetch(0, {"kind": "fetch", "samples": samples, "fields": fields}, out)
+    same = bool(np.array_equal(out, want))
+    got = {"same": same, "nbytes": int(out.nbytes), "received": peers.bytes_received}
+    got["messages"] = read_stats(asker_stats())["fetches"]
+    return got
 
 
 if __name__ == "__main__":
-    main()
+    run(answer, asks, timeout_s=10)

@@ -8,12 +8,10 @@ Usage: peer_tags_job.py OUT
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
+from peer_job import run
 
 from datastore.service.errors import ServiceError
 from datastore.service.peers import MpiPeers
@@ -27,33 +25,27 @@ def answer(request: dict) -> object:
     return request["value"]
 
 
-def main() -> None:
-    comm = MPI.COMM_WORLD
-    peers = MpiPeers(comm, answer, timeout_s=0.5, tag_span=3)
+def asks(peers: MpiPeers) -> dict:
     got: dict[str, object] = {}
-    if comm.Get_rank() == 1:
-        try:
-            peers.ask(0, {"kind": "echo", "value": "late", "slow": True})
-        except ServiceError as exc:
-            got["first"] = exc.code
+    try:
+        peers.ask(0, {"kind": "echo", "value": "late", "slow": True})
+    except ServiceError as exc:
+        got["first"] = exc.code
+    out = np.zeros(16, dtype=np.uint8)
+    try:
+        peers.fetch(0, {"kind": "fetch", "value": 7, "slow": True}, out)
+    except ServiceError as exc:
+        got["first_fetch"] = exc.code
+    time.sleep(2.0)  # both late replies are in MPI's queue by now
+    got["asks"] = [peers.ask(0, {"kind": "echo", "value": i}) for i in range(6)]
+    fetched = []
+    for value in (20, 21, 22, 23):
         out = np.zeros(16, dtype=np.uint8)
-        try:
-            peers.fetch(0, {"kind": "fetch", "value": 7, "slow": True}, out)
-        except ServiceError as exc:
-            got["first_fetch"] = exc.code
-        time.sleep(2.0)  # both late replies are in MPI's queue by now
-        got["asks"] = [peers.ask(0, {"kind": "echo", "value": i}) for i in range(6)]
-        fetched = []
-        for value in (20, 21, 22, 23):
-            out = np.zeros(16, dtype=np.uint8)
-            peers.fetch(0, {"kind": "fetch", "value": value}, out)
-            fetched.append(sorted(set(out.tolist())))
-        got["fetches"] = fetched
-        with open(sys.argv[1], "w") as fh:
-            json.dump(got, fh)
-    comm.Barrier()
-    peers.close(stop_all=False)
+        peers.fetch(0, {"kind": "fetch", "value": value}, out)
+        fetched.append(sorted(set(out.tolist())))
+    got["fetches"] = fetched
+    return got
 
 
 if __name__ == "__main__":
-    main()
+    run(answer, asks, timeout_s=0.5, tag_span=3)
