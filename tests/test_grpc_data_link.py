@@ -789,3 +789,14 @@ def test_askers_that_stop_reading_free_the_answering_threads_at_the_timeout():
         finally:
             for s in stalled:
                 s.close()
+
+
+def test_a_listener_closed_before_it_started_starts_nothing():
+    """A service stopping before its data listener started (``close`` then ``start``):
+    ``start`` starts no thread and raises nothing (it registered the closed wake-up socket
+    before it looked at the close, and raised ``ValueError``)."""
+    before = threading.enumerate()
+    listener = bind_data("127.0.0.1:0", 0, None, None, 5.0)
+    listener.close()
+    listener.start(lambda raw, node: [])
+    assert _listener_threads(before) == []

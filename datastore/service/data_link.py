@@ -286,17 +286,16 @@ class DataListener:
         """Accept, watch and answer connections on :data:`WORKERS` + 1 daemon threads: one
         watches (the leader) while the others wait their turn; the one that reads a whole
         request lets the next one watch and answers it itself (no hand-off before the reply)."""
-        sel = selectors.DefaultSelector()
-        sel.register(self._wake, selectors.EVENT_READ)
-        sel.register(self._sock, selectors.EVENT_READ)
         threads = [
             threading.Thread(target=self._work, args=(serve,), name="datastore-data", daemon=True)
             for _ in range(WORKERS + 1)
         ]
         with self._lock:
-            if self._closed:
-                sel.close()
+            if self._closed:  # (its sockets closed already)
                 return
+            sel = selectors.DefaultSelector()
+            sel.register(self._wake, selectors.EVENT_READ)
+            sel.register(self._sock, selectors.EVENT_READ)
             self._sel, self._threads = sel, threads
         for t in threads:
             t.start()
