@@ -20,3 +20,18 @@ def test_late_replies_never_answer_later_requests(tmp_path):
     assert got["first"] == "UNAVAILABLE" and got["first_fetch"] == "UNAVAILABLE"
     assert got["asks"] == [0, 1, 2, 3, 4, 5]  # not "late" where the tags came round
     assert got["fetches"] == [[20], [21], [22], [23]]  # not the late fetch's 7s
+
+
+def test_bytes_left_on_a_tag_by_fetches_that_gave_up_are_dropped(tmp_path):
+    """Fetches told their sizes by an envelope give up before their bytes come (their receives
+    cancelled): the bytes stay on their tags with no envelope before them. The next request on
+    each tag (an ask; a fetch whose receives went out with it) drops them and gets its own
+    answer. Before, unpickling them raised on the link's thread, which died: every later
+    request failed as "the link is stuck"."""
+    out = tmp_path / "got.json"
+    got = run_job(mpi_job(2, JOB.with_name("peer_stray_job.py"), out), out, timeout=120)
+    gave_up = ["UNAVAILABLE", "node 0 did not send its blocks within 0.5 s"]
+    assert got["fetches"] == [gave_up, gave_up]
+    assert got["fetch_bytes"] == [[0], [0]]  # cancelled: the late bytes landed nowhere
+    assert got["ask"] == ["no error", ""] and got["asked"] == ["a"]
+    assert got["told"] == ["no error", ""] and got["told_bytes"] == [9]

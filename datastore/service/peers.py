@@ -627,7 +627,9 @@ class MpiPeers:
                 msg = self.comm.improbe(source=call.dest, tag=call.tag)
                 if msg is not None:
                     moved = True
-                    self._envelope(call, msg.recv())
+                    env = _envelope_in(msg)
+                    if env is not None:
+                        self._envelope(call, env)
                 elif now > call.deadline:
                     self._give_up(call, f"did not answer {call.what} within {self.timeout_s:g} s")
             elif MPI.Request.Testall(call.recvs):
@@ -674,8 +676,10 @@ class MpiPeers:
             return True
         msg = self.comm.improbe(source=call.dest, tag=call.tag)
         if msg is not None:
-            env = msg.recv()
-            if env["rid"] != call.rid:
+            env = _envelope_in(msg)
+            if env is None:  # stray bytes, dropped: ours are still to come
+                pass
+            elif env["rid"] != call.rid:
                 self._drop_stale(call, env)
             elif isinstance(env.get("reply"), dict) and "error" in env["reply"]:
                 self._cancel(call, None, env["reply"])  # (raised by the asker's thread)
@@ -814,6 +818,17 @@ def _answered(answer: Callable[[dict], Any], request: dict) -> Any:
         return {"error": str(exc), "code": exc.code}
     except Exception as exc:  # a peer's bad request must not kill this service
         return {"error": f"internal error: {type(exc).__name__}", "code": "INTERNAL"}
+
+
+def _envelope_in(msg: Any) -> dict | None:
+    """The reply envelope ``msg`` (probed on a reply tag) holds; ``None``, the message taken
+    off the queue, where it is raw bytes with no envelope before them (those of a fetch that
+    gave up after its envelope came: its receives cancelled before they did)."""
+    try:
+        env = msg.recv()
+    except Exception:  # (not a pickle: must not end the link's thread)
+        return None
+    return env if isinstance(env, dict) and "rid" in env else None
 
 
 def _raw(reply: Any) -> list[np.ndarray] | None:
