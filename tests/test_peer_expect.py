@@ -77,3 +77,5 @@ def test_told_fetches_land_exactly_and_late_bytes_never_in_a_later_one(tmp_path)
     legs = got["legs"]  # in the order they ended: split, the 4 at once, 20-22, 30-33
     assert len(legs) == 12 and legs[:5] == [0.0] * 5 and legs[8:] == [0.0] * 4
     assert all(leg > 0 for leg in legs[5:8])  # told their sizes by an envelope
+    # no receives to post: it waits for node 0's answer (before, it was over at once, ok)
+    assert got["empty_refused"] == ["NOT_FOUND", "node 0: no sample 99 here"]

@@ -167,10 +167,11 @@ def fitted(raw: list[np.ndarray], sizes: list[int]) -> list[np.ndarray] | None:
 
 def _preposted(request: dict, out: list[np.ndarray] | None) -> list[tuple[int, int, int]] | None:
     """Where the messages a fetch ``request`` expects land in ``out`` (``[(buffer, start,
-    stop)]``); ``None`` where it expects none or they do not fit ``out``."""
+    stop)]``); ``None`` where it expects none or they do not fit ``out`` (a fetch of no
+    bytes would be over before the owner's answer, an error included)."""
     if out is None or "expect" not in request:
         return None
-    return cut_into(sizes_of(request["expect"]), [b.nbytes for b in out])
+    return cut_into(sizes_of(request["expect"]), [b.nbytes for b in out]) or None
 
 
 def node_path(path: str, node: int) -> str:

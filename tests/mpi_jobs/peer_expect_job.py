@@ -8,8 +8,9 @@ Node 1, in order: a fetch into two buffers; four at once (3 tags: the fourth wai
 one to be free), the first answered last; one expecting fewer bytes than node 0 holds; one
 node 0 refuses; one that times out and one abandoned (node 0 answers both late, on their tags);
 another abandoned at once and, while no tag is free, three more; then, once the late bytes
-came, four more. It writes each result, its buffers' bytes and each fetch's legs (the first
-is 0 for a fetch whose receives went out with the request) as JSON to OUT.
+came, four more; then one of no bytes that node 0 refuses. It writes each result, its
+buffers' bytes and each fetch's legs (the first is 0 for a fetch whose receives went out with
+the request) as JSON to OUT.
 
 Usage: peer_expect_job.py OUT
 """
@@ -82,6 +83,7 @@ def asker(peers: MpiPeers) -> dict:
         peers.fetch(0, ask(value, [16]), out)
         got["after"].append(values([out]))
     got["legs"] = [leg[0] for leg in read_stats(asker_stats())["legs"]]
+    got["empty_refused"] = failed(lambda: peers.fetch(0, ask(5, [], fail=True), []))
     return got
 
 
