@@ -638,7 +638,7 @@ class MpiPeers:
                 self.bytes_received += call.nbytes
                 self._done(call, call.nbytes)
             elif now > call.deadline:
-                for r in call.recvs:
+                for r in reversed(call.recvs):  # last first: none lands in the next one's
                     r.Cancel()
                 self._sends.append((call.recvs, call.out))  # completed (or cancelled) later
                 self._give_up(call, f"did not send its blocks within {self.timeout_s:g} s")
