@@ -22,12 +22,14 @@ def test_late_replies_never_answer_later_requests(tmp_path):
     assert got["fetches"] == [[20], [21], [22], [23]]  # not the late fetch's 7s
 
 
-def test_bytes_left_on_a_tag_by_fetches_that_gave_up_are_dropped(tmp_path):
+def test_late_bytes_of_fetches_that_gave_up_never_pass_for_an_answer(tmp_path):
     """Fetches told their sizes by an envelope give up before their bytes come (their receives
-    cancelled): the bytes stay on their tags with no envelope before them. The next request on
-    each tag (an ask; a fetch whose receives went out with it) drops them and gets its own
-    answer. Before, unpickling them raised on the link's thread, which died: every later
-    request failed as "the link is stuck"."""
+    cancelled); the bytes come later, and happen to read as the envelopes of the next request
+    on each tag (an ask; a fetch whose receives went out with it). They are received aside by
+    their size, the tags unused till then, and each request gets its own answer. Before, the
+    next request read them as its envelope: the ask answered "forged" (and bytes that were no
+    pickle raised on the link's thread, which died: every later request "the link is
+    stuck")."""
     out = tmp_path / "got.json"
     got = run_job(mpi_job(2, JOB.with_name("peer_stray_job.py"), out), out, timeout=120)
     gave_up = ["UNAVAILABLE", "node 0 did not send its blocks within 0.5 s"]

@@ -43,8 +43,11 @@ a pickle less per fetch, and the receives ready before the bytes leave. Its byte
 ``rid``, so a fetch that gives up while they may still come (its deadline, or abandoned)
 cancels its receives, last first, and receives what may still come aside, on that tag; until
 it came, no fetch to that owner uses the tag (where none is free, a fetch is told its sizes
-by an envelope as before). No two requests to one owner in flight share a tag: a request
-waits for one to be free (within the timeout) where all ``tag_span`` are in use.
+by an envelope as before). A fetch told its sizes by an envelope that gives up before its
+bytes came does the same on its reply tag, which no request to that owner then uses: late
+bytes are received by their size, never read as an envelope. No two requests to one owner in
+flight share a tag: a request waits for one to be free (within the timeout) where all
+``tag_span`` are in use or await late bytes.
 A dataset path may contain ``{node}``, filled in by each service with its own rank (several
 services on one host, as in tests).
 """
@@ -380,7 +383,9 @@ class MpiPeers:
         self._wake = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # work for the link's thread
         self._calls: list[_Call] = []  # (the link's thread only) requests awaiting replies
-        self._spoiled: set[tuple[int, int]] = set()  # (owner, rid % tag_span): late bytes due
+        # (owner, rid % tag_span) -> the tag late bytes may still come on: "data" (a fetch
+        # posted with its request), "reply" (one told its sizes by an envelope)
+        self._late: dict[tuple[int, int], str] = {}
         self._busy: set[tuple[int, int]] = set()  # the same, of the requests in flight
         self._tags = threading.Condition(self._tag_lock)  # (a request ended: its tags free)
         self._drains: list[tuple[list[Any], list[np.ndarray], tuple[int, int]]] = []
@@ -439,9 +444,10 @@ class MpiPeers:
                 for _ in range(self.tag_span):
                     rid = next(self._rids)
                     slot = (dest, rid % self.tag_span)
-                    if slot in self._busy:
+                    late = self._late.get(slot)
+                    if slot in self._busy or late == "reply":
                         continue
-                    if not posting or slot not in self._spoiled:
+                    if not posting or late is None:
                         self._busy.add(slot)
                         return rid, posting
                     free = rid if free is None else free
@@ -449,7 +455,8 @@ class MpiPeers:
                     self._busy.add((dest, free % self.tag_span))
                     return free, False
                 if not self._tags.wait(deadline - time.monotonic()):
-                    why = f"{self.tag_span} requests to it in flight for {self.timeout_s:g} s"
+                    why = f"each of its {self.tag_span} tags was in flight or awaited late bytes"
+                    why += f" for {self.timeout_s:g} s"
                     raise ServiceError("UNAVAILABLE", f"node {dest} was not asked: {why}")
 
     def _free_tag(self, call: _Call) -> None:
@@ -622,7 +629,9 @@ class MpiPeers:
         moved = False
         now = time.monotonic()
         for call in list(self._calls):
-            if call.data_tag is not None:
+            if call.let_go:
+                moved = self._ending(MPI, call, now) or moved
+            elif call.data_tag is not None:
                 moved = self._progress_posted(MPI, call, now) or moved
             elif call.recvs is None:
                 msg = self.comm.improbe(source=call.dest, tag=call.tag)
@@ -637,11 +646,10 @@ class MpiPeers:
                 moved = True
                 self.bytes_received += call.nbytes
                 self._done(call, call.nbytes)
-            elif now > call.deadline:
-                for r in reversed(call.recvs):  # last first: none lands in the next one's
-                    r.Cancel()
-                self._sends.append((call.recvs, call.out))  # completed (or cancelled) later
-                self._give_up(call, f"did not send its blocks within {self.timeout_s:g} s")
+            elif now > call.deadline:  # its bytes may come yet: taken aside when they do
+                why = f"did not send its blocks within {self.timeout_s:g} s"
+                self._cancel(call, self._failure(call, why), late=True)
+                moved = True
         for sent in list(self._sends):
             if MPI.Request.Testall(sent[0]):
                 self._sends.remove(sent)
@@ -649,28 +657,14 @@ class MpiPeers:
         for drain in list(self._drains):
             if MPI.Request.Testall(drain[0]):  # the late bytes came: the tag is free again
                 self._drains.remove(drain)
-                with self._tag_lock:
-                    self._spoiled.discard(drain[2])
+                with self._tags:
+                    self._late.pop(drain[2], None)
+                    self._tags.notify_all()
         return moved
 
     def _progress_posted(self, MPI: Any, call: _Call, now: float) -> bool:
         """Advance a fetch whose receives went out with its request: its bytes in, or the
         owner's envelope instead (an error), or its deadline; whether it moved."""
-        if call.let_go:  # its receives cancelled: over once none can still land
-            statuses = [MPI.Status() for _ in call.recvs or []]
-            if MPI.Request.Testall(call.recvs, statuses):
-                cut = [k for k, st in enumerate(statuses) if st.Is_cancelled()]
-                if cut and call.late:  # their bytes may come yet: taken aside, on that tag
-                    self._drain_late(call, [call.sizes[k] for k in cut])
-                self._done(call)
-                return True
-            if now > call.let_go:  # a receive begun never ends: that tag is never used again
-                self._sends.append((call.recvs, call.out))
-                with self._tag_lock:
-                    self._spoiled.add((call.dest, call.rid % self.tag_span))
-                self._done(call)
-                return True
-            return False
         if MPI.Request.Testall(call.recvs):
             self.bytes_received += call.nbytes
             self._done(call, call.nbytes)
@@ -695,6 +689,25 @@ class MpiPeers:
             return True
         return False
 
+    def _ending(self, MPI: Any, call: _Call, now: float) -> bool:
+        """Advance a fetch whose receives were cancelled: over once none can still land (the
+        bytes of those cancelled taken aside when they come, where they may), or once one
+        begun has not ended after :data:`CANCEL_S` (its tag then never used again)."""
+        statuses = [MPI.Status() for _ in call.recvs or []]
+        if MPI.Request.Testall(call.recvs, statuses):
+            cut = [k for k, st in enumerate(statuses) if st.Is_cancelled()]
+            if cut and call.late:
+                self._drain_late(call, [call.sizes[k] for k in cut])
+            self._done(call)
+            return True
+        if now > call.let_go:
+            self._sends.append((call.recvs, call.out))
+            with self._tags:
+                self._late[(call.dest, call.rid % self.tag_span)] = _late_tag(call)
+            self._done(call)
+            return True
+        return False
+
     def _cancel(
         self, call: _Call, error: ServiceError | None, reply: Any = None, late: bool = False
     ) -> None:
@@ -708,14 +721,16 @@ class MpiPeers:
         call.let_go = time.monotonic() + CANCEL_S
 
     def _drain_late(self, call: _Call, sizes: list[int]) -> None:  # (before it is freed)
-        """Receive aside the messages of ``sizes`` that may still come on ``call``'s data tag,
-        the only receives posted there until they came: no later fetch uses the tag till
-        then, so late bytes never land in one, and the owner's sends end."""
+        """Receive aside the messages of ``sizes`` that may still come on the tag ``call``'s
+        bytes use, the only receives posted there until they came: no later request uses the
+        tag till then, so late bytes never land in a fetch nor pass for an envelope, and the
+        owner's sends end."""
         slot = (call.dest, call.rid % self.tag_span)
+        tag = call.tag if call.data_tag is None else call.data_tag
         aside = [np.empty(n, np.uint8) for n in sizes]
-        recvs = [self.comm.Irecv(b, source=call.dest, tag=call.data_tag) for b in aside]
-        with self._tag_lock:
-            self._spoiled.add(slot)
+        recvs = [self.comm.Irecv(b, source=call.dest, tag=tag) for b in aside]
+        with self._tags:
+            self._late[slot] = _late_tag(call)
         self._drains.append((recvs, aside, slot))
 
     def _failure(self, call: _Call, why: str, code: str = "UNAVAILABLE") -> ServiceError:
@@ -819,6 +834,12 @@ def _answered(answer: Callable[[dict], Any], request: dict) -> Any:
         return {"error": str(exc), "code": exc.code}
     except Exception as exc:  # a peer's bad request must not kill this service
         return {"error": f"internal error: {type(exc).__name__}", "code": "INTERNAL"}
+
+
+def _late_tag(call: _Call) -> str:
+    """Which of ``call``'s tags its late bytes come on: "data" (posted with its request) or
+    "reply" (told its sizes by an envelope)."""
+    return "reply" if call.data_tag is None else "data"
 
 
 def _envelope_in(msg: Any) -> dict | None:
