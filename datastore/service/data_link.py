@@ -320,8 +320,7 @@ class DataListener:
                 closed = self._closed
                 back, self._back = self._back, []
             if closed:
-                self._back = back  # (closed by _end)
-                self._end(sel)
+                self._end(sel, back)
                 return None
             now = time.monotonic()
             for key, _ in events:
@@ -353,11 +352,10 @@ class DataListener:
             self._answering += 1
             return True
 
-    def _end(self, sel: selectors.BaseSelector) -> None:
-        """(The leader that saw the close) every connection watched or handed back closed."""
+    def _end(self, sel: selectors.BaseSelector, back: list[_Conn]) -> None:
+        """(The leader that saw the close) every connection watched, handed ``back`` or read
+        closed."""
         self._ended = True
-        with self._lock:
-            back, self._back = self._back, []
         watched = [k.data for k in sel.get_map().values() if isinstance(k.data, _Conn)]
         for c in watched + back + list(self._whole):
             self._drop(c)
@@ -398,7 +396,7 @@ class DataListener:
 
     def _advance(self, sel: selectors.BaseSelector, c: _Conn) -> None:
         """``c`` moved on with what it sent: its handshake, ticket and request frame read as
-        far as they came; a whole request handed to the workers."""
+        far as they came; a whole request queued for a thread to answer."""
         try:
             if c.shaking and not self._shaken(sel, c):
                 return

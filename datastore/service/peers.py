@@ -459,9 +459,13 @@ class MpiPeers:
                     why += f" for {self.timeout_s:g} s"
                     raise ServiceError("UNAVAILABLE", f"node {dest} was not asked: {why}")
 
+    def _slot(self, call: _Call) -> tuple[int, int]:
+        """``call``'s place in the cycle of tags to its owner: ``(owner, rid % tag_span)``."""
+        return call.dest, call.rid % self.tag_span
+
     def _free_tag(self, call: _Call) -> None:
         with self._tags:
-            self._busy.discard((call.dest, call.rid % self.tag_span))
+            self._busy.discard(self._slot(call))
             self._tags.notify_all()
 
     def _finish(self, call: _Call) -> Any:
@@ -672,9 +676,9 @@ class MpiPeers:
         msg = self.comm.improbe(source=call.dest, tag=call.tag)
         if msg is not None:
             env = _envelope_in(msg)
-            if env is None:  # stray bytes, dropped: ours are still to come
-                pass
-            elif env["rid"] != call.rid:
+            if env is None:  # not an envelope, dropped: ours is still to come
+                return True
+            if env["rid"] != call.rid:
                 self._drop_stale(call, env)
             elif isinstance(env.get("reply"), dict) and "error" in env["reply"]:
                 self._cancel(call, None, env["reply"])  # (raised by the asker's thread)
@@ -703,7 +707,7 @@ class MpiPeers:
         if now > call.let_go:
             self._sends.append((call.recvs, call.out))
             with self._tags:
-                self._late[(call.dest, call.rid % self.tag_span)] = _late_tag(call)
+                self._late[self._slot(call)] = _late_tag(call)
             self._done(call)
             return True
         return False
@@ -725,13 +729,11 @@ class MpiPeers:
         bytes use, the only receives posted there until they came: no later request uses the
         tag till then, so late bytes never land in a fetch nor pass for an envelope, and the
         owner's sends end."""
-        slot = (call.dest, call.rid % self.tag_span)
         tag = call.tag if call.data_tag is None else call.data_tag
         aside = [np.empty(n, np.uint8) for n in sizes]
-        recvs = [self.comm.Irecv(b, source=call.dest, tag=tag) for b in aside]
         with self._tags:
-            self._late[slot] = _late_tag(call)
-        self._drains.append((recvs, aside, slot))
+            self._late[self._slot(call)] = _late_tag(call)
+        self._drains.append((self._irecvs(call.dest, tag, aside, sizes), aside, self._slot(call)))
 
     def _failure(self, call: _Call, why: str, code: str = "UNAVAILABLE") -> ServiceError:
         return ServiceError(code, f"node {call.dest} {why}")
@@ -844,8 +846,8 @@ def _late_tag(call: _Call) -> str:
 
 def _envelope_in(msg: Any) -> dict | None:
     """The reply envelope ``msg`` (probed on a reply tag) holds; ``None``, the message taken
-    off the queue, where it is raw bytes with no envelope before them (those of a fetch that
-    gave up after its envelope came: its receives cancelled before they did)."""
+    off the queue, where it is none (late bytes are received aside by their size, so none
+    should come here: a message that does must not end the link's thread)."""
     try:
         env = msg.recv()
     except Exception:  # (not a pickle: must not end the link's thread)
