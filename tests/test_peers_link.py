@@ -1,0 +1,42 @@
+"""``benchmarks/peers.py``'s link check, end to end: after its MPI store's jobs, two fresh ranks
+build what ``datastore serve`` builds on an MPI node and replay the jobs' fetches three ways
+(bare mpi4py, bare mpi4py typed into the batch slots, the services' link). The typed replay
+and the link fill the slots through independent code (MPI subarray datatypes against
+``Resident.start_fetch``, ``MpiPeers`` and the asker's copies); the check fails the run where
+their bytes differ, and where the link's fetches do not come in the messages the services
+sent (a real ``mpiexec``, a real staged shard)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from staging.cluster import LAUNCH_ENV
+
+ROOT = Path(__file__).parent.parent
+LINK_REPS = 3  # benchmarks/peers.py's replays of each kind after each job
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_link_fills_the_slots_as_typed_mpi4py_does_and_both_are_timed(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    out = tmp_path / "peers.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--quick", "--kinds", "mpi",
+           "--epochs", "2", "--dir", str(tmp_path / "data"), "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = {j["layout"]: j for j in json.loads(out.read_text())["results"]["jobs"]}
+    assert sorted(jobs) == ["blocks", "whole"]
+    for job in jobs.values():
+        for kind in ("bare_mpi4py", "typed_mpi4py", "link"):
+            reps = job[f"{kind}_gb_per_s_reps"]
+            assert len(reps) == LINK_REPS and min(reps) > 0, (kind, reps)
+    assert "| mpi link / typed, same processes and fetches, >= 0.8x | blocks |" in proc.stdout
+    assert "| mpi link / typed, same processes and fetches, >= 0.8x | whole |" not in proc.stdout
