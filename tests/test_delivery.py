@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -74,6 +76,30 @@ def test_gather_splits_large_copies_and_copies_exactly():
     assert np.array_equal(dst, src)
     with pytest.raises(ValueError, match="threads"):
         Gather(0)
+
+
+class _Counted(ThreadPoolExecutor):
+    """A real pool that counts the work handed to it."""
+
+    handed = 0
+
+    def submit(self, *args, **kwargs):
+        self.handed += 1
+        return super().submit(*args, **kwargs)
+
+
+def test_gather_copies_a_few_small_pieces_on_the_calling_thread():
+    """A block's zero halo (a few faces of KiB) is not worth waking a thread for; megabytes are."""
+    gather = Gather(2)
+    gather._pool = _Counted(1)
+    faces = [(np.ones((4, 1, 66, 66), np.float32), None) for _ in range(10)]
+    gather.run(faces)
+    assert gather._pool.handed == 0 and all(not d.any() for d, _ in faces)
+    src = np.arange(2 * 1024 * 1024, dtype=np.float32).reshape(8, -1)  # 8 MiB
+    dst = np.zeros_like(src)
+    gather.run([(dst, src)])
+    assert gather._pool.handed == 1 and np.array_equal(dst, src)
+    gather.close()
 
 
 @pytest.mark.parametrize(

@@ -49,12 +49,13 @@ class Gather:
         )
 
     def run(self, copies: list[Copy]) -> None:
-        """Do every copy; large ones are split along their first axis between the threads."""
-        if self._pool is None:
-            for dst, src in copies:
-                _copy(dst, src)
-            return
+        """Do every copy; large ones are split along their first axis between the threads.
+        Copies of :data:`_PIECE` bytes or fewer in all run on the calling thread: waking
+        another costs more than it would take off (a block's zero halo, a few small fields)."""
         total = sum(d.nbytes for d, _ in copies)
+        if self._pool is None or total <= _PIECE:
+            _copy_all(copies)
+            return
         piece = max(_PIECE, total // (self.threads * 2))
         work: list[Copy] = []
         for dst, src in copies:
