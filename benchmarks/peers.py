@@ -834,6 +834,39 @@ def as_json(
     }
     key = []
     for layout in args.layouts:
+        for kind in ("mpi", "grpc"):
+            if (kind, layout) in jobs and ("local", layout) in jobs:
+                a, b = jobs[kind, layout].batches_s, jobs["local", layout].batches_s
+                key.append(
+                    key_ratio(
+                        f"{layout}: a store sharded over 2 nodes ({kind} peers) vs one node",
+                        ours=a,
+                        peer=b,
+                        unit="batches/s",
+                        ratio=a / b,
+                        of="sharded / one node batches/s",
+                        target=">= 0.6x",
+                        ok=a / b >= 0.6,
+                    )
+                )
+        j = jobs.get(("mpi", layout))
+        if j is not None and j.link_gb_s:
+            peers = [("bare mpi4py", j.bare_gb_s)]
+            peers += [("bare mpi4py typed into the slots", j.typed_gb_s)] * bool(LAYOUTS[layout])
+            for peer, values in peers:
+                a, b = median(j.link_gb_s), median(values)
+                key.append(
+                    key_ratio(
+                        f"{layout}: the MPI link vs {peer}, same processes and fetches",
+                        ours=a,
+                        peer=b,
+                        unit="GB/s",
+                        ratio=a / b,
+                        of="link / peer GB/s",
+                        target=">= 0.8x",
+                        ok=a / b >= 0.8,
+                    )
+                )
         if ("grpc", layout) in jobs and ("mpi", layout) in jobs:
             a, b = jobs["grpc", layout].batches_s, jobs["mpi", layout].batches_s
             key.append(
