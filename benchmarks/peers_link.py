@@ -9,16 +9,20 @@ no client is served), and loads its shard of the dataset. Then, alternating, ``r
 - **bare**: mpi4py replaying node k's fetches as the job recorded them (each fetch's
   messages, of the sizes the services sent), both directions at once, ``depth`` fetches in
   flight each way, from and into ready buffers cycling through up to 256 MiB;
+- **typed**: bare mpi4py doing the link's job the MPI way: the same samples' parts sent from
+  the owner's resident samples and received into batch slots amid their halos through
+  subarray datatypes (a message per sample, field and channel), ``depth`` in flight;
 - **link**: node k asking node k's service for the same fetches the way a stream does
   (:meth:`~datastore.service.resident.Resident.start_fetch` into batch slots cycling through
   up to 256 MiB, ``depth`` in flight, each finished with its copies: the parts received
   aside, the zero halo), the other rank's service answering from its resident samples.
 
-Each timed replay follows 2 untimed fetches; both move the same bytes (checked: the link's
-fetches must come in the messages the job recorded). Rank 0 prints ``{"bare": [s, ...],
-"link": [s, ...]}``, the seconds of each replay. Unlike the jobs' own "in flight" rate, the
-link here runs as deep as bare does and has the cores to itself and its peer: what it
-measures is the link's code (its thread hops, envelopes, copies), not how the ranks pace it.
+Each timed replay follows 2 untimed fetches; all three move the same bytes (checked: the
+link's fetches must come in the messages the job recorded, and the typed and link slots must
+end up equal). Rank 0 prints ``{"bare": [s, ...], "typed": [...], "link": [...]}``, the
+seconds of each replay. Unlike the jobs' own "in flight" rate, the link here runs as deep as
+bare does and shares the cores with its peer only: what it measures is the link's code (its
+thread hops, requests, copies), not how the ranks pace it.
 """
 
 from __future__ import annotations
