@@ -287,19 +287,18 @@ class DataListener:
         watches (the leader) while the others wait their turn; the one that reads a whole
         request lets the next one watch and answers it itself (no hand-off before the reply).
 
+        A listener closed already (a service stopping before it started) starts nothing.
+
         Raises:
-            ServiceError: ``UNAVAILABLE``, the listener was closed (its sockets with it), or
-                ``FAILED_PRECONDITION``, it was started already.
+            ServiceError: ``FAILED_PRECONDITION``, it was started already.
         """
         threads = [
             threading.Thread(target=self._work, args=(serve,), name="datastore-data", daemon=True)
             for _ in range(WORKERS + 1)
         ]
         with self._lock:  # started within it: a close sees them all started, or none
-            if self._closed:
-                raise ServiceError(
-                    "UNAVAILABLE", f"the data listener on port {self.port} is closed"
-                )
+            if self._closed:  # (its sockets closed already)
+                return
             if self._threads:
                 raise ServiceError(
                     "FAILED_PRECONDITION", f"the data listener on port {self.port} runs already"
