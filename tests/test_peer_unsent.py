@@ -28,6 +28,9 @@ def test_a_request_that_cannot_be_posted_fails_clearly_and_frees_its_tag(tmp_pat
         assert got[who + "_unpicklable"] == [want] * 6
         want = ["ServiceError", "INTERNAL", f"node 0 was not asked: its fetch request {buffer}"]
         assert got[who + "_read_only"] == [want] * 6
+        refused = "could not be received (BufferError: dlpack: buffer is not writable)"
+        want = ["ServiceError", "INTERNAL", f"node 0 answered, but the bytes {refused}"]
+        assert got[who + "_told_read_only"] == [want] * 6
         assert got[who + "_after"] == [[[v]] for v in range(20, 26)]
         assert got[who + "_failed_buffers"] == [[0]] * 6
     assert got["legs"] == [0.0] * 12  # each posted with its request: no tag held for good

@@ -42,12 +42,18 @@ holding another total answers an error on the reply tag, as it does any error): 
 a pickle less per fetch, and the receives ready before the bytes leave. Its bytes carry no
 ``rid``, so a fetch that gives up while they may still come (its deadline, or abandoned)
 cancels its receives, last first, and receives what may still come aside, on that tag; until
-it came, no fetch to that owner uses the tag (where none is free, a fetch is told its sizes
-by an envelope as before). A fetch told its sizes by an envelope that gives up before its
-bytes came does the same on its reply tag, which no request to that owner then uses: late
-bytes are received by their size, never read as an envelope. No two requests to one owner in
-flight share a tag: a request waits for one to be free (within the timeout) where all
-``tag_span`` are in use or await late bytes.
+it came, or the owner's refusal came instead (an error on the reply tag: no bytes follow), no
+fetch to that owner uses the tag (where none is free, a fetch is told its sizes by an envelope
+as before). A fetch told its sizes by an envelope that gives up before its bytes came does the
+same on its reply tag, which no request to that owner then uses: late bytes are received by
+their size, never read as an envelope. No two requests to one owner in flight share a tag: a
+request waits for one to be free (within the timeout) where all ``tag_span`` are in use or
+await late bytes. A receive whose bytes began to land cannot be cancelled: where one has not
+ended :data:`CANCEL_S` after its fetch gave up (or when the link closes), the fetch is over
+but its buffers stay lent (:meth:`Pending.freed`, which a stream waits for before it reuses
+the batch slot) and its tag unused, until the receive ended. A request that cannot be posted
+(no pickle, a buffer MPI refuses) fails naming its node, its receives cancelled (none was
+matched: nothing was asked) and its tag free again.
 A dataset path may contain ``{node}``, filled in by each service with its own rank (several
 services on one host, as in tests).
 """
@@ -799,9 +805,10 @@ class MpiPeers:
         return False
 
     def _settle(self, call: _Call, statuses: list[Any]) -> None:
-        """``call``'s cancelled receives ended (``statuses``): the bytes of those cancelled
-        taken aside when they come, where they may."""
+        """``call``'s cancelled receives ended (``statuses``): the bytes of those cancelled,
+        and of those never posted (after them), taken aside when they come, where they may."""
         cut = [k for k, st in enumerate(statuses) if st.Is_cancelled()]
+        cut += range(len(statuses), len(call.sizes))
         if cut and call.late:
             self._drain_late(call, [call.sizes[k] for k in cut])
 
@@ -860,7 +867,12 @@ class MpiPeers:
             self._give_up(call, f"sent {env['ok']} bytes as {env['runs']}, not {want}", "INTERNAL")
         else:
             call.sizes, call.enveloped = env["runs"], time.monotonic()
-            call.recvs = self._irecvs(call.dest, call.tag, call.out, runs)
+            try:
+                call.recvs = self._irecvs(call.dest, call.tag, call.out, runs)
+            except _Unposted as exc:  # (a buffer MPI refuses) the bytes are received aside
+                call.recvs, cause = exc.posted, exc.__cause__
+                why = f"answered, but the bytes could not be received ({type(cause).__name__}: "
+                self._cancel(call, self._failure(call, f"{why}{cause})", "INTERNAL"), late=True)
 
     def _irecvs(self, dest: int, tag: int, out: list[np.ndarray], runs: Any) -> list[Any]:
         """Receives of ``runs`` (``[(buffer, start, stop)]``, or sizes: one buffer each).

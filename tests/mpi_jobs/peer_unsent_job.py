@@ -1,7 +1,8 @@
 """Under ``mpiexec -n 2 python -m mpi4py``: node 1 asks node 0 through ``MpiPeers`` (3 reply tags,
 timeout 0.5 s) requests that cannot go out: a fetch whose request holds a lock (no pickle), and
 fetches into two buffers the second of which is read-only (MPI refuses to receive into it, after
-the first buffer's receive was posted), each twice per tag; then fetches that tell their sizes,
+the first buffer's receive was posted), fetches into a read-only buffer told their sizes by an
+envelope (its bytes then received aside), each twice per tag; then fetches that tell their sizes,
 each tag twice (their receives posted with the request). Then the same with the link's thread
 posting the requests (as where MPI is not ``MPI_THREAD_MULTIPLE``). Node 0 answers a fetch with
 ``holds`` bytes of ``value``. Node 1 writes the errors, the bytes and each fetch's legs (the
@@ -53,6 +54,13 @@ def rounds(peers: MpiPeers, got: dict, name: str) -> None:
         errors.append(failed(lambda f=first, s=second: peers.fetch(0, ask(2, [8, 8]), [f, s])))
         firsts.append(first)
     got[name + "_read_only"] = errors
+    errors = []
+    for _ in range(6):  # told the sizes by an envelope: refused once the envelope came
+        read_only = np.zeros(16, np.uint8)
+        read_only.flags.writeable = False
+        told = {"kind": "fetch", "value": 3, "holds": 16}
+        errors.append(failed(lambda r=read_only, t=told: peers.fetch(0, t, r)))
+    got[name + "_told_read_only"] = errors
     got[name + "_after"] = []
     for value in range(20, 26):
         out = np.zeros(8, np.uint8)
