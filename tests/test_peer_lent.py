@@ -28,3 +28,8 @@ def test_a_slot_is_not_reused_while_a_failed_fetch_may_still_write_into_it(tmp_p
     assert got["reused"] == [0xEE]  # nothing of the failed fetch's lands in the next batch
     assert got["after"] == [[30], [31], [32]]
     assert got["legs"] == [0.0, 0.0, 0.0]  # every tag posted on again: the receive ended
+    # the link closed while the bytes came: the slot is never lent again (before, it was, and
+    # the owner's bytes landed over the next batch: ``after_close`` held 8s and 0xEE)
+    assert got["closed"] == ["UNAVAILABLE", "node 0 was not asked: this service is stopping"]
+    assert got["lent_after_close"] is None
+    assert 0xEE not in got["after_close"]

@@ -7,8 +7,9 @@ fails at its deadline (plus ``CANCEL_S``) while the rest of the bytes are still 
 
 Node 1 gives the slot back to a :class:`SlotRing` as a stream does, records whether the ring
 lends it again at once, else waits until it does, then reuses it (writes 0xEE) and checks that
-no byte of node 0's lands there after; then three more fetches (each tag once). It writes what
-it saw as JSON to OUT.
+no byte of node 0's lands there after; then three more fetches (each tag once). Then another
+such fetch, and node 1 closes its link while node 0 stalls: whether its slot is lent again, and
+the bytes there after node 0 sent the rest. It writes what it saw as JSON to OUT.
 
 Usage: peer_lent_job.py OUT
 """
@@ -43,7 +44,7 @@ def ask(value: int, nbytes: int, **more: object) -> dict:
 
 def stalling(peers: MpiPeers) -> None:
     """Node 0's link thread: after sending the first pieces of a ``stall`` fetch's reply, it
-    makes no MPI call for :data:`STALL_S`."""
+    makes no MPI call for ``stall`` s."""
     send = peers._send
 
     def _send(dest: int, request: dict, reply: object, raw: list[np.ndarray] | None) -> None:
@@ -51,7 +52,7 @@ def stalling(peers: MpiPeers) -> None:
         if request.get("stall"):
             for _ in range(3):  # the first pieces out: node 1's receive is matched
                 MPI.Request.Testall(peers._sends[-1][0])
-            time.sleep(STALL_S)
+            time.sleep(request["stall"])
 
     peers._send = _send  # type: ignore[method-assign]
 
@@ -61,7 +62,7 @@ def asker(peers: MpiPeers) -> dict:
     ring, stop = SlotRing([], 1, 1, shared=False), threading.Event()
     slot = ring.take(stop)
     out, asked = np.zeros(NBYTES, np.uint8), time.monotonic()
-    fetching = Fetching(frozenset({0}), [peers.start(0, ask(7, NBYTES, stall=True), out)], [])
+    fetching = Fetching(frozenset({0}), [peers.start(0, ask(7, NBYTES, stall=STALL_S), out)], [])
     got["failed"] = failed(lambda: fetching.result(stop))
     fetching.abandon()  # as the stream does with a batch that failed
     got["sevens_at_failure"] = int(np.count_nonzero(out == 7))
@@ -82,7 +83,28 @@ def asker(peers: MpiPeers) -> dict:
         peers.fetch(0, ask(value, 16), again)
         got["after"].append(sorted(set(again.tolist())))
     got["legs"] = [leg[0] for leg in read_stats(asker_stats())["legs"]]
+    closing(peers, got)
     return got
+
+
+def closing(peers: MpiPeers, got: dict) -> None:
+    """Node 1's link closes while a fetch's bytes are coming: the fetch fails, and its slot is
+    not lent again (node 1 goes on making MPI calls, so the bytes land after the close)."""
+    ring, stop = SlotRing([], 1, 1, shared=False), threading.Event()
+    slot = ring.take(stop)
+    out, asked = np.zeros(NBYTES, np.uint8), time.monotonic()
+    fetching = Fetching(frozenset({0}), [peers.start(0, ask(8, NBYTES, stall=STALL_S), out)], [])
+    time.sleep(0.2)  # its first pieces in, node 0's link stalled
+    peers.close(stop_all=False)
+    got["closed"] = failed(lambda: fetching.result(stop))
+    ring.give(slot, fetching.freed)
+    got["lent_after_close"] = ring.poll()
+    if got["lent_after_close"] is not None:
+        out.fill(0xEE)  # the slot reused: the next batch's bytes
+    while time.monotonic() < asked + STALL_S + 0.5:
+        MPI.COMM_WORLD.Iprobe()  # (MPI moves the bytes still coming)
+        time.sleep(0)
+    got["after_close"] = sorted(set(out.tolist()))
 
 
 def main() -> None:
@@ -96,13 +118,14 @@ def main() -> None:
         deadline = time.monotonic() + 60.0
         while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
             time.sleep(0.05)
+        comm.Barrier()
+        peers.close(stop_all=False)
     else:
-        got = asker(peers)
+        got = asker(peers)  # (its link closed)
         with open(sys.argv[1] + ".part", "w") as fh:
             json.dump(got, fh)
         os.replace(sys.argv[1] + ".part", sys.argv[1])
-    comm.Barrier()
-    peers.close(stop_all=False)
+        comm.Barrier()
 
 
 if __name__ == "__main__":
