@@ -800,3 +800,52 @@ def test_a_listener_closed_before_it_started_starts_nothing():
     listener.close()
     listener.start(lambda raw, node: [])
     assert _listener_threads(before) == []
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _serve_nothing(request: bytes, node: int) -> list:
+    return []
+
+
+def test_a_listener_closed_while_it_starts_leaves_no_thread_or_socket_behind():
+    """``close`` racing ``start`` (a service stopping as it comes up): neither fails, and once
+    both returned no listener thread or descriptor is left. Before, a close between ``start``
+    publishing its threads and starting them raised ``RuntimeError: cannot join thread before
+    it is started``."""
+    threads, fds = threading.enumerate(), _fds()
+    for k in range(60):  # the close later each time, across the start's span
+        listener = data_link.DataListener("127.0.0.1")
+        both, errors = threading.Barrier(2), []
+
+        def start(listener=listener, both=both, errors=errors):
+            both.wait()
+            try:
+                listener.start(_serve_nothing)
+            except Exception as exc:
+                errors.append(repr(exc))
+
+        racer = threading.Thread(target=start)
+        racer.start()
+        both.wait()
+        time.sleep(k * 0.00005)
+        listener.close()
+        racer.join()
+        assert errors == []
+    assert not _listener_threads(threads)
+    assert _fds() == fds
+
+
+def test_a_listener_started_twice_refuses_the_second_start():
+    threads, fds = threading.enumerate(), _fds()
+    listener = data_link.DataListener("127.0.0.1")
+    listener.start(_serve_nothing)
+    with pytest.raises(ServiceError, match="runs already") as again:
+        listener.start(_serve_nothing)
+    assert again.value.code == "FAILED_PRECONDITION"
+    assert len(_listener_threads(threads)) == data_link.WORKERS + 1
+    listener.close()
+    assert not _listener_threads(threads)
+    assert _fds() == fds

@@ -285,20 +285,30 @@ class DataListener:
     def start(self, serve: Serve) -> None:
         """Accept, watch and answer connections on :data:`WORKERS` + 1 daemon threads: one
         watches (the leader) while the others wait their turn; the one that reads a whole
-        request lets the next one watch and answers it itself (no hand-off before the reply)."""
+        request lets the next one watch and answers it itself (no hand-off before the reply).
+
+        A listener closed already (a service stopping before it started) starts nothing.
+
+        Raises:
+            ServiceError: ``FAILED_PRECONDITION``, it was started already.
+        """
         threads = [
             threading.Thread(target=self._work, args=(serve,), name="datastore-data", daemon=True)
             for _ in range(WORKERS + 1)
         ]
-        with self._lock:
+        with self._lock:  # started within it: a close sees them all started, or none
             if self._closed:  # (its sockets closed already)
                 return
+            if self._threads:
+                raise ServiceError(
+                    "FAILED_PRECONDITION", f"the data listener on port {self.port} runs already"
+                )
             sel = selectors.DefaultSelector()
             sel.register(self._wake, selectors.EVENT_READ)
             sel.register(self._sock, selectors.EVENT_READ)
             self._sel, self._threads = sel, threads
-        for t in threads:
-            t.start()
+            for t in threads:
+                t.start()
 
     # -- the leader: accepting, handshakes, tickets and request frames, never blocking --------
     def _next(self) -> _Conn | None:

@@ -42,18 +42,25 @@ holding another total answers an error on the reply tag, as it does any error): 
 a pickle less per fetch, and the receives ready before the bytes leave. Its bytes carry no
 ``rid``, so a fetch that gives up while they may still come (its deadline, or abandoned)
 cancels its receives, last first, and receives what may still come aside, on that tag; until
-it came, no fetch to that owner uses the tag (where none is free, a fetch is told its sizes
-by an envelope as before). A fetch told its sizes by an envelope that gives up before its
-bytes came does the same on its reply tag, which no request to that owner then uses: late
-bytes are received by their size, never read as an envelope. No two requests to one owner in
-flight share a tag: a request waits for one to be free (within the timeout) where all
-``tag_span`` are in use or await late bytes.
+it came, or the owner's refusal came instead (an error on the reply tag: no bytes follow), no
+fetch to that owner uses the tag (where none is free, a fetch is told its sizes by an envelope
+as before). A fetch told its sizes by an envelope that gives up before its bytes came does the
+same on its reply tag, which no request to that owner then uses: late bytes are received by
+their size, never read as an envelope. No two requests to one owner in flight share a tag: a
+request waits for one to be free (within the timeout) where all ``tag_span`` are in use or
+await late bytes. A receive whose bytes began to land cannot be cancelled: where one has not
+ended :data:`CANCEL_S` after its fetch gave up (or when the link closes), the fetch is over
+but its buffers stay lent (:meth:`Pending.freed`, which a stream waits for before it reuses
+the batch slot) and its tag unused, until the receive ended. A request that cannot be posted
+(no pickle, a buffer MPI refuses) fails naming its node, its receives cancelled (none was
+matched: nothing was asked) and its tag free again.
 A dataset path may contain ``{node}``, filled in by each service with its own rank (several
 services on one host, as in tests).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -293,19 +300,27 @@ def nbytes(target: np.ndarray | Box) -> int:
 
 class Pending:
     """A request in flight: :meth:`wait` for it, then :meth:`result` (its reply, or its
-    error); :meth:`abandon` it if it is no longer wanted."""
+    error); :meth:`abandon` it if it is no longer wanted. A fetch's buffers stay lent to it
+    until :meth:`freed`: one that failed while its bytes were coming (a receive MPI could not
+    cancel) is over before they stopped landing."""
 
     def __init__(
         self,
         done: threading.Event,
         result: Callable[[], Any],
         abandon: Callable[[], None] = lambda: None,
+        freed: threading.Event | None = None,
     ) -> None:
         self._done, self.result, self.abandon = done, result, abandon
+        self._freed = done if freed is None else freed
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether it is over (its reply in, or failed), waiting up to ``timeout`` s."""
         return self._done.wait(timeout)
+
+    def freed(self, timeout: float | None = None) -> bool:
+        """Whether no byte can land in its buffers any more, waiting up to ``timeout`` s."""
+        return self._freed.wait(timeout)
 
 
 class Peers(Protocol):
@@ -383,12 +398,14 @@ class MpiPeers:
         self._wake = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # work for the link's thread
         self._calls: list[_Call] = []  # (the link's thread only) requests awaiting replies
-        # (owner, rid % tag_span) -> the tag late bytes may still come on: "data" (a fetch
-        # posted with its request), "reply" (one told its sizes by an envelope)
-        self._late: dict[tuple[int, int], str] = {}
-        self._busy: set[tuple[int, int]] = set()  # the same, of the requests in flight
+        # (owner, rid % tag_span, kind) -> how many fetches' late bytes may still come on
+        # that slot's tag of ``kind``: "data" (a fetch posted with its request), "reply" (one
+        # told its sizes by an envelope)
+        self._late: collections.Counter[tuple[int, int, str]] = collections.Counter()
+        self._busy: set[tuple[int, int]] = set()  # (owner, rid % tag_span) of those in flight
         self._tags = threading.Condition(self._tag_lock)  # (a request ended: its tags free)
-        self._drains: list[tuple[list[Any], list[np.ndarray], tuple[int, int]]] = []
+        self._drains: list[_Drain] = []  # (the link's thread only) late bytes taken aside
+        self._lent: list[_Call] = []  # (the same) over, a receive still landing in its buffers
         self._sends: list[tuple[list[Any], Any]] = []  # (requests, what they send from)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="datastore-peer")
         self._thread = threading.Thread(target=self._run, name="datastore-peers", daemon=True)
@@ -401,7 +418,7 @@ class MpiPeers:
             rid, posted = self._take_tag(dest, runs is not None)
         except ServiceError as exc:
             call = _Call(dest, 0, -1, request["kind"], out, 0.0, error=exc)
-            call.done.set()
+            call.over()
             return call
         runs = runs if posted else None
         tag = FIRST_REPLY_TAG + rid % self.tag_span
@@ -418,15 +435,37 @@ class MpiPeers:
             if self._stop.is_set():
                 call.error = ServiceError("UNAVAILABLE", f"node {dest} was not asked: {STOPPING}")
                 self._free_tag(call)
-                call.done.set()
+                call.over()
                 return call
             sent = None
             if self._multiple:  # the receives, then the request, go out from this thread
-                if runs is not None:
-                    call.recvs = self._irecvs(dest, call.data_tag, call.out or [], runs)
-                sent = self.comm.isend(message, dest=dest, tag=REQUEST)
+                try:
+                    if runs is not None:
+                        call.recvs = self._irecvs(dest, call.data_tag, call.out or [], runs)
+                    sent = self.comm.isend(message, dest=dest, tag=REQUEST)
+                except Exception as exc:
+                    self._unsent(call, exc)
+                    return call
             self._do(lambda: self._post(call, sent, message))
         return call
+
+    def _unsent(self, call: _Call, exc: Exception) -> None:
+        """``call``'s request could not go out (``exc``: an unpicklable request, a buffer MPI
+        refuses): it fails naming its owner, the receives posted for it are cancelled and its
+        tag is free again. Those receives were matched by nothing (no request went out, and
+        no late bytes come on a tag posted on), so each cancel ends its receive at once."""
+        from mpi4py import MPI
+
+        recvs = exc.posted if isinstance(exc, _Unposted) else call.recvs or []
+        cause = exc.__cause__ if isinstance(exc, _Unposted) else exc
+        for r in reversed(recvs):
+            r.Cancel()
+        MPI.Request.Waitall(recvs)
+        call.recvs = None
+        why = f"its {call.what} request could not be sent ({type(cause).__name__}: {cause})"
+        call.error = ServiceError("INTERNAL", f"node {call.dest} was not asked: {why}")
+        self._free_tag(call)
+        call.over()
 
     def _take_tag(self, dest: int, posting: bool) -> tuple[int, bool]:
         """A request number for a request to ``dest`` whose tags no request in flight to it
@@ -444,10 +483,9 @@ class MpiPeers:
                 for _ in range(self.tag_span):
                     rid = next(self._rids)
                     slot = (dest, rid % self.tag_span)
-                    late = self._late.get(slot)
-                    if slot in self._busy or late == "reply":
+                    if slot in self._busy or self._late[(*slot, "reply")]:
                         continue
-                    if not posting or late is None:
+                    if not posting or not self._late[(*slot, "data")]:
                         self._busy.add(slot)
                         return rid, posting
                     free = rid if free is None else free
@@ -466,6 +504,22 @@ class MpiPeers:
     def _free_tag(self, call: _Call) -> None:
         with self._tags:
             self._busy.discard(self._slot(call))
+            self._tags.notify_all()
+
+    def _mark_late(self, call: _Call) -> None:
+        """Late bytes of ``call`` may still come on its tag: no request to its owner uses the
+        tag till they came (its reply tag may still carry an envelope where it is the data
+        tag that awaits them)."""
+        with self._tags:
+            self._late[(*self._slot(call), _late_tag(call))] += 1
+
+    def _unmark_late(self, call: _Call) -> None:
+        """No more late bytes of ``call`` can come: its tag is free again (for it)."""
+        key = (*self._slot(call), _late_tag(call))
+        with self._tags:
+            self._late[key] -= 1
+            if self._late[key] <= 0:
+                del self._late[key]
             self._tags.notify_all()
 
     def _finish(self, call: _Call) -> Any:
@@ -507,7 +561,9 @@ class MpiPeers:
             into.append(t)
         call = self._start(dest, request, into)
         call.unpack = unpack
-        return Pending(call.done, lambda: self._finish(call), lambda: self._abandon(call))
+        return Pending(
+            call.done, lambda: self._finish(call), lambda: self._abandon(call), call.freed
+        )
 
     def fetch(self, dest: int, request: dict, out: Segments) -> None:
         """:meth:`start`, waiting for the reply."""
@@ -560,7 +616,7 @@ class MpiPeers:
                 continue
             # a reply in flight is polled for at once; a request is taken within a short nap
             # while a job runs, a long one when idle (no CPU burnt between jobs)
-            if self._calls or self._sends:
+            if self._calls or self._sends or self._lent:  # (lent: its bytes need our polls)
                 nap = FLIGHT_NAP
             else:
                 nap = BUSY_NAP if now - last < BUSY_S else IDLE_NAP
@@ -571,11 +627,21 @@ class MpiPeers:
         while self._sends and time.monotonic() < deadline:
             self._progress(MPI)
             time.sleep(FLIGHT_NAP)
-        for call in list(self._calls):
-            if call.data_tag is not None and not call.let_go:
+        for call in list(self._calls):  # their buffers lent till their receives end
+            if not call.let_go:
                 for r in reversed(call.recvs or []):
                     r.Cancel()
-            self._give_up(call, f"was not asked: {STOPPING}")
+            call.error = self._failure(call, f"was not asked: {STOPPING}")
+            self._done(call, lent=bool(call.recvs))
+            if call.recvs:
+                self._lent.append(call)
+        deadline = time.monotonic() + CANCEL_S  # where one cannot end, its buffers stay lent
+        while self._lent and time.monotonic() < deadline:
+            for call in list(self._lent):
+                if MPI.Request.Testall(call.recvs):
+                    self._lent.remove(call)
+                    call.freed.set()
+            time.sleep(FLIGHT_NAP)
 
     def _fetch_young(self, now: float) -> bool:
         """Whether a fetch was asked, or its envelope came, less than :data:`SPIN_S` ago."""
@@ -599,9 +665,13 @@ class MpiPeers:
         """Await ``call``'s reply; its request ``message`` is sent (``sent``), or sent now
         (after the receives of its bytes, where it tells their sizes)."""
         if sent is None:
-            if call.data_tag is not None:
-                call.recvs = self._irecvs(call.dest, call.data_tag, call.out or [], call.runs)
-            self._isend(message, call.dest, REQUEST)
+            try:
+                if call.data_tag is not None:
+                    call.recvs = self._irecvs(call.dest, call.data_tag, call.out or [], call.runs)
+                self._isend(message, call.dest, REQUEST)
+            except Exception as exc:
+                self._unsent(call, exc)
+                return
         else:
             self._sends.append(([sent], message))
         self._calls.append(call)
@@ -658,13 +728,37 @@ class MpiPeers:
             if MPI.Request.Testall(sent[0]):
                 self._sends.remove(sent)
                 moved = True
+        for call in list(self._lent):
+            statuses = [MPI.Status() for _ in call.recvs or []]
+            if MPI.Request.Testall(call.recvs, statuses):  # nothing lands in its buffers now
+                self._lent.remove(call)
+                self._settle(call, statuses)
+                self._unmark_late(call)
+                call.freed.set()
+                moved = True
         for drain in list(self._drains):
-            if MPI.Request.Testall(drain[0]):  # the late bytes came: the tag is free again
+            if MPI.Request.Testall(drain.recvs):  # the late bytes came, or never will
                 self._drains.remove(drain)
-                with self._tags:
-                    self._late.pop(drain[2], None)
-                    self._tags.notify_all()
+                self._unmark_late(drain.call)
+            elif drain.call.data_tag is not None:
+                moved = self._refused_late(drain) or moved
         return moved
+
+    def _refused_late(self, drain: _Drain) -> bool:
+        """Look for the owner's answer to ``drain``'s fetch on its reply tag where no request
+        uses that tag now: an error there (the owner refused it after it gave up) means its
+        bytes never come, so the receives awaiting them are cancelled (the tag then free)."""
+        call = drain.call
+        with self._tags:  # (no request takes the tag meanwhile: its envelope is never taken)
+            if self._slot(call) in self._busy or self._late[(*self._slot(call), "reply")]:
+                return False
+            msg = self.comm.improbe(source=call.dest, tag=call.tag)
+        if msg is None:
+            return False
+        env = _envelope_in(msg)
+        if env is not None:
+            self._drop_stale(call, env)
+        return True
 
     def _progress_posted(self, MPI: Any, call: _Call, now: float) -> bool:
         """Advance a fetch whose receives went out with its request: its bytes in, or the
@@ -696,21 +790,27 @@ class MpiPeers:
     def _ending(self, MPI: Any, call: _Call, now: float) -> bool:
         """Advance a fetch whose receives were cancelled: over once none can still land (the
         bytes of those cancelled taken aside when they come, where they may), or once one
-        begun has not ended after :data:`CANCEL_S` (its tag then never used again)."""
+        begun (matched: MPI cannot cancel it) has not ended after :data:`CANCEL_S`. Its
+        buffers then stay lent (:meth:`Pending.freed`) and its tag unused till it ended."""
         statuses = [MPI.Status() for _ in call.recvs or []]
         if MPI.Request.Testall(call.recvs, statuses):
-            cut = [k for k, st in enumerate(statuses) if st.Is_cancelled()]
-            if cut and call.late:
-                self._drain_late(call, [call.sizes[k] for k in cut])
+            self._settle(call, statuses)
             self._done(call)
             return True
         if now > call.let_go:
-            self._sends.append((call.recvs, call.out))
-            with self._tags:
-                self._late[self._slot(call)] = _late_tag(call)
-            self._done(call)
+            self._mark_late(call)
+            self._lent.append(call)
+            self._done(call, lent=True)
             return True
         return False
+
+    def _settle(self, call: _Call, statuses: list[Any]) -> None:
+        """``call``'s cancelled receives ended (``statuses``): the bytes of those cancelled,
+        and of those never posted (after them), taken aside when they come, where they may."""
+        cut = [k for k, st in enumerate(statuses) if st.Is_cancelled()]
+        cut += range(len(statuses), len(call.sizes))
+        if cut and call.late:
+            self._drain_late(call, [call.sizes[k] for k in cut])
 
     def _cancel(
         self, call: _Call, error: ServiceError | None, reply: Any = None, late: bool = False
@@ -731,19 +831,25 @@ class MpiPeers:
         owner's sends end."""
         tag = call.tag if call.data_tag is None else call.data_tag
         aside = [np.empty(n, np.uint8) for n in sizes]
-        with self._tags:
-            self._late[self._slot(call)] = _late_tag(call)
-        self._drains.append((self._irecvs(call.dest, tag, aside, sizes), aside, self._slot(call)))
+        self._mark_late(call)
+        self._drains.append(_Drain(call, self._irecvs(call.dest, tag, aside, sizes), aside))
 
     def _failure(self, call: _Call, why: str, code: str = "UNAVAILABLE") -> ServiceError:
         return ServiceError(code, f"node {call.dest} {why}")
 
     def _drop_stale(self, call: _Call, env: dict) -> None:
         """Drop ``env``, a reply on ``call``'s tag that is not its own (a late one), and the
-        raw bytes that follow it on that tag, if any (MPI's order: before ours)."""
+        raw bytes that follow it on that tag, if any (MPI's order: before ours); a refusal of
+        a fetch whose late bytes are awaited on its data tag ends that wait (none come)."""
         if "ok" in env:
             stale = [np.empty(n, np.uint8) for n in env["runs"]]
             self._sends.append((self._irecvs(call.dest, call.tag, stale, env["runs"]), stale))
+            return
+        for drain in self._drains:
+            late = drain.call
+            if late.dest == call.dest and late.rid == env["rid"] and late.data_tag is not None:
+                for r in reversed(drain.recvs):  # (matched by nothing: each ends at once)
+                    r.Cancel()
 
     def _envelope(self, call: _Call, env: dict) -> None:
         """``call``'s reply envelope ``env``: its reply, or the raw runs to receive; a late
@@ -761,23 +867,39 @@ class MpiPeers:
             self._give_up(call, f"sent {env['ok']} bytes as {env['runs']}, not {want}", "INTERNAL")
         else:
             call.sizes, call.enveloped = env["runs"], time.monotonic()
-            call.recvs = self._irecvs(call.dest, call.tag, call.out, runs)
+            try:
+                call.recvs = self._irecvs(call.dest, call.tag, call.out, runs)
+            except _Unposted as exc:  # (a buffer MPI refuses) the bytes are received aside
+                call.recvs, cause = exc.posted, exc.__cause__
+                why = f"answered, but the bytes could not be received ({type(cause).__name__}: "
+                self._cancel(call, self._failure(call, f"{why}{cause})", "INTERNAL"), late=True)
 
     def _irecvs(self, dest: int, tag: int, out: list[np.ndarray], runs: Any) -> list[Any]:
-        """Receives of ``runs`` (``[(buffer, start, stop)]``, or sizes: one buffer each)."""
+        """Receives of ``runs`` (``[(buffer, start, stop)]``, or sizes: one buffer each).
+
+        Raises:
+            _Unposted: one could not be posted (those posted before it are in it).
+        """
         if runs and isinstance(runs[0], int):
             runs = [(k, 0, n) for k, n in enumerate(runs)]
-        return [self.comm.Irecv(out[k][a:b], source=dest, tag=tag) for k, a, b in runs]
+        posted: list[Any] = []
+        try:
+            for k, a, b in runs:
+                posted.append(self.comm.Irecv(out[k][a:b], source=dest, tag=tag))
+        except Exception as exc:
+            raise _Unposted(posted) from exc
+        return posted
 
-    def _done(self, call: _Call, nbytes: int = 0) -> None:
-        """``call`` is over (``nbytes``: the raw bytes it received)."""
+    def _done(self, call: _Call, nbytes: int = 0, lent: bool = False) -> None:
+        """``call`` is over (``nbytes``: the raw bytes it received; ``lent``: a receive may
+        still land in its buffers)."""
         self._calls.remove(call)
         self._free_tag(call)
         if call.out is not None:
             now = time.monotonic()
             legs = (call.enveloped - call.asked, now - call.enveloped) if nbytes else (0.0, 0.0)
             self.stats.end(nbytes, call.sizes, legs)
-        call.done.set()
+        call.over(lent)
 
     def _give_up(self, call: _Call, why: str, code: str = "UNAVAILABLE") -> None:
         call.error = self._failure(call, why, code)
@@ -838,6 +960,14 @@ def _answered(answer: Callable[[dict], Any], request: dict) -> Any:
         return {"error": f"internal error: {type(exc).__name__}", "code": "INTERNAL"}
 
 
+class _Unposted(Exception):
+    """Receives could not all be posted: ``posted``, those that were."""
+
+    def __init__(self, posted: list[Any]) -> None:
+        super().__init__("a receive could not be posted")
+        self.posted = posted
+
+
 def _late_tag(call: _Call) -> str:
     """Which of ``call``'s tags its late bytes come on: "data" (posted with its request) or
     "reply" (told its sizes by an envelope)."""
@@ -894,7 +1024,24 @@ class _Call:
     let_go: float = 0.0  # its receives cancelled: when it is over even if one has not ended
     late: bool = False  # (cancelled) the owner may still send its bytes
     done: threading.Event = field(default_factory=threading.Event)
+    freed: threading.Event = field(default_factory=threading.Event)  # none lands in ``out``
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.out or [])
+
+    def over(self, lent: bool = False) -> None:
+        """The call is over; ``lent``: a receive may still land in its buffers (freed once
+        the link saw it end)."""
+        if not lent:
+            self.freed.set()
+        self.done.set()
+
+
+@dataclass(eq=False)
+class _Drain:
+    """Late bytes of ``call`` (a fetch that gave up) received aside: ``recvs`` into ``aside``."""
+
+    call: _Call
+    recvs: list[Any]
+    aside: list[np.ndarray]

@@ -87,8 +87,8 @@ class Fetching:
 
     def result(self, stop: threading.Event) -> list[Copy] | None:
         """The copies left to do once every owner answered; ``None`` if ``stop`` was set
-        first (the requests are then abandoned, and this waits until no byte can still land
-        in the batch: its slot may be reused). Raises the first owner's error."""
+        first (the requests are then abandoned: :meth:`abandon`). Raises the first owner's
+        error."""
         for p in self.pending:
             while not p.wait(0.05):
                 if stop.is_set():
@@ -103,11 +103,18 @@ class Fetching:
         return all(p.wait(0) for p in self.pending)
 
     def abandon(self) -> None:
-        """Give up the requests; return once none can still write into the batch."""
+        """Give up the requests; return once each is over (bounded: each fails at its
+        deadline). A request over may still write into the batch: its slot is reused only
+        once :meth:`freed`."""
         for p in self.pending:
             p.abandon()
         for p in self.pending:
-            p.wait()  # bounded: each request fails at its deadline
+            p.wait()
+
+    def freed(self) -> bool:
+        """Whether no byte can land in the batch any more (now, without waiting): a request
+        that failed while its bytes were coming holds its buffers until they stopped."""
+        return all(p.freed(0) for p in self.pending)
 
 
 @dataclass

@@ -76,7 +76,8 @@ class SlotRing:
     during fills costs more than filling it). A slot is free again once its batch is in a
     message (inline) or once the client returns the batch's generation (shared memory);
     generations count up across streams, so a client may return the last batches of one epoch
-    while it streams the next.
+    while it streams the next. A slot given back while a failed fetch may still write into it
+    is lent again only once the fetch says no byte can land there any more.
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class SlotRing:
         for i in range(nslots):
             self._free.put(i)
         self._held: dict[int, int] = {}  # generation -> slot the client still reads
+        self._fenced: list[tuple[int, Callable[[], bool]]] = []  # (slot, whether it is free)
         self._generations = itertools.count(1)
         self._lock = threading.Lock()
         self._lender: object = None  # the stream whose batches the client reads now
@@ -126,6 +128,7 @@ class SlotRing:
     def take(self, stop: threading.Event) -> int | None:
         """A free slot, waiting for one; ``None`` once ``stop`` is set."""
         while not stop.is_set():
+            self._unfence()
             try:
                 return self._free.get(timeout=0.1)
             except queue.Empty:
@@ -134,13 +137,28 @@ class SlotRing:
 
     def poll(self) -> int | None:
         """A free slot if there is one now, else ``None``."""
+        self._unfence()
         try:
             return self._free.get_nowait()
         except queue.Empty:
             return None
 
-    def give(self, slot: int) -> None:
-        self._free.put(slot)
+    def give(self, slot: int, freed: Callable[[], bool] | None = None) -> None:
+        """``slot`` is free again, once ``freed()`` (a failed fetch's
+        :meth:`~datastore.service.resident.Fetching.freed`) says nothing lands in it any more:
+        till then :meth:`take` and :meth:`poll` pass it over."""
+        if freed is None or freed():
+            self._free.put(slot)
+        else:
+            with self._lock:
+                self._fenced.append((slot, freed))
+
+    def _unfence(self) -> None:
+        with self._lock:
+            free = [slot for slot, freed in self._fenced if freed()]
+            self._fenced = [(slot, freed) for slot, freed in self._fenced if slot not in free]
+        for slot in free:
+            self._free.put(slot)
 
     def lend(self, slot: int, stream: object = None) -> int | None:
         """The client reads ``slot`` until it returns the generation this gives; ``None`` (and
@@ -276,10 +294,12 @@ class Stream:
             self._ready.put((None, None, exc))
             return
         finally:
-            for f in filling:  # stopped, or failed: no reply lands in its slot any more
-                if f.fetching is not None:
+            for f in filling:  # stopped, or failed: reused once no reply lands in its slot
+                if f.fetching is None:
+                    self.ring.give(f.slot)
+                else:
                     f.fetching.abandon()
-                self.ring.give(f.slot)
+                    self.ring.give(f.slot, f.fetching.freed)
         self._ready.put((None, None, None))
 
     def _begin(self, step: int, slot: int) -> _Filling:
@@ -312,7 +332,7 @@ class Stream:
             self._copy(copies)
         except BaseException:
             fetching.abandon()
-            self.ring.give(slot)
+            self.ring.give(slot, fetching.freed)
             raise
         return _Filling(step, slot, message, fetching)
 
