@@ -38,5 +38,5 @@ def test_the_link_fills_the_slots_as_typed_mpi4py_does_and_both_are_timed(tmp_pa
         for kind in ("bare_mpi4py", "typed_mpi4py", "link"):
             reps = job[f"{kind}_gb_per_s_reps"]
             assert len(reps) == LINK_REPS and min(reps) > 0, (kind, reps)
-    assert "| mpi link / typed, same processes and fetches, >= 0.8x | blocks |" in proc.stdout
-    assert "| mpi link / typed, same processes and fetches, >= 0.8x | whole |" not in proc.stdout
+    typed = "| mpi link / bare mpi4py typed into the slots, same processes and fetches >= 0.8x"
+    assert f"{typed} | blocks |" in proc.stdout and f"{typed} | whole |" not in proc.stdout
