@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from datastore.service.resident import Residency
 from datastore.service.session import Sessions
 from datastore.service.shm import PREFIX, Segment, remove_own, segment_dir
 from datastore.service.stream import SlotRing
+from datastore.store.gather import Gather
 
 
 def _own(directory) -> list[str]:
@@ -28,13 +30,50 @@ class _Failing:
         raise RuntimeError("cannot schedule new futures after shutdown")
 
 
-def test_a_ring_whose_pages_cannot_be_faulted_in_leaves_no_segment():
+def test_a_slot_whose_pages_cannot_be_faulted_in_stays_free_and_no_segment_is_left():
     info = {"data": FieldInfo("data", np.dtype("float32"), (4, 8, 8, 8))}
     fields = delivered_fields(info, None, 0)
     before = _own(segment_dir())
+    ring = SlotRing(fields, batch_size=2, nslots=3, shared=True, gather=_Failing())
     with pytest.raises(RuntimeError, match="after shutdown"):
-        SlotRing(fields, batch_size=2, nslots=3, shared=True, gather=_Failing())
+        ring.take(threading.Event())
+    with pytest.raises(RuntimeError, match="after shutdown"):  # put back, still to fault in
+        ring.poll()
+    ring.close()
     assert _own(segment_dir()) == before
+
+
+class _Counted(Gather):
+    """A real gather that records the bytes of each run."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.runs: list[int] = []
+
+    def run(self, copies) -> None:
+        self.runs.append(sum(d.nbytes for d, _ in copies))
+        super().run(copies)
+
+
+def test_a_slot_is_faulted_in_with_zeros_on_first_use_only():
+    """A stream's first batch waits for its own slot's pages, not the whole segment's; a slot
+    taken again keeps what was written (no second fault-in over a batch)."""
+    info = {"data": FieldInfo("data", np.dtype("float32"), (4, 8, 8, 8))}
+    fields = delivered_fields(info, None, 0)
+    gather = _Counted()
+    ring = SlotRing(fields, batch_size=2, nslots=3, shared=True, gather=gather)
+    slot_bytes = ring.segment.slot_bytes
+    stop = threading.Event()
+    assert gather.runs == []  # nothing at construction
+    first = ring.take(stop)
+    assert gather.runs == [slot_bytes] and not ring.slots[first]["data"].any()
+    ring.slots[first]["data"][:] = 7
+    ring.give(first)
+    taken = [ring.take(stop) for _ in range(3)]  # the others, then the first again
+    assert sorted(taken) == [0, 1, 2] and gather.runs == [slot_bytes] * 3
+    assert (ring.slots[first]["data"] == 7).all()  # not zeroed again
+    ring.close()
+    gather.close()
 
 
 def test_remove_own_removes_this_process_segments_only(tmp_path):

@@ -71,9 +71,11 @@ def chunk_bytes() -> int:
 class SlotRing:
     """The batch slots of one rank of a session, kept across its streams (epochs).
 
-    Shared-memory slots are regions of one :class:`Segment`, its pages faulted in at once on
-    the ``gather``'s threads and reused for the whole session (faulting fresh shared memory in
-    during fills costs more than filling it). A slot is free again once its batch is in a
+    Shared-memory slots are regions of one :class:`Segment`, reused for the whole session,
+    each slot's pages faulted in on the ``gather``'s threads when it is first taken (faulting
+    fresh shared memory in during a fill costs more than the fill; the whole segment at once
+    delayed a stream's first batch, 70-90 ms for 192 MiB, where its first slot takes 12-15).
+    A slot is free again once its batch is in a
     message (inline) or once the client returns the batch's generation (shared memory);
     generations count up across streams, so a client may return the last batches of one epoch
     while it streams the next. A slot given back while a failed fetch may still write into it
@@ -93,15 +95,12 @@ class SlotRing:
         self.segment: Segment | None = None
         self.at: dict[str, int] = {}  # where each field starts in a shared-memory slot
         self.mapped = threading.Event()
+        self._gather = gather
+        self._fresh: set[int] = set()  # shared-memory slots whose pages are not in place yet
         shapes = {f.name: (batch_size, *f.shape) for f in fields}
         if shared:  # a new file is all zeros: halos outside the volume start at zero
             self.segment = Segment(nslots, batch_size * sum(f.nbytes for f in fields))
-            try:  # (a service stopping meanwhile shuts the gather's threads down)
-                self.segment.fault_in(gather)
-            except BaseException:
-                self.segment.close()
-                self.segment.unmap()
-                raise
+            self._fresh = set(range(nslots))
             at = 0
             for f in fields:
                 self.at[f.name] = at
@@ -130,7 +129,7 @@ class SlotRing:
         while not stop.is_set():
             self._unfence()
             try:
-                return self._free.get(timeout=0.1)
+                return self._placed(self._free.get(timeout=0.1))
             except queue.Empty:
                 continue
         return None
@@ -139,9 +138,22 @@ class SlotRing:
         """A free slot if there is one now, else ``None``."""
         self._unfence()
         try:
-            return self._free.get_nowait()
+            return self._placed(self._free.get_nowait())
         except queue.Empty:
             return None
+
+    def _placed(self, slot: int) -> int:
+        """``slot``, its pages faulted in first where this is its first use (it holds
+        nothing yet). A fault-in that fails (a service stopping shuts the gather's threads
+        down) puts the slot back, still to fault in."""
+        if slot in self._fresh and self.segment is not None:
+            try:
+                self.segment.fault_in(slot, self._gather)
+            except BaseException:
+                self._free.put(slot)
+                raise
+            self._fresh.discard(slot)
+        return slot
 
     def give(self, slot: int, freed: Callable[[], bool] | None = None) -> None:
         """``slot`` is free again, once ``freed()`` (a failed fetch's
