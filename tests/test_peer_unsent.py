@@ -31,6 +31,9 @@ def test_a_request_that_cannot_be_posted_fails_clearly_and_frees_its_tag(tmp_pat
         refused = "could not be received (BufferError: dlpack: buffer is not writable)"
         want = ["ServiceError", "INTERNAL", f"node 0 answered, but the bytes {refused}"]
         assert got[who + "_told_read_only"] == [want] * 6
+        unsent = "internal error: its reply could not be sent (TypeError: cannot pickle "
+        want = ["ServiceError", "INTERNAL", f"node 0: {unsent}'_thread.lock' object)"]
+        assert got[who + "_unanswerable"] == [want] * 4  # (before: the owner's link died)
         assert got[who + "_after"] == [[[v]] for v in range(20, 26)]
         assert got[who + "_failed_buffers"] == [[0]] * 6
     assert got["legs"] == [0.0] * 12  # each posted with its request: no tag held for good

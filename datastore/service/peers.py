@@ -918,7 +918,11 @@ class MpiPeers:
         if tag is None:  # (told, not asked)
             return
         if raw is None:
-            self._isend({"rid": rid, "reply": reply}, dest, tag)
+            try:
+                self._isend({"rid": rid, "reply": reply}, dest, tag)
+            except Exception as exc:  # (a reply that cannot be pickled: the asker hears why)
+                why = f"internal error: its reply could not be sent ({type(exc).__name__}: {exc})"
+                self._isend({"rid": rid, "reply": {"error": why, "code": "INTERNAL"}}, dest, tag)
             return
         if request.get("data_tag") is not None:  # receives posted for sizes it told
             want = sizes_of(request.get("expect", []))

@@ -5,8 +5,9 @@ the first buffer's receive was posted), fetches into a read-only buffer told the
 envelope (its bytes then received aside), each twice per tag; then fetches that tell their sizes,
 each tag twice (their receives posted with the request). Then the same with the link's thread
 posting the requests (as where MPI is not ``MPI_THREAD_MULTIPLE``). Node 0 answers a fetch with
-``holds`` bytes of ``value``. Node 1 writes the errors, the bytes and each fetch's legs (the
-first 0 where the receives went out with the request) as JSON to OUT.
+``holds`` bytes of ``value``, and a request of kind ``lock`` with a reply that cannot be
+pickled (4 per round). Node 1 writes the errors, the bytes and each fetch's legs (the first 0
+where the receives went out with the request) as JSON to OUT.
 
 Usage: peer_unsent_job.py OUT
 """
@@ -22,6 +23,8 @@ from datastore.service.peers import MpiPeers, expect, read_stats
 
 
 def answer(request: dict) -> object:
+    if request["kind"] == "lock":  # a reply that cannot be pickled
+        return threading.Lock()
     return np.full(request["holds"], request["value"], dtype=np.uint8)
 
 
@@ -61,6 +64,7 @@ def rounds(peers: MpiPeers, got: dict, name: str) -> None:
         told = {"kind": "fetch", "value": 3, "holds": 16}
         errors.append(failed(lambda r=read_only, t=told: peers.fetch(0, t, r)))
     got[name + "_told_read_only"] = errors
+    got[name + "_unanswerable"] = [failed(lambda: peers.ask(0, {"kind": "lock"})) for _ in range(4)]
     got[name + "_after"] = []
     for value in range(20, 26):
         out = np.zeros(8, np.uint8)
