@@ -41,7 +41,8 @@ OPENMPI_MPICC ?= /usr/bin/mpicc
 OPENMPI_VENV  := $(VENV)/openmpi
 OPENMPI_TESTS := tests/test_site_mpi.py tests/test_loader_traps_mpi.py tests/test_stage_mpi.py \
     tests/test_loader.py tests/test_world.py tests/test_peer_tags.py tests/test_peer_at_once.py \
-    tests/test_peer_fetch.py tests/test_peer_expect.py tests/test_hdf5_sets.py \
+    tests/test_peer_fetch.py tests/test_peer_expect.py tests/test_peer_unsent.py \
+    tests/test_peer_refused.py tests/test_peer_lent.py tests/test_hdf5_sets.py \
     tests/test_loader_shards.py tests/test_service_nodes.py tests/test_service_peers.py \
     tests/test_trainer_hybrid.py::test_grid_losses_follow_one_process \
     tests/test_trainer_hybrid.py::test_the_data_ranks_share_the_dataset_through_the_exchange \
