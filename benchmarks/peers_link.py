@@ -231,18 +231,18 @@ def _typed(
     return _windowed(n, posts, depth)
 
 
-def _windowed(n: int, posts: Any, depth: int) -> Any:
-    """``play(count)``: ``posts(i)``'s requests for ``i < count`` (``None``: ``n``), ``depth``
-    fetches in flight."""
+def _windowed(n: int, start: Any, depth: int, finish: Any = MPI.Request.Waitall) -> Any:
+    """``play(count)``: ``start(i)`` for ``i < count`` (``None``: ``n``), ``finish``-ing the
+    oldest of what it returned whenever ``depth`` are in flight, then the rest."""
 
     def play(count: int | None) -> None:
-        window: list[list[Any]] = []
+        window: list[Any] = []
         for i in range(n if count is None else min(count, n)):
-            window.append(posts(i))
+            window.append(start(i))
             if len(window) >= depth:
-                MPI.Request.Waitall(window.pop(0))
-        for reqs in window:
-            MPI.Request.Waitall(reqs)
+                finish(window.pop(0))
+        for started in window:
+            finish(started)
 
     return play
 
@@ -252,20 +252,14 @@ def _link(resident: Any, plan: Plan, slots: list[dict[str, np.ndarray]], depth: 
     code, as a stream makes them, ``depth`` in flight."""
     gather, never = Gather(), threading.Event()
 
+    def start(i: int) -> Any:
+        out = slots[i % len(slots)]
+        return resident.start_fetch(plan.samples[i], plan.fields, plan.spatial, plan.block, out)
+
     def finish(fetching: Any) -> None:
         run_copies(fetching.result(never), gather)
 
-    def play(count: int | None) -> None:
-        window = []
-        for i, samples in enumerate(plan.samples if count is None else plan.samples[:count]):
-            out = slots[i % len(slots)]
-            window.append(resident.start_fetch(samples, plan.fields, plan.spatial, plan.block, out))
-            if len(window) >= depth:
-                finish(window.pop(0))
-        for fetching in window:
-            finish(fetching)
-
-    return play
+    return _windowed(len(plan.samples), start, depth, finish)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from datastore.service.errors import ServiceError
 from datastore.service.resident import Fetching
 from datastore.service.shm import Segment
 from datastore.service.wire import MAX_MESSAGE, ChunkedBatch, batch_message, chunk_messages
-from datastore.store.gather import Gather, fill_batch
+from datastore.store.gather import Gather, fill_batch, run_copies
 
 __all__ = ["CHUNK_BYTES", "SlotRing", "Stream", "chunk_bytes"]
 
@@ -75,11 +75,11 @@ class SlotRing:
     each slot's pages faulted in on the ``gather``'s threads when it is first taken (faulting
     fresh shared memory in during a fill costs more than the fill; the whole segment at once
     delayed a stream's first batch, 70-90 ms for 192 MiB, where its first slot takes 12-15).
-    A slot is free again once its batch is in a
-    message (inline) or once the client returns the batch's generation (shared memory);
-    generations count up across streams, so a client may return the last batches of one epoch
-    while it streams the next. A slot given back while a failed fetch may still write into it
-    is lent again only once the fetch says no byte can land there any more.
+    A slot is free again once its batch is in a message (inline) or once the client returns
+    the batch's generation (shared memory); generations count up across streams, so a client
+    may return the last batches of one epoch while it streams the next. A slot given back
+    while a failed fetch may still write into it is lent again only once the fetch says no
+    byte can land there any more.
     """
 
     def __init__(
@@ -341,7 +341,7 @@ class Stream:
                 for f in self._fields
                 for c in box_copies(f, out[f.name][pos], self._sample(index, f.name))
             ]
-            self._copy(copies)
+            run_copies(copies, self._gather)
         except BaseException:
             fetching.abandon()
             self.ring.give(slot, fetching.freed)
@@ -355,21 +355,11 @@ class Stream:
             after = f.fetching.result(self.stop)
             if after is None:
                 return False
-            self._copy(after)
+            run_copies(after, self._gather)
         if isinstance(f.message, ChunkedBatch):
             f.message.finish()
         self._ready.put((f.step, f.slot, f.message))
         return True
-
-    def _copy(self, copies: list[Any]) -> None:
-        if self._gather is None:
-            for dst, src in copies:
-                if src is None:
-                    dst.fill(0)
-                else:
-                    np.copyto(dst, src)
-        else:
-            self._gather.run(copies)
 
     # -- the call ------------------------------------------------------------------------------
     def messages(self) -> Iterator[tuple[Any, int]]:
