@@ -120,7 +120,9 @@ MIB = 1 << 20
 KINDS = ("mpi", "grpc", "local")
 LAYOUTS = {"whole": None, "blocks": {"parts": (2, 1, 1), "halo": (1, 1, 1)}}
 LAYOUT_VERSION = 1
-LINK_REPS = 3  # replays each of bare mpi4py and the services' link, after each mpi job
+BARE = {"mpi": "bare mpi4py", "grpc": "bare TCP sockets"}  # each link's bare peer
+INTO = {"mpi": "typed into the slots", "grpc": "copied into the slots"}  # ...doing its job
+LINK_REPS = 3  # replays each of the bare transfers and the link, after each mpi and grpc job
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TOKEN = "peers-benchmark"
@@ -428,29 +430,56 @@ def mpmd(ranks: list[list[str]], cpus: list[str] | None) -> list[str]:
 def run_link(
     fetches: list[list[list[int]]], layout: str, template: str, store: Store
 ) -> dict[str, list[float]]:
-    """GB/s of bare mpi4py and of the services' MPI link (``benchmarks/peers_link.py``),
+    """GB/s of bare transfers and of the services' link (``benchmarks/peers_link.py``),
     ``LINK_REPS`` replays each of ``fetches`` (node k's fetches, each its message sizes)
-    alternating in the same two fresh ranks: both directions' bytes / time, per replay."""
-    spec = os.path.join(store.tmp, "link.json")
-    with open(spec, "w") as f:
-        json.dump(
-            {
-                "fetches": fetches,
-                "depth": FETCH_AHEAD,
-                "template": template,
-                "spatial": LAYOUTS[layout],
-                "reps": LINK_REPS,
-                "tmp": store.tmp,
-            },
-            f,
-        )
+    alternating in the same two fresh processes: both directions' bytes / time, per replay.
+    Over MPI (``store.kind == "mpi"``): two ``mpiexec`` ranks, bare mpi4py (and typed);
+    over gRPC: two plain processes, bare TCP sockets."""
+    spec = {
+        "via": store.kind,
+        "fetches": fetches,
+        "depth": FETCH_AHEAD,
+        "template": template,
+        "spatial": LAYOUTS[layout],
+        "reps": LINK_REPS,
+        "tmp": store.tmp,
+    }
+    if store.kind == "grpc":
+        spec["peers"] = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+        spec["control"] = free_port()
+        spec["token_file"] = os.path.join(store.tmp, "token")
+    path = os.path.join(store.tmp, "link.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
     script = os.path.join(HERE, "peers_link.py")
     env = {k: v for k, v in store.env.items() if k != STATS_ENV}
-    cmd = mpmd([[sys.executable, "-m", "mpi4py", script, spec]] * 2, store.cpus)
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise SystemExit(f"the link against bare mpi4py failed:\n{r.stdout}{r.stderr}")
-    seconds = json.loads(r.stdout.strip().splitlines()[-1])
+    if store.kind == "mpi":
+        cmd = mpmd([[sys.executable, "-m", "mpi4py", script, path]] * 2, store.cpus)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        done = [(r.returncode, r.stdout, r.stderr)]
+    else:
+        procs = [
+            subprocess.Popen(
+                pinned([sys.executable, script, path, str(k)], store.cpus and store.cpus[k]),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for k in range(2)
+        ]
+        try:
+            outs = [p.communicate(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        done = [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+    if any(code for code, _, _ in done):
+        told = "".join(out + err for _, out, err in done)
+        raise SystemExit(f"the {store.kind} link against bare transfers failed:\n{told}")
+    seconds = json.loads(done[0][1].strip().splitlines()[-1])
     moved = sum(m for node in fetches for f in node for m in f)
     return {name: [moved / s / 1e9 for s in runs] for name, runs in seconds.items()}
 
@@ -504,8 +533,8 @@ class Job:
     server_cpu: list[float] = field(default_factory=list)
     client_cpu: list[float] = field(default_factory=list)
     stall: list[float] = field(default_factory=list)  # sessions' stall_s, summed
-    bare_gb_s: list[float] = field(default_factory=list)  # bare mpi4py, same bytes (mpi only)
-    typed_gb_s: list[float] = field(default_factory=list)  # bare mpi4py into the slots
+    bare_gb_s: list[float] = field(default_factory=list)  # bare (BARE[kind]), same bytes
+    typed_gb_s: list[float] = field(default_factory=list)  # bare into the slots (see peers_link)
     link_gb_s: list[float] = field(default_factory=list)  # the services' link, beside bare
     link_bytes: list[int] = field(default_factory=list)  # the fetches' bytes, both services
     in_flight_s: list[float] = field(default_factory=list)  # a fetch of either in flight
@@ -575,10 +604,11 @@ class Job:
             "server_cpu_s": median(self.server_cpu),
             "client_cpu_s": median(self.client_cpu),
             "stall_s": median(self.stall),
-            "bare_mpi4py_gb_per_s": median(self.bare_gb_s) if self.bare_gb_s else None,
-            "bare_mpi4py_gb_per_s_reps": self.bare_gb_s,
-            "typed_mpi4py_gb_per_s": median(self.typed_gb_s) if self.typed_gb_s else None,
-            "typed_mpi4py_gb_per_s_reps": self.typed_gb_s,
+            "bare": BARE.get(self.kind) if self.bare_gb_s else None,
+            "bare_gb_per_s": median(self.bare_gb_s) if self.bare_gb_s else None,
+            "bare_gb_per_s_reps": self.bare_gb_s,
+            "typed_gb_per_s": median(self.typed_gb_s) if self.typed_gb_s else None,
+            "typed_gb_per_s_reps": self.typed_gb_s,
             "link_gb_per_s": median(self.link_gb_s) if self.link_gb_s else None,
             "link_gb_per_s_reps": self.link_gb_s,
             "exchange_in_flight_s": median(self.in_flight_s) if self.in_flight_s else None,
@@ -706,9 +736,10 @@ class Target:
 
 def targets(jobs: dict[tuple[str, str], Job], layouts: list[str]) -> list[Target]:
     """Issue 24's targets the run's jobs measure: a store sharded over 2 nodes against one
-    node (batches/s, >= 0.6x), and the MPI link against bare mpi4py in the same processes on
-    the same fetches (GB/s, >= 0.8x; for blocks also against bare mpi4py typed into the slots,
-    the same job done the MPI way)."""
+    node (batches/s, >= 0.6x), and each link against its bare peer in the same processes on
+    the same fetches (GB/s, >= 0.8x): the MPI link against bare mpi4py (for blocks also typed
+    into the slots, the same job done the MPI way), the gRPC link against bare TCP sockets
+    (for blocks also copied into the slots with numpy, the same job done bare)."""
     out = []
     for layout in layouts:
         for kind in ("mpi", "grpc"):
@@ -716,12 +747,15 @@ def targets(jobs: dict[tuple[str, str], Job], layouts: list[str]) -> list[Target
                 ours, one = jobs[kind, layout].batches_s, jobs["local", layout].batches_s
                 what = f"{kind} sharded / one node"
                 out.append(Target(layout, what, ours, one, "batches/s", "batches/s", 0.6))
-        j = jobs.get(("mpi", layout))
-        if j is not None and j.link_gb_s and j.bare_gb_s:
-            peers = [("bare mpi4py", j.bare_gb_s)]
-            peers += [("bare mpi4py typed into the slots", j.typed_gb_s)] * bool(LAYOUTS[layout])
+        for kind in ("mpi", "grpc"):
+            j = jobs.get((kind, layout))
+            if j is None or not j.link_gb_s or not j.bare_gb_s:
+                continue
+            peers = [(BARE[kind], j.bare_gb_s)]
+            blocks = bool(j.typed_gb_s and LAYOUTS[layout])  # (whole samples: nothing to put)
+            peers += [(f"{BARE[kind]} {INTO[kind]}", j.typed_gb_s)] * blocks
             for peer, values in peers:
-                what = f"mpi link / {peer}, same processes and fetches"
+                what = f"{kind} link / {peer}, same processes and fetches"
                 link, bare = median(j.link_gb_s), median(values)
                 out.append(Target(layout, what, link, bare, "GB/s", "link / peer GB/s", 0.8))
     return out
@@ -749,10 +783,10 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
         ratio_rows.append(f"| {r['layout']} | {r['case']} | {r['batches']:.2f}x | {ex} |")
     link_rows = [
         "| store | layout | exchange GB/s in flight (reps) | in flight s | exchange GB/s per "
-        "epoch time (reps) | bare mpi4py GB/s (reps) | in flight / bare | epoch / bare "
+        "epoch time (reps) | bare GB/s (reps) | in flight / bare | epoch / bare "
         "| per fetch ms: envelope + bytes = whole (p90) | fetches in flight "
-        "| bare typed into the slots GB/s (reps) | link beside bare GB/s (reps) | link / bare "
-        "| link / typed |",
+        "| bare into the slots GB/s (reps) | link beside bare GB/s (reps) | link / bare "
+        "| link / into the slots |",
         "|---|---|---|---:|---|---|---:|---:|---|---:|---|---|---:|---:|",
     ]
     for layout in args.layouts:
@@ -780,10 +814,10 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
                 row += "| - | - "
             if j.link_gb_s:
                 link, typed = j.link_gb_s, j.typed_gb_s
-                row += f"| {median(typed):.2f} ({spread(typed, '{:.2f}')}) "
+                row += f"| {median(typed):.2f} ({spread(typed, '{:.2f}')}) " if typed else "| - "
                 row += f"| {median(link):.2f} ({spread(link, '{:.2f}')}) "
                 row += f"| {median(link) / median(bare):.2f}x "
-                row += f"| {median(link) / median(typed):.2f}x |"
+                row += f"| {median(link) / median(typed):.2f}x |" if typed else "| - |"
             else:
                 row += "| - | - | - | - |"
             link_rows.append(row)
@@ -809,15 +843,21 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
             "waiting for a batch to be prepared), summed. Exchange GB/s in flight: the bytes "
             "of the services' fetches (both directions) / the time at least one fetch of either "
             "service was in flight (request sent to last byte in); per epoch time: the same "
-            "bytes / the timed epochs' wall time. Bare mpi4py and the link beside it: two "
-            "fresh ranks, each node's service without its gRPC server, replaying the same "
-            f"fetches {LINK_REPS} times each, alternating: bare mpi4py sends each fetch's "
-            "messages into contiguous buffers; typed sends each sample's part from the "
-            "resident sample into the batch slot amid its halo, a subarray datatype on each "
-            "side (the MPI idiom for a block amid its halo); the link fetches the same samples "
+            "bytes / the timed epochs' wall time. The bare transfers and the link beside them: "
+            "two fresh processes, each building its node's service (over MPI without its gRPC "
+            "server; over gRPC its TCP server and data listener, no Unix socket), replaying the "
+            f"same fetches {LINK_REPS} times each, alternating. Over MPI, bare mpi4py sends each "
+            "fetch's messages into contiguous buffers, and typed into the slots sends each "
+            "sample's part from the resident sample into the batch slot amid its halo, a "
+            "subarray datatype on each side (the MPI idiom for a block amid its halo). Over "
+            "gRPC, bare TCP sockets move each fetch's bytes (a 4-byte request, the bytes "
+            "answered by sendall, received by recv_into), one connection per fetch in flight, "
+            "and, for blocks, copied into the slots puts each sample's part in its slot amid "
+            "its halo with numpy (TCP has no datatypes). The link fetches the same samples "
             f"through the services' code (benchmarks/peers_link.py); both directions at once, "
             f"{FETCH_AHEAD} fetches in flight each way, bytes / time. Issue 24's 0.8x target is "
-            "judged on link / bare (and, for blocks, link / typed: the same job done bare); in "
+            "judged on link / bare (and, for blocks, link / into the slots: the same job done "
+            "bare); in "
             "flight / bare is the link as the services' ranks pace it on shared cores. Per fetch: "
             "from asked to the reply's envelope in, then to its last byte in (median, and 90th "
             "percentile, of every fetch of the timed epochs; the MPI peers' fetches post their "
@@ -905,16 +945,15 @@ def run_store(
             if job.in_flight_s:
                 rate = job.link_bytes[-1] / job.in_flight_s[-1] / 1e9
                 bare_note = f"; {rate:.2f} GB/s in flight ({job.in_flight_s[-1]:.2f} s)"
-            if kind == "mpi":
+            if kind == "mpi" or (kind == "grpc" and not args.tls):
                 drill = run_link(job.fetches[-1], layout, template, store)
                 job.bare_gb_s += drill["bare"]
-                job.typed_gb_s += drill["typed"]
+                job.typed_gb_s += drill.get("typed", [])
                 job.link_gb_s += drill["link"]
-                bare_note += (
-                    f"; bare mpi4py {median(drill['bare']):.2f} GB/s, typed into the slots "
-                    f"{median(drill['typed']):.2f}, the link beside them "
-                    f"{median(drill['link']):.2f}"
-                )
+                bare_note += f"; {BARE[kind]} {median(drill['bare']):.2f} GB/s"
+                if "typed" in drill:
+                    bare_note += f", typed into the slots {median(drill['typed']):.2f}"
+                bare_note += f", the link beside them {median(drill['link']):.2f}"
             print(
                 f"rep {rep + 1}: {kind:5s} {layout:6s}: {job.batches[-1] / wall:6.1f} batches/s, "
                 f"{job.delivered[-1] / wall / 1e9:5.2f} GB/s, exchanged "

@@ -1,48 +1,64 @@
-"""The services' MPI link against bare mpi4py, in the same two processes, on the same fetches.
+"""The services' peer links against bare transfers, in the same two processes, on the same fetches.
 
 ``benchmarks/peers.py`` runs this after each ``mpi`` job (``mpiexec -n 2 python -m mpi4py
-benchmarks/peers_link.py SPEC``). Rank k plays node k of the sharded store: it builds what
-``datastore serve`` builds on an MPI node, a :class:`~datastore.service.servicer.Servicer`
-with its :class:`~datastore.service.peers.MpiPeers` link and its residency (no gRPC server:
-no client is served), and loads its shard of the dataset. Then, alternating, ``reps`` times:
+benchmarks/peers_link.py SPEC``) and each ``grpc`` job (two plain ``python
+benchmarks/peers_link.py SPEC NODE`` processes, meeting over a control connection). Process k
+plays node k of the sharded store: it builds what ``datastore serve`` builds on that node, a
+:class:`~datastore.service.servicer.Servicer` with its peer link and its residency, and loads
+its shard of the dataset. Over MPI that is the :class:`~datastore.service.peers.MpiPeers`
+link (no gRPC server: no client is served); over gRPC, the
+:class:`~datastore.service.grpc_peers.GrpcPeers` link and what answers it: the TCP server
+with the ``Peers`` service (token checked) and the data listener (no Unix socket). Then,
+alternating, ``reps`` times:
 
-- **bare**: mpi4py replaying node k's fetches as the job recorded them (each fetch's
-  messages, of the sizes the services sent), both directions at once, ``depth`` fetches in
-  flight each way, from and into ready buffers cycling through up to 256 MiB;
-- **typed**: bare mpi4py doing the link's job the MPI way: the same samples' parts sent from
-  the owner's resident samples and received into batch slots amid their halos through
-  subarray datatypes (a message per sample, field and channel), ``depth`` in flight;
+- **bare**: the job's fetches replayed bare, both directions at once, ``depth`` fetches in
+  flight each way, from and into ready buffers cycling through up to 256 MiB. Over MPI,
+  mpi4py sends each fetch's messages, of the sizes the services sent, into contiguous
+  buffers. Over gRPC, plain blocking TCP sockets, as a user would write them: ``depth``
+  connections each way, a thread per connection on the owner answering a 4-byte request with
+  the fetch's bytes in one ``sendmsg``, the asker receiving them with ``recv_into``
+  (``MSG_WAITALL``).
+- **typed** (MPI only): bare mpi4py doing the link's job the MPI way: the same samples'
+  parts sent from the owner's resident samples and received into batch slots amid their
+  halos through subarray datatypes (a message per sample, field and channel), ``depth`` in
+  flight;
 - **link**: node k asking node k's service for the same fetches the way a stream does
   (:meth:`~datastore.service.resident.Resident.start_fetch` into batch slots cycling through
   up to 256 MiB, ``depth`` in flight, each finished with its copies: the parts received
-  aside, the zero halo), the other rank's service answering from its resident samples.
+  aside, the zero halo), the other process's service answering from its resident samples.
 
-Each timed replay follows 2 untimed fetches; all three move the same bytes (checked: the
-link's fetches must come in the messages the job recorded, and the typed and link slots must
-end up equal). Rank 0 prints ``{"bare": [s, ...], "typed": [...], "link": [...]}``, the
-seconds of each replay. Unlike the jobs' own "in flight" rate, the link here runs as deep as
-bare does and shares the cores with its peer only: what it measures is the link's code (its
-thread hops, requests, copies), not how the ranks pace it.
+Each timed replay follows 2 untimed fetches; all move the same bytes (checked: the link's
+fetches must come as the job's did: over MPI in its messages, over gRPC in its bytes per
+fetch; and over MPI the typed and link slots must end up equal). Process 0 prints ``{"bare":
+[s, ...], "typed": [...], "link": [...]}``, the seconds of each replay. Unlike the jobs' own
+"in flight" rate, the link here runs as deep as bare does and shares the cores with its
+peer only: what it measures is the link's code (its thread hops, requests, copies), not how
+the ranks pace it. The processes meet between replays by a blocking barrier (over MPI,
+``Barrier``; over gRPC, a byte each way on the control connection, which spins no core).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import socket
+import struct
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from queue import SimpleQueue
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
-from mpi4py.util.dtlib import from_numpy_dtype
 
 from datastore.maths.delivery import (
     Delivered,
+    batch_pad_copies,
     covered,
     covered_sizes,
     delivered_fields,
@@ -57,42 +73,69 @@ from datastore.store.gather import Gather, run_copies
 
 MIB = 1 << 20
 POOL = 256 * MIB  # bytes of buffers (bare) or batch slots (link) each rank cycles through
+_INDEX = struct.Struct("!I")  # a bare TCP request: the fetch's index
 
 
-def main(spec_path: str) -> int:
-    with open(spec_path) as f:
+def main(argv: list[str]) -> int:
+    with open(argv[0]) as f:
         spec = json.load(f)
-    comm = MPI.COMM_WORLD
-    me = comm.Get_rank()
     fetches, depth = spec["fetches"], spec["depth"]
-    servicer, resident = _node(comm, spec)
+    if spec["via"] == "mpi":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        me = comm.Get_rank()
+
+        def bare_mpi(resident: Any, plans: list[Plan], slots: list[Any]) -> dict[str, Any]:
+            return {
+                "bare": _bare(comm, fetches[me], fetches[1 - me], depth),
+                "typed": _typed(comm, resident, plans, slots, depth),
+            }
+
+        return _replay(spec, me, comm.Barrier, lambda: _mpi_node(comm, spec), bare_mpi)
+    me = int(argv[1])
+    control = _Control(me, spec["control"])
+
+    def bare_tcp(resident: Any, plans: list[Plan], slots: list[Any]) -> dict[str, Any]:
+        return _bare_tcp(me, fetches, depth, control, plans[me], slots)
+
     try:
-        plans = [_plan(resident, node, fetches[node], spec["spatial"]) for node in range(2)]
+        return _replay(spec, me, control.barrier, lambda: _grpc_node(me, spec, control), bare_tcp)
+    finally:
+        control.close()
+
+
+def _replay(spec: dict[str, Any], me: int, barrier: Any, node: Any, bare: Any) -> int:
+    """Build node ``me`` (``node()``: its closer and resident shard), replay the fetches
+    bare (``bare(resident, plans, slots)``: the bare players) and through the link, meeting
+    the other process at ``barrier()``; process 0 prints the seconds."""
+    close, resident = node()
+    try:
+        plans = [
+            _plan(resident, n, spec["fetches"][n], spec["spatial"], spec["via"]) for n in (0, 1)
+        ]
         slots = {name: plans[me].slots() for name in ("typed", "link")}
-        players = {
-            "bare": _bare(comm, fetches[me], fetches[1 - me], depth),
-            "typed": _typed(comm, resident, plans, slots["typed"], depth),
-            "link": _link(resident, plans[me], slots["link"], depth),
-        }
+        players = bare(resident, plans, slots["typed"])
+        players["link"] = _link(resident, plans[me], slots["link"], spec["depth"])
         runs: dict[str, list[float]] = {name: [] for name in players}
         for rep in range(spec["reps"]):
             for name in list(players)[:: 1 if rep % 2 == 0 else -1]:
                 play = players[name]
                 play(2)
-                comm.Barrier()
+                barrier()
                 t0 = time.perf_counter()
                 play(None)
-                comm.Barrier()
+                barrier()
                 runs[name].append(time.perf_counter() - t0)
-        for a, b in zip(slots["typed"], slots["link"], strict=True):  # the same fetches last
-            if any(not np.array_equal(a[f], b[f]) for f in a):
-                raise SystemExit(f"node {me}: the link and typed mpi4py filled a slot unlike")
+        if spec["via"] == "mpi":  # the same fetches last (bare TCP sends no samples)
+            for a, b in zip(slots["typed"], slots["link"], strict=True):
+                if any(not np.array_equal(a[f], b[f]) for f in a):
+                    raise SystemExit(f"node {me}: the link and typed mpi4py filled a slot unlike")
         if me == 0:
             print(json.dumps(runs), flush=True)
     finally:
-        comm.Barrier()  # (neither side's link stops while the other still asks)
-        servicer.residency.release(resident)
-        servicer.close()
+        barrier()  # (neither side's link stops while the other still asks)
+        close(resident)
     return 0
 
 
@@ -116,29 +159,182 @@ def _bare(comm: Any, into: list[list[int]], out: list[list[int]], depth: int) ->
                     at += m
         return reqs
 
-    return _windowed(n, posts, depth)
+    return _windowed(n, posts, depth, _waitall)
 
 
-def _node(comm: Any, spec: dict[str, Any]) -> tuple[Any, Any]:
-    """This rank's service (its link and residency; no gRPC server) and its shard, loaded."""
+def _bare_tcp(
+    me: int, fetches: list[list[list[int]]], depth: int, control: _Control, plan: Plan, slots: Any
+) -> dict[str, Any]:
+    """``{"bare": play, ["typed": play]}``, ``play(count)``: ``count`` (``None``: all) of
+    node ``me``'s fetches asked of the other process over plain blocking TCP sockets while
+    it asks this one its own, ``depth`` connections each way: the asker sends a fetch's index
+    (4 bytes) and receives its bytes with ``recv_into`` (``MSG_WAITALL``); a thread per
+    connection on the owner answers with ``sendall`` from ready buffers. What a user would
+    write to move the bytes; for blocks, ``typed`` also copies each sample's part into its
+    batch slot amid its halo with numpy, as a user would (TCP has no datatypes)."""
+    into = [sum(f) for f in fetches[me]]
+    out = [sum(f) for f in fetches[1 - me]]
+    biggest = max(into + out)
+    k = max(1, min(max(len(into), len(out)), POOL // biggest))  # not from a cache
+    rbuf = [np.ones(biggest, np.uint8) for _ in range(k)]  # pages in place
+    sbuf = [np.ones(biggest, np.uint8) for _ in range(k)]
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = control.swap(listener.getsockname()[1])
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            while len(head := conn.recv(_INDEX.size, socket.MSG_WAITALL)) == _INDEX.size:
+                (i,) = _INDEX.unpack(head)
+                conn.sendall(memoryview(sbuf[i % k])[: out[i]])
+
+    idle: SimpleQueue[socket.socket] = SimpleQueue()
+    for _ in range(depth):
+        idle.put(socket.create_connection(("127.0.0.1", port)))
+    for _ in range(depth):
+        threading.Thread(target=answer, args=(listener.accept()[0],), daemon=True).start()
+    listener.close()
+
+    def fetch(i: int, place: bool) -> None:
+        conn = idle.get()
+        try:
+            conn.sendall(_INDEX.pack(i))
+            view, got = memoryview(rbuf[i % k])[: into[i]], 0
+            while got < len(view):
+                n = conn.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                if not n:
+                    raise SystemExit(f"node {me}: the other process closed a bare connection")
+                got += n
+        finally:
+            idle.put(conn)
+        if place:  # field after field, sample after sample, each part in C order
+            slot, at = slots[i % len(slots)], 0
+            for f in plan.fields:
+                box = covered(f)[1]
+                shape = tuple(b.stop - b.start for b in box)
+                nbytes = math.prod(shape) * f.dtype.itemsize
+                for j in range(len(plan.samples[i])):
+                    part = rbuf[i % k][at : at + nbytes].view(f.dtype).reshape(shape)
+                    slot[f.name][j][box] = part
+                    at += nbytes
+
+    pool = ThreadPoolExecutor(depth)
+    players = {}
+    for name, place in (("bare", False), ("typed", True))[: 1 + bool(plan.spatial)]:
+        start = functools.partial(lambda i, place: pool.submit(fetch, i, place), place=place)
+        players[name] = _windowed(len(into), start, depth, lambda f: f.result())
+    return players
+
+
+class _Control:
+    """Where the two processes of a gRPC replay meet (node 0 listens on ``port``, node 1
+    connects): a barrier is a byte each way, blocking, so no core spins while the other
+    process finishes; ``swap`` trades a number (a port)."""
+
+    def __init__(self, me: int, port: int) -> None:
+        if me == 0:
+            with socket.create_server(("127.0.0.1", port)) as listener:
+                listener.settimeout(120)
+                self.sock = listener.accept()[0]
+        else:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        self.sock.settimeout(600)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def swap(self, value: int) -> int:
+        self.sock.sendall(_INDEX.pack(value))
+        head = self.sock.recv(_INDEX.size, socket.MSG_WAITALL)
+        if len(head) != _INDEX.size:
+            raise SystemExit("the other process of the replay went away")
+        return _INDEX.unpack(head)[0]
+
+    def barrier(self) -> None:
+        self.swap(0)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _waitall(requests: list[Any]) -> None:
+    from mpi4py import MPI
+
+    MPI.Request.Waitall(requests)
+
+
+def _mpi_node(comm: Any, spec: dict[str, Any]) -> tuple[Any, Any]:
+    """This rank's service (its MPI link and residency; no gRPC server), its shard loaded."""
     me = comm.Get_rank()
+    config = ServeConfig(socket=Path(spec["tmp"], f"link{me}.sock"))
     servicer = Servicer(
-        config=ServeConfig(socket=Path(spec["tmp"], f"link{me}.sock")),
-        listen=[],
-        stop=Stop(),
-        counters=Counters(),
-        log=JsonLog(open(os.devnull, "w")),  # noqa: SIM115 (the process's lifetime)
-        comm=comm,
+        config=config, listen=[], stop=Stop(), counters=Counters(), log=_quiet(), comm=comm
     )
-    template = spec["template"]
+
+    def close(resident: Any) -> None:
+        servicer.residency.release(resident)
+        servicer.close()
+
+    return close, _load(servicer, spec["template"], me)
+
+
+def _grpc_node(me: int, spec: dict[str, Any], control: _Control) -> tuple[Any, Any]:
+    """Node ``me``'s service as ``datastore serve --tcp --peers --node`` builds it, less its
+    Unix socket: the gRPC link, the TCP server with the ``Peers`` service (token checked)
+    and the data listener; its shard loaded once the other node's is up."""
+    from grpc_health.v1 import health
+
+    from datastore.service.auth import TokenInterceptor, read_token
+    from datastore.service.grpc_peers import GrpcPeers
+    from datastore.service.listeners import add_services, bind_data, bind_tcp, new_server
+
+    config = ServeConfig(
+        socket=Path(spec["tmp"], f"link{me}.sock"),
+        tcp=spec["peers"][me],
+        token_file=Path(spec["token_file"]),
+        peers=tuple(spec["peers"]),
+        node=me,
+    )
+    token = read_token(config.token_file)
+    link = GrpcPeers(config.peers, me, token, None, config.peer_timeout_s)
+    servicer = Servicer(
+        config=config, listen=[], stop=Stop(), counters=Counters(), log=_quiet(), peers=link
+    )
+    server = new_server(config.workers, [TokenInterceptor(token)])
+    bind_tcp(server, config.tcp, None, None)
+    data = bind_data(config.tcp, 0, None, None, config.peer_timeout_s)
+    add_services(server, servicer, health.HealthServicer(), peers=True, data=data)
+    server.start()
+
+    def close(resident: Any) -> None:
+        servicer.residency.release(resident)
+        server.stop(None)
+        data.close()
+        servicer.close()
+
+    control.barrier()  # both answer before either asks
+    return close, _load(servicer, spec["template"], me)
+
+
+def _quiet() -> JsonLog:
+    return JsonLog(open(os.devnull, "w"))  # (open for the process's lifetime)
+
+
+def _load(servicer: Servicer, template: str, me: int) -> Any:
+    """Node ``me``'s shard of ``template`` resident in ``servicer``, every sample in RAM."""
     resident = servicer.residency.acquire(os.path.realpath(node_path(template, me)), template)
     if resident.owner is None:
-        raise SystemExit(f"{template} is not sharded over the two ranks")
+        raise SystemExit(f"{template} is not sharded over the two nodes")
     resident.wait()
     for i in resident.store.keys.tolist():  # every sample of this shard in RAM
         for name in resident.reader.fields:
             resident.sample(int(i), name)
-    return servicer, resident
+    return resident
 
 
 @dataclass(frozen=True)
@@ -162,9 +358,10 @@ class Plan:
         ]
 
 
-def _plan(resident: Any, node: int, fetches: list[list[int]], spatial: Any) -> Plan:
+def _plan(resident: Any, node: int, fetches: list[list[int]], spatial: Any, via: str) -> Plan:
     """Node ``node``'s fetches: the samples the other node owns, taken in turn, as many per
-    fetch as the job's, whose messages they must match (checked)."""
+    fetch as the job's, whose bytes they must match (checked; over MPI, message by message:
+    over gRPC the owner sends runs, cut where its store cuts them)."""
     spatial = parse_spatial(spatial)
     info = resident.reader.fields
     grid = spatial_grid(info, spatial)
@@ -178,7 +375,7 @@ def _plan(resident: Any, node: int, fetches: list[list[int]], spatial: Any) -> P
     for sizes in fetches:
         n = sum(sizes) // per_sample
         cut = [m for p in part for _ in range(n) for m in p]  # field after field, by sample
-        if cut != sizes:
+        if (cut != sizes) if via == "mpi" else (sum(cut) != sum(sizes)):
             raise SystemExit(
                 f"node {node}: a recorded fetch of {len(sizes)} messages ({sum(sizes)} bytes) "
                 f"is not {n} samples' parts of block {block} ({len(cut)} messages)"
@@ -196,6 +393,8 @@ def _typed(
     sample, field and index of the first axis (a channel), sent from where it lies (a
     subarray datatype where that is not contiguous) and received into its place by a
     subarray datatype."""
+    from mpi4py.util.dtlib import from_numpy_dtype
+
     me, other = comm.Get_rank(), 1 - comm.Get_rank()
     mine, theirs = plans[me], plans[other]
 
@@ -228,10 +427,10 @@ def _typed(
                     reqs += [comm.Isend([sample[c], *kind], other, 0) for c in lead]
         return reqs
 
-    return _windowed(n, posts, depth)
+    return _windowed(n, posts, depth, _waitall)
 
 
-def _windowed(n: int, start: Any, depth: int, finish: Any = MPI.Request.Waitall) -> Any:
+def _windowed(n: int, start: Any, depth: int, finish: Any) -> Any:
     """``play(count)``: ``start(i)`` for ``i < count`` (``None``: ``n``), ``finish``-ing the
     oldest of what it returned whenever ``depth`` are in flight, then the rest."""
 
@@ -253,8 +452,10 @@ def _link(resident: Any, plan: Plan, slots: list[dict[str, np.ndarray]], depth: 
     gather, never = Gather(), threading.Event()
 
     def start(i: int) -> Any:
-        out = slots[i % len(slots)]
-        return resident.start_fetch(plan.samples[i], plan.fields, plan.spatial, plan.block, out)
+        out, n = slots[i % len(slots)], len(plan.samples[i])
+        fetching = resident.start_fetch(plan.samples[i], plan.fields, plan.spatial, plan.block, out)
+        run_copies([c for f in plan.fields for c in batch_pad_copies(f, out[f.name], n)], gather)
+        return fetching
 
     def finish(fetching: Any) -> None:
         run_copies(fetching.result(never), gather)
@@ -263,4 +464,4 @@ def _link(resident: Any, plan: Plan, slots: list[dict[str, np.ndarray]], depth: 
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1:]))

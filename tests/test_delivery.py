@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datastore.maths.delivery import (
+    batch_copies,
+    batch_pad_copies,
     box_copies,
     covered,
     delivered_fields,
@@ -19,6 +21,7 @@ from datastore.maths.delivery import (
 )
 from datastore.maths.partition import extract_block
 from datastore.readers.base import FieldInfo
+from datastore.service.wire import _Rows
 from datastore.store.gather import Gather, fill_batch
 from datastore.store.ring import BufferRing
 
@@ -56,6 +59,36 @@ def test_a_filled_box_equals_the_reference_block_even_over_garbage(parts, halo, 
             assert np.array_equal(out["x"][pos], want)
             assert np.array_equal(out["y"][pos], vols["y"][i])
     gather.close()
+
+
+def test_fetched_parts_and_boxes_fill_as_the_samples_do_zero_halo_once_per_slab():
+    """Samples from other nodes (a whole box, or its part inside the volume) fill a reused
+    batch as local ones do, and the halo outside the volume takes one fill per slab for the
+    whole batch (a batch array), or one per slab and position (rows of separate arrays)."""
+    info = _info((2, 8, 6, 4))
+    grid = spatial_grid(info, {"parts": (2, 1, 1), "halo": (1, 1, 1)})
+    rng = np.random.default_rng(1)
+    vols = {n: rng.standard_normal((4, *fi.shape)).astype(fi.dtype) for n, fi in info.items()}
+    for k in range(grid.nblocks):
+        fields = delivered_fields(info, grid, k)
+        x = next(f for f in fields if f.name == "x")
+        whole = extract_block(vols["x"][3], grid, k, (1, 2, 3))
+        fetched = {(3, "x"): whole, (0, "x"): vols["x"][0][covered(x)[0]]}
+        out = {f.name: np.full((4, *f.shape), 99, f.dtype) for f in fields}
+        copies = batch_copies([2, 0, 3], fields, lambda i, n: vols[n][i], out, fetched)
+        pads = [c for c in copies if c[1] is None]
+        assert len(pads) == 5  # y below (or above), z and x on both sides: 5 slabs, 3 samples
+        Gather(1).run(copies)
+        for pos, i in enumerate([2, 0, 3]):
+            assert np.array_equal(out["x"][pos], extract_block(vols["x"][i], grid, k, (1, 2, 3)))
+        assert (out["x"][3] == 99).all()  # past the batch's samples: untouched
+        rows = [np.full(x.shape, 99, np.float32) for _ in range(3)]
+        per_row = batch_pad_copies(x, _Rows(rows), 3)  # (a batch cut across messages)
+        assert len(per_row) == 15
+        Gather(1).run(per_row)
+        for r in rows:
+            inner = r[covered(x)[1]]
+            assert (inner == 99).all() and (r == 0).sum() == r.size - inner.size
 
 
 def test_covered_is_the_part_inside_the_volume():

@@ -29,6 +29,7 @@ __all__ = [
     "Copy",
     "Delivered",
     "batch_copies",
+    "batch_pad_copies",
     "box_copies",
     "chosen_fields",
     "covered",
@@ -36,6 +37,7 @@ __all__ = [
     "delivered_fields",
     "pad_copies",
     "parse_spatial",
+    "part_copy",
     "spatial_grid",
     "tensor_dtype_problem",
 ]
@@ -207,17 +209,35 @@ def delivered_fields(info: dict[str, Any], grid: Grid | None, block: int) -> lis
 Copy = tuple[np.ndarray, np.ndarray | None]  # (destination, source); None: fill with zeros
 
 
+def part_copy(f: Delivered, dst: np.ndarray, vol: np.ndarray) -> Copy:
+    """The copy writing the part of ``f``'s box ``dst`` inside the volume from the whole
+    sample ``vol`` (the whole box where ``f`` is not blocked); the halo outside the volume
+    is :func:`pad_copies`' or :func:`batch_pad_copies`'."""
+    if not f.blocked:
+        return (dst, vol)
+    src, inner = covered(f)
+    return (dst[inner], vol[src])
+
+
 def box_copies(f: Delivered, dst: np.ndarray, vol: np.ndarray) -> list[Copy]:
     """The copies writing ``f``'s whole box ``dst`` from the whole sample ``vol``."""
-    if not f.blocked:
-        return [(dst, vol)]
-    src, inner = covered(f)
-    return [(dst[inner], vol[src]), *((dst[s], None) for s in _pads(f))]
+    return [part_copy(f, dst, vol), *pad_copies(f, dst)]
 
 
 def pad_copies(f: Delivered, dst: np.ndarray) -> list[Copy]:
     """The zero fills of ``f``'s box outside the volume (the rest is written by someone else)."""
     return [(dst[s], None) for s in _pads(f)] if f.blocked else []
+
+
+def batch_pad_copies(f: Delivered, rows: Any, n: int) -> list[Copy]:
+    """The zero fills of ``f``'s box outside the volume at every position ``< n`` of a batch
+    (``rows[pos, ...]`` a position's box): one fill per slab for them all where ``rows`` is an
+    array (a fill per slab and position touches the same memory, in ``n`` times the calls)."""
+    if not f.blocked:
+        return []
+    if isinstance(rows, np.ndarray):
+        return [(rows[(slice(0, n), *s)], None) for s in _pads(f)]
+    return [c for pos in range(n) for c in pad_copies(f, rows[pos, ...])]
 
 
 def batch_copies(
@@ -236,10 +256,15 @@ def batch_copies(
         for f in fields:
             dst = out[f.name][pos, ...]
             got = fetched.get((int(index), f.name)) if fetched else None
-            if got is not None and got.shape == dst.shape:
+            if got is None:
+                copies.append(part_copy(f, dst, sample(int(index), f.name)))
+            elif got.shape == dst.shape and f.blocked:  # the whole box: its halo is zeros
+                inner = covered(f)[1]
+                copies.append((dst[inner], got[inner]))
+            elif got.shape == dst.shape:
                 copies.append((dst, got))
-            elif got is not None:  # the part inside the volume
-                copies += [(dst[covered(f)[1]], got), *pad_copies(f, dst)]
-            else:
-                copies.extend(box_copies(f, dst, sample(int(index), f.name)))
+            else:  # the part inside the volume
+                copies.append((dst[covered(f)[1]], got))
+    for f in fields:
+        copies += batch_pad_copies(f, out[f.name], len(samples))
     return copies

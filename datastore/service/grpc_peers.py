@@ -36,6 +36,7 @@ import grpc
 import numpy as np
 
 from datastore.maths.subarray import MIN_RUN, run_bytes, runs, view
+from datastore.ranks.subarrays import ASIDE_KEPT, Asides
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
 from datastore.service.data_link import IDLE_S, DataConnection, PeerError
@@ -143,6 +144,7 @@ class GrpcPeers:
         self._grpc_only: dict[int, float] = {}  # node -> when its data port was not reached
         self._pool: ThreadPoolExecutor | None = None  # fetches in flight at once
         self.stats = ExchangeStats(os.environ.get(STATS_ENV, ""), node)
+        self._asides = Asides(ASIDE_KEPT)  # parts received aside, reused: no fresh pages
         keep_large_blocks()  # the peers' messages: freed buffers reused, not mapped afresh
 
     def _channel(self, dest: int) -> grpc.Channel:
@@ -328,7 +330,7 @@ class GrpcPeers:
             if t.flags.c_contiguous or run_bytes(t) >= MIN_RUN:
                 buffers += runs(t)
             else:
-                aside.append((t, np.empty(t.shape, np.uint8)))
+                aside.append((t, self._asides.take(t.nbytes)))
                 buffers.append(aside[-1][1])
         at, sizes, ok = f"node {dest} ({self.addresses[dest]})", [], False
         self.stats.begin()
@@ -343,7 +345,7 @@ class GrpcPeers:
                 raise self._abandoned(dest)
             sizes, first = conn.fetch(message.SerializeToString(), buffers)
             for t, got in aside:
-                t[...] = got
+                t[...] = got.reshape(t.shape)
             ok = True
         except PeerError as exc:
             raise ServiceError(exc.code, f"{at}: {exc}") from None
@@ -359,6 +361,8 @@ class GrpcPeers:
             raise ServiceError("UNAVAILABLE", f"{at} {why}") from None
         finally:
             job.detach()
+            for _, got in aside:  # (the receive has returned: nothing writes there now)
+                self._asides.give(got)
             total = sum(sizes) if ok else 0
             legs = (first - asked, time.monotonic() - first) if ok else (0.0, 0.0)
             self.stats.end(total, sizes, legs)

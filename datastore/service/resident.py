@@ -34,7 +34,6 @@ from datastore.maths.delivery import (
     covered,
     covered_sizes,
     delivered_fields,
-    pad_copies,
     spatial_grid,
 )
 from datastore.maths.ownership import RunOwners
@@ -83,7 +82,7 @@ class Fetching:
 
     positions: frozenset[int]  # the batch positions that come from other nodes
     pending: list[Pending]  # one request per owner
-    after: list[Copy]  # once they are in: the copies of parts received aside, the zero halo
+    after: list[Copy]  # once they are in: the copies of parts received aside
 
     def result(self, stop: threading.Event) -> list[Copy] | None:
         """The copies left to do once every owner answered; ``None`` if ``stop`` was set
@@ -168,8 +167,9 @@ class Resident:
     ) -> Fetching | None:
         """Ask the owners of the ``samples`` other nodes own for them, every owner at once, to
         land straight in the batch ``out`` (``{field: (n, *box)}``: a box's part inside the
-        volume lands in place, amid its halo included; the halo outside the volume is zeroed
-        here); returns at once. ``None`` when every sample is here."""
+        volume lands in place, amid its halo included; the halo outside the volume is the
+        caller's to zero, :func:`~datastore.maths.delivery.batch_pad_copies`, as for the
+        samples here); returns at once. ``None`` when every sample is here."""
         if self.owner is None or self.link is None:
             return None
         samples = np.asarray(samples, dtype=np.int64)
@@ -196,7 +196,6 @@ class Resident:
                         aside = np.empty(part.shape, part.dtype)
                         into.append(aside.reshape(-1).view(np.uint8))
                         after.append((part, aside))
-                    after += pad_copies(f, dst)
             request = {
                 "kind": "fetch",
                 "path": self.template,

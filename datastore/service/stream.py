@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from datastore.maths.delivery import Delivered, box_copies
+from datastore.maths.delivery import Delivered, batch_pad_copies, part_copy
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.resident import Fetching
@@ -335,12 +335,13 @@ class Stream:
             return _Filling(step, slot, message, None)
         try:
             copies = [
-                c
+                part_copy(f, out[f.name][pos], self._sample(index, f.name))
                 for pos, index in enumerate(samples.tolist())
                 if pos not in fetching.positions
                 for f in self._fields
-                for c in box_copies(f, out[f.name][pos], self._sample(index, f.name))
             ]
+            for f in self._fields:  # the zero halo of every position (the fetches' too)
+                copies += batch_pad_copies(f, out[f.name], len(samples))
             run_copies(copies, self._gather)
         except BaseException:
             fetching.abandon()
