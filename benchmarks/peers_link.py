@@ -139,15 +139,23 @@ def _replay(spec: dict[str, Any], me: int, barrier: Any, node: Any, bare: Any) -
     return 0
 
 
+def _buffers(nbytes: list[int], n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Receive and send buffers for ``n`` fetches of up to ``max(nbytes)`` bytes, as many of
+    each as fit in :data:`POOL` (cycled through: the bytes do not come from a cache), their
+    pages in place."""
+    biggest = max(nbytes)
+    k = max(1, min(n, POOL // biggest))
+    recv = [np.ones(biggest, np.uint8) for _ in range(k)]
+    return recv, [np.ones(biggest, np.uint8) for _ in range(k)]
+
+
 def _bare(comm: Any, into: list[list[int]], out: list[list[int]], depth: int) -> Any:
     """``play(count)``: ``count`` (``None``: all) of the fetches ``into`` received from the
     other rank while ``out`` are sent to it, ``depth`` in flight each way."""
     other = 1 - comm.Get_rank()
     n = max(len(into), len(out))
-    biggest = max(sum(f) for f in into + out)
-    k = max(1, min(n, POOL // biggest))  # the bytes do not come from a cache
-    rbuf = [np.ones(biggest, np.uint8) for _ in range(k)]  # pages in place
-    sbuf = [np.ones(biggest, np.uint8) for _ in range(k)]
+    rbuf, sbuf = _buffers([sum(f) for f in into + out], n)
+    k = len(rbuf)
 
     def posts(i: int) -> list[Any]:
         reqs = []
@@ -174,10 +182,8 @@ def _bare_tcp(
     batch slot amid its halo with numpy, as a user would (TCP has no datatypes)."""
     into = [sum(f) for f in fetches[me]]
     out = [sum(f) for f in fetches[1 - me]]
-    biggest = max(into + out)
-    k = max(1, min(max(len(into), len(out)), POOL // biggest))  # not from a cache
-    rbuf = [np.ones(biggest, np.uint8) for _ in range(k)]  # pages in place
-    sbuf = [np.ones(biggest, np.uint8) for _ in range(k)]
+    rbuf, sbuf = _buffers(into + out, max(len(into), len(out)))
+    k = len(rbuf)
     listener = socket.create_server(("127.0.0.1", 0))
     port = control.swap(listener.getsockname()[1])
 
