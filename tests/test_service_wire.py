@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -146,6 +150,54 @@ def test_parse_truncated_framed_batch_raises_value_error():
 def test_keep_large_blocks_leaves_the_users_malloc_settings(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert keep_large_blocks() is False
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert keep_large_blocks() is False
+
+
+# A process that made the setting before starting gRPC streams 32 MiB messages over a Unix
+# socket to itself; prints the minor page faults of each message received.
+_STREAM_FAULTS = textwrap.dedent(
+    """
+    import os, resource, tempfile
+    from concurrent import futures
+    from datastore.service.wire import keep_large_blocks
+    assert keep_large_blocks()
+    import grpc
+    size, count = 32 << 20, 24
+    opts = [("grpc.max_send_message_length", 2 * size),
+            ("grpc.max_receive_message_length", 2 * size)]
+    payload = b"\\x01" * size
+    method = grpc.unary_stream_rpc_method_handler(lambda request, context: iter([payload] * count))
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=opts)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {"S": method}),))
+    sock = os.path.join(tempfile.mkdtemp(), "s")
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    call = grpc.insecure_channel(f"unix://{sock}", options=opts).unary_stream("/t.T/S")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for message in call(b""):
+        assert len(message) == size
+        now = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        print(now - before)
+        before = now
+    server.stop(None)
+    """
+)
+
+
+def test_keep_large_blocks_lets_grpcs_threads_reuse_freed_messages():
+    """gRPC's threads receive and copy each message into blocks of tens of MiB; without the
+    setting (one arena) each came back as fresh zeroed pages (thousands of page faults a
+    message: 25,000-28,000 over messages 4 to 24 here, 0-8,200 with it)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _STREAM_FAULTS], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    faults = [int(line) for line in out.stdout.split()]
+    assert len(faults) == 24
+    pages = (32 << 20) // 4096
+    assert sum(faults[3:]) < 2 * pages, faults
 
 
 def test_chunk_plan_cuts_at_rows_and_splits_only_rows_larger_than_a_chunk():

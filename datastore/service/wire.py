@@ -69,8 +69,14 @@ BATCH_TENSORS, TENSOR_META, TENSOR_DATA, TENSOR_SHM = 5, 1, 2, 3
 BATCH_CHUNK = 9  # Batch.chunk: a byte range of a batch sent in several messages
 HEAP_KEEP_BYTES = 1 << 30  # over the 256 MiB message limit; fits mallopt's int
 HEAP_TOP_PAD = 256 << 20  # the heap grows by a message at least
-_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_MALLOC_ENV = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_ARENA_MAX",
+)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
+_M_ARENA_MAX = -8
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], ctypes.py_object
 _BYTES_DATA = bytes.__basicsize__ - 1  # where a bytes object's contents start (CPython)
@@ -423,9 +429,13 @@ def parse_batch(message: bytes) -> ReceivedBatch:
 def keep_large_blocks() -> bool:
     """Make glibc's malloc serve blocks up to ``HEAP_KEEP_BYTES`` from the heap and keep up to
     as much free memory there, instead of a fresh ``mmap`` (zeroed, page-faulted) per message
-    and tensor; the heap grows ``HEAP_TOP_PAD`` beyond a request at a time. Process-wide: the
-    process keeps up to ``HEAP_KEEP_BYTES`` of freed memory for reuse. Left to the user when
-    any of glibc's ``MALLOC_*_`` settings is in the environment.
+    and tensor; the heap grows ``HEAP_TOP_PAD`` beyond a request at a time. One arena for all
+    threads: gRPC's threads make the messages, and a thread's own arena is a heap of at most
+    64 MiB that glibc unmaps whole once it is free, so a message of tens of MiB came back as
+    fresh pages every time. Takes effect for threads that have no arena yet (glibc fixes the
+    number of arenas when a thread first needs its own): call it before starting gRPC.
+    Process-wide: the process keeps up to ``HEAP_KEEP_BYTES`` of freed memory for reuse. Left
+    to the user when any of glibc's ``MALLOC_*`` settings is in the environment.
 
     Returns:
         Whether the setting was made (``False`` without glibc or when left to the user).
@@ -441,5 +451,6 @@ def keep_large_blocks() -> bool:
         (_M_MMAP_THRESHOLD, HEAP_KEEP_BYTES),
         (_M_TRIM_THRESHOLD, HEAP_KEEP_BYTES),
         (_M_TOP_PAD, HEAP_TOP_PAD),
+        (_M_ARENA_MAX, 1),
     )
     return all([bool(mallopt(param, value)) for param, value in settings])

@@ -96,14 +96,14 @@ class ServiceSource:
         self.transport = TRANSPORTS[service.transport]
         self.address = service.address
         self.target = target_of(service.address)
+        unix = self.target.startswith("unix:")
+        self.shared = service.transport == "shm" or (service.transport == "auto" and unix)
+        if not self.shared:
+            keep_large_blocks()  # inline batches: messages of tens of MiB (before gRPC starts)
         self._channel = open_channel(self.target, service.tls_ca)
         self._stub = pb_grpc.DataStoreStub(self._channel)
         self._stream_batches = stream_batches(self._channel)
         self._metadata = bearer(service.token) if service.token else None
-        unix = self.target.startswith("unix:")
-        self.shared = service.transport == "shm" or (service.transport == "auto" and unix)
-        if not self.shared:
-            keep_large_blocks()  # inline batches: messages of tens of MiB
         layout = pb.SpatialLayout()
         if spatial:
             layout = pb.SpatialLayout(
