@@ -431,3 +431,44 @@ def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):
     while not any(x["event"] == "stage_cancelled" for x in s.logs()):  # logged once it is dead
         assert time.monotonic() < deadline, "the service never logged the cancelled stage"
         time.sleep(0.1)
+
+
+class _ClientListening:
+    """The one thing ``Servicer.Stage`` asks of its gRPC context: the client still listens."""
+
+    def is_active(self) -> bool:
+        return True
+
+
+def test_a_stage_whose_stream_grpc_drops_is_killed_and_logged_cancelled(tmp_path):
+    """The client leaves while a progress reply is being sent: gRPC's server then stops
+    iterating the response stream and drops it (closes the generator) instead of asking for
+    the next reply. The stage is killed at once and the service logs ``stage_cancelled``
+    (before, the log line was skipped on that path, and the end-to-end Ctrl-C test failed
+    when its client left at that moment). Driven as gRPC's server drives it, on the
+    ``Servicer`` that ``datastore serve`` builds."""
+    from datastore.service.config import ServeConfig
+    from datastore.service.logs import JsonLog
+    from datastore.service.servicer import Counters, Servicer, Stop
+
+    src = tmp_path / "sparse"
+    src.mkdir()
+    with open(src / "huge", "wb") as f:
+        f.truncate(2 << 30)  # reads fast, takes seconds to write
+    dest = tmp_path / "dst"
+    logs = io.StringIO()
+    servicer = Servicer(
+        config=ServeConfig(socket=tmp_path / "s.sock"),
+        listen=[],
+        stop=Stop(),
+        counters=Counters(),
+        log=JsonLog(logs),
+    )
+    request = pb.StageRequest(sources=[str(src)], dest=str(dest), streams=1)
+    replies = servicer.Stage(request, _ClientListening())
+    assert not next(replies).done  # a progress reply: the stage runs
+    replies.close()
+    events = [json.loads(line)["event"] for line in logs.getvalue().splitlines()]
+    assert events == ["stage_started", "stage_cancelled"]
+    os.close(lock_dest(str(dest)))  # the stage died: DEST's lock is free (BlockingIOError if not)
+    assert not (dest / "sparse" / "huge").exists()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 import textwrap
@@ -186,6 +187,7 @@ _STREAM_FAULTS = textwrap.dedent(
 )
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a setting of glibc's malloc")
 def test_keep_large_blocks_lets_grpcs_threads_reuse_freed_messages():
     """gRPC's threads receive and copy each message into blocks of tens of MiB; without the
     setting (one arena) each came back as fresh zeroed pages (thousands of page faults a

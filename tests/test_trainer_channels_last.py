@@ -40,13 +40,15 @@ def test_halo_exchange_keeps_channels_last_exactly(results, dtype):
 
 
 def test_dist_conv3d_keeps_channels_last_in_float32(results):
-    """Overlap on and off, stride 1 and 2. Outputs and weight and bias gradients are exact; the
-    input gradient is torch's own CPU convolution backward, which rounds differently by layout
-    (a plain ``F.conv3d`` differs as much): within 16 float32 ulps of its largest value (seen:
-    7e-7 to 1.1e-6, with the kernels oneDNN picks under load)."""
+    """Overlap on and off, stride 1 and 2. Weight and bias gradients are exact; the output
+    and the input gradient are torch's own CPU convolution, forward and backward, which
+    rounds differently by layout and by the kernels oneDNN picks for the CPU and its load (a
+    plain ``F.conv3d`` differs as much): within 16 float32 ulps of their largest value (seen:
+    outputs 0 to 4.8e-7, input gradients 6e-7 to 1.1e-6)."""
     ulp = torch.finfo(torch.float32).eps
     for key, r in cases(results, "conv", "float32").items():
-        assert r["output"] == r["weight_grad"] == r["bias_grad"] == 0, (key, r)
+        assert r["weight_grad"] == r["bias_grad"] == 0, (key, r)
+        assert r["output"] <= 16 * ulp * r["output_scale"], (key, r)
         assert r["input_grad"] <= 16 * ulp * r["input_grad_scale"], (key, r)
         assert r["output_not_cl"] == 0 and r["input_grad_not_cl"] == 0, (key, r)
         assert r["conversions"] == [], key

@@ -304,17 +304,20 @@ class Servicer(pb_grpc.DataStoreServicer):
     def Stage(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._log.info("stage_started", sources=list(request.sources), dest=request.dest)
         last = None
+        stages = stream_stage(request, context.is_active, self._config.allowed_roots)
         try:
-            for last in stream_stage(request, context.is_active, self._config.allowed_roots):
+            for last in stages:
                 if last.done and last.exit_code == Exit.OK and request.load:
                     self._load_landed(request)
                 yield last
         except ServiceError as exc:
             self._refuse(context, "Stage", exc)
-        if last is not None and last.done:
-            self._log.info("stage_done", dest=request.dest, exit_code=last.exit_code)
-        else:
-            self._log.warning("stage_cancelled", dest=request.dest)
+        finally:  # also when gRPC drops this stream, the client gone while a reply was sent
+            stages.close()  # (the stage killed now, not whenever the stream is collected)
+            if last is not None and last.done:
+                self._log.info("stage_done", dest=request.dest, exit_code=last.exit_code)
+            else:
+                self._log.warning("stage_cancelled", dest=request.dest)
 
     def _load_landed(self, request: Any) -> None:
         """Make what a stage put in DEST resident (:func:`landed`): every dataset among those
