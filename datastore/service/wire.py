@@ -75,8 +75,8 @@ _MALLOC_ENV = (
     "MALLOC_TOP_PAD_",
     "MALLOC_ARENA_MAX",
 )
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
-_M_ARENA_MAX = -8
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.argtypes, _new_bytes.restype = [ctypes.c_void_p, ctypes.c_ssize_t], ctypes.py_object
 _BYTES_DATA = bytes.__basicsize__ - 1  # where a bytes object's contents start (CPython)
