@@ -9,6 +9,12 @@ STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 BENCH_ARGS ?=
 TORCH_INDEX ?=   # e.g. https://download.pytorch.org/whl/cpu: where torch comes from (default: pip's)
+# pytest-xdist workers of `make test`, `test-quick` and `test-openmpi`; each takes whole test
+# modules (--dist loadfile: a module's fixtures, such as test_slurm.py's cluster, are set up
+# once), the longest first (tests/conftest.py). 2 fits the 2-core CI machine: most tests wait
+# on subprocesses, so one worker keeps about one core busy. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST  := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: demo test test-quick test-openmpi lint bench clean protos
 
@@ -23,11 +29,11 @@ demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m datastore.demo
 
 test: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest $(XDIST)
 
 # The suite without the tests marked slow or mpi (real mpiexec jobs): a quick check while working.
 test-quick: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m "not slow and not mpi"
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest $(XDIST) -m "not slow and not mpi"
 
 # The MPI tests that matter (exchange, staging, trainer grid, traps, service peers, check_mpi,
 # a launcher of another MPI) again under a site's Open MPI: a second venv, $(OPENMPI_VENV), holds
@@ -68,7 +74,7 @@ test-openmpi: $(STAMP)
 	$(MAKE) --no-print-directory $(OPENMPI_VENV)/.built && \
 	DATASTORE_TEST_MPIEXEC=$(dir $(OPENMPI_MPICC))mpiexec DATASTORE_TEST_MPI4PY=source \
 	PATH=$(dir $(OPENMPI_MPICC)):$(CURDIR)/$(BIN):$$PATH \
-	    $(OPENMPI_VENV)/bin/python -m pytest -m mpi $(OPENMPI_TESTS) $(PYTEST_ARGS)
+	    $(OPENMPI_VENV)/bin/python -m pytest $(XDIST) -m mpi $(OPENMPI_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

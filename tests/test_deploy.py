@@ -45,8 +45,9 @@ pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
 
 
 def _env(tmp: Path, mark: str) -> dict[str, str]:
-    """The campaign's environment: this interpreter and mpiexec, temporary files under ``tmp``,
-    no launcher variables, and ``mark`` for finding every process it started."""
+    """The campaign's environment: this interpreter and mpiexec, temporary files (its sockets)
+    under ``tmp`` (a ``short_tmp``), no launcher variables, and ``mark`` for finding every
+    process it started."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env.pop("DATASTORE_ADDRESS", None)
     env.update(
@@ -87,12 +88,12 @@ def _log(path: Path) -> list[dict]:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_a_campaign_on_two_nodes_trains_every_job_through_the_services(tmp_path):
+def test_a_campaign_on_two_nodes_trains_every_job_through_the_services(tmp_path, short_tmp):
     mark = uuid.uuid4().hex
     work = tmp_path / "work"
     r = subprocess.run(
         ["bash", str(CAMPAIGN), "--nodes", "2", "--work", str(work)],
-        capture_output=True, text=True, env=_env(tmp_path, mark), timeout=240,
+        capture_output=True, text=True, env=_env(short_tmp, mark), timeout=240,
     )  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
@@ -127,14 +128,14 @@ def test_a_campaign_on_two_nodes_trains_every_job_through_the_services(tmp_path)
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_the_demo_campaign_runs_an_ensemble_a_hybrid_job_and_a_tournament(tmp_path):
+def test_the_demo_campaign_runs_an_ensemble_a_hybrid_job_and_a_tournament(tmp_path, short_tmp):
     from datastore.demo import summarize
 
     mark = uuid.uuid4().hex
     work = tmp_path / "work"
     r = subprocess.run(
         ["bash", str(CAMPAIGN), "--jobs", str(DEPLOY / "demo.jobs"), "--work", str(work)],
-        capture_output=True, text=True, env=_env(tmp_path, mark), timeout=240,
+        capture_output=True, text=True, env=_env(short_tmp, mark), timeout=240,
     )  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
@@ -167,7 +168,7 @@ def _write_jobs(path: Path, lines: list[str]) -> Path:
 
 
 @pytest.mark.slow
-def test_a_failed_job_stops_the_others_and_the_campaign(tmp_path):
+def test_a_failed_job_stops_the_others_and_the_campaign(tmp_path, short_tmp):
     mark = uuid.uuid4().hex
     work = tmp_path / "work"
     jobs = _write_jobs(
@@ -176,7 +177,7 @@ def test_a_failed_job_stops_the_others_and_the_campaign(tmp_path):
     )
     r = subprocess.run(
         ["bash", str(CAMPAIGN), "--jobs", str(jobs), "--work", str(work)],
-        capture_output=True, text=True, env=_env(tmp_path, mark), timeout=120,
+        capture_output=True, text=True, env=_env(short_tmp, mark), timeout=120,
     )  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
@@ -190,13 +191,13 @@ def test_a_failed_job_stops_the_others_and_the_campaign(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_sigterm_shuts_everything_down(tmp_path):
+def test_sigterm_shuts_everything_down(tmp_path, short_tmp):
     mark = uuid.uuid4().hex
     log = tmp_path / "campaign.out"
     with open(log, "w") as out_file:
         proc = subprocess.Popen(
             ["bash", str(CAMPAIGN), "--work", str(tmp_path / "work")],
-            stdout=out_file, stderr=subprocess.STDOUT, env=_env(tmp_path, mark),
+            stdout=out_file, stderr=subprocess.STDOUT, env=_env(short_tmp, mark),
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -228,11 +229,11 @@ def test_sigterm_shuts_everything_down(tmp_path):
         ("1 1 a CONFIG lr", "'lr' is not KEY=VALUE"),
     ],
 )
-def test_a_bad_jobs_file_is_refused_before_anything_starts(tmp_path, line, message):
+def test_a_bad_jobs_file_is_refused_before_anything_starts(tmp_path, line, message, short_tmp):
     jobs = _write_jobs(tmp_path / "bad.jobs", ["# a comment", "1 1 fine CONFIG", line])
     r = subprocess.run(
         ["bash", str(CAMPAIGN), "--jobs", str(jobs), "--work", str(tmp_path / "work")],
-        capture_output=True, text=True, env=_env(tmp_path, "-"), timeout=60,
+        capture_output=True, text=True, env=_env(short_tmp, "-"), timeout=60,
     )  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert f"{jobs}:3: {message}" in r.stderr
@@ -255,9 +256,9 @@ def test_a_jobs_file_with_crlf_line_endings_and_a_byte_order_mark_is_read(tmp_pa
     assert r.stdout == f"1|2|{config}|{config}||lr=0.1|"
 
 
-def test_the_same_job_name_twice_and_bad_parameters_are_refused(tmp_path):
+def test_the_same_job_name_twice_and_bad_parameters_are_refused(tmp_path, short_tmp):
     jobs = _write_jobs(tmp_path / "twice.jobs", ["1 1 a CONFIG", "2 1 a CONFIG"])
-    env = _env(tmp_path, "-")
+    env = _env(short_tmp, "-")
     (tmp_path / "a-file").touch()
     (tmp_path / "no-logs").mkdir()
     (tmp_path / "no-logs" / "logs").touch()  # so WORK/logs cannot be made
@@ -309,7 +310,7 @@ def _wait_for_socket(sock: Path, proc: subprocess.Popen, log: Path) -> None:
         time.sleep(0.1)
 
 
-def test_serve_node_starts_a_peered_service_under_a_launchers_variables(tmp_path):
+def test_serve_node_starts_a_peered_service_under_a_launchers_variables(tmp_path, short_tmp):
     """srun and flux start serve-node.sh with PMI and Slurm variables set, which would make
     `datastore serve --peers` refuse to start: serve-node.sh clears them and takes --node
     from SLURM_NODEID."""
@@ -320,7 +321,7 @@ def test_serve_node_starts_a_peered_service_under_a_launchers_variables(tmp_path
         port = s.getsockname()[1]
     (tmp_path / "token").write_text("secret")
     (tmp_path / "token").chmod(0o600)
-    env = _env(tmp_path, "-")
+    env = _env(short_tmp, "-")
     env.update({name: "0" for name in LAUNCH_ENV})
     env.update(SLURM_STEP_NUM_TASKS="2", PMI_SIZE="2", SLURM_NODEID="0")
     sock, log = tmp_path / "run" / "s.sock", tmp_path / "serve.log"
@@ -333,7 +334,7 @@ def test_serve_node_starts_a_peered_service_under_a_launchers_variables(tmp_path
         _wait_for_socket(sock, proc, log)
         r = subprocess.run(
             [sys.executable, "-m", "datastore", "status", "--socket", str(sock), "--json"],
-            capture_output=True, text=True, env=_env(tmp_path, "-"), timeout=30,
+            capture_output=True, text=True, env=_env(short_tmp, "-"), timeout=30,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr
         st = json.loads(r.stdout)
@@ -351,7 +352,7 @@ def test_serve_node_starts_a_peered_service_under_a_launchers_variables(tmp_path
     assert r.returncode == 2 and "SLURM_NODEID nor FLUX_TASK_RANK" in r.stderr
 
 
-def test_the_systemd_unit_verifies_and_its_command_serves_and_stops(tmp_path):
+def test_the_systemd_unit_verifies_and_its_command_serves_and_stops(tmp_path, short_tmp):
     unit = DEPLOY / "datastore.service"
     analyze = shutil.which("systemd-analyze")
     if analyze is not None:  # the unit's syntax; no user manager runs here to start it
@@ -367,7 +368,7 @@ def test_the_systemd_unit_verifies_and_its_command_serves_and_stops(tmp_path):
     argv = line.removeprefix("ExecStart=").split(" ", 2)
     assert argv[:2] == ["/bin/sh", "-c"] and argv[2][0] == argv[2][-1] == "'"
     sock, log = tmp_path / "run" / "d.sock", tmp_path / "unit.log"
-    env = _env(tmp_path, "-")
+    env = _env(short_tmp, "-")
     env.update(
         DATASTORE_SOCKET=str(sock), XDG_STATE_HOME=str(tmp_path / "state"),
         DATASTORE_OPTIONS=f"--allow {tmp_path} --memory-budget 64M",
@@ -378,7 +379,7 @@ def test_the_systemd_unit_verifies_and_its_command_serves_and_stops(tmp_path):
         _wait_for_socket(sock, proc, log)
         r = subprocess.run(
             [sys.executable, "-m", "datastore", "status", "--socket", str(sock), "--json"],
-            capture_output=True, text=True, env=_env(tmp_path, "-"), timeout=30,
+            capture_output=True, text=True, env=_env(short_tmp, "-"), timeout=30,
         )  # fmt: skip
         assert r.returncode == 0 and json.loads(r.stdout)["memory_budget"] == 64 << 20
         proc.send_signal(signal.SIGTERM)  # KillSignal
@@ -507,10 +508,10 @@ def _mpi_here() -> tuple[str, bool, bool]:
 
 
 @pytest.mark.mpi
-def test_check_mpi_reports_the_library_loaded_here(tmp_path):
+def test_check_mpi_reports_the_library_loaded_here(short_tmp):
     text, from_source, wheel = _mpi_here()
     m = _check_mpi()
-    env = _env(tmp_path, "-")
+    env = _env(short_tmp, "-")
     env["PYTHONPATH"] += "".join(os.pathsep + p for p in [os.environ.get("PYTHONPATH")] if p)
     r = subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, str(DEPLOY / "check_mpi.py"), "--json"],

@@ -23,11 +23,11 @@ CAUGHT = ("no client exited unexpectedly", "every sample's bytes equal the sourc
 
 
 @pytest.mark.slow
-def test_a_short_soak_loses_nothing_leaves_nothing_and_catches_every_fault(tmp_path):
+def test_a_short_soak_loses_nothing_leaves_nothing_and_catches_every_fault(short_tmp):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--seconds", "45",
-           "--clients", "2", "--inject-faults", "--dir", str(tmp_path), "--json"]  # fmt: skip
+           "--clients", "2", "--inject-faults", "--dir", str(short_tmp), "--json"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     report = json.loads(proc.stdout.splitlines()[-1])
     failed = [name for name, ok in report["checks"].items() if not ok]
