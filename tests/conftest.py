@@ -47,9 +47,10 @@ def make_tree():
 
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
-    """A fresh directory with a short path (``/tmp/ds-XXXXXXXX``), removed afterwards, for what
-    holds Unix sockets (at most 107 bytes of path): ``tmp_path`` grows with the user's name and
-    pytest-xdist's worker directories."""
+    """A fresh directory with a short path (``ds-XXXXXXXX`` in the system's temporary directory,
+    ``/tmp`` unless ``TMPDIR`` says otherwise), removed afterwards, for what holds Unix sockets
+    (at most 107 bytes of path): ``tmp_path`` grows with the user's name and pytest-xdist's
+    worker directories."""
     path = Path(tempfile.mkdtemp(prefix="ds-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)

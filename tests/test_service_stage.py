@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -434,10 +435,40 @@ def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):
 
 
 class _ClientListening:
-    """The one thing ``Servicer.Stage`` asks of its gRPC context: the client still listens."""
+    """What ``Servicer.Stage`` asks of its gRPC context: the client still listens; ``abort``
+    raises, as gRPC's does."""
 
     def is_active(self) -> bool:
         return True
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"aborted: {code.name}: {details}")
+
+
+def _stage_servicer(tmp_path) -> tuple[Any, io.StringIO]:
+    """The ``Servicer`` that ``datastore serve`` builds, logging into the returned buffer."""
+    from datastore.service.config import ServeConfig
+    from datastore.service.logs import JsonLog
+    from datastore.service.servicer import Counters, Servicer, Stop
+
+    logs = io.StringIO()
+    config = ServeConfig(socket=tmp_path / "s.sock")
+    servicer = Servicer(
+        config=config, listen=[], stop=Stop(), counters=Counters(), log=JsonLog(logs)
+    )
+    return servicer, logs
+
+
+def _events(logs: io.StringIO) -> list[str]:
+    return [json.loads(line)["event"] for line in logs.getvalue().splitlines()]
+
+
+def test_a_refused_stage_is_logged_refused_not_cancelled(tmp_path):
+    servicer, logs = _stage_servicer(tmp_path)
+    replies = servicer.Stage(pb.StageRequest(dest=str(tmp_path / "dst")), _ClientListening())
+    with pytest.raises(RuntimeError, match="aborted: INVALID_ARGUMENT: Stage needs at least"):
+        next(replies)
+    assert _events(logs) == ["stage_started", "refused"]
 
 
 def test_a_stage_whose_stream_grpc_drops_is_killed_and_logged_cancelled(tmp_path):
@@ -447,28 +478,16 @@ def test_a_stage_whose_stream_grpc_drops_is_killed_and_logged_cancelled(tmp_path
     (before, the log line was skipped on that path, and the end-to-end Ctrl-C test failed
     when its client left at that moment). Driven as gRPC's server drives it, on the
     ``Servicer`` that ``datastore serve`` builds."""
-    from datastore.service.config import ServeConfig
-    from datastore.service.logs import JsonLog
-    from datastore.service.servicer import Counters, Servicer, Stop
-
     src = tmp_path / "sparse"
     src.mkdir()
     with open(src / "huge", "wb") as f:
         f.truncate(2 << 30)  # reads fast, takes seconds to write
     dest = tmp_path / "dst"
-    logs = io.StringIO()
-    servicer = Servicer(
-        config=ServeConfig(socket=tmp_path / "s.sock"),
-        listen=[],
-        stop=Stop(),
-        counters=Counters(),
-        log=JsonLog(logs),
-    )
+    servicer, logs = _stage_servicer(tmp_path)
     request = pb.StageRequest(sources=[str(src)], dest=str(dest), streams=1)
     replies = servicer.Stage(request, _ClientListening())
     assert not next(replies).done  # a progress reply: the stage runs
     replies.close()
-    events = [json.loads(line)["event"] for line in logs.getvalue().splitlines()]
-    assert events == ["stage_started", "stage_cancelled"]
+    assert _events(logs) == ["stage_started", "stage_cancelled"]
     os.close(lock_dest(str(dest)))  # the stage died: DEST's lock is free (BlockingIOError if not)
     assert not (dest / "sparse" / "huge").exists()

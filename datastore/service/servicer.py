@@ -303,7 +303,7 @@ class Servicer(pb_grpc.DataStoreServicer):
 
     def Stage(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._log.info("stage_started", sources=list(request.sources), dest=request.dest)
-        last = None
+        last, refused = None, False
         stages = stream_stage(request, context.is_active, self._config.allowed_roots)
         try:
             for last in stages:
@@ -311,12 +311,13 @@ class Servicer(pb_grpc.DataStoreServicer):
                     self._load_landed(request)
                 yield last
         except ServiceError as exc:
+            refused = True
             self._refuse(context, "Stage", exc)
         finally:  # also when gRPC drops this stream, the client gone while a reply was sent
             stages.close()  # (the stage killed now, not whenever the stream is collected)
             if last is not None and last.done:
                 self._log.info("stage_done", dest=request.dest, exit_code=last.exit_code)
-            else:
+            elif not refused:  # (a refusal is logged as one)
                 self._log.warning("stage_cancelled", dest=request.dest)
 
     def _load_landed(self, request: Any) -> None:
