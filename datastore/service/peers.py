@@ -51,9 +51,11 @@ request waits for one to be free (within the timeout) where all ``tag_span`` are
 await late bytes. A receive whose bytes began to land cannot be cancelled: where one has not
 ended :data:`CANCEL_S` after its fetch gave up (or when the link closes), the fetch is over
 but its buffers stay lent (:meth:`Pending.freed`, which a stream waits for before it reuses
-the batch slot) and its tag unused, until the receive ended. A request that cannot be posted
-(no pickle, a buffer MPI refuses) fails naming its node, its receives cancelled (none was
-matched: nothing was asked) and its tag free again.
+the batch slot) and its tag unused, until the receive ended; a link that closes keeps the
+buffers of those not ended, and of its sends not ended, for the life of the process (MPI
+may move their bytes up to ``MPI_Finalize``, after Python freed its objects). A request that
+cannot be posted (no pickle, a buffer MPI refuses) fails naming its node, its receives
+cancelled (none was matched: nothing was asked) and its tag free again.
 A dataset path may contain ``{node}``, filled in by each service with its own rank (several
 services on one host, as in tests).
 """
@@ -61,6 +63,7 @@ services on one host, as in tests).
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
 import json
 import os
@@ -642,6 +645,10 @@ class MpiPeers:
                     self._lent.remove(call)
                     call.freed.set()
             time.sleep(FLIGHT_NAP)
+        # what has not ended may still move bytes till MPI finalizes, after Python freed its
+        # objects: their buffers must outlive it
+        for unended in (*self._sends, *self._drains, *self._lent):
+            _keep_for_life(unended)
 
     def _fetch_young(self, now: float) -> bool:
         """Whether a fetch was asked, or its envelope came, less than :data:`SPIN_S` ago."""
@@ -952,6 +959,12 @@ class MpiPeers:
         with self._ask_lock:
             self.comm.Free()
         self.stats.close()
+
+
+def _keep_for_life(obj: object) -> None:
+    """Never free ``obj`` (nor what it holds): not even when Python finalizes, before mpi4py's
+    ``MPI_Finalize``, which still moves the bytes of sends and receives that had begun."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _answered(answer: Callable[[dict], Any], request: dict) -> Any:

@@ -8,8 +8,9 @@ fails at its deadline (plus ``CANCEL_S``) while the rest of the bytes are still 
 Node 1 gives the slot back to a :class:`SlotRing` as a stream does, records whether the ring
 lends it again at once, else waits until it does, then reuses it (writes 0xEE) and checks that
 no byte of node 0's lands there after; then three more fetches (each tag once). Then another
-such fetch, and node 1 closes its link while node 0 stalls: whether its slot is lent again, and
-the bytes there after node 0 sent the rest. It writes what it saw as JSON to OUT.
+such fetch, and node 1 closes its link once its first pieces landed, while node 0 stalls:
+whether its slot is lent again; then node 1 ends, the rest of the bytes still to come. It
+writes what it saw as JSON to OUT.
 
 Usage: peer_lent_job.py OUT
 """
@@ -88,23 +89,28 @@ def asker(peers: MpiPeers) -> dict:
 
 
 def closing(peers: MpiPeers, got: dict) -> None:
-    """Node 1's link closes while a fetch's bytes are coming: the fetch fails, and its slot is
-    not lent again (node 1 goes on making MPI calls, so the bytes land after the close)."""
+    """Node 1's link closes while a fetch's bytes are coming (its first pieces landed, node 0's
+    link stalled): the fetch fails, and its slot is not lent again. Node 1 then ends at once:
+    the rest of the bytes land while it finalizes MPI, in buffers still alive (before, Open
+    MPI wrote them into freed memory in ``MPI_Finalize``: a segfault)."""
     ring, stop = SlotRing([], 1, 1, shared=False), threading.Event()
     slot = ring.take(stop)
-    out, asked = np.zeros(NBYTES, np.uint8), time.monotonic()
+    out = np.zeros(NBYTES, np.uint8)
+    peers.timeout_s = 30.0  # (the fetch waits for its bytes: closing ends it, not its deadline)
     fetching = Fetching(frozenset({0}), [peers.start(0, ask(8, NBYTES, stall=STALL_S), out)], [])
-    time.sleep(0.2)  # its first pieces in, node 0's link stalled
+    deadline = time.monotonic() + 30.0
+    while not out[0] and time.monotonic() < deadline:
+        time.sleep(0.001)  # (node 1's link moves the first pieces in)
+    got["landed_before_close"] = int(out[0])
     peers.close(stop_all=False)
     got["closed"] = failed(lambda: fetching.result(stop))
     ring.give(slot, fetching.freed)
     got["lent_after_close"] = ring.poll()
-    if got["lent_after_close"] is not None:
-        out.fill(0xEE)  # the slot reused: the next batch's bytes
-    while time.monotonic() < asked + STALL_S + 0.5:
-        MPI.COMM_WORLD.Iprobe()  # (MPI moves the bytes still coming)
-        time.sleep(0)
-    got["after_close"] = sorted(set(out.tolist()))
+    if got["lent_after_close"] is not None:  # the slot reused: the next batch's bytes
+        out.fill(0xEE)
+        while time.monotonic() < deadline and np.count_nonzero(out == 8) < NBYTES:
+            MPI.COMM_WORLD.Iprobe()  # (MPI moves the bytes still coming, over 0xEE)
+        got["after_close"] = sorted(set(out.tolist()))
 
 
 def main() -> None:
