@@ -12,18 +12,19 @@ What runs (all real processes, ``--seconds`` long; default 1800, the tests run 4
   log, fsynced.
 - Every 1-4 s a random client that has saved its state since it started is killed with
   SIGKILL and started again: it loads its state file (``load_state_dict``, then ``iter()``) and
-  must deliver exactly the rest of that epoch. If no killed client has finished the epoch it
-  resumed when the time is up (a loaded machine), the clients run on, unkilled, until one has,
-  for at most half the time again (``overtime_s``).
+  must deliver exactly the rest of that epoch. If the time is up with fewer than
+  ``--min-kills`` kills (default 3), or before a killed client finished the epoch it resumed (a
+  loaded machine: clients slow to start and save), the run goes on, killing only until there
+  were enough, until both, for at most half the time again (``overtime_s``).
 - Half-way the service is stopped with SIGTERM and started again on the same socket (it reloads
   the resident dataset from its state file). A client that loses the service exits with
   ``OUTAGE`` (75) and is started again, resuming from its state file; that exit is expected only
   from the stop until ``OUTAGE_GRACE`` s after the new service answers. Any other client exit
   (an error, a wrong byte, an outage at another time) is counted as unexpected.
-- Between those, stage rounds into fresh destinations under ROOT: one killed with SIGKILL
-  mid-copy then resumed; one run with a file-size limit (``RLIMIT_FSIZE``: writes fail, as on a
-  full disk) that must fail cleanly, then run again without it; each destination then checked
-  with ``datastore stage --verify``.
+- Meanwhile, on a thread of their own, one at once, then one every 20 s, stage rounds into
+  fresh destinations under ROOT: one killed with SIGKILL mid-copy then resumed; one run with a
+  file-size limit (``RLIMIT_FSIZE``: writes fail, as on a full disk) that must fail cleanly,
+  then run again without it; each destination then checked with ``datastore stage --verify``.
 
 Checks at the end (each a line ``ok`` / ``FAILED``; exit 1 if any failed)
 -----------------------------------------------------------------------
@@ -64,6 +65,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,7 @@ REPO = str(Path(__file__).resolve().parent.parent)
 SAMPLES, BATCH, SAMPLE_BYTES = 64, 4, 64 << 10
 
 OUTAGE = 75  # a client's exit status when the service is gone (EX_TEMPFAIL)
+STAGE_EVERY_S = 20.0  # s between the starts of two stage rounds
 OUTAGE_GRACE = 30.0  # s after a restarted service answers, while its clients may still fail
 
 
@@ -252,6 +255,30 @@ def _stage_round(k: int, src: Path, root: Path, env: dict[str, str], rng: random
     return out
 
 
+class _Stager(threading.Thread):
+    """Stage rounds (:func:`_stage_round`) on a thread of their own, beside the kills: one at
+    once, then one every :data:`STAGE_EVERY_S` s, until :meth:`stop` (which waits for the round
+    under way and returns every round's checks)."""
+
+    def __init__(self, src: Path, root: Path, env: dict[str, str], rng: random.Random, t0: float):
+        super().__init__(name="stage-rounds", daemon=True)
+        self.args, self.rng, self.t0 = (src, root, env), rng, t0
+        self.rounds: list[dict[str, Any]] = []
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        k = 0
+        while not self._stopping.is_set():
+            self.rounds.append(_stage_round(k, *self.args, self.rng))
+            k += 1
+            self._stopping.wait(max(0.0, self.t0 + STAGE_EVERY_S * k - time.monotonic()))
+
+    def stop(self) -> list[dict[str, Any]]:
+        self._stopping.set()
+        self.join()
+        return self.rounds
+
+
 def epochs(logs: list[Path]) -> dict[str, int]:
     """What the clients' logs say: the epochs finished, those without every sample exactly
     once, those resumed mid-epoch from a saved state, and the samples checked (a client
@@ -275,6 +302,7 @@ def soak(
     seed: int = 0,
     save_every: int = 3,
     inject_faults: bool = False,
+    min_kills: int = 3,
 ) -> dict[str, Any]:
     """Run the soak in ``work``; the figures and the checks (module docstring). With
     ``inject_faults`` client 0 crashes once and client 1 once sees a wrong byte."""
@@ -328,14 +356,23 @@ def soak(
             if again:
                 procs[i] = start_client(i)
 
-    stage_rounds: list[dict[str, Any]] = []
     t0 = time.monotonic()
+    stager = _Stager(src, root, env, random.Random(seed + 1), t0)
+    stager.start()
     restarted = False
     outage: tuple[float, float] = (math.inf, math.inf)  # when a client may lose the service
     baseline: tuple[int, int] | None = None
     next_kill = t0 + rng.uniform(1, 4)
-    while time.monotonic() - t0 < seconds:
+    ends, cap = t0 + seconds, t0 + 1.5 * seconds
+    while True:
         now = time.monotonic()
+        # Under load (clients slow to start, so few saved to be killed after) the time may be
+        # up with fewer than min_kills kills, or before a killed client finished the epoch it
+        # resumed: the run goes on until both, for at most half the time again.
+        if now >= ends and (
+            now >= cap or (report["kills"] >= min_kills and epochs(logs)["resumed_epochs"])
+        ):
+            break
         if not restarted and now - t0 > seconds / 2:
             code, took = service.stop()
             report["restart_stop"] = {"exit": code, "seconds": round(took, 2)}
@@ -348,22 +385,16 @@ def soak(
         account(outage)
         i = rng.randrange(clients)
         # a client that has just exited is accounted for first; one yet to save, later
-        if now > next_kill and procs[i].poll() is None and saved_since_start(i):
+        killing = now < ends or report["kills"] < min_kills
+        if killing and now > next_kill and procs[i].poll() is None and saved_since_start(i):
             procs[i].kill()
             procs[i].wait()
             procs[i] = start_client(i)
             report["kills"] += 1
             next_kill = now + rng.uniform(1, 4)
-        if len(stage_rounds) < 1 + int((now - t0) / 20):
-            stage_rounds.append(_stage_round(len(stage_rounds), src, root, env, rng))
         time.sleep(0.2)
-    # Under load the time may be up before a killed client finished the epoch it resumed: the
-    # clients run on (no more kills or stages) until one did, for at most half the time again.
-    ended, overtime = time.monotonic(), time.monotonic() + seconds / 2
-    while report["kills"] and not epochs(logs)["resumed_epochs"] and time.monotonic() < overtime:
-        account(outage)
-        time.sleep(0.2)
-    report["overtime_s"] = round(time.monotonic() - ended, 1)
+    report["overtime_s"] = round(max(0.0, time.monotonic() - ends), 1)
+    stage_rounds = stager.stop()
     account(outage, again=False)
     for p in procs:
         p.kill()
@@ -421,6 +452,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=3, help="batches between a client's saves")
     p.add_argument(
+        "--min-kills", type=int, default=3, help="kills the run goes on for past --seconds"
+    )
+    p.add_argument(
         "--inject-faults",
         action="store_true",
         help="client 0 crashes once and client 1 sees one wrong byte: the run must fail on "
@@ -431,9 +465,13 @@ def main() -> int:
     a = p.parse_args()
     if a.save_every < 1:
         p.error(f"--save-every must be >= 1, got {a.save_every}")
+    if a.min_kills < 0:
+        p.error(f"--min-kills must be >= 0, got {a.min_kills}")
     work = Path(tempfile.mkdtemp(prefix="datastore-soak-", dir=a.dir))
     try:
-        report = soak(a.seconds, a.clients, work, a.seed, a.save_every, a.inject_faults)
+        report = soak(
+            a.seconds, a.clients, work, a.seed, a.save_every, a.inject_faults, a.min_kills
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:

@@ -40,26 +40,51 @@ def data(tmp_path_factory):
 
 
 class Job:
-    """One ``mpiexec -n 2`` run of the job: each rank's JSON row and stderr lines."""
+    """One ``mpiexec -n 2`` run of ``job`` over ``cases``, one after the other in the same
+    ranks (a launch per case cost about 5 s each, mostly ``import torch`` on every rank)."""
 
-    def __init__(self, case: str, *paths: str, job: str = JOB) -> None:
-        out = os.path.join(os.path.dirname(paths[0]), case)
-        cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", job, case]  # lines tagged
+    def __init__(self, cases: list[str], *paths: str, job: str = JOB) -> None:
+        out = os.path.dirname(paths[0])
+        cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", job, ",".join(cases), out]
         proc = subprocess.run(
-            [*cmd, out, *paths], capture_output=True, text=True, timeout=60
+            [*cmd, *paths], capture_output=True, text=True, timeout=60 + 10 * len(cases)
         )  # a hang fails here
         assert proc.returncode == 0, proc.stderr[-3000:]
+        self.cases = {case: Case(case, out, proc.stderr.splitlines()) for case in cases}
+
+    def __getitem__(self, case: str) -> Case:
+        return self.cases[case]
+
+
+class Case:
+    """One case of a :class:`Job`: each rank's JSON row, and the stderr lines tagged with it."""
+
+    def __init__(self, case: str, out: str, stderr: list[str]) -> None:
         self.rows = []
         for rank in range(2):
-            with open(f"{out}.{rank}.json") as f:
+            with open(os.path.join(out, f"{case}.{rank}.json")) as f:
                 self.rows.append(json.load(f))
-        self.stderr = {
-            r: [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[{r}]")] for r in (0, 1)
-        }
+        self.stderr = {r: [ln for ln in stderr if ln.startswith(f"[{r}:{case}]")] for r in (0, 1)}
+        self.case = case
 
     def raised(self, rank: int, line: str) -> bool:
         """Whether ``rank``'s stderr shows a traceback ending in ``line``."""
-        return any(ln.startswith(f"[{rank}] {line}") for ln in self.stderr[rank])
+        return any(ln.startswith(f"[{rank}:{self.case}] {line}") for ln in self.stderr[rank])
+
+
+def alone(case: str, *paths: str, job: str = JOB) -> Case:
+    """A launch of ``case`` alone (one that leaves a rank waiting, or times out)."""
+    return Job([case], *paths, job=job)[case]
+
+
+# every rank refuses these before it communicates a batch: one launch runs them all
+REFUSALS = ["seed", "batch", "spatial", "fields", "dataset", "halo", "halo_axis", "one_bad",
+            "one_bad_geometry", "one_bad_parts", "parts_world"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def refusals(data) -> Job:
+    return Job(REFUSALS, *data)
 
 
 @pytest.mark.parametrize(
@@ -72,9 +97,9 @@ class Job:
     ],
 )
 def test_9_ranks_that_disagree_all_raise_naming_the_argument_and_ranks(
-    data, case, argument, values
+    refusals, case, argument, values
 ):
-    job = Job(case, data[0])
+    job = refusals[case]
     for r in job.rows:
         kind, text = r["error"]
         assert kind == "RankMismatch", r
@@ -86,8 +111,8 @@ def test_9_ranks_that_disagree_all_raise_naming_the_argument_and_ranks(
         assert job.raised(rank, f"datastore.errors.RankMismatch: ranks disagree on {argument}")
 
 
-def test_9_a_dataset_that_differs_between_ranks_is_named(data):
-    job = Job("dataset", data[0], data[1])
+def test_9_a_dataset_that_differs_between_ranks_is_named(refusals):
+    job = refusals["dataset"]
     for r in job.rows:
         kind, text = r["error"]
         assert kind == "RankMismatch" and "disagree on dataset" in text
@@ -96,15 +121,15 @@ def test_9_a_dataset_that_differs_between_ranks_is_named(data):
         assert job.raised(rank, "datastore.errors.RankMismatch: ranks disagree on dataset")
 
 
-def test_10_a_geometry_that_cannot_work_is_refused_on_every_rank_alike(data):
-    job = Job("halo", data[0])
+def test_10_a_geometry_that_cannot_work_is_refused_on_every_rank_alike(refusals):
+    job = refusals["halo"]
     assert job.rows[0]["error"] == job.rows[1]["error"]
     kind, text = job.rows[0]["error"]
     assert kind == "ValueError" and "halo" in text
 
 
-def test_10_a_halo_wider_than_a_block_is_refused_on_every_rank_alike(data):
-    job = Job("halo_axis", data[0])  # D=8 in 4 parts: blocks of 2 voxels, halo 3
+def test_10_a_halo_wider_than_a_block_is_refused_on_every_rank_alike(refusals):
+    job = refusals["halo_axis"]  # D=8 in 4 parts: blocks of 2 voxels, halo 3
     assert job.rows[0]["error"] == job.rows[1]["error"]
     kind, text = job.rows[0]["error"]
     assert kind == "ValueError"
@@ -113,8 +138,8 @@ def test_10_a_halo_wider_than_a_block_is_refused_on_every_rank_alike(data):
         assert job.raised(rank, "ValueError: halo[0]=3 is wider")
 
 
-def test_10_one_rank_with_a_bad_argument_takes_both_down(data):
-    job = Job("one_bad", data[0])
+def test_10_one_rank_with_a_bad_argument_takes_both_down(refusals):
+    job = refusals["one_bad"]
     kind, text = job.rows[1]["error"]
     assert kind == "ValueError" and text == "prefetch must be an int >= 1, got 0"
     kind, text = job.rows[0]["error"]
@@ -124,7 +149,7 @@ def test_10_one_rank_with_a_bad_argument_takes_both_down(data):
 
 
 def test_6_a_rank_that_goes_on_while_another_stopped_gets_an_error_not_a_hang(data):
-    job = Job("stop", data[0])  # timeout=5, 8 steps; rank 1 breaks after its first batch
+    job = alone("stop", data[0])  # timeout=5, 8 steps; rank 1 breaks after its first batch
     first = Schedule(N, 2, seed=1).order(0).reshape(-1, 2)
     zero, one = job.rows
     assert one["error"] is None and one["ids"] == [first[0][1:].tolist()]
@@ -140,7 +165,7 @@ def test_6_a_rank_that_goes_on_while_another_stopped_gets_an_error_not_a_hang(da
 
 
 def test_6_ranks_that_stop_together_go_on_together(data):
-    job = Job("both_stop", data[0])
+    job = alone("both_stop", data[0])
     order = [Schedule(N, 4, seed=1).order(e).reshape(-1, 4) for e in range(2)]
     for r in job.rows:
         assert r["error"] is None
@@ -153,7 +178,7 @@ def test_6_ranks_that_stop_together_go_on_together(data):
 @pytest.fixture(scope="module")
 def silent(data):
     """Rank 1 builds its loader, then never iterates; rank 0 iterates with timeout=3."""
-    return Job("silent", data[0])
+    return alone("silent", data[0])
 
 
 def test_6_a_peer_that_stops_answering_gives_a_timeout_within_seconds(silent):
@@ -171,7 +196,7 @@ def test_6_a_peer_that_stops_answering_gives_a_timeout_within_seconds(silent):
 def stall(data):
     """8 steps, timeout=3: rank 1 takes one batch, then holds its loop without asking for the
     next; rank 0 goes on."""
-    return Job("stall", data[0])
+    return alone("stall", data[0])
 
 
 def test_6_a_peer_that_stops_asking_mid_epoch_gives_a_timeout_within_seconds(stall):
@@ -197,10 +222,10 @@ def test_6_the_timeout_names_the_peer_that_stopped_answering(request, case):
 
 
 # -- 10, one rank alone: geometry refused on every rank -------------------------------------
-def test_10_one_rank_whose_geometry_cannot_work_takes_both_down(data):
+def test_10_one_rank_whose_geometry_cannot_work_takes_both_down(refusals):
     """Same arguments on both ranks (parts (2, 1, 1), halo 2), but rank 1's volumes are 2
     voxels wide: only rank 1 finds halo 2 wider than its blocks of 1; rank 0 raises too."""
-    job = Job("one_bad_geometry", data[0], data[2])
+    job = refusals["one_bad_geometry"]
     want = "halo[0]=2 is wider than the smallest neighbouring block (1 voxels"
     kind, text = job.rows[1]["error"]
     assert kind == "ValueError" and text.startswith(want), text
@@ -211,16 +236,16 @@ def test_10_one_rank_whose_geometry_cannot_work_takes_both_down(data):
     assert job.raised(1, f"ValueError: {want}")
 
 
-def test_10_one_rank_asking_for_other_parts_is_a_mismatch_on_both(data):
-    job = Job("one_bad_parts", data[0])  # rank 1 alone: parts (3, 1, 1)
+def test_10_one_rank_asking_for_other_parts_is_a_mismatch_on_both(refusals):
+    job = refusals["one_bad_parts"]  # rank 1 alone: parts (3, 1, 1)
     assert job.rows[0]["error"] == job.rows[1]["error"]
     kind, text = job.rows[0]["error"]
     assert kind == "RankMismatch" and text.startswith("ranks disagree on spatial: ranks 0: ")
     assert "'parts': (2, 1, 1)" in text and "ranks 1: {'parts': (3, 1, 1)" in text
 
 
-def test_10_parts_the_ranks_cannot_hold_are_refused_on_both(data):
-    job = Job("parts_world", data[0])  # parts (3, 1, 1) on 2 ranks, on both
+def test_10_parts_the_ranks_cannot_hold_are_refused_on_both(refusals):
+    job = refusals["parts_world"]  # parts (3, 1, 1) on 2 ranks, on both
     for r in job.rows:
         assert r["error"] == ["ValueError", "world size 2 is not a multiple of 3 spatial blocks"]
         assert r["ids"] == []
@@ -234,8 +259,13 @@ def padded_order(seed: int, epoch: int, global_batch: int) -> np.ndarray:
     return np.concatenate([perm, perm[:pad]]).reshape(-1, global_batch)
 
 
+@pytest.fixture(scope="module")
+def consumed(data) -> Job:
+    return Job(["consume_spatial", "consume_data"], data[0], job=EPOCHS_JOB)
+
+
 @pytest.mark.parametrize("case", ["consume_spatial", "consume_data"])
-def test_1_3_4_12_over_the_mpi_exchange(data, case):
+def test_1_3_4_12_over_the_mpi_exchange(consumed, case):
     """3 epochs as ``islice(loader, len(loader))`` each, no set_epoch (1): epochs 0, 1, 2 in
     the schedule's order, the position moving on at each epoch's last batch. Every batch holds
     the file's bytes (with spatial: the whole box, zero border included, cut by np.pad here).
@@ -243,7 +273,7 @@ def test_1_3_4_12_over_the_mpi_exchange(data, case):
     and 2 are edited in place (``x.mul_(0).add_(7)``, ``idx.mul_(0)``) and no edit reaches a
     later batch (12). ``consume_data``: global batch 6 over 16 samples, drop_last=False: the
     exact ``valid`` mask (4)."""
-    job = Job(case, data[0], job=EPOCHS_JOB)
+    job = consumed[case]
     spatial = case == "consume_spatial"
     gb = 2 if spatial else 6
     steps = N // gb if spatial else -(-N // gb)
@@ -311,7 +341,7 @@ def test_6_going_on_to_the_next_epoch_after_a_peer_stopped_times_out_naming_it(d
     went on is told); its second try (a new pass: epoch 1 from step 0) waits at the start
     check for rank 1 and gets an ExchangeTimeout (a TimeoutError) naming step 0 and rank 1
     within 1-2x ``timeout``: no hang, no batch, and its position is that pass's start."""
-    job = Job("stop_idle", data[0], job=EPOCHS_JOB)
+    job = alone("stop_idle", data[0], job=EPOCHS_JOB)
     zero, one = job.rows
     assert zero["error"] is None and one["error"] is None
     assert len(one["tries"]) == 1 and len(zero["tries"]) == 2
@@ -331,7 +361,7 @@ def test_6_ranks_that_both_go_on_after_a_stop_are_told_at_once(data):
     iter() is a new pass, so the second starts epoch 1 from step 0 on both ranks, wherever
     each stopped in epoch 0: rank 1 takes epoch 1's first batch and breaks again, and rank 0
     is told by the stop protocol as in the first try, at once."""
-    job = Job("stop_again", data[0], job=EPOCHS_JOB)
+    job = alone("stop_again", data[0], job=EPOCHS_JOB)
     zero, one = job.rows
     assert zero["error"] is None and one["error"] is None
     assert len(one["tries"]) == len(zero["tries"]) == 2

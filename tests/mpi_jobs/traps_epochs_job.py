@@ -1,6 +1,7 @@
 """Run under ``mpiexec -n 2 python -m mpi4py``: the traps over epochs through the real MPI
 exchange (issue 11, traps 1, 3, 4, 6, 12), where batches are filled by ``MpiExchange``, not by
-the one-process ``LocalSource``. Each rank writes one JSON file (``OUT.RANK.json``).
+the one-process ``LocalSource``. Each rank writes one JSON file per case
+(``DIR/CASE.RANK.json``); a traceback goes to its stderr, each line tagged ``[RANK:CASE]``.
 
 Cases:
   consume_spatial / consume_data: 3 epochs, each taken as ``islice(loader, len(loader))``
@@ -12,7 +13,7 @@ Cases:
     rank 0 tries epoch after epoch (2 tries), catching each error (trap 6).
   stop_again: rank 1 breaks after its first batch in each of 2 epochs; rank 0 tries 2 epochs.
 
-Usage: traps_epochs_job.py CASE OUT DATASET
+Usage: traps_epochs_job.py CASE[,CASE...] DIR DATASET  (the cases one after the other)
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ def expected_box(x: np.ndarray, block: int, halo: int, parts: int) -> np.ndarray
     return padded[:, :, block * d : block * d + d + 2 * halo]
 
 
-def error_row(exc: BaseException, seconds: float) -> dict:
+def error_row(exc: BaseException, seconds: float, case: str) -> dict:
     rank = MPI.COMM_WORLD.Get_rank()
-    tagged = (f"[{rank}] {line}\n" for line in traceback.format_exc().splitlines())
+    tagged = (f"[{rank}:{case}] {line}\n" for line in traceback.format_exc().splitlines())
     sys.stderr.write("".join(tagged))  # tagged, the test reads each rank's; one write: the
     sys.stderr.flush()  # ranks share a pipe, and a line written in pieces can be split
     return {
@@ -121,7 +122,7 @@ def stop(case: str, path: str, rank: int, out_prefix: str, x_all: np.ndarray) ->
                 if rank == 1 and i == 0:
                     break
         except Exception as exc:  # what this try raised, for the test
-            row["error"] = error_row(exc, time.monotonic() - t0)
+            row["error"] = error_row(exc, time.monotonic() - t0, case)
         row["seconds"] = time.monotonic() - t0
         row["position"] = [loader.epoch, loader.state_dict()["step"]]
         tries.append(row)
@@ -133,19 +134,21 @@ def stop(case: str, path: str, rank: int, out_prefix: str, x_all: np.ndarray) ->
 
 
 def main() -> None:
-    case, out_prefix, path = sys.argv[1:4]
+    cases, out_dir, path = sys.argv[1:4]
     rank = MPI.COMM_WORLD.Get_rank()
     with h5py.File(path, "r") as f:
         x_all = f["x"][...]
-    out: dict = {"rank": rank, "error": None}
-    try:
-        if case.startswith("consume"):
-            out.update(consume(case, path, rank, x_all))
-        else:
-            out.update(stop(case, path, rank, out_prefix, x_all))
-    except Exception as exc:  # an error outside what the case expects
-        out["error"] = error_row(exc, 0.0)
-    write_row(out_prefix, rank, out)
+    for case in cases.split(","):
+        out_prefix = os.path.join(out_dir, case)
+        out: dict = {"rank": rank, "error": None}
+        try:
+            if case.startswith("consume"):
+                out.update(consume(case, path, rank, x_all))
+            else:
+                out.update(stop(case, path, rank, out_prefix, x_all))
+        except Exception as exc:  # an error outside what the case expects
+            out["error"] = error_row(exc, 0.0, case)
+        write_row(out_prefix, rank, out)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 traps 6, 9, 10). Each rank writes one JSON file: its error (type, message, whether it is a
 ``TimeoutError``, the step and peers of an ``ExchangeTimeout``), the sample indices of the
 batches it took, how many of them held other bytes than the file, and timings. A rank that
-raises also prints the traceback to its stderr, each line tagged ``[RANK]`` (any launcher).
+raises also prints the traceback to its stderr, each line tagged ``[RANK:CASE]`` (any
+launcher). Several cases (comma-separated) run one after the other in one launch: the
+refusals, each raised on every rank alike, leave the ranks ready for the next.
 
-Usage: traps_job.py CASE OUT DATASET [OTHER_DATASET]  (writes OUT.RANK.json)
+Usage: traps_job.py CASE[,CASE...] DIR A B C  (writes DIR/CASE.RANK.json; A the dataset,
+B one of other length for ``dataset``, C one of 2-voxel volumes for ``one_bad_geometry``)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from mpi4py import MPI
 from datastore import DataStoreLoader
 
 
-def build(case: str, path: str, other: str, rank: int) -> DataStoreLoader:
+def build(case: str, path: str, others: list[str], rank: int) -> DataStoreLoader:
     kw = {"global_batch_size": 4, "seed": 1, "timeout": 5}
     if case == "seed":
         kw["seed"] = rank  # the classic slip
@@ -33,7 +36,7 @@ def build(case: str, path: str, other: str, rank: int) -> DataStoreLoader:
     elif case == "fields":
         kw["fields"] = ["x", "idx"] if rank == 0 else ["idx"]
     elif case == "dataset":
-        path = path if rank == 0 else other
+        path = path if rank == 0 else others[0]
     elif case == "halo":
         kw["spatial"] = {"parts": (2, 1, 1), "halo": 5}  # wider than a block of 4
     elif case == "halo_axis":
@@ -42,7 +45,7 @@ def build(case: str, path: str, other: str, rank: int) -> DataStoreLoader:
         kw["prefetch"] = 2 if rank == 0 else 0
     elif case == "one_bad_geometry":  # same arguments; rank 1's volumes are 2 voxels wide
         kw["spatial"] = {"parts": (2, 1, 1), "halo": 2}
-        path = path if rank == 0 else other
+        path = path if rank == 0 else others[1]
     elif case == "parts_world":  # 3 blocks on 2 ranks, on every rank
         kw["spatial"] = {"parts": (3, 1, 1), "halo": 1}
     elif case == "one_bad_parts":  # rank 1 alone asks for 3 blocks (2 ranks cannot hold them)
@@ -57,11 +60,16 @@ def build(case: str, path: str, other: str, rank: int) -> DataStoreLoader:
 
 
 def main() -> None:
-    case, out_prefix, path = sys.argv[1:4]
-    other = sys.argv[4] if len(sys.argv) > 4 else path
+    cases, out_dir, path, *others = sys.argv[1:]
     rank = MPI.COMM_WORLD.Get_rank()
     with h5py.File(path, "r") as f:
         x_all = f["x"][...]
+    for case in cases.split(","):
+        run(case, os.path.join(out_dir, case), path, others, rank, x_all)
+
+
+def run(case: str, out_prefix: str, path: str, others: list[str], rank: int, x_all) -> None:
+    """One case on this rank; its row written to ``OUT_PREFIX.RANK.json``."""
     out: dict = {"rank": rank, "error": None, "ids": [], "bad_bytes": 0, "seconds": None}
 
     def take(b: dict) -> None:
@@ -72,7 +80,7 @@ def main() -> None:
 
     t0 = time.monotonic()
     try:
-        loader = build(case, path, other, rank)
+        loader = build(case, path, others, rank)
         t0 = time.monotonic()
         if case == "stop":  # rank 1 stops after one batch; rank 0 goes on
             for i, b in enumerate(loader):
@@ -113,7 +121,7 @@ def main() -> None:
         out["timeout_error"] = isinstance(exc, TimeoutError)
         out["step"] = getattr(exc, "step", None)
         out["peers"] = list(getattr(exc, "peers", ()))
-        tagged = (f"[{rank}] {line}\n" for line in traceback.format_exc().splitlines())
+        tagged = (f"[{rank}:{case}] {line}\n" for line in traceback.format_exc().splitlines())
         sys.stderr.write("".join(tagged))  # one write: the ranks share a pipe, and a line
         sys.stderr.flush()  # written in pieces (print's text, then its newline) can be split
     out["seconds"] = time.monotonic() - t0
