@@ -19,6 +19,7 @@ from datastore.maths.order import Schedule
 
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "traps_job.py")
 EPOCHS_JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "traps_epochs_job.py")
+SLOW_JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "slow_sender_job.py")
 N, D = 16, 8
 
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
@@ -219,6 +220,28 @@ def test_6_the_timeout_names_the_peer_that_stopped_answering(request, case):
     assert zero["error"][0] == "ExchangeTimeout"
     assert zero["peers"] == [1], zero  # ExchangeTimeout.peer: the rank still awaited
     assert "rank 1" in zero["error"][1]
+
+
+def test_6_a_peer_slow_to_send_gives_a_timeout_and_a_clean_exit(tmp_path, monkeypatch):
+    """Rank 1 passes a step's check, then reads a sample for 4 s (timeout 2 s): rank 0 times
+    out in the exchange naming it, and both processes exit 0, rank 1's bytes landing while
+    rank 0 finalizes (before, Open MPI wrote them into freed memory: a segfault after the
+    error). 442 KiB samples: a message moves in pieces, not at once."""
+    monkeypatch.setenv("MPIR_CVAR_CH4_CMA_ENABLE", "0")  # (MPICH; Open MPI: helpers.py's)
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.random.default_rng(5).standard_normal((32, 1, 48, 48, 48), dtype=np.float32)
+    out = tmp_path / "slow"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", SLOW_JOB, str(path), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    zero, one = (json.loads((tmp_path / f"slow.{r}.json").read_text()) for r in (0, 1))
+    step = zero["steps"]  # the batches it took before the slow one
+    assert step >= 1 and zero["error"][0] == "ExchangeTimeout"
+    assert zero["error"][1].startswith(
+        f"the MPI exchange at step {step} did not complete within the timeout (waiting for rank 1)"
+    )
+    assert one["error"][0] == "ExchangeTimeout" and "(waiting for rank 0)" in one["error"][1]
 
 
 # -- 10, one rank alone: geometry refused on every rank -------------------------------------

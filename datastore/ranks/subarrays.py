@@ -7,11 +7,13 @@ implies (:func:`~datastore.maths.subarray.piece_sizes`), straight into the box w
 contiguous, else into a buffer aside copied in once they are in. MPI derived datatypes would
 spare those copies, but in mpich 5 a subarray type moves 0.01-0.9 GB/s where contiguous bytes
 move 2-12 GB/s. Buffers aside and packed are reused (:class:`Asides`): fresh memory costs a
-page fault per page every time.
+page fault per page every time. The buffers of a round that failed are never freed
+(:func:`keep_until_exit`): MPI may still move their bytes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
@@ -19,9 +21,17 @@ import numpy as np
 
 from datastore.maths.subarray import piece_sizes, pieces, view
 
-__all__ = ["ASIDE_KEPT", "Asides", "BoxMessages"]
+__all__ = ["ASIDE_KEPT", "Asides", "BoxMessages", "keep_until_exit"]
 
 ASIDE_KEPT = 128 << 20  # bytes of buffers aside kept for reuse, at most
+
+
+def keep_until_exit(obj: object) -> None:
+    """Never free ``obj``, nor what it holds, not even when Python finalizes: the buffers of
+    sends and receives that did not end (a round that failed, a link closed mid-transfer) must
+    outlive ``MPI_Finalize``, which mpi4py calls after Python freed its objects and which may
+    still move their bytes (Open MPI did, into freed memory: a segfault at exit)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 class Asides:
@@ -62,7 +72,6 @@ class BoxMessages:
         self.asides = asides or Asides()
         self._held: list[np.ndarray] = []  # buffers aside of the round in flight
         self._unpacks: list[tuple[np.ndarray, np.ndarray]] = []  # (part, its buffer aside)
-        self._stuck: list[np.ndarray] = []  # buffers of failed rounds
 
     def send(self, array: np.ndarray, box: tuple[slice, ...], dest: int, tag: int = 0) -> list:
         """Requests sending ``array[box]`` (``array`` C-contiguous, left alone until they
@@ -113,10 +122,11 @@ class BoxMessages:
             self.asides.give(b)
         self._held, self._unpacks = [], []
 
-    def abandon(self) -> None:
-        """The round failed (its requests may never complete): its buffers are kept, never
-        reused, so MPI may still write into them."""
-        self._stuck += self._held
+    def abandon(self, *referenced: object) -> None:
+        """The round failed (its requests may never complete): its buffers aside, and
+        ``referenced`` (its requests, the arrays they send from and receive into), are kept
+        until the process exits (:func:`keep_until_exit`), never reused."""
+        keep_until_exit((self._held, referenced))
         self._held, self._unpacks = [], []
 
     def _take(self, n: int) -> np.ndarray:

@@ -63,7 +63,6 @@ services on one host, as in tests).
 from __future__ import annotations
 
 import collections
-import ctypes
 import itertools
 import json
 import os
@@ -78,7 +77,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from datastore.maths.subarray import MIN_RUN, pieces, view
-from datastore.ranks.subarrays import ASIDE_KEPT, Asides
+from datastore.ranks.subarrays import ASIDE_KEPT, Asides, keep_until_exit
 from datastore.service.errors import ServiceError
 
 __all__ = [
@@ -648,7 +647,7 @@ class MpiPeers:
         # what has not ended may still move bytes till MPI finalizes, after Python freed its
         # objects: their buffers must outlive it
         for unended in (*self._sends, *self._drains, *self._lent):
-            _keep_for_life(unended)
+            keep_until_exit(unended)
 
     def _fetch_young(self, now: float) -> bool:
         """Whether a fetch was asked, or its envelope came, less than :data:`SPIN_S` ago."""
@@ -959,12 +958,6 @@ class MpiPeers:
         with self._ask_lock:
             self.comm.Free()
         self.stats.close()
-
-
-def _keep_for_life(obj: object) -> None:
-    """Never free ``obj`` (nor what it holds): not even when Python finalizes, before mpi4py's
-    ``MPI_Finalize``, which still moves the bytes of sends and receives that had begun."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _answered(answer: Callable[[dict], Any], request: dict) -> Any:

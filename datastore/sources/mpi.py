@@ -13,7 +13,8 @@ aside, copied in once the step's messages are in. MPI subarray datatypes would s
 copies, but with mpich 5 a block amid its halo moved at 0.01 GB/s that way. The zero halo
 outside the volume is written by the receiver, since buffers are reused and consumers may edit
 them. Waits are polled, so a peer that never sends stops the step with an error naming it
-instead of a hang.
+instead of a hang; that step's buffers are then kept until the process exits, since the peer
+may yet send and MPI move the bytes, even in ``MPI_Finalize``.
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ class MpiExchange(Owners):
         requests: list[Any] = []
         peers: list[int] = []
         copies = []
+        sent_from: list[np.ndarray] = []
 
         def pending() -> list[int]:
             return sorted({p for r, p in zip(requests, peers, strict=True) if not r.Test()})
 
-        try:  # whatever fails once a message is posted: this round's buffers are never reused
+        try:  # whatever fails once a message is posted: this round's buffers are never freed
             # receives first, in plan order (MPI matches same-pair messages in order)
             for m in msgs:
                 if m.dst == me and m.src != me:
@@ -83,6 +85,7 @@ class MpiExchange(Owners):
                 if m.src == me and m.dst != me:
                     for f in self.setup.fields[m.block]:
                         vol = self.setup.store.lasting(m.sample, f.name)  # it must outlive the send
+                        sent_from.append(vol)
                         src, _ = covered(f)
                         sends = self._boxes.send(vol, src, m.dst)
                         requests += sends
@@ -98,8 +101,8 @@ class MpiExchange(Owners):
                 pending=pending,
             )
             self.setup.gather.run(self._boxes.unpacks())
-        except BaseException:
-            self._boxes.abandon()
+        except BaseException:  # its bytes may still move, up to MPI_Finalize: kept till exit
+            self._boxes.abandon(requests, out, sent_from)
             raise
         self._boxes.release()
         self.seconds += time.perf_counter() - t0
