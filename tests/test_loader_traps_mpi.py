@@ -226,7 +226,8 @@ def test_6_a_peer_slow_to_send_gives_a_timeout_and_a_clean_exit(tmp_path, monkey
     """Rank 1 passes a step's check, then reads a sample for 4 s (timeout 2 s): rank 0 times
     out in the exchange naming it, and both processes exit 0, rank 1's bytes landing while
     rank 0 finalizes (before, Open MPI wrote them into freed memory: a segfault after the
-    error). 442 KiB samples: a message moves in pieces, not at once."""
+    error); a new pass on rank 0 is refused at once. 442 KiB samples: a message moves in
+    pieces, not at once."""
     monkeypatch.setenv("MPIR_CVAR_CH4_CMA_ENABLE", "0")  # (MPICH; Open MPI: helpers.py's)
     path = tmp_path / "big.h5"
     with h5py.File(path, "w") as f:
@@ -242,6 +243,14 @@ def test_6_a_peer_slow_to_send_gives_a_timeout_and_a_clean_exit(tmp_path, monkey
         f"the MPI exchange at step {step} did not complete within the timeout (waiting for rank 1)"
     )
     assert one["error"][0] == "ExchangeTimeout" and "(waiting for rank 0)" in one["error"][1]
+    # a new pass on rank 0: refused at once (the old step's blocks may still come, matched
+    # to its receives or in place of a later step's), not a start check that waits
+    kind, text, seconds = zero["again"]
+    assert kind == "DataStoreError" and seconds < 1.0
+    assert text == (
+        f"the mpi exchange failed at step {step} and cannot be used again (messages of that "
+        "step may still arrive): make a new loader"
+    )
 
 
 # -- 10, one rank alone: geometry refused on every rank -------------------------------------

@@ -149,6 +149,10 @@ def test_a_rank_that_skips_a_step_gives_its_peer_an_exchange_timeout_naming_both
     assert r.get("step") == r["expected_step"] and r["peers"] == [1], r
     assert f"at step {r['step']}" in r["error"] and "waiting for rank 1" in r["error"]
     assert timeout <= r["waited"] < 2 * timeout
+    assert r["again"] == (
+        f"the torch.distributed exchange failed at step {r['step']} and cannot be used again "
+        "(messages of that step may still arrive): make a new loader"
+    )
 
 
 def test_two_loaders_side_by_side_and_the_trainings_all_reduces_never_mix(h5, tmp_path):

@@ -106,6 +106,14 @@ class ExchangeSource(EmbeddedSource):
         """``"mpi"`` or ``"torch.distributed"``."""
         return self.exchange.kind
 
+    def batches(
+        self, epoch: int, start: int, stop: threading.Event, ring: BufferRing
+    ) -> Iterator[tuple[int, Buffer]]:
+        """As :meth:`EmbeddedSource.batches`; an exchange whose step failed refuses first,
+        before the ranks' start check (so it sends nothing more)."""
+        self.exchange.usable()
+        yield from super().batches(epoch, start, stop, ring)
+
     def deliver(self, epoch: int, step: int, out: dict[str, np.ndarray]) -> None:
         if self.plan is None or self.plan.epoch != epoch:
             owner = self.exchange.setup.owner

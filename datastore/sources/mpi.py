@@ -14,7 +14,8 @@ copies, but with mpich 5 a block amid its halo moved at 0.01 GB/s that way. The 
 outside the volume is written by the receiver, since buffers are reused and consumers may edit
 them. Waits are polled, so a peer that never sends stops the step with an error naming it
 instead of a hang; that step's buffers are then kept until the process exits, since the peer
-may yet send and MPI move the bytes, even in ``MPI_Finalize``.
+may yet send and MPI move the bytes, even in ``MPI_Finalize``, and the exchange takes no
+step after it (:meth:`~datastore.sources.owners.Owners.usable`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class MpiExchange(Owners):
         """Deliver this rank's share of a step (its messages ``msgs``) into ``out`` (whole
         boxes, zero halo included); :class:`~datastore.errors.ExchangeTimeout` names the step
         and the peers if the messages do not arrive within the timeout."""
+        self.usable()
         t0 = time.perf_counter()
         me = self.rank
         requests: list[Any] = []
@@ -103,6 +105,7 @@ class MpiExchange(Owners):
             self.setup.gather.run(self._boxes.unpacks())
         except BaseException:  # its bytes may still move, up to MPI_Finalize: kept till exit
             self._boxes.abandon(requests, out, sent_from)
+            self.failed_at = step
             raise
         self._boxes.release()
         self.seconds += time.perf_counter() - t0

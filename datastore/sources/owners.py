@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from datastore.errors import DataStoreError
 from datastore.maths.delivery import Copy, Delivered, box_copies
 from datastore.maths.exchange import Message, rank_plan
 from datastore.maths.ownership import RunOwners
@@ -54,6 +55,17 @@ class Owners:
         self.mine = setup.fields[rank % setup.spatial_size]  # what this rank receives
         self.bytes_sent = 0
         self.seconds = 0.0  # time spent in step()
+        self.failed_at: int | None = None  # the step that timed out or failed: none after it
+
+    def usable(self) -> None:
+        """Raise if a step failed: that step's messages may still arrive, into its buffers or
+        matched in place of a later step's, so the exchange takes no step after it (a new
+        loader exchanges over a communicator or group of its own)."""
+        if self.failed_at is not None:
+            raise DataStoreError(
+                f"the {self.kind} exchange failed at step {self.failed_at} and cannot be used "
+                "again (messages of that step may still arrive): make a new loader"
+            )
 
     def messages(self, batch: np.ndarray) -> list[Message]:
         """The messages this rank sends or receives at the step of global ``batch``."""

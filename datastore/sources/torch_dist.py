@@ -70,7 +70,6 @@ class TorchExchange(Owners):
         self.group = group
         super().__init__(dist.get_rank(group), setup)
         self._rooms = _Rooms()
-        self._failed: int | None = None  # the step that timed out or failed
 
     def _peer(self, rank: int) -> int:
         """The global rank of group rank ``rank`` (what ``isend``/``irecv`` take)."""
@@ -80,11 +79,7 @@ class TorchExchange(Owners):
         """Deliver this rank's share of a step (its messages ``msgs``) into ``out`` (whole
         boxes, zero halo included); :class:`~datastore.errors.ExchangeTimeout` names the step
         and the peers if the messages do not arrive within the timeout."""
-        if self._failed is not None:
-            raise DataStoreError(
-                f"the torch.distributed exchange failed at step {self._failed} and cannot be "
-                "used again (messages of that step may still arrive)"
-            )
+        self.usable()
         t0 = time.perf_counter()
         me, tag = self.rank, step % _TAGS
         self._rooms.reset()
@@ -126,7 +121,7 @@ class TorchExchange(Owners):
         try:
             self._wait(works, step, deadline)
         except DataStoreError:
-            self._failed = step
+            self.failed_at = step
             raise
         self.setup.gather.run(unpack)
         self.seconds += time.perf_counter() - t0

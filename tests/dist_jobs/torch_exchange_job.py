@@ -13,7 +13,8 @@ Usage:
     RAM budget in bytes (``0``: no slot in RAM, every sample re-read into one scratch array),
     or ``-`` for all in RAM.
   torch_exchange_job.py skip DATASET OUT GLOBAL_BATCH TIMEOUT SKIP
-    rank 1 never calls step SKIP (it sleeps instead); the others must raise ExchangeTimeout.
+    rank 1 never calls step SKIP (it sleeps instead); the others must raise ExchangeTimeout,
+    then refuse the next step (the exchange takes no step after a failed one).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import h5py
 import numpy as np
 import torch.distributed as dist
 
-from datastore.errors import ExchangeTimeout
+from datastore.errors import DataStoreError, ExchangeTimeout
 from datastore.maths.delivery import delivered_fields
 from datastore.maths.order import Schedule
 from datastore.maths.ownership import RangeOwners
@@ -128,12 +129,19 @@ def skip(path: str, out: str, gb: str, timeout: str, at: str) -> dict:
         try:
             ex.step(step, ex.messages(sched.global_batch_at(0, step)), bufs)
         except ExchangeTimeout as exc:
+            waited = time.monotonic() - t0
+            try:  # the exchange takes no step after a failed one
+                ex.step(step + 1, ex.messages(sched.global_batch_at(0, step + 1)), bufs)
+                again = None
+            except DataStoreError as refused:
+                again = str(refused)
             return {
                 "error": str(exc),
                 "expected_step": expected,
                 "step": exc.step,
                 "peers": list(exc.peers),
-                "waited": time.monotonic() - t0,
+                "waited": waited,
+                "again": again,
             }
     return {"finished": True}
 

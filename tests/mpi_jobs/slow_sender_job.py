@@ -3,7 +3,8 @@ read a sample it sends (4 s, as a busy parallel file system can be), past the lo
 timeout; rank 0, its receives posted into its batch slot, times out in the exchange and
 ends. Rank 1's bytes then move while rank 0 finalizes MPI, into buffers that must still be
 alive (before, Open MPI wrote them into freed memory: rank 0 died of a segfault after its
-clear error). Each rank writes its error as a JSON row (``OUT.RANK.json``).
+clear error). Rank 0 then tries a new pass, which the failed exchange refuses. Each rank
+writes its errors as a JSON row (``OUT.RANK.json``).
 
 Usage: slow_sender_job.py DATASET OUT
 """
@@ -40,12 +41,20 @@ def main() -> None:
     rank = MPI.COMM_WORLD.Get_rank()
     if rank == 1:
         slow_sixth_read()
-    row: dict = {"rank": rank, "error": None, "steps": 0}
+    row: dict = {"rank": rank, "error": None, "steps": 0, "again": None}
+    loader = DataStoreLoader(path, global_batch_size=8, seed=1, timeout=2)
     try:
-        for _ in DataStoreLoader(path, global_batch_size=8, seed=1, timeout=2):
+        for _ in loader:
             row["steps"] += 1
     except Exception as exc:  # what each rank raised, for the test
         row["error"] = [type(exc).__name__, str(exc)]
+    if rank == 0:  # a new pass after the timeout: refused at once, before any message
+        t0 = time.monotonic()
+        loader.set_epoch(1)
+        try:
+            next(iter(loader))
+        except Exception as exc:
+            row["again"] = [type(exc).__name__, str(exc), time.monotonic() - t0]
     write_row(out, rank, row)
 
 
