@@ -122,11 +122,11 @@ class BoxMessages:
             self.asides.give(b)
         self._held, self._unpacks = [], []
 
-    def abandon(self, *referenced: object) -> None:
-        """The round failed (its requests may never complete): its buffers aside, and
-        ``referenced`` (its requests, the arrays they send from and receive into), are kept
-        until the process exits (:func:`keep_until_exit`), never reused."""
-        keep_until_exit((self._held, referenced))
+    def abandon(self, requests: list[Any]) -> None:
+        """The round failed (its ``requests`` may never complete): they, the buffers they
+        send from and receive into (an mpi4py request holds its buffer) and the buffers aside
+        are kept until the process exits (:func:`keep_until_exit`), never reused."""
+        keep_until_exit((self._held, requests))
         self._held, self._unpacks = [], []
 
     def _take(self, n: int) -> np.ndarray:

@@ -67,7 +67,6 @@ class MpiExchange(Owners):
         requests: list[Any] = []
         peers: list[int] = []
         copies = []
-        sent_from: list[np.ndarray] = []
 
         def pending() -> list[int]:
             return sorted({p for r, p in zip(requests, peers, strict=True) if not r.Test()})
@@ -87,7 +86,6 @@ class MpiExchange(Owners):
                 if m.src == me and m.dst != me:
                     for f in self.setup.fields[m.block]:
                         vol = self.setup.store.lasting(m.sample, f.name)  # it must outlive the send
-                        sent_from.append(vol)
                         src, _ = covered(f)
                         sends = self._boxes.send(vol, src, m.dst)
                         requests += sends
@@ -104,7 +102,7 @@ class MpiExchange(Owners):
             )
             self.setup.gather.run(self._boxes.unpacks())
         except BaseException:  # its bytes may still move, up to MPI_Finalize: kept till exit
-            self._boxes.abandon(requests, out, sent_from)
+            self._boxes.abandon(requests)
             self.failed_at = step
             raise
         self._boxes.release()
