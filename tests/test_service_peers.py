@@ -53,6 +53,9 @@ class Store:
         (tmp / "token").chmod(0o600)
 
     def start(self, node: int) -> None:
+        """Start node ``node``'s service; back once it listens (a restart: once the new one
+        does, not on the socket file a killed service left behind)."""
+        self.sockets[node].unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(self.sockets[node])]
         cmd += ["--tcp", self.addresses[node], "--token-file", str(self.tmp / "token")]
         cmd += ["--peers", ",".join(self.addresses), "--node", str(node), "--peer-timeout", "3"]
