@@ -71,7 +71,9 @@ class MpiExchange(Owners):
         def pending() -> list[int]:
             return sorted({p for r, p in zip(requests, peers, strict=True) if not r.Test()})
 
-        try:  # whatever fails once a message is posted: this round's buffers are never freed
+        # whatever fails once a message is posted: its bytes may still move, up to MPI_Finalize,
+        # so this round's buffers are kept till exit
+        with self.failing_at(step, lambda: self._boxes.abandon(requests)):
             # receives first, in plan order (MPI matches same-pair messages in order)
             for m in msgs:
                 if m.dst == me and m.src != me:
@@ -101,10 +103,6 @@ class MpiExchange(Owners):
                 pending=pending,
             )
             self.setup.gather.run(self._boxes.unpacks())
-        except BaseException:  # its bytes may still move, up to MPI_Finalize: kept till exit
-            self._boxes.abandon(requests)
-            self.failed_at = step
-            raise
         self._boxes.release()
         self.seconds += time.perf_counter() - t0
 

@@ -3,6 +3,8 @@ step, and the copies of the samples a rank both owns and consumes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +68,19 @@ class Owners:
                 f"the {self.kind} exchange failed at step {self.failed_at} and cannot be used "
                 "again (messages of that step may still arrive): make a new loader"
             )
+
+    @contextmanager
+    def failing_at(self, step: int, abandon: Callable[[], None] = lambda: None) -> Iterator[None]:
+        """Around a step from its first posted message: whatever escapes (a timeout, a peer
+        gone, a read error, an interrupt) runs ``abandon`` (keep what a transfer may still
+        touch) and marks the exchange failed at ``step``, so that :meth:`usable` refuses the
+        next step whose buffers those messages could still reach."""
+        try:
+            yield
+        except BaseException:
+            abandon()
+            self.failed_at = step
+            raise
 
     def messages(self, batch: np.ndarray) -> list[Message]:
         """The messages this rank sends or receives at the step of global ``batch``."""

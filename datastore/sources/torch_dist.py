@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from datastore.errors import DataStoreError, PeerFailed
+from datastore.errors import PeerFailed
 from datastore.maths.delivery import Copy, covered, pad_copies
 from datastore.maths.exchange import Message
 from datastore.ranks.agree import timeout_error
@@ -87,43 +87,43 @@ class TorchExchange(Owners):
         unpack: list[Copy] = []  # received into a staging array: copied after the wait
         copies: list[Copy] = []  # zero halo and this rank's own samples: while messages travel
         sent: list[np.ndarray] = []
-        for m in msgs:  # receives first, in plan order (gloo matches a pair's messages in order)
-            if m.dst == me and m.src != me:
-                for f in self.mine:
-                    dst = out[f.name][m.pos, ...]
-                    _, inner = covered(f)
-                    place = dst[(*inner, ...)]
-                    room = place
-                    if not place.flags.c_contiguous:  # a block of a multi-axis box
-                        room = self._rooms.take(place.shape, place.dtype)
-                        unpack.append((place, room))
-                    work = dist.irecv(_wire(room), self._peer(m.src), group=self.group, tag=tag)
-                    works.append((work, m.src))
-                    copies.extend(pad_copies(f, dst))
-        for m in msgs:
-            if m.src == me and m.dst != me:
-                for f in self.setup.fields[m.block]:
-                    src, _ = covered(f)
-                    # lasting: gloo reads the array until the send completes, after this
-                    # step's later gets (a re-read sample's scratch array is reused by them)
-                    part = self.setup.store.lasting(m.sample, f.name)[(*src, ...)]
-                    if not part.flags.c_contiguous:
-                        packed = self._rooms.take(part.shape, part.dtype)
-                        np.copyto(packed, part)
-                        part = packed
-                    sent.append(part)
-                    work = dist.isend(_wire(part), self._peer(m.dst), group=self.group, tag=tag)
-                    works.append((work, m.dst))
-                    self.bytes_sent += part.nbytes
-        deadline = time.monotonic() + self.setup.timeout
-        copies.extend(self.own_copies(msgs, out))
-        self.setup.gather.run(copies)
-        try:
+        # whatever fails once a message is posted (a timeout, a peer gone, a read error): gloo
+        # may still write into this step's buffers, so the exchange takes no step after it
+        with self.failing_at(step):
+            # receives first, in plan order (gloo matches a pair's messages in order)
+            for m in msgs:
+                if m.dst == me and m.src != me:
+                    for f in self.mine:
+                        dst = out[f.name][m.pos, ...]
+                        _, inner = covered(f)
+                        place = dst[(*inner, ...)]
+                        room = place
+                        if not place.flags.c_contiguous:  # a block of a multi-axis box
+                            room = self._rooms.take(place.shape, place.dtype)
+                            unpack.append((place, room))
+                        work = dist.irecv(_wire(room), self._peer(m.src), group=self.group, tag=tag)
+                        works.append((work, m.src))
+                        copies.extend(pad_copies(f, dst))
+            for m in msgs:
+                if m.src == me and m.dst != me:
+                    for f in self.setup.fields[m.block]:
+                        src, _ = covered(f)
+                        # lasting: gloo reads the array until the send completes, after this
+                        # step's later gets (a re-read sample's scratch array is reused by them)
+                        part = self.setup.store.lasting(m.sample, f.name)[(*src, ...)]
+                        if not part.flags.c_contiguous:
+                            packed = self._rooms.take(part.shape, part.dtype)
+                            np.copyto(packed, part)
+                            part = packed
+                        sent.append(part)
+                        work = dist.isend(_wire(part), self._peer(m.dst), group=self.group, tag=tag)
+                        works.append((work, m.dst))
+                        self.bytes_sent += part.nbytes
+            deadline = time.monotonic() + self.setup.timeout
+            copies.extend(self.own_copies(msgs, out))
+            self.setup.gather.run(copies)
             self._wait(works, step, deadline)
-        except DataStoreError:
-            self.failed_at = step
-            raise
-        self.setup.gather.run(unpack)
+            self.setup.gather.run(unpack)
         self.seconds += time.perf_counter() - t0
 
     def _wait(self, works: list[tuple[Any, int]], step: int, deadline: float) -> None:
