@@ -16,7 +16,7 @@ TORCH_INDEX ?=   # e.g. https://download.pytorch.org/whl/cpu: where torch comes 
 TEST_WORKERS ?= 2
 XDIST  := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-.PHONY: demo test test-quick test-openmpi lint bench clean protos
+.PHONY: demo test test-quick test-openmpi openmpi-venv lint bench clean protos
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -66,8 +66,14 @@ $(OPENMPI_VENV)/.built: $(STAMP)
 	    > "$$($(call SITE_PACKAGES,$(OPENMPI_VENV)))/zz-datastore-venv.pth"
 	touch $@
 
+IS_OPENMPI = $(OPENMPI_MPICC) -showme:version 2>/dev/null | grep -q "Open MPI"
+
+# Open MPI's venv alone (.ci/run builds it beside `make test`); nothing where there is no Open MPI
+openmpi-venv: $(STAMP)
+	@if $(IS_OPENMPI); then $(MAKE) --no-print-directory $(OPENMPI_VENV)/.built; fi
+
 test-openmpi: $(STAMP)
-	@if ! $(OPENMPI_MPICC) -showme:version 2>/dev/null | grep -q "Open MPI"; then \
+	@if ! $(IS_OPENMPI); then \
 	    echo "test-openmpi: skipped: $(OPENMPI_MPICC) is not Open MPI's (Debian: apt-get install openmpi-bin libopenmpi-dev)"; \
 	    exit 0; \
 	fi; \
