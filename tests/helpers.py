@@ -296,6 +296,17 @@ def rank_rows(
     return [json.loads(Path(f"{prefix}.{rank}.json").read_text()) for rank in range(world)]
 
 
+def trainer_refusals(n: int, cases: list[list[str]], tmp: Path) -> list[list[dict]]:
+    """Run the ``trainer`` command lines ``cases`` (``["train", "--set", "k=v", ...]``) one
+    after another in the same ``n`` ``mpiexec`` ranks (``tests/trainer_jobs/refusals_job.py``).
+    Returns per case, per rank: its exit ``code``, its ``stderr`` and its ``seconds``."""
+    spec, prefix = tmp / "cases.json", tmp / "refused"
+    spec.write_text(json.dumps(cases))
+    job = ROOT / "tests" / "trainer_jobs" / "refusals_job.py"
+    rows = rank_rows(mpi_job(n, job, spec, prefix), str(prefix), n, job_env())
+    return [[rows[rank][case] for rank in range(n)] for case in range(len(cases))]
+
+
 def run_job(cmd: list[str], out: Path, timeout: float = 300) -> dict:
     """Run ``cmd`` in ``job_env()``; it must exit 0 (the assertion shows its output). Returns
     the JSON it wrote to ``out``."""

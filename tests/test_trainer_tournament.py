@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC, serving
+from helpers import MPIEXEC, serving, trainer_refusals
 
 from datastore.loader import DataStoreLoader
 from datastore.service.client import Client
@@ -279,22 +279,35 @@ def test_the_summary_names_the_best_trainer(tourney):
     assert stdout.count("tournament of 3 trainers, 6 steps, 3 rounds: best validation MSE") == 1
 
 
+# refused on every rank before any reaches a service: one launch of 2 ranks runs them all
+BAD_SETTINGS = {
+    "one-trainer": (["tournament.trainers=1"],
+                    "'tournament.trainers': a tournament needs at least 2"),
+    "no-interval": (["tournament.interval=0"],
+                    "'tournament.interval': rounds must be at least 1 step"),
+    "ranks": (["tournament.trainers=3"], "3 trainers but 2 processes were launched"),
+    "log": (["log_file=/dev/null/r.jsonl"], "'log_file': /dev/null: /dev/null is not a direc"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bad_settings(data, tmp_path_factory) -> dict[str, list[dict]]:
+    """Each of ``BAD_SETTINGS`` run as ``trainer tournament`` on the same 2 ranks: per rank,
+    what it said."""
+    tmp = tmp_path_factory.mktemp("refused")
+    base = settings(data, tmp / "r.jsonl", tmp / "none.sock")
+    cases = [["tournament", *[a for s in [*base, *sets] for a in ("--set", s)]]
+             for sets, _ in BAD_SETTINGS.values()]  # fmt: skip
+    return dict(zip(BAD_SETTINGS, trainer_refusals(2, cases, tmp), strict=True))
+
+
 @mpi
-@pytest.mark.parametrize(
-    "n, sets, message",
-    [
-        (2, ["tournament.trainers=1"], "'tournament.trainers': a tournament needs at least 2"),
-        (2, ["tournament.interval=0"], "'tournament.interval': rounds must be at least 1 step"),
-        (2, ["tournament.trainers=3"], "3 trainers but 2 processes were launched"),
-        (2, ["log_file=/dev/null/r.jsonl"], "'log_file': /dev/null: /dev/null is not a direc"),
-    ],
-)
-def test_bad_settings_are_one_error_on_every_rank(data, tmp_path, n, sets, message):
-    sock = tmp_path / "none.sock"  # refused before any rank would reach a service
-    proc = launch(n, [*settings(data, tmp_path / "r.jsonl", sock), *sets], timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.count("trainer: ") == n, proc.stderr
-    assert proc.stderr.count(message) == n, proc.stderr
+@pytest.mark.parametrize("case", BAD_SETTINGS)
+def test_bad_settings_are_one_error_on_every_rank(bad_settings, case):
+    message = BAD_SETTINGS[case][1]
+    for rank, r in enumerate(bad_settings[case]):
+        assert r["code"] == 2, (rank, r)
+        assert r["stderr"].count("trainer: ") == 1 and r["stderr"].count(message) == 1, (rank, r)
 
 
 @mpi
