@@ -10,7 +10,7 @@ holds about half of the files under ``DIR/node{k}/src``. Three kinds of store, o
 other, each in fresh ``XDG_RUNTIME_DIR``/``XDG_STATE_HOME`` directories:
 
 - **mpi**: ``mpiexec -n 2 python -m mpi4py -m datastore serve --socket TMP/s{rank}.sock``; the
-  two services peer over MPI (:class:`datastore.service.peers.MpiPeers`).
+  two services peer over MPI (:class:`datastore.service.mpi_peers.MpiPeers`).
 - **grpc**: two plain ``datastore serve --socket TMP/g{k}.sock --tcp 127.0.0.1:P_k --token-file
   F --peers P_0,P_1 --node k`` processes; they peer over gRPC on TCP
   (:class:`datastore.service.grpc_peers.GrpcPeers`), the blocks over the data connection
@@ -41,7 +41,7 @@ kinds; medians. Also measured once the jobs are done: the services' CPU use whil
 dataset resident, no client), as a fraction of one core.
 
 The link itself: every service runs with ``DATASTORE_PEER_STATS`` (its fetches' spans in
-flight and message sizes, :class:`datastore.service.peers.ExchangeStats`). Reported per job:
+flight and message sizes, :class:`datastore.service.peer_stats.ExchangeStats`). Reported per job:
 **exchange GB/s in flight** = the fetches' bytes (both services) / the time at least one fetch
 of either service was in flight during the timed epochs (request sent to last byte in), and
 **per epoch time** = the same bytes / the timed wall time (in which batches are also filled
@@ -112,7 +112,7 @@ from common import (
     write_results,
 )
 
-from datastore.service.peers import STATS_ENV, read_stats
+from datastore.service.peer_stats import STATS_ENV, read_stats
 from datastore.service.session import FETCH_AHEAD
 from staging.cluster import LAUNCH_ENV
 
@@ -485,7 +485,7 @@ def run_link(
 
 
 def peer_stats(store: Store) -> list[dict[str, Any]]:
-    """Each service's :class:`~datastore.service.peers.ExchangeStats` so far."""
+    """Each service's :class:`~datastore.service.peer_stats.ExchangeStats` so far."""
     return [read_stats(os.path.join(store.tmp, f"peer{k}.jsonl")) for k in range(2)]
 
 

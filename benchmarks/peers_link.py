@@ -5,7 +5,7 @@ benchmarks/peers_link.py SPEC``) and each ``grpc`` job (two plain ``python
 benchmarks/peers_link.py SPEC NODE`` processes, meeting over a control connection). Process k
 plays node k of the sharded store: it builds what ``datastore serve`` builds on that node, a
 :class:`~datastore.service.servicer.Servicer` with its peer link and its residency, and loads
-its shard of the dataset. Over MPI that is the :class:`~datastore.service.peers.MpiPeers`
+its shard of the dataset. Over MPI that is the :class:`~datastore.service.mpi_peers.MpiPeers`
 link (no gRPC server: no client is served); over gRPC, the
 :class:`~datastore.service.grpc_peers.GrpcPeers` link and what answers it: the TCP server
 with the ``Peers`` service (token checked) and the data listener (no Unix socket). Then,
@@ -67,7 +67,7 @@ from datastore.maths.delivery import (
 )
 from datastore.service.config import ServeConfig
 from datastore.service.logs import JsonLog
-from datastore.service.peers import node_path
+from datastore.service.peer_link import node_path
 from datastore.service.servicer import Counters, Servicer, Stop
 from datastore.store.gather import Gather, run_copies
 

@@ -30,7 +30,8 @@ from datastore.service.errors import ServiceError
 from datastore.service.grpc_answer import PeersServicer, add_peers_to_server
 from datastore.service.grpc_peers import GrpcPeers
 from datastore.service.listeners import bind_data
-from datastore.service.peers import STATS_ENV, Pieces, read_stats
+from datastore.service.peer_link import Pieces
+from datastore.service.peer_stats import STATS_ENV, read_stats
 from staging.cluster import LAUNCH_ENV
 from tests.test_service_peers import TOKEN, Store, _free_port, _job, two_services
 
@@ -300,11 +301,19 @@ def store(tmp_path_factory):
         yield running
 
 
-def _connected(port: int) -> int:
-    """The established TCP connections to ``port`` on this host (``/proc/net/tcp``)."""
-    with open("/proc/net/tcp") as f:
-        rows = [line.split() for line in f.readlines()[1:]]
-    return sum(int(r[1].split(":")[1], 16) == port and r[3] == "01" for r in rows)
+def _connected(port: int, want: int | None = None, within: float = 2.0) -> int:
+    """The established TCP connections to ``port`` on this host (``/proc/net/tcp``); with
+    ``want``, read again until that many are seen or ``within`` s passed (the file is read a
+    page at a time, each read resuming where the last stopped: while other processes open and
+    close sockets, one reading can miss rows)."""
+    deadline = time.monotonic() + within
+    while True:
+        with open("/proc/net/tcp") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        got = sum(int(r[1].split(":")[1], 16) == port and r[3] == "01" for r in rows)
+        if want is None or got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
 
 
 @pytest.mark.mpi
@@ -598,12 +607,12 @@ def test_an_unused_data_connection_is_closed_by_its_owner_and_the_asker_opens_an
     with owner(_pieces) as (address, listener), linked(address) as link:
         out = _flat()
         link.fetch(1, _ask([1]), out)
-        assert _connected(listener.port) == 1
+        assert _connected(listener.port, 1) == 1
         time.sleep(1.5)
-        assert _connected(listener.port) == 0, "an unused data connection was kept open"
+        assert _connected(listener.port, 0) == 0, "an unused data connection was kept open"
         link.fetch(1, _ask([2]), out)
         assert _holds(out, 2)
-        assert listener.served == 2 and _connected(listener.port) == 1
+        assert listener.served == 2 and _connected(listener.port, 1) == 1
 
 
 def test_an_asker_does_not_reuse_a_data_connection_that_sat_unused_too_long(monkeypatch):
@@ -661,7 +670,7 @@ def test_many_idle_data_connections_hold_a_bounded_number_of_threads(tls):
                     assert _holds(out, i + round_)
                 threads = _listener_threads(before)
                 assert len(threads) <= 1 + data_link.WORKERS, [t.name for t in threads]
-                assert _connected(listener.port) == 64  # all kept open, idle
+                assert _connected(listener.port, 64) == 64  # all kept open, idle
             assert listener.served == 128
         finally:
             for conn in conns:
@@ -778,7 +787,7 @@ def test_askers_that_stop_reading_free_the_answering_threads_at_the_timeout():
             deadline = time.monotonic() + 10  # every stalled one answered, then dropped
             while _connected(listener.port) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert _connected(listener.port) == 0
+            assert _connected(listener.port, 0) == 0
             assert listener.served == data_link.WORKERS + 2
             for s in stalled:  # dropped mid-reply: fewer bytes than the reply's
                 s.settimeout(10)

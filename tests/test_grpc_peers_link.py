@@ -17,7 +17,8 @@ import pytest
 from datastore.maths.subarray import view
 from datastore.service.grpc_answer import PeersServicer, add_peers_to_server
 from datastore.service.grpc_peers import GrpcPeers, _as_bytes, _Filler
-from datastore.service.peers import STATS_ENV, Pieces, read_stats
+from datastore.service.peer_link import Pieces
+from datastore.service.peer_stats import STATS_ENV, read_stats
 
 # Rounds of 8 chunk-sized buffers alive at once, written then freed (what a service does with
 # the messages of the fetches in flight): the page faults per round after the first 3.

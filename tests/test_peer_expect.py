@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from datastore.maths.delivery import covered, covered_sizes, delivered_fields, spatial_grid
 from datastore.readers.base import FieldInfo
-from datastore.service.peers import Pieces, expect, fitted, sizes_of
+from datastore.service.peer_link import Pieces, expect, fitted, sizes_of
 
 JOB = Path(__file__).parent / "mpi_jobs" / "peer_expect_job.py"
 

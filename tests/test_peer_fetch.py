@@ -12,7 +12,8 @@ import pytest
 from helpers import mpi_job, run_job
 
 from datastore.service.grpc_peers import _Filler
-from datastore.service.peers import ExchangeStats, cut_into, read_stats
+from datastore.service.peer_link import cut_into
+from datastore.service.peer_stats import ExchangeStats, read_stats
 
 JOB = Path(__file__).parent / "mpi_jobs" / "peer_faults_job.py"
 
@@ -65,7 +66,7 @@ def test_the_link_counts_the_time_any_fetch_was_in_flight(tmp_path):
 def test_peer_stats_close_their_file_and_record_nothing_after(tmp_path):
     """A service's stats file is closed with its link; a fetch ending later (a gRPC fetch
     still in flight at close) must not reopen it, which would truncate what was recorded."""
-    from datastore.service.peers import ExchangeStats
+    from datastore.service.peer_stats import ExchangeStats
 
     stats = ExchangeStats(str(tmp_path / "s{node}.jsonl"), 0)
     stats.begin()

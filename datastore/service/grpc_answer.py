@@ -19,7 +19,7 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.data_link import BadFrame, DataListener
 from datastore.service.errors import ServiceError
 from datastore.service.grpc_peers import CHUNK, DATA_FIELD, SERVICE
-from datastore.service.peers import Pieces
+from datastore.service.peer_link import Pieces
 from datastore.service.wire import bytes_field
 
 __all__ = ["PeersServicer", "add_peers_to_server", "frame_chunk"]
@@ -36,7 +36,7 @@ class PeersServicer:
 
     Args:
         node, nodes: this service's index and the store's size.
-        answer: ``answer(request) -> reply`` as :class:`~datastore.service.peers.MpiPeers`
+        answer: ``answer(request) -> reply`` as :class:`~datastore.service.mpi_peers.MpiPeers`
             takes it (``{"kind": "describe" | "fetch", ...}``).
         spatial_of: a ``SpatialLayout`` as the dict ``answer`` takes.
         on_error: told of an unexpected exception (logged there; the peer gets ``INTERNAL``

@@ -4,7 +4,7 @@
 same ``--peers`` list (every service's TCP address, in node order) everywhere, and each
 service its own index ``K`` in it. A service asks its peers through the ``datastore.v1.Peers``
 service on their TCP addresses, with the store's shared token (and TLS when it is on), what
-:class:`~datastore.service.peers.MpiPeers` asks over MPI: which files of a sharded dataset they
+:class:`~datastore.service.mpi_peers.MpiPeers` asks over MPI: which files of a sharded dataset they
 hold (``Describe``), and the blocks its local ranks need of the samples they own
 (``FetchBlocks``). The blocks travel over a data connection beside gRPC
 (:mod:`datastore.service.data_link`: authorised by ``OpenData``, only the kernel copies the
@@ -41,15 +41,8 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
 from datastore.service.data_link import IDLE_S, DataConnection, PeerError
 from datastore.service.errors import ServiceError
-from datastore.service.peers import (
-    STATS_ENV,
-    Box,
-    ExchangeStats,
-    Listing,
-    Pending,
-    Segments,
-    targets,
-)
+from datastore.service.peer_link import Box, Listing, Pending, Segments, targets
+from datastore.service.peer_stats import STATS_ENV, ExchangeStats
 from datastore.service.wire import bytes_field_view, keep_large_blocks
 
 __all__ = ["CHUNK", "DATA_FIELD", "SERVICE", "GrpcPeers", "chunk_view", "parse_peers"]

@@ -41,7 +41,7 @@ from datastore.maths.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
 from datastore.service.paths import checked_path, shown
-from datastore.service.peers import Peers, Pending, Pieces, expect
+from datastore.service.peer_link import Peers, Pending, Pieces, expect
 from datastore.store.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store.store import SlotSpec, Store
 from staging.confine import beneath

@@ -27,7 +27,8 @@ from datastore.service.config import MAX_GRACE_S, ServeConfig
 from datastore.service.errors import ServiceError
 from datastore.service.grpc_peers import GrpcPeers
 from datastore.service.logs import JsonLog
-from datastore.service.peers import MpiPeers, Peers, node_path
+from datastore.service.mpi_peers import MpiPeers
+from datastore.service.peer_link import Peers, node_path
 from datastore.service.resident import Residency, Resident, listing, resolve_dataset
 from datastore.service.session import Sessions
 from datastore.service.shm import remove_own
@@ -115,7 +116,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         )
 
     def answer(self, request: dict) -> Any:
-        """A peer service's request (``datastore.service.peers``)."""
+        """A peer service's request (``datastore.service.mpi_peers``)."""
         kind = request["kind"]
         if kind == "shutdown":
             self._stop.request(f"node {request['node']} stopped")

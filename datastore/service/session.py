@@ -28,7 +28,7 @@ from datastore.maths.rank_view import RankView, rank_view
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.paths import shown
-from datastore.service.peers import node_path
+from datastore.service.peer_link import node_path
 from datastore.service.resident import Fetching, Residency, Resident, resolve_dataset
 from datastore.service.stream import SlotRing, Stream
 from datastore.service.watch import ProcessWatch

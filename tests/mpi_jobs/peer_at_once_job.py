@@ -17,7 +17,8 @@ import numpy as np
 from mpi4py import MPI
 
 from datastore.service.errors import ServiceError
-from datastore.service.peers import MpiPeers, Pieces
+from datastore.service.mpi_peers import MpiPeers
+from datastore.service.peer_link import Pieces
 
 IN_RAM = {0, 1}  # node 0's samples in RAM; 2 is "on disk"
 ANSWERED_AT_ONCE = threading.Event()

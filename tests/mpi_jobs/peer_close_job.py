@@ -15,7 +15,7 @@ import time
 from mpi4py import MPI
 
 from datastore.service.errors import ServiceError
-from datastore.service.peers import MpiPeers
+from datastore.service.mpi_peers import MpiPeers
 
 ANSWERING = threading.Event()
 

@@ -23,7 +23,9 @@ import numpy as np
 from peer_job import asker_stats, failed, run
 
 from datastore.service.errors import ServiceError
-from datastore.service.peers import MpiPeers, expect, read_stats
+from datastore.service.mpi_peers import MpiPeers
+from datastore.service.peer_link import expect
+from datastore.service.peer_stats import read_stats
 
 
 def answer(request: dict) -> object:

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 from peer_job import failed
 
-from datastore.service.peers import REQUEST, MpiPeers
+from datastore.service.mpi_peers import REQUEST, MpiPeers
 
 
 def owner(comm: MPI.Comm) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 from mpi4py import MPI
 
 from datastore.service.errors import ServiceError
-from datastore.service.peers import STATS_ENV, MpiPeers
+from datastore.service.mpi_peers import MpiPeers
+from datastore.service.peer_stats import STATS_ENV
 
 
 def asker_stats() -> str:

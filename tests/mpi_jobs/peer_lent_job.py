@@ -27,7 +27,9 @@ import numpy as np
 from mpi4py import MPI
 from peer_job import asker_stats, failed
 
-from datastore.service.peers import STATS_ENV, MpiPeers, expect, read_stats
+from datastore.service.mpi_peers import MpiPeers
+from datastore.service.peer_link import expect
+from datastore.service.peer_stats import STATS_ENV, read_stats
 from datastore.service.resident import Fetching
 from datastore.service.stream import SlotRing
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 from peer_job import asker_stats, run
 
-from datastore.service.peers import MpiPeers, Pieces, read_stats
+from datastore.service.mpi_peers import MpiPeers
+from datastore.service.peer_link import Pieces
+from datastore.service.peer_stats import read_stats
 
 # sample i's fields, as node 0 stores them (distinct values everywhere)
 STORE = {}

@@ -20,7 +20,8 @@ import numpy as np
 from mpi4py import MPI
 from peer_job import failed
 
-from datastore.service.peers import REQUEST, MpiPeers, expect
+from datastore.service.mpi_peers import REQUEST, MpiPeers
+from datastore.service.peer_link import expect
 
 # the late bytes: samples that happen to read as the envelopes of the next two requests
 FORGED = [

@@ -14,7 +14,7 @@ import numpy as np
 from peer_job import run
 
 from datastore.service.errors import ServiceError
-from datastore.service.peers import MpiPeers
+from datastore.service.mpi_peers import MpiPeers
 
 
 def answer(request: dict) -> object:

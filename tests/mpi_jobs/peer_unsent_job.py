@@ -19,7 +19,9 @@ import threading
 import numpy as np
 from peer_job import asker_stats, run
 
-from datastore.service.peers import MpiPeers, expect, read_stats
+from datastore.service.mpi_peers import MpiPeers
+from datastore.service.peer_link import expect
+from datastore.service.peer_stats import read_stats
 
 
 def answer(request: dict) -> object:

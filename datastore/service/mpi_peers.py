@@ -1,17 +1,12 @@
-"""Services on several nodes forming one store, and their link over MPI (``mpiexec -n K
-datastore serve``); :mod:`datastore.service.grpc_peers` is the same link over gRPC.
+"""The link between the services of one store over MPI (``mpiexec -n K datastore serve``);
+:mod:`datastore.service.grpc_peers` is the same link over gRPC, and
+:mod:`datastore.service.peer_link` what both share (the requests, :class:`Pieces` replies,
+where the bytes land).
 
-Each service owns the samples staged on its node's disk. When a dataset is sharded (``datastore
-stage --mode shard``: nodes hold different files under the same path), a service asks every
-peer which files it holds (``describe``), and from then on fetches from their owners the blocks
-its local trainer ranks need (``fetch``): the owner sends block ``k``'s part inside the volume
-straight from its resident sample, as the sample's contiguous runs (:class:`Pieces`), and the
-asker writes the zero halo. A session's stream asks for a batch's remote samples as soon as it
-has the slot they go to, every owner at once, up to several batches ahead
-(:meth:`MpiPeers.start` returns at once), and the runs land straight in the slot
-(:data:`Segments`); a part that is not contiguous there (a block amid its halo) lands in a
-reused buffer and is copied in. MPI derived datatypes would spare that copy, but in mpich 5
-(shared memory) a subarray type moves 0.2-0.9 GB/s where contiguous bytes move 2-7 GB/s.
+The owner sends a fetch's part as its contiguous runs
+(:class:`~datastore.service.peer_link.Pieces`); a part amid its halo lands aside and is copied
+in. MPI derived datatypes would spare that copy, but in mpich 5 (shared memory) a subarray
+type moves 0.2-0.9 GB/s where contiguous bytes move 2-7 GB/s.
 
 The requests are point-to-point MPI messages (pickled requests, raw replies), so no service
 ever waits in a collective on a client's behalf. One thread per service (the link's) makes
@@ -56,53 +51,41 @@ buffers of those not ended, and of its sends not ended, for the life of the proc
 may move their bytes up to ``MPI_Finalize``, after Python freed its objects). A request that
 cannot be posted (no pickle, a buffer MPI refuses) fails naming its node, its receives
 cancelled (none was matched: nothing was asked) and its tag free again.
-A dataset path may contain ``{node}``, filled in by each service with its own rank (several
-services on one host, as in tests).
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import json
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from datastore.maths.subarray import MIN_RUN, pieces, view
+from datastore.maths.subarray import view
 from datastore.ranks.subarrays import ASIDE_KEPT, Asides, keep_until_exit
 from datastore.service.errors import ServiceError
+from datastore.service.peer_link import (
+    Listing,
+    Pending,
+    Pieces,
+    Segments,
+    cut_into,
+    fitted,
+    nbytes,
+    sizes_of,
+    targets,
+)
+from datastore.service.peer_stats import STATS_ENV, ExchangeStats
 
-__all__ = [
-    "STATS_ENV",
-    "Box",
-    "ExchangeStats",
-    "Listing",
-    "MpiPeers",
-    "Peers",
-    "Pending",
-    "Pieces",
-    "Segments",
-    "cut_into",
-    "expect",
-    "fitted",
-    "node_path",
-    "read_stats",
-    "segments",
-    "sizes_of",
-]
+__all__ = ["MpiPeers"]
 
-Listing = tuple[bool, list[str], dict[str, tuple[str, tuple[int, ...]]]]
-"""``(shardable, files held here, {field: (dtype, shape)})``: a node's view of a dataset."""
-
-STATS_ENV = "DATASTORE_PEER_STATS"
 REQUEST = 1  # tag of every request; replies use a tag per request
 FIRST_REPLY_TAG = 100
 TAG_SPAN = 16000  # reply tags cycle through [FIRST_REPLY_TAG, +TAG_SPAN), the bytes of a fetch
@@ -116,67 +99,6 @@ CANCEL_S = 1.0  # seconds a fetch's cancelled receives are given to end before i
 STOPPING = "this service is stopping"
 
 
-@dataclass(frozen=True)
-class Pieces:
-    """A ``fetch`` reply sent straight from the store: the bytes of each ``array[box]`` of
-    ``boxes`` (``(array, box)``), one after the other, as messages of contiguous runs."""
-
-    boxes: Sequence[tuple[np.ndarray, tuple[slice, ...]]]
-
-    def runs(self) -> list[np.ndarray]:
-        """The bytes to send, in order, as 1-d uint8 views of the arrays where the boxes'
-        parts are contiguous; a box cut into runs shorter than :data:`MIN_RUN` on average is
-        packed (one copy): :func:`~datastore.maths.subarray.pieces`."""
-        return [p for array, box in self.boxes for p in pieces(array, box, MIN_RUN)]
-
-
-def cut_into(runs: list[int], sizes: list[int]) -> list[tuple[int, int, int]] | None:
-    """Where each of the messages ``runs`` (bytes) lands in buffers of ``sizes`` filled one
-    after the other: ``[(buffer, start, stop)]``; ``None`` if one straddles two buffers or
-    the totals differ."""
-    out, k, at = [], 0, 0
-    for n in runs:
-        while k < len(sizes) and at == sizes[k] and n:
-            k, at = k + 1, 0
-        if n and (k == len(sizes) or at + n > sizes[k]):
-            return None
-        out.append((k if n else 0, at, at + n))
-        at += n
-    if sum(runs) != sum(sizes):
-        return None
-    return out
-
-
-def expect(sizes: Sequence[int]) -> list[list[int]]:
-    """A fetch request's ``expect``: the sizes of the messages its reply comes in (as the
-    asker computes them: :func:`~datastore.maths.subarray.piece_sizes`), run-length coded
-    (``[[size, count], ...]``: a block of many equal runs stays a short request)."""
-    out: list[list[int]] = []
-    for n in sizes:
-        if out and out[-1][0] == n:
-            out[-1][1] += 1
-        else:
-            out.append([int(n), 1])
-    return out
-
-
-def sizes_of(expected: Sequence[Sequence[int]]) -> list[int]:
-    """The message sizes an :func:`expect` list codes."""
-    return [n for n, count in expected for _ in range(count)]
-
-
-def fitted(raw: list[np.ndarray], sizes: list[int]) -> list[np.ndarray] | None:
-    """``raw`` (1-d uint8 messages) as messages of ``sizes``: itself where they match, else
-    its bytes copied and cut into them (a sample not stored C-contiguous); ``None`` where
-    the totals differ."""
-    if [r.nbytes for r in raw] == sizes:
-        return raw
-    if sum(r.nbytes for r in raw) != sum(sizes):
-        return None
-    whole = np.concatenate(raw) if raw else np.empty(0, np.uint8)
-    return np.split(whole, np.cumsum(sizes)[:-1].tolist()) if sizes else []
-
-
 def _preposted(request: dict, out: list[np.ndarray] | None) -> list[tuple[int, int, int]] | None:
     """Where the messages a fetch ``request`` expects land in ``out`` (``[(buffer, start,
     stop)]``); ``None`` where it expects none or they do not fit ``out`` (a fetch of no
@@ -184,170 +106,6 @@ def _preposted(request: dict, out: list[np.ndarray] | None) -> list[tuple[int, i
     if out is None or "expect" not in request:
         return None
     return cut_into(sizes_of(request["expect"]), [b.nbytes for b in out]) or None
-
-
-def node_path(path: str, node: int) -> str:
-    """``path`` with ``{node}`` replaced by this service's rank."""
-    return path.replace("{node}", str(node))
-
-
-class ExchangeStats:
-    """When a service's fetches were in flight and what they moved: ``in_flight_s`` (the time
-    at least one was), ``bytes``. With ``$DATASTORE_PEER_STATS`` set to a path (``{node}``:
-    this service's rank), also each fetch's bytes, message sizes and legs (seconds from asked
-    to the reply's envelope in, and from there to its last byte in) and each span in which one
-    was in flight (``time.monotonic()``, the same clock in every process of a host), appended
-    there as JSON lines (:func:`read_stats`): what ``benchmarks/peers.py`` measures the link by.
-    A line per event costs the link the same at every fetch (rewriting one JSON document of
-    them all cost the link's thread 12 ms per write after 600 fetches)."""
-
-    def __init__(self, path: str, node: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.path = node_path(path, node) if path else ""
-        self._clock = clock
-        self.in_flight_s = 0.0
-        self.bytes = 0
-        self._active, self._since = 0, 0.0
-        self._lock = threading.Lock()
-        self._file: Any = None
-
-    def begin(self) -> None:
-        """A fetch was sent."""
-        with self._lock:
-            if not self._active:
-                self._since = self._clock()
-            self._active += 1
-
-    def end(self, nbytes: int, sizes: list[int], legs: tuple[float, float] = (0.0, 0.0)) -> None:
-        """A fetch is over, ``nbytes`` received in messages of ``sizes`` (0: it failed), in
-        ``legs`` (envelope, bytes) seconds."""
-        with self._lock:
-            self._active -= 1
-            self.bytes += nbytes
-            if nbytes:
-                self._log({"bytes": nbytes, "sizes": list(sizes), "legs": list(legs)})
-            if not self._active:
-                now = self._clock()
-                self.in_flight_s += now - self._since
-                self._log({"span": [self._since, now]})
-
-    def _log(self, event: dict) -> None:
-        if self.path:
-            if self._file is None:
-                self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 - a line a write
-            self._file.write(json.dumps(event) + "\n")
-
-    def close(self) -> None:
-        """Stop recording (a fetch still ending after this is not written)."""
-        with self._lock:
-            self.path = ""
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-
-
-def read_stats(path: str) -> dict[str, Any]:
-    """What an :class:`ExchangeStats` file holds so far: ``bytes``, ``in_flight_s``, ``spans``,
-    and per fetch its message sizes (``fetches``) and ``legs``; all empty where there is no
-    file yet (a line still being written is left out)."""
-    out: dict[str, Any] = {"bytes": 0, "in_flight_s": 0.0, "spans": [], "fetches": [], "legs": []}
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return out
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if "span" in event:
-            out["spans"].append(event["span"])
-            out["in_flight_s"] += event["span"][1] - event["span"][0]
-        else:
-            out["bytes"] += event["bytes"]
-            out["fetches"].append(event["sizes"])
-            out["legs"].append(event["legs"])
-    return out
-
-
-Box = tuple[np.ndarray, tuple[slice, ...]]
-"""``(array, box)``: the part ``array[box]`` of a C-contiguous array, in place."""
-
-Segments = np.ndarray | Sequence[np.ndarray | Box]
-"""Where a fetch's bytes land: one uint8 buffer, or several filled one after the other, and
-:data:`Box` parts (a block's part inside the volume amid its halo, written in place)."""
-
-
-def segments(out: Segments) -> list[np.ndarray]:
-    """``out`` as a list of its non-empty 1-d uint8 buffers (no :data:`Box` parts)."""
-    return [b for b in ([out] if isinstance(out, np.ndarray) else out) if b.nbytes]
-
-
-def targets(out: Segments) -> list[np.ndarray | Box]:
-    """``out`` as a list of its non-empty parts: 1-d uint8 buffers, a :data:`Box` whose part
-    is contiguous made one, and the other boxes."""
-    got: list[np.ndarray | Box] = []
-    for t in [out] if isinstance(out, np.ndarray) else out:
-        if isinstance(t, tuple) and view(*t).flags.c_contiguous:
-            t = view(*t).reshape(-1).view(np.uint8)
-        if nbytes(t):
-            got.append(t)
-    return got
-
-
-def nbytes(target: np.ndarray | Box) -> int:
-    """The bytes a fetch writes into ``target``."""
-    return view(*target).nbytes if isinstance(target, tuple) else target.nbytes
-
-
-class Pending:
-    """A request in flight: :meth:`wait` for it, then :meth:`result` (its reply, or its
-    error); :meth:`abandon` it if it is no longer wanted. A fetch's buffers stay lent to it
-    until :meth:`freed`: one that failed while its bytes were coming (a receive MPI could not
-    cancel) is over before they stopped landing."""
-
-    def __init__(
-        self,
-        done: threading.Event,
-        result: Callable[[], Any],
-        abandon: Callable[[], None] = lambda: None,
-        freed: threading.Event | None = None,
-    ) -> None:
-        self._done, self.result, self.abandon = done, result, abandon
-        self._freed = done if freed is None else freed
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Whether it is over (its reply in, or failed), waiting up to ``timeout`` s."""
-        return self._done.wait(timeout)
-
-    def freed(self, timeout: float | None = None) -> bool:
-        """Whether no byte can land in its buffers any more, waiting up to ``timeout`` s."""
-        return self._freed.wait(timeout)
-
-
-class Peers(Protocol):
-    """What a service asks of the other services of its store (over MPI or gRPC)."""
-
-    node: int  # this service's index in the store
-    nodes: int
-    bytes_received: int
-
-    def describe(self, dest: int, path: str) -> Listing:
-        """Node ``dest``'s :data:`Listing` of the dataset clients call ``path``."""
-        ...
-
-    def start(self, dest: int, request: dict, out: Segments) -> Pending:
-        """Ask node ``dest`` for blocks, to land in ``out`` one after the other: what
-        :meth:`Resident.pieces` answers (the parts inside the volume); returns at once."""
-        ...
-
-    def fetch(self, dest: int, request: dict, out: Segments) -> None:
-        """:meth:`start`, waiting for the blocks."""
-        ...
-
-    def close(self, *, stop_all: bool) -> None:
-        """Stop answering; ``stop_all``: this service is stopping on its own account."""
-        ...
 
 
 class MpiPeers:
