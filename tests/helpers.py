@@ -296,15 +296,21 @@ def rank_rows(
     return [json.loads(Path(f"{prefix}.{rank}.json").read_text()) for rank in range(world)]
 
 
-def trainer_refusals(n: int, cases: list[list[str]], tmp: Path) -> list[list[dict]]:
-    """Run the ``trainer`` command lines ``cases`` (``["train", "--set", "k=v", ...]``) one
-    after another in the same ``n`` ``mpiexec`` ranks (``tests/trainer_jobs/refusals_job.py``).
-    Returns per case, per rank: its exit ``code``, its ``stderr`` and its ``seconds``."""
+def trainer_refusals(n: int, command: str, cases: list[list[str]], tmp: Path) -> list[list[dict]]:
+    """Run ``trainer COMMAND --set k=v ...`` for each list of ``k=v`` settings of ``cases``,
+    one after another in the same ``n`` ``mpiexec`` ranks (``tests/trainer_jobs/
+    refusals_job.py``). Returns per case, per rank: its exit ``code``, its ``stderr`` and its
+    ``seconds``."""
     spec, prefix = tmp / "cases.json", tmp / "refused"
-    spec.write_text(json.dumps(cases))
+    spec.write_text(json.dumps([[command, *set_args(sets)] for sets in cases]))
     job = ROOT / "tests" / "trainer_jobs" / "refusals_job.py"
     rows = rank_rows(mpi_job(n, job, spec, prefix), str(prefix), n, job_env())
     return [[rows[rank][case] for rank in range(n)] for case in range(len(cases))]
+
+
+def set_args(sets: list[str]) -> list[str]:
+    """``["k=v", ...]`` as the trainer's ``--set k=v ...`` arguments."""
+    return [a for s in sets for a in ("--set", s)]
 
 
 def run_job(cmd: list[str], out: Path, timeout: float = 300) -> dict:

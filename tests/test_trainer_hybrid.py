@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC, serving
+from helpers import MPIEXEC, serving, set_args
 
 from staging.cluster import LAUNCH_ENV
 from trainer.cosmology import write_split
@@ -41,7 +41,7 @@ def args(data: Path, tmp: Path, name: str, *more: str) -> list[str]:
         f"data={data}", "width=2", "conv_blocks=3", "global_batch=8", f"steps={STEPS}",
         "optimizer=sgd", "lr=0.05", "warmup=2", f"log_file={tmp / name}.log", *more,
     ]  # fmt: skip
-    return [a for s in sets for a in ("--set", s)]
+    return set_args(sets)
 
 
 def launch(n: int, argv: list[str], script: list[str] | None = None, timeout: float = 120):

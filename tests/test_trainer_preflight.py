@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC, trainer_refusals
+from helpers import MPIEXEC, set_args, trainer_refusals
 
 from staging.cluster import LAUNCH_ENV
 from trainer.cosmology import write_split
@@ -209,11 +209,11 @@ def data(tmp_path_factory) -> Path:
 
 
 def launch(n: int, sets: list[str], per_rank: bool = False) -> subprocess.CompletedProcess:
-    argv = [a for s in sets for a in ("--set", s)]
+    argv = set_args(sets)
     assert MPIEXEC, "mpiexec not found next to the interpreter (pip install mpich)"
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "trainer", "train", *argv]
     if per_rank:  # rank 1 gets another learning rate: an MPMD launch
-        other = [a for s in [*sets, "lr=0.5"] for a in ("--set", s)]
+        other = set_args([*sets, "lr=0.5"])
         cmd = [
             MPIEXEC, "-n", "1", sys.executable, "-m", "mpi4py", "-m", "trainer", "train", *argv,
             ":", "-n", "1", sys.executable, "-m", "mpi4py", "-m", "trainer", "train", *other,
@@ -248,9 +248,8 @@ def bad_setups(data, tmp_path_factory) -> dict[str, list[dict]]:
     """Each of ``BAD_SETUPS`` run as ``trainer train`` on the same 2 ranks: per rank, what it
     said."""
     base = [f"data={data}", "width=2", "steps=2", "comm_timeout=60"]
-    cases = [["train", *[a for s in [*base, *sets] for a in ("--set", s)]]
-             for sets, _ in BAD_SETUPS.values()]  # fmt: skip
-    got = trainer_refusals(2, cases, tmp_path_factory.mktemp("refused"))
+    cases = [[*base, *sets] for sets, _ in BAD_SETUPS.values()]
+    got = trainer_refusals(2, "train", cases, tmp_path_factory.mktemp("refused"))
     return dict(zip(BAD_SETUPS, got, strict=True))
 
 

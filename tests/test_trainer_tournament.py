@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC, serving, trainer_refusals
+from helpers import MPIEXEC, serving, set_args, trainer_refusals
 
 from datastore.loader import DataStoreLoader
 from datastore.service.client import Client
@@ -173,7 +173,7 @@ def test_one_process_is_told_to_launch_one_per_trainer(tmp_path, capsys, monkeyp
 
 # -- real ranks, a real service ----------------------------------------------------------------
 def launch(n: int, sets: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    argv = [a for s in sets for a in ("--set", s)]
+    argv = set_args(sets)
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "trainer", "tournament"]
     return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=timeout, env=ENV)
 
@@ -296,9 +296,8 @@ def bad_settings(data, tmp_path_factory) -> dict[str, list[dict]]:
     what it said."""
     tmp = tmp_path_factory.mktemp("refused")
     base = settings(data, tmp / "r.jsonl", tmp / "none.sock")
-    cases = [["tournament", *[a for s in [*base, *sets] for a in ("--set", s)]]
-             for sets, _ in BAD_SETTINGS.values()]  # fmt: skip
-    return dict(zip(BAD_SETTINGS, trainer_refusals(2, cases, tmp), strict=True))
+    cases = [[*base, *sets] for sets, _ in BAD_SETTINGS.values()]
+    return dict(zip(BAD_SETTINGS, trainer_refusals(2, "tournament", cases, tmp), strict=True))
 
 
 @mpi
