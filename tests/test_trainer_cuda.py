@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MPIEXEC, job_env
+from helpers import MPIEXEC, job_env, set_args
 
 from trainer.cosmology import write_split
 
@@ -32,7 +32,7 @@ def data(tmp_path_factory) -> Path:
 
 
 def launch(n: int, sets: list[str]) -> subprocess.CompletedProcess:
-    argv = ["-m", "trainer", "train", *(a for s in sets for a in ("--set", s))]
+    argv = ["-m", "trainer", "train", *set_args(sets)]
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
 

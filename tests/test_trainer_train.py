@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers import set_args
 
 from trainer.__main__ import main
 from trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -105,31 +106,31 @@ def test_output_paths_are_refused_before_training(tiny, tmp_path, capsys):
         ([f"log_file={afile}/run.jsonl"], f"config key 'log_file': {afile}: {afile} is not a "),
         ([f"log_file={tmp_path}"], f"config key 'log_file': {tmp_path} is a directory"),
     ]:
-        assert main(["train", *(a for s in [*base, *sets] for a in ("--set", s))]) == 2, sets
+        assert main(["train", *set_args([*base, *sets])]) == 2, sets
         out, err = capsys.readouterr()
         assert message in err and err.count("\n") == 1 and "trained" not in out, err
     # a log in a directory not made yet (the shipped configs' run/log.jsonl): made for it
     log = tmp_path / "run" / "log.jsonl"
-    assert main(["train", *(a for s in [*base, f"log_file={log}"] for a in ("--set", s))]) == 0
+    assert main(["train", *set_args([*base, f"log_file={log}"])]) == 0
     assert '"loss"' in log.read_text()
 
 
 def test_a_checkpoint_of_another_run_is_refused(tiny, small, tmp_path, capsys):
     sets = [f"data={tiny}", "width=2", "global_batch=8", f"checkpoint_dir={tmp_path}"]
-    assert main(["train", *(a for s in [*sets, "steps=2"] for a in ("--set", s))]) == 0
+    assert main(["train", *set_args([*sets, "steps=2"])]) == 0
     capsys.readouterr()
     other = [*sets, "steps=4", "width=4", "optimizer=sgd"]
-    assert main(["train", *(a for s in other for a in ("--set", s))]) == 2
+    assert main(["train", *set_args(other)]) == 2
     err = capsys.readouterr().err
     assert "config key 'checkpoint_dir': cannot resume" in err
     assert "width=2 (now 4), optimizer='adam' (now 'sgd')" in err
     # The same keys on other data: the model's shapes differ (caught when loading it).
     data = [*sets, f"data={small}", "steps=4"]
-    assert main(["train", *(a for s in data for a in ("--set", s))]) == 2
+    assert main(["train", *set_args(data)]) == 2
     err = capsys.readouterr().err
     assert "config key 'checkpoint_dir': cannot resume" in err and "size mismatch" in err
     (tmp_path / "checkpoint.pt").write_text("not a checkpoint")
-    assert main(["train", *(a for s in [*sets, "steps=4"] for a in ("--set", s))]) == 2
+    assert main(["train", *set_args([*sets, "steps=4"])]) == 2
     assert "is not a checkpoint of this trainer" in capsys.readouterr().err
 
 
@@ -146,16 +147,13 @@ def test_other_dtypes_train_and_a_constant_target_prints(tmp_path, capsys):
             f["x"] = rng.standard_normal((n, 1, 8, 8, 8))  # float64
             f["y"] = np.ones((n, 2), dtype=np.int32)
     base = [f"data={tmp_path}", "width=2", "global_batch=4", "steps=2"]
-    assert main(["train", *(a for s in base for a in ("--set", s))]) == 0
+    assert main(["train", *set_args(base)]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("trained 2 steps") and "baseline 0.0000 (ratio inf)" in last
     with h5py.File(tmp_path / "empty.h5", "w") as f:
         f["x"] = np.zeros((0, 1, 8, 8, 8))
         f["y"] = np.zeros((0, 2), dtype=np.int32)
-    assert (
-        main(["train", *(a for s in [*base, "validation_file=empty.h5"] for a in ("--set", s))])
-        == 2
-    )
+    assert main(["train", *set_args([*base, "validation_file=empty.h5"])]) == 2
     assert "config key 'validation_file':" in capsys.readouterr().err
 
 
@@ -238,7 +236,7 @@ def test_cosmoflow_learns_the_parameters(small, tmp_path, capsys):
     ends well below that of predicting the mean training target (measured: 0.66x, 0.64x)."""
     log = tmp_path / "log.jsonl"
     args = [f"data={small}", "width=4", "epochs=10", "warmup=5", f"log_file={log}"]
-    assert main(["train", *(a for arg in args for a in ("--set", arg))]) == 0
+    assert main(["train", *set_args(args)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("trained 120 steps")
     records = [json.loads(line) for line in log.read_text().splitlines()]
     losses = [r["loss"] for r in records if "event" not in r]
@@ -261,7 +259,7 @@ def test_unet_learns_to_denoise(tmp_path, capsys):
         f"data={tmp_path}", "model=unet3d", "input_field=noisy", "target_field=x", "width=8",
         "epochs=6", "global_batch=8", "lr=1e-3", "warmup=5", f"log_file={log}",
     ]  # fmt: skip
-    assert main(["train", *(a for s in sets for a in ("--set", s))]) == 0
+    assert main(["train", *set_args(sets)]) == 0
     vals = [json.loads(r) for r in log.read_text().splitlines() if '"validation"' in r]
     last = vals[-1]
     assert last["identity_mse"] == pytest.approx(0.09, rel=0.05)  # the noise's variance
@@ -285,19 +283,19 @@ def test_a_users_own_hdf5_with_its_own_names(tmp_path, capsys):
         f"data={tmp_path}", "train_file=runs/a.h5", "validation_file=runs/b.h5",
         "input_field=density", "target_field=params", "width=2", "steps=3", "global_batch=4",
     ]  # fmt: skip
-    assert main(["train", *(a for s in base for a in ("--set", s))]) == 0
+    assert main(["train", *set_args(base)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("trained 3 steps")
     bad = [*base, "target_field=label"]
-    assert main(["train", *(a for s in bad for a in ("--set", s))]) == 2
+    assert main(["train", *set_args(bad)]) == 2
     err = capsys.readouterr().err
     assert "target field 'label' is not in" in err and "(its fields: density, params)" in err
 
 
 def test_resuming_says_so(tiny, tmp_path, capsys):
     sets = [f"data={tiny}", "width=2", "global_batch=8", f"checkpoint_dir={tmp_path}"]
-    assert main(["train", *(a for s in [*sets, "steps=2"] for a in ("--set", s))]) == 0
+    assert main(["train", *set_args([*sets, "steps=2"])]) == 0
     assert "resumed" not in capsys.readouterr().out
-    assert main(["train", *(a for s in [*sets, "steps=4"] for a in ("--set", s))]) == 0
+    assert main(["train", *set_args([*sets, "steps=4"])]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "resumed from step 2"
 
 
@@ -321,5 +319,5 @@ def test_the_example_configs_train(name, tmp_path, capsys):
             f"checkpoint_dir={tmp_path}/ck", f"log_file={tmp_path}/log"]  # fmt: skip
     cfg = load_config(path, sets)
     assert cfg.model == name
-    assert main(["train", "--config", str(path), *(a for s in sets for a in ("--set", s))]) == 0
+    assert main(["train", "--config", str(path), *set_args(sets)]) == 0
     assert "trained 2 steps" in capsys.readouterr().out
