@@ -858,3 +858,65 @@ def test_a_listener_started_twice_refuses_the_second_start():
     listener.close()
     assert not _listener_threads(threads)
     assert _fds() == fds
+
+
+def test_closing_a_listener_mid_handshake_raises_in_none_of_its_threads(cert, monkeypatch):
+    """The listener closed while its watcher reads TLS handshakes from connections that close:
+    every round ends without an exception in the listener's threads. Before, `close` shut the
+    connections down through `SSLSocket.shutdown`, which drops their TLS state under the
+    watcher: its next `do_handshake` raised `AttributeError` and the thread died with a
+    traceback on the service's stderr."""
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads interleave every few bytecodes
+    try:
+        for _ in range(40):
+            listener = bind_data("127.0.0.1:0", 0, *cert, 10.0)
+            listener.start(lambda request, node: [])
+            conns = [_raw(listener) for _ in range(8)]
+            for s in conns:
+                s.sendall(b"\x16")  # (a TLS handshake record's first byte)
+            for s in conns:
+                s.close()
+            listener.close()
+    finally:
+        sys.setswitchinterval(interval)
+    assert [(a.exc_type, a.exc_value) for a in raised] == []
+
+
+def test_a_tls_fetch_stopped_mid_reply_ends_with_the_connections_error(cert):
+    """``DataConnection.stop`` from another thread while a TLS reply streams in (as a peers'
+    ``close`` or an abandoned fetch does): the fetch ends with ``OSError`` or ``EOFError``, the
+    errors its callers handle, or completes with exact bytes. Before, ``stop`` went through
+    ``SSLSocket.shutdown``, which drops the TLS state: the fetching thread then read the
+    ciphertext still queued as plaintext, and blamed the owner for a garbled reply
+    (``PeerError('a reply of 695747755 runs')``; about half the runs of this test)."""
+    samples = list(range(48))
+    whole = np.concatenate([_stored(i).view(np.uint8).ravel() for i in samples])
+    wrong = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads interleave every few bytecodes
+    try:
+        with owner(_pieces, tls=cert) as (_, listener):
+            for r in range(125):
+                conn = _data_conn(listener, cert=cert)
+                out = np.zeros(len(samples) * _stored(0).nbytes, np.uint8)
+                # 0-2.4 ms on: before the reply, or within it
+                stop = threading.Timer(0.0001 * (r % 25), conn.stop)
+                stop.start()
+                try:
+                    conn.fetch(_frame(samples)[4:], [out])
+                except (OSError, EOFError):
+                    pass
+                except Exception as exc:  # (what the test looks for)
+                    wrong.append(exc)
+                else:  # finished before the stop: exact
+                    if not np.array_equal(out, whole):
+                        wrong.append(f"round {r}: a fetch ended without error, its bytes wrong")
+                finally:
+                    stop.join()
+                    conn.close()
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == []

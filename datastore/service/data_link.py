@@ -152,6 +152,15 @@ def recv_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
         i = _advance(views, i, got)
 
 
+def shut_down(sock: socket.socket) -> None:
+    """``sock`` shut both ways (if still connected), so that a send or receive in progress in
+    another thread returns at once with an error. By ``socket``'s own ``shutdown``:
+    ``SSLSocket``'s also drops the TLS state that thread is using, which then reads the
+    ciphertext still queued as if it were plaintext, or fails with ``AttributeError``."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
 def recv_bytes(sock: socket.socket, n: int) -> bytearray:
     """Exactly ``n`` bytes; ``EOFError`` if the peer closes first."""
     out = bytearray(n)
@@ -538,8 +547,7 @@ class DataListener:
             self._closed = True
             conns, threads = list(self._conns), self._threads
         for s in [self._sock, *conns]:
-            with contextlib.suppress(OSError):  # not connected
-                s.shutdown(socket.SHUT_RDWR)
+            shut_down(s)
         with contextlib.suppress(OSError):
             self._waker.send(b"\0", socket.MSG_DONTWAIT)
         if not threads:
@@ -623,8 +631,7 @@ class DataConnection:
 
     def stop(self) -> None:
         """Shut the connection down: a send or receive in progress returns at once."""
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
+        shut_down(self.sock)
 
     def close(self) -> None:
         self.sock.close()
