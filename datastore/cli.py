@@ -15,6 +15,7 @@ from datastore.plan import plan_cmd
 from datastore.readers import inspect_cmd
 from datastore.service import cli as service_cli
 from staging import cli as stage_cli
+from staging.console import reader_gone, whole_lines
 from staging.exitcodes import Exit
 
 __all__ = ["main"]
@@ -89,13 +90,19 @@ def _stage(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    whole_lines()
     args = parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # (a reader gone is seen here, not at the interpreter's exit)
+        return code
     except KeyboardInterrupt:
         print("datastore: interrupted", file=sys.stderr)
         return Exit.INTERRUPTED
     except Exception as exc:  # the last line of defence: one line, and no rank left hanging
+        if isinstance(exc, BrokenPipeError) and reader_gone():  # quietly, as `cat` ends
+            _abort_peers(Exit.READER_GONE)
+            return Exit.READER_GONE
         if os.environ.get("DATASTORE_DEBUG"):
             traceback.print_exc()
         print(
@@ -107,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         return Exit.FAILED
 
 
-def _abort_peers() -> None:
+def _abort_peers(code: Exit = Exit.FAILED) -> None:
     """Under MPI, take every other rank down with this one rather than leave them waiting."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
         sys.stderr.flush()
-        mpi.COMM_WORLD.Abort(Exit.FAILED)
+        mpi.COMM_WORLD.Abort(code)
 
 
 if __name__ == "__main__":

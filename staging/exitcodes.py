@@ -16,3 +16,4 @@ class Exit(IntEnum):
     NO_SPACE = 3  # not enough space in DEST (stage)
     MISMATCH = 4  # verify found missing or changed files (stage --verify)
     INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+    READER_GONE = 141  # stdout's reader went away (`| head`), as a shell reports SIGPIPE

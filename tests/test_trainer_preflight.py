@@ -15,6 +15,7 @@ import torch
 from helpers import MPIEXEC, set_args, trainer_refusals
 
 from staging.cluster import LAUNCH_ENV
+from trainer.config import load_config
 from trainer.cosmology import write_split
 from trainer.devices import check_gpus, pick_backend, pick_device
 from trainer.models import CosmoFlow, UNet3D, count_parameters
@@ -283,3 +284,29 @@ def test_a_checkpoint_of_another_world_is_refused_on_every_rank(data, tmp_path):
     assert proc.stderr.count("trainer: ") == 2, proc.stderr
     assert proc.stderr.count("it was written with 1 rank(s) (now 2)") == 2, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _readme_commands(text: str) -> list[list[str]]:
+    """The README's shell lines, continuations joined, as words."""
+    return [line.split() for line in text.replace("\\\n", " ").splitlines()]
+
+
+def test_the_readmes_trainer_commands_pass_the_geometry_checks():
+    """Every ``trainer train`` line of the README, with the side its ``trainer.cosmology``
+    line writes for that directory and its number of ranks, passes the checks a run makes
+    first (before, its 2 x 2 line lacked ``conv_blocks=4``: a 16-voxel half cannot be pooled
+    5 times, and the run stopped at once, as a new user found)."""
+    lines = _readme_commands((Path(__file__).parent.parent / "README.md").read_text())
+    sides = {}  # the side of each directory the README writes data into
+    for w in lines:
+        if "trainer.cosmology" in w and "--size" in w:
+            sides[w[w.index("trainer.cosmology") + 1]] = int(w[w.index("--size") + 1])
+    runs = [w for w in lines if "trainer" in w and "train" in w and "--config" in w]
+    assert len(runs) >= 3, runs  # the one-process, the 2 x 2 and the U-Net lines
+    for words in runs:
+        sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+        cfg = load_config(Path(__file__).parent.parent / words[words.index("--config") + 1], sets)
+        side = sides[str(cfg.data)]
+        ranks = int(words[words.index("-n") + 1]) if words[0] == "mpiexec" else 1
+        check_world(ranks, cfg.spatial_parts)
+        level_blocks((side,) * 3, cfg.spatial_parts, model_depth(cfg.model, side, cfg.conv_blocks))

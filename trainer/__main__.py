@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from staging.console import whole_lines
 from staging.exitcodes import Exit
 from trainer.config import ConfigError, load_config, load_tournament
 
@@ -21,6 +22,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    whole_lines()  # (the ranks' errors share one terminal)
     p = argparse.ArgumentParser(prog="python -m trainer", description="Train a 3-D CNN.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train from a TOML config (trainer/config.py lists the keys)")
