@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -278,6 +279,23 @@ def test_tcp_needs_the_token_on_every_call(start, tmp_path, env):
 def test_tcp_without_token_file_is_refused(tmp_path, env):
     r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--tcp", "127.0.0.1:0", env=env)
     assert r.returncode == 2 and "--token-file" in r.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_a_tcp_port_in_use_is_one_line_naming_it_and_why(tmp_path, env):
+    """Another server holds the ``--tcp`` port: exit 1, one line (the service's own, saying
+    the address and why), none of gRPC's (it printed a C-core 'E1128 ... add_port.cc' line
+    first, and its message hid the reason behind GRPC_VERBOSITY=debug)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        tcp = f"127.0.0.1:{taken.getsockname()[1]}"
+        r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--tcp", tcp, "--token-file",
+                str(token_file), env=env)  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert "cannot_listen" in line and f"cannot bind {tcp}: Address already in use" in line
     assert not (tmp_path / "s.sock").exists()
 
 

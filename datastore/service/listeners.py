@@ -12,6 +12,7 @@ any handler reads them.
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 from concurrent import futures
 from pathlib import Path
@@ -65,6 +66,7 @@ def bind_tcp(server: grpc.Server, tcp: str, tls_cert: Path | None, tls_key: Path
         OSError: a TLS file cannot be read.
         RuntimeError: the address cannot be bound.
     """
+    _check_bindable(tcp)
     if tls_cert is not None:
         assert tls_key is not None  # checked by ServeConfig
         pair = (tls_key.read_bytes(), tls_cert.read_bytes())
@@ -72,6 +74,32 @@ def bind_tcp(server: grpc.Server, tcp: str, tls_cert: Path | None, tls_key: Path
     else:
         port = server.add_insecure_port(tcp)
     return f"{tcp.rsplit(':', 1)[0]}:{port}"
+
+
+def _check_bindable(tcp: str) -> None:
+    """Raise ``RuntimeError`` saying why no address of ``tcp`` can be bound (a port in use,
+    an address not this host's) before gRPC tries: it would print a C-core error line on
+    stderr (whatever ``GRPC_VERBOSITY`` says) and raise without the reason. Like gRPC, one
+    address of the host's that binds is enough; a host that does not resolve is left to gRPC."""
+    host, _, port = tcp.rpartition(":")
+    if port == "0":  # any free port
+        return
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return
+    why = None
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as gRPC binds)
+            try:
+                s.bind(address)
+            except OSError as exc:
+                why = why or exc.strerror or str(exc)
+                continue
+        return
+    if why is not None:
+        raise RuntimeError(why)
 
 
 def bind_data(
