@@ -100,6 +100,10 @@ def test_set_epoch_and_pad_tail(h5):
         DataStoreLoader(str(h5[0]), batch_size=7, drop_last=False, seed=2).load_state_dict(
             loader.state_dict()
         )
+    for other in ({"foo": 1}, {"epoch": 0, "step": 1}, [0, 1]):  # (a model's, say)
+        with pytest.raises(ValueError, match="cannot resume: not a loader's state_dict") as e:
+            loader.load_state_dict(other)
+        assert "a loader's has version, epoch, step, num_samples" in str(e.value)
 
 
 @pytest.mark.parametrize(

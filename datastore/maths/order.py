@@ -449,8 +449,15 @@ def state(schedule: Schedule, epoch: int, step: int) -> dict[str, Any]:
 
 
 def check_state(schedule: Schedule, saved: dict[str, Any]) -> tuple[int, int]:
-    """``(epoch, step)`` of a saved state, refusing one that would change the sequence."""
+    """``(epoch, step)`` of a saved state, refusing one that would change the sequence, or
+    that is not a loader's state at all."""
     now = state(schedule, 0, 0)
+    needed = ("epoch", "step", "num_samples", "global_batch", "seed")
+    if not isinstance(saved, dict) or any(key not in saved for key in needed):
+        has = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(
+            f"cannot resume: not a loader's state_dict (got {has}; a loader's has {', '.join(now)})"
+        )
     saved = {**saved, "homes": saved.get("homes")}
     with contextlib.suppress(ValueError):  # positions saved before "shard" said True/False
         saved["shuffle"] = parse_shuffle(saved.get("shuffle"))
