@@ -25,6 +25,7 @@ from trainer.__main__ import main
 from trainer.config import ConfigError, load_tournament, trainer_log
 from trainer.cosmology import write_split
 from trainer.tournament import (
+    best_of,
     pack_state,
     pairs_of,
     partner_of,
@@ -63,6 +64,20 @@ def test_pairing_schedule_is_fixed_by_the_seed():
             members = [m for p in pairs for m in p]
             assert len(pairs) == k // 2 and len(set(members)) == len(members)
             assert all(a < b for a, b in pairs) and pairs == sorted(pairs)
+
+
+def _row(k: int, mse: float, wins: int) -> dict:
+    return {"trainer": k, "lr": 1e-3, "val_mse": mse, "baseline_mse": 1.0, "wins": wins}
+
+
+def test_the_best_trainer_is_the_lowest_mse_and_on_a_tie_the_one_that_won():
+    """A loser of the last round holds its winner's state and scores the same: the summary
+    names the winner (and so its learning rate), as a new user's 2-trainer run showed it
+    naming the loser."""
+    assert best_of([_row(0, 0.3, 0), _row(1, 0.2, 0)]) == 1
+    assert best_of([_row(0, 0.3048, 0), _row(1, 0.3048, 2)]) == 1  # the user's run
+    assert best_of([_row(0, 0.3, 1), _row(1, 0.3, 1)]) == 0  # then the lower index
+    assert best_of([_row(0, math.nan, 5), _row(1, 0.9, 0)]) == 1  # NaN last
 
 
 def test_partner_and_winner():
@@ -273,9 +288,10 @@ def test_the_summary_names_the_best_trainer(tourney):
         [r for r in logs[k] if r.get("event") == "validation"][-1]["val_mse"] for k in range(3)
     ]
     assert [r["val_mse"] for r in rows] == final
-    assert summary["best"] == min(range(3), key=final.__getitem__)
     wins = [sum(r["winner"] == k for r in rounds_of(logs[k])) for k in range(3)]
     assert [r["wins"] for r in rows] == wins and sum(wins) == 3
+    # the lowest MSE; a last round's loser ties with its winner, which is named
+    assert summary["best"] == min(range(3), key=lambda k: (final[k], -wins[k], k))
     assert stdout.count("tournament of 3 trainers, 6 steps, 3 rounds: best validation MSE") == 1
 
 

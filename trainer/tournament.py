@@ -39,7 +39,7 @@ import dataclasses
 import datetime
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,7 @@ from trainer.train import Log, Trainer, fit, loader_of, timed_batches
 
 __all__ = [
     "Rounds",
+    "best_of",
     "pack_state",
     "pairs_of",
     "partner_of",
@@ -216,7 +217,7 @@ def tournament(tc: TournamentConfig) -> dict[str, Any]:
     Returns:
         ``{"rank", "steps", "rounds", "trainers": [{"trainer", "lr", "val_mse",
         "baseline_mse", "wins", "losses"}, ...] (every trainer's, on every rank), "best"}``
-        (``best``: the trainer of the lowest final validation MSE).
+        (``best``: :func:`best_of` the trainers).
 
     Raises:
         ConfigError: on every rank alike, naming what cannot work.
@@ -248,7 +249,7 @@ def tournament(tc: TournamentConfig) -> dict[str, Any]:
          "wins": int(r[2]), "losses": int(r[3])}
         for k, r in enumerate(rows)
     ]  # fmt: skip
-    best = min(range(tc.trainers), key=lambda k: _sortable(trainers[k]["val_mse"]))
+    best = best_of(trainers)
     summary = {
         "rank": me, "steps": result["steps"], "rounds": result["steps"] // tc.interval,
         "trainers": trainers, "best": best,
@@ -260,5 +261,13 @@ def tournament(tc: TournamentConfig) -> dict[str, Any]:
     return summary
 
 
-def _sortable(x: float) -> float:
-    return math.inf if math.isnan(x) else x
+def best_of(trainers: Sequence[dict[str, Any]]) -> int:
+    """The trainer of the lowest final ``val_mse`` (NaN last); on a tie the one of more
+    ``wins``, then the lower index. A tie is usually a loser of the last round holding its
+    winner's state, trained at the winner's learning rate, not at its own."""
+
+    def key(k: int) -> tuple[float, int, int]:
+        mse = trainers[k]["val_mse"]
+        return (math.inf if math.isnan(mse) else mse, -trainers[k]["wins"], k)
+
+    return min(range(len(trainers)), key=key)
