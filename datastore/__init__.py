@@ -6,6 +6,7 @@ from datastore._version import __version__
 
 __all__ = [
     "DataStoreLoader",
+    "DatasetSpec",
     "ExchangeOptions",
     "ServiceOptions",
     "StoreOptions",
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from datastore.sources import options
 
         return getattr(options, name)
+    if name == "DatasetSpec":
+        from datastore.readers import DatasetSpec
+
+        return DatasetSpec
     if name == "describe_dataset":
         from datastore.sources.describe import describe_dataset
 

@@ -28,6 +28,19 @@ def h5(tmp_path_factory):
         return str(path), f["x"][...]
 
 
+def test_a_spec_from_the_package_reads_as_its_path_does(h5, tmp_path):
+    """``from datastore import DatasetSpec`` (as docs/loader.md shows it): a spec file and its
+    ``DatasetSpec`` give the loader the path's exact batches."""
+    from datastore import DatasetSpec
+
+    spec = tmp_path / "train-spec.toml"
+    spec.write_text(f'format = "hdf5"\npaths = "{h5[0]}"\n')
+    runs = [h5[0], str(spec), DatasetSpec.load(spec)]
+    got = [[b["x"] for b in DataStoreLoader(d, batch_size=4, seed=3)] for d in runs]
+    for other in got[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got[0], other, strict=True))
+
+
 @pytest.mark.filterwarnings("ignore:datastore. 2 ranks")
 def test_transform_runs_on_every_batch_after_the_block_is_cut(h5):
     path, x = h5
