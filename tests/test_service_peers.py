@@ -304,8 +304,20 @@ def test_chunk_framing_round_trips_and_rejects_garbage():
         (["--tcp", "127.0.0.1:0", "--peers", "a:1,b", "--node", "0"], "got 'b'"),
         (["--tcp", "127.0.0.1:0", "--peers", "a:1,a:1", "--node", "0"], "twice"),
         (["--node", "0"], "--node goes with --peers"),
+        (
+            ["--tcp", "127.0.0.1:7005", "--peers", "127.0.0.1:7001,127.0.0.1:7002", "--node", "1"],
+            "--tcp 127.0.0.1:7005 is not on the port of --peers entry 1 (127.0.0.1:7002)",
+        ),
     ],
-    ids=["no-tcp", "no-node", "node-out-of-range", "bad-address", "repeated", "node-alone"],
+    ids=[
+        "no-tcp",
+        "no-node",
+        "node-out-of-range",
+        "bad-address",
+        "repeated",
+        "node-alone",
+        "tcp-not-its-peers-entry",
+    ],
 )
 def test_bad_peer_options_exit_2_naming_the_option(tmp_path, args, says):
     token = tmp_path / "token"
