@@ -10,7 +10,9 @@ import sys
 
 import h5py
 import numpy as np
-from helpers import job_env
+from helpers import ROOT, job_env
+
+from trainer.cosmology import write_split
 
 
 def _writes(argv: list[str]) -> tuple[int, list[bytes]]:
@@ -61,6 +63,19 @@ def test_a_reader_gone_ends_the_command_quietly_with_141(tmp_path):
     proc.stdout.close()  # (before the interpreter has even started)
     err = proc.stderr.read()
     assert (proc.wait(timeout=60), err) == (141, b"")
+
+
+def test_a_reader_gone_ends_a_training_quietly_with_141(tmp_path):
+    """``python -m trainer train ... | head -2``: rank 0's next line finds the reader gone;
+    the run ends with 141 and says nothing (was: a BrokenPipeError traceback, exit 1)."""
+    write_split(tmp_path, 16, 8, 8, 0)
+    cmd = [sys.executable, "-m", "trainer", "train", "--config",
+           str(ROOT / "trainer/configs/cosmoflow.toml"), "--set", f"data={tmp_path}",
+           "--set", "epochs=4", "--set", "warmup=1", "--set", "print_every=1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=job_env())
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=120), err) == (141, b"")
 
 
 def test_a_pipe_still_read_is_not_a_reader_gone():

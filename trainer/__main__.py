@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from staging.console import whole_lines
+from staging.console import reader_gone, whole_lines
 from staging.exitcodes import Exit
 from trainer.config import ConfigError, load_config, load_tournament
 
@@ -54,6 +54,10 @@ def _run(load: Callable[..., Any], go: Callable[[Any], int], a: argparse.Namespa
     except (ConfigError, DatasetError, LaunchMismatch) as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         return Exit.BAD_INPUT
+    except BrokenPipeError:
+        if not reader_gone():  # (a socket's: a real failure)
+            raise
+        return Exit.READER_GONE  # `| head` has its lines: quietly, as `cat` ends
     finally:
         _end_process_group()
 
