@@ -3,7 +3,8 @@
 
 Exit codes: ``0`` trained; ``2`` bad configuration (one line on stderr naming the key, or what
 cannot work: a field, a split the model cannot run, more ranks than GPUs for NCCL, a
-tournament's trainers against its processes; the same on every rank) or unreadable data.
+tournament's trainers against its processes; the same on every rank) or unreadable data;
+``141`` stdout's reader went away (``| head``), quietly.
 """
 
 from __future__ import annotations
