@@ -382,11 +382,17 @@ def test_generated_code_is_up_to_date(tmp_path):
     assert not mismatch and not errors, f"stale generated code {mismatch + errors}: run make protos"
 
 
-def test_tcp_over_tls(start, tmp_path, env):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+def _self_signed(cert: Path, key: Path) -> None:
     openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
     openssl += ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
     subprocess.run([*openssl, "-addext", "subjectAltName=DNS:localhost"], check=True)
+
+
+def test_tcp_over_tls(start, tmp_path, env):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    other, other_key = tmp_path / "other.pem", tmp_path / "other-key.pem"
+    _self_signed(cert, key)
+    _self_signed(other, other_key)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
@@ -403,8 +409,21 @@ def test_tcp_over_tls(start, tmp_path, env):
     assert json.loads(ok.stdout)["pid"] == s.proc.pid
     plain = cli("status", *secret, "--timeout", "2", env=env)  # plaintext to a TLS port
     assert plain.returncode == 1 and len(plain.stderr.strip().splitlines()) == 1
+    assert "a service started with --tls-cert needs --tls-ca" in plain.stderr
+    # the wrong CA: the handshake's reason, not "is `datastore serve` running?"
+    wrong = cli("status", *secret, "--tls-ca", str(other), "--timeout", "2", env=env)
+    last = wrong.stderr.strip().splitlines()[-1]  # (gRPC's own I-line may come first)
+    assert wrong.returncode == 1 and f"no TLS connection to {tcp}" in last, wrong.stderr
+    assert "CERTIFICATE_VERIFY_FAILED" in last and "running?" not in last
+    not_a_ca = cli("status", *secret, "--tls-ca", str(key), env=env)
+    assert not_a_ca.returncode == 2 and "no PEM certificate in it" in not_a_ca.stderr
     half = cli("serve", "--socket", str(tmp_path / "t.sock"), "--tls-cert", str(cert), env=env)
     assert half.returncode == 2 and "--tls-key" in half.stderr
+    pair = ("--tls-cert", str(cert), "--tls-key", str(other_key))  # not its key
+    bad = cli("serve", "--socket", str(tmp_path / "u.sock"), "--tcp", "localhost:0",
+              "--token-file", str(token_file), *pair, env=env)  # fmt: skip
+    [line] = bad.stderr.strip().splitlines()  # (no gRPC C-core lines, no "cannot bind")
+    assert bad.returncode == 2 and "bad_tls_files" in line and "KEY_VALUES_MISMATCH" in line
 
 
 def test_version(env):

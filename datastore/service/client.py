@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import ssl
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,11 +90,20 @@ def client_process() -> pb.ClientProcess | None:
 
 
 def open_channel(target: str, tls_ca: str | os.PathLike | None = None) -> grpc.Channel:
-    """A channel to ``target``: TLS checked against the PEM ``tls_ca`` when given."""
+    """A channel to ``target``: TLS checked against the PEM ``tls_ca`` when given.
+
+    Raises:
+        OSError: ``tls_ca`` cannot be read, or holds no PEM certificate.
+    """
     if tls_ca is None:
         return grpc.insecure_channel(target, options=MESSAGE_OPTIONS)
     with open(tls_ca, "rb") as f:
-        credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        pem = f.read()
+    try:  # (gRPC would print C-core lines, then fail each call as if nobody listened)
+        ssl.create_default_context(cadata=pem.decode("ascii", "replace"))
+    except ssl.SSLError as exc:
+        raise OSError(f"{tls_ca}: no PEM certificate in it ({exc.reason or exc})") from None
+    credentials = grpc.ssl_channel_credentials(root_certificates=pem)
     return grpc.secure_channel(target, credentials, options=MESSAGE_OPTIONS)
 
 

@@ -80,14 +80,23 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
             if code is None:
                 raise
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                msg = (
-                    f"no service answers at {client.target}: {code.name} "
-                    "(is `datastore serve` running? start it, or pass --address)"
-                )
+                msg = unreachable(client.target, code.name, exc.grpc_details, args.tls_ca)
             else:
                 msg = f"the service at {client.target} refused: {code.name}: {exc.grpc_details}"
             print(f"datastore {command}: {msg}", file=sys.stderr)
             return None, Exit.FAILED
+
+
+def unreachable(target: str, code: str, details: str, tls_ca: str | None) -> str:
+    """Why no service answered at ``target``: a TLS handshake that failed, with gRPC's reason
+    (a wrong CA, a service without TLS); else whether it runs, and over TCP without
+    ``--tls-ca`` that a service with a certificate needs one (it just closes the socket)."""
+    if "handshake" in details.lower():
+        return f"no TLS connection to {target}: {details}"
+    hint = "is `datastore serve` running? start it, or pass --address"
+    if tls_ca is None and not target.startswith("unix:"):
+        hint += "; a service started with --tls-cert needs --tls-ca"
+    return f"no service answers at {target}: {code} ({hint})"
 
 
 def run_status(args: argparse.Namespace) -> int:

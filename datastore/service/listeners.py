@@ -66,14 +66,28 @@ def bind_tcp(server: grpc.Server, tcp: str, tls_cert: Path | None, tls_key: Path
         OSError: a TLS file cannot be read.
         RuntimeError: the address cannot be bound.
     """
-    _check_bindable(tcp)
     if tls_cert is not None:
         assert tls_key is not None  # checked by ServeConfig
         pair = (tls_key.read_bytes(), tls_cert.read_bytes())
+        _check_pair(tls_cert, tls_key)
+    _check_bindable(tcp)
+    if tls_cert is not None:
         port = server.add_secure_port(tcp, grpc.ssl_server_credentials([pair]))
     else:
         port = server.add_insecure_port(tcp)
     return f"{tcp.rsplit(':', 1)[0]}:{port}"
+
+
+def _check_pair(cert: Path, key: Path) -> None:
+    """Raise ``OSError`` unless ``cert`` is a PEM certificate and ``key`` its private key
+    (gRPC would print C-core lines and fail as if the port could not be bound)."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise OSError(
+            f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private "
+            f"key ({exc.reason or exc})"
+        ) from None
 
 
 def _check_bindable(tcp: str) -> None:
