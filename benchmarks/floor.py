@@ -88,6 +88,9 @@ def tar_jobs(src: str, out: str) -> list:
 
 
 def main() -> int:
+    if len(sys.argv) not in (3, 4) or sys.argv[1].startswith("-"):
+        print("usage: python benchmarks/floor.py SRC OUT [THREADS]", file=sys.stderr)
+        return 2
     src, out = sys.argv[1], sys.argv[2]
     threads = int(sys.argv[3]) if len(sys.argv) > 3 else 8
     jobs = tar_jobs(src, out) if src.endswith(".tar") else tree_jobs(src, out)

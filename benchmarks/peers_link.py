@@ -77,6 +77,9 @@ _INDEX = struct.Struct("!I")  # a bare TCP request: the fetch's index
 
 
 def main(argv: list[str]) -> int:
+    if not 1 <= len(argv) <= 2 or argv[0].startswith("-"):
+        print("usage: peers_link.py SPEC [NODE] (run by benchmarks/peers.py)", file=sys.stderr)
+        return 2
     with open(argv[0]) as f:
         spec = json.load(f)
     fetches, depth = spec["fetches"], spec["depth"]

@@ -467,6 +467,8 @@ def main() -> int:
         p.error(f"--save-every must be >= 1, got {a.save_every}")
     if a.min_kills < 0:
         p.error(f"--min-kills must be >= 0, got {a.min_kills}")
+    if a.dir is not None:
+        os.makedirs(a.dir, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="datastore-soak-", dir=a.dir))
     try:
         report = soak(

@@ -4,7 +4,7 @@ What is measured
 ----------------
 A synthetic cosmology dataset (``trainer.cosmology``: ``--samples`` samples of ``--side``^3,
 4 channels, default 128 of 32^3) is written once under ``--dir`` (default
-``./bench-data/trainer``). The model is CosmoFlow (``conv_size = --width``, 4 blocks).
+``./bench-data/trainer``), a file per samples and side. The model is CosmoFlow (``conv_size = --width``, 4 blocks).
 
 a. **Input pipeline under training**: ``--steps`` SGD steps of batch ``--batch`` fed by
    ``DataStoreLoader(train.h5, batch_size, seed=0)`` vs the stock
@@ -105,7 +105,7 @@ def main() -> None:
     if workers[0] < 1 or a.reps < 1:
         p.error("--workers: counts >= 1; --reps >= 1")
     torch.set_num_threads(1)
-    path = os.path.join(a.dir, "train.h5")
+    path = os.path.join(a.dir, f"train-{a.samples}x{a.side}.h5")  # (a --dir holds several)
     if not os.path.exists(path):
         os.makedirs(a.dir, exist_ok=True)
         write_dataset(path, a.samples, a.side, 0)
