@@ -4,7 +4,8 @@ What is measured
 ----------------
 A synthetic cosmology dataset (``trainer.cosmology``: ``--samples`` samples of ``--side``^3,
 4 channels, default 128 of 32^3) is written once under ``--dir`` (default
-``./bench-data/trainer``), a file per samples and side. The model is CosmoFlow (``conv_size = --width``, 4 blocks).
+``./bench-data/trainer``), a file per samples and side. The model is CosmoFlow
+(``conv_size = --width``, 4 blocks).
 
 a. **Input pipeline under training**: ``--steps`` SGD steps of batch ``--batch`` fed by
    ``DataStoreLoader(train.h5, batch_size, seed=0)`` vs the stock

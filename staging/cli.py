@@ -157,6 +157,13 @@ def add_parser(sub: Any) -> None:
         help="the shared secret of a service reached over TCP (--service HOST:PORT)",
     )
     p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="the certificate to check a TLS service against (--service HOST:PORT of a service "
+        "started with --tls-cert)",
+    )
+    p.add_argument(
         "--load",
         action="store_true",
         help="with --service: once staged, make it resident in that service (each directory "
@@ -168,12 +175,13 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Stage here (``--service`` is handed to the service by ``datastore.cli``)."""
-    if args.load:
-        print(
-            "datastore stage: error: --load needs --service (the service holds what it loads)",
-            file=sys.stderr,
-        )
-        return Exit.BAD_INPUT
+    for flag, given in (("--load", args.load), ("--tls-ca", args.tls_ca is not None)):
+        if given:
+            print(
+                f"datastore stage: error: {flag} needs --service (it is about the service)",
+                file=sys.stderr,
+            )
+            return Exit.BAD_INPUT
     try:
         cfg = StageConfig(
             dest=args.dest,

@@ -415,6 +415,20 @@ def test_tcp_over_tls(start, tmp_path, env):
     last = wrong.stderr.strip().splitlines()[-1]  # (gRPC's own I-line may come first)
     assert wrong.returncode == 1 and f"no TLS connection to {tcp}" in last, wrong.stderr
     assert "CERTIFICATE_VERIFY_FAILED" in last and "running?" not in last
+    # `datastore stage --service` over TLS stages, and without --tls-ca is told why not
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"tls" * 1000)
+    stage = ("stage", str(src), "--to", str(tmp_path / "dst"), "--service", tcp, "--token-file",
+             str(token_file))  # fmt: skip
+    reached = cli(*stage, "--tls-ca", str(cert), env=env)
+    assert reached.returncode == 0, reached.stderr
+    assert (tmp_path / "dst" / "src" / "a.bin").read_bytes() == b"tls" * 1000
+    unreached = cli(*stage, env=env)
+    assert unreached.returncode == 1 and "needs --tls-ca" in unreached.stderr
+    assert "pass --service ADDRESS" in unreached.stderr
+    alone = cli("stage", str(src), "--to", str(tmp_path / "dst"), "--tls-ca", str(cert), env=env)
+    assert alone.returncode == 2 and "--tls-ca needs --service" in alone.stderr
     not_a_ca = cli("status", *secret, "--tls-ca", str(key), env=env)
     assert not_a_ca.returncode == 2 and "no PEM certificate in it" in not_a_ca.stderr
     half = cli("serve", "--socket", str(tmp_path / "t.sock"), "--tls-cert", str(cert), env=env)

@@ -87,13 +87,16 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
             return None, Exit.FAILED
 
 
-def unreachable(target: str, code: str, details: str, tls_ca: str | None) -> str:
+def unreachable(
+    target: str, code: str, details: str, tls_ca: object, flag: str = "--address"
+) -> str:
     """Why no service answered at ``target``: a TLS handshake that failed, with gRPC's reason
-    (a wrong CA, a service without TLS); else whether it runs, and over TCP without
-    ``--tls-ca`` that a service with a certificate needs one (it just closes the socket)."""
+    (a wrong CA, a service without TLS); else whether it runs (``flag`` names another), and
+    over TCP without ``--tls-ca`` that a service with a certificate needs one (it just closes
+    the socket)."""
     if "handshake" in details.lower():
         return f"no TLS connection to {target}: {details}"
-    hint = "is `datastore serve` running? start it, or pass --address"
+    hint = f"is `datastore serve` running? start it, or pass {flag}"
     if tls_ca is None and not target.startswith("unix:"):
         hint += "; a service started with --tls-cert needs --tls-ca"
     return f"no service answers at {target}: {code} ({hint})"

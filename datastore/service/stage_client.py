@@ -44,7 +44,8 @@ def run_remote(args: argparse.Namespace) -> int:
     from datastore.service._pb.v1 import datastore_pb2 as pb
     from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
     from datastore.service.auth import bearer, read_token
-    from datastore.service.client import target_of
+    from datastore.service.client import open_channel, target_of
+    from datastore.service.commands import unreachable
     from datastore.service.paths import service_address
 
     bad = ["--" + k.replace("_", "-") for k, v in UNSUPPORTED.items() if getattr(args, k) != v]
@@ -77,7 +78,12 @@ def run_remote(args: argparse.Namespace) -> int:
         load=args.load,
     )
     target = target_of(address)
-    with grpc.insecure_channel(target) as channel:
+    tls_ca = None if target.startswith("unix:") else args.tls_ca
+    try:
+        channel = open_channel(target, tls_ca)
+    except OSError as exc:
+        return _fail(f"error: cannot read --tls-ca: {exc}", Exit.BAD_INPUT)
+    with channel:
         call = pb_grpc.DataStoreStub(channel).Stage(
             request, metadata=bearer(token) if token else None
         )
@@ -88,13 +94,10 @@ def run_remote(args: argparse.Namespace) -> int:
             return _fail("interrupted; the service stops the stage", Exit.INTERRUPTED)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return _fail(
-                    f"no service answers at {target}: {code.name} (is `datastore serve` "
-                    "running? start it, or pass --service ADDRESS)",
-                    Exit.FAILED,
-                )
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                why = unreachable(target, code.name, details or "", tls_ca, "--service ADDRESS")
+                return _fail(why, Exit.FAILED)
             usage = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
             return _fail(
                 f"the service at {target} refused: {code.name}: {details}",
