@@ -80,24 +80,24 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
             if code is None:
                 raise
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                msg = unreachable(client.target, code.name, exc.grpc_details, args.tls_ca)
+                msg = unreachable(
+                    client.target, code.name, exc.grpc_details, args.tls_ca is not None
+                )
             else:
                 msg = f"the service at {client.target} refused: {code.name}: {exc.grpc_details}"
             print(f"datastore {command}: {msg}", file=sys.stderr)
             return None, Exit.FAILED
 
 
-def unreachable(
-    target: str, code: str, details: str, tls_ca: object, flag: str = "--address"
-) -> str:
+def unreachable(target: str, code: str, details: str, tls: bool, flag: str = "--address") -> str:
     """Why no service answered at ``target``: a TLS handshake that failed, with gRPC's reason
     (a wrong CA, a service without TLS); else whether it runs (``flag`` names another), and
-    over TCP without ``--tls-ca`` that a service with a certificate needs one (it just closes
-    the socket)."""
+    over TCP without TLS (``tls``: ``--tls-ca`` given) that a service with a certificate needs
+    one (it just closes the socket)."""
     if "handshake" in details.lower():
         return f"no TLS connection to {target}: {details}"
     hint = f"is `datastore serve` running? start it, or pass {flag}"
-    if tls_ca is None and not target.startswith("unix:"):
+    if not tls and not target.startswith("unix:"):
         hint += "; a service started with --tls-cert needs --tls-ca"
     return f"no service answers at {target}: {code} ({hint})"
 

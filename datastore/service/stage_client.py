@@ -96,7 +96,8 @@ def run_remote(args: argparse.Namespace) -> int:
             code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                why = unreachable(target, code.name, details or "", tls_ca, "--service ADDRESS")
+                tls = tls_ca is not None
+                why = unreachable(target, code.name, details or "", tls, "--service ADDRESS")
                 return _fail(why, Exit.FAILED)
             usage = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
             return _fail(
