@@ -86,8 +86,8 @@ class ServeConfig:
         if self.node is not None and not 0 <= self.node < len(self.peers):
             raise ValueError(f"--node {self.node} is not an index of the {len(self.peers)} --peers")
         if self.peers and self.tcp is not None and self.node is not None:
-            port, called = _port(self.tcp), _port(self.peers[self.node])
-            if port not in (0, called):  # (0: any free port, which the peers cannot know)
+            port, called = self.tcp.rpartition(":")[2], self.peers[self.node].rpartition(":")[2]
+            if port not in ("0", called):  # (0: any free port, which the peers cannot know)
                 raise ValueError(
                     f"--tcp {self.tcp} is not on the port of --peers entry {self.node} "
                     f"({self.peers[self.node]}), where the other services call node {self.node}"
@@ -110,9 +110,3 @@ class ServeConfig:
             raise ValueError(f"--state-file {state} is a directory: name a file in one")
         if state is not None and state.parent.exists() and not state.parent.is_dir():
             raise ValueError(f"--state-file {state}: {state.parent} is not a directory")
-
-
-def _port(address: str) -> int | None:
-    """The port of ``HOST:PORT``; ``None`` where it is not a number."""
-    port = address.rpartition(":")[2]
-    return int(port) if port.isdigit() else None

@@ -66,13 +66,15 @@ def bind_tcp(server: grpc.Server, tcp: str, tls_cert: Path | None, tls_key: Path
         OSError: a TLS file cannot be read.
         RuntimeError: the address cannot be bound.
     """
+    credentials = None
     if tls_cert is not None:
         assert tls_key is not None  # checked by ServeConfig
-        pair = (tls_key.read_bytes(), tls_cert.read_bytes())
         _check_pair(tls_cert, tls_key)
+        pair = (tls_key.read_bytes(), tls_cert.read_bytes())
+        credentials = grpc.ssl_server_credentials([pair])
     _check_bindable(tcp)
-    if tls_cert is not None:
-        port = server.add_secure_port(tcp, grpc.ssl_server_credentials([pair]))
+    if credentials is not None:
+        port = server.add_secure_port(tcp, credentials)
     else:
         port = server.add_insecure_port(tcp)
     return f"{tcp.rsplit(':', 1)[0]}:{port}"
