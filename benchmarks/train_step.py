@@ -57,10 +57,12 @@ from common import (
     write_results,
 )
 from loader import H5Samples
+from train_step_job import BLOCKS
 
 from datastore import DataStoreLoader
 from trainer.cosmology import write_dataset
 from trainer.models import CosmoFlow
+from trainer.preflight import level_blocks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -68,7 +70,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def train_steps(batches: Iterable[dict[str, torch.Tensor]], steps: int, width: int, side: int):
     """``(median step seconds, data-wait share)`` of ``steps`` SGD steps (the first dropped)."""
     torch.manual_seed(0)
-    model = CosmoFlow(4, 3, input_size=side, conv_size=width, n_conv=4)
+    model = CosmoFlow(4, 3, input_size=side, conv_size=width, n_conv=BLOCKS)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     it = iter(batches)
     times, waits = [], []
@@ -101,6 +103,13 @@ def main() -> None:
     p.add_argument("--workers", default="auto", help="peer num_workers to try (default: auto)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     a = p.parse_args()
+    try:  # (a) trains on whole samples, (b)-(d) on halves: both checked before any run
+        for parts in ((1, 1, 1), (2, 1, 1)):
+            level_blocks((a.side,) * 3, parts, BLOCKS)
+    except ValueError as exc:
+        p.error(f"--side {a.side}: {exc}")
+    if min(a.samples, a.width, a.batch, a.steps) < 1 or a.batch > a.samples:
+        p.error("--samples, --width, --batch, --steps: each >= 1, and --batch <= --samples")
     c = cores()
     workers = parse_counts(a.workers, sorted({1, c, 2 * c}), "--workers")
     if workers[0] < 1 or a.reps < 1:

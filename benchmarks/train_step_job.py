@@ -34,6 +34,8 @@ from trainer.reduce import GradientReducer
 
 _seconds = {"halo": 0.0}
 
+BLOCKS = 4  # CosmoFlow conv blocks (poolings), here and in train_step.py
+
 
 def _timed(fn: Any) -> Any:
     def wrapper(*args: Any) -> Any:
@@ -62,7 +64,7 @@ def saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
 
 def cosmoflow(side: int, width: int, layers: Any) -> CosmoFlow:
     torch.manual_seed(0)
-    return CosmoFlow(4, 3, input_size=side, conv_size=width, n_conv=4, layers=layers)
+    return CosmoFlow(4, 3, input_size=side, conv_size=width, n_conv=BLOCKS, layers=layers)
 
 
 def slowest(v: float) -> float:

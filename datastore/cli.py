@@ -91,6 +91,8 @@ def _stage(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     whole_lines()
+    # gRPC's info lines (a refused TLS handshake, each retry) on stderr: we say why, once
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = parser().parse_args(argv)
     try:
         code = args.func(args)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -280,6 +281,60 @@ def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(st
     assert e.grpc_status == grpc.StatusCode.UNAVAILABLE and "node 1 (127.0.0.1:" in str(e)
     s.start(1)  # restarted: reloads its shard from the state file, and is reached again
     _job(src, template, s, None, epochs=1)
+
+
+def _certificate(tmp, name: str) -> tuple[Path, Path]:
+    cert, key = tmp / f"{name}.pem", tmp / f"{name}.key"
+    openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    openssl += ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+    openssl += ["-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(openssl, check=True, capture_output=True)
+    return cert, key
+
+
+def test_a_peer_whose_tls_does_not_match_is_named_with_the_reason_not_a_timeout(tmp_path):
+    """gRPC retries a refused handshake until the deadline and then only says it passed;
+    the asking service names the TLS mismatch instead (and a peer merely down stays a
+    timeout)."""
+    (cert, key), (other, _) = _certificate(tmp_path, "node1"), _certificate(tmp_path, "other")
+    s = Store(tmp_path, {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV})
+    s.options[1] = ["--tls-cert", str(cert), "--tls-key", str(key)]
+    try:
+        s.start(1)  # node 0 is this process: a GrpcPeers asking node 1
+        said = {}
+        for case, ca in [("wrong CA", other), ("no TLS", None), ("its CA", cert)]:
+            peers = GrpcPeers(tuple(s.addresses), 0, TOKEN, tls_ca=ca, timeout_s=1)
+            try:
+                with pytest.raises(ServiceError) as e:
+                    peers.describe(1, str(tmp_path / "nothing"))
+            finally:
+                peers.close(stop_all=False)
+            said[case] = (e.value.code, str(e.value))
+        s.stop(1)
+        peers = GrpcPeers(tuple(s.addresses), 0, TOKEN, tls_ca=other, timeout_s=1)
+        with pytest.raises(ServiceError) as e:
+            peers.describe(1, str(tmp_path / "nothing"))
+        peers.close(stop_all=False)
+        said["down"] = (e.value.code, str(e.value))
+    finally:
+        s.kill_all()
+    at = f"node 1 ({s.addresses[1]}): "
+    assert said["wrong CA"] == (
+        "FAILED_PRECONDITION",
+        at + "no TLS connection (CERTIFICATE_VERIFY_FAILED): every service of a store needs "
+        "a --tls-cert that the others' --peer-ca signed",
+    )
+    assert said["no TLS"] == (
+        "FAILED_PRECONDITION",
+        at + "it talks TLS and this service does not: every service of a store needs "
+        "--tls-cert and --tls-key, or none does",
+    )
+    assert said["its CA"][0] == "NOT_FOUND" and "TLS" not in said["its CA"][1]
+    assert "Handshake failed" not in (tmp_path / "serve1.log").read_text()  # gRPC's lines
+    assert said["down"] == (
+        "UNAVAILABLE",
+        f"node 1 ({s.addresses[1]}) did not answer Describe within 1 s",
+    )
 
 
 def test_chunk_framing_round_trips_and_rejects_garbage():

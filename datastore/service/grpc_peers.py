@@ -24,6 +24,7 @@ serving; once the peer is back, the next call reaches it.
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 import threading
 import time
@@ -123,11 +124,12 @@ class GrpcPeers:
         self.timeout_s = timeout_s
         self.bytes_received = 0
         self._metadata = bearer(token)
-        self._credentials, self._tls = None, None
+        self._credentials, self._tls, self._ca = None, None, None
         if tls_ca is not None:
             ca = tls_ca.read_bytes()
             self._credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-            self._tls = ssl.create_default_context(cadata=ca.decode())
+            self._ca = ca.decode()
+            self._tls = ssl.create_default_context(cadata=self._ca)
         self._on_event = on_event
         self._lock = threading.Lock()
         self._channels: dict[int, grpc.Channel] = {}
@@ -166,6 +168,9 @@ class GrpcPeers:
         at = f"node {dest} ({self.addresses[dest]})"
         code = exc.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            mismatch = self._tls_mismatch(dest)
+            if mismatch is not None:
+                return ServiceError("FAILED_PRECONDITION", f"{at}: {mismatch}")
             return ServiceError(
                 "UNAVAILABLE", f"{at} did not answer {what} within {self.timeout_s:g} s"
             )
@@ -176,6 +181,41 @@ class GrpcPeers:
                 "--token-file",
             )
         return ServiceError(code.name, f"{at}: {exc.details()}")
+
+    def _tls_mismatch(self, dest: int) -> str | None:
+        """Why node ``dest`` cannot be talked to, where TLS is the reason (gRPC only retries a
+        failed handshake until the call's deadline, and says the deadline passed): a handshake
+        refused under this service's ``--peer-ca``, or a peer that talks TLS to one without.
+        ``None`` where it is not TLS (a peer down, slow or unreachable)."""
+        host, _, port = self.addresses[dest].rpartition(":")
+        host = host.strip("[]")
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # (gRPC's ALPN: not the data link's)
+        if self._ca is None:  # does the peer answer a TLS handshake, whatever its certificate?
+            tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+        else:
+            tls.load_verify_locations(cadata=self._ca)
+        tls.set_alpn_protocols(["h2"])
+        try:
+            with (
+                socket.create_connection((host, int(port)), timeout=CONNECT_S) as raw,
+                tls.wrap_socket(raw, server_hostname=host),
+            ):
+                pass
+        except ssl.SSLError as exc:
+            if self._ca is None:
+                return None  # (a plaintext peer)
+            return (
+                f"no TLS connection ({exc.reason or exc}): every service of a store needs a "
+                "--tls-cert that the others' --peer-ca signed"
+            )
+        except OSError:  # (down, or no handshake within the time)
+            return None
+        if self._ca is None:
+            return (
+                "it talks TLS and this service does not: every service of a store needs "
+                "--tls-cert and --tls-key, or none does"
+            )
+        return None
 
     def describe(self, dest: int, path: str) -> Listing:
         """Node ``dest``'s listing of the dataset clients call ``path``."""
