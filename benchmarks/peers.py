@@ -988,6 +988,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.node_cpus[1]} (taskset), the bare ranks likewise; one node ('local') is the "
             "whole dataset on each node, rank k streaming from node k's service"
         )
+    if args.tls and "grpc" in args.kinds:
+        notes.append(
+            "- the grpc store's peers talk TLS (`--tls`: a self-signed certificate), its gRPC "
+            "and its data connections; no link replay beside bare TCP (that runs without TLS)"
+        )
     print(notes[0][2:], flush=True)
     jobs = {(k, lay): Job(k, lay) for k in args.kinds for lay in args.layouts}
     idle: dict[str, list[float]] = {k: [] for k in args.kinds}

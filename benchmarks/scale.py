@@ -169,12 +169,20 @@ def left_out_row(n: int, ranks: int, a: argparse.Namespace) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--samples", type=float, nargs="+", default=[1e6, 1e7, 1e8])
-    p.add_argument("--ranks", type=int, nargs="+", default=[64, 512, 4096])
-    p.add_argument("--old-max", type=float, default=1e7)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--file-samples", type=int, default=1000)
+    # fmt: off
+    p.add_argument("--samples", type=float, nargs="+", default=[1e6, 1e7, 1e8],
+                   help="dataset sizes N (default: 1e6 1e7 1e8)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[64, 512, 4096],
+                   help="data ranks P, simulated (default: 64 512 4096)")
+    p.add_argument("--old-max", type=float, default=1e7,
+                   help="the peer (the plans before) only up to this N (default: 1e7)")
+    p.add_argument("--reps", type=int, default=3, help="timed calls per cell (default: 3)")
+    p.add_argument("--file-samples", type=int, default=1000,
+                   help="samples per file of the shard layout (default: 1000)")
+    # fmt: on
     a = p.parse_args()
+    if min(a.samples) < 1 or min(a.ranks) < 1 or a.reps < 1 or a.file_samples < 1:
+        p.error("--samples, --ranks, --reps, --file-samples: each >= 1")
     print(machine_info(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"))
     print(f"\nPer rank per epoch, seconds: median (range) of {a.reps}; MiB: tracemalloc peak.\n")
     print(

@@ -144,13 +144,20 @@ def real_run(p: int, checks: int) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--real", type=int, nargs="+", default=[1, 2, 3, 4])
-    p.add_argument("--simulate", type=int, nargs="+", default=[4096, 65536])
-    p.add_argument("--checks", type=int, default=2000)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--latency-us", type=float, default=2.0)
+    # fmt: off
+    p.add_argument("--real", type=int, nargs="+", default=[1, 2, 3, 4],
+                   help="ranks of the real runs (1 and 2 always run; default: 1 2 3 4)")
+    p.add_argument("--simulate", type=int, nargs="+", default=[4096, 65536],
+                   help="ranks simulated with the fitted model (default: 4096 65536)")
+    p.add_argument("--checks", type=int, default=2000, help="checks per real run (default: 2000)")
+    p.add_argument("--reps", type=int, default=3, help="real runs of each size (default: 3)")
+    p.add_argument("--latency-us", type=float, default=2.0,
+                   help="the network's one-way latency added at scale, us (default: 2)")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    # fmt: on
     a = p.parse_args()
+    if min(a.real + a.simulate) < 1 or a.checks < 1 or a.reps < 1 or a.latency_us < 0:
+        p.error("--real, --simulate, --checks, --reps: each >= 1; --latency-us >= 0")
     if a.job:
         job(a.checks)
         return
