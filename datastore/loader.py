@@ -8,9 +8,11 @@ its arguments once, on every rank alike; owns the position in the sample sequenc
 the device stage (``datastore.store.device``); each source only fills the buffers it is given.
 
 A background thread prepares ``prefetch`` batches ahead: the source fills a buffer (copies
-spread over ``threads`` threads), the batch is copied to ``device`` on a side stream and
-``transform`` runs, then the consumer takes it. Tensors handed out view the loader's buffers
-(no copy) and are never overwritten while anyone holds them.
+spread over ``threads`` threads) and the batch is copied to ``device`` on a side stream; the
+consumer takes it and runs ``transform`` on it in its own thread (so that the transform's draws
+from torch's generator come in the loop's order, as with ``DataLoader(num_workers=0)``).
+Tensors handed out view the loader's buffers (no copy) and are never overwritten while anyone
+holds them.
 """
 
 from __future__ import annotations
@@ -198,7 +200,9 @@ class DataStoreLoader(EpochPosition):
             stream. Default: ``None``.
         threads: threads copying each batch. Default: the cores this rank may use, up to 16.
         transform: ``transform(batch) -> batch`` on every batch, after the rank's block is
-            cut; on the device when ``device`` is set (on the side stream). Default: none.
+            cut; on the device when ``device`` is set (on the current stream), in the thread
+            that iterates, as ``DataLoader(num_workers=0)`` runs it: its random draws are
+            reproducible under ``torch.manual_seed``. Default: none.
         collate: ``collate(batch) -> anything``: what iteration yields. Default: the batch.
         timeout: seconds to wait for peers or the service before failing with an error
             naming the step and the peer. Default: ``300``.
@@ -509,11 +513,11 @@ class DataStoreLoader(EpochPosition):
                 if not o.drop_last:
                     valid = self.schedule.valid(step, lay.data_rank, lay.data_world)
                     host = {**host, VALID: torch.from_numpy(valid)}
-                if self._stage is not None:  # copies and transform on the side stream
-                    batch, event = self._stage.upload(host, self.transform)
+                if self._stage is not None:  # copies on the side stream
+                    batch, event = self._stage.upload(host)
                     buf.release_after(event)
                 else:
-                    batch, event = (self.transform(host) if self.transform else host), None
+                    batch, event = host, None
                 del host
                 if not _offer(q, (step, batch, event), stop):
                     del batch
@@ -571,6 +575,8 @@ class DataStoreLoader(EpochPosition):
                     return
                 if self._stage is not None:
                     batch = self._stage.hand_out(batch, event)
+                if self.transform is not None:  # here: its random draws are the loop's, in order
+                    batch = self.transform(batch)
                 self._handed_out(epoch, step, pass_)
                 start = step + 1
                 yield self.collate(batch) if self.collate is not None else batch

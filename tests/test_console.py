@@ -71,7 +71,8 @@ def test_a_reader_gone_ends_a_training_quietly_with_141(tmp_path):
     write_split(tmp_path, 16, 8, 8, 0)
     cmd = [sys.executable, "-m", "trainer", "train", "--config",
            str(ROOT / "trainer/configs/cosmoflow.toml"), "--set", f"data={tmp_path}",
-           "--set", "epochs=4", "--set", "warmup=1", "--set", "print_every=1"]  # fmt: skip
+           "--set", "epochs=4", "--set", "warmup=1", "--set", "print_every=1", "--set",
+           f"checkpoint_dir={tmp_path}/run", "--set", f"log_file={tmp_path}/log"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=job_env())
     proc.stdout.close()
     err = proc.stderr.read()

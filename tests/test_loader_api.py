@@ -63,6 +63,37 @@ def test_transform_runs_on_every_batch_after_the_block_is_cut(h5):
     assert seen == [(3, C, D // 2 + 2, D + 2, D + 2)] * len(loader)
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_random_transform_draws_in_the_loops_order_as_dataloader_num_workers_0(h5, device):
+    """A transform drawing from torch's generator (as torchvision's random transforms do) and a
+    loop drawing too (dropout): one seed, one result, the draws interleaved batch by batch as
+    in a plain loop. (Run in the prefetch thread, the transform drew ahead of the loop.)"""
+    path, x = h5
+
+    def noise(batch):
+        return {**batch, "x": batch["x"] + torch.rand(batch["x"].shape)}
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        loader = DataStoreLoader(path, batch_size=3, seed=4, transform=noise, device=device)
+        got = []
+        for batch in loader:
+            got.append(batch["x"].clone())
+            torch.rand(5)  # the step's own draw, after the batch's
+        loader.close()
+        return got
+
+    torch.manual_seed(0)
+    want = []
+    for step in range(N // 3):  # the same batches, the draws in a plain loop's order
+        idx = Schedule(N, 3, seed=4).order(0)[step * 3 : (step + 1) * 3]
+        want.append(noise({"x": torch.from_numpy(x[idx])})["x"])
+        torch.rand(5)
+    for got in (run(), run()):
+        assert len(got) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_collate_shapes_what_iteration_yields(h5):
     path, x = h5
     loader = DataStoreLoader(path, batch_size=4, seed=2, collate=lambda b: (b["x"], b["idx"]))

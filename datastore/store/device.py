@@ -1,12 +1,12 @@
 """The device stage: batches copied to a GPU on a side stream, ahead of the training step.
 
 The loader's producer thread copies each batch from its (pinned) host buffer to fresh device
-tensors on a side CUDA stream and records an event; the batch's ``transform`` runs there too.
-When the batch is handed out, the consumer's current stream waits for that event (no host
-synchronisation), and every tensor is marked as used by the consumer's stream
-(``record_stream``), so the caching allocator never gives its memory to another batch while
-the training step still reads it. The host buffer is reused only once its copy is done (the
-event is kept on the buffer, see ``datastore.store.ring``).
+tensors on a side CUDA stream and records an event. When the batch is handed out, the
+consumer's current stream waits for that event (no host synchronisation), and every tensor is
+marked as used by the consumer's stream (``record_stream``), so the caching allocator never
+gives its memory to another batch while the training step still reads it; the batch's
+``transform`` then runs on the consumer's thread and stream. The host buffer is reused only
+once its copy is done (the event is kept on the buffer, see ``datastore.store.ring``).
 
 Copies from pinned memory run at the link's speed without blocking the host; from pageable
 memory they are synchronous and several times slower, so the loader pins its buffers, and the
@@ -16,7 +16,6 @@ service client registers its shared-memory segments with CUDA (:func:`register_h
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,18 +88,13 @@ class DeviceStage:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def upload(
-        self, host: dict[str, torch.Tensor], transform: Callable[[Batch], Batch] | None
-    ) -> tuple[Batch, Any]:
-        """``(device batch, event)``: the copies (and ``transform``) enqueued on the side
-        stream; the event marks their end (``None`` off CUDA, where copies are synchronous)."""
+    def upload(self, host: dict[str, torch.Tensor]) -> tuple[Batch, Any]:
+        """``(device batch, event)``: the copies enqueued on the side stream; the event marks
+        their end (``None`` off CUDA, where copies are synchronous)."""
         if self.stream is None:
-            out = {n: t.to(self.device) for n, t in host.items()}
-            return (transform(out) if transform else out), None
+            return {n: t.to(self.device) for n, t in host.items()}, None
         with torch.cuda.stream(self.stream):
             out = {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
-            if transform is not None:
-                out = transform(out)
             event = torch.cuda.Event()
             event.record(self.stream)
         return out, event
