@@ -149,6 +149,9 @@ def _raw_fingerprint(kw: dict[str, Any]) -> dict[str, str]:
     return {**order, "fields": repr(kw["fields"]), "exchange": "?"}
 
 
+CLOSED = "this loader is closed (close(), or the end of its with block): make a new one"
+
+
 def _offer(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
     """Put ``item`` unless the consumer has stopped: never block on a queue nobody drains."""
     while not stop.is_set():
@@ -322,7 +325,9 @@ class DataStoreLoader(EpochPosition):
             self.source = self._source.kind
         self.epoch, self._step = 0, 0
         self._waited = 0.0  # seconds the consumer waited for batches
-        self._workers: list[threading.Thread] = []  # the prefetch threads of live passes
+        # the prefetch threads of live passes, and what stops each
+        self._workers: list[tuple[threading.Thread, threading.Event]] = []
+        self._closed = False
         pin = can_pin(staging_pinned(o.pin_memory, o.device))  # without CUDA: a note, once
         # pinned batches handed out are copied by the consumer, out of the ring's sight
         fresh = pin and self._stage is None
@@ -533,14 +538,14 @@ class DataStoreLoader(EpochPosition):
         """A pass from an epoch's first batch (``EpochPosition``), or the resumption of a
         loaded ``state_dict``; where it starts is decided at its first batch (a
         ``set_epoch`` between ``iter()`` and ``next()`` counts, as with a sampler)."""
-        if self._broken:
-            raise RuntimeError(self._broken)
+        if self._closed or self._broken:
+            raise RuntimeError(CLOSED if self._closed else self._broken)
         if self._unchecked is not None:
             self._check_late()
         yield from self._pass_batches(*self._new_pass())
 
     def _pass_batches(self, epoch: int, start: int, pass_: int):
-        if self._source.steps_together and any(w.is_alive() for w in self._workers):
+        if self._source.steps_together and any(w.is_alive() for w, _ in self._workers):
             raise RuntimeError(
                 "another iterator of this loader is still running: with an exchange (the ranks "
                 "step together) or a service (one stream per session) a loader runs one pass "
@@ -555,9 +560,11 @@ class DataStoreLoader(EpochPosition):
             name="datastore-prefetch",
         )
         worker.start()
-        self._workers = [w for w in self._workers if w.is_alive()] + [worker]
+        self._workers = [(w, s) for w, s in self._workers if w.is_alive()] + [(worker, stop)]
         try:
             while True:
+                if self._closed:  # (while this pass was open)
+                    raise RuntimeError(CLOSED)
                 t0 = time.perf_counter()
                 try:
                     step, batch, event = q.get(timeout=self.options.timeout + 5)
@@ -615,8 +622,16 @@ class DataStoreLoader(EpochPosition):
         return getattr(self._source, "store", None)
 
     def close(self) -> None:
-        """Free the store, the exchange, the session with the service; tensors handed out
-        stay valid."""
+        """Stop the passes still open (their next batch raises), then free the store, the
+        exchange, the session with the service; tensors handed out stay valid. Once closed,
+        iterating raises ``RuntimeError``; closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, stop in self._workers:
+            stop.set()
+        for worker, _ in self._workers:  # (none may read the store once it is freed)
+            worker.join(self.options.timeout + 10)
         self._source.close()
         if self.reader is not None:
             self.reader.close()

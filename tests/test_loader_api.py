@@ -152,6 +152,14 @@ def test_bad_device_and_threads_are_named(h5):
             r"^DataStoreLoader: bogus= is not an argument; comm= is now "
             r"exchange=ExchangeOptions\(comm=...\); preload= is now store=StoreOptions\(preload",
         ),
+        # torch DataLoader's keywords say what does their job here
+        (
+            {"collate_fn": list, "num_workers": 4},
+            TypeError,
+            r"^DataStoreLoader: collate_fn= is torch DataLoader's: here collate= \(what "
+            r"iteration yields\) or transform= \(per batch\); num_workers= is torch DataLoader's: "
+            r"here a thread prefetches \(prefetch=\), threads= copying each batch$",
+        ),
     ],
 )
 def test_careless_arguments_are_named_when_made(h5, kw, error, message):
@@ -226,6 +234,21 @@ def test_a_spill_dir_that_is_a_file_is_named(h5, tmp_path):
         DataStoreLoader(
             h5[0], batch_size=2, store=StoreOptions(memory_budget=1, spill_dir=str(spill))
         )
+
+
+def test_a_spill_dir_is_made_only_where_its_parent_exists(h5, tmp_path):
+    """``/l/sdd/spill`` for ``/l/ssd/spill``: refused, nothing made (was: the whole path made,
+    and spilled into, on whatever disk holds it)."""
+    typo = tmp_path / "l" / "sdd" / "spill"
+    with pytest.raises(ValueError, match=f"spill_dir '{typo}': its parent '{typo.parent}' is not"):
+        StoreOptions(memory_budget=1, spill_dir=typo)
+    assert not (tmp_path / "l").exists()
+    made = tmp_path / "spill"
+    loader = DataStoreLoader(
+        h5[0], batch_size=2, store=StoreOptions(memory_budget=1, spill_dir=made)
+    )
+    assert made.is_dir() and loader.store.spill_slots > 0
+    loader.close()
 
 
 @pytest.mark.parametrize(

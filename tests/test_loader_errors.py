@@ -12,6 +12,7 @@ import socket
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from datastore import DataStoreLoader, describe_dataset
 from datastore.errors import DatasetNotFound, DataStoreError, PathNotAllowed, ServiceUnavailable
@@ -71,6 +72,22 @@ def test_a_dataset_with_no_samples_is_named_in_both_modes(allowed):
     for kw in ({}, {"service": ServiceOptions(str(sock))}):
         with pytest.raises(ValueError, match=r"empty\.h5'?: the dataset has no samples$"):
             DataStoreLoader(str(path), batch_size=2, **kw)
+
+
+def test_a_closed_loader_says_so_when_iterated_in_both_modes(allowed):
+    """Iterating after ``close()`` (or a ``with`` block) raised ``KeyError: 'x'`` from the
+    freed store; a pass open at the close is stopped with the loader, and says so too."""
+    root, _, sock = allowed
+    for kw in ({}, {"service": ServiceOptions(str(sock))}):
+        with DataStoreLoader(str(root / "d.h5"), batch_size=1, seed=0, **kw) as loader:
+            it = iter(loader)
+            first = next(it)
+            held = first["x"].clone()
+        for again in (it, iter(loader)):  # the pass open at the close, a new one
+            with pytest.raises(RuntimeError, match=r"^this loader is closed \(close\(\), or"):
+                next(again)
+        loader.close()  # again: nothing
+        assert torch.equal(first["x"], held)  # what was handed out stays valid
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,8 @@ class StoreOptions:
         memory_budget: RAM for the store, in bytes or as ``"64G"``; beyond it samples spill to
             ``spill_dir`` or are re-read. Default: ``None`` (no limit; a dataset larger than
             the memory available is refused before reading).
-        spill_dir: where the store spills. Default: ``None``.
+        spill_dir: where the store spills: a directory, made if its parent exists.
+            Default: ``None``.
     """
 
     preload: bool = True
@@ -63,6 +64,12 @@ class StoreOptions:
             raise TypeError(f"StoreOptions.spill_dir must be a path or None, got {spill!r}")
         if spill is not None and os.path.exists(spill) and not os.path.isdir(spill):
             raise ValueError(f"StoreOptions.spill_dir {os.fspath(spill)!r} is not a directory")
+        parent = os.path.dirname(os.path.abspath(spill)) if spill is not None else ""
+        if spill is not None and not os.path.isdir(parent):  # (a typo would fill another disk)
+            raise ValueError(
+                f"StoreOptions.spill_dir {os.fspath(spill)!r}: its parent {parent!r} is not a "
+                "directory (the spill directory is made, its parents are not)"
+            )
 
 
 @dataclass(frozen=True)
@@ -153,13 +160,32 @@ MOVED = {
 }
 
 
+# torch DataLoader's keywords that DataStoreLoader does not take, and what does their job
+TORCH_KEYWORDS = {
+    "collate_fn": "here collate= (what iteration yields) or transform= (per batch)",
+    "num_workers": "here a thread prefetches (prefetch=), threads= copying each batch",
+    "prefetch_factor": "here prefetch= (batches ready ahead)",
+    "persistent_workers": "here the store lasts across epochs (nothing to set)",
+    "worker_init_fn": "there are no workers: transform= runs in the iterating thread",
+    "sampler": "here the loader orders the samples: shuffle=, seed=, rank=, world=",
+    "batch_sampler": "here the loader orders the samples: shuffle=, seed=, rank=, world=",
+    "generator": "here seed= (the order is a function of seed and epoch)",
+    "pin_memory_device": "here device= (batches copied to it from pinned memory)",
+    "multiprocessing_context": "there are no worker processes",
+    "in_order": "batches always come in order",
+}
+
+
 def moved_keywords(names: list[str]) -> str:
-    """Why ``DataStoreLoader`` refuses these keywords: where each moved, or that it is unknown."""
+    """Why ``DataStoreLoader`` refuses these keywords: where each moved, what does the job of
+    torch's ``DataLoader`` keywords, or that it is unknown."""
     parts = []
     for name in names:
         if name in MOVED:
             arg, cls = MOVED[name]
             parts.append(f"{name}= is now {arg}={cls.__name__}({name}=...)")
+        elif name in TORCH_KEYWORDS:
+            parts.append(f"{name}= is torch DataLoader's: {TORCH_KEYWORDS[name]}")
         else:
             parts.append(f"{name}= is not an argument")
     return "DataStoreLoader: " + "; ".join(parts)

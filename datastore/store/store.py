@@ -103,7 +103,8 @@ class Store:
         self.counters.bytes_spilled = self.spill_slots * per_slot
 
     def _map_spill(self, spill_dir: str, per_slot: int) -> dict[str, np.ndarray]:
-        os.makedirs(spill_dir, exist_ok=True)
+        if not os.path.isdir(spill_dir):  # (its parent was checked: a typo makes nothing)
+            os.mkdir(spill_dir)
         fd, path = tempfile.mkstemp(prefix="datastore-spill-", dir=spill_dir)
         try:
             os.ftruncate(fd, max(1, self.spill_slots * per_slot))
