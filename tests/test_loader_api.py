@@ -124,6 +124,8 @@ def test_bad_device_and_threads_are_named(h5):
         DataStoreLoader(h5[0], batch_size=2, threads=0)
     with pytest.raises(ValueError, match="device"):
         DataStoreLoader(h5[0], batch_size=2, device="nonsense")
+    with pytest.raises(ValueError, match=r"^device='meta' holds no data"):
+        DataStoreLoader(h5[0], batch_size=2, device="meta")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             DataStoreLoader(h5[0], batch_size=2, device="cuda")

@@ -26,7 +26,8 @@ __all__ = ["DeviceStage", "parse_device", "register_host", "tensors_in", "unregi
 def parse_device(device: Any) -> torch.device | None:
     """``device=`` as a ``torch.device`` (``None``: batches stay on the host).
 
-    Raises ``ValueError`` for a CUDA device where CUDA is not available or out of range.
+    Raises ``ValueError`` for a CUDA device where CUDA is not available or out of range, and
+    for ``"meta"`` (tensors without data).
     """
     if device is None:
         return None
@@ -34,6 +35,8 @@ def parse_device(device: Any) -> torch.device | None:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device={device!r} is not a device: {exc}") from None
+    if dev.type == "meta":
+        raise ValueError(f"device={device!r} holds no data: every batch would be empty")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r}, but CUDA is not available in this process")
