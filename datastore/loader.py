@@ -622,16 +622,15 @@ class DataStoreLoader(EpochPosition):
         return getattr(self._source, "store", None)
 
     def close(self) -> None:
-        """Stop the passes still open (their next batch raises), then free the store, the
-        exchange, the session with the service; tensors handed out stay valid. Once closed,
-        iterating raises ``RuntimeError``; closing again does nothing."""
+        """Free the store, the exchange, the session with the service; tensors handed out
+        stay valid. Once closed, iterating raises ``RuntimeError``, also a pass still open
+        (its prefetch thread is told to stop first, and ends at what it was doing: a read of
+        the freed store, a stream the close cut, ...). Closing again does nothing."""
         if self._closed:
             return
         self._closed = True
         for _, stop in self._workers:
             stop.set()
-        for worker, _ in self._workers:  # (none may read the store once it is freed)
-            worker.join(self.options.timeout + 10)
         self._source.close()
         if self.reader is not None:
             self.reader.close()
