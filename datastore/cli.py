@@ -15,7 +15,7 @@ from datastore.plan import plan_cmd
 from datastore.readers import inspect_cmd
 from datastore.service import cli as service_cli
 from staging import cli as stage_cli
-from staging.console import reader_gone, whole_lines
+from staging.console import grpc_errors_only, reader_gone, whole_lines
 from staging.exitcodes import Exit
 
 __all__ = ["main"]
@@ -91,8 +91,7 @@ def _stage(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     whole_lines()
-    # gRPC's info lines (a refused TLS handshake, each retry) on stderr: we say why, once
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    grpc_errors_only()
     args = parser().parse_args(argv)
     try:
         code = args.func(args)

@@ -1,5 +1,6 @@
 """What every command's console shares: lines on stderr that stay whole when ranks share one
-terminal, and a reader of stdout that goes away (``| head``) ending the command quietly."""
+terminal, gRPC's info lines kept off it, and a reader of stdout that goes away (``| head``)
+ending the command quietly."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import select
 import sys
 
-__all__ = ["reader_gone", "whole_lines"]
+__all__ = ["grpc_errors_only", "reader_gone", "whole_lines"]
 
 
 def whole_lines() -> None:
@@ -17,6 +18,13 @@ def whole_lines() -> None:
     stderr replaced (a test capturing it) is left as it is."""
     if sys.stderr is sys.__stderr__ and hasattr(sys.stderr, "reconfigure"):
         sys.stderr.reconfigure(write_through=False, line_buffering=True)
+
+
+def grpc_errors_only() -> None:
+    """gRPC's C core writes info lines on stderr (``I1129 ... Handshake failed``, at every
+    retry of a refused TLS handshake); the commands say why a call failed themselves. Only
+    errors, unless the user set ``GRPC_VERBOSITY``; before gRPC is imported."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def reader_gone() -> bool:
