@@ -134,6 +134,28 @@ def test_a_checkpoint_of_another_run_is_refused(tiny, small, tmp_path, capsys):
     assert "is not a checkpoint of this trainer" in capsys.readouterr().err
 
 
+def test_a_resume_that_would_change_the_updates_of_the_steps_left_is_refused(
+    tiny, tmp_path, capsys
+):
+    """Resumed over more steps, a decaying rate was stretched (the rate went back up); a
+    changed learning rate or dropout was taken silently. A constant rate may run longer."""
+    sets = [f"data={tiny}", "width=2", "global_batch=8", "lr_schedule=cosine", "warmup=1"]
+    decaying = [*sets, f"checkpoint_dir={tmp_path / 'cos'}"]
+    assert main(["train", *set_args([*decaying, "steps=3"])]) == 0
+    capsys.readouterr()
+    for more, says in [
+        (["steps=4"], "lr_schedule='cosine' over 3 steps (now 4: the rate of every step left"),
+        (["steps=3", "lr=0.01", "dropout=0.5"], "dropout=0.0 (now 0.5), lr=0.001 (now 0.01)"),
+    ]:
+        assert main(["train", *set_args([*decaying, *more])]) == 2, more
+        err = capsys.readouterr().err
+        assert "config key 'checkpoint_dir': cannot resume" in err and says in err, err
+    constant = [f"data={tiny}", "width=2", "global_batch=8", f"checkpoint_dir={tmp_path / 'c'}"]
+    assert main(["train", *set_args([*constant, "steps=2"])]) == 0
+    assert main(["train", *set_args([*constant, "steps=3"])]) == 0
+    assert "resumed from step 2" in capsys.readouterr().out
+
+
 def test_other_dtypes_train_and_a_constant_target_prints(tmp_path, capsys):
     """float64 inputs and integer targets train as float32; a constant validation target
     (baseline 0) prints its ratio instead of dividing by zero; an empty validation set is

@@ -181,7 +181,7 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
         schedule_of(cfg, total)
     except ValueError as exc:  # a decay needs more steps than the warm-up
         raise ValueError(f"config keys 'lr_schedule', 'warmup', 'steps': {exc}") from None
-    check_resume(cfg, world)
+    check_resume(cfg, world, samples)
     return depth, inputs, targets, samples, total
 
 
@@ -203,15 +203,19 @@ def memory_of(device: torch.device) -> tuple[int | None, int | None]:
 
 RESUME_KEYS = (
     "model", "width", "conv_blocks", "optimizer", "input_field", "target_field", "global_batch",
-    "seed", "spatial_parts",
+    "seed", "spatial_parts", "dropout", "lr", "base_batch", "warmup", "lr_schedule", "final_lr",
+    "momentum", "weight_decay",
 )  # fmt: skip
 """The config keys a resumed run must share with the run that wrote its checkpoint: they shape
-the model's and the optimizer's state, or the sample sequence."""
+the model's and the optimizer's state, the sample sequence, or the steps' updates. (The run's
+length, ``steps`` or ``epochs``, may change where the learning rate does not depend on it.)"""
 
 
-def check_resume(cfg: TrainConfig, world: int) -> None:
+def check_resume(cfg: TrainConfig, world: int, samples: int) -> None:
     """Refuse a checkpoint in ``checkpoint_dir`` that this run cannot resume: unreadable,
-    written with other :data:`RESUME_KEYS` or by another number of ranks.
+    written with other :data:`RESUME_KEYS`, by another number of ranks, or over another
+    number of steps where the learning-rate schedule spans the run (a decay, not
+    ``constant``: its rate at every step left would change). ``samples``: the training set's.
 
     Raises:
         ValueError: naming the checkpoint and what differs.
@@ -236,6 +240,16 @@ def check_resume(cfg: TrainConfig, world: int) -> None:
     ]
     if saved_world is not None and saved_world != world:
         differ.append(f"{saved_world} rank(s) (now {world})")
+    if now["lr_schedule"] != "constant" and not differ:
+
+        def length(c: dict) -> int:
+            return c.get("steps") or c.get("epochs", 1) * (samples // now["global_batch"])
+
+        if length(config) != length(now):
+            differ.append(
+                f"lr_schedule={now['lr_schedule']!r} over {length(config)} steps (now "
+                f"{length(now)}: the rate of every step left would change)"
+            )
     if differ:
         raise ValueError(
             f"config key 'checkpoint_dir': cannot resume {path}: it was written with "
