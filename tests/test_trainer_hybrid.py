@@ -181,7 +181,7 @@ def test_lion_cub_resume_is_exact_on_every_data_rank(data, tmp_path):
     first = launch(2, args(data, tmp_path, "a", *more, ck, "steps=3"))
     assert first.returncode == 0, first.stdout + first.stderr
     assert sorted(os.listdir(tmp_path / "r")) == [
-        "checkpoint.pt", "optimizer.d0.pt", "optimizer.d1.pt",
+        "checkpoint.pt", "optimizer.d0.pt", "optimizer.d1.pt", "run.lock",
     ]  # fmt: skip
     rest = launch(2, args(data, tmp_path, "b", *more, ck))
     assert rest.returncode == 0, rest.stdout + rest.stderr

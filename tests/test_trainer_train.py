@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
-from helpers import set_args
+from helpers import job_env, set_args
 
 from trainer.__main__ import main
 from trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -154,6 +157,32 @@ def test_a_resume_that_would_change_the_updates_of_the_steps_left_is_refused(
     assert main(["train", *set_args([*constant, "steps=2"])]) == 0
     assert main(["train", *set_args([*constant, "steps=3"])]) == 0
     assert "resumed from step 2" in capsys.readouterr().out
+
+
+def test_a_checkpoint_dir_another_run_holds_is_refused(tiny, tmp_path, capsys):
+    """Two runs on one checkpoint_dir (a job resubmitted while the first runs) took over each
+    other's checkpoints and both exited 0; the second is now refused, naming the first."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    hold = f"from trainer.checkpoint import hold_directory as h; h({str(ck)!r}); input()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold], stdin=subprocess.PIPE, text=True, env=job_env()
+    )
+    sets = [f"data={tiny}", "width=2", "global_batch=8", "steps=1", f"checkpoint_dir={ck}"]
+    lock, deadline = ck / "run.lock", time.monotonic() + 60
+    try:
+        while not (lock.exists() and "pid" in lock.read_text()):
+            assert time.monotonic() < deadline and holder.poll() is None
+            time.sleep(0.05)
+        assert main(["train", *set_args(sets)]) == 2
+        err = capsys.readouterr().err
+        says = f"config key 'checkpoint_dir': {ck} is in use by another run (pid {holder.pid} on"
+        assert says in err
+        assert err.count("\n") == 1 and not (ck / "checkpoint.pt").exists()
+    finally:
+        holder.communicate("", timeout=30)  # its end releases the hold
+    assert main(["train", *set_args(sets)]) == 0
+    assert main(["train", *set_args(sets)]) == 0  # (this process holds it now: again is fine)
 
 
 def test_other_dtypes_train_and_a_constant_target_prints(tmp_path, capsys):

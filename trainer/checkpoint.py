@@ -1,18 +1,60 @@
-"""Checkpoints written atomically: a temporary file in the same directory, then a rename.
+"""Checkpoints written atomically: a temporary file in the same directory, then a rename; and
+the directory held by one run at a time.
 
 A crash while saving leaves the previous checkpoint intact; a reader never sees half a file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
-from typing import Any
+import socket
+from typing import IO, Any
 
 import torch
 
-__all__ = ["CHECKPOINT_NAME", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_NAME", "LOCK_NAME", "hold_directory", "load_checkpoint", "save_checkpoint"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
+LOCK_NAME = "run.lock"
+_held: dict[str, IO[str]] = {}  # directories this process holds, until it exits
+
+
+def hold_directory(directory: str | os.PathLike) -> None:
+    """Hold ``directory`` (made if missing; a ``flock`` on its ``run.lock``, which names the
+    holder) until this process exits: a second run on it (a job resubmitted while the first
+    still runs, a job array) would resume from the first's checkpoint mid-run and the two
+    would overwrite each other's. A run of this process again (in-process, one after the
+    other) keeps the hold. On a filesystem that takes no locks (Lustre mounted without
+    ``flock``) nothing is held.
+
+    Raises:
+        ValueError: naming the directory and the run that holds it.
+    """
+    key = os.path.realpath(directory)
+    if key in _held:
+        return
+    os.makedirs(directory, exist_ok=True)
+    fh = open(os.path.join(directory, LOCK_NAME), "a+")  # noqa: SIM115 - held past this call
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise ValueError(
+            f"config key 'checkpoint_dir': {os.fspath(directory)} is in use by another run "
+            f"({holder}): two runs on one checkpoint_dir take over each other's checkpoints; "
+            "wait for it to end or choose another checkpoint_dir"
+        ) from None
+    except OSError:  # (no locks here)
+        fh.close()
+        return
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    fh.flush()
+    _held[key] = fh
 
 
 def save_checkpoint(

@@ -7,7 +7,8 @@ then checks on every rank: GPUs per node for NCCL, the datasets and their fields
 ``datastore serve`` when the data comes from it: a sharded dataset is whole only there), the world
 against ``spatial_parts``, the model's blocks at every level (``trainer.preflight``), the global
 batch against the data ranks and the dataset, the learning-rate schedule, the output paths
-(:func:`check_paths`) and a checkpoint it would resume (:func:`check_resume`). The ranks then
+(:func:`check_paths`; rank 0 holds ``checkpoint_dir``, refused while another run holds it) and
+a checkpoint it would resume (:func:`check_resume`). The ranks then
 agree (``datastore.ranks.agree``: one round of small messages with a deadline) on the outcome and on
 the configuration itself: one rank's failure, or ranks started with different configurations,
 is the same :class:`~trainer.config.ConfigError` on every rank. Only then is the
@@ -33,7 +34,7 @@ from datastore.sources.describe import describe_dataset, hold_datasets
 from datastore.sources.options import ServiceOptions
 from datastore.store.memory import available_memory
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
-from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from trainer.checkpoint import CHECKPOINT_NAME, hold_directory, load_checkpoint
 from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_log
 from trainer.devices import check_gpus, pick_backend, pick_device
 from trainer.grid import ProcessGrid, init_distributed
@@ -385,6 +386,8 @@ def start(cfg: TrainConfig, tournament: TournamentConfig | None = None) -> Run:
                 _check_tournament(tournament, world, distributed)
             else:
                 check_paths(cfg, [cfg.log_file] if cfg.log_file and rank == 0 else [])
+                if cfg.checkpoint_dir and rank == 0:
+                    hold_directory(cfg.checkpoint_dir)
             found = _check(cfg, 1 if tournament else world, device, backend, gpus)
             if tournament is not None and found[4] < tournament.interval:
                 raise ValueError(
