@@ -22,7 +22,9 @@ from trainer.config import ConfigError, load_config, load_tournament
 __all__ = ["main"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, last: bool = False) -> int:
+    """Run the command of ``argv``; its exit code. ``last``: this process ends after it, so a
+    refusal every rank made alike ends MPI cleanly (``python -m trainer``)."""
     whole_lines()  # (the ranks' errors share one terminal)
     grpc_errors_only()  # (a loader of a service)
     p = argparse.ArgumentParser(prog="python -m trainer", description="Train a 3-D CNN.")
@@ -42,11 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     a = p.parse_args(argv)
     if a.command == "train":
-        return _run(load_config, _train, a)
-    return _run(load_tournament, _tournament, a)
+        return _run(load_config, _train, a, last)
+    return _run(load_tournament, _tournament, a, last)
 
 
-def _run(load: Callable[..., Any], go: Callable[[Any], int], a: argparse.Namespace) -> int:
+def _run(
+    load: Callable[..., Any], go: Callable[[Any], int], a: argparse.Namespace, last: bool
+) -> int:
     """Load the config and run ``go``; a bad configuration is one line and exit code 2."""
     from datastore.readers import DatasetError
     from staging.launcher import LaunchMismatch
@@ -55,6 +59,8 @@ def _run(load: Callable[..., Any], go: Callable[[Any], int], a: argparse.Namespa
         return go(load(a.config, a.overrides))
     except (ConfigError, DatasetError, LaunchMismatch) as exc:
         print(f"trainer: {exc}", file=sys.stderr)
+        if last and getattr(exc, "everywhere", False):
+            _finalize_mpi()
         return Exit.BAD_INPUT
     except BrokenPipeError:
         if not reader_gone():  # (a socket's: a real failure)
@@ -62,6 +68,16 @@ def _run(load: Callable[..., Any], go: Callable[[Any], int], a: argparse.Namespa
         return Exit.READER_GONE  # `| head` has its lines: quietly, as `cat` ends
     finally:
         _end_process_group()
+
+
+def _finalize_mpi() -> None:
+    """End MPI with ``MPI_Finalize`` where every rank refused alike: ``python -m mpi4py``
+    otherwise ends a non-zero exit with ``MPI_Abort``, which prints an abort line and leaves
+    MPICH's shared-memory segment (about 2 MiB) in ``/dev/shm``."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        _end_process_group()  # (its gloo threads first)
+        mpi.Finalize()
 
 
 def _end_process_group() -> None:
@@ -117,4 +133,4 @@ def _tournament(tc: Any) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(last=True))

@@ -50,7 +50,12 @@ OPTIMIZERS = ("sgd", "adam", "lars", "lion", "lion_cub")
 
 
 class ConfigError(ValueError):
-    """A bad configuration; the message names the key."""
+    """A bad configuration; the message names the key. ``everywhere``: every rank of the job
+    raised it alike (they agreed on it), so they may end together."""
+
+    def __init__(self, message: str, everywhere: bool = False) -> None:
+        super().__init__(message)
+        self.everywhere = everywhere
 
 
 @dataclass(frozen=True)

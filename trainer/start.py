@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from datastore.errors import DataStoreError
+from datastore.errors import DataStoreError, ExchangeTimeout, PeerFailed
 from datastore.ranks.agree import Collective, agree
 from datastore.sources.describe import describe_dataset, hold_datasets
 from datastore.sources.options import ServiceOptions
@@ -343,8 +343,10 @@ def _agree(cfg: TrainConfig, error: BaseException | None, fingerprint: dict[str,
     fingerprint = {"configuration": json.dumps(fingerprint, sort_keys=True)}
     try:
         agree(coll, fingerprint, error, cfg.comm_timeout, "the trainer's start-up check")
-    except (ValueError, OSError, RuntimeError) as exc:
+    except (ExchangeTimeout, PeerFailed) as exc:  # (some rank not heard from)
         raise ConfigError(str(exc)) from None
+    except (ValueError, OSError, RuntimeError) as exc:  # every rank raises it
+        raise ConfigError(str(exc), everywhere=True) from None
     finally:
         coll.close()
         if group is not None:
