@@ -183,6 +183,15 @@ def test_lion_cub_resume_is_exact_on_every_data_rank(data, tmp_path):
     assert sorted(os.listdir(tmp_path / "r")) == [
         "checkpoint.pt", "optimizer.d0.pt", "optimizer.d1.pt", "run.lock",
     ]  # fmt: skip
+    # one data rank's momenta gone: refused before a step, on both ranks alike (was: rank 1
+    # alone, after rank 0 had resumed)
+    aside = tmp_path / "optimizer.d1.pt"
+    (tmp_path / "r" / "optimizer.d1.pt").rename(aside)
+    lost = launch(2, args(data, tmp_path, "x", *more, ck))
+    assert lost.returncode == 2, lost.stdout + lost.stderr
+    assert lost.stderr.count("optimizer.d1.pt: missing or not from step 3") == 2, lost.stderr
+    assert "resumed" not in lost.stdout and "Abort" not in lost.stderr
+    aside.rename(tmp_path / "r" / "optimizer.d1.pt")
     rest = launch(2, args(data, tmp_path, "b", *more, ck))
     assert rest.returncode == 0, rest.stdout + rest.stderr
     assert "resumed from step 3" in rest.stdout

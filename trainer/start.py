@@ -257,6 +257,20 @@ def check_resume(cfg: TrainConfig, world: int, samples: int) -> None:
             f"{', '.join(differ)}; resume with the same settings or choose another "
             "checkpoint_dir"
         )
+    data_ranks = world // (cfg.spatial_parts[0] * cfg.spatial_parts[1] * cfg.spatial_parts[2])
+    if cfg.optimizer == "lion_cub" and data_ranks > 1:  # each data rank's momenta, its own file
+        for r in range(data_ranks):
+            name = f"optimizer.d{r}.pt"
+            try:
+                own = load_checkpoint(cfg.checkpoint_dir, name, mmap=True)
+            except Exception as exc:  # (as above: not a file torch.save wrote)
+                raise ValueError(f"{bad} ({name}: {type(exc).__name__}: {exc}); {fix}") from None
+            if own is None or own.get("step") != saved.get("step"):
+                raise ValueError(
+                    f"config key 'checkpoint_dir': {cfg.checkpoint_dir}/{name}: missing or not "
+                    f"from step {saved.get('step')}; lion_cub resumes each data rank's own "
+                    "momenta, so the run must resume with the data ranks it was saved with"
+                )
 
 
 def check_paths(cfg: TrainConfig, logs: list[str]) -> None:
