@@ -4,6 +4,7 @@ ranks sharing a terminal never run together), and a reader of stdout that goes a
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -86,3 +87,24 @@ def test_a_pipe_still_read_is_not_a_reader_gone():
         [sys.executable, "-c", code], capture_output=True, text=True, env=job_env(), timeout=60
     )
     assert (out.returncode, out.stdout, out.stderr) == (0, "False\n", "")
+
+
+def test_ctrl_c_ends_a_training_with_one_line_and_130(tmp_path):
+    """SIGINT mid-run: ``trainer: interrupted`` and exit 130 (was: a KeyboardInterrupt
+    traceback, a code the docs did not list)."""
+    write_split(tmp_path, 16, 8, 8, 0)
+    cmd = [sys.executable, "-m", "trainer", "train", "--config",
+           str(ROOT / "trainer/configs/cosmoflow.toml"), "--set", f"data={tmp_path}",
+           "--set", "epochs=1000", "--set", "print_every=1", "--set",
+           f"checkpoint_dir={tmp_path}/run", "--set", f"log_file={tmp_path}/log"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env()
+    )
+    try:
+        assert proc.stdout.readline()  # training (its first step printed)
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read()
+        assert (proc.wait(timeout=60), err) == (130, "trainer: interrupted\n")
+    finally:
+        proc.kill()
+        proc.wait()

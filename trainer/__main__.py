@@ -4,6 +4,7 @@
 Exit codes: ``0`` trained; ``2`` bad configuration (one line on stderr naming the key, or what
 cannot work: a field, a split the model cannot run, more ranks than GPUs for NCCL, a
 tournament's trainers against its processes; the same on every rank) or unreadable data;
+``130`` interrupted (Ctrl-C, SIGINT: one line; a rerun resumes from the last checkpoint);
 ``141`` stdout's reader went away (``| head``), quietly.
 """
 
@@ -66,6 +67,9 @@ def _run(
         if not reader_gone():  # (a socket's: a real failure)
             raise
         return Exit.READER_GONE  # `| head` has its lines: quietly, as `cat` ends
+    except KeyboardInterrupt:  # Ctrl-C (SIGINT): the last checkpoint is where a rerun resumes
+        print("trainer: interrupted", file=sys.stderr)
+        return Exit.INTERRUPTED
     finally:
         _end_process_group()
 

@@ -90,9 +90,11 @@ class TrainConfig:
         base_batch: the batch ``lr`` was tuned for (``0``: ``global_batch``, no scaling).
             Default: ``0``.
         warmup: steps of linear warm-up to the peak. Default: ``0``.
-        lr_schedule: after the warm-up, ``constant``, ``linear`` or ``cosine`` decay to
-            ``final_lr`` at the last step (``trainer.optim.lr_at``). Default: ``"constant"``.
-        final_lr: the learning rate the decay ends at. Default: ``0.0``.
+        lr_schedule: after the warm-up, ``constant``, ``linear`` or ``cosine`` decay toward
+            ``final_lr``, reached at step ``total`` (one past the last, as torch's
+            ``CosineAnnealingLR`` with ``T_max`` the run's steps: the last step trains a
+            little above it; ``trainer.optim.lr_at``). Default: ``"constant"``.
+        final_lr: the learning rate the decay tends to. Default: ``0.0``.
         optimizer: one of :data:`OPTIMIZERS`. Default: ``"adam"``.
         momentum: SGD and LARS momentum. Default: ``0.9``.
         weight_decay: L2 penalty. Default: ``0.0``.
