@@ -272,9 +272,11 @@ def test_log_records_steps_validation_and_checkpoints(tiny, tmp_path):
     assert start["event"] == "start" and start["device"] == "cpu" and start["world"] == 1
     assert start["data_source"] == "local" and start["total_steps"] == 15
     events = [(r["event"], r["step"]) for r in records[1:] if "event" in r]
+    # an epoch's validation before the checkpoint at its last step: a run stopped between
+    # the two (the checkpoint first, before) resumed in the next epoch, that validation lost
     assert events == [
-        ("checkpoint", 5), ("validation", 5), ("checkpoint", 10), ("validation", 10),
-        ("checkpoint", 15), ("validation", 15),
+        ("validation", 5), ("checkpoint", 5), ("validation", 10), ("checkpoint", 10),
+        ("validation", 15), ("checkpoint", 15),
     ]  # fmt: skip
     val = next(r for r in records if r.get("event") == "validation")
     assert val["ratio"] == pytest.approx(val["val_mse"] / val["baseline_mse"])

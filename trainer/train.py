@@ -21,9 +21,9 @@ group, bucket by bucket as backward produces them (``lion_cub`` votes over the d
 instead). Loss and metrics: ``trainer.metrics``. Learning rate: ``trainer.optim.lr_at`` of
 ``trainer.start.schedule_of``.
 
-Validation, after every epoch and at the end (once when they coincide), through the validation
-loader's blocks (every sample once: ``drop_last=False``, the padding masked): the MSE per
-target channel, next to predicting the mean training target (accumulated over the first
+Validation, after every epoch and at the end (once when they coincide; before a checkpoint of
+the same step), through the validation loader's blocks (every sample once:
+``drop_last=False``, the padding masked): the MSE per target channel, next to predicting the mean training target (accumulated over the first
 epoch's batches) and, for the U-Net when input and target have the same channels, predicting
 the input.
 
@@ -466,8 +466,9 @@ def fit(t: Trainer, after_step: AfterStep | None = None) -> dict[str, Any]:
             batch, wait = next(batches)
             if batch is None:  # an epoch ended
                 steps.write()
-                last, validated_at = t.validate(), t.step
-                log.write(last, echo=t.lead)
+                if validated_at != t.step:  # (not already, before its checkpoint)
+                    last, validated_at = t.validate(), t.step
+                    log.write(last, echo=t.lead)
                 continue
             loss, lr = t.train_step(batch, epoch)
             record = {"step": t.step, "epoch": epoch, "loss": loss, "lr": lr}
@@ -487,6 +488,9 @@ def fit(t: Trainer, after_step: AfterStep | None = None) -> dict[str, Any]:
             every = cfg.checkpoint_interval
             if cfg.checkpoint_dir and every and t.step % every == 0:
                 steps.write()
+                if t.loader.epoch != epoch:  # the epoch's last step: its validation first, so
+                    last, validated_at = t.validate(), t.step  # a resume from here has it
+                    log.write(last, echo=t.lead)
                 _checkpoint(t, log)
                 checkpointed_at = t.step
         batches.close()
