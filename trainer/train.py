@@ -23,9 +23,9 @@ instead). Loss and metrics: ``trainer.metrics``. Learning rate: ``trainer.optim.
 
 Validation, after every epoch and at the end (once when they coincide; before a checkpoint of
 the same step), through the validation loader's blocks (every sample once:
-``drop_last=False``, the padding masked): the MSE per target channel, next to predicting the mean training target (accumulated over the first
-epoch's batches) and, for the U-Net when input and target have the same channels, predicting
-the input.
+``drop_last=False``, the padding masked): the MSE per target channel, next to predicting the
+mean training target (accumulated over the first epoch's batches) and, for the U-Net when
+input and target have the same channels, predicting the input.
 
 Resume: with ``checkpoint_dir`` set, training starts from ``checkpoint.pt`` when there is one
 (model, optimizer, loader position, step, torch RNG, the target sums) and writes it every
