@@ -239,7 +239,7 @@ def test_describe_gives_the_whole_store_where_a_node_holds_a_share(store):
         assert (str(f.dtype), f.shape, f.spatial_axes) == ("float32", (2, 6, 4, 4), (1, 2, 3))
     found, samples = describe(template, str(s.sockets[1]), timeout=20)
     assert (found, samples) == ({"data": ("data", (2, 6, 4, 4), (1, 2, 3))}, 20)
-    with pytest.raises(ValueError, match="config key 'data_address': no dataset at"):
+    with pytest.raises(ValueError, match="config key 'data': no dataset at"):
         describe(str(s.tmp / "nowhere"), str(s.sockets[0]), timeout=20)
 
 

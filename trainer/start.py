@@ -28,7 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from datastore.errors import DataStoreError, ExchangeTimeout, PeerFailed
+from datastore.errors import (
+    DatasetNotFound,
+    DataStoreError,
+    ExchangeTimeout,
+    PathNotAllowed,
+    PeerFailed,
+)
 from datastore.ranks.agree import Collective, agree
 from datastore.sources.describe import describe_dataset, hold_datasets
 from datastore.sources.options import ServiceOptions
@@ -114,8 +120,15 @@ def describe(
     except DataStoreError as exc:
         if service is None:
             raise
-        raise ValueError(f"config key 'data_address': {exc}") from None
+        raise _service_refused(exc) from None
     return {name: (name, f.shape, f.spatial_axes) for name, f in info.items()}, samples
+
+
+def _service_refused(exc: DataStoreError) -> ValueError:
+    """The service's refusal, blaming the key at fault: ``data`` for a path it has no dataset
+    at or may not read, ``data_address`` for the service (not there, not answering, ...)."""
+    key = "data" if isinstance(exc, DatasetNotFound | PathNotAllowed) else "data_address"
+    return ValueError(f"config key {key!r}: {exc}")
 
 
 def field_of(fields: dict[str, Field], name: str, what: str, path: str) -> Field:
@@ -342,7 +355,7 @@ def make_resident(
     try:
         hold_datasets(paths, ServiceOptions(address, token=token), timeout=timeout)
     except DataStoreError as exc:
-        raise ValueError(f"config key 'data_address': {exc}") from None
+        raise _service_refused(exc) from None
 
 
 def _agree(cfg: TrainConfig, error: BaseException | None, fingerprint: dict[str, Any]) -> None:
