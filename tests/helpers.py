@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -319,3 +320,10 @@ def run_job(cmd: list[str], out: Path, timeout: float = 300) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(Path(out).read_text())
+
+
+def ctrl_c_heard() -> None:
+    """(``preexec_fn``: in the child, before exec) SIGINT as a terminal delivers it: a run
+    started in the background (``cmd &`` without job control, as a CI job may run the tests)
+    inherits it ignored, and Python then ignores it too."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from helpers import make_tree, random_bytes, run_stage, tree_bytes
+from helpers import ctrl_c_heard, make_tree, random_bytes, run_stage, tree_bytes
 from test_service_basic import Server, wait_serving
 
 from datastore.service import stage_job
@@ -389,13 +389,6 @@ def test_request_validation():
     assert beneath("/a/b", ["/a/"]) and not beneath("/ab", ["/a"])
 
 
-def _ctrl_c_heard() -> None:
-    """(In the child, before exec) SIGINT as a terminal delivers it: a run started in the
-    background (``cmd &`` without job control) inherits it ignored, and Python then ignores
-    it too (the stage ran to its end, exit 0)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):
     """SIGINT to the client: exit 130, and the service kills the stage, whose lock frees."""
     sock, s = service
@@ -413,7 +406,7 @@ def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_ctrl_c_heard,
+        preexec_fn=ctrl_c_heard,
     )
     first = json.loads(client.stdout.readline())
     assert first == {"event": "progress", "bytes_done": 0, "bytes_total": 2 << 30}
