@@ -45,7 +45,13 @@ from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_l
 from trainer.devices import check_gpus, pick_backend, pick_device
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.optim import LRSchedule
-from trainer.preflight import check_memory, check_run, model_parameters, optimizer_copies
+from trainer.preflight import (
+    check_memory,
+    check_run,
+    check_world,
+    model_parameters,
+    optimizer_copies,
+)
 
 __all__ = [
     "RESUME_KEYS", "Field", "Run", "check_paths", "check_resume", "data_address", "data_paths",
@@ -144,6 +150,11 @@ def field_of(fields: dict[str, Field], name: str, what: str, path: str) -> Field
     return fields[name]
 
 
+def run_steps(steps: int, epochs: int, samples: int, global_batch: int) -> int:
+    """A run's steps: ``steps``, else ``epochs`` epochs of ``samples // global_batch``."""
+    return steps or epochs * (samples // global_batch)
+
+
 def schedule_of(cfg: TrainConfig, total_steps: int) -> LRSchedule:
     """The learning-rate schedule of ``cfg`` over ``total_steps``."""
     return LRSchedule(
@@ -179,7 +190,7 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
     check_memory(
         cfg.model, cfg.width, depth, params, cfg.optimizer, copies, str(device), *memory_of(device)
     )
-    data_ranks = world // (cfg.spatial_parts[0] * cfg.spatial_parts[1] * cfg.spatial_parts[2])
+    data_ranks = check_world(world, cfg.spatial_parts)
     if cfg.global_batch % data_ranks:
         raise ValueError(
             f"config key 'global_batch': {cfg.global_batch} samples do not split evenly over "
@@ -190,7 +201,7 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
             f"config key 'global_batch': {cfg.global_batch} is more than the {samples} "
             f"training samples in {train_path}"
         )
-    total = cfg.steps or cfg.epochs * (samples // cfg.global_batch)
+    total = run_steps(cfg.steps, cfg.epochs, samples, cfg.global_batch)
     try:
         schedule_of(cfg, total)
     except ValueError as exc:  # a decay needs more steps than the warm-up
@@ -254,15 +265,13 @@ def check_resume(cfg: TrainConfig, world: int, samples: int) -> None:
     ]
     if saved_world is not None and saved_world != world:
         differ.append(f"{saved_world} rank(s) (now {world})")
-    if now["lr_schedule"] != "constant" and not differ:
-
-        def length(c: dict) -> int:
-            return c.get("steps") or c.get("epochs", 1) * (samples // now["global_batch"])
-
-        if length(config) != length(now):
+    if cfg.lr_schedule != "constant" and not differ:
+        was = run_steps(config.get("steps", 0), config.get("epochs", 1), samples, cfg.global_batch)
+        total = run_steps(cfg.steps, cfg.epochs, samples, cfg.global_batch)
+        if was != total:
             differ.append(
-                f"lr_schedule={now['lr_schedule']!r} over {length(config)} steps (now "
-                f"{length(now)}: the rate of every step left would change)"
+                f"lr_schedule={cfg.lr_schedule!r} over {was} steps (now {total}: the rate of "
+                "every step left would change)"
             )
     if differ:
         raise ValueError(
@@ -270,7 +279,7 @@ def check_resume(cfg: TrainConfig, world: int, samples: int) -> None:
             f"{', '.join(differ)}; resume with the same settings or choose another "
             "checkpoint_dir"
         )
-    data_ranks = world // (cfg.spatial_parts[0] * cfg.spatial_parts[1] * cfg.spatial_parts[2])
+    data_ranks = check_world(world, cfg.spatial_parts)
     if cfg.optimizer == "lion_cub" and data_ranks > 1:  # each data rank's momenta, its own file
         for r in range(data_ranks):
             name = f"optimizer.d{r}.pt"

@@ -450,6 +450,13 @@ def fit(t: Trainer, after_step: AfterStep | None = None) -> dict[str, Any]:
     last: dict[str, Any] = {}
     validated_at = checkpointed_at = None
     batches = timed_batches(t.loader)
+
+    def validate() -> None:  # (once per step at most)
+        nonlocal last, validated_at
+        if validated_at != t.step:
+            last, validated_at = t.validate(), t.step
+            log.write(last, echo=t.lead)
+
     try:
         log.write(
             {"event": "start", "device": str(run.device), "backend": run.backend,
@@ -466,9 +473,7 @@ def fit(t: Trainer, after_step: AfterStep | None = None) -> dict[str, Any]:
             batch, wait = next(batches)
             if batch is None:  # an epoch ended
                 steps.write()
-                if validated_at != t.step:  # (not already, before its checkpoint)
-                    last, validated_at = t.validate(), t.step
-                    log.write(last, echo=t.lead)
+                validate()  # (unless before its checkpoint)
                 continue
             loss, lr = t.train_step(batch, epoch)
             record = {"step": t.step, "epoch": epoch, "loss": loss, "lr": lr}
@@ -489,15 +494,12 @@ def fit(t: Trainer, after_step: AfterStep | None = None) -> dict[str, Any]:
             if cfg.checkpoint_dir and every and t.step % every == 0:
                 steps.write()
                 if t.loader.epoch != epoch:  # the epoch's last step: its validation first, so
-                    last, validated_at = t.validate(), t.step  # a resume from here has it
-                    log.write(last, echo=t.lead)
+                    validate()  # that a resume from this checkpoint has had it
                 _checkpoint(t, log)
                 checkpointed_at = t.step
         batches.close()
         steps.write()
-        if validated_at != t.step:
-            last = t.validate()
-            log.write(last, echo=t.lead)
+        validate()
         if cfg.checkpoint_dir and checkpointed_at != t.step:
             _checkpoint(t, log)
     finally:

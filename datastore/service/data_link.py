@@ -53,6 +53,7 @@ __all__ = [
     "DataConnection",
     "DataListener",
     "PeerError",
+    "split_address",
 ]
 
 TICKET = 32  # bytes of a ticket
@@ -186,7 +187,8 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
-def _split(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT``) as ``(host, port)``."""
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -579,7 +581,7 @@ class DataConnection:
         connect_s: float,
         timeout_s: float,
     ) -> None:
-        host, port = _split(address)
+        host, port = split_address(address)
         raw = socket.create_connection((host, port), timeout=connect_s)
         try:
             tune(raw)

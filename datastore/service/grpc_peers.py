@@ -40,7 +40,7 @@ from datastore.maths.subarray import MIN_RUN, run_bytes, runs, view
 from datastore.ranks.subarrays import ASIDE_KEPT, Asides
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
-from datastore.service.data_link import IDLE_S, DataConnection, PeerError
+from datastore.service.data_link import IDLE_S, DataConnection, PeerError, split_address
 from datastore.service.errors import ServiceError
 from datastore.service.peer_link import Box, Listing, Pending, Segments, targets
 from datastore.service.peer_stats import STATS_ENV, ExchangeStats
@@ -187,8 +187,7 @@ class GrpcPeers:
         failed handshake until the call's deadline, and says the deadline passed): a handshake
         refused under this service's ``--peer-ca``, or a peer that talks TLS to one without.
         ``None`` where it is not TLS (a peer down, slow or unreachable)."""
-        host, _, port = self.addresses[dest].rpartition(":")
-        host = host.strip("[]")
+        host, port = split_address(self.addresses[dest])
         tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # (gRPC's ALPN: not the data link's)
         if self._ca is None:  # does the peer answer a TLS handshake, whatever its certificate?
             tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
@@ -197,7 +196,7 @@ class GrpcPeers:
         tls.set_alpn_protocols(["h2"])
         try:
             with (
-                socket.create_connection((host, int(port)), timeout=CONNECT_S) as raw,
+                socket.create_connection((host, port), timeout=CONNECT_S) as raw,
                 tls.wrap_socket(raw, server_hostname=host),
             ):
                 pass
