@@ -144,7 +144,17 @@ def test_shard_homes_follow_the_owners():
     [
         ({"world": 3, "global_batch_size": 4}, "not divisible by 3 data-parallel ranks"),
         ({"world": 3, "batch_size": 1, "spatial": {"parts": (2, 1)}}, "not a multiple of 2"),
-        ({"world": 2, "global_batch_size": 20, "drop_last": True}, "exceeds the 10 samples"),
+        (
+            {"world": 2, "global_batch_size": 20, "drop_last": True},
+            r"exceeds the 10 samples: with drop_last=True an epoch would have no batch \(use a "
+            r"smaller batch, or drop_last=False",
+        ),
+        (
+            {"world": 2, "global_batch_size": 12, "shuffle": "shard"},
+            r"data rank 0 draws only from the 5 samples its ranks hold, fewer than its 6 per "
+            r"step: with drop_last=True an epoch would have no batch \(use a smaller batch, "
+            r"drop_last=False or shuffle='global'\)",
+        ),
         ({"world": 1, "global_batch_size": 2, "shuffle": "sideways"}, "shuffle must be"),
         ({"world": 1}, "give exactly one of batch_size"),
         ({"world": 1, "batch_size": 1, "global_batch_size": 1}, "give exactly one"),

@@ -73,12 +73,26 @@ def test_config_from_toml_with_overrides(tmp_path):
         (["data=d", "comm_timeout=1e300"], "config key 'comm_timeout': must be positive and at"),
         (["data=d", "seed=-1"], "config key 'seed': must be between 0 and 2**64 - 1, got -1"),
         (["data=d", f"seed={2**64}"], "config key 'seed': must be between 0 and 2**64 - 1"),
+        # settings that would be ignored: refused, not taken silently
+        (["data=d", "model=unet3d", "dropout=0.2"], "config key 'dropout': model 'unet3d' has"),
+        (["data=d", "momentum=0.5"], "config key 'momentum': optimizer 'adam' takes no momentum"),
+        (["data=d", "optimizer=lion", "momentum=0"], "config key 'momentum': optimizer 'lion'"),
+        (["data=d", "checkpoint_interval=5"], "config key 'checkpoint_interval': 5 steps, but"),
     ],
 )
 def test_bad_config_names_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+def test_settings_that_apply_are_taken():
+    assert load_config(None, ["data=d", "optimizer=sgd", "momentum=0.5"]).momentum == 0.5
+    assert load_config(None, ["data=d", "optimizer=lars", "momentum=0"]).momentum == 0
+    assert load_config(None, ["data=d", "momentum=0.9"]).optimizer == "adam"  # the default
+    cfg = load_config(None, ["data=d", "checkpoint_dir=c", "checkpoint_interval=5"])
+    assert cfg.checkpoint_interval == 5
+    assert load_config(None, ["data=d", "dropout=0.2"]).dropout == 0.2  # cosmoflow has it
 
 
 def test_cli_exits_2_on_a_bad_config(tmp_path, capsys):

@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("sgd", "adam", "lars", "lion", "lion_cub")
+MOMENTUM_OPTIMIZERS = ("sgd", "lars")  # the optimizers config key 'momentum' applies to
+MOMENTUM = 0.9  # its default
 
 
 class ConfigError(ValueError):
@@ -81,7 +83,8 @@ class TrainConfig:
             ``min(5, log2(side))``, U-Net ``min(3, log2(side) - 2)``); each halves the side,
             and with a spatial split every block must keep at least 2 voxels per split axis
             before each pooling (checked before training). Default: ``0``.
-        dropout: dropout after CosmoFlow's dense hidden layers. Default: ``0.0``.
+        dropout: dropout after CosmoFlow's dense hidden layers (refused for a model without
+            dropout layers). Default: ``0.0``.
         epochs: passes over the training set. Default: ``1``.
         steps: stop after this many steps in all (``0``: ``epochs`` full epochs). Default: ``0``.
         global_batch: samples per step over all data-parallel ranks. Default: ``16``.
@@ -96,7 +99,8 @@ class TrainConfig:
             little above it; ``trainer.optim.lr_at``). Default: ``"constant"``.
         final_lr: the learning rate the decay tends to. Default: ``0.0``.
         optimizer: one of :data:`OPTIMIZERS`. Default: ``"adam"``.
-        momentum: SGD and LARS momentum. Default: ``0.9``.
+        momentum: SGD and LARS momentum (another value with another optimizer is refused).
+            Default: ``0.9``.
         weight_decay: L2 penalty. Default: ``0.0``.
         seed: model initialisation, dropout and shuffling (0 to ``2**64 - 1``). Default: ``0``.
         spatial_parts: blocks per spatial axis of every sample; their product must divide the
@@ -116,7 +120,8 @@ class TrainConfig:
             Default: ``True``.
         checkpoint_dir: where ``checkpoint.pt`` is written and resumed from (``""``: never).
             Default: ``""``.
-        checkpoint_interval: steps between checkpoints (``0``: only at the end). Default: ``0``.
+        checkpoint_interval: steps between checkpoints (``0``: only at the end; refused without
+            ``checkpoint_dir``). Default: ``0``.
         log_file: JSON-lines log, appended to (``""``: none). Default: ``""``.
         print_every: rank 0 also prints every this many steps' log record (``0``: never).
             Default: ``0``.
@@ -151,7 +156,7 @@ class TrainConfig:
     lr_schedule: str = "constant"
     final_lr: float = 0.0
     optimizer: str = "adam"
-    momentum: float = 0.9
+    momentum: float = MOMENTUM
     weight_decay: float = 0.0
     seed: int = 0
     spatial_parts: tuple[int, int, int] = (1, 1, 1)
@@ -204,6 +209,26 @@ class TrainConfig:
             raise ConfigError(f"config key 'lr': must be positive, got {self.lr}")
         if self.dropout >= 1:
             raise ConfigError(f"config key 'dropout': must be below 1, got {self.dropout}")
+        self._refuse_ignored()
+
+    def _refuse_ignored(self) -> None:
+        """Refuse a setting this configuration would ignore (a silent no-op is a wrong run)."""
+        if self.dropout and not MODELS[self.model].dropout:
+            raise ConfigError(
+                f"config key 'dropout': model {self.model!r} has no dropout layers; leave "
+                f"dropout at 0 (got {self.dropout})"
+            )
+        if self.momentum != MOMENTUM and self.optimizer not in MOMENTUM_OPTIMIZERS:
+            raise ConfigError(
+                f"config key 'momentum': optimizer {self.optimizer!r} takes no momentum (only "
+                f"{' and '.join(MOMENTUM_OPTIMIZERS)} do); leave it out (got {self.momentum})"
+            )
+        if self.checkpoint_interval and not self.checkpoint_dir:
+            raise ConfigError(
+                f"config key 'checkpoint_interval': {self.checkpoint_interval} steps, but "
+                "checkpoint_dir is empty, so no checkpoint would be written; set "
+                "checkpoint_dir, or checkpoint_interval=0"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (tuples as lists), as written into checkpoints and logs."""

@@ -51,6 +51,8 @@ class Model:
             (``Field``) it cannot train on; the input is ``(C, D, H, W)`` with spatial axes
             ``(1, 2, 3)`` already (``trainer.preflight.check_fields``).
         default_depth: the poolings for a cube of this side when ``conv_blocks`` is 0.
+        dropout: whether it has dropout layers (config key ``dropout`` is refused otherwise).
+            Default: ``False``.
     """
 
     name: str
@@ -58,6 +60,7 @@ class Model:
     task: str
     check_fields: Callable[[Field, Field], None]
     default_depth: Callable[[int], int]
+    dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -179,5 +182,7 @@ def _log2(side: int) -> int:
     return side.bit_length() - 1 if side > 0 else 0
 
 
-register(Model("cosmoflow", _cosmoflow, "vector", _cosmoflow_fields, lambda s: min(5, _log2(s))))
+register(
+    Model("cosmoflow", _cosmoflow, "vector", _cosmoflow_fields, lambda s: min(5, _log2(s)), True)
+)
 register(Model("unet3d", _unet3d, "voxel", _unet3d_fields, lambda s: max(1, min(3, _log2(s) - 2))))

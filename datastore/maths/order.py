@@ -282,8 +282,8 @@ class Schedule:
         elif self.tail == "drop" and self.global_batch > self.num_samples:
             raise ValueError(
                 f"global batch {self.global_batch} exceeds the {self.num_samples} samples: "
-                "with tail='drop' (drop_last=True) an epoch would have no batch (use tail='pad': "
-                "drop_last=False)"
+                "with drop_last=True an epoch would have no batch (use a smaller batch, or "
+                "drop_last=False: the last batch padded)"
             )
 
     def _check_homes(self, homes: Homes) -> None:
@@ -301,8 +301,8 @@ class Schedule:
             raise ValueError(
                 f"with shuffle={self.shuffle!r} data rank {smallest} draws only from the "
                 f"{homes.sizes[smallest]} samples its ranks hold, fewer than its {b} per step: "
-                "an epoch would have no batch (use tail='pad', a smaller batch or "
-                "shuffle='global')"
+                "with drop_last=True an epoch would have no batch (use a smaller batch, "
+                "drop_last=False or shuffle='global')"
             )
 
     @property
