@@ -16,7 +16,8 @@ from datastore.readers import inspect_cmd
 from datastore.service import cli as service_cli
 from staging import cli as stage_cli
 from staging.console import grpc_errors_only, reader_gone, whole_lines
-from staging.exitcodes import Exit
+from staging.exitcodes import Agreed, Exit
+from staging.launcher import finalize_mpi
 
 __all__ = ["main"]
 
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.func(args)
         sys.stdout.flush()  # (a reader gone is seen here, not at the interpreter's exit)
+        if code and isinstance(code, Agreed):  # every rank ends here alike: no MPI_Abort
+            finalize_mpi()
         return code
     except KeyboardInterrupt:
         print("datastore: interrupted", file=sys.stderr)

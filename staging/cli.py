@@ -8,7 +8,7 @@ from typing import Any
 
 from staging.config import MODES, StageConfig, default_streams
 from staging.directio import IO_MODES
-from staging.exitcodes import Exit
+from staging.exitcodes import Agreed, Exit
 
 __all__ = ["add_parser", "run"]
 
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         comm = world()
     except LaunchMismatch as exc:
         print(f"datastore stage: error: {exc}", file=sys.stderr)
-        return Exit.BAD_INPUT
+        return Agreed(Exit.BAD_INPUT)  # (each process in a world of its own)
     if cfg.dry_run:
         if comm.Get_rank() != 0:
             return Exit.OK

@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
-    "SIZE_VARS", "LaunchMismatch", "comm_world", "is_open_mpi", "launcher_size", "mismatch",
-    "mpiexec_command",
+    "SIZE_VARS", "LaunchMismatch", "comm_world", "finalize_mpi", "is_open_mpi", "launcher_size",
+    "mismatch", "mpiexec_command",
 ]  # fmt: skip
 
 # variables launchers set to the number of ranks they started, MPI launchers' first: PMI (MPICH's
@@ -101,6 +102,15 @@ def comm_world(env: Mapping[str, str] | None = None) -> Any:
     if why is not None:
         raise LaunchMismatch(why)
     return comm
+
+
+def finalize_mpi() -> None:
+    """End MPI with ``MPI_Finalize`` now, where it was started, for a process about to exit
+    with a code every rank agreed on (``staging.exitcodes.Agreed``; a rank that fails alone
+    must abort instead: the others would wait for it)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 def is_open_mpi(mpiexec: str) -> bool:

@@ -23,7 +23,7 @@ from staging.cluster import Layout, layout
 from staging.config import StageConfig
 from staging.copy import Engine, Stats, within
 from staging.directio import IoPolicy
-from staging.exitcodes import Exit
+from staging.exitcodes import Agreed, Exit
 from staging.manifest import Manifest, lock_dest, meta_dir
 from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, split_by_bytes
 from staging.progress import MIB, Progress, human_bytes
@@ -121,7 +121,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             _unmake(dest, made)
             os.close(lock_fd)
         log.errors(errors)
-        return Exit.FAILED
+        return Agreed(Exit.FAILED)
 
     # 2. rank 0 plans (the sources are shared); each node's leader gets its node's groups.
     #    A stage of one process writes an uncompressed tar's members to hidden temp files as
@@ -185,7 +185,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             _unmake(dest, made, dirs[::-1])
             os.close(lock_fd)
         log.errors([e for _, e, *_ in status if e])
-        return max(code for code, *_ in status)
+        return Agreed(max(code for code, *_ in status))
 
     # 4. copy
     mine = work.per_rank[lay.local_rank]
@@ -226,7 +226,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     code = comm.allreduce(code, op=_max_op(comm))
     if lay.rank == 0:
         log.summary(plan, every, elapsed, lay, sum(b for *_, b in status))
-    return code
+    return Agreed(code)
 
 
 def _resumable(work: NodeWork, algo: str) -> set[str]:

@@ -57,7 +57,7 @@ def verify_dest(dest: str, streams: int) -> tuple[int, list[str]]:
 def verify_command(cfg: Any, comm: Any) -> int:
     """Verify every node's DEST (its leader does it); print problems; exit 4 on any."""
     from staging.cluster import layout
-    from staging.exitcodes import Exit
+    from staging.exitcodes import Agreed, Exit
 
     lay, _ = layout(comm, cfg.ranks_per_node)
     checked, problems, err = 0, [], None
@@ -84,4 +84,4 @@ def verify_command(cfg: Any, comm: Any) -> int:
         elif not cfg.quiet:
             print(f"verified {total} entries: {len(bad)} problem(s)")
         code = Exit.FAILED if errs else (Exit.MISMATCH if bad else Exit.OK)
-    return comm.bcast(code, root=0)
+    return Agreed(comm.bcast(code, root=0))

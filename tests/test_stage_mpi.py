@@ -133,6 +133,39 @@ def test_failing_rank_ends_all_ranks_quickly(dataset, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "case", ["no source", "a node's DEST", "verify, nothing staged", "serve, no socket dir"]
+)
+def test_a_refusal_every_rank_makes_ends_mpi_without_abort(dataset, tmp_path, case):
+    """Under ``python -m mpi4py`` a non-zero exit used to end in ``MPI_Abort``: an abort line
+    per job and, under MPICH, a 2 MiB segment left in /dev/shm for good. A code every rank
+    reached together (after the collective that decided it) now ends MPI with MPI_Finalize."""
+    (tmp_path / "node1").write_text("a file where node 1's DEST should be")
+    args, code, message = {
+        "no source": (
+            ["stage", str(tmp_path / "none"), "--to", str(tmp_path / "d")], 2,
+            "source not found or unreadable",
+        ),
+        "a node's DEST": (
+            ["stage", str(dataset), "--to", str(tmp_path / "node{node}" / "dest"),
+             "--ranks-per-node", "1"], 1, "node1/dest: cannot prepare destination",
+        ),
+        "verify, nothing staged": (
+            ["stage", "--verify", "--to", str(tmp_path / "d")], 1, "no manifest",
+        ),
+        "serve, no socket dir": (
+            ["serve", "--socket", str(tmp_path / "node1" / "s{rank}.sock")], 1,
+            "Not a directory",
+        ),
+    }[case]  # fmt: skip
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "datastore", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "Abort" not in proc.stderr and "ABORT" not in proc.stderr, proc.stderr
+
+
 def test_a_node_out_of_space_leaves_no_dest_on_any_node(dataset, tmp_path):
     """Node 0's DEST lies on a 4 MiB tmpfs: it refuses (exit 3), and node 1, which had made its
     DEST and the plan's directories, removes them too (both used to stay behind)."""

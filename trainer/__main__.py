@@ -18,6 +18,7 @@ from typing import Any
 
 from staging.console import grpc_errors_only, reader_gone, whole_lines
 from staging.exitcodes import Exit
+from staging.launcher import finalize_mpi
 from trainer.config import ConfigError, load_config, load_tournament
 
 __all__ = ["main"]
@@ -75,13 +76,10 @@ def _run(
 
 
 def _finalize_mpi() -> None:
-    """End MPI with ``MPI_Finalize`` where every rank refused alike: ``python -m mpi4py``
-    otherwise ends a non-zero exit with ``MPI_Abort``, which prints an abort line and leaves
-    MPICH's shared-memory segment (about 2 MiB) in ``/dev/shm``."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        _end_process_group()  # (its gloo threads first)
-        mpi.Finalize()
+    """End MPI with ``MPI_Finalize`` where every rank refused alike (``python -m mpi4py``
+    would abort: ``staging.exitcodes.Agreed``), the process group first (its gloo threads)."""
+    _end_process_group()
+    finalize_mpi()
 
 
 def _end_process_group() -> None:

@@ -38,7 +38,7 @@ from datastore.service.servicer import Counters, Servicer, Stop
 from datastore.service.shm import reclaim_stale
 from datastore.service.stream import chunk_bytes
 from datastore.service.wire import keep_large_blocks
-from staging.exitcodes import Exit
+from staging.exitcodes import Agreed, Exit
 from staging.launcher import LaunchMismatch, comm_world
 
 __all__ = ["serve"]
@@ -60,14 +60,14 @@ def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -
         comm = _services_comm()
     except LaunchMismatch as exc:
         log.error("launch_mismatch", msg=str(exc))
-        return Exit.BAD_INPUT
+        return Agreed(Exit.BAD_INPUT)  # (each process in a world of its own)
     if comm is not None and config.peers:
         log.error(
             "bad_usage",
             msg="--peers is for services that are not one MPI job: under mpiexec the services "
             "of a store peer over MPI",
         )
-        return Exit.BAD_INPUT
+        return Agreed(Exit.BAD_INPUT)  # (every rank has the same arguments)
     if comm is not None:  # one service per rank: {rank} tells their sockets apart on one host
         rank = str(comm.Get_rank())
         state = config.state_file
@@ -106,7 +106,7 @@ def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
     except ValueError as exc:
         log.error("bad_usage", msg=str(exc))
         _all_started(comm, False, log)
-        return Exit.BAD_INPUT
+        return Agreed(Exit.BAD_INPUT)
     token = None
     if config.tcp is not None:
         assert config.token_file is not None  # checked by ServeConfig
@@ -115,7 +115,7 @@ def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
         except (OSError, ValueError) as exc:
             log.error("bad_token_file", msg=f"cannot use token file: {exc}")
             _all_started(comm, False, log)
-            return Exit.BAD_INPUT
+            return Agreed(Exit.BAD_INPUT)
         if loose:  # anyone who can read the secret could use the service
             log.error(
                 "token_file_readable_by_others",
@@ -123,16 +123,16 @@ def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
                 msg=f"token file {config.token_file} is readable by others: chmod 600 it",
             )
             _all_started(comm, False, log)
-            return Exit.BAD_INPUT
+            return Agreed(Exit.BAD_INPUT)
     try:
         claim = claim_socket(config.socket, private=config.private)
     except (AddressInUse, UnsafeDirectory, ValueError, OSError) as exc:  # OSError: no such dir
         log.error("cannot_listen", socket=str(config.socket), msg=str(exc))
         _all_started(comm, False, log)
-        return Exit.FAILED
+        return Agreed(Exit.FAILED)
     if not _all_started(comm, True, log):
         claim.release()
-        return Exit.FAILED
+        return Agreed(Exit.FAILED)
     if claim.removed_stale:
         log.warning(
             "removed_stale_socket",
