@@ -70,3 +70,40 @@ def test_hdf5_plain_bytes_path_equals_h5py(tmp_path, layout):
         assert np.array_equal(reader.read(i, "x", region=box), data[i][box])
         assert np.array_equal(reader.read(i, "x"), data[i])
     assert (reader._layout(0, reader.fields["x"]) is None) == (layout == "big-endian")
+
+
+@pytest.mark.parametrize("case", ["external-link", "12-bit", "bit-offset"])
+def test_hdf5_data_whose_bytes_are_not_the_numpy_array_is_read_by_h5py(tmp_path, case):
+    """The plain-bytes path read a dataset behind an external link at its offset in the wrong
+    file (the one holding the link), and integers of fewer significant bits than their size
+    as raw bytes (a 12-bit -1000 came back as 3096): both silently."""
+    import h5py
+    from h5py import h5t
+
+    from datastore import DatasetSpec
+    from datastore.readers import open_dataset
+
+    path = tmp_path / "d.h5"
+    if case == "external-link":
+        want = np.random.default_rng(2).standard_normal((4, 2, 4, 4), dtype=np.float32)
+        with h5py.File(tmp_path / "other.h5", "w") as f:
+            f["pad"] = np.arange(1000.0)  # x's bytes lie after these in other.h5
+            f["x"] = want
+        with h5py.File(path, "w") as f:
+            f["junk"] = np.full(5000, 42.0)
+            f["x"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/x")
+    else:
+        want = np.array([-1000, -1, 0, 5, 1000, -2048], np.int16).reshape(6, 1, 1, 1)
+        kind = h5t.STD_I16LE.copy()
+        kind.set_precision(12)
+        if case == "bit-offset":
+            kind.set_offset(2)
+        with h5py.File(path, "w") as f:
+            space = h5py.h5s.create_simple(want.shape)
+            h5py.h5d.create(f.id, b"x", kind, space).write(h5py.h5s.ALL, h5py.h5s.ALL, want)
+        with h5py.File(path) as f:
+            assert np.array_equal(f["x"][...], want)  # h5py converts it
+    reader = open_dataset(DatasetSpec("hdf5", (str(path),), fields=("x",)))
+    assert reader._layout(0, reader.fields["x"]) is None
+    for i in range(len(want)):
+        assert np.array_equal(reader.read(i, "x"), want[i])

@@ -244,6 +244,16 @@ def test_bad_labels_are_named_when_read(tmp_path):
             f"{path}[000002]: field 'params': sample 2 has no such array (it has: cls, label, "
             "redshift, sim.box, x, y)"
         )
+    meta = {**_meta(2), "label": True}  # numpy would cast a bool to 1: refused
+    doc = [("000002.json", json.dumps(meta).encode())]
+    path = _broken(tmp_path, "bool.tar", [*_without(2, "000002.json"), *doc])
+    with open_dataset(os.path.dirname(path)) as r:
+        with pytest.raises(DatasetError) as exc:
+            r.read(2, "label")
+        assert (
+            str(exc.value)
+            == f"{path}[000002]: field 'label': sample 2 is |b1 (), sample 0 is <i8 ()"
+        )
 
 
 def _inspect(*args: str) -> subprocess.CompletedProcess[str]:

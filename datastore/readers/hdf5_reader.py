@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
+from h5py import h5t
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.npyfile import RawArray
@@ -365,7 +366,8 @@ class Hdf5Reader(_Hdf5Base):
         key = (k, info.name)
         if key not in cache:
             with self._lock:
-                cache[key] = _plain_layout(self._dataset(self._handles(), self.files[k], info))
+                path = self.files[k]
+                cache[key] = _plain_layout(self._dataset(self._handles(), path, info), path)
         return cache[key]
 
     def _chunk_offset(self, k: int, info: FieldInfo, origin: tuple[int, ...]) -> int | None:
@@ -424,10 +426,12 @@ class Hdf5Reader(_Hdf5Base):
         return True
 
 
-def _plain_layout(ds: h5py.Dataset) -> tuple[str, Any] | None:
-    """``("contiguous", data offset)`` or ``("chunked", chunk shape)`` for a dataset stored as
-    plain bytes, else ``None`` (filters, external storage, unallocated, non-numeric or
-    non-native data: h5py reads those)."""
+def _plain_layout(ds: h5py.Dataset, path: str) -> tuple[str, Any] | None:
+    """``("contiguous", data offset)`` or ``("chunked", chunk shape)`` for a dataset of file
+    ``path`` stored as plain bytes, else ``None``: filters, external storage, unallocated,
+    non-numeric data, or a type other than the machine's own for its numpy dtype (another
+    byte order, fewer bits of precision than its size, a bit offset), or a dataset in another
+    file (an external link): h5py reads those."""
     plain = (
         ds.compression is None
         and not ds.shuffle
@@ -435,7 +439,9 @@ def _plain_layout(ds: h5py.Dataset) -> tuple[str, Any] | None:
         and ds.scaleoffset is None
         and ds.dtype.kind in "biuf"
         and ds.dtype.isnative
+        and ds.id.get_type().equal(h5t.py_create(ds.dtype))
         and not ds.external
+        and _same_file(ds.file.filename, path)
     )
     if not plain:
         return None
@@ -443,6 +449,13 @@ def _plain_layout(ds: h5py.Dataset) -> tuple[str, Any] | None:
         offset = ds.id.get_offset()
         return None if offset is None else ("contiguous", offset)
     return ("chunked", tuple(ds.chunks))
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 class Hdf5PerSampleReader(_Hdf5Base):

@@ -116,7 +116,8 @@ class PerSampleFiles(Reader):
 
     def _checked(self, index: int, arrays: Located, info: FieldInfo) -> StoredArray | ValueArray:
         """``info``'s array of sample ``index``, if it has sample 0's dtype and shape (a
-        decoded value may widen to it: an integer where sample 0 has a float)."""
+        decoded value may widen to it: an integer where sample 0 has a float; not a bool to a
+        number, which numpy would allow)."""
         a = arrays.get(info.name)
         if a is None:
             raise DatasetError(
@@ -124,7 +125,11 @@ class PerSampleFiles(Reader):
                 f"sample {index} has no such array (it has: {', '.join(arrays) or 'none'})",
                 info.name,
             )
-        widens = isinstance(a, ValueArray) and np.can_cast(a.dtype, info.dtype, "safe")
+        widens = (
+            isinstance(a, ValueArray)
+            and (a.dtype.kind == "b") == (info.dtype.kind == "b")
+            and np.can_cast(a.dtype, info.dtype, "safe")
+        )
         if (a.dtype != info.dtype and not widens) or a.shape != info.shape:
             raise DatasetError(
                 self._where(index),
