@@ -174,7 +174,8 @@ class DataStoreLoader(EpochPosition):
             refused without it (``readers.spec.detect``).
         batch_size: samples per step on this rank (PyTorch's meaning); or give
             ``global_batch_size`` instead, the samples per step over all data-parallel ranks.
-        fields: fields to deliver. Default: all.
+        fields: fields to deliver; with a path, the others are not read or checked (an xarray
+            file's coordinate arrays, of other lengths, may stay beside them). Default: all.
         seed: shuffle seed, the same on every rank. Default: ``0``.
         shuffle: the order of every epoch (``datastore.maths.order``). ``"global"`` (or ``True``):
             a new permutation of the whole dataset, the same for any world size.
@@ -308,9 +309,9 @@ class DataStoreLoader(EpochPosition):
             error = exc
         self._broken: str | None = None
         reader = None
-        if not remote:
-            try:
-                reader = open_dataset(dataset, layout=layout) if error is None else None
+        if not remote and error is None:
+            try:  # the fields asked for: others (an xarray file's coordinates) are not checked
+                reader = open_dataset(dataset, layout=layout, fields=tuple(fields or ()))
             except (OSError, ValueError) as exc:  # a missing path is a DatasetNotFound
                 error = exc
         self._agree(_raw_fingerprint(kw) if error else self.options.fingerprint(), error)

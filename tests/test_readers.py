@@ -816,3 +816,33 @@ def test_inspect_cli_bad_input_exits_2_with_one_line(tmp_path, arrays):
         err = proc.stderr.strip()
         assert "\n" not in err and "Traceback" not in err
         assert err.startswith("datastore inspect: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("fmt", ["hdf5", "zarr"])
+def test_fields_leave_out_arrays_of_other_lengths(tmp_path, fmt):
+    """An xarray/netCDF-style file holds coordinate arrays beside the samples: with
+    ``fields=`` naming the samples' arrays the loader reads them (it refused, naming the field
+    asked for and sending the user to a spec file)."""
+    from datastore import DataStoreLoader
+
+    x = np.arange(6 * 64, dtype=np.float32).reshape(6, 1, 4, 4, 4)
+    y, depth = np.arange(6.0), np.linspace(0, 1, 4)
+    if fmt == "hdf5":
+        path = str(tmp_path / "f.h5")
+        with h5py.File(path, "w") as f:
+            f["x"], f["y"], f["depth"] = x, y, depth
+    else:
+        path = str(tmp_path / "g.zarr")
+        group = zarr.open_group(path, mode="w")
+        for name, a in (("x", x), ("y", y), ("depth", depth)):
+            group.create_array(name, shape=a.shape, dtype=a.dtype)[...] = a
+    loader = DataStoreLoader(path, batch_size=3, fields=["x", "y"], shuffle=False)
+    got = [(b["x"].numpy(), b["y"].numpy()) for b in loader]
+    assert np.array_equal(np.concatenate([g[0] for g in got]), x)
+    assert np.array_equal(np.concatenate([g[1] for g in got]), y)
+    with pytest.raises(DatasetError) as exc:
+        DataStoreLoader(path, batch_size=3)
+    assert str(exc.value) == (
+        f"{path}: field 'x': has 6 samples but field 'depth' has 4; name the fields to read "
+        "(fields=[...], or a spec's fields)"
+    )

@@ -47,6 +47,7 @@ import operator
 import os
 import stat
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,8 +247,11 @@ def _read_regular(path: str) -> bytes:
         os.close(fd)
 
 
-def detect(path: str | os.PathLike, layout: str | None = None) -> DatasetSpec:
-    """The spec of the dataset at ``path``, every field with its default spatial axes.
+def detect(
+    path: str | os.PathLike, layout: str | None = None, fields: Sequence[str] = ()
+) -> DatasetSpec:
+    """The spec of the dataset at ``path``, every field (or those named in ``fields``) with
+    its default spatial axes.
 
     ``.h5``/``.hdf5`` file: ``hdf5``. A directory (or glob) of several ``.h5`` files: shards
     (``hdf5``) when their shapes differ in a leading sample axis, one sample per file
@@ -263,10 +267,12 @@ def detect(path: str | os.PathLike, layout: str | None = None) -> DatasetSpec:
         layout: HDF5 only: ``"shards"`` (``hdf5``: a leading sample axis in each file) or
             ``"per-sample"`` (``hdf5-per-sample``: one sample per file), as stated by the
             user. Default: ``None``, decided from the files.
+        fields: the fields to read; the others are neither listed nor checked (e.g. an
+            xarray file's coordinate arrays, of other lengths). Default: ``()``, all.
     """
     path = os.fspath(path)
     fmt = detect_format(path, check_layout(layout, path))
-    with open_dataset(DatasetSpec(fmt, (path,))) as reader:
+    with open_dataset(DatasetSpec(fmt, (path,), tuple(fields))) as reader:
         fields = tuple(FieldSpec(f.name, f.spatial_axes) for f in reader.fields.values())
     return DatasetSpec(fmt, (path,), fields)
 
@@ -285,6 +291,7 @@ def open_dataset(
     *,
     allow_pickle: bool = True,
     layout: str | None = None,
+    fields: Sequence[str] = (),
 ) -> Reader:
     """A reader for a ``DatasetSpec``; for a path: a spec file (``.json``/``.toml``) is loaded,
     anything else is detected (``detect``).
@@ -296,6 +303,8 @@ def open_dataset(
             Default: ``True``, as the spec says.
         layout: for a path of HDF5 files: ``"shards"`` or ``"per-sample"`` (``detect``);
             a spec states it in its format. Default: ``None``, decided from the files.
+        fields: for a path detected here: read only these fields (``detect``); a spec names
+            its own. Default: ``()``, every field.
 
     Raises:
         DatasetError: naming the file (and field) for any input that cannot be read as asked.
@@ -309,7 +318,7 @@ def open_dataset(
             spec = DatasetSpec.load(path)
             _no_layout(layout, path, spec.format)
         else:
-            spec = detect(path, layout)
+            spec = detect(path, layout, fields)
     else:
         raise DatasetError(None, f"expected a DatasetSpec or a path, got {spec_or_path!r}")
     if not allow_pickle and spec.lmdb is not None and spec.lmdb.value == "pickle":

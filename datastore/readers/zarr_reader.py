@@ -56,7 +56,7 @@ class ZarrReader(Reader):
                 raise DatasetError(
                     root,
                     f"has {n} samples but field {count[0]!r} has {count[1]}; "
-                    "name the fields to read in a spec",
+                    "name the fields to read (fields=[...], or a spec's fields)",
                     name,
                 )
         self._length = 0 if count is None else count[1]
