@@ -836,6 +836,12 @@ def test_fields_leave_out_arrays_of_other_lengths(tmp_path, fmt):
         group = zarr.open_group(path, mode="w")
         for name, a in (("x", x), ("y", y), ("depth", depth)):
             group.create_array(name, shape=a.shape, dtype=a.dtype)[...] = a
+    named = open_dataset(path, fields=("x", "y"))
+    assert [(f.name, f.spatial_axes) for f in named.fields.values()] == [
+        ("x", (1, 2, 3)),
+        ("y", ()),
+    ]
+    named.close()
     loader = DataStoreLoader(path, batch_size=3, fields=["x", "y"], shuffle=False)
     got = [(b["x"].numpy(), b["y"].numpy()) for b in loader]
     assert np.array_equal(np.concatenate([g[0] for g in got]), x)
@@ -846,3 +852,16 @@ def test_fields_leave_out_arrays_of_other_lengths(tmp_path, fmt):
         f"{path}: field 'x': has 6 samples but field 'depth' has 4; name the fields to read "
         "(fields=[...], or a spec's fields)"
     )
+
+
+def test_fields_named_keep_the_spatial_axes_the_data_records(tmp_path):
+    """Naming fields keeps the axes an LMDB's metadata records (channels-last here), not the
+    default's (nor none, as a spec's bare name means)."""
+    from datastore.readers import write_lmdb
+
+    samples = [{"x": np.full((4, 4, 4, 2), i, np.float32), "y": np.arange(3.0)} for i in range(3)]
+    write_lmdb(tmp_path / "db", samples, spatial_axes={"x": (0, 1, 2)})
+    with open_dataset(str(tmp_path / "db"), fields=("x",)) as r:
+        assert list(r.fields) == ["x"] and r.fields["x"].spatial_axes == (0, 1, 2)
+    with open_dataset(str(tmp_path / "db")) as r:
+        assert r.fields["x"].spatial_axes == (0, 1, 2) and r.fields["y"].spatial_axes == ()

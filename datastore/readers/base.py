@@ -144,6 +144,8 @@ class Reader(ABC):
         spec: the ``DatasetSpec`` it was opened from.
         files: the files (or the one directory) the spec's paths resolved to.
         fields: ``{name: FieldInfo}`` of the fields the spec selects, in order.
+        found: ``{name: FieldInfo}`` of every field in the data, with the spatial axes the
+            data implies (the default's, or what its metadata says).
 
     Subclasses scan the layout in ``__init__`` (picklable attributes only), open per-process
     handles in ``_open()``, release them in ``_close(handles)``, and fill ``out`` in
@@ -157,6 +159,7 @@ class Reader(ABC):
         self.spec = spec
         self.files: list[str] = []
         self.fields: dict[str, FieldInfo] = {}
+        self.found: dict[str, FieldInfo] = {}
         self._length = 0
         self._closed = False
         self._init_process()
@@ -347,6 +350,7 @@ class Reader(ABC):
         """
         if not available:
             raise DatasetError(where, "holds no arrays")
+        self.found = dict(available)
         if not self.spec.fields:
             self.fields = dict(available)
         else:

@@ -273,8 +273,8 @@ def detect(
     path = os.fspath(path)
     fmt = detect_format(path, check_layout(layout, path))
     with open_dataset(DatasetSpec(fmt, (path,), tuple(fields))) as reader:
-        fields = tuple(FieldSpec(f.name, f.spatial_axes) for f in reader.fields.values())
-    return DatasetSpec(fmt, (path,), fields)
+        found = tuple(FieldSpec(name, reader.found[name].spatial_axes) for name in reader.fields)
+    return DatasetSpec(fmt, (path,), found)
 
 
 def check_layout(layout: Any, where: str | None) -> str | None:
