@@ -172,9 +172,11 @@ def test_unet_split_in_two_follows_one_process(noisy, tmp_path):
 
 
 def test_lion_cub_resume_is_exact_on_every_data_rank(data, tmp_path):
-    """Each data rank keeps its own momenta: a resumed run reloads every rank's own, so it
-    equals the uninterrupted run (losses and weights)."""
-    more = ["optimizer=lion_cub", "lr=1e-3"]
+    """Each data rank keeps its own momenta and its own dropout stream (every rank's samples
+    were masked alike: each drew from one seed, and the checkpoint kept rank 0's state): a
+    resumed run reloads every rank's own, so it equals the uninterrupted run (losses and
+    weights)."""
+    more = ["optimizer=lion_cub", "lr=1e-3", "dropout=0.3"]
     whole = launch(2, args(data, tmp_path, "w", *more, f"checkpoint_dir={tmp_path}/w"))
     assert whole.returncode == 0, whole.stdout + whole.stderr
     ck = f"checkpoint_dir={tmp_path}/r"
@@ -201,6 +203,9 @@ def test_lion_cub_resume_is_exact_on_every_data_rank(data, tmp_path):
     want = torch.load(tmp_path / "w" / "checkpoint.pt", weights_only=True)
     for k, v in want["model"].items():
         assert torch.equal(got["model"][k], v), k
+    assert len(got["rng"]) == 2 and not torch.equal(*got["rng"])  # a stream per data rank
+    for mine, ref in zip(got["rng"], want["rng"], strict=True):
+        assert torch.equal(mine, ref)
     for d in (0, 1):
         mine = torch.load(tmp_path / "r" / f"optimizer.d{d}.pt", weights_only=True)
         ref = torch.load(tmp_path / "w" / f"optimizer.d{d}.pt", weights_only=True)

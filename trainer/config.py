@@ -102,7 +102,8 @@ class TrainConfig:
         momentum: SGD and LARS momentum (another value with another optimizer is refused).
             Default: ``0.9``.
         weight_decay: L2 penalty. Default: ``0.0``.
-        seed: model initialisation, dropout and shuffling (0 to ``2**64 - 1``). Default: ``0``.
+        seed: model initialisation, shuffling, and dropout (a stream per data rank, from
+            ``seed`` and the rank) (0 to ``2**64 - 1``). Default: ``0``.
         spatial_parts: blocks per spatial axis of every sample; their product must divide the
             number of ranks, the rest are data-parallel replicas. Default: ``(1, 1, 1)``.
         device: ``auto`` (the rank's GPU if CUDA is available, else the CPU), ``cpu``, ``cuda``

@@ -28,11 +28,11 @@ mean training target (accumulated over the first epoch's batches) and, for the U
 input and target have the same channels, predicting the input.
 
 Resume: with ``checkpoint_dir`` set, training starts from ``checkpoint.pt`` when there is one
-(model, optimizer, loader position, step, torch RNG, the target sums) and writes it every
-``checkpoint_interval`` steps and at the end; rank 0 prints ``resumed from step N``. A resumed
-run continues exactly as an uninterrupted one. ``lion_cub``'s momenta differ between data
-ranks: each data rank's first rank writes ``optimizer.dR.pt`` beside it, and every rank
-resumes its own.
+(model, optimizer, loader position, step, each data rank's torch RNG: its dropout stream,
+the target sums) and writes it every ``checkpoint_interval`` steps and at the end; rank 0
+prints ``resumed from step N``. A resumed run continues exactly as an uninterrupted one.
+``lion_cub``'s momenta differ between data ranks: each data rank's first rank writes
+``optimizer.dR.pt`` beside it, and every rank resumes its own.
 
 Log (``log_file``, JSON lines, appended; rank 0):
 
@@ -61,13 +61,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
+import numpy as np
 import torch
 from torch import nn
 
 from datastore import DataStoreLoader
 from datastore.sources.options import ServiceOptions
 from trainer.checkpoint import load_checkpoint, save_checkpoint
-from trainer.comm import all_reduce_sum
+from trainer.comm import all_gather, all_reduce_sum
 from trainer.config import ConfigError, TrainConfig
 from trainer.dist_models import DistLayers
 from trainer.grid import ProcessGrid
@@ -207,6 +208,9 @@ class Trainer:
             self.layers = DistLayers(grid, grid.spatial_group, overlap=cfg.halo_overlap)
         model = build_model(cfg, run, self.layers)
         self.model = model.to(run.device, memory_format=self.memory_format)
+        # dropout: a stream per data rank (the same on a replica's spatial ranks, whose dense
+        # layers must agree), not every rank's samples masked alike
+        torch.manual_seed(dropout_seed(cfg.seed, 0 if grid is None else grid.data_rank))
         self.opt = build_optimizer(cfg, self.model, grid)
         self.reducer = None
         if grid is not None:
@@ -332,17 +336,28 @@ class Trainer:
                 state = {"step": self.step, "optimizer": self.opt.state_dict()}
                 save_checkpoint(cfg.checkpoint_dir, state, f"optimizer.d{grid.data_rank}.pt")
             self._world_sum(torch.zeros(1, device=self.run.device))  # every file is written
+        rngs = self._rng_states()  # (a collective: before rank 0 alone goes on)
         if not self.lead:  # the model is replicated: rank 0 writes for all
             return None
         state = {
             "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-            "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), "step": self.step,
+            "loader": self.loader.state_dict(), "rng": rngs, "step": self.step,
             "targets": self.target_sums.state_dict(), "config": cfg.to_dict(),
             "world": 1 if grid is None else grid.world,
         }  # fmt: skip
-        if self.run.device.type == "cuda":  # dropout on the GPU draws from the device's generator
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.run.device)
         return save_checkpoint(cfg.checkpoint_dir, state)
+
+    def _rng_states(self) -> list[torch.Tensor]:
+        """Every data rank's generator state, by data rank: the CPU's, then on a GPU the
+        device's (dropout there draws from it), one byte tensor each (gathered over the data
+        group; a replica's spatial ranks hold the same)."""
+        own = torch.get_rng_state()
+        if self.gpu:
+            own = torch.cat([own, torch.cuda.get_rng_state(self.run.device)])
+        if self.grid is None or self.grid.data_size == 1:
+            return [own]
+        every = all_gather(own.to(self.run.device), self.grid.data_group, self.grid.timeout)
+        return [t.cpu() for t in every]
 
     def resume(self) -> bool:
         """Load the checkpoint in ``checkpoint_dir`` if there is one."""
@@ -376,9 +391,11 @@ class Trainer:
             optimizer = own["optimizer"]
         self.opt.load_state_dict(optimizer)
         self.loader.load_state_dict(saved["loader"])
-        torch.set_rng_state(saved["rng"])
-        if self.run.device.type == "cuda" and "cuda_rng" in saved:
-            torch.cuda.set_rng_state(saved["cuda_rng"], self.run.device)
+        own = _own_rng(saved, 0 if self.grid is None else self.grid.data_rank)
+        cpu = torch.get_rng_state().numel()
+        torch.set_rng_state(own[:cpu])
+        if self.gpu and own.numel() > cpu:  # (a checkpoint of a CPU run has no device state)
+            torch.cuda.set_rng_state(own[cpu:], self.run.device)
         self.target_sums.load_state_dict(saved["targets"])
         self.step = self.resumed_from = saved["step"]
 
@@ -387,6 +404,20 @@ class Trainer:
         self.val_loader.close()
         if self.reducer is not None:
             self.reducer.remove()
+
+
+def dropout_seed(seed: int, data_rank: int) -> int:
+    """The seed of data rank ``data_rank``'s dropout masks (below ``2**64``, as torch takes)."""
+    return int(np.random.SeedSequence([seed, data_rank]).generate_state(1, np.uint64)[0])
+
+
+def _own_rng(saved: dict[str, Any], data_rank: int) -> torch.Tensor:
+    """Data rank ``data_rank``'s generator state in checkpoint ``saved`` (one written before
+    the data ranks drew their own dropout masks holds rank 0's alone, the device's apart)."""
+    states = saved["rng"]
+    if isinstance(states, list):
+        return states[data_rank]
+    return torch.cat([states, saved.get("cuda_rng", torch.empty(0, dtype=torch.uint8))])
 
 
 def _ratio(sums: tuple[torch.Tensor, float]) -> torch.Tensor:
