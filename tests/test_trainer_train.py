@@ -271,6 +271,19 @@ def test_resume_equals_uninterrupted_training(tiny, tmp_path, optimizer):
     assert torch.equal(a["rng"][0], b["rng"][0])
 
 
+def test_a_checkpoint_of_the_format_before_per_rank_dropout_resumes_exactly(tiny, tmp_path):
+    """Checkpoints written before each data rank had its own dropout stream hold one RNG
+    state (a tensor, not a list by data rank): they still resume, exactly."""
+    base = dict(data=tiny, width=2, global_batch=8, lr=0.01, dropout=0.3, seed=4)
+    whole = train(TrainConfig(**base, steps=6))
+    train(TrainConfig(**base, steps=3, checkpoint_dir=str(tmp_path)))
+    saved = load_checkpoint(tmp_path)
+    saved["rng"] = saved["rng"][0]  # as the trainer wrote it until 2026-11-29
+    save_checkpoint(tmp_path, saved)
+    rest = train(TrainConfig(**base, steps=6, checkpoint_dir=str(tmp_path)))
+    assert rest["resumed_from"] == 3 and rest["losses"] == whole["losses"][3:]
+
+
 def test_log_records_steps_validation_and_checkpoints(tiny, tmp_path):
     log = tmp_path / "log.jsonl"
     cfg = TrainConfig(
