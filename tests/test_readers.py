@@ -865,3 +865,26 @@ def test_fields_named_keep_the_spatial_axes_the_data_records(tmp_path):
         assert list(r.fields) == ["x"] and r.fields["x"].spatial_axes == (0, 1, 2)
     with open_dataset(str(tmp_path / "db")) as r:
         assert r.fields["x"].spatial_axes == (0, 1, 2) and r.fields["y"].spatial_axes == ()
+
+
+def test_an_hdf5_file_open_for_writing_elsewhere_is_named_so(tmp_path):
+    if os.environ.get("HDF5_USE_FILE_LOCKING", "").upper() == "FALSE":
+        pytest.skip("HDF5_USE_FILE_LOCKING=FALSE: HDF5 takes no lock here")
+    path = tmp_path / "w.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((4, 2))
+    writer = subprocess.Popen(
+        [sys.executable, "-c", f"import h5py, sys; f = h5py.File({str(path)!r}, 'a'); "
+         "print('open', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert writer.stdout.readline() == "open\n"
+        with pytest.raises(DatasetError) as exc:
+            open_dataset(str(path))
+        assert str(exc.value) == (
+            f"{path}: another process has it open for writing (HDF5's file lock): read it "
+            "once the writer has closed it"
+        )
+    finally:
+        writer.communicate("", timeout=30)

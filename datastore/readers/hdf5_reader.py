@@ -53,6 +53,11 @@ MAX_OPEN_FILES = 64  # per reader and process; hdf5-per-sample datasets have one
 def _open_file(path: str) -> h5py.File:
     try:
         return h5py.File(path, "r", rdcc_nbytes=0)
+    except BlockingIOError:  # HDF5's own lock: a writer has the file open
+        raise DatasetError(
+            path, "another process has it open for writing (HDF5's file lock): read it once "
+            "the writer has closed it",
+        ) from None  # fmt: skip
     except (OSError, ValueError) as exc:
         raise DatasetError(path, f"not a readable HDF5 file: {exc}") from None
 
