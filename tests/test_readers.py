@@ -888,3 +888,17 @@ def test_an_hdf5_file_open_for_writing_elsewhere_is_named_so(tmp_path):
         )
     finally:
         writer.communicate("", timeout=30)
+
+
+def test_write_lmdb_stores_big_endian_arrays_in_this_machines_order(tmp_path):
+    """The loader delivers native byte order only: write_lmdb stored a '>f4' array as is,
+    which the loader then refused."""
+    from datastore import DataStoreLoader
+    from datastore.readers import write_lmdb
+
+    x = np.arange(3 * 8, dtype=">f4").reshape(3, 8)
+    write_lmdb(tmp_path / "db", ({"x": x[i], "n": np.int16(i).astype(">i2")} for i in range(3)))
+    with open_dataset(str(tmp_path / "db")) as r:
+        assert r.fields["x"].dtype == np.dtype("=f4") and r.fields["n"].dtype == np.dtype("=i2")
+    got = next(iter(DataStoreLoader(str(tmp_path / "db"), batch_size=3, shuffle=False)))
+    assert np.array_equal(got["x"].numpy(), x) and got["n"].tolist() == [0, 1, 2]

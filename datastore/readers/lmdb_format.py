@@ -120,7 +120,8 @@ def write_lmdb(
 
     Args:
         path: the directory; created if missing; must not already hold ``data.mdb``.
-        samples: an iterable of ``{field: array}``; the first one fixes fields, dtypes, shapes.
+        samples: an iterable of ``{field: array}``; the first one fixes fields, dtypes, shapes
+            (stored in this machine's byte order: a big-endian array is converted).
         codec: a numcodecs codec for every field, or ``{field: codec or None}``.
             Default: ``None``, raw bytes.
         spatial_axes: ``{field: axes}`` to record. Default: ``None``, the last three axes of
@@ -146,7 +147,7 @@ def write_lmdb(
                 codecs = {k: _codec_for(codec, k) for k in fields}
             _check_sample(path, n, sample, fields)
             for name in fields:
-                arr = np.ascontiguousarray(sample[name])
+                arr = np.ascontiguousarray(sample[name], dtype=fields[name].dtype)
                 c = codecs[name]
                 data = arr.tobytes() if c is None else bytes(c.encode(arr))
                 pending.append((sample_key(n, name), data))
@@ -184,13 +185,14 @@ def _fields_of(
         arr = np.asarray(value)
         if arr.dtype.hasobject:
             raise DatasetError(path, "object arrays cannot be stored", name)
+        native = arr.dtype.newbyteorder("=")  # the loader delivers this machine's byte order
         axes = (
             tuple(spatial_axes[name])
             if spatial_axes is not None and name in spatial_axes
             else default_spatial_axes(arr.ndim)
         )
         c = _codec_for(codec, name)
-        fields[name] = FieldMeta(arr.dtype, arr.shape, axes, None if c is None else c.get_config())
+        fields[name] = FieldMeta(native, arr.shape, axes, None if c is None else c.get_config())
     return fields
 
 
@@ -202,7 +204,7 @@ def _check_sample(
         raise DatasetError(path, f"sample {index} has fields {got}, expected {sorted(fields)}")
     for name, f in fields.items():
         arr = np.asarray(sample[name])
-        if arr.dtype != f.dtype or arr.shape != f.shape:
+        if arr.dtype.newbyteorder("=") != f.dtype or arr.shape != f.shape:
             raise DatasetError(
                 path,
                 f"sample {index} is {arr.dtype.str} {arr.shape}, sample 0 was "
