@@ -98,37 +98,51 @@ def _listing(path: str) -> list[tuple[os.DirEntry, os.stat_result | None]]:
 
 def _walk_dir(root: str, prefix: str, errors: list[str], confine: Sequence[str] = ()) -> list[Item]:
     """Items for a directory tree; symlinks are followed (a staged copy stands on its own),
-    but with ``confine`` only to paths beneath those roots (``staging.confine``). Each
-    directory is listed as soon as it is found, :data:`LIST_THREADS` at a time, and walked in
-    the same order as one at a time."""
+    but not back to a directory on their own path (a loop, else copied without end), and
+    with ``confine`` only to paths beneath those roots (``staging.confine``): each such link
+    is an error and skipped. Each directory is listed as soon as it is found,
+    :data:`LIST_THREADS` at a time, and walked in the same order as one at a time."""
     items: list[Item] = [Item(dest=prefix, kind="dir", source=root, ident="dir")]
-    stack = [(root, prefix)]
+    stack = [(root, prefix, (_dir_id(os.stat(root)),))]  # each with the ids of its path
     with ThreadPoolExecutor(LIST_THREADS, thread_name_prefix="list") as pool:
         listed: dict[str, Future] = {root: pool.submit(_listing, root)}
         while stack:
-            src_dir, dst_dir = stack.pop()
+            src_dir, dst_dir, path_ids = stack.pop()
             try:
                 entries = listed.pop(src_dir).result()
             except OSError as exc:
                 errors.append(f"{src_dir}: cannot list directory: {exc.strerror}")
                 continue
             for e, st in entries:
-                dest = f"{dst_dir}/{e.name}"
+                dest_rel = f"{dst_dir}/{e.name}"
                 if st is None:
                     errors.append(f"{e.path}: broken symlink or unreadable entry, skipped")
                     continue
-                if confine and e.is_symlink() and not beneath(e.path, confine):
-                    errors.append(f"{e.path}: a symlink out of the allowed roots, skipped")
-                    continue
-                if stat.S_ISDIR(st.st_mode):
-                    items.append(Item(dest=dest, kind="dir", source=e.path, ident="dir"))
-                    stack.append((e.path, dest))
+                why = _refused_link(e.path, confine) if e.is_symlink() else None
+                if why is None and stat.S_ISDIR(st.st_mode) and _dir_id(st) in path_ids:
+                    why = "a symlink loop (leads back to a directory on its own path)"
+                if why is not None:
+                    errors.append(f"{e.path}: {why}, skipped")
+                elif stat.S_ISDIR(st.st_mode):
+                    items.append(Item(dest=dest_rel, kind="dir", source=e.path, ident="dir"))
+                    stack.append((e.path, dest_rel, (*path_ids, _dir_id(st))))
                     listed[e.path] = pool.submit(_listing, e.path)
                 elif stat.S_ISREG(st.st_mode):
-                    items.append(_file_item(e.path, dest, st))
+                    items.append(_file_item(e.path, dest_rel, st))
                 else:
                     errors.append(f"{e.path}: not a regular file or directory, skipped")
     return items
+
+
+def _dir_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _refused_link(path: str, confine: Sequence[str]) -> str | None:
+    """Why the walk must not follow the symlink ``path``, or ``None``."""
+    if confine and not beneath(path, confine):
+        return "a symlink out of the allowed roots"
+    return None
 
 
 def _file_item(path: str, dest: str, st: os.stat_result) -> Item:

@@ -67,7 +67,10 @@ BASE_MTIME_NS = 1_600_000_000_123_456_789
 
 
 def run_stage(
-    *args: str | os.PathLike, env: dict[str, str] | None = None, check: int | None = None
+    *args: str | os.PathLike,
+    env: dict[str, str] | None = None,
+    check: int | None = None,
+    timeout: float = 120,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m datastore stage ARGS`` as a single process (no MPI launcher variables).
 
@@ -82,7 +85,7 @@ def run_stage(
         capture_output=True,
         text=True,
         env=full_env,
-        timeout=120,
+        timeout=timeout,
     )
     if check is not None:
         assert proc.returncode == check, (

@@ -214,6 +214,28 @@ def test_confine_keeps_reads_beneath_the_roots(tmp_path, run_stage):
     assert not (dest / "tree" / "out").exists() and not (dest / "outside.txt").exists()
 
 
+def test_a_symlink_loop_is_an_error_not_a_copy_without_end(tmp_path, run_stage):
+    """A link back to a directory on its own path is named and skipped; the rest is staged
+    once (``selfdir -> .`` used to write 40 nested copies, and two loops never ended)."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_bytes(b"a\n")
+    (src / "sub" / "b.txt").write_bytes(b"b\n")
+    (src / "selfdir").symlink_to(".")
+    (src / "sub" / "up").symlink_to("..")
+    (src / "alias").symlink_to("sub")  # a link that is no loop is followed, as before
+    dest = tmp_path / "dest"
+    for args in (["--dry-run"], []):
+        proc = run_stage(src, "--to", dest, *args, check=2, timeout=30)
+        for link in ("selfdir", "sub/up"):
+            assert f"{src / link}: a symlink loop (leads back to a directory" in proc.stderr
+    assert snapshot(dest) == {
+        "src": ("dir",), "src/a.txt": ("file", b"a\n"), "src/sub": ("dir",),
+        "src/sub/b.txt": ("file", b"b\n"), "src/alias": ("dir",),
+        "src/alias/b.txt": ("file", b"b\n"),
+    }  # fmt: skip
+
+
 # -- archives ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("suffix", ARCHIVE_SUFFIXES)
 def test_archive_unpacked_byte_for_byte(tmp_path, run_stage, make_tree, suffix):
