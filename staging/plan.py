@@ -96,9 +96,12 @@ def _listing(path: str) -> list[tuple[os.DirEntry, os.stat_result | None]]:
     return out
 
 
-def _walk_dir(root: str, prefix: str, errors: list[str], confine: Sequence[str] = ()) -> list[Item]:
+def _walk_dir(
+    root: str, prefix: str, errors: list[str], confine: Sequence[str] = (), dest: str = ""
+) -> list[Item]:
     """Items for a directory tree; symlinks are followed (a staged copy stands on its own),
-    but not back to a directory on their own path (a loop, else copied without end), and
+    but not back to a directory on their own path (a loop, else copied without end), not
+    into ``dest`` or to a directory holding it (a copy of the copy, deeper every run), and
     with ``confine`` only to paths beneath those roots (``staging.confine``): each such link
     is an error and skipped. Each directory is listed as soon as it is found,
     :data:`LIST_THREADS` at a time, and walked in the same order as one at a time."""
@@ -118,7 +121,7 @@ def _walk_dir(root: str, prefix: str, errors: list[str], confine: Sequence[str] 
                 if st is None:
                     errors.append(f"{e.path}: broken symlink or unreadable entry, skipped")
                     continue
-                why = _refused_link(e.path, confine) if e.is_symlink() else None
+                why = _refused_link(e.path, st, confine, dest) if e.is_symlink() else None
                 if why is None and stat.S_ISDIR(st.st_mode) and _dir_id(st) in path_ids:
                     why = "a symlink loop (leads back to a directory on its own path)"
                 if why is not None:
@@ -138,10 +141,15 @@ def _dir_id(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _refused_link(path: str, confine: Sequence[str]) -> str | None:
-    """Why the walk must not follow the symlink ``path``, or ``None``."""
+def _refused_link(path: str, st: os.stat_result, confine: Sequence[str], dest: str) -> str | None:
+    """Why the walk must not follow the symlink ``path`` (``st``: what it leads to), or
+    ``None``."""
     if confine and not beneath(path, confine):
         return "a symlink out of the allowed roots"
+    if dest and beneath(path, [dest]):
+        return f"a symlink into DEST {dest}"
+    if dest and stat.S_ISDIR(st.st_mode) and beneath(dest, [path]):
+        return f"a symlink to a directory holding DEST {dest}"
     return None
 
 
@@ -242,7 +250,8 @@ def build_plan(
     to their manifest records: an unchanged archive is not read again. ``io`` is the I/O
     policy (``staging.directio``) for reading tar headers. ``confine``: roots every source and
     every symlink inside a source tree must resolve beneath (``staging.confine``). ``dest``:
-    DEST, refused inside a directory source (the copy would copy itself, deeper every run).
+    DEST, refused inside a directory source and as the target of a symlink in one (the copy
+    would copy itself, deeper every run).
     ``ahead``: called with each regular member of an uncompressed tar as the walk finds it
     (``staging.copy.Engine.ahead``), before the archive is checked as a whole, and its bytes
     held in memory by the walk's reader or ``None`` (``staging.archive.list_members``).
@@ -275,7 +284,7 @@ def build_plan(
             elif kind:
                 group = _archive_group(path, kind, st, io, ahead)
             elif stat.S_ISDIR(st.st_mode):
-                items = _walk_dir(path, name, plan.errors, confine)
+                items = _walk_dir(path, name, plan.errors, confine, dest)
                 group = Group(source=path, items=tuple(items))
             elif stat.S_ISREG(st.st_mode):
                 group = Group(source=path, items=(_file_item(path, name, st),))

@@ -794,6 +794,23 @@ def test_dest_inside_a_source_is_refused(tmp_path, run_stage, inner):
     assert {p.name for p in src.iterdir()} <= {"a.txt", META, "other.txt", inner}
 
 
+@pytest.mark.parametrize("target", ["dest", "dest/src", "."])
+def test_a_symlink_to_dest_inside_a_source_is_refused(tmp_path, run_stage, target):
+    """A link into DEST, or to a directory holding it, is named and skipped: it used to copy
+    DEST into itself, one level deeper every run, exit 0."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"a\n")
+    dest = tmp_path / "dest"
+    run_stage(src, "--to", dest, check=0)
+    (src / "link").symlink_to(tmp_path / target)
+    for _ in range(3):
+        proc = run_stage(src, "--to", dest, check=2)
+        assert f"{src / 'link'}: a symlink " in proc.stderr
+        assert f"DEST {dest}, skipped" in proc.stderr
+        assert snapshot(dest) == {"src": ("dir",), "src/a.txt": ("file", b"a\n")}
+
+
 @pytest.mark.parametrize("inner", ["", "inner", "a/b/inner"])
 def test_a_run_that_refuses_every_source_leaves_nothing_in_it(tmp_path, run_stage, inner):
     src = tmp_path / "src"
