@@ -24,7 +24,7 @@ import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from staging.archive import DECODE_ERRORS, normalize_name, open_stream
@@ -307,6 +307,13 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
+def _discard(outs: list[tuple[str, Fd]]) -> None:
+    """Close and remove unfinished temp files."""
+    for tmp, out in outs:
+        os.close(out.fd)
+        _unlink(tmp)
+
+
 class _LeafLog:
     """Side journal of the leaves of one large temp file: ``ident`` line, then ``index digest``."""
 
@@ -467,7 +474,7 @@ class Engine:
     def _record(self, item: Item, digest: str | None, size: int) -> dict[str, Any]:
         return {
             "entry": item.dest,
-            "kind": item.kind if item.kind != "hardlink" else "file",
+            "kind": item.kind,
             "source": item.source,
             "ident": item.ident,
             "size": size,
@@ -732,55 +739,69 @@ class Engine:
             self.stats.files += 1
 
     # -- streams (compressed archives) ---------------------------------------------------------
-    def _extract_stream(self, group: Group, todo: dict[str, Item]) -> list[Item]:
-        """One sequential pass over a compressed archive; returns hardlinks left to copy."""
-        later: list[Item] = []
+    def _extract_stream(self, group: Group) -> None:
+        """One sequential pass over a compressed archive: each member's bytes are read once and
+        written for every item that holds them (the member, the hardlinks that copy it)."""
+        todo: dict[int, list[Item]] = {}  # by the index of the member that holds them
+        for i in group.items:
+            if i.kind != "dir":
+                todo.setdefault(i.offset, []).append(i)
         try:
             with _raw_stream(group) as stream, tarfile.open(fileobj=stream, mode="r|") as tf:
                 index = -1  # counted as list_members counts: the "./" root entry is no member
                 for info in tf:
-                    name = normalize_name(info.name)
-                    index += bool(name)
-                    item = todo.get(name)
-                    if item is None or item.offset != index:
-                        continue  # not ours, or an earlier duplicate of a later member
-                    if item.kind == "hardlink":
-                        later.append(item)
-                    elif item.kind == "symlink":
-                        self._symlink(item)
-                    elif info.isreg():
-                        self._write_member(item, tf.extractfile(info))
+                    index += bool(normalize_name(info.name))
+                    items = todo.get(index, [])
+                    if items and items[0].kind == "symlink":
+                        self._symlink(items[0])
+                    elif items and info.isreg():
+                        self._write_member(items, tf.extractfile(info))
         except DECODE_ERRORS as exc:
             self.stats.errors.append(f"{group.source}: corrupt or truncated archive ({exc})")
-        return later
 
-    def _write_member(self, item: Item, f: Any) -> None:
-        tmp = self._tmp_path(item)
+    def _write_member(self, items: list[Item], f: Any) -> None:
+        """Write the bytes of one member, read once from ``f``, into the temp file of each of
+        ``items``."""
+        outs: list[tuple[str, Fd]] = []
         try:
-            fd = self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            try:
-                digests = []
-                buf = _buffer(item.size)
-                for off, length in leaf_ranges(item.size):
-                    h = new_hasher(self.algo) if self.algo != "none" else None
-                    done = 0
-                    while done < length:
-                        want = min(BUF_BYTES, length - done)
-                        _fill(f, buf[:want])
-                        if h is not None:
-                            h.update(buf[:want])
-                        write_at(fd.fd, buf, want, off + done, fd.direct)
-                        done += want
-                    self.on_bytes(length)
-                    if h is not None:
-                        digests.append(h.digest())
-            except BaseException:
-                os.close(fd.fd)
-                raise
-            self._finish(item, fd, tmp, combine(self.algo, digests) if h is not None else None)
+            for item in items:
+                tmp = self._tmp_path(item)
+                outs.append((tmp, self._open_tmp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)))
+            digest = self._fill_copies(f, items[0].size, [out for _, out in outs])
         except OSError as exc:
-            _unlink(tmp)
-            self._fail(item, exc)
+            _discard(outs)
+            for item in items:
+                self._fail(item, exc)
+            return
+        except BaseException:
+            _discard(outs)
+            raise
+        for item, (tmp, out) in zip(items, outs, strict=True):
+            try:
+                self._finish(item, out, tmp, digest)
+            except OSError as exc:
+                _unlink(tmp)
+                self._fail(item, exc)
+
+    def _fill_copies(self, f: Any, size: int, outs: list[Fd]) -> str | None:
+        """Write ``size`` bytes read from ``f`` into each of ``outs``; returns their digest."""
+        digests = []
+        buf = _buffer(size)
+        for off, length in leaf_ranges(size):
+            h = new_hasher(self.algo) if self.algo != "none" else None
+            done = 0
+            while done < length:
+                want = min(BUF_BYTES, length - done)
+                _fill(f, buf[:want])
+                if h is not None:
+                    h.update(buf[:want])
+                for out in outs:
+                    write_at(out.fd, buf, want, off + done, out.direct)
+                done += want
+            self.on_bytes(length * len(outs))
+            if h is not None:
+                digests.append(h.digest())
+        return combine(self.algo, digests) if self.algo != "none" else None
 
     # -- ahead of the plan ----------------------------------------------------------------------
     def ahead(self, item: Item, held: Held | None = None) -> None:
@@ -877,7 +898,7 @@ class Engine:
         try:
             with ThreadPoolExecutor(self.streams, thread_name_prefix="stream") as pool:
                 streams = [g for g in groups if g.stream]
-                stream_job = pool.submit(self._run_streams, pool, streams) if streams else None
+                stream_job = pool.submit(self._run_streams, streams) if streams else None
                 for g in groups:
                     if g.stream:
                         continue
@@ -892,7 +913,7 @@ class Engine:
                     for item in sorted(files, key=lambda i: -i.size):
                         futures.extend(self._copy_file(pool, item, item.path, item.offset))
                 if stream_job is not None:
-                    futures.extend(stream_job.result())
+                    stream_job.result()
                 for fut in futures:
                     fut.result()
         finally:
@@ -901,21 +922,9 @@ class Engine:
         self.stats.errors.extend(self.committer.errors)
         return self.stats
 
-    def _run_streams(self, pool: ThreadPoolExecutor, groups: list[Group]) -> list[Future]:
-        futures: list[Future] = []
+    def _run_streams(self, groups: list[Group]) -> None:
         for g in groups:
-            todo = {i.dest: i for i in g.items if i.kind != "dir"}
-            later = self._extract_stream(g, todo)
-            if later:
-                self.committer.drain()
-                for item in later:
-                    target = os.path.join(self.dest, item.link)
-                    if not within(self.dest, target):
-                        self._fail(item, OSError(errno.EPERM, "hardlink target leaves DEST"))
-                        continue
-                    copy = replace(item, kind="file", size=os.path.getsize(target))
-                    futures.extend(self._copy_file(pool, copy, target, 0))
-        return futures
+            self._extract_stream(g)
 
 
 def _raw_stream(group: Group) -> Any:

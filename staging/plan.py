@@ -32,10 +32,12 @@ __all__ = ["Group", "Item", "Plan", "archive_record", "assign", "build_plan", "s
 class Item:
     """One thing to create under DEST.
 
-    ``kind``: ``"file"``, ``"dir"``, ``"symlink"`` or ``"hardlink"`` (a copy of the earlier item
-    ``link`` of the same archive). File bytes are ``path[offset:offset+size]``; for a compressed
-    archive they come from its stream (``offset`` is then the member's index in the archive, so
-    that of duplicate names only the last member is extracted).
+    ``kind``: ``"file"``, ``"dir"`` or ``"symlink"``. File bytes are
+    ``path[offset:offset+size]``; for a compressed archive they come from its stream
+    (``offset`` is then the index in the archive of the member that holds them, so that of
+    duplicate names only the last member is extracted). A hardlink member is a file item with
+    the bytes of the member it names, the one before it in the archive (as ``tar -xf`` leaves
+    it when a later member of that name replaces the target).
     """
 
     dest: str
@@ -166,9 +168,9 @@ def _file_item(path: str, dest: str, st: os.stat_result) -> Item:
     )
 
 
-def _member_item(path: str, m: Member, arch_ident: str, offset: int) -> Item:
-    """The item of archive member ``m``; ``offset``: its byte offset in an uncompressed tar,
-    else its index in the stream."""
+def _member_item(path: str, m: Member, arch_ident: str) -> Item:
+    """The item of archive member ``m`` (its ``offset``: the byte offset of its bytes in an
+    uncompressed tar, else the index in the stream of the member that holds them)."""
     return Item(
         dest=m.name,
         kind=m.kind,
@@ -178,8 +180,8 @@ def _member_item(path: str, m: Member, arch_ident: str, offset: int) -> Item:
         mtime_ns=m.mtime * 1_000_000_000,
         mode=m.mode,
         path=path,
-        offset=offset,
-        link=normalize_name(m.link) if m.kind == "hardlink" else m.link,
+        offset=m.offset or 0,
+        link=m.link,
     )
 
 
@@ -192,24 +194,24 @@ def _archive_group(
     if ahead is not None and kind == "tar":
 
         def on_member(m: Member, held: Held | None) -> None:
-            ahead(_member_item(path, m, arch_ident, m.offset or 0), held)
+            ahead(_member_item(path, m, arch_ident), held)
 
     members = list_members(path, kind, st.st_size, direct, on_member, io)
     stream = None if kind == "tar" else kind
     if kind == "tar" and any(m.sparse for m in members):
         stream = "tar"  # sparse members are not one byte range: extract sequentially
     last = {m.name: i for i, m in enumerate(members)}  # tar semantics: the last duplicate wins
-    seen: dict[str, Member] = {}
+    seen: dict[str, Member] = {}  # each name's latest member, hardlinks resolved
     items = []
     for i, m in enumerate(members):
-        if m.kind == "hardlink" and stream is None:
-            # in an uncompressed tar a hardlink is a copy of its target's byte range
+        if stream is not None:
+            m = replace(m, offset=i)
+        if m.kind == "hardlink":  # a copy of the bytes its target has at this point
             target = seen[normalize_name(m.link)]
             m = replace(m, kind="file", size=target.size, offset=target.offset, link="")
         seen[m.name] = m
         if last[m.name] == i:
-            offset = (m.offset or 0) if stream is None else i
-            items.append(_member_item(path, m, arch_ident, offset))
+            items.append(_member_item(path, m, arch_ident))
     return Group(source=path, items=tuple(items), stream=stream, ident=arch_ident)
 
 
@@ -223,6 +225,17 @@ def archive_record(group: Group) -> dict:
         "stream": group.stream,
         "items": [[getattr(i, f) for f in _FIELDS] for i in group.items],
     }
+
+
+def _recorded(rec: dict | None, st: os.stat_result) -> bool:
+    """Whether the manifest record ``rec`` plans the archive whose state is ``st``: the same
+    state, and no hardlink rows (older versions copied those after the stream, from whatever
+    their target's name held by then)."""
+    return (
+        rec is not None
+        and rec.get("ident") == _ident(st)
+        and all(row[1] != "hardlink" for row in rec["items"])
+    )
 
 
 def _group_from_record(path: str, rec: dict) -> Group:
@@ -279,7 +292,7 @@ def build_plan(
             continue
         kind = archive_kind(path) if unpack and stat.S_ISREG(st.st_mode) else None
         try:
-            if kind and known.get(path, {}).get("ident") == _ident(st):
+            if kind and _recorded(known.get(path), st):
                 group = _group_from_record(path, known[path])
             elif kind:
                 group = _archive_group(path, kind, st, io, ahead)
@@ -365,9 +378,7 @@ def assign(plan: Plan, nodes: int) -> list[list[Group]]:
             if i.kind == "dir":
                 dirs.append(k)
                 continue
-            # a hardlink lives where its target lives
-            n = where[f"{g.source}::{i.link}"] if i.kind == "hardlink" else where[i.source]
-            own.setdefault(n, []).append(k)
+            own.setdefault(where[i.source], []).append(k)
         if not own:  # directories only: every node makes them
             for n in range(nodes):
                 shards[n].append(Group(g.source, g.items, g.stream, g.ident))

@@ -107,15 +107,6 @@ def test_assign_partitions_every_item_once(sizes, nodes):
             assert g.items[0].kind == "dir"
 
 
-def test_assign_keeps_hardlinks_with_their_target():
-    big, small = _item("big", 1000), _item("small", 10)
-    link = _item("link", 0, "hardlink", link="big")
-    plan = Plan(groups=[Group("/src", (big, small, link), stream="gz")])
-    shards = assign(plan, 2)
-    where = {i.dest: n for n, shard in enumerate(shards) for g in shard for i in g.items}
-    assert where["link"] == where["big"] != where["small"]
-
-
 def test_launcher_detection():
     assert not launched_by_mpi({})
     assert launched_by_mpi({"PMI_RANK": "0"})
