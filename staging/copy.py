@@ -37,7 +37,16 @@ from staging.plan import Group, Item
 from staging.prefetch import Held
 from staging.splice import splice_range
 
-__all__ = ["Engine", "Stats", "hash_range", "tmp_dir", "tmp_subdir", "within"]
+__all__ = [
+    "Engine",
+    "Stats",
+    "hash_range",
+    "mode_mask",
+    "settle_dirs",
+    "tmp_dir",
+    "tmp_subdir",
+    "within",
+]
 
 BUF_BYTES = 8 * 1024 * 1024
 BUFFERED_BYTES = 1024 * 1024
@@ -115,6 +124,31 @@ def within(dest: str, path: str) -> bool:
     root = os.path.realpath(dest)
     real = os.path.realpath(path)
     return real == root or real.startswith(root + os.sep)
+
+
+def mode_mask(special_bits: bool) -> int:
+    """The permission bits written to DEST: setuid, setgid and sticky only when asked for."""
+    return 0o7777 if special_bits else 0o777
+
+
+def settle_dirs(dest: str, dirs: list[Item], special_bits: bool) -> list[str]:
+    """Give the directories ``dirs`` of a plan, once everything is placed in them, their
+    modes and then their modification times, deepest first (placing an entry, or a mode
+    without the owner's rights, in a directory would undo or stop its parent's); of two
+    items of one directory the later wins, as with ``tar -xf``. Returns the errors."""
+    last = {i.dest: i for i in dirs}
+    errors = []
+    for item in sorted(last.values(), key=lambda i: -i.dest.count("/")):
+        path = os.path.join(dest, item.dest)
+        try:
+            os.chmod(path, item.mode & mode_mask(special_bits))
+            if item.mtime_ns:
+                os.utime(path, ns=(item.mtime_ns, item.mtime_ns))
+        except OSError as exc:
+            errors.append(
+                f"{item.source}: cannot set the mode and time of {item.dest}: {exc.strerror}"
+            )
+    return errors
 
 
 @dataclass(frozen=True)
@@ -359,8 +393,7 @@ class Engine:
         confine: tuple[str, ...] = (),
     ):
         self.dest, self.algo, self.streams, self.policy = dest, algo, streams, policy
-        # Permission bits written to DEST: setuid, setgid and sticky only when asked for.
-        self.mode_mask = 0o7777 if special_bits else 0o777
+        self.mode_mask = mode_mask(special_bits)
         self.confine = confine
         self.on_bytes = on_bytes
         self.rank = rank

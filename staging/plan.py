@@ -107,8 +107,9 @@ def _walk_dir(
     with ``confine`` only to paths beneath those roots (``staging.confine``): each such link
     is an error and skipped. Each directory is listed as soon as it is found,
     :data:`LIST_THREADS` at a time, and walked in the same order as one at a time."""
-    items: list[Item] = [Item(dest=prefix, kind="dir", source=root, ident="dir")]
-    stack = [(root, prefix, (_dir_id(os.stat(root)),))]  # each with the ids of its path
+    top = os.stat(root)
+    items = [_dir_item(root, prefix, top)]
+    stack = [(root, prefix, (_dir_id(top),))]  # each with the ids of its path
     with ThreadPoolExecutor(LIST_THREADS, thread_name_prefix="list") as pool:
         listed: dict[str, Future] = {root: pool.submit(_listing, root)}
         while stack:
@@ -129,7 +130,7 @@ def _walk_dir(
                 if why is not None:
                     errors.append(f"{e.path}: {why}, skipped")
                 elif stat.S_ISDIR(st.st_mode):
-                    items.append(Item(dest=dest_rel, kind="dir", source=e.path, ident="dir"))
+                    items.append(_dir_item(e.path, dest_rel, st))
                     stack.append((e.path, dest_rel, (*path_ids, _dir_id(st))))
                     listed[e.path] = pool.submit(_listing, e.path)
                 elif stat.S_ISREG(st.st_mode):
@@ -153,6 +154,11 @@ def _refused_link(path: str, st: os.stat_result, confine: Sequence[str], dest: s
     if dest and stat.S_ISDIR(st.st_mode) and beneath(dest, [path]):
         return f"a symlink to a directory holding DEST {dest}"
     return None
+
+
+def _dir_item(path: str, dest: str, st: os.stat_result) -> Item:
+    mode, mtime_ns = stat.S_IMODE(st.st_mode), st.st_mtime_ns
+    return Item(dest=dest, kind="dir", source=path, ident="dir", mode=mode, mtime_ns=mtime_ns)
 
 
 def _file_item(path: str, dest: str, st: os.stat_result) -> Item:

@@ -21,7 +21,7 @@ from typing import Any
 from staging.checksum import LEAF_BYTES
 from staging.cluster import Layout, layout
 from staging.config import StageConfig
-from staging.copy import Engine, Stats, within
+from staging.copy import Engine, Stats, settle_dirs, within
 from staging.directio import IoPolicy
 from staging.exitcodes import Agreed, Exit
 from staging.manifest import Manifest, lock_dest, meta_dir
@@ -171,6 +171,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                         raise OSError(errno.EPERM, "refusing to write through a symlink", path)
                     dirs.extend(reversed(_absent(path)))
                     os.makedirs(path, exist_ok=True)
+                    _writable(path)
         except OSError as exc:
             work.code, work.error = Exit.FAILED, f"{dest}: {exc.strerror}: {exc.filename}"
     work = node_comm.bcast(work, root=0)
@@ -197,9 +198,12 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             engine.on_bytes = bar.advance
         stats = engine.run(mine) if mine and engine is not None else Stats()
 
-    # 5. the leader folds the node's journals into the manifest and clears the temp space
+    # 5. the leader gives the directories their modes and times, folds the node's journals
+    #    into the manifest and clears the temp space
     node_comm.Barrier()
     if lay.is_leader:
+        dir_items = [i for g in groups for i in g.items if i.kind == "dir"]
+        stats.errors.extend(settle_dirs(dest, dir_items, cfg.preserve_special_bits))
         stats.skipped, stats.skipped_bytes = work.skipped, work.skipped_bytes
         node_errors = (
             node_comm.allreduce(len(stats.errors)) if lay.local_size > 1 else len(stats.errors)
@@ -261,6 +265,14 @@ def _absent(path: str) -> list[str]:
         missing.append(path)
         path = os.path.dirname(path)
     return missing
+
+
+def _writable(path: str) -> None:
+    """Let the owner write into directory ``path`` until the run gives it its mode (one
+    staged read-only by an earlier run)."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o700 != 0o700:
+        os.chmod(path, mode | 0o700)
 
 
 def _unmake(dest: str, made: list[str], dirs: list[str] | None = None) -> None:

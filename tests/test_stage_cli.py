@@ -17,9 +17,11 @@ import pytest
 import xxhash
 import zstandard
 from helpers import (
+    BASE_MTIME_NS,
     META,
     TREE_EMPTY_DIRS,
     TREE_FILES,
+    dir_info,
     file_info,
     link_info,
     meta_listing,
@@ -166,6 +168,42 @@ def test_modes_and_mtimes_preserved(tmp_path, run_stage, make_tree):
         assert ds.st_mtime_ns == ss.st_mtime_ns, d
     modes = {stat.S_IMODE((dest / "src" / rel).stat().st_mode) for rel, _, _ in TREE_FILES}
     assert modes == {mode for _, _, mode in TREE_FILES}
+
+
+def dir_attrs(root: Path) -> dict[str, tuple[int, int]]:
+    """``{relative path: (mode, mtime_ns)}`` of ``root`` and the directories under it."""
+    paths = [root, *(p for p in root.rglob("*") if p.is_dir() and META not in p.parts)]
+    return {str(p.relative_to(root)): (stat.S_IMODE(p.stat().st_mode), p.stat().st_mtime_ns)
+            for p in paths}  # fmt: skip
+
+
+def test_directory_modes_and_mtimes_preserved(tmp_path, run_stage):
+    """As with ``cp -a`` and ``tar -xf``: a private directory stays private and every directory
+    keeps its mtime (they used to get the umask's mode and the time of the copy), setgid
+    dropped as a file's is; a re-run still writes into a directory staged read-only."""
+    src = tmp_path / "src"
+    modes = {"priv": 0o700, "ro": 0o500, "ro/sub": 0o750, "sgid": 0o2755, ".": 0o751}
+    for rel in modes:
+        (src / rel).mkdir(parents=True, exist_ok=True)
+        (src / rel / "f").write_bytes(rel.encode())
+    for k, rel in enumerate(sorted(modes, key=lambda r: -len(r))):  # deepest first
+        (src / rel).chmod(modes[rel])
+        os.utime(src / rel, ns=(BASE_MTIME_NS + k, BASE_MTIME_NS + k))
+    member = dir_info("adir")
+    member.mode, member.mtime = 0o700, 1_500_000_000
+    arc = write_archive(
+        tmp_path / "a.tar.gz", tar_bytes([(member, None), (file_info("adir/x"), b"x")])
+    )
+    dest = tmp_path / "dest"
+    want = {rel: (mode & 0o777, t) for rel, (mode, t) in dir_attrs(src).items()}
+    want["adir"] = (0o700, 1_500_000_000 * 10**9)
+    for _ in range(2):
+        run_stage(src, arc, "--to", dest, "-q", check=0)
+        got = dir_attrs(dest / "src") | {"adir": dir_attrs(dest)["adir"]}
+        assert got == want
+        (src / "ro" / "f").write_bytes(b"changed")  # re-copied into the 0500 directory
+        os.utime(src / "ro", ns=(want["ro"][1], want["ro"][1]))
+    assert (dest / "src" / "ro" / "f").read_bytes() == b"changed"
 
 
 @pytest.mark.parametrize("keep", [False, True])
