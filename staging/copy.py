@@ -532,11 +532,10 @@ class Engine:
             if out.direct and item.size % ALIGN:
                 os.ftruncate(fd, item.size)  # drop the padding of the last direct write
             os.fchmod(fd, item.mode & self.mode_mask)
-            if item.mtime_ns:
-                try:
-                    os.utime(fd, ns=(item.mtime_ns, item.mtime_ns))
-                except OverflowError:  # written ahead: the walk refuses the archive later
-                    raise OSError(errno.EOVERFLOW, "modification time out of range") from None
+            try:
+                os.utime(fd, ns=(item.mtime_ns, item.mtime_ns))
+            except OverflowError:  # written ahead: the walk refuses the archive later
+                raise OSError(errno.EOVERFLOW, "modification time out of range") from None
             if not (out.direct or written_back):
                 start_writeback(fd)
         finally:

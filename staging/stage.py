@@ -45,7 +45,9 @@ class NodeWork:
 
 
 def up_to_date(item: Item, entry: dict[str, Any] | None, dest: str) -> bool:
-    """True when ``item`` was staged from the same source state and is still in place."""
+    """True when ``item`` was staged from the same source state and is still in place as the
+    stage left it: a link to the same target, a file of the recorded size and the source's
+    mtime (one ``lstat``: a file changed or removed in DEST is copied again)."""
     if entry is None or entry["source"] != item.source or entry["ident"] != item.ident:
         return False
     try:
@@ -54,7 +56,9 @@ def up_to_date(item: Item, entry: dict[str, Any] | None, dest: str) -> bool:
         return False
     if item.kind == "symlink":
         return stat.S_ISLNK(st.st_mode) and os.readlink(os.path.join(dest, item.dest)) == item.link
-    return stat.S_ISREG(st.st_mode) and st.st_size == entry["size"]
+    return (
+        stat.S_ISREG(st.st_mode) and st.st_size == entry["size"] and st.st_mtime_ns == item.mtime_ns
+    )
 
 
 def _node_work(groups: list[Group], manifest: Manifest, dest: str, local_size: int) -> NodeWork:

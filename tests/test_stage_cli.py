@@ -496,6 +496,14 @@ def test_rerun_skips_and_recopies_changed(tmp_path, run_stage, make_tree):
     assert snapshot(dest) == prefixed(snapshot(src), "src")
     assert_clean_meta(dest)
 
+    with open(dest / "src" / "a" / "b" / "odd.bin", "r+b") as f:  # corrupted in DEST, same size
+        f.write(b"\0")
+    (dest / "src" / "a" / "small.txt").unlink()
+    doc = summary(run_stage(src, "--to", dest, "--json", check=0))
+    assert (doc["files"], doc["skipped"]) == (2, N_TREE - 2)  # both used to be skipped
+    assert snapshot(dest) == prefixed(snapshot(src), "src")
+    run_stage("--verify", "--to", dest, check=0)
+
 
 @pytest.mark.parametrize("suffix", [".tar", ".tar.zst"])
 def test_rerun_of_archive_skips(tmp_path, run_stage, make_tree, suffix):
