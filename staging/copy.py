@@ -257,6 +257,7 @@ class Committer:
         self._pending = 0  # bytes in _batch
         self._made: set[str] = set()
         self.errors: list[str] = []
+        self.placed = Stats()  # the files and bytes placed under their names
         self._thread = threading.Thread(target=self._loop, name="committer", daemon=True)
         self._thread.start()
 
@@ -316,7 +317,7 @@ class Committer:
                 self.errors.append(f"{rec['source']}: cannot make {rel} durable: {why}")
                 _unlink(tmp)
             return
-        for tmp, rel, rec, _ in batch:
+        for tmp, rel, rec, nbytes in batch:
             final = os.path.join(self.dest, rel)
             parent = os.path.dirname(final)
             try:
@@ -333,6 +334,8 @@ class Committer:
                 _unlink(tmp)
                 continue
             self.journal.write(rec)
+            self.placed.files += 1
+            self.placed.bytes += nbytes
         self.journal.flush()
 
 
@@ -547,11 +550,9 @@ class Engine:
         self._publish(item, tmp, digest)
 
     def _publish(self, item: Item, tmp: str, digest: str | None) -> None:
-        """Hand a finished temp file to the committer, which places it under its name."""
+        """Hand a finished temp file to the committer, which places it under its name (and
+        counts it once placed)."""
         self.committer.add(tmp, item.dest, self._record(item, digest, item.size), item.size)
-        with self._lock:
-            self.stats.files += 1
-            self.stats.bytes += item.size
 
     # -- range copies ------------------------------------------------------------------------
     def _copy_small(self, item: Item, src_path: str, src_off: int) -> None:
@@ -767,8 +768,6 @@ class Engine:
             self._fail(item, exc)
             return
         self.committer.add(tmp, item.dest, self._record(item, None, 0), 0)
-        with self._lock:
-            self.stats.files += 1
 
     # -- streams (compressed archives) ---------------------------------------------------------
     def _extract_stream(self, group: Group) -> None:
@@ -951,6 +950,7 @@ class Engine:
         finally:
             self.committer.close()
             self.journal.close()
+        self.stats.add(self.committer.placed)
         self.stats.errors.extend(self.committer.errors)
         return self.stats
 

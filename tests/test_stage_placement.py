@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -67,3 +68,17 @@ def test_read_only_mode_is_kept(tmp_path):
     run_stage(src, "--to", tmp_path / "dest", check=0)
     assert stat.S_IMODE(os.stat(tmp_path / "dest" / "ro.bin").st_mode) == 0o444
     run_stage("--verify", "--to", tmp_path / "dest", check=0)
+
+
+def test_a_file_that_cannot_be_placed_is_not_counted(tmp_path):
+    """A directory in DEST where a file goes: that file is named and not counted (the summary
+    used to count it as staged)."""
+    src = tmp_path / "mid"
+    src.mkdir()
+    for name in "abc":
+        (src / name).write_bytes(name.encode() * 10)
+    (tmp_path / "dest" / "mid" / "a").mkdir(parents=True)
+    proc = run_stage(src, "--to", tmp_path / "dest", "--json", check=1)
+    doc = json.loads(proc.stdout)
+    assert (doc["files"], doc["bytes"]) == (2, 20)
+    assert len(doc["errors"]) == 1 and "cannot place at mid/a" in doc["errors"][0]
