@@ -507,6 +507,16 @@ class Engine:
             self._shards.add(shard)
         return os.path.join(shard, key + ".part")
 
+    def _tmp_or_fail(self, item: Item, ahead: bool = False) -> str | None:
+        """:meth:`_tmp_path`, or ``None`` where its directory cannot be made (no inode left on
+        DEST): then the item fails by name, unless written ahead (left for :meth:`run`)."""
+        try:
+            return self._tmp_path(item, ahead)
+        except OSError as exc:
+            if not ahead:
+                self._fail(item, exc)
+            return None
+
     def _record(self, item: Item, digest: str | None, size: int) -> dict[str, Any]:
         return {
             "entry": item.dest,
@@ -556,7 +566,9 @@ class Engine:
 
     # -- range copies ------------------------------------------------------------------------
     def _copy_small(self, item: Item, src_path: str, src_off: int) -> None:
-        tmp = self._tmp_path(item)
+        tmp = self._tmp_or_fail(item)
+        if tmp is None:
+            return
         try:
             fd = self._open_tmp(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
             try:
@@ -592,7 +604,9 @@ class Engine:
         for item in items:
             rel = item.offset - base
             view = buf[rel : rel + item.size]
-            tmp = self._tmp_path(item, ahead)
+            tmp = self._tmp_or_fail(item, ahead)
+            if tmp is None:
+                continue
             try:
                 self._write_small(item, [view], tmp, ahead)
             except OSError as exc:
@@ -699,13 +713,15 @@ class Engine:
         self, pool: ThreadPoolExecutor, item: Item, src_path: str, src_off: int
     ) -> list[Future]:
         """Submit one job per leaf; the last leaf to finish commits the file."""
-        tmp = self._tmp_path(item)
+        tmp = self._tmp_or_fail(item)
+        if tmp is None:
+            return []
         leaves = leaf_ranges(item.size)
-        log = _LeafLog(tmp[: -len(".part")] + ".leaves", f"{item.source} {item.ident} {self.algo}")
-        if not log.known:
-            _unlink(tmp)
-        fd = self._open_tmp(tmp, os.O_RDWR | os.O_CREAT)
-        os.ftruncate(fd.fd, item.size)
+        try:
+            log, fd = self._open_large(item, tmp)
+        except OSError as exc:  # its partial copy, if any, stays: a re-run resumes it
+            self._fail(item, exc)
+            return []
         digests: list[bytes] = [b""] * len(leaves)
         state = {"left": len(leaves), "failed": False}
         guard, writing = threading.Lock(), threading.Lock()
@@ -752,6 +768,25 @@ class Engine:
 
         return [pool.submit(leaf, i, off, n) for i, (off, n) in enumerate(leaves)]
 
+    def _open_large(self, item: Item, tmp: str) -> tuple[_LeafLog, Fd]:
+        """The leaf log of a large copy and its temp file ``tmp``, at the item's size (kept
+        where the log knows leaves of it, else new)."""
+        log = _LeafLog(tmp[: -len(".part")] + ".leaves", f"{item.source} {item.ident} {self.algo}")
+        try:
+            if not log.known:
+                _unlink(tmp)
+            fd = self._open_tmp(tmp, os.O_RDWR | os.O_CREAT)
+        except BaseException:
+            log.close()
+            raise
+        try:
+            os.ftruncate(fd.fd, item.size)
+        except BaseException:
+            os.close(fd.fd)
+            log.close()
+            raise
+        return log, fd
+
     def _copy_file(
         self, pool: ThreadPoolExecutor, item: Item, src_path: str, src_off: int
     ) -> list[Future]:
@@ -760,9 +795,11 @@ class Engine:
         return [pool.submit(self._copy_small, item, src_path, src_off)]
 
     def _symlink(self, item: Item) -> None:
-        tmp = self._tmp_path(item)
-        _unlink(tmp)
+        tmp = self._tmp_or_fail(item)
+        if tmp is None:
+            return
         try:
+            _unlink(tmp)
             os.symlink(item.link, tmp)
         except OSError as exc:
             self._fail(item, exc)

@@ -202,8 +202,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             engine.on_bytes = bar.advance
         stats = engine.run(mine) if mine and engine is not None else Stats()
 
-    # 5. the leader gives the directories their modes and times, folds the node's journals
-    #    into the manifest and clears the temp space
+    # 5. the leader gives the directories their modes and times, clears the temp space and
+    #    folds the node's journals into the manifest
     node_comm.Barrier()
     if lay.is_leader:
         dir_items = [i for g in groups for i in g.items if i.kind == "dir"]
@@ -218,9 +218,12 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             for g in groups:
                 if g.ident:
                     final.archives[g.source] = archive_record(g)
+        clean_tmp(dest)  # first: on a DEST out of inodes, the manifest needs one it frees
         if planned or not made:
-            final.save(dest)
-        clean_tmp(dest)
+            try:
+                final.save(dest)
+            except OSError as exc:  # the journals still hold what was placed
+                stats.errors.append(f"{dest}: cannot save the manifest: {exc.strerror}")
         if not planned:  # every source refused: leave nothing of DEST that this run made
             _unmake(dest, made)
         os.close(lock_fd)

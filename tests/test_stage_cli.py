@@ -737,10 +737,11 @@ def test_two_sources_same_destination(tmp_path, run_stage):
 
 
 # -- space ------------------------------------------------------------------------------------
-def _mount_tmpfs(where: Path, size: str) -> None:
+def _mount_tmpfs(where: Path, size: str, inodes: int | None = None) -> None:
+    options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
     try:
         proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
             capture_output=True,
             text=True,
             timeout=30,
@@ -794,6 +795,34 @@ def test_not_enough_space(tmp_path, run_stage):
         after = snapshot(dest), meta_listing(dest), (dest / META / "manifest.json").read_bytes()
         assert after == before
         assert before[0] == {"small": ("dir",), "small/c.bin": ("file", b"staged before\n")}
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True, timeout=30)
+
+
+def test_out_of_inodes_fails_the_run_naming_the_files(tmp_path, run_stage):
+    """No inode left on DEST is a full disk too: the files that do not fit are named, those
+    placed recorded, nothing left in .datastore (it was an internal error on a temp
+    subdirectory, leaving tmp/ and a journal, then one on the manifest)."""
+    src = tmp_path / "mid"
+    src.mkdir()
+    for k in range(60):
+        (src / f"f{k:02d}").write_bytes(b"%d\n" % k)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    _mount_tmpfs(mnt, "50M", inodes=30)
+    try:
+        dest = mnt / "dest"
+        proc = run_stage(src, "--to", dest, "--json", check=1)
+        assert_clean_stderr(proc)
+        doc = summary(proc)
+        placed = sorted(p.name for p in (dest / "mid").iterdir())
+        assert 0 < doc["files"] == len(placed) < 60
+        assert sorted(doc["errors"]) == [
+            f"{src / name}: No space left on device"
+            for name in sorted({f"f{k:02d}" for k in range(60)} - set(placed))
+        ]
+        assert sorted(manifest(dest)["entries"]) == [f"mid/{name}" for name in placed]
+        assert_clean_meta(dest)
     finally:
         subprocess.run(["umount", str(mnt)], check=True, timeout=30)
 
