@@ -167,9 +167,11 @@ def copy_range(
     length: int,
     algo: str,
     write_lock: threading.Lock | None = None,
+    stop: threading.Event | None = None,
 ) -> bytes:
     """Copy ``length`` bytes between files and return their digest (``b""`` if none);
-    ``write_lock``: held while writing ``dst`` in the kernel (``staging.splice.splice_range``).
+    ``write_lock``: held while writing ``dst`` in the kernel (``staging.splice.splice_range``);
+    ``stop``: once set, raise :class:`Stopped` before the next piece.
 
     Between two buffered descriptors the kernel moves the bytes (``staging.splice``) and the
     digest is taken of what landed in the destination (read back from its page cache, so
@@ -182,6 +184,7 @@ def copy_range(
     buf = _buffer(length)
     done = 0
     while done < length:  # in pieces: the disk writes one while the next is copied
+        _check(stop)
         want = min(BUF_BYTES, length - done)
         s_off, d_off = src_off + done, dst_off + done
         kernel = kernel and splice_range(src.fd, dst.fd, s_off, d_off, want, write_lock)
@@ -202,6 +205,15 @@ def copy_range(
             start_writeback(dst.fd, d_off, want)
         done += want
     return h.digest() if h is not None else b""
+
+
+class Stopped(Exception):
+    """A copy given up half-way because the run is being interrupted (Ctrl-C)."""
+
+
+def _check(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise Stopped
 
 
 def _set_direct(fd: int) -> bool:
@@ -417,6 +429,7 @@ class Engine:
         self._ahead_seen: set[Item] = set()
         self._room: int | None = None
         self._held: dict[Item, tuple[str, str | None]] = {}
+        self._stop = threading.Event()  # set on Ctrl-C: the copies give up at their next piece
 
     # -- bookkeeping -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -574,7 +587,7 @@ class Engine:
             try:
                 whole = src_off == 0 and item.size <= BUFFERED_BYTES
                 with self._source(src_path, whole) as src:
-                    d = copy_range(src, fd, src_off, 0, item.size, self.algo)
+                    d = copy_range(src, fd, src_off, 0, item.size, self.algo, stop=self._stop)
             except BaseException:
                 os.close(fd.fd)
                 raise
@@ -740,7 +753,7 @@ class Engine:
                 else:
                     with self._source(src_path) as src:
                         digests[i] = copy_range(
-                            src, fd, src_off + off, off, length, self.algo, writing
+                            src, fd, src_off + off, off, length, self.algo, writing, self._stop
                         )
                     log.record(i, digests[i])
                 self.on_bytes(length)
@@ -818,6 +831,7 @@ class Engine:
             with _raw_stream(group) as stream, tarfile.open(fileobj=stream, mode="r|") as tf:
                 index = -1  # counted as list_members counts: the "./" root entry is no member
                 for info in tf:
+                    _check(self._stop)
                     index += bool(normalize_name(info.name))
                     items = todo.get(index, [])
                     if items and items[0].kind == "symlink":
@@ -859,6 +873,7 @@ class Engine:
             h = new_hasher(self.algo) if self.algo != "none" else None
             done = 0
             while done < length:
+                _check(self._stop)
                 want = min(BUF_BYTES, length - done)
                 _fill(f, buf[:want])
                 if h is not None:
@@ -962,34 +977,46 @@ class Engine:
         for item, (tmp, digest) in done.items():
             self.on_bytes(item.size)
             self._publish(item, tmp, digest)
-        futures: list[Future] = []
         try:
             with ThreadPoolExecutor(self.streams, thread_name_prefix="stream") as pool:
-                streams = [g for g in groups if g.stream]
-                stream_job = pool.submit(self._run_streams, streams) if streams else None
-                for g in groups:
-                    if g.stream:
-                        continue
-                    for item in (i for i in g.items if i.kind == "symlink"):
-                        self._symlink(item)
-                    files = [i for i in g.items if i.kind != "symlink" and i not in done]
-                    if g.ident:  # an uncompressed tar: small members in extents
-                        small = [i for i in files if i.size <= BUF_BYTES - ALIGN]
-                        for run in extents(small):
-                            futures.append(pool.submit(self._copy_extent, run))
-                        files = [i for i in files if i.size > BUF_BYTES - ALIGN]
-                    for item in sorted(files, key=lambda i: -i.size):
-                        futures.extend(self._copy_file(pool, item, item.path, item.offset))
-                if stream_job is not None:
-                    stream_job.result()
-                for fut in futures:
-                    fut.result()
+                try:
+                    self._copy_all(pool, groups, done)
+                except BaseException:  # Ctrl-C: stop now, not once every queued copy is done
+                    self._stop.set()
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
         finally:
             self.committer.close()
             self.journal.close()
         self.stats.add(self.committer.placed)
         self.stats.errors.extend(self.committer.errors)
         return self.stats
+
+    def _copy_all(
+        self, pool: ThreadPoolExecutor, groups: list[Group], done: dict[Item, Any]
+    ) -> None:
+        """Copy ``groups`` with the streams of ``pool`` (what is in ``done`` is placed
+        already) and wait for every copy."""
+        futures: list[Future] = []
+        streams = [g for g in groups if g.stream]
+        stream_job = pool.submit(self._run_streams, streams) if streams else None
+        for g in groups:
+            if g.stream:
+                continue
+            for item in (i for i in g.items if i.kind == "symlink"):
+                self._symlink(item)
+            files = [i for i in g.items if i.kind != "symlink" and i not in done]
+            if g.ident:  # an uncompressed tar: small members in extents
+                small = [i for i in files if i.size <= BUF_BYTES - ALIGN]
+                for run in extents(small):
+                    futures.append(pool.submit(self._copy_extent, run))
+                files = [i for i in files if i.size > BUF_BYTES - ALIGN]
+            for item in sorted(files, key=lambda i: -i.size):
+                futures.extend(self._copy_file(pool, item, item.path, item.offset))
+        if stream_job is not None:
+            stream_job.result()
+        for fut in futures:
+            fut.result()
 
     def _run_streams(self, groups: list[Group]) -> None:
         for g in groups:

@@ -8,9 +8,12 @@ import io
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +22,10 @@ import zstandard
 from helpers import (
     BASE_MTIME_NS,
     META,
+    ROOT,
     TREE_EMPTY_DIRS,
     TREE_FILES,
+    ctrl_c_heard,
     dir_info,
     file_info,
     link_info,
@@ -32,6 +37,7 @@ from helpers import (
     write_archive,
 )
 
+from staging.cluster import LAUNCH_ENV
 from staging.progress import MIB, bar_columns
 from staging.stage import summary_line
 
@@ -979,3 +985,37 @@ def test_a_file_name_that_is_not_utf8_is_staged(tmp_path, run_stage):
     }
     assert_clean_meta(dest)
     run_stage("--verify", "--to", dest, check=0)
+
+
+def test_ctrl_c_stops_the_copy_at_once_and_places_nothing_unfinished(tmp_path):
+    """Ctrl-C used to wait for every queued copy (two sparse 1 GiB files, one stream: both
+    copied and committed, exit 130 after 6 s); the copies now stop at their next piece and
+    the partial copy stays for a re-run to resume, as after ``kill -9``."""
+    src = tmp_path / "huge"
+    src.mkdir()
+    for name in ("z1", "z2"):
+        with open(src / name, "wb") as f:
+            f.truncate(1 << 30)
+    dest = tmp_path / "dest"
+    cmd = [sys.executable, "-m", "datastore", "stage", src, "--to", dest, "--streams", "1"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [*cmd, "--checksum", "blake2b"], env=env, preexec_fn=ctrl_c_heard,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not any(
+            len(p.read_text().splitlines()) > 1 for p in dest.glob(f"{META}/tmp/*/*.leaves")
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.01)  # until a first leaf is copied
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        assert proc.wait(60) == 130, proc.stderr.read()
+        print(f"stopped {time.monotonic() - sent:.2f} s after SIGINT")
+    finally:
+        proc.kill()
+    assert not (dest / "huge" / "z1").exists() and not (dest / "huge" / "z2").exists()
+    assert list(dest.glob(f"{META}/tmp/*/*.part"))  # kept for a re-run to resume
