@@ -554,6 +554,19 @@ def test_lru_eviction_under_the_memory_budget(start, tmp_path, env):
     assert status(sock).datasets[0].path in (str(a), str(b))
 
 
+def test_a_budget_smaller_than_the_dataset_still_delivers_the_embedded_batches(start, tmp_path):
+    """Samples left out of memory are read into a per-thread scratch buffer; a batch took all
+    its samples before copying them, so each such row came out as the last one read."""
+    path = make_dataset(tmp_path / "a.h5")
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock), "--memory-budget", str(SAMPLES * SAMPLE_BYTES // 4))
+    service = ServiceOptions(str(sock), transport="inline")
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=service) as job:
+        got = [(0, i, digest(x)) for i, x in enumerate(job)]
+    assert got == embedded_hashes(path)
+    assert 0 < status(sock).bytes_resident < SAMPLES * SAMPLE_BYTES  # some read from disk
+
+
 def _open_raw(ch: grpc.Channel, data: bytes) -> pb.OpenSessionResponse:
     """``OpenSession`` with request bytes made by hand."""
     call = ch.unary_unary(

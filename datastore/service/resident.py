@@ -154,8 +154,10 @@ class Resident:
         return self.loader is not None and self.loader.is_alive()
 
     def sample(self, index: int, name: str) -> np.ndarray:
-        """Field ``name`` of sample ``index`` (read from disk on first use)."""
-        return self.store.get(index, name)
+        """Field ``name`` of sample ``index`` (read from disk on first use), valid for good:
+        a batch's copies run after all its samples are taken, so a sample over the budget,
+        read into the thread's scratch, is copied (``Store.lasting``)."""
+        return self.store.lasting(index, name)
 
     def start_fetch(
         self,
