@@ -567,6 +567,32 @@ def test_a_budget_smaller_than_the_dataset_still_delivers_the_embedded_batches(s
     assert 0 < status(sock).bytes_resident < SAMPLES * SAMPLE_BYTES  # some read from disk
 
 
+def test_a_dataset_whose_files_change_is_read_again(start, tmp_path, env):
+    """A resident dataset was served as first read for as long as the service ran: a campaign
+    staging new data to the same path (or `datastore stage --service --load`) got the old."""
+    path = make_dataset(tmp_path / "a.h5", seed=1)
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock))
+    service = ServiceOptions(str(sock))
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=service) as job:
+        first = [(0, i, digest(x)) for i, x in enumerate(job)]
+        assert first == embedded_hashes(path)
+        make_dataset(tmp_path / "new.h5", seed=2).rename(path)  # as a stage places files
+        time.sleep(1.2)  # (the files are compared at most once a second)
+        with DataStoreLoader(str(path), batch_size=4, seed=3, service=service) as second:
+            got = [(0, i, digest(x)) for i, x in enumerate(second)]
+        job.set_epoch(0)  # the job that began before the change still reads what it read
+        assert [(0, i, digest(x)) for i, x in enumerate(job)] == first
+    assert got == embedded_hashes(path) != first
+    assert [x["event"] for x in s.logs()].count("dataset_changed") == 1
+    make_dataset(tmp_path / "new.h5", seed=3).rename(path)
+    time.sleep(1.2)
+    r = cli("load", str(path), "--wait", "--socket", str(sock), env=env)
+    assert r.returncode == 0, r.stderr
+    assert [x["event"] for x in s.logs()].count("dataset_changed") == 2
+    assert [x.path for x in status(sock).datasets] == [str(path)]
+
+
 def _open_raw(ch: grpc.Channel, data: bytes) -> pb.OpenSessionResponse:
     """``OpenSession`` with request bytes made by hand."""
     call = ch.unary_unary(

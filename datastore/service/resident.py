@@ -40,6 +40,7 @@ from datastore.maths.ownership import RunOwners
 from datastore.maths.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
+from datastore.service.file_state import files_state
 from datastore.service.paths import checked_path, shown
 from datastore.service.peer_link import Peers, Pending, Pieces, expect
 from datastore.store.shards import SHARDABLE, LocalView, owners_by_holders
@@ -49,6 +50,7 @@ from staging.confine import beneath
 __all__ = ["Fetching", "Residency", "Resident", "resolve_dataset"]
 
 DESCRIBE_THREADS = 16  # peers asked at once for their files of a dataset
+RECHECK_S = 1.0  # a resident dataset's files are compared with the disk at most this often
 
 
 def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
@@ -134,6 +136,9 @@ class Resident:
     sessions: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     loader: threading.Thread | None = None
+    state: bytes = b""  # its files' ``files_state`` when opened (b"": not checked)
+    checked: float = 0.0  # when (``time.monotonic``) the files were last compared with it
+    retired: bool = False  # its files changed: closed once its last session ends
 
     @property
     def num_samples(self) -> int:
@@ -356,12 +361,14 @@ class Residency:
         """The resident copy of the dataset at real path ``path`` (``template``: as clients
         name it), loaded if need be; counted as used by one more session until :meth:`release`."""
         template = template or path
+        self._forget_if_changed(path)
         opened: tuple[Any, RunOwners | None] | None = None
+        state = b""
         while True:
             with self._lock:
                 r = self._by_path.get(path)  # (or loaded by another call while we opened it)
                 if r is None and opened is not None:
-                    r, opened = self._load_locked(path, template, opened), None
+                    r, opened = self._load_locked(path, template, opened, state), None
                 if r is not None:
                     r.sessions += 1
                     r.last_used = time.time()
@@ -370,6 +377,7 @@ class Residency:
             # never with the lock held, which Status and every other call need.
             sharded = self._shards(path, template)
             opened = sharded if sharded is not None else (_reader(path, self.roots), None)
+            state = files_state(opened[0].files) if sharded is None else b""
         if opened is not None:  # another call loaded it meanwhile
             opened[0].close()
         return r
@@ -390,6 +398,33 @@ class Residency:
         with self._lock:
             r.sessions -= 1
             r.last_used = time.time()
+            done = r.retired and r.sessions == 0
+        if done:
+            r.close()
+
+    def _forget_if_changed(self, path: str) -> None:
+        """Forget the resident copy of ``path`` if its files changed on disk since it was
+        opened (compared at most every ``RECHECK_S``: a job's ranks open their sessions at
+        once), so that it is read again; sessions using it keep it until they end."""
+        with self._lock:
+            r = self._by_path.get(path)
+            if r is None or not r.state or time.monotonic() - r.checked < RECHECK_S:
+                return
+            r.checked = time.monotonic()
+        if files_state(r.reader.files) == r.state:  # (a stat per file: not under the lock)
+            return
+        with self._lock:
+            if self._by_path.get(path) is not r:
+                return
+            del self._by_path[path]
+            self._save_locked()
+            r.retired = True
+            idle = r.sessions == 0
+        self._event(
+            "dataset_changed", dataset=path, msg="its files changed on disk: it is read again"
+        )
+        if idle:
+            r.close()
 
     def load(self, path: str, template: str = "") -> Resident:
         """Make ``path`` resident (or touch it) without holding it."""
@@ -473,7 +508,7 @@ class Residency:
         return view, owners_by_holders(names, holders)
 
     def _load_locked(
-        self, path: str, template: str, opened: tuple[Any, RunOwners | None]
+        self, path: str, template: str, opened: tuple[Any, RunOwners | None], state: bytes
     ) -> Resident:
         reader, owner = opened
         keys = np.arange(len(reader)) if owner is None else owner.keys_of(self.node)
@@ -482,6 +517,7 @@ class Residency:
         room = self._make_room_locked(need, evicted)
         r = _open(path, room, keys, reader)
         r.template, r.owner, r.node, r.link = template, owner, self.node, self.link
+        r.state, r.checked = state, time.monotonic()
         r.loader = threading.Thread(
             target=self._preload, args=(r, evicted), name="datastore-load", daemon=True
         )
