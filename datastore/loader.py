@@ -17,6 +17,7 @@ holds them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import queue
@@ -644,6 +645,13 @@ class DataStoreLoader(EpochPosition):
                     dist.destroy_process_group(self._coll.group)
             self._coll = None
         self.gather.close()
+
+    def __del__(self) -> None:
+        # A loader dropped without close() (a notebook, a sweep in one process) would hold its
+        # service session, rings and threads until the process ends.
+        with contextlib.suppress(Exception):  # (half-made, or the interpreter ending)
+            if hasattr(self, "_closed"):
+                self.close()
 
     def __enter__(self) -> DataStoreLoader:
         return self

@@ -593,6 +593,23 @@ def test_a_dataset_whose_files_change_is_read_again(start, tmp_path, env):
     assert [x.path for x in status(sock).datasets] == [str(path)]
 
 
+def test_a_loader_dropped_without_close_ends_its_session(start, tmp_path):
+    """A loader dropped without close() (a notebook, a sweep in one process) held its session,
+    and the service its rings, until the process ended: 20 such loaders, 20 sessions."""
+    import gc
+
+    path = make_dataset(tmp_path / "a.h5")
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock))
+    for seed in range(3):
+        job = DataStoreLoader(str(path), batch_size=4, seed=seed, service=ServiceOptions(str(sock)))
+        next(iter(job))  # a pass left open too
+        assert len(status(sock).sessions) == 1
+        del job
+        gc.collect()
+        assert len(status(sock).sessions) == 0
+
+
 def _open_raw(ch: grpc.Channel, data: bytes) -> pb.OpenSessionResponse:
     """``OpenSession`` with request bytes made by hand."""
     call = ch.unary_unary(
