@@ -99,3 +99,16 @@ def test_a_session_made_while_the_service_stops_is_refused_and_closed(tmp_path):
     assert (err.value.code, str(err.value)) == ("UNAVAILABLE", "the service is stopping")
     assert sessions.all() == [] and [r.sessions for r in residency.all()] == [0]
     residency.close()
+
+
+def test_a_ring_says_when_the_client_holds_every_slot():
+    """A stream's wait while the client reads every slot is the client's, not a stall of the
+    service's (a consumer slower than the service was reported as stalled)."""
+    info = {"data": FieldInfo("data", np.dtype("float32"), (4,))}
+    ring = SlotRing(delivered_fields(info, None, 0), batch_size=2, nslots=2, shared=False)
+    stop = threading.Event()
+    ring.keep_only([], stream="s")
+    generations = [ring.lend(ring.take(stop), "s") for _ in range(2)]
+    assert ring.client_holds_all()
+    ring.done(generations[:1])
+    assert not ring.client_holds_all()

@@ -115,6 +115,7 @@ class SlotRing:
         else:  # inline: a batch is filled straight into its message(s); slots only count
             self.slots = []
         self.shapes = shapes
+        self.nslots = nslots
         self._free: queue.Queue = queue.Queue()
         for i in range(nslots):
             self._free.put(i)
@@ -183,6 +184,12 @@ class SlotRing:
             self._held[g] = slot
         return g
 
+    def client_holds_all(self) -> bool:
+        """Whether the client reads every slot (a consumer slower than the service): no batch
+        can be filled until it returns one."""
+        with self._lock:
+            return len(self._held) >= self.nslots
+
     def client_mapped(self) -> None:
         """The client has mapped the segment: its file can go (the mappings stay valid)."""
         if self.segment is not None:
@@ -244,7 +251,8 @@ class Stream:
             every sample is on this node. Up to ``fetch_ahead`` batches are being fetched at
             once, as slots allow.
         steps: ``(epoch, start, end, steps_per_epoch, rank)``.
-        on_stall: ``on_stall(seconds)``: time the call waited for a batch.
+        on_stall: ``on_stall(seconds)``: time the call waited for a batch (not while the
+            client held every slot: then the consumer is the one behind).
         gather: the batch copies (threads shared by the service's streams).
         fetch_ahead: batches being fetched at once, at most. Default: ``1``.
     """
@@ -374,13 +382,13 @@ class Stream:
         self._worker.start()
         try:
             while not self.stop.is_set():
-                t0 = time.perf_counter()
+                t0, client = time.perf_counter(), self.ring.client_holds_all()
                 try:
                     step, slot, message = self._ready.get(timeout=0.1)
                 except queue.Empty:
-                    self._on_stall(time.perf_counter() - t0)
+                    self._stalled(t0, client)
                     continue
-                self._on_stall(time.perf_counter() - t0)
+                self._stalled(t0, client)
                 if step is None:
                     if message is not None:
                         raise message
@@ -394,6 +402,12 @@ class Stream:
             )
         finally:
             self.close()
+
+    def _stalled(self, t0: float, client: bool) -> None:
+        """The call waited for a batch since ``t0``: a stall of the service's, unless the
+        client held every slot then and now (it was the one behind)."""
+        if not (client and self.ring.client_holds_all()):
+            self._on_stall(time.perf_counter() - t0)
 
     def _until_mapped(self, patience_s: float = 30.0) -> None:
         """Before the call ends, let a client that was sent regions map them first (a client

@@ -29,7 +29,8 @@ __all__ = ["Counters", "SlotSpec", "Store", "StoreCounts"]
 
 @dataclass
 class StoreCounts:
-    """What a store did."""
+    """What a store did. ``hits`` and ``misses`` count the reads asked for (a slot in memory,
+    or read from disk then), not a preload's; ``bytes_read`` every byte read from disk."""
 
     bytes_resident: int = 0
     bytes_spilled: int = 0
@@ -140,21 +141,22 @@ class Store:
             return self._spill[field][slot - self.ram_slots, ...]
         return None
 
-    def get(self, key: int, field: str) -> np.ndarray:
+    def get(self, key: int, field: str, asked: bool = True) -> np.ndarray:
         """The stored array of ``(key, field)``, read on first use. Valid until the next ``get``
         on this thread when the slot is neither in RAM nor spilled. A kept slot is read once:
-        a thread that misses on a slot another is filling waits for that read."""
+        a thread that misses on a slot another is filling waits for that read. ``asked``:
+        counted as a hit or a miss (not a preload's)."""
         slot = self._slot[int(key)]
         place = self._place(field, slot)
         spec = self.fields[field]
         if place is None:  # neither in RAM nor spilled: this thread's scratch, every time
             place = self._scratch_for(field, spec)
-            self._read(int(key), field, place)
+            self._read(int(key), field, place, asked)
             return place
         while True:
             with self._lock:
                 if self._filled[field][slot]:
-                    self.counters.hits += 1
+                    self.counters.hits += asked
                     return place
                 busy = self._filling.get((field, slot))
                 if busy is None:
@@ -162,7 +164,7 @@ class Store:
                     break
             busy.wait()  # filled, or its reader failed: look again (and read it ourselves)
         try:
-            self._read(int(key), field, place)
+            self._read(int(key), field, place, asked)
             self._filled[field][slot] = True
         finally:
             with self._lock:
@@ -170,10 +172,10 @@ class Store:
             busy.set()
         return place
 
-    def _read(self, key: int, field: str, out: np.ndarray) -> None:
+    def _read(self, key: int, field: str, out: np.ndarray, asked: bool) -> None:
         self._fill(key, field, out)
         with self._lock:
-            self.counters.misses += 1
+            self.counters.misses += asked
             self.counters.bytes_read += self.fields[field].nbytes
 
     def lasting(self, key: int, field: str) -> np.ndarray:
@@ -203,7 +205,7 @@ class Store:
                     return
                 try:
                     for field in self.fields:
-                        self.get(key, field)
+                        self.get(key, field, asked=False)
                 except BaseException:
                     failed.set()
                     raise
