@@ -59,20 +59,20 @@ def test_scale_answers_within_2_gib():
 def test_a_dataset_on_disk(tmp_path):
     data = tmp_path / "npy"
     data.mkdir()
-    for i in range(6):
+    for i in range(8):
         np.save(data / f"s{i}.npy", np.full((2, 8, 8, 8), i, np.float32))
     out = plan_json(str(data), *JOB, "--ranks-per-node", "2", "--gpus-per-node", "0")
     ds = out["dataset"]
-    assert (ds["num_samples"], ds["files"], ds["sample_bytes"]) == (6, 6, 4096)
-    assert ds["stored_bytes"] == sum(os.path.getsize(data / f"s{i}.npy") for i in range(6))
+    assert (ds["num_samples"], ds["files"], ds["sample_bytes"]) == (8, 8, 4096)
+    assert ds["stored_bytes"] == sum(os.path.getsize(data / f"s{i}.npy") for i in range(8))
     assert ds["fields"] == {
         "data": {"dtype": "<f4", "shape": [2, 8, 8, 8], "spatial_axes": [1, 2, 3]}
     }
     shard = next(s for s in out["staging"] if s["mode"] == "shard")
-    assert shard["bytes_per_node"] == ds["stored_bytes"] // 2  # 3 of the 6 files
+    assert shard["bytes_per_node"] == ds["stored_bytes"] // 2  # 4 of the 8 files
     rec = out["recommended"]
     assert (rec["staging"], rec["shuffle"], rec["source"]) == ("replicate", "global", "serve")
-    assert rec["resident_bytes"] == 6 * 4096
+    assert rec["resident_bytes"] == 8 * 4096
     # 4 ranks, 2 samples each a step; the service's rings: 2 ranks x (2 x 2 + 2) batches
     assert rec["buffer_bytes"] == 2 * 6 * 2 * 4096
 
@@ -133,6 +133,8 @@ def test_the_text_tables():
          "no delivered field has spatial axes"),
         (("--samples", "10", "--sample-bytes", "1M", "--nodes", "3", "--global-batch", "8",
           "--step-time", "1"), "the global batch 8 is not divisible by the 12 ranks"),
+        (("--samples", "10", "--sample-bytes", "1M", "--nodes", "1", "--global-batch", "16",
+          "--step-time", "1"), "the global batch 16 is more than the dataset's 10 samples"),
         (("--samples", "10", "--shape", "4,8,8", "--dtype", "floaty", *JOB),
          "--dtype: not a numpy dtype"),
         (("--samples", "10", "--shape", "4,8,8", "--dtype", "object", *JOB),

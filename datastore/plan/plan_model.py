@@ -659,9 +659,16 @@ def make_plan(ds: DatasetSize, m: Machine, job: Job) -> Plan:
     :data:`LADDER_BLOCKS` blocks, and on until a split works.
 
     Raises:
-        PlanError: a split given in ``job.spatial`` that cannot work, or (with none given) no
-            split of the ladder that works, naming why the whole samples do not.
+        PlanError: a global batch larger than the dataset, a split given in ``job.spatial``
+            that cannot work, or (with none given) no split of the ladder that works, naming
+            why the whole samples do not.
     """
+    if job.global_batch > ds.num_samples:
+        raise PlanError(
+            f"the global batch {job.global_batch} is more than the dataset's {ds.num_samples} "
+            "samples: an epoch would have no whole batch (the loader refuses it with "
+            "drop_last=True, as the trainer trains); use a smaller global batch"
+        )
     staged = {s: stage_time(ds, m, s) for s in STAGINGS}
     axes = ds.volume_axes
     if len(job.halo) > 1 and len(job.halo) != axes:
