@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from helpers import job_env, set_args
+from helpers import job_env, serving, set_args
 
 from trainer.__main__ import main
 from trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -109,6 +109,17 @@ def test_cli_exits_2_on_a_bad_config(tmp_path, capsys):
     path.write_bytes(b'data = "d"\nlr = 1e-3 \xff\n')  # not UTF-8
     assert main(["train", "--config", str(path)]) == 2
     assert "not valid TOML: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_a_service_that_refuses_is_one_line_and_exit_1(tiny, tmp_path, capsys):
+    """A service without room for the job's shared-memory ring (RESOURCE_EXHAUSTED), or one
+    that stopped: a 30-line traceback and exit 1 before, one line now."""
+    with serving(tmp_path, job_env(), "--memory-budget", "4K") as sock:
+        sets = [f"data={tiny}", "width=2", "steps=2", "global_batch=4", f"data_address={sock}"]
+        assert main(["train", *(a for s in sets for a in ("--set", s))]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"trainer: datastore serve at {sock}: RESOURCE_EXHAUSTED: a shared-")
+    assert err.count("\n") == 1
 
 
 def test_output_paths_are_refused_before_training(tiny, tmp_path, capsys):

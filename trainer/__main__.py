@@ -4,6 +4,7 @@
 Exit codes: ``0`` trained; ``2`` bad configuration (one line on stderr naming the key, or what
 cannot work: a field, a split the model cannot run, more ranks than GPUs for NCCL, a
 tournament's trainers against its processes; the same on every rank) or unreadable data;
+``1`` failed (the data service stopped, refused or had no room: one line; a rank that failed);
 ``130`` interrupted (Ctrl-C, SIGINT: one line; a rerun resumes from the last checkpoint);
 ``141`` stdout's reader went away (``| head``), quietly.
 """
@@ -54,6 +55,7 @@ def _run(
     load: Callable[..., Any], go: Callable[[Any], int], a: argparse.Namespace, last: bool
 ) -> int:
     """Load the config and run ``go``; a bad configuration is one line and exit code 2."""
+    from datastore.errors import DataStoreError
     from datastore.readers import DatasetError
     from staging.launcher import LaunchMismatch
 
@@ -64,6 +66,9 @@ def _run(
         if last and getattr(exc, "everywhere", False):
             _finalize_mpi()
         return Exit.BAD_INPUT
+    except DataStoreError as exc:  # the data service stopped, refused, ran out of memory, ...
+        print(f"trainer: {exc}", file=sys.stderr)
+        return Exit.FAILED
     except BrokenPipeError:
         if not reader_gone():  # (a socket's: a real failure)
             raise
