@@ -850,6 +850,27 @@ def test_a_stream_cut_by_its_session_closing_is_an_error_not_a_short_epoch(
     loader.close()
 
 
+def test_a_stream_cut_by_sigterm_ends_aborted_naming_the_shutdown(start, tmp_path):
+    """SIGTERM while a stream is open: its client got gRPC's own CANCELLED ('Cancelling all
+    calls', as ServiceUnavailable): the streams were ended one second after the grace, when
+    gRPC had cancelled them already."""
+    path = make_dataset(tmp_path / "data.h5")
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock), "--grace", "1")
+    loader = DataStoreLoader(str(path), batch_size=1, service=ServiceOptions(str(sock)))
+    it = iter(loader)
+    next(it)  # the stream holds its slots: it waits for the client, who reads no more
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(2)  # past the grace
+    with pytest.raises(DataStoreError) as err:
+        for _ in range(SAMPLES):
+            next(it)
+    assert err.value.grpc_status == grpc.StatusCode.ABORTED, err.value
+    assert "stopped before its last batch" in err.value.grpc_details
+    loader.close()
+    assert s.proc.wait(15) == 0
+
+
 def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path, env):
     """Shutdown(grace_s=inf, nan, < 0 or > 3600) is INVALID_ARGUMENT and the service serves on
     (so is --grace at start: exit 2); with a client that holds a stream open and reads no more,
@@ -912,8 +933,12 @@ def test_stopping_after_streaming_takes_the_grace_and_a_few_seconds(start, tmp_p
     assert s.proc.wait(20) == 0
     assert time.monotonic() - t0 < 2 + 4
     assert not sock.exists() and segments(s.proc.pid) == []
-    assert [e["event"] for e in s.logs()[-2:]] == ["draining", "stopped"]
-    assert s.logs()[-2]["grace_s"] == 2
+    logs = s.logs()
+    drain = [e["event"] for e in logs].index("draining")
+    assert logs[drain]["grace_s"] == 2 and logs[-1]["event"] == "stopped"
+    for e in logs[drain + 1 : -1]:  # the streams still open, ended as ABORTED, naming why
+        assert (e["event"], e["call"], e["code"]) == ("refused", "StreamBatches", "ABORTED")
+        assert e["msg"].endswith("stopped before its last batch: the service is stopping")
     for it, loader in zip(its, stuck, strict=True):
         with pytest.raises(DataStoreError):
             for _ in range(32):

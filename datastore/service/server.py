@@ -43,6 +43,8 @@ from staging.launcher import LaunchMismatch, comm_world
 
 __all__ = ["serve"]
 
+ABORT_BEFORE_S = 0.5  # open streams end (ABORTED) this long before gRPC cancels them
+
 
 def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -> int:
     """Run the service until SIGTERM, SIGINT or ``Shutdown``; returns the exit code.
@@ -282,12 +284,13 @@ def _drain(
     grace: float,
 ) -> None:
     """Stop accepting calls, give those in flight ``grace`` seconds, then end the open streams
-    (``ABORTED``) and wait a little for their handlers to return."""
+    (``ABORTED``, naming the cause) just before gRPC would cancel them at the grace's end, and
+    wait a little for their handlers to return."""
     health_servicer.enter_graceful_shutdown()
     t0 = time.monotonic()
     stopping = [server.stop(grace) for server in servers]
     for done in stopping:  # calls in flight get the grace...
-        done.wait(max(0.0, t0 + grace + 1 - time.monotonic()))
+        done.wait(max(0.0, t0 + grace - ABORT_BEFORE_S - time.monotonic()))
     servicer.sessions.close_all()  # ...then open streams end (ABORTED) and handlers return
     for done in stopping:
-        done.wait(5)
+        done.wait(ABORT_BEFORE_S + 5)
