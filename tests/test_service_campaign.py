@@ -610,6 +610,23 @@ def test_a_loader_dropped_without_close_ends_its_session(start, tmp_path):
         assert len(status(sock).sessions) == 0
 
 
+def test_a_dataset_larger_than_the_budget_leaves_room_for_the_jobs_rings(start, tmp_path):
+    """A dataset that did not fit took the whole budget, so every job's shared-memory ring
+    (the default transport, the trainer's) was refused with RESOURCE_EXHAUSTED."""
+    n = 480
+    path = make_dataset(tmp_path / "a.h5", n=n)
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock), "--memory-budget", str(n * SAMPLE_BYTES // 2))
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))):
+        pass  # the first session makes the dataset resident: all the room it may take
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))) as job:
+        got = [(0, i, digest(x)) for i, x in enumerate(job)]
+        st = status(sock)
+    assert got == embedded_hashes(path)
+    assert st.datasets[0].bytes_resident <= st.memory_budget * 7 // 8
+    assert st.bytes_resident <= st.memory_budget  # its ring in it
+
+
 def _open_raw(ch: grpc.Channel, data: bytes) -> pb.OpenSessionResponse:
     """``OpenSession`` with request bytes made by hand."""
     call = ch.unary_unary(

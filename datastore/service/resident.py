@@ -51,6 +51,7 @@ __all__ = ["Fetching", "Residency", "Resident", "resolve_dataset"]
 
 DESCRIBE_THREADS = 16  # peers asked at once for their files of a dataset
 RECHECK_S = 1.0  # a resident dataset's files are compared with the disk at most this often
+RING_SHARE = 8  # datasets leave 1/RING_SHARE of the budget to the jobs' shared-memory rings
 
 
 def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:
@@ -514,7 +515,8 @@ class Residency:
         keys = np.arange(len(reader)) if owner is None else owner.keys_of(self.node)
         need = len(keys) * sum(fi.nbytes for fi in reader.fields.values())
         evicted: list[Resident] = []
-        room = self._make_room_locked(need, evicted)
+        keep = self.budget // RING_SHARE if self.budget is not None else 0
+        room = self._make_room_locked(need, evicted, keep)
         r = _open(path, room, keys, reader)
         r.template, r.owner, r.node, r.link = template, owner, self.node, self.link
         r.state, r.checked = state, time.monotonic()
@@ -578,9 +580,9 @@ class Residency:
         with self._lock:
             self.ring_bytes -= nbytes
 
-    def _make_room_locked(self, need: int, evicted: list[Resident]) -> int | None:
-        """Evict unused datasets, least recently used first, until ``need`` fits; the budget
-        the new dataset gets (``None``: no limit).
+    def _make_room_locked(self, need: int, evicted: list[Resident], keep: int = 0) -> int | None:
+        """Evict unused datasets, least recently used first, until ``need`` fits in the budget
+        less ``keep``; the budget the new dataset (or ring) gets (``None``: no limit).
 
         The evicted datasets are told to stop loading and added to ``evicted``, for the caller
         to close once the lock is released: closing one that is still loading waits for its
@@ -591,7 +593,8 @@ class Residency:
         idle = sorted(
             (r for r in self._by_path.values() if not r.sessions), key=lambda r: r.last_used
         )
-        while used + need > self.budget and idle:
+        room = self.budget - keep
+        while used + need > room and idle:
             victim = idle.pop(0)
             del self._by_path[victim.path]
             victim.stop.set()
@@ -599,7 +602,7 @@ class Residency:
             used -= freed
             evicted.append(victim)
             self._event("dataset_evicted", dataset=victim.path, bytes_freed=freed)
-        return max(0, min(need, self.budget - used))
+        return max(0, min(need, room - used))
 
     def _save_locked(self) -> None:
         if self.state_file is None:
