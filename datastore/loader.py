@@ -150,6 +150,7 @@ def _raw_fingerprint(kw: dict[str, Any]) -> dict[str, str]:
     return {**order, "fields": repr(kw["fields"]), "exchange": "?"}
 
 
+STUCK_WAIT_S = 1.0  # how long a producer that gave nothing within the timeout is waited for
 CLOSED = "this loader is closed (close(), or the end of its with block): make a new one"
 
 
@@ -563,14 +564,17 @@ class DataStoreLoader(EpochPosition):
         )
         worker.start()
         self._workers = [(w, s) for w, s in self._workers if w.is_alive()] + [(worker, stop)]
+        stuck = False  # the producer gave nothing within the timeout
         try:
             while True:
                 if self._closed:  # (while this pass was open)
                     raise RuntimeError(CLOSED)
                 t0 = time.perf_counter()
                 try:
+                    # (more than the producer's own waits: its error names the peer)
                     step, batch, event = q.get(timeout=self.options.timeout + 5)
                 except queue.Empty:
+                    stuck = True
                     raise ExchangeTimeout(
                         f"no batch within {self.options.timeout:.0f} s (rank {self.world.rank}, "
                         f"epoch {epoch} step {start}): a peer rank or the service may have "
@@ -592,7 +596,8 @@ class DataStoreLoader(EpochPosition):
                 del batch
         finally:
             stop.set()
-            worker.join(self.options.timeout + 10)
+            # a stuck producer is not waited for again: the error goes out at the timeout
+            worker.join(STUCK_WAIT_S if stuck else self.options.timeout + 10)
             if worker.is_alive():
                 self._broken = (
                     "the loader's prefetch thread did not stop within the timeout (a peer "

@@ -627,6 +627,33 @@ def test_a_dataset_larger_than_the_budget_leaves_room_for_the_jobs_rings(start, 
     assert st.bytes_resident <= st.memory_budget  # its ring in it
 
 
+def test_a_frozen_service_is_reported_within_the_loaders_timeout(start, tmp_path):
+    """A service that stops answering (SIGSTOP): the error came after 2 x timeout + 15 s (the
+    consumer's wait, then a join of the stuck producer for the timeout + 10 s), and close()
+    took 10 s more; now the timeout (and the 5 s the consumer gives the producer's own error,
+    which names the peer), and close() at most the timeout."""
+    from datastore.errors import ExchangeTimeout
+
+    path = make_dataset(tmp_path / "a.h5")
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock))
+    loader = DataStoreLoader(str(path), batch_size=1, timeout=2, service=ServiceOptions(str(sock)))
+    it = iter(loader)
+    next(it)
+    s.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ExchangeTimeout, match="no batch within 2 s"):
+            for _ in range(SAMPLES):
+                next(it)
+        assert time.monotonic() - t0 < 2 + 5 + 3  # (was 19 s)
+        t0 = time.monotonic()
+        loader.close()
+        assert time.monotonic() - t0 < 2 + 1  # (was 10 s)
+    finally:
+        s.proc.send_signal(signal.SIGCONT)
+
+
 def _open_raw(ch: grpc.Channel, data: bytes) -> pb.OpenSessionResponse:
     """``OpenSession`` with request bytes made by hand."""
     call = ch.unary_unary(

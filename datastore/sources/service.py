@@ -290,7 +290,7 @@ class ServiceSource:
         try:
             self._stub.CloseSession(
                 self._pb.CloseSessionRequest(session_id=self.session_id),
-                timeout=10,
+                timeout=min(10.0, self.options.timeout),
                 metadata=self._metadata,
             )
         except grpc.RpcError:
