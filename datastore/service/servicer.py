@@ -309,7 +309,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         try:
             for last in stages:
                 if last.done and last.exit_code == Exit.OK and request.load:
-                    self._load_landed(request)
+                    last = self._load_landed(request, last)
                 yield last
         except ServiceError as exc:
             refused = True
@@ -321,17 +321,27 @@ class Servicer(pb_grpc.DataStoreServicer):
             elif not refused:  # (a refusal is logged as one)
                 self._log.warning("stage_cancelled", dest=request.dest)
 
-    def _load_landed(self, request: Any) -> None:
+    def _load_landed(self, request: Any, done: Any) -> Any:
         """Make what a stage put in DEST resident (:func:`landed`): every dataset among those
-        paths is loaded; the first that is not one then fails the call, naming it."""
-        failed = None
+        paths is loaded; ``done``, the stage's last message, or for a path that is not a
+        dataset a copy saying so (the files are staged all the same) with exit code 2."""
+        failed = []
         for path in landed(request.sources, request.dest):
             try:
                 self.residency.load(resolve_dataset(path, self._config.allowed_roots))
             except ServiceError as exc:
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+                failed.append(f"{path}: {exc.code}: {exc}")
+        if not failed:
+            return done
+        self._log.warning("stage_not_loaded", dest=request.dest, errors=failed)
+        out = type(done)()
+        out.CopyFrom(done)
+        out.exit_code = Exit.BAD_INPUT
+        out.message = (
+            f"staged, but not made resident (--load): {'; '.join(failed)}; load the dataset "
+            "directories inside with `datastore load PATH`, or stage them as sources"
+        )
+        return out
 
     def Shutdown(self, request: Any, context: grpc.ServicerContext) -> Any:
         g = request.grace_s
