@@ -227,33 +227,24 @@ def test_bad_labels_are_named_when_read(tmp_path):
             f"{path}[000002.cls]: field 'cls': not a valid .cls file: not an integer class "
             "label: b'seven'"
         )
-    meta = {**_meta(2), "label": 2.5}
-    del meta["params"]
-    doc = [("000002.json", json.dumps(meta).encode())]
-    path = _broken(tmp_path, "json.tar", [*_without(2, "000002.json"), *doc])
-    with open_dataset(os.path.dirname(path)) as r:
-        with pytest.raises(DatasetError) as exc:
-            r.read(2, "label")
-        assert (
-            str(exc.value)
-            == f"{path}[000002]: field 'label': sample 2 is <f8 (), sample 0 is <i8 ()"
-        )
-        with pytest.raises(DatasetError) as exc:
-            r.read(2, "params")
-        assert str(exc.value) == (
-            f"{path}[000002]: field 'params': sample 2 has no such array (it has: cls, label, "
-            "redshift, sim.box, x, y)"
-        )
-    meta = {**_meta(2), "label": True}  # numpy would cast a bool to 1: refused
-    doc = [("000002.json", json.dumps(meta).encode())]
-    path = _broken(tmp_path, "bool.tar", [*_without(2, "000002.json"), *doc])
-    with open_dataset(os.path.dirname(path)) as r:
-        with pytest.raises(DatasetError) as exc:
-            r.read(2, "label")
-        assert (
-            str(exc.value)
-            == f"{path}[000002]: field 'label': sample 2 is |b1 (), sample 0 is <i8 ()"
-        )
+    # a float where sample 0 has an int; a bool, which numpy would cast to 1
+    for label, kind in ((2.5, "<f8"), (True, "|b1")):
+        meta = {k: v for k, v in _meta(2).items() if k != "params"} | {"label": label}
+        doc = [("000002.json", json.dumps(meta).encode())]
+        path = _broken(tmp_path, f"{kind[1]}.tar", [*_without(2, "000002.json"), *doc])
+        with open_dataset(os.path.dirname(path)) as r:
+            with pytest.raises(DatasetError) as exc:
+                r.read(2, "label")
+            assert (
+                str(exc.value)
+                == f"{path}[000002]: field 'label': sample 2 is {kind} (), sample 0 is <i8 ()"
+            )
+            with pytest.raises(DatasetError) as exc:
+                r.read(2, "params")
+            assert str(exc.value) == (
+                f"{path}[000002]: field 'params': sample 2 has no such array (it has: cls, "
+                "label, redshift, sim.box, x, y)"
+            )
 
 
 def _inspect(*args: str) -> subprocess.CompletedProcess[str]:
