@@ -65,13 +65,14 @@ def mapped_files() -> set[str]:
     return mapped
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def no_stale_mpich_shm():
-    """Aborted MPICH jobs leave /dev/shm segments; remove the ones a module's tests created
-    that no live process still maps (another job running beside the tests keeps its own)."""
+    """Aborted MPICH jobs leave /dev/shm segments for good (2 MiB each); remove the ones a
+    module's tests created that no live process still maps (another job running beside the
+    tests keeps its own). Every module: any may launch an MPI job."""
     before = set(glob.glob("/dev/shm/mpich*"))
     yield
-    in_use = mapped_files()
-    for path in set(glob.glob("/dev/shm/mpich*")) - before - in_use:
+    new = set(glob.glob("/dev/shm/mpich*")) - before
+    for path in new - mapped_files() if new else ():
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -41,8 +41,6 @@ SCRIPTS = [
 CAMPAIGN = DEPLOY / "campaign-local.sh"
 JOBS = ("cosmoflow-dp", "unet3d", "cosmoflow-split")  # deploy/campaign.jobs
 
-pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
-
 
 def _env(tmp: Path, mark: str) -> dict[str, str]:
     """The campaign's environment: this interpreter and mpiexec, temporary files (its sockets)

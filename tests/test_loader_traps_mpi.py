@@ -22,7 +22,7 @@ EPOCHS_JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "traps_epochs_j
 SLOW_JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "slow_sender_job.py")
 N, D = 16, 8
 
-pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
+pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")

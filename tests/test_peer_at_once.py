@@ -17,7 +17,6 @@ JOB = Path(__file__).parent / "mpi_jobs" / "peer_at_once_job.py"
 
 
 @pytest.mark.mpi
-@pytest.mark.usefixtures("no_stale_mpich_shm")
 def test_fetches_in_ram_are_answered_by_the_link_while_the_pool_is_busy(tmp_path):
     out = tmp_path / "got.json"
     got = run_job(mpi_job(2, JOB, out), out, timeout=120)

@@ -14,7 +14,6 @@ JOB = Path(__file__).parent / "mpi_jobs" / "peer_boxes_job.py"
 
 
 @pytest.mark.mpi
-@pytest.mark.usefixtures("no_stale_mpich_shm")
 def test_parts_land_in_their_boxes_in_place_and_nothing_around_them(tmp_path):
     out = tmp_path / "got.json"
     got = run_job(mpi_job(2, JOB, out), out, timeout=120)

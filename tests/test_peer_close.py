@@ -11,7 +11,6 @@ JOB = Path(__file__).parent / "mpi_jobs" / "peer_close_job.py"
 
 
 @pytest.mark.mpi
-@pytest.mark.usefixtures("no_stale_mpich_shm")
 def test_a_request_arriving_while_the_link_closes_is_refused_not_left_hanging(tmp_path):
     """A request that reaches a closing service's link after its pool was shut is answered
     ``UNAVAILABLE`` "stopping" (before: the link's thread died on the shut pool, so that

@@ -60,7 +60,6 @@ def test_the_sizes_an_asker_expects_are_the_owners_runs(shape, parts, halo, dtyp
 
 
 @pytest.mark.mpi
-@pytest.mark.usefixtures("no_stale_mpich_shm")
 def test_told_fetches_land_exactly_and_late_bytes_never_in_a_later_one(tmp_path):
     out = tmp_path / "got.json"
     got = run_job(mpi_job(2, JOB, out), out, timeout=120)

@@ -19,7 +19,6 @@ JOB = Path(__file__).parent / "mpi_jobs" / "peer_faults_job.py"
 
 
 @pytest.mark.mpi
-@pytest.mark.usefixtures("no_stale_mpich_shm")
 def test_a_hanging_or_dying_peer_fails_the_fetch_and_abandoned_replies_are_dropped(tmp_path):
     out = tmp_path / "got.json"
     got = run_job(mpi_job(2, JOB, out), out, timeout=120)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import mpi_job, run_job
 
-pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
+pytestmark = pytest.mark.mpi
 
 JOB = Path(__file__).parent / "mpi_jobs" / "peer_pieces_job.py"
 

@@ -38,16 +38,6 @@ def dataset(tmp_path):
     return src
 
 
-@pytest.fixture(autouse=True)
-def no_stale_shm():
-    """Crashed MPICH jobs leave /dev/shm segments; remove the ones a test created."""
-    before = set(glob.glob("/dev/shm/mpich*"))
-    yield
-    for path in set(glob.glob("/dev/shm/mpich*")) - before:
-        with __import__("contextlib").suppress(OSError):
-            os.unlink(path)
-
-
 def mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     assert MPIEXEC, "mpiexec not found next to the interpreter (pip install mpich)"
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "datastore", "stage", *args]

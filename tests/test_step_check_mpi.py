@@ -14,7 +14,7 @@ from helpers import MPIEXEC, rank_rows
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "step_check_job.py")
 SHORT = 2.0  # the job's timeout for the absent rank's case
 
-pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
+pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import mpi_job, run_job
 
-pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
+pytestmark = pytest.mark.mpi
 
 JOBS = Path(__file__).parent / "trainer_jobs"
 

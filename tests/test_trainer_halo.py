@@ -19,7 +19,7 @@ from helpers import MPIEXEC
 
 from staging.cluster import LAUNCH_ENV
 
-pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
+pytestmark = pytest.mark.mpi
 
 JOBS = Path(__file__).parent / "trainer_jobs"
 ROOT = Path(__file__).parent.parent

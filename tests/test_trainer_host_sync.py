@@ -60,7 +60,6 @@ def test_a_step_reads_nothing_from_its_tensors(tiny):
 
 
 @pytest.mark.mpi
-@pytest.mark.usefixtures("no_stale_mpich_shm")
 def test_grid_steps_read_nothing_from_their_tensors(noisy, tmp_path):
     """2 ranks, a 2-way split over gloo: halo exchanges, ``gather_flatten`` (CosmoFlow),
     ``DistBatchNorm3d`` (U-Net), the gradient reducer and the loss summed over the world."""

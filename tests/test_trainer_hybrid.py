@@ -20,7 +20,7 @@ from helpers import MPIEXEC, serving, set_args
 from staging.cluster import LAUNCH_ENV
 from trainer.cosmology import write_split
 
-pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("no_stale_mpich_shm")]
+pytestmark = pytest.mark.mpi
 
 JOBS = Path(__file__).parent / "trainer_jobs"
 ROOT = Path(__file__).parent.parent

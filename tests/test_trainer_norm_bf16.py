@@ -32,8 +32,6 @@ ENV.update(
     OMP_NUM_THREADS="1",
 )
 
-pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
-
 
 def test_half_inputs_compute_in_float32_and_wider_ones_in_their_own():
     assert compute_dtype(torch.bfloat16) == compute_dtype(torch.float16) == torch.float32

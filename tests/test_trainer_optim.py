@@ -31,8 +31,6 @@ ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
 ENV.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
-pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
-
 # --- learning-rate schedule -------------------------------------------------------------------
 
 

@@ -41,11 +41,6 @@ SAMPLES, VAL, STEPS, BATCH = 24, 8, 6, 4  # one epoch of 6 steps; rounds after s
 SCHEDULE = [[[0, 2]], [[0, 2]], [[1, 2]]]  # pairs_of(r, 3, seed=0) for r = 0, 1, 2
 
 
-def mpi(test):
-    """Runs real ranks under ``mpiexec`` (removing the MPICH segments an abort leaves)."""
-    return pytest.mark.mpi(pytest.mark.usefixtures("no_stale_mpich_shm")(test))
-
-
 # -- one process -------------------------------------------------------------------------------
 def test_pairing_schedule_is_fixed_by_the_seed():
     assert [pairs_of(r, 3, 0) for r in range(6)] == [
@@ -231,7 +226,7 @@ def rounds_of(records: list[dict]) -> list[dict]:
     return [r for r in records if r.get("event") == "round"]
 
 
-@mpi
+@pytest.mark.mpi
 def test_rounds_follow_the_schedule(tourney):
     logs = tourney[0]
     for k in range(3):
@@ -244,7 +239,7 @@ def test_rounds_follow_the_schedule(tourney):
         assert len([r for r in logs[k] if "loss" in r]) == STEPS
 
 
-@mpi
+@pytest.mark.mpi
 def test_the_loser_holds_the_winners_exact_state(tourney):
     logs = tourney[0]
     for i, pairs in enumerate(SCHEDULE):
@@ -263,7 +258,7 @@ def test_the_loser_holds_the_winners_exact_state(tourney):
     assert final[a]["val_mse_per_target"] == final[b]["val_mse_per_target"]
 
 
-@mpi
+@pytest.mark.mpi
 def test_the_service_reads_each_sample_once_for_all_trainers(data, tourney):
     status = tourney[1]
     train, val = status[str(data / "train.h5")], status[str(data / "validation.h5")]
@@ -278,7 +273,7 @@ def test_the_service_reads_each_sample_once_for_all_trainers(data, tourney):
     assert val.hits + val.misses > 3 * VAL * fields  # every trainer's validation and held-out
 
 
-@mpi
+@pytest.mark.mpi
 def test_the_summary_names_the_best_trainer(tourney):
     logs, _, stdout = tourney
     (summary,) = logs["all"]
@@ -317,7 +312,7 @@ def bad_settings(data, tmp_path_factory) -> dict[str, list[dict]]:
     return dict(zip(BAD_SETTINGS, trainer_refusals(2, "tournament", cases, tmp), strict=True))
 
 
-@mpi
+@pytest.mark.mpi
 @pytest.mark.parametrize("case", BAD_SETTINGS)
 def test_bad_settings_are_one_error_on_every_rank(bad_settings, case):
     message = BAD_SETTINGS[case][1]
@@ -326,7 +321,7 @@ def test_bad_settings_are_one_error_on_every_rank(bad_settings, case):
         assert r["stderr"].count("trainer: ") == 1 and r["stderr"].count(message) == 1, (rank, r)
 
 
-@mpi
+@pytest.mark.mpi
 def test_a_tournament_without_a_round_is_refused(data, tmp_path):
     """Rounds further apart than the run is long: refused on every rank, not a run that
     plays no round and exits 0."""

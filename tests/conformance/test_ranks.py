@@ -21,7 +21,6 @@ STEPS = N // (8 * WORLD)  # batches a rank gets per epoch
 JOB = os.path.join(HERE, "rank_job.py")
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(PYTHON)) or "torchrun"
 
-pytestmark = pytest.mark.usefixtures("no_stale_mpich_shm")
 pytest.importorskip("torchdata", reason="torchdata (dev extras) is not installed")
 
 
