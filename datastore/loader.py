@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -655,7 +656,7 @@ class DataStoreLoader(EpochPosition):
         # A loader dropped without close() (a notebook, a sweep in one process) would hold its
         # service session, rings and threads until the process ends.
         with contextlib.suppress(Exception):  # (half-made, or the interpreter ending)
-            if hasattr(self, "_closed"):
+            if hasattr(self, "_source") and not sys.is_finalizing():
                 self.close()
 
     def __enter__(self) -> DataStoreLoader:

@@ -56,9 +56,10 @@ def up_to_date(item: Item, entry: dict[str, Any] | None, dest: str) -> bool:
         return False
     if item.kind == "symlink":
         return stat.S_ISLNK(st.st_mode) and os.readlink(os.path.join(dest, item.dest)) == item.link
-    return (
-        stat.S_ISREG(st.st_mode) and st.st_size == entry["size"] and st.st_mtime_ns == item.mtime_ns
-    )
+    # DEST's mtime may be cut to the second (Lustre, ext4 of 128-byte inodes, NFSv3, exFAT):
+    # what the stage set, truncated, and never the later time of a write since
+    behind = item.mtime_ns - st.st_mtime_ns
+    return stat.S_ISREG(st.st_mode) and st.st_size == entry["size"] and 0 <= behind < 10**9
 
 
 def _node_work(groups: list[Group], manifest: Manifest, dest: str, local_size: int) -> NodeWork:

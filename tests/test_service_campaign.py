@@ -649,7 +649,7 @@ def test_a_frozen_service_is_reported_within_the_loaders_timeout(start, tmp_path
         assert time.monotonic() - t0 < 2 + 5 + 3  # (was 19 s)
         t0 = time.monotonic()
         loader.close()
-        assert time.monotonic() - t0 < 2 + 1  # (was 10 s)
+        assert time.monotonic() - t0 < 2 + 3  # (was 10 s; its CloseSession waits 2 s at most)
     finally:
         s.proc.send_signal(signal.SIGCONT)
 

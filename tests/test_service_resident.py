@@ -3,6 +3,7 @@ service's calls share under one lock."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -79,5 +80,27 @@ def test_evicting_a_loading_dataset_holds_no_lock_while_its_reads_finish(tmp_pat
         assert rb.store.filled_bytes() == SAMPLES * SAMPLE_BYTES
         with h5py.File(b) as f:
             assert np.array_equal(rb.sample(3, "x"), f["x"][3])
+    finally:
+        residency.close()
+
+
+def test_a_copy_retired_while_in_use_still_counts_in_the_budget(tmp_path):
+    """A dataset whose files changed is read again while sessions keep the old copy: the old
+    copy's memory counted no more, so both copies could hold up to twice the budget."""
+    path = make_dataset(tmp_path / "a.h5", 1)
+    size = SAMPLES * SAMPLE_BYTES
+    residency = Residency(budget=size * 3 // 2, threads=1)
+    try:
+        old = residency.acquire(path)  # a session holds it
+        assert old.wait(30) and old.budgeted == size
+        os.replace(make_dataset(tmp_path / "new.h5", 2), path)
+        new = residency.acquire(path, force=True)
+        assert new is not old and old.retired
+        assert new.wait(30) and new.budgeted <= size * 3 // 2 - size  # what the old one leaves
+        residency.release(old)  # its last session: closed, and its memory goes
+        residency.release(new)
+        again = residency.acquire(path, force=True)
+        assert again is new
+        residency.release(again)
     finally:
         residency.close()

@@ -391,11 +391,15 @@ class Trainer:
             optimizer = own["optimizer"]
         self.opt.load_state_dict(optimizer)
         self.loader.load_state_dict(saved["loader"])
-        own = _own_rng(saved, 0 if self.grid is None else self.grid.data_rank)
-        cpu = torch.get_rng_state().numel()
-        torch.set_rng_state(own[:cpu])
-        if self.gpu and own.numel() > cpu:  # (a checkpoint of a CPU run has no device state)
-            torch.cuda.set_rng_state(own[cpu:], self.run.device)
+        data_rank = 0 if self.grid is None else self.grid.data_rank
+        own = _own_rng(saved, data_rank)
+        if own is None:  # an older checkpoint kept rank 0's state alone: a stream of its own
+            torch.manual_seed(dropout_seed(self.cfg.seed, data_rank, saved["step"]))
+        else:
+            cpu = torch.get_rng_state().numel()
+            torch.set_rng_state(own[:cpu])
+            if self.gpu and own.numel() > cpu:  # (a checkpoint of a CPU run: no device state)
+                torch.cuda.set_rng_state(own[cpu:], self.run.device)
         self.target_sums.load_state_dict(saved["targets"])
         self.step = self.resumed_from = saved["step"]
 
@@ -406,17 +410,22 @@ class Trainer:
             self.reducer.remove()
 
 
-def dropout_seed(seed: int, data_rank: int) -> int:
-    """The seed of data rank ``data_rank``'s dropout masks (below ``2**64``, as torch takes)."""
-    return int(np.random.SeedSequence([seed, data_rank]).generate_state(1, np.uint64)[0])
+def dropout_seed(seed: int, data_rank: int, *at: int) -> int:
+    """The seed of data rank ``data_rank``'s dropout masks (below ``2**64``, as torch takes);
+    ``at``: the step an older checkpoint is resumed from (its state was rank 0's)."""
+    entropy = [seed, data_rank, *at]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])
 
 
-def _own_rng(saved: dict[str, Any], data_rank: int) -> torch.Tensor:
-    """Data rank ``data_rank``'s generator state in checkpoint ``saved`` (one written before
-    the data ranks drew their own dropout masks holds rank 0's alone, the device's apart)."""
+def _own_rng(saved: dict[str, Any], data_rank: int) -> torch.Tensor | None:
+    """Data rank ``data_rank``'s generator state in checkpoint ``saved``. One written before
+    the data ranks drew their own dropout masks holds rank 0's alone (the device's apart):
+    rank 0 resumes it exactly; ``None`` for the others (every rank had drawn alike)."""
     states = saved["rng"]
     if isinstance(states, list):
         return states[data_rank]
+    if data_rank:
+        return None
     return torch.cat([states, saved.get("cuda_rng", torch.empty(0, dtype=torch.uint8))])
 
 

@@ -4,7 +4,7 @@ A service keeps a dataset in memory across the jobs of a campaign; a campaign th
 data to the same path (``datastore stage`` writes new files and renames them into place, ``cp``
 rewrites them) must not be served the old copy. :func:`files_state` digests every file's size,
 modification time and inode (the files inside a directory dataset, such as a Zarr store,
-included): one ``stat`` per file, no byte read.
+included, but for LMDB's lock file and NFS's ``.nfs*``): one ``stat`` per file, no byte read.
 """
 
 from __future__ import annotations
@@ -32,8 +32,15 @@ def _files(path: str) -> list[str]:
     out = []
     for root, dirs, files in os.walk(path):
         dirs.sort()
-        out += [os.path.join(root, name) for name in sorted(files)]
+        out += [os.path.join(root, name) for name in sorted(files) if not _unread(name)]
     return out
+
+
+def _unread(name: str) -> bool:
+    """Files of a directory dataset that are not its data: LMDB's lock file (rewritten by any
+    process that opens the environment), NFS's ``.nfs*`` of files deleted while open. (Zarr's
+    ``.zarray`` and the like are data.)"""
+    return name == "lock.mdb" or name.startswith(".nfs")
 
 
 def _stat(path: str) -> str:

@@ -139,6 +139,7 @@ class Resident:
     loader: threading.Thread | None = None
     state: bytes = b""  # its files' ``files_state`` when opened (b"": not checked)
     checked: float = 0.0  # when (``time.monotonic``) the files were last compared with it
+    checking: threading.Lock = field(default_factory=threading.Lock)  # one comparison at once
     retired: bool = False  # its files changed: closed once its last session ends
 
     @property
@@ -356,13 +357,15 @@ class Residency:
         self._lock = threading.Lock()
         self.ring_bytes = 0  # clients' shared-memory rings, counted in the budget too
         self._by_path: dict[str, Resident] = {}
+        self._retired: list[Resident] = []  # files changed, still used: in the budget until closed
 
     # -- use -----------------------------------------------------------------------------------
-    def acquire(self, path: str, template: str = "") -> Resident:
+    def acquire(self, path: str, template: str = "", force: bool = False) -> Resident:
         """The resident copy of the dataset at real path ``path`` (``template``: as clients
-        name it), loaded if need be; counted as used by one more session until :meth:`release`."""
+        name it), loaded if need be; counted as used by one more session until :meth:`release`.
+        ``force``: compare its files with the disk now, however recently that was done."""
         template = template or path
-        self._forget_if_changed(path)
+        self._forget_if_changed(path, force)
         opened: tuple[Any, RunOwners | None] | None = None
         state = b""
         while True:
@@ -400,19 +403,26 @@ class Residency:
             r.sessions -= 1
             r.last_used = time.time()
             done = r.retired and r.sessions == 0
+            if done:
+                self._retired.remove(r)
         if done:
             r.close()
 
-    def _forget_if_changed(self, path: str) -> None:
+    def _forget_if_changed(self, path: str, force: bool = False) -> None:
         """Forget the resident copy of ``path`` if its files changed on disk since it was
-        opened (compared at most every ``RECHECK_S``: a job's ranks open their sessions at
-        once), so that it is read again; sessions using it keep it until they end."""
+        opened (compared at most every ``RECHECK_S`` unless ``force``: a job's ranks open their
+        sessions at once, and wait for a comparison under way), so that it is read again;
+        sessions using it keep it until they end, and its memory counts until then."""
         with self._lock:
             r = self._by_path.get(path)
-            if r is None or not r.state or time.monotonic() - r.checked < RECHECK_S:
+        if r is None or not r.state:
+            return
+        with r.checking:  # (a stat per file: not under the residency's lock)
+            if not force and time.monotonic() - r.checked < RECHECK_S:
                 return
+            same = files_state(r.reader.files) == r.state
             r.checked = time.monotonic()
-        if files_state(r.reader.files) == r.state:  # (a stat per file: not under the lock)
+        if same:
             return
         with self._lock:
             if self._by_path.get(path) is not r:
@@ -421,6 +431,8 @@ class Residency:
             self._save_locked()
             r.retired = True
             idle = r.sessions == 0
+            if not idle:
+                self._retired.append(r)
         self._event(
             "dataset_changed", dataset=path, msg="its files changed on disk: it is read again"
         )
@@ -429,7 +441,7 @@ class Residency:
 
     def load(self, path: str, template: str = "") -> Resident:
         """Make ``path`` resident (or touch it) without holding it."""
-        r = self.acquire(path, template)
+        r = self.acquire(path, template, force=True)
         self.release(r)
         return r
 
@@ -581,20 +593,21 @@ class Residency:
             self.ring_bytes -= nbytes
 
     def _make_room_locked(self, need: int, evicted: list[Resident], keep: int = 0) -> int | None:
-        """Evict unused datasets, least recently used first, until ``need`` fits in the budget
-        less ``keep``; the budget the new dataset (or ring) gets (``None``: no limit).
+        """Evict unused datasets, least recently used first, until ``need`` fits; the budget
+        the new dataset (or ring) gets (``None``: no limit): ``need``, or when it does not fit
+        the room left less what of ``keep`` the rings do not use yet.
 
         The evicted datasets are told to stop loading and added to ``evicted``, for the caller
         to close once the lock is released: closing one that is still loading waits for its
         reads in flight (seconds), and Status and every other call need the lock."""
         if self.budget is None:
             return None
-        used = sum(r.budgeted for r in self._by_path.values()) + self.ring_bytes
+        kept = [*self._by_path.values(), *self._retired]
+        used = sum(r.budgeted for r in kept) + self.ring_bytes
         idle = sorted(
             (r for r in self._by_path.values() if not r.sessions), key=lambda r: r.last_used
         )
-        room = self.budget - keep
-        while used + need > room and idle:
+        while used + need > self.budget and idle:
             victim = idle.pop(0)
             del self._by_path[victim.path]
             victim.stop.set()
@@ -602,7 +615,8 @@ class Residency:
             used -= freed
             evicted.append(victim)
             self._event("dataset_evicted", dataset=victim.path, bytes_freed=freed)
-        return max(0, min(need, room - used))
+        room = self.budget - used
+        return need if need <= room else max(0, room - max(0, keep - self.ring_bytes))
 
     def _save_locked(self) -> None:
         if self.state_file is None:

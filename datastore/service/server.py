@@ -43,7 +43,7 @@ from staging.launcher import LaunchMismatch, comm_world
 
 __all__ = ["serve"]
 
-ABORT_BEFORE_S = 0.5  # open streams end (ABORTED) this long before gRPC cancels them
+ABORT_BEFORE_S = 1.0  # open streams end (ABORTED) this long before gRPC cancels them
 
 
 def serve(config: ServeConfig, *, log: JsonLog | None = None, out: Any = None) -> int:
