@@ -413,3 +413,17 @@ def test_the_example_configs_train(name, tmp_path, capsys):
     assert cfg.model == name
     assert main(["train", "--config", str(path), *set_args(sets)]) == 0
     assert "trained 2 steps" in capsys.readouterr().out
+
+
+def test_data_ranks_draw_dropout_from_streams_of_their_own():
+    """Each data rank's seed differs (every rank drew from ``seed``: the same masks on every
+    rank's samples); an older checkpoint's one state is rank 0's, and the others start a
+    stream of their own from the step resumed."""
+    from trainer.train import _own_rng, dropout_seed
+
+    seeds = {dropout_seed(4, r) for r in range(64)} | {dropout_seed(4, 1, 7)}
+    assert len(seeds) == 65 and all(0 <= s < 2**64 for s in seeds)
+    legacy = {"rng": torch.arange(5, dtype=torch.uint8)}
+    assert torch.equal(_own_rng(legacy, 0), legacy["rng"]) and _own_rng(legacy, 1) is None
+    now = {"rng": [torch.zeros(2, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8)]}
+    assert torch.equal(_own_rng(now, 1), now["rng"][1])
