@@ -119,7 +119,7 @@ class Fetching:
         return all(p.freed(0) for p in self.pending)
 
 
-@dataclass
+@dataclass(eq=False)  # a live object: one is another only if it is the same (list.remove, in)
 class Resident:
     """One dataset in memory: its reader, its store and who uses it.
 
