@@ -67,6 +67,21 @@ class SlotSpec:
 Fill = Callable[[int, str, np.ndarray], None]  # fill(key, field, out): read into out
 
 
+def _arena(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array in a mapping of its own, unmapped once the last view of it goes:
+    its memory returns to the system whatever malloc keeps (``datastore serve`` makes glibc keep
+    up to 1 GiB of freed heap for its messages, `datastore.service.wire.keep_large_blocks`, so
+    an arena from ``np.empty`` stayed in the process after its dataset was unloaded)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 class Store:
     """Slots for ``keys`` (e.g. sample indices), one arena per field.
 
@@ -94,7 +109,7 @@ class Store:
         n = len(self.keys)
         self.ram_slots = n if budget is None or per_slot == 0 else min(n, budget // per_slot)
         self.spill_slots = n - self.ram_slots if spill_dir else 0
-        self._ram = {f: np.empty((self.ram_slots, *s.shape), s.dtype) for f, s in fields.items()}
+        self._ram = {f: _arena((self.ram_slots, *s.shape), s.dtype) for f, s in fields.items()}
         self._spill = self._map_spill(spill_dir, per_slot) if self.spill_slots else {}
         self._scratch = threading.local()
         self._filled = {f: np.zeros(n, dtype=bool) for f in fields}
