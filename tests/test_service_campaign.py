@@ -1082,3 +1082,35 @@ def test_unloading_a_dataset_returns_its_memory_to_the_system(start, tmp_path, e
     r = cli("unload", str(path), "--socket", str(sock), env=env)
     assert r.returncode == 0, r.stderr
     assert _rss(s.proc.pid) - before < 16 << 20
+
+
+def test_a_dataset_that_fails_to_load_is_reported_and_refused_until_fixed(start, tmp_path, env):
+    """A load that failed (a sample of another dtype and shape) was reported as `resident`,
+    exit 0, by `datastore load --wait`, and sessions opened on it."""
+    path = tmp_path / "samples"
+    path.mkdir()
+    for i in range(3):
+        np.save(path / f"{i}.npy", np.full((4, 8), i, np.float32))
+    np.save(path / "1.npy", np.zeros(3, np.int64))
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock))
+    why = f"{path}/1.npy: field 'data': sample 1 is <i8 (3,), sample 0 is <f4 (4, 8)"
+    for wait in (["--wait"], []):  # the second asks again, once the first has failed
+        r = cli("load", str(path), *wait, "--socket", str(sock), env=env)
+        assert r.returncode == 1 and r.stdout == ""
+        assert f"DATA_LOSS: {path} could not be read into memory: {why}" in r.stderr
+    r = cli("status", "--json", "--socket", str(sock), env=env)
+    assert [x["load_error"] for x in json.loads(r.stdout)["datasets"]] == [why]
+    r = cli("status", "--socket", str(sock), env=env)
+    assert f"  {path}: {why}" in r.stdout.splitlines()
+    with pytest.raises(DataStoreError, match="could not be read into memory") as err:
+        DataStoreLoader(str(path), batch_size=1, service=ServiceOptions(str(sock)))
+    assert err.value.grpc_status == grpc.StatusCode.DATA_LOSS
+    np.save(path / "1.npy", np.full((4, 8), 1, np.float32))  # fixed: read again
+    time.sleep(1.2)  # (the files are compared at most once a second)
+    r = cli("load", str(path), "--wait", "--socket", str(sock), env=env)
+    assert r.returncode == 0, r.stderr
+    with DataStoreLoader(
+        str(path), batch_size=1, shuffle=False, service=ServiceOptions(str(sock))
+    ) as job:
+        assert [int(b["data"][0, 0, 0]) for b in job] == [0, 1, 2]

@@ -141,6 +141,7 @@ class Resident:
     checked: float = 0.0  # when (``time.monotonic``) the files were last compared with it
     checking: threading.Lock = field(default_factory=threading.Lock)  # one comparison at once
     retired: bool = False  # its files changed: closed once its last session ends
+    load_error: str = ""  # why reading it in failed ("": it did not)
 
     @property
     def num_samples(self) -> int:
@@ -266,6 +267,20 @@ class Resident:
         if not 0 <= block < blocks:
             raise ServiceError("OUT_OF_RANGE", f"block {block} is outside 0..{blocks - 1}")
         return delivered_fields(info, grid, block)
+
+    def check_loaded(self) -> None:
+        """Raise when reading the dataset in failed: its files are bad or could not be read.
+
+        Raises:
+            ServiceError: ``DATA_LOSS`` naming the failure.
+        """
+        if self.load_error:
+            raise ServiceError(
+                "DATA_LOSS",
+                f"{self.path} could not be read into memory: {self.load_error} (fix its files, "
+                f"which are compared at every session's start, or `datastore unload` it and "
+                f"load it again)",
+            )
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the background read is done; whether it is."""
@@ -554,7 +569,8 @@ class Residency:
         t0 = time.perf_counter()
         try:
             r.store.preload(self._threads, stop=r.stop)
-        except Exception as exc:  # a bad sample: sessions will get the error when they read it
+        except Exception as exc:  # a bad sample: loads and new sessions are refused, naming it
+            r.load_error = str(exc)
             self._event("load_failed", dataset=r.path, msg=str(exc))
             return
         if not r.stop.is_set():

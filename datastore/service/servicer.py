@@ -249,6 +249,10 @@ class Servicer(pb_grpc.DataStoreServicer):
             while not r.wait(0.5):
                 if not context.is_active():
                     break
+        try:
+            r.check_loaded()
+        except ServiceError as exc:
+            self._refuse(context, "LoadDataset", exc)
         return pb.LoadDatasetResponse(dataset=_dataset_status(r))
 
     def UnloadDataset(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -387,6 +391,7 @@ def _dataset_status(r: Resident) -> Any:
         hits=r.store.counters.hits,
         misses=r.store.counters.misses,
         local_samples=len(r.store.keys),
+        load_error=r.load_error,
     )
 
 

@@ -243,6 +243,7 @@ class Sessions:
             )
         resident = self.residency.acquire(path, r.dataset_path)
         try:
+            resident.check_loaded()
             session = self._session(r, resident, world, spatial)
         except BaseException:
             self.residency.release(resident)

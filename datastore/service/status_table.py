@@ -77,6 +77,7 @@ def format_status(d: dict[str, Any], now: float | None = None) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
 
     lines += _section("datasets", DATASET_COLUMNS, [_dataset_row(x) for x in d["datasets"]])
+    lines += [f"  {x['path']}: {x['load_error']}" for x in d["datasets"] if x["load_error"]]
     sessions = sorted(d["sessions"], key=lambda x: (x["job_id"], x["session_id"]))
     lines += _section("sessions", SESSION_COLUMNS, [_session_row(x, now) for x in sessions])
     return "\n".join(lines)
@@ -96,7 +97,7 @@ def _dataset_row(x: dict[str, Any]) -> list[str]:
         str(x["num_samples"]),
         human_bytes(x["bytes_total"]),
         human_bytes(x["bytes_resident"]),
-        "yes" if x["loading"] else "no",
+        "failed" if x["load_error"] else "yes" if x["loading"] else "no",
         str(x["sessions"]),
         f"{100 * x['hits'] / reads:.1f}%" if reads else "-",
     ]
