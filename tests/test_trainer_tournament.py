@@ -266,6 +266,7 @@ def test_the_service_reads_each_sample_once_for_all_trainers(data, tourney):
     # (a miss: a sample a batch asked for before the load had read it; the load's own reads
     # are neither)
     assert train.misses <= SAMPLES * fields and val.misses <= VAL * fields
+    assert (train.bytes_read, val.bytes_read) == (train.bytes_total, val.bytes_total)  # once
     # delivered to each of the 3 trainers, and to each the next epoch's first batches, which the
     # service fills ahead over shared memory at an epoch's end (docs/loader.md)
     ahead = inspect.signature(DataStoreLoader).parameters["prefetch"].default

@@ -392,6 +392,7 @@ def _dataset_status(r: Resident) -> Any:
         misses=r.store.counters.misses,
         local_samples=len(r.store.keys),
         load_error=r.load_error,
+        bytes_read=r.store.counters.bytes_read,
     )
 
 

@@ -185,7 +185,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DatasetStatus(_message.Message):
-    __slots__ = ("path", "format", "num_samples", "bytes_total", "bytes_resident", "sessions", "loading", "last_used_unix_s", "hits", "misses", "local_samples", "load_error")
+    __slots__ = ("path", "format", "num_samples", "bytes_total", "bytes_resident", "sessions", "loading", "last_used_unix_s", "hits", "misses", "local_samples", "load_error", "bytes_read")
     PATH_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class DatasetStatus(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOAD_ERROR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     path: str
     format: str
     num_samples: int
@@ -210,7 +211,8 @@ class DatasetStatus(_message.Message):
     misses: int
     local_samples: int
     load_error: str
-    def __init__(self, path: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_resident: _Optional[int] = ..., sessions: _Optional[int] = ..., loading: _Optional[bool] = ..., last_used_unix_s: _Optional[float] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., local_samples: _Optional[int] = ..., load_error: _Optional[str] = ...) -> None: ...
+    bytes_read: int
+    def __init__(self, path: _Optional[str] = ..., format: _Optional[str] = ..., num_samples: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_resident: _Optional[int] = ..., sessions: _Optional[int] = ..., loading: _Optional[bool] = ..., last_used_unix_s: _Optional[float] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., local_samples: _Optional[int] = ..., load_error: _Optional[str] = ..., bytes_read: _Optional[int] = ...) -> None: ...
 
 class SessionStatus(_message.Message):
     __slots__ = ("session_id", "dataset_path", "job_id", "world_size", "global_batch", "clients", "batches_served", "bytes_served", "opened_unix_s", "streams", "stall_s", "idle_s")
