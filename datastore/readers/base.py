@@ -14,6 +14,7 @@ forked child notices the new pid and reopens).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import os
@@ -146,6 +147,9 @@ class Reader(ABC):
         fields: ``{name: FieldInfo}`` of the fields the spec selects, in order.
         found: ``{name: FieldInfo}`` of every field in the data, with the spatial axes the
             data implies (the default's, or what its metadata says).
+        stored: ``{name: FieldInfo}`` of the fields whose files hold another byte order than
+            this machine's, as stored; ``fields`` and ``found`` give them in this machine's
+            order, and reads convert (torch tensors have no byte order of their own).
 
     Subclasses scan the layout in ``__init__`` (picklable attributes only), open per-process
     handles in ``_open()``, release them in ``_close(handles)``, and fill ``out`` in
@@ -160,6 +164,7 @@ class Reader(ABC):
         self.files: list[str] = []
         self.fields: dict[str, FieldInfo] = {}
         self.found: dict[str, FieldInfo] = {}
+        self.stored: dict[str, FieldInfo] = {}
         self._length = 0
         self._closed = False
         self._init_process()
@@ -237,8 +242,13 @@ class Reader(ABC):
             return out
         if self._closed:
             raise DatasetError(self.location, "read from a closed reader", field)
+        stored = self.stored.get(field)
         try:
-            self._read_into(i, info, sel, out)
+            if stored is None:
+                self._read_into(i, info, sel, out)
+            else:  # the file's bytes, then swapped in place into this machine's order
+                self._read_into(i, stored, sel, out.view(stored.dtype))
+                out.byteswap(inplace=True)
         except DatasetError:
             raise
         except (OSError, ValueError, KeyError, RuntimeError, EOFError) as exc:
@@ -262,6 +272,10 @@ class Reader(ABC):
 
     def _names(self) -> str:
         return ", ".join(self.fields) or "none"
+
+    def _as_stored(self) -> dict[str, FieldInfo]:
+        """``fields`` as their files hold them (the byte order), to check files against."""
+        return {name: self.stored.get(name, info) for name, info in self.fields.items()}
 
     def _check_index(self, index: Any, field: str) -> int:
         try:
@@ -372,6 +386,9 @@ class Reader(ABC):
                     info.name, info.dtype, info.shape, fs.spatial_axes, info.chunks
                 )
             self.fields = chosen
+        self.stored = {n: f for n, f in self.fields.items() if _swapped(f.dtype)}
+        self.fields = {n: _native(f) for n, f in self.fields.items()}
+        self.found = {n: _native(f) for n, f in self.found.items()}
         label = self.spec.label
         if label is not None and label not in self.fields:
             raise DatasetError(where, f"label is not a field (fields: {self._names()})", label)
@@ -391,3 +408,15 @@ class Reader(ABC):
     def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
         """Fill ``out`` (C-contiguous, the region's shape, the field's dtype) with the box
         ``sel`` (explicit, in-range, non-empty slices) of ``info``'s field of sample ``index``."""
+
+
+def _swapped(dtype: np.dtype) -> bool:
+    """Numbers in the other byte order than this machine's (bytes and bools have none)."""
+    return dtype.kind in "iufc" and not dtype.isnative
+
+
+def _native(info: FieldInfo) -> FieldInfo:
+    """``info`` in this machine's byte order."""
+    if not _swapped(info.dtype):
+        return info
+    return dataclasses.replace(info, dtype=info.dtype.newbyteorder("="))

@@ -330,7 +330,7 @@ class Hdf5Reader(_Hdf5Base):
                     available = self._first_file(path, found)
                     self._select_fields(available, path)
                 got = {n: (ds.dtype, ds.shape) for n, ds in found.items()}
-                want = {n: (fi.dtype, fi.shape) for n, fi in self.fields.items()}
+                want = {n: (fi.dtype, fi.shape) for n, fi in self._as_stored().items()}
                 counts.append(shard_count(path, got, want))
         self.offsets = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=self.offsets[1:])
@@ -499,7 +499,7 @@ class Hdf5PerSampleReader(_Hdf5Base):
         for path in self.files[1:]:
             with _open_file(path) as f:
                 found = _datasets(f, path, list(self.fields))
-                for name, info in self.fields.items():
+                for name, info in self._as_stored().items():
                     self._check(path, found[name], info)
 
     def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):

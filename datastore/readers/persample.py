@@ -84,7 +84,7 @@ class PerSampleFiles(Reader):
         """Locate every sample and check each field against sample 0."""
         for index in range(1, self._length):
             arrays = self._locate(index)
-            for info in self.fields.values():
+            for info in self._as_stored().values():
                 self._checked(index, arrays, info)
 
     # -- for subclasses ------------------------------------------------------------------
