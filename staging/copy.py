@@ -970,7 +970,11 @@ class Engine:
     def run(self, groups: list[Group]) -> Stats:
         """Stage ``groups`` (already filtered to what this rank must write; the members that
         :meth:`settle` kept are placed as they are)."""
-        self.journal = Journal(self.dest, self.rank)
+        try:
+            self.journal = Journal(self.dest, self.rank)
+        except OSError as exc:  # (no inode left for it): nothing is placed without its record
+            self.stats.errors.append(f"{self.dest}: cannot write its journal: {exc.strerror}")
+            return self.stats
         self.committer = Committer(self.dest, self.journal)
         self._archives = {g.source for g in groups if g.ident and not g.stream}
         done, self._held = self._held, {}

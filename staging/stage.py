@@ -21,7 +21,7 @@ from typing import Any
 from staging.checksum import LEAF_BYTES
 from staging.cluster import Layout, layout
 from staging.config import StageConfig
-from staging.copy import Engine, Stats, settle_dirs, within
+from staging.copy import Engine, Stats, settle_dirs, tmp_dir, within
 from staging.directio import IoPolicy
 from staging.exitcodes import Agreed, Exit
 from staging.manifest import Manifest, lock_dest, meta_dir
@@ -109,6 +109,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     # 1. every node's leader prepares its DEST and takes the lock
     lock_fd, manifest, err, freed = None, Manifest(), None, Freed()
     made: list[str] = []  # DEST/.datastore and the parents this run creates, deepest first
+    code = Exit.FAILED
     if lay.is_leader:
         try:
             made = _absent(meta_dir(dest))
@@ -116,17 +117,23 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             lock_fd = lock_dest(dest)
             manifest = Manifest.load(dest)
             freed = clean_tmp(dest)
-        except BlockingIOError:
-            err = f"{dest}: another 'datastore stage' is writing to this destination"
+            os.makedirs(tmp_dir(dest), exist_ok=True)  # here, where a full DEST is an answer
+        except BlockingIOError:  # what is there is the other run's: nothing is removed
+            err, made = f"{dest}: another 'datastore stage' is writing to this destination", []
         except (OSError, ValueError) as exc:
-            err = f"{dest}: cannot prepare destination ({getattr(exc, 'strerror', None) or exc})"
-    errors = [e for e in comm.allgather(err) if e]
-    if errors:
-        if lock_fd is not None:  # another node failed: nothing is staged here either
-            _unmake(dest, made)
+            why = getattr(exc, "strerror", None) or exc
+            if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+                why, code = f"{why}: no space, or no inode, left for its own files", Exit.NO_SPACE
+            err = f"{dest}: cannot prepare destination ({why})"
+    failed = [(e, c) for e, c in comm.allgather((err, code)) if e]
+    if failed:
+        # nothing is staged on any node: what this run made here goes (a failed makedirs or
+        # lock left DEST/.datastore, and DEST itself, behind)
+        _unmake(dest, made)
+        if lock_fd is not None:
             os.close(lock_fd)
-        log.errors(errors)
-        return Agreed(Exit.FAILED)
+        log.errors([e for e, _ in failed])
+        return Agreed(max(c for _, c in failed))
 
     # 2. rank 0 plans (the sources are shared); each node's leader gets its node's groups.
     #    A stage of one process writes an uncompressed tar's members to hidden temp files as

@@ -839,6 +839,39 @@ def test_out_of_inodes_fails_the_run_naming_the_files(tmp_path, run_stage):
         subprocess.run(["umount", str(mnt)], check=True, timeout=30)
 
 
+@pytest.mark.parametrize(
+    ("inodes", "code", "says"),
+    [
+        (3, 3, "cannot prepare destination (No space left on device: no space, or no inode, "),
+        (4, 3, "cannot prepare destination (No space left on device: no space, or no inode, "),
+        (6, 1, "cannot write its journal: No space left on device"),
+    ],
+    ids=["no-lock", "no-temp-dir", "no-journal"],
+)
+def test_too_few_inodes_for_its_own_files_is_one_line(tmp_path, run_stage, inodes, code, says):
+    """With no inode for the lock, the temp directory or the journal, the run failed with an
+    internal error (temp directory, journal) or left DEST and DEST/.datastore behind (lock)."""
+    src = tmp_path / "tree"
+    src.mkdir()
+    for k in range(10):
+        (src / f"f{k}").write_bytes(b"%d\n" % k)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    _mount_tmpfs(mnt, "10M", inodes=inodes)
+    try:
+        dest = mnt / "dest"
+        proc = run_stage(src, "--to", dest, check=code)
+        assert_clean_stderr(proc)
+        assert f"datastore stage: error: {dest}: {says}" in proc.stderr
+        if code == 3:  # refused before anything: nothing of what it made is left
+            assert os.listdir(mnt) == []
+        else:
+            assert list((dest / "tree").iterdir()) == []
+            assert_clean_meta(dest)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True, timeout=30)
+
+
 # -- corrupt archives -------------------------------------------------------------------------
 def _three_member_tar() -> bytes:
     return tar_bytes(
