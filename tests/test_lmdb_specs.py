@@ -344,6 +344,45 @@ def test_an_lmdb_without_meta_asks_for_a_spec(tmp_path):
     )
 
 
+def _named_databases(path: Path) -> Path:
+    """An environment holding named databases ``train`` (samples 0-7) and ``val`` (8-11) of
+    npy records, as tools that keep both splits in one environment write it."""
+    env = lmdb.open(str(path), map_size=1 << 24, max_dbs=2)
+    for name, rows in ((b"train", range(8)), (b"val", range(8, N))):
+        db = env.open_db(name)
+        with env.begin(write=True, db=db) as txn:
+            for i in rows:
+                txn.put(b"%08d" % i, npy_bytes(X[i]))
+    env.close()
+    return path
+
+
+def test_a_named_database_is_read_through_the_spec(tmp_path):
+    """Named databases (an environment opened with max_dbs) could not be read: the main
+    database holds only their names, and the reader said "no __meta__ record"."""
+    _named_databases(tmp_path / "ds")
+    got = {}
+    for name in ("train", "val"):
+        spec = tmp_path / f"{name}.toml"
+        spec.write_text(f'format = "lmdb"\npaths = "ds"\n[lmdb]\nvalue = "npy"\ndb = "{name}"\n')
+        loader = DataStoreLoader(str(spec), batch_size=2, shuffle=False, drop_last=False)
+        got[name] = np.concatenate([b["data"].numpy() for b in loader])
+        loader.close()
+    assert np.array_equal(got["train"], X[:8]) and np.array_equal(got["val"], X[8:])
+    proc = inspect(tmp_path / "ds")  # no spec: it says which databases there are
+    assert proc.returncode == 2
+    assert (
+        "holds named databases (train, val), no __meta__ record: name the one to read with "
+        'db = "train" in a spec file\'s lmdb table' in proc.stderr
+    )
+    (tmp_path / "test.toml").write_text(
+        'format = "lmdb"\npaths = "ds"\n[lmdb]\nvalue = "npy"\ndb = "test"\n'
+    )
+    proc = inspect(tmp_path / "test.toml")
+    assert proc.returncode == 2
+    assert "no database named 'test' (named databases: train, val)" in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -360,6 +399,7 @@ def test_an_lmdb_without_meta_asks_for_a_spec(tmp_path):
         ({"lmdb": {"value": "msgpack", "fields": {"x": {"size": 3}}}}, r"x'.*\['size'\]"),
         ({"lmdb": {"value": "msgpack", "fields": {"x": {"item": -1}}}}, "a position"),
         ({"lmdb": {"value": "npy", "skip_keys": "__len__"}}, "skip_keys must be a list"),
+        ({"lmdb": {"value": "npy", "db": ""}}, "lmdb db must be a database's name"),
     ],
 )
 def test_a_malformed_lmdb_table_names_the_key(tmp_path, spec, message):

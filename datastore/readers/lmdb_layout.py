@@ -11,7 +11,9 @@ record per sample, and a spec says how it is encoded (``value``):
 - ``"pickle"``: a pickled dict, tuple or list; items as for msgpack, numpy arrays included.
   Unpickling runs whatever code the writer of the data chose, so it needs ``allow_pickle``.
 
-The samples are the records under every key but ``skip_keys``, in ``keys`` order: ``"sorted"``
+The records are those of the environment's main database, or of the named database ``db``
+(tools that keep ``train`` and ``val`` in one environment). The samples are the records under
+every key but ``skip_keys``, in ``keys`` order: ``"sorted"``
 (LMDB's byte order: right for zero-padded indices such as ``b"00000042"``) or ``"numeric"``
 (every key a decimal integer, in integer order: ``b"2"`` before ``b"10"``).
 
@@ -19,6 +21,7 @@ In a spec file (TOML; JSON has the same keys)::
 
     [lmdb]
     value = "msgpack"
+    db = "train"             # a named database; default: the main one
     keys = "numeric"
     skip_keys = ["__len__"]
     [lmdb.fields.image]
@@ -49,7 +52,7 @@ PICKLE_REFUSED = (
     "chose. Set allow_pickle = true in the spec's lmdb table only for data you trust"
 )
 _FIELD_KEYS = ("item", "dtype", "shape", "dtype_item", "shape_item")
-_LAYOUT_KEYS = ("value", "keys", "skip_keys", "allow_pickle", "fields")
+_LAYOUT_KEYS = ("value", "keys", "skip_keys", "allow_pickle", "fields", "db")
 
 
 def _item_name(value: Any, key: str) -> str | int | None:
@@ -129,6 +132,7 @@ class LmdbLayout:
         keys: the sample order, one of ``KEY_ORDERS``. Default: ``"sorted"``.
         skip_keys: keys that are not samples (``"__len__"``, ``"__keys__"``). Default: ``()``.
         allow_pickle: ``True`` to read ``value = "pickle"``. Default: ``False``, refused.
+        db: the named database that holds the records. Default: ``None``, the main one.
 
     Raises:
         DatasetError: naming the field and key at fault; for pickle without ``allow_pickle``,
@@ -140,8 +144,11 @@ class LmdbLayout:
     keys: str = "sorted"
     skip_keys: tuple[str, ...] = ()
     allow_pickle: bool = False
+    db: str | None = None
 
     def __post_init__(self) -> None:
+        if self.db is not None and not (isinstance(self.db, str) and self.db):
+            raise DatasetError(None, f"lmdb db must be a database's name: {self.db!r}")
         if self.value not in VALUES:
             raise DatasetError(None, f"lmdb value {self.value!r} is not one of {', '.join(VALUES)}")
         if self.keys not in KEY_ORDERS:
@@ -228,6 +235,7 @@ class LmdbLayout:
                 d.get("keys", "sorted"),
                 tuple(skip) if isinstance(skip, list) else skip,
                 d.get("allow_pickle", False),
+                d.get("db"),
             )
         except DatasetError as exc:
             raise DatasetError(where, exc.reason, exc.field) from None
@@ -239,4 +247,5 @@ class LmdbLayout:
             "skip_keys": list(self.skip_keys),
             "allow_pickle": self.allow_pickle,
             "fields": {name: f.to_dict() for name, f in self.fields},
+            **({"db": self.db} if self.db is not None else {}),
         }

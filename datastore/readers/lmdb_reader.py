@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["LmdbReader"]
 
 
+MAX_DBS = 256  # named databases an environment may hold and a reader open
+NAMES_SHOWN = 8  # named databases a message lists
+
 # py-lmdb opens an environment once per process: readers of the same one share it, counted.
 _envs: dict[str, list[Any]] = {}  # real path -> [Environment, users]
 _envs_lock = threading.Lock()
@@ -52,6 +55,7 @@ def _acquire_env(path: str) -> lmdb.Environment:
                     readahead=False,
                     subdir=os.path.isdir(path),
                     max_readers=1024,
+                    max_dbs=MAX_DBS,
                 )
             except lmdb.Error as exc:
                 raise DatasetError(path, f"not a readable LMDB environment: {exc}") from None
@@ -95,14 +99,18 @@ class LmdbReader(Reader):
         root = self.files[0]
         self._records: SpecRecords | None = None
         self._codecs: dict[str, dict[str, Any] | None] = {}
+        self._db_name = spec.lmdb.db if spec.lmdb is not None else None
         env = _acquire_env(root)
         try:
-            with env.begin(buffers=True) as txn:
+            with env.begin(db=self._database(env), buffers=True) as txn:
                 if spec.lmdb is not None:
                     self._records = SpecRecords(spec.lmdb, txn, root)
                     available, n = self._records.fields, len(self._records)
                 else:
-                    n, metas = parse_meta(txn.get(META_KEY), root)
+                    meta = txn.get(META_KEY)
+                    if meta is None:
+                        _say_if_named(env, root)
+                    n, metas = parse_meta(meta, root)
                     available = {
                         name: FieldInfo(name, m.dtype, m.shape, m.spatial_axes, None)
                         for name, m in metas.items()
@@ -116,6 +124,22 @@ class LmdbReader(Reader):
         self._codecs = {name: self._codecs.get(name) for name in self.fields}
         self._length = n
 
+    def _database(self, env: lmdb.Environment) -> Any:
+        """The handle of the named database the spec's ``db`` names (``None``: the main one)."""
+        if self._db_name is None:
+            return None
+        try:
+            return env.open_db(self._db_name.encode(), create=False)
+        except lmdb.NotFoundError:
+            names = ", ".join(_named(env)) or "none"
+            raise DatasetError(
+                self.files[0], f"no database named {self._db_name!r} (named databases: {names})"
+            ) from None
+        except lmdb.IncompatibleError:
+            raise DatasetError(
+                self.files[0], f"key {self._db_name!r} of the main database is no database"
+            ) from None
+
     @property
     def codecs(self) -> dict[str, dict[str, Any] | None]:
         """``{field: numcodecs config or None}``."""
@@ -125,28 +149,29 @@ class LmdbReader(Reader):
         """With a spec's ``lmdb`` table: every raw record's size, every npy record's header."""
         if self._records is None:
             return
-        env = self._handles()[0]
+        env, _, db = self._handles()
         try:
-            with env.begin(buffers=True) as txn:
+            with env.begin(db=db, buffers=True) as txn:
                 self._records.check_all(txn)
         except lmdb.Error as exc:
             raise DatasetError(self.files[0], f"cannot read the environment: {exc}") from None
 
-    def _open(self) -> tuple[lmdb.Environment, dict[str, Any]]:
+    def _open(self) -> tuple[lmdb.Environment, dict[str, Any], Any]:
         codecs = {
             k: None if c is None else numcodecs.get_codec(dict(c)) for k, c in self._codecs.items()
         }
-        return _acquire_env(self.files[0]), codecs
+        env = _acquire_env(self.files[0])
+        return env, codecs, self._database(env)
 
-    def _close(self, handles: tuple[lmdb.Environment, dict[str, Any]]) -> None:
+    def _close(self, handles: tuple[lmdb.Environment, dict[str, Any], Any]) -> None:
         _release_env(self.files[0])
 
     def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
-        env, codecs = self._handles()
+        env, codecs, db = self._handles()
         root, codec = self.files[0], codecs[info.name]
         records = self._records
         key = sample_key(index, info.name) if records is None else records.keys[index]
-        with env.begin(buffers=True) as txn:
+        with env.begin(db=db, buffers=True) as txn:
             buf = txn.get(key)
             if buf is None:
                 raise DatasetError(root, f"no record for sample {index} (key {key!r})", info.name)
@@ -174,6 +199,34 @@ class LmdbReader(Reader):
                 info.name,
             )
         return data.view(info.dtype).reshape(info.shape)
+
+
+def _named(env: lmdb.Environment) -> list[str]:
+    """The named databases of ``env`` (the keys of its main database that open as one)."""
+    names = []
+    with env.begin() as txn:
+        for key in txn.cursor().iternext(values=False):
+            try:
+                env.open_db(bytes(key), create=False)
+            except (lmdb.IncompatibleError, lmdb.NotFoundError):
+                return []  # a record: the main database holds data, not databases
+            names.append(bytes(key).decode(errors="backslashreplace"))
+    return names
+
+
+def _say_if_named(env: lmdb.Environment, root: str) -> None:
+    """Raise, naming them, when the main database holds only named databases."""
+    if env.stat()["entries"] > MAX_DBS:  # records, surely: not looked at one by one
+        return
+    names = _named(env)
+    if names:
+        shown = ", ".join(names[:NAMES_SHOWN]) + (", ..." if len(names) > NAMES_SHOWN else "")
+        raise DatasetError(
+            root,
+            f"holds named databases ({shown}), no __meta__ record: name the one to read with "
+            f'db = "{names[0]}" in a spec file\'s lmdb table, which also says how its records '
+            "are encoded (docs/loader.md, Spec files)",
+        )
 
 
 def _is_environment(path: str) -> bool:
