@@ -153,6 +153,13 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             raise
     groups = _node_groups(plan, cfg.mode, comm, lay)
     planned = comm.bcast(bool(plan.groups) if lay.rank == 0 else None, root=0)
+    # shard mode: the file and tree sources of this run (one per SRC), whose files outside
+    # this node's share are dropped from it once the copy is done (``_drop_others``)
+    trees = (
+        comm.bcast([g.source for g in plan.groups if not g.ident] if lay.rank == 0 else None)
+        if cfg.mode == "shard"
+        else []
+    )
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
     work = NodeWork()
@@ -226,6 +233,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             for g in groups:
                 if g.ident:
                     final.archives[g.source] = archive_record(g)
+            stats.errors.extend(_drop_others(final, dest, trees, groups))
         clean_tmp(dest)  # first: on a DEST out of inodes, the manifest needs one it frees
         if planned or not made:
             try:
@@ -246,6 +254,37 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.rank == 0:
         log.summary(plan, every, elapsed, lay, sum(b for *_, b in status))
     return Agreed(code)
+
+
+def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[Group]) -> list[str]:
+    """Shard mode: remove from this node what an earlier run staged of the sources ``trees``
+    that is not in this node's share now (``groups``): a file the new plan gives another node
+    (the shares move when the sources change), or one gone from the source. Left in place, two
+    nodes would hold the same file, one copy stale, and the store would serve either. Only
+    files the manifest records are touched; the errors, if any."""
+    if not trees:
+        return []
+    mine = {i.dest for g in groups for i in g.items}
+    roots = tuple(t.rstrip(os.sep) for t in trees)
+    errors = []
+    for key, entry in list(manifest.entries.items()):
+        source = entry.get("source") or ""
+        if entry.get("kind") == "dir" or key in mine:
+            continue
+        if not any(source == r or source.startswith(r + os.sep) for r in roots):
+            continue
+        path = os.path.join(dest, key)
+        if not within(dest, path):  # (through a link: not ours to remove)
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            errors.append(f"{path}: cannot remove a file of another node's share: {exc.strerror}")
+            continue
+        del manifest.entries[key]
+    return errors
 
 
 def _resumable(work: NodeWork, algo: str) -> set[str]:

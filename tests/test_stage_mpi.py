@@ -107,6 +107,34 @@ def test_shard_partitions_by_bytes(dataset, tmp_path, nodes):
         assert files == set(shares[k])
 
 
+def test_a_shard_rerun_after_the_source_changed_leaves_each_node_its_new_share_only(
+    dataset, tmp_path
+):
+    """The shares move when the sources change (a file removed, others rewritten): a re-run
+    removes from each node the files its share no longer has. Before, a node kept its old
+    share beside its new one, so both nodes held files, one copy stale, and the store read
+    node 0's (a rewritten file served as it was, a removed one still served)."""
+    args = [str(dataset), "--to", str(tmp_path / "node{node}"), "--mode", "shard"]
+    args += ["--ranks-per-node", "1", "--json"]
+    assert mpirun(2, *args).returncode == 0
+    first = [set(files_of(tmp_path / f"node{k}")) for k in range(2)]
+    names = sorted(glob.glob(str(dataset / "d*" / "*.bin")))
+    os.remove(names[0])
+    for i, name in enumerate(names[1:]):  # new bytes and sizes: every share moves
+        with open(name, "wb") as f:
+            f.write(bytes([i % 256]) * (1024 * (i + 1)))
+    proc = mpirun(2, *args)
+    assert proc.returncode == 0, proc.stderr
+    source = {os.path.join("src", k): v for k, v in files_of(dataset).items()}
+    shares = [files_of(tmp_path / f"node{k}") for k in range(2)]
+    assert not set(shares[0]) & set(shares[1]), "a file is on both nodes"
+    assert {**shares[0], **shares[1]} == source  # every byte the source's, nothing removed kept
+    assert first[0] - set(shares[0]), "the shares did not move: the test tests nothing"
+    for k in range(2):
+        m = manifest(tmp_path / f"node{k}")
+        assert {p for p, e in m["entries"].items() if e["kind"] == "file"} == set(shares[k])
+
+
 def test_failing_rank_ends_all_ranks_quickly(dataset, tmp_path):
     (tmp_path / "node1").write_text("a file where node 1's DEST should be")
     proc = mpirun(
