@@ -283,6 +283,46 @@ def test_a_stopped_peer_fails_requests_clearly_and_is_reached_again_once_back(st
     _job(src, template, s, None, epochs=1)
 
 
+def _on_node0(src, template, s, epochs=1):
+    """Both ranks of a job on node 0's service against the embedded loader over ``src``."""
+    for rank in range(2):
+        kw = {"rank": rank, "world": 2, "seed": 3, "batch_size": 3, "drop_last": False}
+        remote = DataStoreLoader(template, service=ServiceOptions(str(s.sockets[0])), **kw)
+        local = DataStoreLoader(str(src), exchange=ExchangeOptions(enabled=False), **kw)
+        try:
+            for _ in range(epochs):
+                assert_same(batches(remote), batches(local))
+        finally:
+            remote.close()
+            local.close()
+
+
+@pytest.mark.mpi
+def test_new_data_staged_on_another_node_reaches_a_job_not_the_resident_copy(tmp_path):
+    """A sharded dataset follows its files as one node's does: the services compared the
+    files of none (a re-staged store served its first copy, sample count and bytes, for as
+    long as it ran). Here only node 1's share changes (a file rewritten in place, one added)
+    while a job reads through node 0 alone: node 0 sees node 1's listing change, and node 1,
+    asked for it, its files."""
+    with two_services(tmp_path) as (src, template, s):
+        _on_node0(src, template, s)
+        held = sorted(os.listdir(tmp_path / "node1" / "src"))
+        time.sleep(1.1)  # (files are compared at most once a second)
+        for where in (src, tmp_path / "node1" / "src"):  # as a stage would place them
+            np.save(where / held[0], np.full((2, 6, 4, 4), 1000.0, np.float32))
+            np.save(where / "s020.npy", np.full((2, 6, 4, 4), 2000.0, np.float32))
+        _on_node0(src, template, s)  # 21 samples, the new bytes
+        with Client(s.sockets[0]) as c:
+            (ds,) = c.status().datasets
+        assert ds.num_samples == 21
+        time.sleep(1.1)
+        os.remove(src / held[1])  # and one removed from node 1
+        os.remove(tmp_path / "node1" / "src" / held[1])
+        _on_node0(src, template, s)
+        logs = [(tmp_path / f"serve{k}.log").read_text() for k in range(2)]
+        assert all("dataset_changed" in log for log in logs)
+
+
 def _certificate(tmp, name: str) -> tuple[Path, Path]:
     cert, key = tmp / f"{name}.pem", tmp / f"{name}.key"
     openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]

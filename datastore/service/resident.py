@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import threading
@@ -137,7 +138,8 @@ class Resident:
     sessions: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
     loader: threading.Thread | None = None
-    state: bytes = b""  # its files' ``files_state`` when opened (b"": not checked)
+    state: bytes = b""  # its (local) files' ``files_state`` when opened (b"": not checked)
+    peers_state: bytes = b""  # sharded: a digest of the other nodes' listings when opened
     checked: float = 0.0  # when (``time.monotonic``) the files were last compared with it
     checking: threading.Lock = field(default_factory=threading.Lock)  # one comparison at once
     retired: bool = False  # its files changed: closed once its last session ends
@@ -335,6 +337,11 @@ def listing(path: str, roots: tuple[Path, ...] = ()) -> tuple[bool, list[str], d
         reader.close()
 
 
+def _digest(listings: dict[int, Any]) -> bytes:
+    """What the other nodes hold of a sharded dataset, as one digest (their listings)."""
+    return hashlib.blake2b(repr(sorted(listings.items())).encode(), digest_size=16).digest()
+
+
 def _open(path: str, budget: int | None, keys: np.ndarray, reader: Any) -> Resident:
     specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in reader.fields.items()}
     store = Store(keys, specs, lambda k, f, out: reader.read(k, f, out=out), budget)
@@ -382,7 +389,7 @@ class Residency:
         template = template or path
         self._forget_if_changed(path, force)
         opened: tuple[Any, RunOwners | None] | None = None
-        state = b""
+        state = (b"", b"")
         while True:
             with self._lock:
                 r = self._by_path.get(path)  # (or loaded by another call while we opened it)
@@ -395,8 +402,12 @@ class Residency:
             # Opening a dataset (its files' metadata, the peers' listings) may take long:
             # never with the lock held, which Status and every other call need.
             sharded = self._shards(path, template)
-            opened = sharded if sharded is not None else (_reader(path, self.roots), None)
-            state = files_state(opened[0].files) if sharded is None else b""
+            if sharded is None:
+                opened = _reader(path, self.roots), None
+                state = files_state(opened[0].files), b""
+            else:
+                view, owner, theirs = sharded
+                opened, state = (view, owner), (files_state(view.local.files), theirs)
         if opened is not None:  # another call loaded it meanwhile
             opened[0].close()
         return r
@@ -423,20 +434,37 @@ class Residency:
         if done:
             r.close()
 
-    def _forget_if_changed(self, path: str, force: bool = False) -> None:
+    def check_local(self, path: str) -> None:
+        """Forget the resident copy of ``path`` if this node's files of it changed (a peer
+        describing this node's share before it reads the dataset again: the copy this node
+        would otherwise send it is stale); skipped while a comparison is under way here."""
+        self._forget_if_changed(path, force=True, peers=False)
+
+    def _forget_if_changed(self, path: str, force: bool = False, peers: bool = True) -> None:
         """Forget the resident copy of ``path`` if its files changed on disk since it was
         opened (compared at most every ``RECHECK_S`` unless ``force``: a job's ranks open their
         sessions at once, and wait for a comparison under way), so that it is read again;
-        sessions using it keep it until they end, and its memory counts until then."""
+        sessions using it keep it until they end, and its memory counts until then. A dataset
+        sharded over the store's nodes changed if this node's files did or another node's
+        listing did (each asked: ``Describe``, which has that node compare its own files
+        too); ``peers=False``: this node's files only."""
         with self._lock:
             r = self._by_path.get(path)
         if r is None or not r.state:
             return
-        with r.checking:  # (a stat per file: not under the residency's lock)
+        if not r.checking.acquire(blocking=peers):  # (a peer asking: the check under way will do)
+            return
+        try:  # (a stat per file, the peers' listings: not under the residency's lock)
             if not force and time.monotonic() - r.checked < RECHECK_S:
                 return
-            same = files_state(r.reader.files) == r.state
-            r.checked = time.monotonic()
+            local = r.reader.local.files if r.owner is not None else r.reader.files
+            same = files_state(local) == r.state
+            if same and peers and r.owner is not None:
+                same = _digest(self._describe_others(r.template)) == r.peers_state
+            if peers or r.owner is None:
+                r.checked = time.monotonic()
+        finally:
+            r.checking.release()
         if same:
             return
         with self._lock:
@@ -513,16 +541,22 @@ class Residency:
             r.close()
 
     # -- internals -----------------------------------------------------------------------------
-    def _shards(self, path: str, template: str) -> tuple[Any, RunOwners] | None:
-        """``(reader of the global index, owner)`` when the nodes hold different files of
-        ``template``; ``None`` when every node holds every sample (or there is one node)."""
-        if self.link is None or self.link.nodes == 1:
-            return None
-        mine = listing(path, self.roots)
+    def _describe_others(self, template: str) -> dict[int, Any]:
+        """Every other node's listing of ``template`` (``Describe``), by node."""
+        assert self.link is not None
         link, others = self.link, [n for n in range(self.link.nodes) if n != self.node]
         with ThreadPoolExecutor(min(DESCRIBE_THREADS, len(others))) as pool:  # one wait, not N
             asked = pool.map(lambda n: link.describe(n, template), others)
-            theirs = dict(zip(others, asked, strict=True))
+            return dict(zip(others, asked, strict=True))
+
+    def _shards(self, path: str, template: str) -> tuple[Any, RunOwners, bytes] | None:
+        """``(reader of the global index, owner, digest of the other nodes' listings)`` when
+        the nodes hold different files of ``template``; ``None`` when every node holds every
+        sample (or there is one node)."""
+        if self.link is None or self.link.nodes == 1:
+            return None
+        mine = listing(path, self.roots)
+        link, theirs = self.link, self._describe_others(template)
         every = [mine if n == self.node else theirs[n] for n in range(link.nodes)]
         if not all(ok for ok, _, _ in every) or all(held == mine[1] for _, held, _ in every):
             return None
@@ -533,10 +567,14 @@ class Residency:
         holders = [held for _, held, _ in every]
         names = sorted(set().union(*holders))
         view = LocalView.of_names(_reader(path, self.roots), names, mine[1])
-        return view, owners_by_holders(names, holders)
+        return view, owners_by_holders(names, holders), _digest(theirs)
 
     def _load_locked(
-        self, path: str, template: str, opened: tuple[Any, RunOwners | None], state: bytes
+        self,
+        path: str,
+        template: str,
+        opened: tuple[Any, RunOwners | None],
+        state: tuple[bytes, bytes],
     ) -> Resident:
         reader, owner = opened
         keys = np.arange(len(reader)) if owner is None else owner.keys_of(self.node)
@@ -546,7 +584,7 @@ class Residency:
         room = self._make_room_locked(need, evicted, keep)
         r = _open(path, room, keys, reader)
         r.template, r.owner, r.node, r.link = template, owner, self.node, self.link
-        r.state, r.checked = state, time.monotonic()
+        (r.state, r.peers_state), r.checked = state, time.monotonic()
         r.loader = threading.Thread(
             target=self._preload, args=(r, evicted), name="datastore-load", daemon=True
         )

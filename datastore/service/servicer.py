@@ -126,7 +126,8 @@ class Servicer(pb_grpc.DataStoreServicer):
                 "UNAVAILABLE", f"node {self.residency.node} is stopping ({self._stop.why})"
             )
         path = self._resolve(request["path"])
-        if kind == "describe":
+        if kind == "describe":  # (a peer about to read it: a stale copy here is forgotten)
+            self.residency.check_local(path)
             return listing(path, self._config.allowed_roots)
         if kind == "fetch":
             if not request.get("pieces"):
