@@ -202,3 +202,19 @@ def test_names_a_client_sent_are_not_echoed_whole(service):
         sid = stub.OpenSession(job, timeout=10).session_id
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
     assert max(len(line) for line in log.read_text().splitlines()) < 10_000
+
+
+def test_a_stream_cancelled_before_its_first_request_is_no_internal_error(service):
+    """A loader closed while the stream of its next epoch's first batches opens cancels that
+    call before its first request: the service logged each such call as ``internal_error``
+    ("RpcError: ", level error), dozens in a minute of ordinary jobs."""
+    *_, sock, log = service
+    before = log.read_text().count("internal_error")
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        stream = ch.stream_stream("/datastore.v1.DataStore/StreamBatches")
+        for delay in (0, 0, 0.001, 0.005, 0.02):
+            call = stream(iter(lambda: time.sleep(1), 1))  # (sends nothing for a while)
+            time.sleep(delay)
+            call.cancel()
+    time.sleep(1)
+    assert log.read_text().count("internal_error") == before

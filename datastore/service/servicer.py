@@ -202,7 +202,10 @@ class Servicer(pb_grpc.DataStoreServicer):
         )
 
     def StreamBatches(self, requests: Any, context: grpc.ServicerContext) -> Any:
-        request = next(requests, None)
+        try:
+            request = next(requests, None)
+        except grpc.RpcError:  # cancelled before its first request: nobody to answer
+            return
         if request is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StreamBatches needs a first request")
         try:
