@@ -440,3 +440,30 @@ def test_peers_under_mpiexec_is_refused(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and "under mpiexec the services of a store peer over MPI" in r.stderr
     assert not list(tmp_path.glob("*.sock"))
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def test_a_peer_gone_mid_reply_is_not_blamed_on_the_service_the_client_asked():
+    """Node 1 killed mid-epoch: node 0 says so (``node 1 ... the connection closed
+    mid-reply``), and the loader told the user to check that node 0's service was running
+    ("no answer from ADDRESS ...: is `datastore serve` running at ADDRESS?"), because the
+    message held the word "connection"."""
+    from datastore.service.client import raise_for
+
+    peer = "node 1 (127.0.0.1:7433) broke off FetchBlocks (the connection closed mid-reply)"
+    err = raise_for(_Failed(grpc.StatusCode.UNAVAILABLE, peer), "/run/n0.sock")
+    assert isinstance(err, ServiceUnavailable)
+    assert str(err) == f"datastore serve at /run/n0.sock: {peer}"
+    nobody = "failed to connect to all addresses; last error: UNKNOWN: unix:/run/n0.sock"
+    err = raise_for(_Failed(grpc.StatusCode.UNAVAILABLE, nobody), "/run/n0.sock")
+    assert "is `datastore serve` running at /run/n0.sock?" in str(err)

@@ -221,7 +221,9 @@ def raise_for(exc: grpc.RpcError, address: str) -> Exception:
     details = str(exc.details()) if hasattr(exc, "details") else str(exc)
     err: Exception
     if code == grpc.StatusCode.UNAVAILABLE:
-        if "connect" in details.lower():  # nobody listens there (not a peer of it down)
+        # nobody listens there; not a peer of it down ("node K (HOST:PORT) ...", which may
+        # say "connection" too: the service asked is up and names the node that is not)
+        if "connect" in details.lower() and not details.startswith("node "):
             err = ServiceUnavailable(
                 f"no answer from {address} ({details}): is `datastore serve` running at {address}?"
             )
