@@ -330,17 +330,19 @@ def _writable(path: str) -> None:
 
 
 def _unmake(dest: str, made: list[str], dirs: list[str] | None = None) -> None:
-    """Remove the directories of the plan this run made in DEST (``dirs``), then the lock and
-    the directories this run made for DEST (``made``), each deepest first and only once it is
-    empty: whatever another run put there meanwhile stays. A DEST that had ``.datastore``
-    (``made`` empty) keeps its lock, its manifest and its partial copies."""
+    """Remove the directories of the plan this run made in DEST (``dirs``), then the lock, the
+    temp directory and the directories this run made for DEST (``made``), each deepest first
+    and only once it is empty: whatever another run put there meanwhile stays. A DEST that had
+    ``.datastore`` (``made`` empty) keeps its lock, its manifest and its partial copies."""
     for path in dirs or ():
         with contextlib.suppress(OSError):  # not made after all, or no longer empty
             os.rmdir(path)
     if not made:
         return
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # (DEST is a file)
         os.unlink(os.path.join(meta_dir(dest), "lock"))  # still held: released when closed
+    with contextlib.suppress(OSError):  # not made, or holding what another run wrote
+        os.rmdir(tmp_dir(dest))
     for path in made:
         try:
             os.rmdir(path)
