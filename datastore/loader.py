@@ -668,5 +668,5 @@ class DataStoreLoader(EpochPosition):
 
 def _root(dataset: Any) -> str:
     """The directory that sample file names are taken relative to."""
-    path = dataset if isinstance(dataset, str) else dataset.paths[0]
+    path = os.fspath(dataset) if isinstance(dataset, str | os.PathLike) else dataset.paths[0]
     return path if os.path.isdir(path) else os.path.dirname(path)

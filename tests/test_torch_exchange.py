@@ -106,6 +106,20 @@ def test_torchrun_ranks_exchange_and_get_the_batches_one_process_cuts(h5, tmp_pa
                 assert np.array_equal(r["x"][step][pos], want)
 
 
+def test_a_pathlib_path_exchanges_as_its_string_does(h5, tmp_path):
+    """``DataLoader`` users pass ``pathlib.Path`` datasets; one rank read them, but with an
+    exchange every rank raised ``AttributeError: 'PosixPath' object has no attribute 'paths'``
+    (the check for a staged share took any non-string for a ``DatasetSpec``)."""
+    path, x = h5
+    out = tmp_path / "p"
+    got = run(2, [f"pathlib:{path}", str(out), "4", "1", "-", "1"], out)
+    want = Schedule(N, 4, seed=5).order(0).reshape(-1, 4)
+    for rank, r in enumerate(got):
+        assert str(r["source"]) == "torch.distributed", r
+        assert np.array_equal(r["idx"], want[:, rank * 2 : rank * 2 + 2])
+        assert np.array_equal(r["x"], x[r["idx"]])
+
+
 def test_a_rank_that_stops_taking_batches_times_the_others_out(h5, tmp_path):
     path, _ = h5
     out = tmp_path / "t"

@@ -3,12 +3,14 @@
 what it saw to ``OUT.rank.npz``.
 
 Usage: torch_loader_job.py DATASET OUT GLOBAL_BATCH EPOCHS PARTS HALO [STOP_AFTER]
+  DATASET: a path; ``pathlib:PATH`` passes it as a ``pathlib.Path``.
   PARTS, HALO: e.g. ``2,1,1`` and ``1``, or ``-`` for whole samples; STOP_AFTER: rank 1
   stops iterating after that many batches and then waits (a timeout test).
 """
 
 from __future__ import annotations
 
+import pathlib
 import sys
 import time
 
@@ -21,12 +23,13 @@ from datastore import DataStoreLoader
 def main() -> None:
     path, out, gb, epochs, parts, halo = sys.argv[1:7]
     stop_after = int(sys.argv[7]) if len(sys.argv) > 7 else None
+    dataset = pathlib.Path(path[len("pathlib:") :]) if path.startswith("pathlib:") else path
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     spatial = None
     if parts != "-":
         spatial = {"parts": tuple(int(p) for p in parts.split(",")), "halo": int(halo)}
-    loader = DataStoreLoader(path, global_batch_size=int(gb), seed=5, spatial=spatial, timeout=3)
+    loader = DataStoreLoader(dataset, global_batch_size=int(gb), seed=5, spatial=spatial, timeout=3)
     xs, ids = [], []
     try:
         for _ in range(int(epochs)):
