@@ -62,7 +62,7 @@ from datastore.store.ring import BufferRing, can_pin, staging_pinned
 from datastore.store.shards import shard_layout
 from datastore.store.store import Counters, SlotSpec, Store
 
-__all__ = ["VALID", "DataStoreLoader", "LoaderOptions"]
+__all__ = ["VALID", "DataStoreLoader", "LoaderOptions", "LoaderSampler"]
 
 VALID = "valid"  # the key of the mask of real samples when drop_last=False
 # the arguments that fix which samples each rank receives at every step (``rank_view``'s)
@@ -224,7 +224,8 @@ class DataStoreLoader(EpochPosition):
     Attributes:
         source: where batches come from: ``"local"``, ``"mpi"``, ``"torch.distributed"``
             (an exchange between the ranks) or ``"service"``.
-        sampler: the loader itself, whose ``set_epoch`` trainers call (Lightning).
+        sampler: whose ``set_epoch`` trainers call (Lightning), the loader's; its ``len`` is
+            the samples this rank gets per epoch, as a ``DistributedSampler``'s.
 
     Every ``iter()`` is a whole pass, as with torch's loaders; only the first after
     ``load_state_dict`` resumes mid-epoch (``datastore.maths.order.EpochPosition``).
@@ -608,10 +609,11 @@ class DataStoreLoader(EpochPosition):
     batch_sampler = None  # a DataLoader's attribute that trainers read beside ``sampler``
 
     @property
-    def sampler(self) -> DataStoreLoader:
-        """The loader itself: what Lightning (and other trainers) call ``set_epoch(epoch)`` on
-        at every epoch, as on a ``DistributedSampler``, so their epoch is ours."""
-        return self
+    def sampler(self) -> LoaderSampler:
+        """What Lightning (and other trainers) call ``set_epoch(epoch)`` on at every epoch, as
+        on a ``DistributedSampler``, so their epoch is ours; its ``len`` is the samples this
+        rank gets per epoch, as a ``DistributedSampler``'s."""
+        return LoaderSampler(self)
 
     # -- what it did ---------------------------------------------------------------------------
     @property
@@ -664,6 +666,26 @@ class DataStoreLoader(EpochPosition):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LoaderSampler:
+    """``loader.sampler``: the loader's epoch behind a ``DistributedSampler``'s face.
+    ``set_epoch(e)`` is the loader's; ``len()`` is the samples this rank gets per epoch
+    (``len(loader) * loader.batch_size``, padding repeats included, as a ``DistributedSampler``
+    counts its own), not the batches: ported scripts divide summed losses by it."""
+
+    def __init__(self, loader: DataStoreLoader):
+        self.loader = loader
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.loader.batch_size
 
 
 def _root(dataset: Any) -> str:

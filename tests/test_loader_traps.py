@@ -179,6 +179,26 @@ def test_4_valid_per_rank_sums_to_the_dataset(h5):
     assert sum(sum(m) for r in masks for m in r) == N
 
 
+@pytest.mark.filterwarnings(NO_COMM)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_4_len_of_the_sampler_counts_samples_as_distributed_samplers_does(h5, drop_last):
+    """Scripts ported from ``DistributedSampler`` divide summed losses by ``len(sampler)``, the
+    samples a rank gets per epoch. ``loader.sampler`` was the loader, whose ``len`` is the
+    batches: 3 for 12 samples (a mean 4x too large). Its ``set_epoch`` is still ours."""
+    path, _, _ = h5
+    loader = DataStoreLoader(path, batch_size=4, seed=1, drop_last=drop_last, rank=1, world=2)
+    sampler = loader.sampler
+    per_rank = [b["idx"].numel() for b in loader]  # 22 = 2 * (2 * 4) + 6
+    assert len(sampler) == sum(per_rank) == (12 if not drop_last else 8)
+    assert len(loader) == (3 if not drop_last else 2)
+    torch_sampler = torch.utils.data.DistributedSampler(range(N), 2, 1, drop_last=drop_last)
+    assert len(sampler) - len(torch_sampler) == (1 if not drop_last else -3)  # ours: whole batches
+    sampler.set_epoch(5)
+    assert (loader.epoch, sampler.epoch) == (5, 5)
+    want = Schedule(N, 8, seed=1, tail="drop" if drop_last else "pad").order(5).reshape(-1, 8)
+    assert [b["idx"].tolist() for b in loader] == want[:, 4:].tolist()
+
+
 def test_4_no_padding_still_has_an_all_true_valid(tmp_path):
     path = write(tmp_path / "e.h5", 8, 3)
     loader = DataStoreLoader(path, batch_size=4, drop_last=False)
