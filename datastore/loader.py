@@ -288,7 +288,7 @@ class DataStoreLoader(EpochPosition):
         }
         self.transform, self.collate = transform, collate
         remote = service is not None
-        self.world: World = detect_world(rank, world, exchange.comm)
+        self.world: World = detect_world(rank, world, exchange.comm, group=exchange.group)
         self._checks: StoreCollective | None = None  # the checks' ranks, without an exchange
         self._unchecked: dict[str, str] | None = None  # what the first pass must agree on
         self._coll = self._collective(exchange.group, exchange.enabled, remote)
@@ -348,7 +348,16 @@ class DataStoreLoader(EpochPosition):
             return Collective(comm=self.world.comm)
         import torch.distributed as dist
 
+        own_job = False  # rank=/world= of a job inside the process group's (as under MPI)
         if dist.is_available() and dist.is_initialized():
+            own_job = not self._group_numbers_the_world(dist, group)
+        if own_job and exchange:
+            raise ValueError(
+                f"exchange=True, but world={self.world.size} was given and the "
+                f"torch.distributed group has {dist.get_world_size()} ranks: pass "
+                "ExchangeOptions(group=...) holding the ranks of this job"
+            )
+        if dist.is_available() and dist.is_initialized() and not own_job:
             from datastore.sources.torch_dist import gloo_group
 
             return Collective(group=gloo_group(group))
@@ -361,6 +370,17 @@ class DataStoreLoader(EpochPosition):
         self._checks = StoreCollective.of(self.world.rank, self.world.size, os.environ)
         if self._checks is None and self.world.source != "given":
             self._unchecked = {}  # agreed at the first pass, over the process group made by then
+        if own_job:
+            warnings.warn(
+                f"datastore: rank={self.world.rank}, world={self.world.size} given, but the "
+                f"torch.distributed group has {dist.get_world_size()} ranks: taken as a job of "
+                "its own, every rank reads and holds the samples it needs itself. Pass "
+                "ExchangeOptions(group=...) with the group of this job's ranks (a data-parallel "
+                "group) to hold the dataset once between them.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return None
         warnings.warn(
             f"datastore: {self.world.size} ranks ({self.world.source}) but no MPI and no "
             "torch.distributed process group: every rank reads and holds the samples it needs "
@@ -370,6 +390,24 @@ class DataStoreLoader(EpochPosition):
             stacklevel=3,
         )
         return None
+
+    def _group_numbers_the_world(self, dist: Any, group: Any) -> bool:
+        """Whether the exchange's group (``group``, else the default one) numbers the ranks as
+        ``self.world`` does. Given ``rank``/``world`` of another size than the default group's
+        are a job of its own (``False``: no exchange, as under MPI); a rank numbered otherwise,
+        or a given group of another size, is a ``ValueError`` naming both."""
+        w = self.world
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        if (size, me) == (w.size, w.rank):
+            return True
+        if group is None and w.source == "given" and size != w.size:
+            return False
+        what = "ExchangeOptions.group" if group is not None else "the torch.distributed group"
+        raise ValueError(
+            f"{what} numbers this rank {me} of {size}, but the loader is rank {w.rank} of "
+            f"{w.size} ({w.source}): the exchange's ranks must be numbered as the group numbers "
+            "them (give rank=/world= as the group's, or a group of this job's ranks)"
+        )
 
     def _agree(self, fingerprint: dict[str, str], error: BaseException | None) -> None:
         """Raise ``error`` (or a peer's, or a disagreement) on every rank alike."""

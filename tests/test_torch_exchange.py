@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow  # torchrun jobs of several processes: not in `mak
 N, C, D = 16, 2, 8
 JOB = os.path.join(os.path.dirname(__file__), "dist_jobs", "torch_loader_job.py")
 EXCHANGE_JOB = os.path.join(os.path.dirname(__file__), "dist_jobs", "torch_exchange_job.py")
+SUB_JOB = os.path.join(os.path.dirname(__file__), "dist_jobs", "sub_job_loader_job.py")
 
 
 def free_port() -> int:
@@ -118,6 +119,34 @@ def test_a_pathlib_path_exchanges_as_its_string_does(h5, tmp_path):
         assert str(r["source"]) == "torch.distributed", r
         assert np.array_equal(r["idx"], want[:, rank * 2 : rank * 2 + 2])
         assert np.array_equal(r["x"], x[r["idx"]])
+
+
+def test_data_ranks_of_a_model_parallel_job_get_their_batches(h5, tmp_path):
+    """4 ranks, 2-way model parallel: ranks 2k and 2k+1 are data rank k of 2, as a
+    ``DistributedSampler(num_replicas=2, rank=k)`` is told. ``rank=k, world=2`` made the
+    exchange span the default group of 4 (a ``KeyError`` on one rank, ``PeerFailed`` on the
+    others); ``ExchangeOptions(group=<the data-parallel group>)`` numbered the ranks by the
+    default group (``ValueError: Group rank 2 is not part of group``). Now: a job of its own
+    (each rank reads its share, a warning saying so), an exchange within the group; ranks
+    numbered otherwise than the group numbers them are refused, naming both."""
+    path, _ = h5
+    out = tmp_path / "s"
+    got = run(4, [path, str(out)], out, 120, SUB_JOB)
+    want = Schedule(N, 4, seed=3).order(0).reshape(-1, 4)
+    for rank, row in enumerate(got):
+        mine = want[:, (rank // 2) * 2 : (rank // 2) * 2 + 2].tolist()
+        for way, source in (("given", "local"), ("group", "torch.distributed")):
+            r = row[way]
+            assert "error" not in r, (rank, way, r)
+            assert (r["rank"], r["world"], r["ids"]) == (rank // 2, 2, mine), (rank, way, r)
+            assert r["source"] == source, (rank, way, r)
+        assert "taken as a job of its own" in row["given"]["warnings"][0]
+        assert row["group"]["warnings"] == []
+        kind, text = row["misnumbered"]["error"]
+        assert kind == "ValueError" and text.startswith(
+            f"the torch.distributed group numbers this rank {rank} of 4, but the loader is rank "
+            f"{(rank + 1) % 4} of 4 (given)"
+        ), text
 
 
 def test_a_rank_that_stops_taking_batches_times_the_others_out(h5, tmp_path):

@@ -10,7 +10,8 @@
    ``rank``/``world`` with another ``world`` are a job of its own inside the MPI job: taken as
    given, with no communicator (nothing is exchanged);
 3. given explicitly (``rank=``, ``world=``);
-4. an initialized ``torch.distributed`` process group;
+4. an initialized ``torch.distributed`` process group: ``group``'s numbering when one is given
+   (``ExchangeOptions(group=...)``, a data-parallel group), else the default group's;
 5. torchrun's ``RANK`` / ``WORLD_SIZE``;
 6. Slurm's ``SLURM_PROCID`` / ``SLURM_NTASKS``;
 7. otherwise a single process.
@@ -44,8 +45,10 @@ def detect_world(
     world: int | None = None,
     comm: Any = None,
     env: dict[str, str] | None = None,
+    group: Any = None,
 ) -> World:
-    """This process's rank and world size; ``comm`` (mpi4py) wins over everything else."""
+    """This process's rank and world size; ``comm`` (mpi4py) wins over everything else;
+    ``group``: the ``torch.distributed`` group the exchange spans (default: every rank)."""
     env = os.environ if env is None else env
     if comm is not None:
         return World(comm.Get_rank(), comm.Get_size(), "the given MPI communicator", comm)
@@ -61,6 +64,14 @@ def detect_world(
     if rank is not None:
         return World(rank, world, "given")  # type: ignore[arg-type]
     dist = _torch_dist()
+    if dist is not None and group is not None:
+        me = dist.get_rank(group)
+        if me < 0:
+            raise ValueError(
+                f"ExchangeOptions.group does not hold this rank (rank {dist.get_rank()} of the "
+                "default group): each rank passes the group it belongs to"
+            )
+        return World(me, dist.get_world_size(group), "the given torch.distributed group")
     if dist is not None:
         return World(dist.get_rank(), dist.get_world_size(), "torch.distributed")
     launched = env_world(env)
