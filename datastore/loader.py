@@ -55,6 +55,7 @@ from datastore.sources.options import (
     service_of,
 )
 from datastore.sources.owners import ExchangeSetup
+from datastore.sources.torch_dist import keeps_group
 from datastore.store.device import DeviceStage, parse_device
 from datastore.store.gather import Gather
 from datastore.store.memory import available_memory
@@ -684,8 +685,8 @@ class DataStoreLoader(EpochPosition):
             self.reader.close()
         if self._coll is not None:
             self._coll.close()
-            if self._coll.group is not None:  # gloo_group()'s: this loader's own
-                import torch.distributed as dist
+            if self._coll.group is not None and not keeps_group(self.options.exchange.group):
+                import torch.distributed as dist  # gloo_group()'s: this loader's own
 
                 if dist.is_initialized():
                     dist.destroy_process_group(self._coll.group)

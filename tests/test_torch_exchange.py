@@ -128,14 +128,21 @@ def test_data_ranks_of_a_model_parallel_job_get_their_batches(h5, tmp_path):
     others); ``ExchangeOptions(group=<the data-parallel group>)`` numbered the ranks by the
     default group (``ValueError: Group rank 2 is not part of group``). Now: a job of its own
     (each rank reads its share, a warning saying so), an exchange within the group; ranks
-    numbered otherwise than the group numbers them are refused, naming both."""
+    numbered otherwise than the group numbers them are refused, naming both. A second loader
+    over the group, made once the first was closed, hung in ``new_group`` (torch named its gloo
+    group as the destroyed one's, whose keys were still in the store)."""
     path, _ = h5
     out = tmp_path / "s"
     got = run(4, [path, str(out)], out, 120, SUB_JOB)
     want = Schedule(N, 4, seed=3).order(0).reshape(-1, 4)
     for rank, row in enumerate(got):
         mine = want[:, (rank // 2) * 2 : (rank // 2) * 2 + 2].tolist()
-        for way, source in (("given", "local"), ("group", "torch.distributed")):
+        ways = (
+            ("given", "local"),
+            ("group", "torch.distributed"),
+            ("group-again", "torch.distributed"),
+        )
+        for way, source in ways:
             r = row[way]
             assert "error" not in r, (rank, way, r)
             assert (r["rank"], r["world"], r["ids"]) == (rank // 2, 2, mine), (rank, way, r)

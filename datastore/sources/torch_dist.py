@@ -32,7 +32,7 @@ from datastore.maths.exchange import Message
 from datastore.ranks.agree import timeout_error
 from datastore.sources.owners import ExchangeSetup, Owners
 
-__all__ = ["TorchExchange", "gloo_group"]
+__all__ = ["TorchExchange", "gloo_group", "keeps_group"]
 
 _TAGS = 1 << 15  # message tags: the step modulo this
 
@@ -46,12 +46,25 @@ def gloo_group(group: Any = None) -> Any:
     collectives for ever (seen with a gloo default group). A group of its own keeps them
     apart, as ``comm.Dup()`` does for MPI, and is gloo whatever ``group``'s backend (NCCL
     takes no CPU tensors). Collective: every rank of ``group`` calls it, in the same order.
-    The caller frees it with ``torch.distributed.destroy_process_group``.
+    The caller frees it with ``torch.distributed.destroy_process_group`` unless
+    :func:`keeps_group` says to keep it.
     """
     if group is None:
         return dist.new_group(backend="gloo")
     ranks = dist.get_process_group_ranks(group)
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+
+
+def keeps_group(group: Any) -> bool:
+    """Whether the gloo group :func:`gloo_group` made over ``group`` must outlive its loader.
+
+    A group over given ranks is made with local synchronization, which torch names by a hash
+    of its ranks and of the number of groups alive in the process: once destroyed, its name
+    comes back with the next loader over the same ranks, whose rendezvous then meets the old
+    group's keys in the store and hangs in ``new_group`` (for gloo's 30 minutes). So such a
+    group is kept, with its connections, until the process ends; one over every rank
+    (``group=None``) is named by a counter and freed."""
+    return group is not None
 
 
 class TorchExchange(Owners):

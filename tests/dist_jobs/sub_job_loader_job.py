@@ -1,8 +1,9 @@
 """One rank of a 4-rank torchrun-style job (no MPI) that is 2-way model parallel: ranks 2k and
 2k+1 are data rank k of 2 and must get the same batches, as ``DistributedSampler(num_replicas=2,
 rank=k)`` gives them. The loader is told so two ways: ``rank=k, world=2`` (a job of its own
-inside the default group) and ``ExchangeOptions(group=<data-parallel group>)``; and once with
-ranks numbered otherwise than the group numbers them (refused). Writes ``OUT.RANK.json``:
+inside the default group) and ``ExchangeOptions(group=<data-parallel group>)``, that twice (a
+loader over the group, closed, then another); and once with ranks numbered otherwise than the
+group numbers them (refused). Writes ``OUT.RANK.json``:
 per way, the loader's source, rank and world and the sample ids of one epoch, or the error.
 
 Usage: sub_job_loader_job.py DATASET OUT
@@ -28,6 +29,7 @@ def main() -> None:
     ways = {
         "given": {"rank": rank // 2, "world": world // 2},
         "group": {"exchange": dp},
+        "group-again": {"exchange": dp},
         "misnumbered": {"rank": (rank + 1) % world, "world": world},
     }
     rows = {}
