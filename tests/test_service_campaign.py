@@ -33,7 +33,13 @@ from datastore.errors import DataStoreError
 from datastore.loader import DataStoreLoader
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
-from datastore.service.client import RemoteBatches, open_channel, stream_batches, target_of
+from datastore.service.client import (
+    Client,
+    RemoteBatches,
+    open_channel,
+    stream_batches,
+    target_of,
+)
 from datastore.service.session import MAX_GLOBAL_BATCH
 from datastore.service.status_table import format_status, status_dict
 from datastore.sources.options import ExchangeOptions, ServiceOptions
@@ -1095,12 +1101,14 @@ def test_a_dataset_that_fails_to_load_is_reported_and_refused_until_fixed(start,
     sock = tmp_path / "s.sock"
     start("--socket", str(sock))
     why = f"{path}/1.npy: field 'data': sample 1 is <i8 (3,), sample 0 is <f4 (4, 8)"
-    for wait in (["--wait"], []):  # the second asks again, once the first has failed
-        r = cli("load", str(path), *wait, "--socket", str(sock), env=env)
-        assert r.returncode == 1 and r.stdout == ""
-        assert f"DATA_LOSS: {path} could not be read into memory: {why}" in r.stderr
-    r = cli("status", "--json", "--socket", str(sock), env=env)
-    assert [x["load_error"] for x in json.loads(r.stdout)["datasets"]] == [why]
+    r = cli("load", str(path), "--wait", "--socket", str(sock), env=env)
+    assert r.returncode == 1 and r.stdout == ""
+    assert f"DATA_LOSS: {path} could not be read into memory: {why}" in r.stderr
+    with Client(str(sock)) as c:
+        with pytest.raises(DataStoreError, match="could not be read into memory") as err:
+            c.load(str(path))  # asked again without waiting: refused at once
+        assert err.value.grpc_status == grpc.StatusCode.DATA_LOSS
+        assert [x.load_error for x in c.status().datasets] == [why]
     r = cli("status", "--socket", str(sock), env=env)
     assert f"  {path}: {why}" in r.stdout.splitlines()
     with pytest.raises(DataStoreError, match="could not be read into memory") as err:
@@ -1108,8 +1116,8 @@ def test_a_dataset_that_fails_to_load_is_reported_and_refused_until_fixed(start,
     assert err.value.grpc_status == grpc.StatusCode.DATA_LOSS
     np.save(path / "1.npy", np.full((4, 8), 1, np.float32))  # fixed: read again
     time.sleep(1.2)  # (the files are compared at most once a second)
-    r = cli("load", str(path), "--wait", "--socket", str(sock), env=env)
-    assert r.returncode == 0, r.stderr
+    with Client(str(sock)) as c:
+        assert c.load(str(path), wait=True).dataset.load_error == ""
     with DataStoreLoader(
         str(path), batch_size=1, shuffle=False, service=ServiceOptions(str(sock))
     ) as job:
