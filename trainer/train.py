@@ -336,13 +336,14 @@ class Trainer:
                 state = {"step": self.step, "optimizer": self.opt.state_dict()}
                 save_checkpoint(cfg.checkpoint_dir, state, f"optimizer.d{grid.data_rank}.pt")
             self._world_sum(torch.zeros(1, device=self.run.device))  # every file is written
-        rngs = self._rng_states()  # (a collective: before rank 0 alone goes on)
+        rngs = self._rng_states()  # (collectives: before rank 0 alone goes on)
+        targets, buffers = self._target_states(), self._buffer_states()
         if not self.lead:  # the model is replicated: rank 0 writes for all
             return None
         state = {
             "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
             "loader": self.loader.state_dict(), "rng": rngs, "step": self.step,
-            "targets": self.target_sums.state_dict(), "config": cfg.to_dict(),
+            "targets": targets, "buffers": buffers, "config": cfg.to_dict(),
             "world": 1 if grid is None else grid.world,
         }  # fmt: skip
         return save_checkpoint(cfg.checkpoint_dir, state)
@@ -358,6 +359,28 @@ class Trainer:
             return [own]
         every = all_gather(own.to(self.run.device), self.grid.data_group, self.grid.timeout)
         return [t.cpu() for t in every]
+
+    def _target_states(self) -> list[dict[str, Any]]:
+        """Every rank's target sums, by global rank: each rank sums its own samples (and with
+        a voxel target its own block), and the baseline is their sum over the world."""
+        own = self.target_sums.state_dict()
+        if self.grid is None or self.grid.world == 1:
+            return [own]
+        packed = torch.cat([own["total"], own["total"].new_tensor([float(own["count"])])])
+        every = all_gather(packed.to(self.run.device), None, self.grid.timeout)
+        return [{"total": t[:-1].cpu(), "count": int(t[-1])} for t in every]
+
+    def _buffer_states(self) -> list[dict[str, torch.Tensor]]:
+        """Every data rank's model buffers (BatchNorm's running statistics, over its replica's
+        samples alone), by data rank; a replica's spatial ranks hold the same."""
+        own = dict(self.model.named_buffers())
+        if self.grid is None or self.grid.data_size == 1:
+            return [{k: v.cpu() for k, v in own.items()}]
+        every: list[dict[str, torch.Tensor]] = [{} for _ in range(self.grid.data_size)]
+        for name, value in own.items():
+            for r, t in enumerate(all_gather(value, self.grid.data_group, self.grid.timeout)):
+                every[r][name] = t.cpu()
+        return every
 
     def resume(self) -> bool:
         """Load the checkpoint in ``checkpoint_dir`` if there is one."""
@@ -400,7 +423,12 @@ class Trainer:
             torch.set_rng_state(own[:cpu])
             if self.gpu and own.numel() > cpu:  # (a checkpoint of a CPU run: no device state)
                 torch.cuda.set_rng_state(own[cpu:], self.run.device)
-        self.target_sums.load_state_dict(saved["targets"])
+        buffers = saved.get("buffers")  # (an older checkpoint: rank 0's, in "model")
+        if buffers is not None:
+            self.model.load_state_dict(buffers[data_rank], strict=False)
+        targets = saved["targets"]  # (an older checkpoint: rank 0's sums alone)
+        rank = 0 if self.grid is None else self.grid.rank
+        self.target_sums.load_state_dict(targets[rank] if isinstance(targets, list) else targets)
         self.step = self.resumed_from = saved["step"]
 
     def close(self) -> None:
