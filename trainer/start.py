@@ -376,7 +376,7 @@ def _agree(cfg: TrainConfig, error: BaseException | None, fingerprint: dict[str,
     else:
         group = dist.new_group(backend="gloo")  # small CPU messages, whatever the backend
         coll = Collective(group=group)
-    fingerprint = {"configuration": json.dumps(fingerprint, sort_keys=True)}
+    fingerprint = _per_key(fingerprint)
     try:
         agree(coll, fingerprint, error, cfg.comm_timeout, "the trainer's start-up check")
     except (ExchangeTimeout, PeerFailed) as exc:  # (some rank not heard from)
@@ -387,6 +387,16 @@ def _agree(cfg: TrainConfig, error: BaseException | None, fingerprint: dict[str,
         coll.close()
         if group is not None:
             dist.destroy_process_group(group)
+
+
+def _per_key(config: dict[str, Any]) -> dict[str, str]:
+    """``config`` (``to_dict()``; a tournament's training keys under ``"train"``) as one
+    fingerprint entry per config key, so that ranks that disagree are told which key differs
+    (one entry for the whole configuration named none: two 700-character configurations)."""
+    keys = {k: v for k, v in config.items() if k != "train"}
+    if "train" in config:  # a tournament's
+        keys = {**config["train"], **{f"tournament.{k}": v for k, v in keys.items()}}
+    return {f"config key {k!r}": json.dumps(v, sort_keys=True) for k, v in keys.items()}
 
 
 def start(cfg: TrainConfig, tournament: TournamentConfig | None = None) -> Run:
