@@ -292,6 +292,21 @@ def test_a_checkpoint_of_another_world_is_refused_on_every_rank(data, tmp_path):
     assert "Abort" not in proc.stderr and "ABORT" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.mpi
+def test_a_checkpoint_of_another_dataset_is_refused_on_every_rank(data, tmp_path):
+    """A training set of another size: refused before any step, agreed (was: each rank's
+    loader refused it once training had begun, and mpi4py aborted: 'Abort(2) on node 1')."""
+    sets = [f"data={data}", "width=2", "conv_blocks=3", "global_batch=4", "comm_timeout=60"]
+    sets.append(f"checkpoint_dir={tmp_path}/ck")
+    assert launch(2, [*sets, "steps=1"]).returncode == 0
+    write_split(tmp_path / "more", 20, 4, 16, 0)
+    proc = launch(2, [*sets, "steps=2", f"data={tmp_path}/more"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("trainer: ") == 2, proc.stderr
+    assert proc.stderr.count("it was written with 16 training samples (now 20)") == 2, proc.stderr
+    assert "Abort" not in proc.stderr and "ABORT" not in proc.stderr, proc.stderr
+
+
 def _readme_commands(text: str) -> list[list[str]]:
     """The README's shell lines, continuations joined, as words."""
     return [line.split() for line in text.replace("\\\n", " ").splitlines()]

@@ -152,8 +152,16 @@ def test_a_checkpoint_of_another_run_is_refused(tiny, small, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "config key 'checkpoint_dir': cannot resume" in err
     assert "width=2 (now 4), optimizer='adam' (now 'sgd')" in err
-    # The same keys on other data: the model's shapes differ (caught when loading it).
+    # The same keys on other data: a training set of another size (refused before the start;
+    # was each rank's loader's refusal, after it) ...
     data = [*sets, f"data={small}", "steps=4"]
+    assert main(["train", *set_args(data)]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'checkpoint_dir': cannot resume" in err
+    assert "it was written with 40 training samples (now 192)" in err
+    # ... or of another side: the model's shapes differ (caught when loading it)
+    write_split(tmp_path / "side16", 40, 8, 16, seed=0)
+    data = [*sets, f"data={tmp_path / 'side16'}", "steps=4"]
     assert main(["train", *set_args(data)]) == 2
     err = capsys.readouterr().err
     assert "config key 'checkpoint_dir': cannot resume" in err and "size mismatch" in err

@@ -265,6 +265,9 @@ def check_resume(cfg: TrainConfig, world: int, samples: int) -> None:
     ]
     if saved_world is not None and saved_world != world:
         differ.append(f"{saved_world} rank(s) (now {world})")
+    position = saved.get("loader")  # (the loader refuses it too, but on each rank, mid-start)
+    if isinstance(position, dict) and position.get("num_samples") not in (None, samples):
+        differ.append(f"{position['num_samples']} training samples (now {samples})")
     if cfg.lr_schedule != "constant" and not differ:
         was = run_steps(config.get("steps", 0), config.get("epochs", 1), samples, cfg.global_batch)
         total = run_steps(cfg.steps, cfg.epochs, samples, cfg.global_batch)
