@@ -192,6 +192,11 @@ class TrainConfig:
         for key in ("train_file", "validation_file", "input_field", "target_field"):
             if not getattr(self, key):
                 raise ConfigError(f"config key {key!r}: must not be empty")
+        if self.input_field == self.target_field:  # (the loader reads a field once per batch)
+            raise ConfigError(
+                f"config keys 'input_field', 'target_field': both name field "
+                f"{self.input_field!r}; the model predicts another field than it reads"
+            )
         for key in ("width", "epochs", "global_batch", "log_every"):
             _at_least(key, getattr(self, key), 1)
         for key in (
