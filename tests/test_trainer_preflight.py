@@ -224,7 +224,8 @@ def launch(n: int, sets: list[str], per_rank: bool = False) -> subprocess.Comple
 
 # every rank refuses these before it trains: one launch runs them all (trainer_refusals)
 BAD_SETUPS = {
-    "split": (["spatial_parts=[2,1,1]"], "level 3: a block of 1 voxel along split axis 0"),
+    "split": (["spatial_parts=[2,1,1]"], "config keys 'spatial_parts', 'conv_blocks': level 3: "
+              "a block of 1 voxel along split axis 0"),
     "batch": (["conv_blocks=3", "global_batch=3"],
               "global_batch': 3 samples do not split evenly over 2"),
     "replicas": (["spatial_parts=[4,1,1]", "conv_blocks=2"],

@@ -108,10 +108,26 @@ def test_cli_exits_2_on_a_bad_config(tmp_path, capsys):
     assert main(["train", "--config", str(tmp_path / "none.toml")]) == 2
     assert "cannot read config file" in capsys.readouterr().err
     assert main(["train", "--set", f"data={tmp_path}"]) == 2  # no train.h5 there
-    assert "train.h5" in capsys.readouterr().err
+    err = capsys.readouterr().err  # (was "trainer: .../train.h5: no such file or directory")
+    assert err.startswith("trainer: config keys 'data', 'train_file': ") and "train.h5" in err
     path.write_bytes(b'data = "d"\nlr = 1e-3 \xff\n')  # not UTF-8
     assert main(["train", "--config", str(path)]) == 2
     assert "not valid TOML: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_data_errors_name_their_keys(tiny, tmp_path, capsys):
+    """Errors found in the data name the keys to change, as every config error does."""
+    base = [f"data={tiny}", "width=2", "steps=1", "global_batch=4"]
+    for sets, message in [
+        (["validation_file=none.h5"], "config keys 'data', 'validation_file': "),
+        # 8^3 pools 3 times at most (was: "side 8 along axis 0 is not divisible by 2**4 (4
+        # poolings)", naming no key)
+        (["conv_blocks=4"], "config key 'conv_blocks': side 8 along axis 0 is not divisible by "
+         "2**4 (4 poolings; at most 3 divide every side)"),
+    ]:  # fmt: skip
+        assert main(["train", *set_args([*base, *sets])]) == 2, sets
+        err = capsys.readouterr().err
+        assert err.startswith(f"trainer: {message}") and err.count("\n") == 1, (sets, err)
 
 
 def test_a_service_that_refuses_is_one_line_and_exit_1(tiny, tmp_path, capsys):

@@ -72,8 +72,10 @@ def level_blocks(
     """
     for axis, n in enumerate(shape):
         if depth >= int(n).bit_length() or n % 2**depth:  # never builds 2**depth for a huge depth
+            most = min((int(m) & -int(m)).bit_length() - 1 for m in shape)
             raise ValueError(
-                f"side {n} along axis {axis} is not divisible by 2**{depth} ({depth} poolings)"
+                f"side {n} along axis {axis} is not divisible by 2**{depth} ({depth} poolings; "
+                f"at most {most} divide every side)"
             )
     levels = [[split_sizes(n, p) for n, p in zip(shape, parts, strict=True)]]
     for level in range(depth + 1):
@@ -158,7 +160,12 @@ def check_run(
     check_world(world, parts)
     spatial = tuple(inputs[1][1:])
     depth = model_depth(model, min(spatial), conv_blocks)
-    level_blocks(spatial, parts, depth)
+    try:
+        level_blocks(spatial, parts, depth)
+    except ValueError as exc:
+        split = math.prod(parts) > 1
+        keys = "keys 'spatial_parts', 'conv_blocks'" if split else "key 'conv_blocks'"
+        raise ValueError(f"config {keys}: {exc}") from None
     return depth
 
 

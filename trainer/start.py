@@ -36,6 +36,7 @@ from datastore.errors import (
     PeerFailed,
 )
 from datastore.ranks.agree import Collective, agree
+from datastore.readers import DatasetError
 from datastore.sources.describe import describe_dataset, hold_datasets
 from datastore.sources.options import ServiceOptions
 from datastore.store.memory import available_memory
@@ -137,6 +138,17 @@ def _service_refused(exc: DataStoreError) -> ValueError:
     return ValueError(f"config key {key!r}: {exc}")
 
 
+def _dataset(
+    key: str, path: str, address: str | None, timeout: float, token: str | None
+) -> tuple[dict[str, Field], int]:
+    """:func:`describe` of the dataset config keys ``data`` and ``key`` name: a file read here
+    that is missing or unreadable names them (a service's refusal names its key already)."""
+    try:
+        return describe(path, address, timeout, token)
+    except DatasetError as exc:
+        raise ValueError(f"config keys 'data', {key!r}: {exc}") from None
+
+
 def field_of(fields: dict[str, Field], name: str, what: str, path: str) -> Field:
     """Field ``name`` of the dataset at ``path`` whose fields are ``fields``.
 
@@ -169,8 +181,9 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
     check_gpus(backend, device, ranks_per_node=local_size(), gpus=gpus)
     train_path, val_path = data_paths(cfg)
     address, token = data_address(cfg), data_token(cfg)
-    train_fields, samples = describe(train_path, address, cfg.comm_timeout, token)
-    val_fields, val_samples = describe(val_path, address, cfg.comm_timeout, token)
+    timeout = cfg.comm_timeout
+    train_fields, samples = _dataset("train_file", train_path, address, timeout, token)
+    val_fields, val_samples = _dataset("validation_file", val_path, address, timeout, token)
     if not val_samples:
         raise ValueError(f"config key 'validation_file': {val_path} has no samples")
     inputs = field_of(train_fields, cfg.input_field, "input", train_path)
