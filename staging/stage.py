@@ -271,7 +271,9 @@ def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[G
         source = entry.get("source") or ""
         if entry.get("kind") == "dir" or key in mine:
             continue
-        if not any(source == r or source.startswith(r + os.sep) for r in roots):
+        # staged from one of these sources where this run places it (under the source's base
+        # name): a file staged from inside one by another SRC (``stage SRC/sub``) is not ours
+        if not any(key == _placed(source, r) for r in roots):
             continue
         path = os.path.join(dest, key)
         if not within(dest, path):  # (through a link: not ours to remove)
@@ -285,6 +287,16 @@ def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[G
             continue
         del manifest.entries[key]
     return errors
+
+
+def _placed(source: str, root: str) -> str | None:
+    """Where a run staging the tree or file ``root`` places ``source`` in DEST (``cp -r``:
+    under the root's base name), or ``None`` when ``source`` is not in it."""
+    if source != root and not source.startswith(root + os.sep):
+        return None
+    rel = os.path.relpath(source, root)
+    name = os.path.basename(root)
+    return name if rel == "." else f"{name}/{rel.replace(os.sep, '/')}"
 
 
 def _resumable(work: NodeWork, algo: str) -> set[str]:

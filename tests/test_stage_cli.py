@@ -872,6 +872,23 @@ def test_too_few_inodes_for_its_own_files_is_one_line(tmp_path, run_stage, inode
         subprocess.run(["umount", str(mnt)], check=True, timeout=30)
 
 
+def test_a_shard_run_of_a_parent_keeps_what_was_staged_from_inside_it(tmp_path, run_stage):
+    """``stage SRC/a --mode shard`` then ``stage SRC --mode shard`` into the same DEST: the
+    second run removed DEST/a (its files' sources lie inside SRC, not at DEST/SRC/a where the
+    second run places them, so they were taken for files of another node's share)."""
+    src = tmp_path / "data"
+    (src / "a").mkdir(parents=True)
+    (src / "b").mkdir()
+    (src / "a" / "x").write_bytes(b"one\n")
+    (src / "b" / "y").write_bytes(b"two\n")
+    dest = tmp_path / "dest"
+    run_stage(src / "a", "--to", dest, "--mode", "shard", check=0)
+    run_stage(src, "--to", dest, "--mode", "shard", check=0)
+    assert (dest / "a" / "x").read_bytes() == b"one\n"
+    assert (dest / "data" / "a" / "x").read_bytes() == b"one\n"
+    assert {"a/x", "data/a/x", "data/b/y"} <= set(manifest(dest)["entries"])
+
+
 # -- corrupt archives -------------------------------------------------------------------------
 def _three_member_tar() -> bytes:
     return tar_bytes(
