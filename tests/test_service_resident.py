@@ -104,3 +104,39 @@ def test_a_copy_retired_while_in_use_still_counts_in_the_budget(tmp_path):
         residency.release(again)
     finally:
         residency.close()
+
+
+class _CountingLink:
+    """Node 0's view of a 2-node store whose node 1 holds ``other``: ``Describe`` answered
+    from the files there, counted."""
+
+    node, nodes = 0, 2
+
+    def __init__(self, other):
+        self.other, self.described = other, 0
+
+    def describe(self, node, template):
+        self.described += 1
+        return resident.listing(self.other)
+
+
+def test_a_peers_fetch_asks_no_other_node(tmp_path, monkeypatch):
+    """A peer's fetch (``check=False``) compares nothing, so it never asks the other nodes from
+    inside the fetch; a session's opening does, at most once a second (``RECHECK_S``)."""
+    monkeypatch.setattr(resident, "RECHECK_S", 0.0)
+    for node, keys in ((0, (0, 2)), (1, (1, 3))):
+        (tmp_path / f"n{node}").mkdir()
+        for k in keys:
+            np.save(tmp_path / f"n{node}" / f"{k:02d}.npy", np.full(4, k, np.float32))
+    link = _CountingLink(str(tmp_path / "n1"))
+    res = Residency(link=link)
+    path, template = str(tmp_path / "n0"), str(tmp_path / "n{node}")
+    r = res.acquire(path, template)  # opened: node 1's listing asked once
+    r.wait()
+    assert r.owner is not None and link.described == 1
+    res.release(res.acquire(path, template))  # a session's opening: asked again
+    assert link.described == 2
+    for _ in range(3):
+        res.release(res.acquire(path, template, check=False))
+    assert link.described == 2
+    res.release(r)

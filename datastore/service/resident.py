@@ -382,12 +382,18 @@ class Residency:
         self._retired: list[Resident] = []  # files changed, still used: in the budget until closed
 
     # -- use -----------------------------------------------------------------------------------
-    def acquire(self, path: str, template: str = "", force: bool = False) -> Resident:
+    def acquire(
+        self, path: str, template: str = "", force: bool = False, check: bool = True
+    ) -> Resident:
         """The resident copy of the dataset at real path ``path`` (``template``: as clients
         name it), loaded if need be; counted as used by one more session until :meth:`release`.
-        ``force``: compare its files with the disk now, however recently that was done."""
+        ``force``: compare its files with the disk now, however recently that was done;
+        ``check=False``: not at all (a peer's fetch: its session's opening had this node
+        compare its files through ``Describe``, and asking the other nodes from inside a
+        fetch could leave two nodes' answering threads waiting on each other)."""
         template = template or path
-        self._forget_if_changed(path, force)
+        if check:
+            self._forget_if_changed(path, force)
         opened: tuple[Any, RunOwners | None] | None = None
         state = (b"", b"")
         while True:
