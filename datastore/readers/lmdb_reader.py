@@ -131,13 +131,17 @@ class LmdbReader(Reader):
         try:
             return env.open_db(self._db_name.encode(), create=False)
         except lmdb.NotFoundError:
-            names = ", ".join(_named(env)) or "none"
+            names = _shown(_named(env)) or "none"
             raise DatasetError(
                 self.files[0], f"no database named {self._db_name!r} (named databases: {names})"
             ) from None
         except lmdb.IncompatibleError:
             raise DatasetError(
                 self.files[0], f"key {self._db_name!r} of the main database is no database"
+            ) from None
+        except lmdb.DbsFullError:
+            raise DatasetError(
+                self.files[0], f"more than {MAX_DBS} named databases opened in this process"
             ) from None
 
     @property
@@ -210,22 +214,27 @@ def _named(env: lmdb.Environment) -> list[str]:
                 env.open_db(bytes(key), create=False)
             except (lmdb.IncompatibleError, lmdb.NotFoundError):
                 return []  # a record: the main database holds data, not databases
+            except lmdb.DbsFullError:  # more than MAX_DBS: the first ones say enough
+                break
             names.append(bytes(key).decode(errors="backslashreplace"))
     return names
 
 
+def _shown(names: list[str]) -> str:
+    """The first ``NAMES_SHOWN`` of ``names``, for a message."""
+    return ", ".join(names[:NAMES_SHOWN]) + (", ..." if len(names) > NAMES_SHOWN else "")
+
+
 def _say_if_named(env: lmdb.Environment, root: str) -> None:
-    """Raise, naming them, when the main database holds only named databases."""
-    if env.stat()["entries"] > MAX_DBS:  # records, surely: not looked at one by one
-        return
+    """Raise, naming them, when the main database holds only named databases (it stops at
+    its first record otherwise)."""
     names = _named(env)
     if names:
-        shown = ", ".join(names[:NAMES_SHOWN]) + (", ..." if len(names) > NAMES_SHOWN else "")
         raise DatasetError(
             root,
-            f"holds named databases ({shown}), no __meta__ record: name the one to read with "
-            f'db = "{names[0]}" in a spec file\'s lmdb table, which also says how its records '
-            "are encoded (docs/loader.md, Spec files)",
+            f"holds named databases ({_shown(names)}), no __meta__ record: name the one to read "
+            f'with db = "{names[0]}" in a spec file\'s lmdb table, which also says how its '
+            "records are encoded (docs/loader.md, Spec files)",
         )
 
 
