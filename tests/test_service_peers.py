@@ -107,19 +107,20 @@ def store(tmp_path_factory):
 def _job(src, template, store, spatial, epochs=2):
     """Both ranks of a job, rank k on service k, against the embedded loader."""
     for rank in range(2):
-        kw = {"rank": rank, "world": 2, "seed": 5, "spatial": spatial}
-        remote = DataStoreLoader(
-            template, batch_size=2, service=ServiceOptions(str(store.sockets[rank])), **kw
-        )
-        local = DataStoreLoader(
-            str(src), batch_size=2, exchange=ExchangeOptions(enabled=False), **kw
-        )
-        try:
-            for _ in range(epochs):
-                assert_same(batches(remote), batches(local))
-        finally:
-            remote.close()
-            local.close()
+        kw = {"rank": rank, "world": 2, "seed": 5, "spatial": spatial, "batch_size": 2}
+        _as_embedded(src, template, store.sockets[rank], epochs, kw)
+
+
+def _as_embedded(src, template, socket, epochs, kw):
+    """One rank's batches through the service at ``socket`` against the embedded loader's."""
+    remote = DataStoreLoader(template, service=ServiceOptions(str(socket)), **kw)
+    local = DataStoreLoader(str(src), exchange=ExchangeOptions(enabled=False), **kw)
+    try:
+        for _ in range(epochs):
+            assert_same(batches(remote), batches(local))
+    finally:
+        remote.close()
+        local.close()
 
 
 @pytest.mark.mpi
@@ -289,14 +290,7 @@ def _on_node0(src, template, s, epochs=1):
     """Both ranks of a job on node 0's service against the embedded loader over ``src``."""
     for rank in range(2):
         kw = {"rank": rank, "world": 2, "seed": 3, "batch_size": 3, "drop_last": False}
-        remote = DataStoreLoader(template, service=ServiceOptions(str(s.sockets[0])), **kw)
-        local = DataStoreLoader(str(src), exchange=ExchangeOptions(enabled=False), **kw)
-        try:
-            for _ in range(epochs):
-                assert_same(batches(remote), batches(local))
-        finally:
-            remote.close()
-            local.close()
+        _as_embedded(src, template, s.sockets[0], epochs, kw)
 
 
 @pytest.mark.mpi

@@ -811,17 +811,24 @@ def test_not_enough_space(tmp_path, run_stage):
         subprocess.run(["umount", str(mnt)], check=True, timeout=30)
 
 
+def _small_files_and_a_tmpfs(tmp: Path, name: str, n: int, size: str, inodes: int) -> tuple:
+    """``(tmp/name holding files f00.. of a few bytes each, tmp/mnt: a tmpfs of size and
+    inodes mounted)``; the caller unmounts it."""
+    src = tmp / name
+    src.mkdir()
+    for k in range(n):
+        (src / f"f{k:02d}").write_bytes(b"%d\n" % k)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    _mount_tmpfs(mnt, size, inodes=inodes)
+    return src, mnt
+
+
 def test_out_of_inodes_fails_the_run_naming_the_files(tmp_path, run_stage):
     """No inode left on DEST is a full disk too: the files that do not fit are named, those
     placed recorded, nothing left in .datastore (it was an internal error on a temp
     subdirectory, leaving tmp/ and a journal, then one on the manifest)."""
-    src = tmp_path / "mid"
-    src.mkdir()
-    for k in range(60):
-        (src / f"f{k:02d}").write_bytes(b"%d\n" % k)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    _mount_tmpfs(mnt, "50M", inodes=30)
+    src, mnt = _small_files_and_a_tmpfs(tmp_path, "mid", 60, "50M", inodes=30)
     try:
         dest = mnt / "dest"
         proc = run_stage(src, "--to", dest, "--json", check=1)
@@ -851,13 +858,7 @@ def test_out_of_inodes_fails_the_run_naming_the_files(tmp_path, run_stage):
 def test_too_few_inodes_for_its_own_files_is_one_line(tmp_path, run_stage, inodes, code, says):
     """With no inode for the lock, the temp directory or the journal, the run failed with an
     internal error (temp directory, journal) or left DEST and DEST/.datastore behind (lock)."""
-    src = tmp_path / "tree"
-    src.mkdir()
-    for k in range(10):
-        (src / f"f{k}").write_bytes(b"%d\n" % k)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    _mount_tmpfs(mnt, "10M", inodes=inodes)
+    src, mnt = _small_files_and_a_tmpfs(tmp_path, "tree", 10, "10M", inodes=inodes)
     try:
         dest = mnt / "dest"
         proc = run_stage(src, "--to", dest, check=code)
