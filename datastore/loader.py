@@ -366,7 +366,16 @@ class DataStoreLoader(EpochPosition):
             raise ValueError(
                 "exchange=True needs an MPI launcher or an initialized torch.distributed group"
             )
-        if remote:  # the service holds the dataset: nothing to exchange
+        if remote:  # the service holds the dataset: nothing to exchange, nothing to check with
+            warnings.warn(
+                f"datastore: {self.world.size} ranks ({self.world.source}) but no MPI and no "
+                "torch.distributed process group: the ranks cannot check that they agree on "
+                "the seed, the batch and the shuffle, and ranks that differ get overlapping "
+                "samples silently. Launch with mpiexec, or call "
+                "torch.distributed.init_process_group first, to have them checked.",
+                UserWarning,
+                stacklevel=3,
+            )
             return None
         self._checks = StoreCollective.of(self.world.rank, self.world.size, os.environ)
         if self._checks is None and self.world.source != "given":

@@ -1122,3 +1122,17 @@ def test_a_dataset_that_fails_to_load_is_reported_and_refused_until_fixed(start,
         str(path), batch_size=1, shuffle=False, service=ServiceOptions(str(sock))
     ) as job:
         assert [int(b["data"][0, 0, 0]) for b in job] == [0, 1, 2]
+
+
+def test_ranks_given_without_a_launcher_are_warned_that_nothing_checks_them(start, tmp_path):
+    """Ranks with rank=/world= given and no MPI or process group cannot compare their seeds: two
+    such ranks of different seeds got 13 samples twice between them, and nothing said so (the
+    embedded loader warns)."""
+    path = make_dataset(tmp_path / "a.h5")
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock))
+    with pytest.warns(UserWarning, match="the ranks cannot check that they agree on the seed"):
+        job = DataStoreLoader(
+            str(path), batch_size=2, rank=1, world=2, service=ServiceOptions(str(sock))
+        )
+    job.close()
