@@ -921,6 +921,28 @@ def test_a_stream_cut_by_sigterm_ends_aborted_naming_the_shutdown(start, tmp_pat
     assert s.proc.wait(15) == 0
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--tcp", "127.0.0.1:99999"], "--tcp: the port must be 0..65535"),
+        (["--tcp", "127.0.0.1:abc"], "--tcp wants HOST:PORT"),
+        (["--metrics", "127.0.0.1:99999"], "--metrics: the port must be 0..65535"),
+        (["--metrics", "127.0.0.1:-1"], "--metrics wants HOST:PORT"),
+    ],
+    ids=["tcp-over-65535", "tcp-not-a-number", "metrics-over-65535", "metrics-negative"],
+)  # fmt: skip
+def test_a_port_out_of_range_stops_serve_at_start(tmp_path, env, args, says):
+    """A --tcp or --metrics port that is not 0..65535 is exit 2 naming the option: gRPC took
+    --tcp 127.0.0.1:99999 as port 34463 and listened there; --metrics was an internal error."""
+    token = tmp_path / "token"
+    token.write_text("secret")
+    token.chmod(0o600)
+    cmd = ["serve", "--socket", str(tmp_path / "p.sock"), "--token-file", str(token), *args]
+    r = cli(*cmd, env=env)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert not (tmp_path / "p.sock").exists()
+
+
 def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path, env):
     """Shutdown(grace_s=inf, nan, < 0 or > 3600) is INVALID_ARGUMENT and the service serves on
     (so is --grace at start: exit 2); with a client that holds a stream open and reads no more,

@@ -67,8 +67,8 @@ class ServeConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_cert is not None and self.tcp is None:
             raise ValueError("--tls-cert is for --tcp (the Unix socket needs no TLS)")
-        if self.tcp is not None and ":" not in self.tcp:
-            raise ValueError(f"--tcp wants HOST:PORT, got {self.tcp!r}")
+        if self.tcp is not None:
+            _check_host_port("--tcp", self.tcp)
         if not (math.isfinite(self.grace_s) and 0 <= self.grace_s <= MAX_GRACE_S):
             raise ValueError(f"--grace must be 0..{MAX_GRACE_S:g} seconds, got {self.grace_s}")
         if self.workers < 1:
@@ -77,8 +77,8 @@ class ServeConfig:
             raise ValueError("the memory budget must be >= 0")
         if self.session_idle_s <= 0:
             raise ValueError("the session idle time must be > 0")
-        if self.metrics is not None and ":" not in self.metrics:
-            raise ValueError(f"--metrics wants HOST:PORT, got {self.metrics!r}")
+        if self.metrics is not None:
+            _check_host_port("--metrics", self.metrics)
         if self.peers and (self.tcp is None or self.node is None):
             raise ValueError("--peers needs --tcp (peers call each other there) and --node")
         if self.node is not None and not self.peers:
@@ -110,3 +110,13 @@ class ServeConfig:
             raise ValueError(f"--state-file {state} is a directory: name a file in one")
         if state is not None and state.parent.exists() and not state.parent.is_dir():
             raise ValueError(f"--state-file {state}: {state.parent} is not a directory")
+
+
+def _check_host_port(option: str, address: str) -> None:
+    """``HOST:PORT`` with a port of 0..65535 (gRPC took 99999 as 34463, its value mod 65536,
+    and listened there; ``--metrics`` stopped with an internal error)."""
+    port = address.rpartition(":")[2]
+    if ":" not in address or not (port.isascii() and port.isdigit()):
+        raise ValueError(f"{option} wants HOST:PORT, got {address!r}")
+    if int(port) > 65535:
+        raise ValueError(f"{option}: the port must be 0..65535, got {address!r}")
