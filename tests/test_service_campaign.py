@@ -943,6 +943,20 @@ def test_a_port_out_of_range_stops_serve_at_start(tmp_path, env, args, says):
     assert not (tmp_path / "p.sock").exists()
 
 
+def test_a_client_port_out_of_range_is_refused_not_wrapped(tmp_path, env):
+    """gRPC takes 127.0.0.1:99999 as 127.0.0.1:34463: a client with such an address would talk
+    to whichever service is there. target_of refuses it; `datastore status` is exit 2."""
+    with pytest.raises(ValueError, match=r"must be 0\.\.65535"):
+        target_of("127.0.0.1:99999")
+    assert target_of("127.0.0.1:65535") == "127.0.0.1:65535"
+    token = tmp_path / "token"
+    token.write_text("secret")
+    token.chmod(0o600)
+    r = cli("status", "--tcp", "127.0.0.1:99999", "--token-file", str(token), env=env)
+    assert r.returncode == 2 and "must be 0..65535" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr
+
+
 def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path, env):
     """Shutdown(grace_s=inf, nan, < 0 or > 3600) is INVALID_ARGUMENT and the service serves on
     (so is --grace at start: exit 2); with a client that holds a stream open and reads no more,

@@ -126,6 +126,9 @@ def target_of(address: str | os.PathLike) -> str:
         return a
     if "/" in a or a.endswith(".sock") or ":" not in a:
         return unix_target(a)
+    port = a.rpartition(":")[2]
+    if port.isascii() and port.isdigit() and int(port) > 65535:  # gRPC: port mod 65536
+        raise ValueError(f"the port of {a!r} must be 0..65535")
     return a
 
 

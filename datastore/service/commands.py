@@ -72,6 +72,9 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
     except OSError as exc:
         print(f"datastore {command}: cannot read --tls-ca: {exc}", file=sys.stderr)
         return None, Exit.BAD_INPUT
+    except ValueError as exc:  # an address gRPC would misread (a port over 65535)
+        print(f"datastore {command}: {exc}", file=sys.stderr)
+        return None, Exit.BAD_INPUT
     with client:
         try:
             return call(client), Exit.OK
