@@ -928,12 +928,15 @@ def test_a_stream_cut_by_sigterm_ends_aborted_naming_the_shutdown(start, tmp_pat
         (["--tcp", "127.0.0.1:abc"], "--tcp wants HOST:PORT"),
         (["--metrics", "127.0.0.1:99999"], "--metrics: the port must be 0..65535"),
         (["--metrics", "127.0.0.1:-1"], "--metrics wants HOST:PORT"),
+        (["--memory-budget", "0"], "--memory-budget must be more than 0 bytes, got 0"),
     ],
-    ids=["tcp-over-65535", "tcp-not-a-number", "metrics-over-65535", "metrics-negative"],
+    ids=["tcp-over-65535", "tcp-not-a-number", "metrics-over-65535", "metrics-negative",
+         "budget-0"],
 )  # fmt: skip
 def test_a_port_out_of_range_stops_serve_at_start(tmp_path, env, args, says):
     """A --tcp or --metrics port that is not 0..65535 is exit 2 naming the option: gRPC took
-    --tcp 127.0.0.1:99999 as port 34463 and listened there; --metrics was an internal error."""
+    --tcp 127.0.0.1:99999 as port 34463 and listened there; --metrics was an internal error.
+    So is a memory budget of 0 (an empty variable): it held nothing, shown as "no limit"."""
     token = tmp_path / "token"
     token.write_text("secret")
     token.chmod(0o600)

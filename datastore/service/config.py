@@ -73,8 +73,11 @@ class ServeConfig:
             raise ValueError(f"--grace must be 0..{MAX_GRACE_S:g} seconds, got {self.grace_s}")
         if self.workers < 1:
             raise ValueError("--workers must be >= 1")
-        if self.memory_budget is not None and self.memory_budget < 0:
-            raise ValueError("the memory budget must be >= 0")
+        if self.memory_budget is not None and self.memory_budget <= 0:  # (0: an empty variable)
+            raise ValueError(
+                f"--memory-budget must be more than 0 bytes, got {self.memory_budget} (leave it "
+                "out for no limit)"
+            )
         if self.session_idle_s <= 0:
             raise ValueError("the session idle time must be > 0")
         if self.metrics is not None:
