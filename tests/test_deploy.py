@@ -1,6 +1,6 @@
-"""deploy/: the local campaign run for real (2 "nodes", a failing job, SIGTERM), the scripts'
-syntax (bash -n, shellcheck), serve-node.sh under a launcher's variables, the systemd unit's
-command, the Apptainer image's %test section, and check_mpi.py.
+"""deploy/: the local campaign run for real (the demo's jobs on 2 "nodes", a failing job,
+SIGTERM), the scripts' syntax (bash -n, shellcheck), serve-node.sh under a launcher's
+variables, the systemd unit's command, the Apptainer image's %test section, and check_mpi.py.
 
 campaign.sbatch runs on a real Slurm in test_slurm.py. Flux, systemd and Apptainer are not on
 this machine: campaign.flux is only checked for syntax; the unit's ExecStart line and the
@@ -39,7 +39,6 @@ SCRIPTS = [
     )
 ] + [ROOT / "benchmarks" / "gpu_session.sh"]  # fmt: skip
 CAMPAIGN = DEPLOY / "campaign-local.sh"
-JOBS = ("cosmoflow-dp", "unet3d", "cosmoflow-split")  # deploy/campaign.jobs
 
 
 def _env(tmp: Path, mark: str) -> dict[str, str]:
@@ -86,29 +85,43 @@ def _log(path: Path) -> list[dict]:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_a_campaign_on_two_nodes_trains_every_job_through_the_services(tmp_path, short_tmp):
+def test_the_demo_campaign_on_two_nodes_runs_every_job_through_the_sharded_store(
+    tmp_path, short_tmp
+):
+    """``make demo``'s jobs (an ensemble, a hybrid 2 x 2 job, then a tournament) on two played
+    nodes: the dataset staged in shares (``--mode shard``), one service per node peering over
+    gRPC, every job fed by the services, every service stopped and nothing left."""
+    from datastore.demo import summarize
+
     mark = uuid.uuid4().hex
     work = tmp_path / "work"
     r = subprocess.run(
-        ["bash", str(CAMPAIGN), "--nodes", "2", "--work", str(work)],
+        ["bash", str(CAMPAIGN), "--nodes", "2", "--jobs", str(DEPLOY / "demo.jobs"),
+         "--work", str(work)],
         capture_output=True, text=True, env=_env(short_tmp, mark), timeout=240,
     )  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    # phase 1 ran two jobs at once, phase 2 started once both had succeeded
-    assert out.index("job cosmoflow-dp started") < out.index("job unet3d done")
-    assert out.index("job unet3d started") < out.index("job cosmoflow-dp done")
-    last_of_phase_1 = max(out.index("job cosmoflow-dp done"), out.index("job unet3d done"))
-    assert out.index("phase 2: cosmoflow-split") > last_of_phase_1
-    for job, world, parts in zip(JOBS, (2, 1, 2), ([1, 1, 1], [1, 1, 1], [2, 1, 1]), strict=True):
-        log = _log(work / "jobs" / job / "log.jsonl")
-        start = log[0]
-        assert (start["event"], start["data_source"], start["world"]) == ("start", "service", world)
-        assert start["spatial_parts"] == parts and start["total_steps"] == 4
-        assert [e["step"] for e in log if "loss" in e] == [1, 2, 3, 4]
-        assert [e["event"] for e in log if e.get("event") == "validation"] == ["validation"]
-        assert (work / "jobs" / job / "checkpoint.pt").stat().st_size > 0
-        assert "trained 4 steps" in (work / "jobs" / job / "output.log").read_text()
+    phase_1 = ("ensemble-0", "ensemble-1", "ensemble-2", "hybrid-2x2")
+    assert max(out.index(f"job {j} started") for j in phase_1) < min(
+        out.index(f"job {j} done") for j in phase_1
+    )  # all four at once
+    assert out.index("phase 2: tournament") > max(out.index(f"job {j} done") for j in phase_1)
+    for job in phase_1:
+        start = _log(work / "jobs" / job / "log.jsonl")[0]
+        assert (start["event"], start["data_source"]) == ("start", "service"), job
+    hybrid = _log(work / "jobs" / "hybrid-2x2" / "log.jsonl")[0]
+    assert (hybrid["world"], hybrid["spatial_parts"]) == (4, [2, 1, 1])
+    first = [next(e["loss"] for e in _log(work / "jobs" / f"ensemble-{k}" / "log.jsonl")
+                  if "loss" in e) for k in range(3)]  # fmt: skip
+    assert len(set(first)) == 3  # three seeds, three different runs
+    (result,) = [e for e in _log(work / "jobs" / "tournament" / "log.jsonl")
+                 if e.get("event") == "tournament"]  # fmt: skip
+    assert [t["lr"] for t in result["trainers"]] == [3e-4, 1e-3, 3e-3]
+    assert result["steps"] == 8 and result["rounds"] == 4
+    lines = summarize(str(work / "jobs"))
+    assert [line.split(":")[0] for line in lines] == [*phase_1, "tournament"]
+    assert "3 trainers, 8 steps, 4 rounds" in lines[-1]
     # sharded over the two nodes, and each node's service saw the whole dataset
     shares = [sorted(os.listdir(work / f"node{k}" / "cosmo" / "train")) for k in range(2)]
     assert len(shares[0]) + len(shares[1]) == 16 and not set(shares[0]) & set(shares[1])
@@ -121,41 +134,6 @@ def test_a_campaign_on_two_nodes_trains_every_job_through_the_services(tmp_path,
         assert int(re.search(r"served +(\d+) batches", status)[1]) > 0
         assert f"datastore serve of node {k} stopped (exit 0)" in out
     assert "every job succeeded" in out
-    _assert_nothing_left(out, mark)
-
-
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_the_demo_campaign_runs_an_ensemble_a_hybrid_job_and_a_tournament(tmp_path, short_tmp):
-    from datastore.demo import summarize
-
-    mark = uuid.uuid4().hex
-    work = tmp_path / "work"
-    r = subprocess.run(
-        ["bash", str(CAMPAIGN), "--jobs", str(DEPLOY / "demo.jobs"), "--work", str(work)],
-        capture_output=True, text=True, env=_env(short_tmp, mark), timeout=240,
-    )  # fmt: skip
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out
-    phase_1 = ("ensemble-0", "ensemble-1", "ensemble-2", "hybrid-2x2")
-    assert max(out.index(f"job {j} started") for j in phase_1) < min(
-        out.index(f"job {j} done") for j in phase_1
-    )  # all four at once
-    assert out.index("phase 2: tournament") > max(out.index(f"job {j} done") for j in phase_1)
-    hybrid = _log(work / "jobs" / "hybrid-2x2" / "log.jsonl")[0]
-    assert (hybrid["world"], hybrid["spatial_parts"], hybrid["data_source"]) == (
-        4, [2, 1, 1], "service"
-    )  # fmt: skip
-    first = [next(e["loss"] for e in _log(work / "jobs" / f"ensemble-{k}" / "log.jsonl")
-                  if "loss" in e) for k in range(3)]  # fmt: skip
-    assert len(set(first)) == 3  # three seeds, three different runs
-    (result,) = [e for e in _log(work / "jobs" / "tournament" / "log.jsonl")
-                 if e.get("event") == "tournament"]  # fmt: skip
-    assert [t["lr"] for t in result["trainers"]] == [3e-4, 1e-3, 3e-3]
-    assert result["steps"] == 8 and result["rounds"] == 4
-    lines = summarize(str(work / "jobs"))
-    assert [line.split(":")[0] for line in lines] == [*phase_1, "tournament"]
-    assert "3 trainers, 8 steps, 4 rounds" in lines[-1]
     _assert_nothing_left(out, mark)
 
 
