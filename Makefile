@@ -47,7 +47,8 @@ test-quick: $(STAMP)
 # OPENMPI_MPICC is not Open MPI's.
 OPENMPI_MPICC ?= /usr/bin/mpicc
 OPENMPI_VENV  := $(VENV)/openmpi
-OPENMPI_TESTS := tests/test_site_mpi.py tests/test_loader_traps_mpi.py tests/test_stage_mpi.py \
+OPENMPI_TESTS := tests/test_site_mpi.py tests/test_loader_traps_mpi.py tests/test_loader_stops_mpi.py \
+    tests/test_stage_mpi.py \
     tests/test_loader.py::test_spatial_blocks_over_mpi_exchange tests/test_world.py tests/test_peer_tags.py tests/test_peer_at_once.py \
     tests/test_peer_fetch.py tests/test_peer_expect.py tests/test_peer_unsent.py \
     tests/test_peer_refused.py tests/test_peer_lent.py tests/test_hdf5_sets.py \

@@ -21,9 +21,9 @@ import helpers
 # `make test` hands whole modules to its pytest-xdist workers in this order, so that none is
 # left with a long module at the end while the other has finished.
 LONGEST_FIRST = (
-    "test_slurm.py", "test_trainer_hybrid.py", "test_loader_traps_mpi.py", "test_deploy.py",
+    "test_slurm.py", "test_trainer_hybrid.py", "test_loader_stops_mpi.py", "test_deploy.py",
     "test_service_campaign.py", "test_soak.py", "test_trainer_halo.py", "test_torch_exchange.py",
-    "test_trainer_preflight.py",
+    "test_trainer_preflight.py", "test_loader_traps_mpi.py",
 )  # fmt: skip
 
 

@@ -88,7 +88,7 @@ def test_a_peer_killed_is_gone_not_late(data, tmp_path):
 
 
 def test_a_peer_that_broke_its_loop_is_a_loop_bug(data, tmp_path):
-    """(MPI: tests/test_loader_traps_mpi.py, ``stop_idle``.)"""
+    """(MPI: tests/test_loader_stops_mpi.py, ``stop_idle``.)"""
     row = run("torch", "break", data, str(tmp_path / "out"))
     kind, text = row["error"]
     assert kind == "RankMismatch", row

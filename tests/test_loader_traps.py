@@ -1,7 +1,7 @@
 """The traps a new PyTorch user meets, each once silent (issue 11): one process, real HDF5 files.
 
 Traps 1, 3, 4, 7, 8, 12 and unknown keywords; the ones that need ranks are in
-``test_loader_traps_mpi.py``.
+``test_loader_traps_mpi.py`` and ``test_loader_stops_mpi.py``.
 """
 
 from __future__ import annotations
