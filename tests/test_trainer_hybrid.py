@@ -81,13 +81,6 @@ def test_grid_losses_follow_one_process(data, grid_run, tmp_path):
     assert max(abs(a - b) for a, b in zip(one_val, grid_val, strict=True)) < 1e-4
 
 
-def test_grid_fed_by_the_service(data, grid_run, tmp_path):
-    with serving(tmp_path, ENV) as sock:
-        proc = launch(4, args(data, tmp_path, "s", "spatial_parts=[2,1,1]", f"data_address={sock}"))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert records(tmp_path / "s.log")[0] == records(grid_run / "run.log")[0]
-
-
 def test_one_process_fed_by_a_tcp_service_with_its_token(data, grid_run, tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret-token\n")
@@ -109,17 +102,24 @@ def test_one_process_fed_by_a_tcp_service_with_its_token(data, grid_run, tmp_pat
     assert missing.returncode == 2 and f"'data_token_file': {tmp_path}/x" in missing.stderr
 
 
-def test_grid_resume_equals_uninterrupted(data, grid_run, tmp_path):
+def test_grid_fed_by_the_service_and_resumed_equals_uninterrupted(data, grid_run, tmp_path):
+    """A 2 x 2 run fed by ``datastore serve`` gets the embedded loader's batches (the same
+    losses), and one stopped after 4 steps and resumed from its checkpoint equals the
+    uninterrupted run: losses, validations (the baseline's sums too), weights, loader state."""
     ck = f"checkpoint_dir={tmp_path}/ck"
-    first = launch(4, args(data, tmp_path, "a", "spatial_parts=[2,1,1]", ck, "steps=4"))
-    assert first.returncode == 0, first.stdout + first.stderr
-    rest = launch(4, args(data, tmp_path, "b", "spatial_parts=[2,1,1]", ck))
-    assert rest.returncode == 0, rest.stdout + rest.stderr
+    with serving(tmp_path, ENV) as sock:
+        fed = ["spatial_parts=[2,1,1]", f"data_address={sock}", ck]
+        first = launch(4, args(data, tmp_path, "a", *fed, "steps=4"))
+        assert first.returncode == 0, first.stdout + first.stderr
+        rest = launch(4, args(data, tmp_path, "b", *fed))
+        assert rest.returncode == 0, rest.stdout + rest.stderr
     a, _ = records(tmp_path / "a.log")
     b, b_events = records(tmp_path / "b.log")
     whole, whole_events = records(grid_run / "run.log")
+    assert b_events[0]["data_source"] == "service"
+    assert a == whole[:4]
     assert a + b == whole
-    assert validations(b_events) == validations(whole_events)  # the baseline's sums too
+    assert validations(b_events) == validations(whole_events)
     got = torch.load(tmp_path / "ck" / "checkpoint.pt", weights_only=True)
     want = torch.load(grid_run / "ck" / "checkpoint.pt", weights_only=True)
     assert got["step"] == want["step"] == STEPS
