@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import helpers
 
-# The modules that take longest (`pytest --durations`: 40-130 s each on a 2-core machine), first:
+# The modules that take longest (`pytest --durations`: 45-350 s each, 2 loaded cores), first:
 # `make test` hands whole modules to its pytest-xdist workers in this order, so that none is
 # left with a long module at the end while the other has finished.
 LONGEST_FIRST = (
-    "test_slurm.py", "test_trainer_hybrid.py", "test_loader_stops_mpi.py", "test_deploy.py",
-    "test_service_campaign.py", "test_soak.py", "test_trainer_halo.py", "test_torch_exchange.py",
+    "test_slurm.py", "test_trainer_hybrid.py", "test_service_campaign.py", "test_torch_exchange.py",
+    "test_deploy.py", "test_loader_stops_mpi.py", "test_trainer_halo.py", "test_soak.py",
     "test_trainer_preflight.py", "test_loader_traps_mpi.py",
 )  # fmt: skip
 
