@@ -29,6 +29,7 @@ from staging.prefetch import AheadReader, Held, HeldReader
 __all__ = [
     "ArchiveError",
     "Member",
+    "StrictInfo",
     "archive_kind",
     "check_members",
     "list_members",
@@ -169,6 +170,21 @@ def check_members(archive: str, members: list[Member]) -> None:
             raise ArchiveError(archive, "would overwrite a directory of another member", m.name)
 
 
+class StrictInfo(tarfile.TarInfo):
+    """A tar header that fails on a corrupt or cut header anywhere in the archive: tarfile
+    takes any but the first for the end of the archive, so the members after it would be
+    lost without a word (GNU tar exits 2). Zeros cut short still end it."""
+
+    @classmethod
+    def frombuf(cls, buf: bytes, encoding: str, errors: str) -> tarfile.TarInfo:
+        try:
+            return super().frombuf(buf, encoding, errors)
+        except (tarfile.TruncatedHeaderError, tarfile.InvalidHeaderError) as exc:
+            if not buf.strip(b"\0"):
+                raise
+            raise tarfile.ReadError(str(exc)) from None
+
+
 def _member(info: tarfile.TarInfo, offsets: bool) -> Member | None:
     name = normalize_name(info.name)
     if not name:
@@ -299,7 +315,7 @@ def list_members(
     try:
         if kind == "tar":
             raw = _walk_reader(path, direct, on_member is not None, io)
-            with raw, tarfile.open(fileobj=raw, mode="r:") as tf:
+            with raw, tarfile.open(fileobj=raw, mode="r:", tarinfo=StrictInfo) as tf:
                 for info in tf:
                     m = _member(info, offsets=True)
                     if m is None:
@@ -313,7 +329,10 @@ def list_members(
                     if on_member is not None and m.kind == "file" and not m.sparse:
                         _hand_over(on_member, m, raw)
         else:
-            with open_stream(path, kind) as stream, tarfile.open(fileobj=stream, mode="r|") as tf:
+            with (
+                open_stream(path, kind) as stream,
+                tarfile.open(fileobj=stream, mode="r|", tarinfo=StrictInfo) as tf,
+            ):
                 for info in tf:
                     m = _member(info, offsets=False)
                     if m is not None:

@@ -7,6 +7,7 @@ that "refused whole" is tested, not just "the bad member is skipped".
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tarfile
@@ -25,7 +26,7 @@ from helpers import (
     write_archive,
 )
 
-from staging.archive import ArchiveError, Member, check_members, normalize_name
+from staging.archive import ArchiveError, Member, check_members, list_members, normalize_name
 
 KINDS = (".tar", ".tar.gz", ".tar.zst")
 
@@ -195,6 +196,38 @@ def test_hostile_archive_alone_writes_nothing(tmp_path, run_stage):
     dest.mkdir()
     run_stage(arc, "--to", dest, check=2)
     assert os.listdir(dest) == []
+
+
+# -- a corrupt header past the first --------------------------------------------------------
+def _spoilt(how: str) -> bytes:
+    """A tar of BENIGN with the header of its third member (or its end block) spoilt."""
+    raw = tar_bytes(BENIGN)
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tf:
+        third, last = tf.getmembers()[2], tf.getmembers()[-1]
+    at, end = third.offset, last.offset + 512  # (the last member is a link: no data)
+    return {
+        "checksum": raw[:at] + bytes([raw[at] ^ 0x20]) + raw[at + 1 :],
+        "cut-header": raw[: at + 100],
+        "cut-zeros": raw[: end + 100],
+        "no-end-block": raw[:end],
+    }[how]
+
+
+@pytest.mark.parametrize("suffix", KINDS)
+@pytest.mark.parametrize("how", ["checksum", "cut-header", "cut-zeros", "no-end-block"])
+def test_a_bad_header_past_the_first_refuses_the_archive(tmp_path, suffix, how):
+    """tarfile took a bad header anywhere but first for the end of the archive: the members
+    after it were lost without a word, the archive staged with exit 0 (GNU tar exits 2)."""
+    arc = write_archive(tmp_path / f"x{suffix}", _spoilt(how))
+    kind = {".tar": "tar", ".tar.gz": "gz", ".tar.zst": "zst"}[suffix]
+    if how in ("cut-zeros", "no-end-block"):  # zeros cut short, or none, still end it
+        got = list_members(str(arc), kind, arc.stat().st_size)
+        assert [m.name for m in got] == ["ok", "ok/one.txt", "ok/two.bin", "ok/l"]
+        return
+    with pytest.raises(ArchiveError) as info:
+        list_members(str(arc), kind, arc.stat().st_size)
+    reason = "bad checksum" if how == "checksum" else "truncated header"
+    assert info.value.reason == f"corrupt or truncated archive ({reason})"
 
 
 # -- check_members, the pure function ---------------------------------------------------------
