@@ -218,6 +218,22 @@ def test_bad_samples_are_named_by_shard_and_key(tmp_path):
     assert str(exc.value) == f"{path}: member 'README' is not named KEY.FIELD (e.g. 000123.x.npy)"
 
 
+def test_a_bad_header_in_a_shard_is_named_not_taken_for_its_end(tmp_path):
+    """tarfile took a bad header past the first for the end of the shard: 1 of 4 samples
+    read, the rest lost without a word."""
+    path = tmp_path / "wds" / "shard-000000.tar"
+    path.parent.mkdir()
+    _write_tar(path, [m for i in range(4) for m in _members(i).items()])
+    with tarfile.open(path) as tf:
+        at = tf.getmembers()[4].offset  # sample 1's first header
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x20
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DatasetError) as exc:
+        open_dataset(str(path.parent))
+    assert str(exc.value) == f"{path}: not a readable tar archive: bad checksum"
+
+
 def test_bad_labels_are_named_when_read(tmp_path):
     path = _broken(tmp_path, "cls.tar", [*_without(2, "000002.cls"), ("000002.cls", b"seven")])
     with open_dataset(os.path.dirname(path)) as r:

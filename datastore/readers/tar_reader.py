@@ -31,6 +31,7 @@ from datastore.readers.npyfile import locate_npy, locate_npz
 from datastore.readers.persample import Located, PerSampleFiles, reading
 from datastore.readers.registry import Format, register, resolve_paths
 from datastore.readers.tar_keys import Entry, Sample, group_samples
+from staging.archive import StrictInfo
 
 if TYPE_CHECKING:
     from datastore.readers.spec import DatasetSpec
@@ -144,7 +145,7 @@ def _index_tar(path: str) -> list[tuple[str, int, int]]:
             )
     out = []
     try:
-        with tarfile.open(path, "r:") as tf:
+        with tarfile.open(path, "r:", tarinfo=StrictInfo) as tf:  # a bad header: not the end
             for m in tf:  # each step reads one header and seeks over the member's data
                 if m.isdir():
                     continue
