@@ -329,6 +329,7 @@ class Committer:
                 self.errors.append(f"{rec['source']}: cannot make {rel} durable: {why}")
                 _unlink(tmp)
             return
+        placed = []
         for tmp, rel, rec, nbytes in batch:
             final = os.path.join(self.dest, rel)
             parent = os.path.dirname(final)
@@ -346,9 +347,16 @@ class Committer:
                 _unlink(tmp)
                 continue
             self.journal.write(rec)
-            self.placed.files += 1
-            self.placed.bytes += nbytes
-        self.journal.flush()
+            placed.append((rel, rec, nbytes))
+        try:
+            self.journal.flush()
+        except OSError as exc:  # unrecorded, a file is unknown to re-runs, --verify and shards
+            for rel, rec, _ in placed:
+                self.errors.append(f"{rec['source']}: cannot record {rel}: {exc.strerror}")
+                _unlink(os.path.join(self.dest, rel))
+            return
+        self.placed.files += len(placed)
+        self.placed.bytes += sum(nbytes for *_, nbytes in placed)
 
 
 def _unlink(path: str) -> None:

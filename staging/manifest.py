@@ -112,19 +112,31 @@ class Manifest:
 
 
 class Journal:
-    """Append-only journal of one rank; ``write`` many records, then ``flush`` once."""
+    """Append-only journal of one rank; ``write`` many records, then ``flush`` them at once:
+    all reach the file, or none (a torn line would hide every later record from ``load``)."""
 
     def __init__(self, dest: str, rank: int):
-        self._f = open(os.path.join(meta_dir(dest), f"journal-{rank}.jsonl"), "a")  # noqa: SIM115
+        path = os.path.join(meta_dir(dest), f"journal-{rank}.jsonl")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lines: list[str] = []
 
     def write(self, rec: dict[str, Any]) -> None:
-        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        self._lines.append(json.dumps(rec, separators=(",", ":")) + "\n")
 
     def flush(self) -> None:
-        self._f.flush()
+        """Append the records written since the last flush; ``OSError`` (a full disk) leaves
+        the file as it was."""
+        data, self._lines = memoryview("".join(self._lines).encode()), []
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError:
+            os.ftruncate(self._fd, end)
+            raise
 
     def close(self) -> None:
-        self._f.close()
+        os.close(self._fd)
 
 
 def lock_dest(dest: str) -> int:

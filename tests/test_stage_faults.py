@@ -6,10 +6,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
+import signal
 import threading
 
 import staging.copy as copy
-from staging.manifest import Journal, meta_dir
+from staging.manifest import Journal, Manifest, meta_dir
 
 
 def test_a_failing_syncfs_is_an_error_not_a_hang(tmp_path, monkeypatch):
@@ -62,3 +64,46 @@ def test_a_large_file_failing_at_its_commit_is_named_and_resumable(tmp_path, mon
     assert out["resumed_bytes"] == len(data), out
     placed = [p for p in dest.rglob("big.bin")]
     assert len(placed) == 1 and placed[0].read_bytes() == data
+
+
+def test_a_journal_that_cannot_grow_leaves_no_file_unrecorded(tmp_path):
+    """A full disk as the journal is written (here the file size limit: the same short
+    write, then an error): the batch's files are named and taken from their names, and the
+    journal stays whole for the next batch. It used to keep them placed but unrecorded (a
+    re-run, ``--verify`` and shard clean-up never knew them; 47 of 151 so on an 8 MiB tmpfs)
+    and to end the run with an internal error when the journal closed."""
+    dest = str(tmp_path / "dest")
+    os.makedirs(meta_dir(dest))
+    journal = Journal(dest, 0)
+    committer = copy.Committer(dest, journal)
+
+    def add(name: str) -> None:
+        tmp = os.path.join(dest, f"{name}.part")
+        with open(tmp, "wb") as f:
+            f.write(name.encode())
+        committer.add(tmp, name, {"entry": name, "kind": "file", "source": f"/src/{name}"}, 1)
+
+    add("a")
+    committer.drain()
+    size = os.path.getsize(os.path.join(meta_dir(dest), "journal-0.jsonl"))
+    add("b")
+    add("c")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, limit[1]))  # 10 bytes more
+    try:
+        committer.drain()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, ignored)
+    add("d")
+    committer.close()
+    journal.close()
+    why = os.strerror(errno.EFBIG)
+    assert committer.errors == [
+        f"/src/b: cannot record b: {why}",
+        f"/src/c: cannot record c: {why}",
+    ]
+    assert sorted(os.listdir(dest)) == [".datastore", "a", "d"]
+    assert sorted(Manifest.load(dest).entries) == ["a", "d"]
+    assert (committer.placed.files, committer.placed.bytes) == (2, 2)
