@@ -10,7 +10,10 @@ import resource
 import signal
 import threading
 
+import pytest
+
 import staging.copy as copy
+from staging.checksum import LEAF_BYTES
 from staging.manifest import Journal, Manifest, meta_dir
 
 
@@ -40,7 +43,6 @@ def test_a_large_file_failing_at_its_commit_is_named_and_resumable(tmp_path, mon
     file's mode, which cannot be made to fail on demand for root) is the file's error, exit
     non-zero, no traceback, and its finished leaves are resumed by the next run."""
     from datastore.cli import main
-    from staging.checksum import LEAF_BYTES
 
     src = tmp_path / "src"
     src.mkdir()
@@ -107,3 +109,41 @@ def test_a_journal_that_cannot_grow_leaves_no_file_unrecorded(tmp_path):
     assert sorted(os.listdir(dest)) == [".datastore", "a", "d"]
     assert sorted(Manifest.load(dest).entries) == ["a", "d"]
     assert (committer.placed.files, committer.placed.bytes) == (2, 2)
+
+
+@pytest.mark.parametrize("size", [1000, LEAF_BYTES + (1 << 20)])
+def test_a_source_written_while_copied_is_named_not_placed(tmp_path, monkeypatch, capsys, size):
+    """A source file appended to while its copy runs: the copy is not placed (it may hold
+    parts of two states, and would be recorded as the first), the file is named, exit 1, and
+    a re-run stages what is there now. A 100 MB file grown by 5 MB mid-copy used to be
+    placed as its first 100 MB, exit 0 (and `--verify` found nothing wrong)."""
+    from datastore.cli import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    grown, other = src / "grown.bin", src / "other.bin"
+    grown.write_bytes(os.urandom(size))
+    other.write_bytes(b"other\n")
+    before = os.stat(grown)
+    real = copy.copy_range
+
+    def then_append(source, *args, **kwargs):
+        digest = real(source, *args, **kwargs)
+        if os.readlink(f"/proc/self/fd/{source.fd}") == str(grown) and grown.stat().st_size == size:
+            with open(grown, "ab") as f:
+                f.write(b"more")
+        return digest
+
+    monkeypatch.setattr(copy, "copy_range", then_append)
+    dest = tmp_path / "dest"
+    code = main(["stage", str(src), "--to", str(dest), "--quiet", "--json"])
+    now = os.stat(grown)
+    assert code == 1
+    assert json.loads(capsys.readouterr().out)["errors"] == [
+        f"{grown}: changed while being copied (size:mtime_ns {size}:{before.st_mtime_ns}, "
+        f"then {size + 4}:{now.st_mtime_ns}); not placed"
+    ]
+    assert sorted(os.listdir(dest / "src")) == ["other.bin"]
+    monkeypatch.setattr(copy, "copy_range", real)
+    assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == 0
+    assert (dest / "src" / "grown.bin").read_bytes() == grown.read_bytes()
