@@ -29,7 +29,7 @@ from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, 
 from staging.progress import MIB, Progress, human_bytes
 from staging.tmpspace import Freed, clean_tmp, drop_partials
 
-__all__ = ["stage", "summary_line"]
+__all__ = ["locked_message", "stage", "summary_line"]
 
 
 @dataclass
@@ -119,7 +119,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             freed = clean_tmp(dest)
             os.makedirs(tmp_dir(dest), exist_ok=True)  # here, where a full DEST is an answer
         except BlockingIOError:  # what is there is the other run's: nothing is removed
-            err, made = f"{dest}: another 'datastore stage' is writing to this destination", []
+            err, made = locked_message(dest, cfg.dest, lay), []
         except (OSError, ValueError) as exc:
             why = getattr(exc, "strerror", None) or exc
             if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
@@ -254,6 +254,15 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.rank == 0:
         log.summary(plan, every, elapsed, lay, sum(b for *_, b in status))
     return Agreed(code)
+
+
+def locked_message(dest: str, template: str, lay: Layout) -> str:
+    """The error of a DEST whose lock another stage holds: on several nodes with no
+    ``{node}`` in DEST, maybe this run's other node (a DEST on a shared filesystem)."""
+    msg = f"{dest}: another 'datastore stage' is writing to this destination"
+    if lay.nodes > 1 and "{node}" not in template:
+        msg += " (or another node of this run: on a shared filesystem, put {node} in DEST)"
+    return msg
 
 
 def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[Group]) -> list[str]:

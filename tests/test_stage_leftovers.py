@@ -22,14 +22,14 @@ from helpers import file_info, random_bytes, run_stage, snapshot, tar_bytes
 
 import staging.copy as copy
 from staging.checksum import LEAF_BYTES, leaf_ranges, new_hasher
-from staging.cluster import world
+from staging.cluster import Layout, world
 from staging.config import StageConfig
 from staging.directio import IoPolicy
 from staging.exitcodes import Exit
 from staging.manifest import lock_dest, meta_dir
 from staging.plan import Item, build_plan
 from staging.progress import human_bytes
-from staging.stage import stage
+from staging.stage import locked_message, stage
 
 KIB = 1024
 BIG = LEAF_BYTES + 300_001  # two leaves: copied by leaves, with a leaf log
@@ -180,3 +180,14 @@ def test_an_interrupted_tar_stages_members_written_ahead_are_removed(tmp_path, c
     assert err.splitlines() == [freed_line(Path(dest), len(files), freed)]
     assert snapshot(Path(dest)) == {"d": ("dir",), **{n: ("file", d) for n, d in files}}
     assert sorted(os.listdir(meta_dir(dest))) == ["lock", "manifest.json"]
+
+
+def test_a_lock_held_on_several_nodes_without_node_in_dest_hints_at_a_shared_dest():
+    """Two nodes of one run sharing DEST (on a shared filesystem, no ``{node}``) met each
+    other's lock and said only "another 'datastore stage' is writing", with none running."""
+    held = "/s/d: another 'datastore stage' is writing to this destination"
+    hint = " (or another node of this run: on a shared filesystem, put {node} in DEST)"
+    two, one = Layout(1, 2, 1, 2, 0, 1), Layout(0, 2, 0, 1, 0, 2)
+    assert locked_message("/s/d", "/s/d", two) == held + hint
+    assert locked_message("/s/d", "/s/d", one) == held
+    assert locked_message("/s/d", "/s/{node}", two) == held
