@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -107,3 +109,43 @@ def test_hdf5_data_whose_bytes_are_not_the_numpy_array_is_read_by_h5py(tmp_path,
     assert reader._layout(0, reader.fields["x"]) is None
     for i in range(len(want)):
         assert np.array_equal(reader.read(i, "x"), want[i])
+
+
+@pytest.mark.parametrize("kind", ["h5-contiguous", "h5-chunked", "npy-fortran", "npz"])
+def test_a_file_replaced_after_its_layout_was_read_is_refused(tmp_path, kind):
+    """Raw reads find the array at offsets (and a .npy's order) taken when the file was first
+    read; a file replaced since (a new one renamed over it) was read at those offsets, silently:
+    zeros for an HDF5 file, a transposed array for a .npy rewritten in Fortran order."""
+    import h5py
+
+    from datastore.readers import DatasetError, open_dataset
+
+    data = np.arange(2 * 64 * 64, dtype=np.float32).reshape(2, 64, 64)
+    path = tmp_path / ("d.h5" if kind.startswith("h5") else "s")
+
+    def write(values, pad):
+        if kind.startswith("h5"):
+            with h5py.File(tmp_path / "new.h5", "w") as f:
+                f["pad"] = np.arange(pad, dtype=np.float64)
+                f.create_dataset(
+                    "x", data=values, chunks=(1, 64, 64) if "chunked" in kind else None
+                )
+            os.replace(tmp_path / "new.h5", path)
+            return
+        path.mkdir(exist_ok=True)
+        for i, v in enumerate(values):
+            v = np.asfortranarray(v) if kind == "npy-fortran" and pad else v
+            if kind == "npz":
+                np.savez(tmp_path / "new.npz", pad=np.arange(pad), x=v)
+                os.replace(tmp_path / "new.npz", path / f"{i}.npz")
+            else:
+                np.save(tmp_path / "new.npy", v)
+                os.replace(tmp_path / "new.npy", path / f"{i}.npy")
+
+    write(data, 0)
+    reader = open_dataset(str(path), fields=() if kind == "npy-fortran" else ["x"])
+    field = "data" if kind == "npy-fortran" else "x"
+    assert np.array_equal(reader.read(1, field), data[1])
+    write(data + 1, 3000)
+    with pytest.raises(DatasetError, match=r"changed since the dataset was opened"):
+        reader.read(1, field)

@@ -29,7 +29,7 @@ import numpy as np
 from h5py import h5t
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
-from datastore.readers.npyfile import RawArray
+from datastore.readers.npyfile import RawArray, file_stamp
 from datastore.readers.registry import LAYOUTS, Format, register, resolve_paths
 
 if TYPE_CHECKING:
@@ -366,13 +366,18 @@ class Hdf5Reader(_Hdf5Base):
             ds = self._dataset(files, self.files[k], info)
             ds.read_direct(out, source_sel=(local, *sel))
 
-    def _layout(self, k: int, info: FieldInfo) -> tuple[str, Any] | None:
+    def _layout(self, k: int, info: FieldInfo) -> tuple[str, Any, tuple[int, ...]] | None:
+        """``_plain_layout`` of the field in file ``k``, with the ``file_stamp`` of the file
+        that h5py has open: a raw read of a file replaced or rewritten since is refused."""
         cache = self.__dict__.setdefault("_raw_layouts", {})
         key = (k, info.name)
         if key not in cache:
             with self._lock:
                 path = self.files[k]
-                cache[key] = _plain_layout(self._dataset(self._handles(), path, info), path)
+                ds = self._dataset(self._handles(), path, info)
+                layout = _plain_layout(ds, path)
+                stamp = file_stamp(ds.file.id.get_vfd_handle())
+            cache[key] = None if layout is None else (*layout, stamp)
         return cache[key]
 
     def _chunk_offset(self, k: int, info: FieldInfo, origin: tuple[int, ...]) -> int | None:
@@ -397,11 +402,12 @@ class Hdf5Reader(_Hdf5Base):
         layout = self._layout(k, info)
         if layout is None:
             return False
-        kind, where = layout
+        kind, where, stamp = layout
         path = self.files[k]
         if kind == "contiguous":
             at = where + local * info.nbytes
-            RawArray(path, info.dtype, info.shape, False, offset=at).read_into(out, sel)
+            raw = RawArray(path, info.dtype, info.shape, False, offset=at, stamp=stamp)
+            raw.read_into(out, sel)
             return True
         chunks = where
         box = [(local, local + 1)] + [(s.start, s.stop) for s in sel]
@@ -421,7 +427,7 @@ class Hdf5Reader(_Hdf5Base):
                 slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, box, strict=True)
             )
             target = whole[in_out]
-            raw = RawArray(path, info.dtype, tuple(chunks), False, offset=offset)
+            raw = RawArray(path, info.dtype, tuple(chunks), False, offset=offset, stamp=stamp)
             if target.flags.c_contiguous:
                 raw.read_into(target, in_chunk)
             else:

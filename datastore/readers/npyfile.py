@@ -27,7 +27,15 @@ import numpy as np
 
 from staging.directio import PositionedReader
 
-__all__ = ["RawArray", "StoredArray", "ZippedArray", "locate_npy", "locate_npz", "npy_in_buffer"]
+__all__ = [
+    "RawArray",
+    "StoredArray",
+    "ZippedArray",
+    "file_stamp",
+    "locate_npy",
+    "locate_npz",
+    "npy_in_buffer",
+]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra length
 
@@ -46,11 +54,21 @@ class StoredArray:
         raise NotImplementedError
 
 
+def file_stamp(fd: int) -> tuple[int, int, int, int]:
+    """``(device, inode, size, mtime_ns)`` of the open file ``fd``: it changes when the file is
+    replaced (a new file renamed over it) or rewritten in place."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @dataclass(frozen=True, kw_only=True)
 class RawArray(StoredArray):
-    """An array stored raw at byte ``offset`` of ``path``."""
+    """An array stored raw at byte ``offset`` of ``path``; ``stamp`` (``file_stamp``) is the
+    file's when ``offset`` was found, and a read of a file with another stamp is refused: its
+    bytes there may be anything now."""
 
     offset: int
+    stamp: tuple[int, int, int, int] | None = None
 
     def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         """Copy the box ``sel`` into ``out`` (C-contiguous), reading only the bytes it covers.
@@ -69,6 +87,7 @@ class RawArray(StoredArray):
         flat = out.reshape(-1).view(np.uint8)
         fd = os.open(self.path, os.O_RDONLY)
         try:
+            self._check_stamp(fd)
             for i, off in enumerate(offsets):
                 got = os.preadv(fd, [flat[i * run : (i + 1) * run]], self.offset + off)
                 if got != run:
@@ -76,15 +95,24 @@ class RawArray(StoredArray):
         finally:
             os.close(fd)
 
+    def _check_stamp(self, fd: int) -> None:
+        if self.stamp is not None and file_stamp(fd) != self.stamp:
+            raise ValueError(
+                f"{self.path} changed since the dataset was opened (replaced or rewritten): "
+                "open it again to read the new data"
+            )
+
     def _mapped_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
-        mm = np.memmap(
-            self.path,
-            dtype=self.dtype,
-            mode="r",
-            offset=self.offset,
-            shape=self.shape,
-            order="F" if self.fortran else "C",
-        )
+        with open(self.path, "rb") as fh:
+            self._check_stamp(fh.fileno())
+            mm = np.memmap(
+                fh,
+                dtype=self.dtype,
+                mode="r",
+                offset=self.offset,
+                shape=self.shape,
+                order="F" if self.fortran else "C",
+            )
         np.copyto(out, mm[sel])
         del mm  # the last reference: unmapped now
 
@@ -205,10 +233,11 @@ def locate_npy(path: str, base: int = 0, size: int | None = None) -> RawArray:
         win = _Window(fh, base, size)
         shape, fortran, dtype = _header(win)
         start = win.tell()
+        stamp = file_stamp(fh.fileno())
     need = start + _nbytes(shape, dtype)
     if need > size:
         raise ValueError(f"truncated: the header promises {need} bytes, there are {size}")
-    return RawArray(path, dtype, shape, fortran, offset=base + start)
+    return RawArray(path, dtype, shape, fortran, offset=base + start, stamp=stamp)
 
 
 def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, StoredArray]:
@@ -218,6 +247,7 @@ def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, S
     size = _size(path, size)
     out: dict[str, StoredArray] = {}
     with open(path, "rb") as fh:
+        stamp = file_stamp(fh.fileno())
         win = _Window(fh, base, size)
         with zipfile.ZipFile(win) as zf:
             for info in zf.infolist():
@@ -241,7 +271,7 @@ def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, S
                 start = win.tell()
                 if start - data + _nbytes(shape, dtype) > info.file_size:
                     raise ValueError(f"member {info.filename}: truncated array data")
-                out[key] = RawArray(path, dtype, shape, fortran, offset=base + start)
+                out[key] = RawArray(path, dtype, shape, fortran, offset=base + start, stamp=stamp)
     return out
 
 
