@@ -149,3 +149,25 @@ def test_a_file_replaced_after_its_layout_was_read_is_refused(tmp_path, kind):
     write(data + 1, 3000)
     with pytest.raises(DatasetError, match=r"changed since the dataset was opened"):
         reader.read(1, field)
+
+
+def test_a_dataset_behind_an_external_link_is_a_field_without_naming_it(tmp_path):
+    """Fields were found with ``visititems``, which passes external links by: the linked ``x``
+    was no field (``datastore inspect`` listed only ``y``; the loop's ``batch["x"]`` a
+    ``KeyError``). A link that cannot be opened is named."""
+    import h5py
+
+    from datastore.readers import DatasetError, open_dataset
+
+    x = np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2)
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = x
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["y"] = np.arange(4)
+        f["x"] = h5py.ExternalLink("other.h5", "/x")
+    reader = open_dataset(str(tmp_path / "d.h5"))
+    assert sorted(reader.fields) == ["x", "y"]
+    assert np.array_equal(reader.read(3, "x"), x[3])
+    os.remove(tmp_path / "other.h5")
+    with pytest.raises(DatasetError, match=r"field 'x': external link to other.h5:/x cannot be"):
+        open_dataset(str(tmp_path / "d.h5"))

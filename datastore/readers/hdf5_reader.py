@@ -63,7 +63,8 @@ def _open_file(path: str) -> h5py.File:
 
 
 def _datasets(f: h5py.File, path: str, names: list[str] | None) -> dict[str, h5py.Dataset]:
-    """``{name: dataset}``: the ``names`` asked for, or every dataset in the file (by path)."""
+    """``{name: dataset}``: the ``names`` asked for, or every dataset in the file (by path),
+    then every dataset that an external link in it names (``visititems`` passes them by)."""
     if names is None:
         found: dict[str, h5py.Dataset] = {}
 
@@ -71,7 +72,18 @@ def _datasets(f: h5py.File, path: str, names: list[str] | None) -> dict[str, h5p
             if isinstance(obj, h5py.Dataset):
                 found[name] = obj
 
+        external: list[tuple[str, h5py.ExternalLink]] = []
+
+        def visit_link(name: str, link: Any) -> None:
+            if isinstance(link, h5py.ExternalLink):
+                external.append((name, link))
+
         f.visititems(visit)
+        f.visititems_links(visit_link)
+        for name, link in external:  # opened after the visit: h5py's callbacks must not raise
+            obj = _linked(f, path, name, link)
+            if isinstance(obj, h5py.Dataset):
+                found[name] = obj
         return found
     out = {}
     for name in names:
@@ -83,6 +95,23 @@ def _datasets(f: h5py.File, path: str, names: list[str] | None) -> dict[str, h5p
             raise DatasetError(path, "a group, not a dataset", name)
         out[name] = obj
     return out
+
+
+def _linked(f: h5py.File, path: str, name: str, link: h5py.ExternalLink) -> Any:
+    """The object that the external link ``name`` of ``f`` names.
+
+    Raises:
+        DatasetError: naming the link and its target when that cannot be opened.
+    """
+    try:
+        return f[name]
+    except (KeyError, OSError) as exc:
+        raise DatasetError(
+            path,
+            f"external link to {link.filename}:{link.path} cannot be opened ({exc}); name the "
+            "fields to read (fields=[...], or a spec's fields) to leave it out",
+            name,
+        ) from None
 
 
 def _chunks(ds: h5py.Dataset, drop: int) -> tuple[int, ...] | None:
