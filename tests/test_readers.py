@@ -903,3 +903,20 @@ def test_write_lmdb_stores_big_endian_arrays_in_this_machines_order(tmp_path):
         assert r.fields["x"].dtype == np.dtype("=f4") and r.fields["n"].dtype == np.dtype("=i2")
     got = next(iter(DataStoreLoader(str(tmp_path / "db"), batch_size=3, shuffle=False)))
     assert np.array_equal(got["x"].numpy(), x) and got["n"].tolist() == [0, 1, 2]
+
+
+def test_inspect_lists_a_zarr_string_array(tmp_path):
+    """numpy cannot parse ``StringDType()`` back from its string: ``datastore inspect`` of a
+    group holding one ended in ``internal error: TypeError: data type 'StringDType()' not
+    understood``."""
+    from datastore.readers.inspect_cmd import describe, format_text
+
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="w", zarr_format=3)
+    g.create_array("x", shape=(4, 3), dtype="f4")[:] = 1
+    g.create_array("name", shape=(4,), dtype=str)[:] = np.array(["a", "b", "c", "d"])
+    with open_dataset(str(tmp_path / "s.zarr")) as reader:
+        lines = format_text(describe(reader, "s.zarr")).splitlines()
+    assert [" ".join(line.split()) for line in lines[2:]] == [
+        "name StringDType() () - - 16 B",
+        "x float32 (3,) - (3,) 12 B",
+    ]

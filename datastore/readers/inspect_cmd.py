@@ -106,10 +106,14 @@ def format_text(summary: dict[str, Any]) -> str:
 
 
 def _dtype_name(dtype_str: str) -> str:
-    """``"<f4"`` -> ``"float32"``; a non-native byte order is spelled out: ``"float32 (>f4)"``."""
+    """``"<f4"`` -> ``"float32"``; a non-native byte order is spelled out: ``"float32 (>f4)"``;
+    a dtype numpy cannot parse back from its string (zarr's ``StringDType()``) as it is."""
     import numpy as np
 
-    dt = np.dtype(dtype_str)
+    try:
+        dt = np.dtype(dtype_str)
+    except TypeError:
+        return dtype_str
     return dt.name if dt.isnative else f"{dt.name} ({dtype_str})"
 
 
