@@ -191,3 +191,19 @@ def test_a_failed_copy_returns_only_once_the_other_threads_are_done():
             assert np.array_equal(dst[8:], src[8:]), "the pool's copies still ran after run"
         finally:
             gather.close()
+
+
+def test_a_split_of_2d_samples_names_the_fields_and_the_spec_key():
+    """(N, H, W) samples have no default spatial axes: the refusal named no field and no way
+    out ("a spatial layout was given but no delivered field has spatial axes")."""
+    info = {
+        "x": FieldInfo(name="x", dtype=np.dtype("float32"), shape=(9, 10), spatial_axes=()),
+        "y": FieldInfo(name="y", dtype=np.dtype("int64"), shape=(), spatial_axes=()),
+    }
+    with pytest.raises(ValueError) as err:
+        spatial_grid(info, {"parts": (2, 2), "halo": 1})
+    assert str(err.value) == (
+        "a spatial layout was given but no delivered field has spatial axes (x (9, 10), y () "
+        "per sample): by default they are the last three axes of a field of three or more; "
+        "name them in a spec file (fields = [{name, spatial_axes}])"
+    )

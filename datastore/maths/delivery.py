@@ -175,7 +175,12 @@ def spatial_grid(info: dict[str, Any], spatial: Mapping[str, Any] | None) -> Gri
         tuple(fi.shape[a] for a in fi.spatial_axes) for fi in info.values() if fi.spatial_axes
     }
     if not volumes:
-        raise ValueError("a spatial layout was given but no delivered field has spatial axes")
+        shapes = ", ".join(f"{name} {tuple(fi.shape)}" for name, fi in info.items())
+        raise ValueError(
+            f"a spatial layout was given but no delivered field has spatial axes ({shapes} per "
+            "sample): by default they are the last three axes of a field of three or more; "
+            "name them in a spec file (fields = [{name, spatial_axes}])"
+        )
     if len(volumes) > 1:
         raise ValueError(f"spatial fields have different volumes: {sorted(volumes)}")
     volume = volumes.pop()
