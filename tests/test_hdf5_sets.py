@@ -227,6 +227,25 @@ def test_equal_shards_are_read_as_shards_only_when_stated(tmp_path):
     assert text.returncode == 0 and "hdf5-per-sample, 3 samples" in text.stdout
 
 
+@pytest.mark.parametrize("stated", ["per-sample", "shards", None])
+def test_one_file_is_read_as_the_layout_it_states(tmp_path, stated):
+    """A per-sample set of one file (``trainer.cosmology --per-sample --samples 1``, or a node's
+    share of one) was read as a shard whatever its ``datastore_layout`` said: x (4, 8, 8, 8)
+    came as 4 samples of (8, 8, 8)."""
+    x = np.arange(4 * 8**3, dtype=np.float32).reshape(4, 8, 8, 8)
+    (tmp_path / "d").mkdir()
+    with h5py.File(tmp_path / "d" / "sample-00000.h5", "w") as f:
+        f["x"], f["y"] = x, np.arange(4, dtype=np.float32)
+        if stated:
+            f.attrs["datastore_layout"] = stated
+    with open_dataset(str(tmp_path / "d")) as r:
+        if stated == "per-sample":
+            assert (r.format, len(r), r.fields["x"].shape) == ("hdf5-per-sample", 1, (4, 8, 8, 8))
+            assert r.read(0, "x").tobytes() == x.tobytes()
+        else:
+            assert (r.format, len(r), r.fields["x"].shape) == ("hdf5", 4, (8, 8, 8))
+
+
 # -- staged with --mode shard: whole files per node ----------------------------------------------
 def test_owners_of_shard_files_split_each_nodes_samples():
     # a: 3 samples, b: 2, c: 4; ranks 0-1 hold a and c, rank 2 holds b

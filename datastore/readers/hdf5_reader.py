@@ -547,8 +547,11 @@ class Hdf5PerSampleReader(_Hdf5Base):
 
 
 def _settle(files: list[str], where: str) -> str:
-    """One file is ``hdf5``; a set is shards or one sample per file (``set_format``)."""
-    return set_format(files, where=where) if len(files) > 1 else "hdf5"
+    """A set is shards or one sample per file (``set_format``); one file is ``hdf5`` unless its
+    ``LAYOUT_ATTR`` says ``"per-sample"`` (a set of one sample, or a node's share of one)."""
+    if len(files) > 1:
+        return set_format(files, where=where)
+    return FORMAT_OF_LAYOUT[_stated_layout(files) or "shards"]
 
 
 _SUFFIXES = (".h5", ".hdf5")
