@@ -322,3 +322,18 @@ def test_the_loader_reads_each_nodes_staged_shard_files(tmp_path):
         held = sorted(os.listdir(tmp_path / f"node{k}" / "src"))
         mine = [i for n in held for i in range(starts[int(n[5:8])], starts[int(n[5:8]) + 1])]
         assert sorted(result["stored"][k]) == mine
+
+
+def test_one_sample_file_of_other_lengths_points_to_layout_per_sample(tmp_path):
+    """CosmoFlow's one file per sample, a set of one: ``full`` (16, 16, 16, 4) and
+    ``unitPar`` (4,) were refused saying only to name the fields, and ``fields=["full"]`` then
+    read 16 samples of (16, 16, 4)."""
+    (tmp_path / "d").mkdir()
+    full = np.arange(16**3 * 4, dtype=np.float32).reshape(16, 16, 16, 4)
+    with h5py.File(tmp_path / "d" / "univ_0.h5", "w") as f:
+        f["full"], f["unitPar"] = full, np.arange(4, dtype=np.float32)
+    with pytest.raises(DatasetError, match=r'one sample, say so \(layout="per-sample"\)'):
+        open_dataset(str(tmp_path / "d"))
+    with open_dataset(str(tmp_path / "d"), layout="per-sample") as r:
+        assert (len(r), r.fields["full"].shape) == (1, (16, 16, 16, 4))
+        assert r.read(0, "full").tobytes() == full.tobytes()

@@ -849,9 +849,10 @@ def test_fields_leave_out_arrays_of_other_lengths(tmp_path, fmt):
     assert np.array_equal(np.concatenate([g[1] for g in got]), y)
     with pytest.raises(DatasetError) as exc:
         DataStoreLoader(path, batch_size=3)
+    one_sample = ', or, if the file is one sample, say so (layout="per-sample")'
     assert str(exc.value) == (
         f"{path}: field 'x': has 6 samples but field 'depth' has 4; name the fields to read "
-        "(fields=[...], or a spec's fields)"
+        "(fields=[...], or a spec's fields)" + (one_sample if fmt == "hdf5" else "")
     )
 
 

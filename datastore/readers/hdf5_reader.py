@@ -165,7 +165,8 @@ def shard_count(path: str, got: Layout, want: Layout) -> int:
             raise DatasetError(
                 path,
                 f"has {whole[0]} samples but field {count[0]!r} has {count[1]}; "
-                "name the fields to read (fields=[...], or a spec's fields)",
+                "name the fields to read (fields=[...], or a spec's fields), or, if the file "
+                'is one sample, say so (layout="per-sample")',
                 name,
             )
     return 0 if count is None else count[1]
