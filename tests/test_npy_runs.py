@@ -171,3 +171,34 @@ def test_a_dataset_behind_an_external_link_is_a_field_without_naming_it(tmp_path
     os.remove(tmp_path / "other.h5")
     with pytest.raises(DatasetError, match=r"field 'x': external link to other.h5:/x cannot be"):
         open_dataset(str(tmp_path / "d.h5"))
+
+
+@pytest.mark.parametrize("layout", ["one-file", "per-sample"])
+def test_a_field_behind_a_filter_this_process_lacks_is_refused_when_opened(
+    tmp_path, monkeypatch, layout
+):
+    """A plugin's filter (Zstd, without ``import hdf5plugin``): ``datastore inspect`` listed
+    the file as fine, and every read then failed with ``OSError: Can't synchronously read data
+    (can't open directory (/usr/local/lib/plugin) ...)``. Deflate stands in for the plugin."""
+    import h5py
+    from h5py import h5z
+
+    from datastore.readers import DatasetError, open_dataset
+
+    x = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+    if layout == "one-file":
+        with h5py.File(tmp_path / "d.h5", "w") as f:
+            f.create_dataset("x", data=x, chunks=(1, 16), compression="gzip")
+            f["y"] = np.arange(4)
+        target = tmp_path / "d.h5"
+    else:
+        target = tmp_path / "d"
+        target.mkdir()
+        for i in range(2):
+            with h5py.File(target / f"{i}.h5", "w") as f:
+                f.create_dataset("x", data=x, chunks=(1, 16), compression="gzip")
+                f["y"] = np.arange(3)
+    monkeypatch.setattr(h5z, "filter_avail", lambda code: code != h5z.FILTER_DEFLATE)
+    with pytest.raises(DatasetError, match=r"field 'x': compressed with HDF5 filter 1 \(deflate\)"):
+        open_dataset(str(target), fields=["x"])
+    assert len(open_dataset(str(target), fields=["y"])) == (4 if layout == "one-file" else 2)

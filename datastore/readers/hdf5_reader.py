@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
-from h5py import h5t
+from h5py import h5t, h5z
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.npyfile import RawArray, file_stamp
@@ -112,6 +112,37 @@ def _linked(f: h5py.File, path: str, name: str, link: h5py.ExternalLink) -> Any:
             "fields to read (fields=[...], or a spec's fields) to leave it out",
             name,
         ) from None
+
+
+def _check_filters(found: dict[str, h5py.Dataset], path: str, names: Any) -> None:
+    """Refuse a field of ``names`` compressed by an HDF5 filter that this process cannot load
+    (a plugin's, such as Blosc or Zstd): every read of it would fail. A filter that is
+    optional (as h5py sets a plugin's) counts when the first stored chunk went through it.
+
+    Raises:
+        DatasetError: naming the file, the field and the filter.
+    """
+    for name in names:
+        ds = found[name]
+        dcpl = ds.id.get_create_plist()
+        for i in range(dcpl.get_nfilters()):
+            code, flags, _, label = dcpl.get_filter(i)
+            if h5z.filter_avail(code) or (flags & h5z.FLAG_OPTIONAL and not _applied(ds, i)):
+                continue
+            raise DatasetError(
+                path,
+                f"compressed with HDF5 filter {code} ({label.decode().split(';')[0] or 'unnamed'}"
+                "), which this process cannot load: import hdf5plugin (pip install hdf5plugin) "
+                "before opening it, or set HDF5_PLUGIN_PATH",
+                name,
+            )
+
+
+def _applied(ds: h5py.Dataset, i: int) -> bool:
+    """Whether filter ``i`` of the pipeline was applied to the first stored chunk of ``ds``."""
+    if ds.chunks is None or not ds.id.get_num_chunks():
+        return False
+    return not ds.id.get_chunk_info(0).filter_mask & (1 << i)
 
 
 def _chunks(ds: h5py.Dataset, drop: int) -> tuple[int, ...] | None:
@@ -359,6 +390,7 @@ class Hdf5Reader(_Hdf5Base):
                 if k == 0:
                     available = self._first_file(path, found)
                     self._select_fields(available, path)
+                    _check_filters(found, path, self.fields)
                 got = {n: (ds.dtype, ds.shape) for n, ds in found.items()}
                 want = {n: (fi.dtype, fi.shape) for n, fi in self._as_stored().items()}
                 counts.append(shard_count(path, got, want))
@@ -515,7 +547,8 @@ class Hdf5PerSampleReader(_Hdf5Base):
                 )
                 for name, ds in found.items()
             }
-        self._select_fields(available, first)
+            self._select_fields(available, first)
+            _check_filters(found, first, self.fields)
         self._length = len(self.files)
 
     def _path_of(self, index: int) -> str:
