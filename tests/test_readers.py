@@ -921,3 +921,22 @@ def test_inspect_lists_a_zarr_string_array(tmp_path):
         "name StringDType() () - - 16 B",
         "x float32 (3,) - (3,) 12 B",
     ]
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_zarr_array_written_anew_after_opening_is_refused(tmp_path, zarr_format):
+    """zarr keeps the metadata it read when the group was opened: an array written anew with
+    int32 in place of float32 (same chunks) was decoded as float32, 7 coming back as 1e-44."""
+    path = str(tmp_path / "g.zarr")
+
+    def write(a):
+        g = zarr.open_group(path, mode="w", zarr_format=zarr_format)
+        g.create_array("x", shape=a.shape, dtype=a.dtype, chunks=(1, 8), compressors=None)[:] = a
+
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    write(x)
+    reader = open_dataset(path)
+    assert np.array_equal(reader.read(2, "x"), x[2])
+    write(x.astype(np.int32) + 7)
+    with pytest.raises(DatasetError, match=r"field 'x': the array changed since the dataset"):
+        reader.read(2, "x")

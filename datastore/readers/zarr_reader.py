@@ -60,6 +60,7 @@ class ZarrReader(Reader):
                     name,
                 )
         self._length = 0 if count is None else count[1]
+        self._stamps = {name: _meta_stamp(root, name) for name in self.fields}
 
     def _open(self) -> dict[str, Any]:
         root = self.files[0]
@@ -69,9 +70,28 @@ class ZarrReader(Reader):
         arr = self._handles().get(info.name)
         if arr is None:
             raise DatasetError(self.files[0], "the array is gone from the group", info.name)
+        if _meta_stamp(self.files[0], info.name) != self._stamps[info.name]:
+            raise DatasetError(
+                self.files[0],
+                "the array changed since the dataset was opened (its metadata was rewritten): "
+                "open it again to read the new data",
+                info.name,
+            )
         from zarr.core.buffer.cpu import NDBuffer
 
         arr.get_basic_selection((index, *sel), out=NDBuffer.from_numpy_array(out))
+
+
+def _meta_stamp(root: str, name: str) -> tuple[int, int, int] | None:
+    """``(inode, size, mtime_ns)`` of array ``name``'s metadata file (format 3's ``zarr.json``,
+    or 2's ``.zarray``): it changes when the array is written anew. ``None``: neither is there."""
+    for meta in ("zarr.json", ".zarray"):
+        try:
+            st = os.stat(os.path.join(root, name, meta))
+        except FileNotFoundError:
+            continue
+        return st.st_ino, st.st_size, st.st_mtime_ns
+    return None
 
 
 def _chunks(arr: Any) -> tuple[int, ...] | None:
