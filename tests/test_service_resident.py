@@ -140,3 +140,32 @@ def test_a_peers_fetch_asks_no_other_node(tmp_path, monkeypatch):
         res.release(res.acquire(path, template, check=False))
     assert link.described == 2
     res.release(r)
+
+
+def _shard(path, n):
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((n, 2), np.float32)
+        f["y"] = np.arange(n)
+
+
+def test_a_file_added_to_a_directory_glob_or_spec_makes_the_dataset_read_again(tmp_path):
+    """Only the files a dataset had opened were compared: a shard staged into its directory or
+    glob, or a spec file edited, went unseen (36 samples served where the files held 48)."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    _shard(d / "part-0.h5", 16)
+    _shard(d / "part-1.h5", 20)
+    spec = tmp_path / "spec.toml"
+    spec.write_text('format = "hdf5"\npaths = ["shards/part-0.h5"]\n')
+    paths = [str(d), str(d / "part-*.h5"), str(spec)]
+    residency = Residency(threads=1)
+    try:
+        assert [len(residency.load(p).reader) for p in paths] == [36, 36, 16]
+        _shard(d / "part-2.h5", 12)
+        spec.write_text('format = "hdf5"\npaths = ["shards/part-*.h5"]\n')
+        assert [len(residency.load(p).reader) for p in paths] == [48, 48, 48]
+        _shard(d / "part-3.h5", 4)  # matched by the spec's glob
+        assert len(residency.load(str(spec)).reader) == 52
+    finally:
+        residency.close()
+

@@ -5,25 +5,56 @@ data to the same path (``datastore stage`` writes new files and renames them int
 rewrites them) must not be served the old copy. :func:`files_state` digests every file's size,
 modification time and inode (the files inside a directory dataset, such as a Zarr store,
 included, but for LMDB's lock file and NFS's ``.nfs*``): one ``stat`` per file, no byte read.
+:func:`dataset_paths` adds what the dataset's path names now, so that a file added to its
+directory or glob, or a spec file edited, counts as a change too.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 from collections.abc import Sequence
 
-__all__ = ["files_state"]
+from datastore.readers.base import DatasetError
+from datastore.readers.spec import SPEC_SUFFIXES, DatasetSpec
+
+__all__ = ["dataset_paths", "files_state"]
 
 
 def files_state(paths: Sequence[str]) -> bytes:
     """A digest of the size, modification time and inode of every file under ``paths`` (a
     file, or a directory walked whole); a path that cannot be read counts as its error."""
     h = hashlib.blake2b(digest_size=16)
-    for path in paths:
-        for name in _files(path):
-            h.update(f"{name}\0{_stat(name)}\0".encode("utf-8", "surrogateescape"))
+    for name in sorted({name for path in paths for name in _files(path)}):
+        h.update(f"{name}\0{_stat(name)}\0".encode("utf-8", "surrogateescape"))
     return h.digest()
+
+
+def dataset_paths(path: str) -> list[str]:
+    """What the dataset path ``path`` names now: a glob's matches, a directory's entries
+    (those starting with ``.`` left out, as the readers leave them: staging's ``.datastore``),
+    else the path itself; for a spec file, also what its paths name (a spec that no longer
+    parses: the file alone, whose change is seen)."""
+    if not path.lower().endswith(SPEC_SUFFIXES):
+        return _named(path)
+    try:
+        spec = DatasetSpec.load(path)
+    except DatasetError:
+        return [path]
+    return [path, *(n for p in spec.paths for n in _named(p))]
+
+
+def _named(path: str) -> list[str]:
+    if any(c in path for c in "*?["):
+        return sorted(glob.glob(path))
+    try:
+        names = sorted(os.listdir(path)) if os.path.isdir(path) else None
+    except OSError:
+        names = None
+    if names is None:
+        return [path]
+    return [os.path.join(path, n) for n in names if not n.startswith(".")]
 
 
 def _files(path: str) -> list[str]:

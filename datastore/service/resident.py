@@ -41,7 +41,7 @@ from datastore.maths.ownership import RunOwners
 from datastore.maths.partition import Grid
 from datastore.readers import open_dataset
 from datastore.service.errors import ServiceError
-from datastore.service.file_state import files_state
+from datastore.service.file_state import dataset_paths, files_state
 from datastore.service.paths import checked_path, shown
 from datastore.service.peer_link import Peers, Pending, Pieces, expect
 from datastore.store.shards import SHARDABLE, LocalView, owners_by_holders
@@ -410,10 +410,11 @@ class Residency:
             sharded = self._shards(path, template)
             if sharded is None:
                 opened = _reader(path, self.roots), None
-                state = files_state(opened[0].files), b""
+                state = files_state([*dataset_paths(path), *opened[0].files]), b""
             else:
                 view, owner, theirs = sharded
-                opened, state = (view, owner), (files_state(view.local.files), theirs)
+                local = files_state([*dataset_paths(path), *view.local.files])
+                opened, state = (view, owner), (local, theirs)
         if opened is not None:  # another call loaded it meanwhile
             opened[0].close()
         return r
@@ -464,7 +465,7 @@ class Residency:
             if not force and time.monotonic() - r.checked < RECHECK_S:
                 return
             local = r.reader.local.files if r.owner is not None else r.reader.files
-            same = files_state(local) == r.state
+            same = files_state([*dataset_paths(path), *local]) == r.state
             if same and peers and r.owner is not None:
                 same = _digest(self._describe_others(r.template)) == r.peers_state
             if peers or r.owner is None:
