@@ -169,3 +169,39 @@ def test_a_file_added_to_a_directory_glob_or_spec_makes_the_dataset_read_again(t
     finally:
         residency.close()
 
+
+def test_hdf5_files_naming_files_outside_the_allowed_roots_are_refused(tmp_path):
+    """A virtual dataset's sources and external storage outside ``--allow`` were read and
+    served (384.4 KiB of a file outside the roots, through a virtual dataset)."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    root.mkdir()
+    out.mkdir()
+    source = make_dataset(out / "source.h5", 1)
+    raw = np.arange(SAMPLES * 4, dtype=np.float32)
+    for d in (root, out):
+        raw.tofile(d / "raw.bin")
+    with h5py.File(root / "virtual.h5", "w") as f:
+        layout = h5py.VirtualLayout((SAMPLES, 4, 4, 4), np.float32)
+        layout[:] = h5py.VirtualSource(source, "x", shape=(SAMPLES, 4, 4, 4))
+        f.create_virtual_dataset("x", layout)
+    for name, where in (("outside.h5", out), ("inside.h5", root)):
+        with h5py.File(root / name, "w") as f:
+            f.create_dataset(
+                "x", (SAMPLES, 4), np.float32, external=[(str(where / "raw.bin"), 0, 256)]
+            )
+    residency = Residency(threads=1, roots=(root,))
+    try:
+        errors = {}
+        for name in ("virtual.h5", "outside.h5", "inside.h5"):
+            r = residency.load(str(root / name))
+            assert r.wait(30)
+            errors[name] = r.load_error
+        assert errors == {
+            "virtual.h5": f"{str(root / 'virtual.h5')!r} reads {source!r} (named in its files), "
+            f"outside the allowed roots ({root})",
+            "outside.h5": f"{str(root / 'outside.h5')!r} reads {str(out / 'raw.bin')!r} (named in "
+            f"its files), outside the allowed roots ({root})",
+            "inside.h5": "",
+        }
+    finally:
+        residency.close()

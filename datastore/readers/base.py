@@ -20,6 +20,7 @@ import operator
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -158,6 +159,11 @@ class Reader(ABC):
     """
 
     _transient: ClassVar[tuple[str, ...]] = ()
+    confine: Callable[[str], None] | None = None
+    """Called with each file besides the dataset's own that a read would open (HDF5's
+    external links, external storage and virtual datasets' sources: ``reached_files``), before
+    it is read; raises to refuse it (``datastore serve``: a file outside ``--allow``).
+    Default: none, opened."""
 
     def __init__(self, spec: DatasetSpec):
         self.spec = spec

@@ -41,6 +41,7 @@ __all__ = [
     "AmbiguousLayout",
     "Hdf5PerSampleReader",
     "Hdf5Reader",
+    "reached_files",
     "set_format",
     "shard_count",
 ]
@@ -365,6 +366,11 @@ class _Hdf5Base(Reader):
         obj = files.get(path).get(info.name)
         if not isinstance(obj, h5py.Dataset):
             raise DatasetError(path, "no such dataset in the file", info.name)
+        confined = self.__dict__.setdefault("_confined", set())
+        if self.confine is not None and (path, info.name) not in confined:
+            for f in reached_files(obj, path):
+                self.confine(f)
+            confined.add((path, info.name))
         return obj
 
     def _names_asked(self) -> list[str] | None:
@@ -522,6 +528,28 @@ def _plain_layout(ds: h5py.Dataset, path: str) -> tuple[str, Any] | None:
         offset = ds.id.get_offset()
         return None if offset is None else ("contiguous", offset)
     return ("chunked", tuple(ds.chunks))
+
+
+def reached_files(ds: h5py.Dataset, path: str) -> list[str]:
+    """The files besides ``path`` that reading ``ds`` (a dataset got from the file at
+    ``path``) opens: the file an external link led to, external raw storage, a virtual
+    dataset's sources. A relative name is given as each place HDF5 may look for it (the
+    file's directory, the working directory)."""
+    own = ds.file.filename
+    out = [] if _same_file(own, path) else [own]
+    for name, _, _ in ds.external or ():
+        out += _places(os.fsdecode(name), own)
+    if ds.is_virtual:
+        out += [
+            f for m in ds.virtual_sources() if m.file_name != "." for f in _places(m.file_name, own)
+        ]
+    return out
+
+
+def _places(name: str, own: str) -> list[str]:
+    if os.path.isabs(name):
+        return [name]
+    return [os.path.join(os.path.dirname(os.path.abspath(own)), name), os.path.abspath(name)]
 
 
 def _same_file(a: str, b: str) -> bool:

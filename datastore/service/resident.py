@@ -320,7 +320,18 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
             raise ServiceError(
                 "PERMISSION_DENIED", f"{path!r} reads {real[f]!r}{via}, {_outside(roots)}"
             )
+        reader.confine = lambda f: _confined(path, f, roots)
     return reader
+
+
+def _confined(path: str, reached: str, roots: tuple[Path, ...]) -> None:
+    """Refuse a file that the dataset at ``path`` reaches from inside its own (HDF5's external
+    links and storage, virtual datasets) when it lies outside ``roots``."""
+    real = os.path.realpath(reached)
+    if not beneath(real, roots):
+        raise ServiceError(
+            "PERMISSION_DENIED", f"{path!r} reads {real!r} (named in its files), {_outside(roots)}"
+        )
 
 
 def listing(path: str, roots: tuple[Path, ...] = ()) -> tuple[bool, list[str], dict[str, Any]]:
