@@ -205,3 +205,28 @@ def test_hdf5_files_naming_files_outside_the_allowed_roots_are_refused(tmp_path)
         }
     finally:
         residency.close()
+
+
+def test_a_file_copied_in_place_with_its_size_and_time_is_read_again(tmp_path):
+    """``cp -p`` of a file of the same size and modification time (archives' fixed times)
+    rewrites it in place, the same inode: the old copy was served (1.0 where the file held 2.0)."""
+    old, new, path = (
+        make_dataset(tmp_path / n, s) for n, s in (("o.h5", 1), ("n.h5", 2), ("a.h5", 1))
+    )
+    for p in (old, new, path):
+        os.utime(p, ns=(0, 0))
+    residency = Residency(threads=1)
+    try:
+        r = residency.load(path)
+        assert r.wait(30)
+        with open(new, "rb") as src, open(path, "r+b") as dst:  # cp -p
+            dst.write(src.read())
+        os.utime(path, ns=(0, 0))
+        again = residency.load(path)
+        assert again is not r and again.wait(30)
+        out = np.empty((4, 4, 4), np.float32)
+        again.reader.read(0, "x", out=out)
+        with h5py.File(new) as f:
+            assert np.array_equal(out, f["x"][0])
+    finally:
+        residency.close()

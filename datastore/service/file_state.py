@@ -3,8 +3,10 @@
 A service keeps a dataset in memory across the jobs of a campaign; a campaign that stages new
 data to the same path (``datastore stage`` writes new files and renames them into place, ``cp``
 rewrites them) must not be served the old copy. :func:`files_state` digests every file's size,
-modification time and inode (the files inside a directory dataset, such as a Zarr store,
-included, but for LMDB's lock file and NFS's ``.nfs*``): one ``stat`` per file, no byte read.
+modification and change times and inode (the files inside a directory dataset, such as a Zarr
+store, included, but for LMDB's lock file and NFS's ``.nfs*``): one ``stat`` per file, no byte
+read. The change time is the one a copy cannot set: ``cp -p`` of a file of the same size and
+modification time (archives' fixed times) rewrites it in place, the same inode.
 :func:`dataset_paths` adds what the dataset's path names now, so that a file added to its
 directory or glob, or a spec file edited, counts as a change too.
 """
@@ -23,8 +25,9 @@ __all__ = ["dataset_paths", "files_state"]
 
 
 def files_state(paths: Sequence[str]) -> bytes:
-    """A digest of the size, modification time and inode of every file under ``paths`` (a
-    file, or a directory walked whole); a path that cannot be read counts as its error."""
+    """A digest of the size, modification and change times and inode of every file under
+    ``paths`` (a file, or a directory walked whole); a path that cannot be read counts as its
+    error."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted({name for path in paths for name in _files(path)}):
         h.update(f"{name}\0{_stat(name)}\0".encode("utf-8", "surrogateescape"))
@@ -79,4 +82,4 @@ def _stat(path: str) -> str:
         st = os.stat(path)
     except OSError as exc:
         return f"error {exc.errno}"
-    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino}"
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}"
