@@ -22,7 +22,10 @@ import h5py
 import numpy as np
 import pytest
 
+from datastore.errors import ServiceUnavailable
 from datastore.service.client import Client, job_identity
+from datastore.service.commands import _stopped
+from datastore.service.paths import claim_socket
 from datastore.service.watch import ProcessWatch, boot_id, running, start_ticks, this_process
 from tests.test_service_basic import REPO, Server, cli, wait_serving
 
@@ -159,6 +162,30 @@ def test_shutdown_drains_and_the_service_exits_0_removing_its_socket(served):
     assert not sock.exists()
     asked = [x for x in s.logs() if x.get("event") == "shutdown_requested"]
     assert [(x["reason"], x["grace_s"]) for x in asked] == [("datastore shutdown", 2.0)]
+
+
+class _Gone:
+    """A client of a service that no longer answers."""
+
+    def __init__(self, sock: Path):
+        self.target = f"unix://{sock}"
+
+    def status(self):
+        raise ServiceUnavailable("no answer")
+
+
+def test_shutdown_waits_until_the_service_holds_its_socket_no_more(tmp_path):
+    """gRPC removes the socket as the drain begins: `datastore shutdown` said "stopped" while
+    the service drained for 30 s more, and a service started then was refused (its lock held)."""
+    sock = tmp_path / "s.sock"
+    claim = claim_socket(sock, private=False)  # a server draining: no socket, its lock held
+    try:
+        assert not sock.exists() and not _stopped(_Gone(sock), 0.3)
+    finally:
+        claim.release()
+    assert _stopped(_Gone(sock), 0.3)
+    (tmp_path / "s.sock.lock").touch()  # left by a killed server: not locked
+    assert _stopped(_Gone(sock), 0.3)
 
 
 def test_shutdown_over_tcp_needs_the_token(tmp_path):

@@ -164,8 +164,10 @@ def run_shutdown(args: argparse.Namespace) -> int:
 
 def _stopped(client: Any, wait_s: float) -> bool:
     """Whether the service stops within ``wait_s`` seconds: it no longer answers ``client``
-    and, on a Unix socket, has removed the socket (its last step before exiting)."""
+    and, on a Unix socket, no longer holds the socket's lock (its process ended: the socket
+    itself goes as the drain begins)."""
     from datastore.errors import DataStoreError
+    from datastore.service.paths import socket_held
 
     target = client.target
     sock = (
@@ -181,7 +183,7 @@ def _stopped(client: Any, wait_s: float) -> bool:
                 client.status()
             except (DataStoreError, ValueError):
                 answering = False
-        if not answering and (sock is None or not sock.exists()):
+        if not answering and (sock is None or not socket_held(sock)):
             return True
         time.sleep(0.1)
     return False

@@ -42,6 +42,7 @@ __all__ = [
     "service_address",
     "shown",
     "socket_answers",
+    "socket_held",
     "unix_target",
 ]
 
@@ -163,6 +164,24 @@ def socket_answers(path: Path | str, timeout: float = 1.0) -> bool:
         return True
     finally:
         s.close()
+
+
+def socket_held(path: Path | str) -> bool:
+    """Whether a server holds the Unix socket ``path``: its ``<socket>.lock`` is locked (a
+    server keeps it until its process ends; gRPC removes the socket itself as it drains)."""
+    try:
+        fd = os.open(f"{os.fspath(path)}.lock", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return True
+        raise
+    finally:
+        os.close(fd)  # (and with it the shared lock)
+    return False
 
 
 @dataclass
