@@ -14,6 +14,7 @@ import pickle
 import subprocess
 import sys
 import tarfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -940,3 +941,48 @@ def test_a_zarr_array_written_anew_after_opening_is_refused(tmp_path, zarr_forma
     write(x.astype(np.int32) + 7)
     with pytest.raises(DatasetError, match=r"field 'x': the array changed since the dataset"):
         reader.read(2, "x")
+
+
+def _reader_of_fifo(fifo: Path, stop: threading.Event) -> None:
+    """Open ``fifo`` for writing whenever a reader has it open, then close it: a read that
+    should never have opened it ends (at end of file) instead of blocking for ever."""
+    while not stop.is_set():
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            stop.wait(0.05)
+
+
+def test_hdf5_fields_reaching_a_fifo_are_refused_never_opened(tmp_path):
+    """An external link, external storage or a virtual dataset's source naming a FIFO: HDF5
+    opened it and blocked the whole process (h5py holds the GIL; a service stopped answering
+    `datastore status`), whatever the loader's timeout."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with h5py.File(tmp_path / "link.h5", "w") as f:
+        f["x"] = h5py.ExternalLink(str(fifo), "/x")
+        f["y"] = np.zeros(4, np.float32)
+    with h5py.File(tmp_path / "raw.h5", "w") as f:
+        f.create_dataset("x", (4,), np.float32, external=[(str(fifo), 0, 16)])
+    with h5py.File(tmp_path / "virtual.h5", "w") as f:
+        layout = h5py.VirtualLayout((4,), np.float32)
+        layout[:] = h5py.VirtualSource(str(fifo), "x", shape=(4,))
+        f.create_virtual_dataset("x", layout)
+    stop = threading.Event()
+    unblock = threading.Thread(target=_reader_of_fifo, args=(fifo, stop), daemon=True)
+    unblock.start()
+    refused = f"reads {str(fifo)!r}, not a regular file (a FIFO, socket, device or directory)"
+    try:
+        with pytest.raises(DatasetError) as err:
+            open_dataset(DatasetSpec("hdf5", (str(tmp_path / "link.h5"),), ("x", "y")))
+        assert str(err.value) == f"{tmp_path / 'link.h5'}: field 'x': {refused}"
+        with pytest.raises(DatasetError) as err:  # every dataset, those behind links included
+            open_dataset(str(tmp_path / "link.h5"))
+        assert str(err.value) == f"{tmp_path / 'link.h5'}: field 'x': {refused}"
+        for name in ("raw.h5", "virtual.h5"):
+            with open_dataset(str(tmp_path / name)) as r, pytest.raises(DatasetError) as err:
+                r.read(0, "x", out=np.empty((), np.float32))
+            assert str(err.value) == f"{tmp_path / name}: field 'x': {refused}"
+    finally:
+        stop.set()
+        unblock.join()

@@ -88,7 +88,7 @@ def _datasets(f: h5py.File, path: str, names: list[str] | None) -> dict[str, h5p
         return found
     out = {}
     for name in names:
-        obj = f.get(name)
+        obj = _get(f, path, name)
         if obj is None:
             has = ", ".join(_datasets(f, path, None)) or "no datasets"
             raise DatasetError(path, f"not in the data (it has: {has})", name)
@@ -102,8 +102,11 @@ def _linked(f: h5py.File, path: str, name: str, link: h5py.ExternalLink) -> Any:
     """The object that the external link ``name`` of ``f`` names.
 
     Raises:
-        DatasetError: naming the link and its target when that cannot be opened.
+        DatasetError: naming the link and its target when that cannot be opened, or is no
+            regular file (opening a FIFO would block).
     """
+    for target in _places(link.filename, path):
+        _regular(target, path, name)
     try:
         return f[name]
     except (KeyError, OSError) as exc:
@@ -144,6 +147,29 @@ def _applied(ds: h5py.Dataset, i: int) -> bool:
     if ds.chunks is None or not ds.id.get_num_chunks():
         return False
     return not ds.id.get_chunk_info(0).filter_mask & (1 << i)
+
+
+def _get(f: h5py.File, path: str, name: str) -> Any:
+    """``f.get(name)``, each external link on the way checked first: HDF5 opens the file it
+    names, and opening a FIFO blocks (the whole process: h5py holds the GIL)."""
+    parts = [p for p in name.split("/") if p]
+    for k in range(len(parts)):
+        link = f.get("/".join(parts[: k + 1]), getlink=True)
+        if isinstance(link, h5py.ExternalLink):
+            for target in _places(link.filename, path):
+                _regular(target, path, name)
+    return f.get(name)
+
+
+def _regular(target: str, path: str, name: str) -> None:
+    """Refuse a file the dataset ``name`` of ``path`` reaches that is there but is no regular
+    file (a FIFO, socket, device or directory)."""
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise DatasetError(
+            path,
+            f"reads {target!r}, not a regular file (a FIFO, socket, device or directory)",
+            name,
+        )
 
 
 def _chunks(ds: h5py.Dataset, drop: int) -> tuple[int, ...] | None:
@@ -363,14 +389,16 @@ class _Hdf5Base(Reader):
 
     def _dataset(self, files: _FileCache, path: str, info: FieldInfo) -> h5py.Dataset:
         """``info``'s dataset in ``path``; only under ``self._lock``."""
-        obj = files.get(path).get(info.name)
+        obj = _get(files.get(path), path, info.name)
         if not isinstance(obj, h5py.Dataset):
             raise DatasetError(path, "no such dataset in the file", info.name)
-        confined = self.__dict__.setdefault("_confined", set())
-        if self.confine is not None and (path, info.name) not in confined:
+        checked = self.__dict__.setdefault("_reached", set())
+        if (path, info.name) not in checked:
             for f in reached_files(obj, path):
-                self.confine(f)
-            confined.add((path, info.name))
+                _regular(f, path, info.name)
+                if self.confine is not None:
+                    self.confine(f)
+            checked.add((path, info.name))
         return obj
 
     def _names_asked(self) -> list[str] | None:
