@@ -33,6 +33,7 @@ __all__ = [
     "archive_kind",
     "check_members",
     "list_members",
+    "mtime_ns",
     "normalize_name",
     "open_stream",
 ]
@@ -60,12 +61,14 @@ class Member:
 
     ``kind`` is ``"file"``, ``"dir"``, ``"symlink"``, ``"hardlink"`` or ``"special"``.
     ``offset`` is where its data starts in an uncompressed archive (``None`` when compressed).
+    ``mtime`` is in whole seconds (the header's), ``mtime_ns`` exact (a pax header's fraction).
     """
 
     name: str
     kind: str
     size: int = 0
     mtime: int = 0
+    mtime_ns: int = 0
     mode: int = 0o644
     link: str = ""
     offset: int | None = None
@@ -185,6 +188,17 @@ class StrictInfo(tarfile.TarInfo):
             raise tarfile.ReadError(str(exc)) from None
 
 
+def mtime_ns(info: tarfile.TarInfo) -> int:
+    """A member's modification time in ns: a pax header's decimal exactly (tarfile keeps it
+    as a float, ``1795955300.016684686`` as ``...0166848``), else the header's seconds."""
+    text = info.pax_headers.get("mtime", "")
+    whole, _, frac = text.lstrip("-").partition(".")
+    if not (whole.isdigit() and (frac.isdigit() or not frac)):
+        return int(info.mtime) * 10**9
+    ns = int(whole) * 10**9 + int(frac[:9].ljust(9, "0"))
+    return -ns if text.startswith("-") else ns
+
+
 def _member(info: tarfile.TarInfo, offsets: bool) -> Member | None:
     name = normalize_name(info.name)
     if not name:
@@ -204,6 +218,7 @@ def _member(info: tarfile.TarInfo, offsets: bool) -> Member | None:
         kind=kind,
         size=info.size if kind == "file" else 0,
         mtime=int(info.mtime),
+        mtime_ns=mtime_ns(info),
         mode=info.mode & 0o7777,
         link=info.linkname,
         offset=info.offset_data if offsets and kind == "file" else None,

@@ -183,7 +183,7 @@ def _member_item(path: str, m: Member, arch_ident: str) -> Item:
         source=f"{path}::{m.name}",
         ident=f"{m.size}:{m.mtime}@{arch_ident}",
         size=m.size,
-        mtime_ns=m.mtime * 1_000_000_000,
+        mtime_ns=m.mtime_ns,
         mode=m.mode,
         path=path,
         offset=m.offset or 0,
