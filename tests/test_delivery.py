@@ -207,3 +207,22 @@ def test_a_split_of_2d_samples_names_the_fields_and_the_spec_key():
         "per sample): by default they are the last three axes of a field of three or more; "
         "name them in a spec file (fields = [{name, spatial_axes}])"
     )
+
+
+def test_spatial_fields_of_different_volumes_are_named():
+    """A (C, D, H, W) volume beside a (H, W, 3) image: both have default spatial axes, and the
+    refusal listed the volumes, [(5, 6, 7), (9, 9, 3)], not the fields nor what to do."""
+    info = {
+        "x": FieldInfo(
+            name="x", dtype=np.dtype("float32"), shape=(2, 5, 6, 7), spatial_axes=(1, 2, 3)
+        ),
+        "img": FieldInfo(
+            name="img", dtype=np.dtype("uint8"), shape=(9, 9, 3), spatial_axes=(0, 1, 2)
+        ),
+    }
+    with pytest.raises(ValueError) as err:
+        spatial_grid(info, {"parts": (1, 2, 1), "halo": 1})
+    assert str(err.value) == (
+        "spatial fields have different volumes (x (5, 6, 7), img (9, 9, 3)): leave out the "
+        "fields not to split (fields=[...]), or name the spatial axes in a spec file"
+    )

@@ -182,7 +182,15 @@ def spatial_grid(info: dict[str, Any], spatial: Mapping[str, Any] | None) -> Gri
             "name them in a spec file (fields = [{name, spatial_axes}])"
         )
     if len(volumes) > 1:
-        raise ValueError(f"spatial fields have different volumes: {sorted(volumes)}")
+        each = ", ".join(
+            f"{name} {tuple(fi.shape[a] for a in fi.spatial_axes)}"
+            for name, fi in info.items()
+            if fi.spatial_axes
+        )
+        raise ValueError(
+            f"spatial fields have different volumes ({each}): leave out the fields not to "
+            "split (fields=[...]), or name the spatial axes in a spec file"
+        )
     volume = volumes.pop()
     if len(volume) != len(spatial["parts"]):
         raise ValueError(
