@@ -202,3 +202,22 @@ def test_a_field_behind_a_filter_this_process_lacks_is_refused_when_opened(
     with pytest.raises(DatasetError, match=r"field 'x': compressed with HDF5 filter 1 \(deflate\)"):
         open_dataset(str(target), fields=["x"])
     assert len(open_dataset(str(target), fields=["y"])) == (4 if layout == "one-file" else 2)
+
+
+def test_the_datasets_of_a_group_behind_an_external_link_are_fields(tmp_path):
+    """A master file linking a run file's ``/entry/data`` group (NeXus-style): its datasets
+    were no fields; they are now, by their paths through the link."""
+    import h5py
+
+    from datastore.readers import open_dataset
+
+    x = np.arange(5 * 6, dtype=np.float32).reshape(5, 6)
+    with h5py.File(tmp_path / "run.h5", "w") as f:
+        f["entry/data/x"], f["entry/data/sub/y"] = x, np.arange(5)
+    with h5py.File(tmp_path / "master.h5", "w") as f:
+        f["data"] = h5py.ExternalLink("run.h5", "/entry/data")
+        f["w"] = np.arange(5) * 2
+    reader = open_dataset(str(tmp_path / "master.h5"))
+    assert sorted(reader.fields) == ["data/sub/y", "data/x", "w"]
+    assert np.array_equal(reader.read(3, "data/x"), x[3])
+    assert reader.read(3, "data/sub/y") == 3

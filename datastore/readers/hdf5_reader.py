@@ -65,26 +65,24 @@ def _open_file(path: str) -> h5py.File:
 
 def _datasets(f: h5py.File, path: str, names: list[str] | None) -> dict[str, h5py.Dataset]:
     """``{name: dataset}``: the ``names`` asked for, or every dataset in the file (by path),
-    then every dataset that an external link in it names (``visititems`` passes them by)."""
+    then every dataset that an external link in it names or holds in the group it names
+    (``visititems`` passes them by)."""
     if names is None:
         found: dict[str, h5py.Dataset] = {}
-
-        def visit(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
-                found[name] = obj
-
         external: list[tuple[str, h5py.ExternalLink]] = []
 
         def visit_link(name: str, link: Any) -> None:
             if isinstance(link, h5py.ExternalLink):
                 external.append((name, link))
 
-        f.visititems(visit)
+        _collect(f, "", found)
         f.visititems_links(visit_link)
         for name, link in external:  # opened after the visit: h5py's callbacks must not raise
             obj = _linked(f, path, name, link)
             if isinstance(obj, h5py.Dataset):
                 found[name] = obj
+            elif isinstance(obj, h5py.Group):  # its datasets (not its own links' ones)
+                _collect(obj, f"{name}/", found)
         return found
     out = {}
     for name in names:
@@ -96,6 +94,16 @@ def _datasets(f: h5py.File, path: str, names: list[str] | None) -> dict[str, h5p
             raise DatasetError(path, "a group, not a dataset", name)
         out[name] = obj
     return out
+
+
+def _collect(group: h5py.Group, prefix: str, found: dict[str, h5py.Dataset]) -> None:
+    """Add every dataset under ``group`` to ``found``, by its path there after ``prefix``."""
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            found[prefix + name] = obj
+
+    group.visititems(visit)
 
 
 def _linked(f: h5py.File, path: str, name: str, link: h5py.ExternalLink) -> Any:
