@@ -595,7 +595,9 @@ class DataStoreLoader(EpochPosition):
             raise RuntimeError(CLOSED if self._closed else self._broken)
         if self._unchecked is not None:
             self._check_late()
-        yield from self._pass_batches(*self._new_pass())
+        epoch, start, pass_ = self._new_pass()
+        if start < len(self):  # (else a loaded epoch's end: nothing is left of it)
+            yield from self._pass_batches(epoch, start, pass_)
 
     def _pass_batches(self, epoch: int, start: int, pass_: int):
         if self._source.steps_together and any(w.is_alive() for w, _ in self._workers):

@@ -90,6 +90,29 @@ def test_resume_mid_epoch_equals_uninterrupted(h5):
     assert seen == full
 
 
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_with_set_epoch_of_that_epoch(h5):
+    """The torch loop ``for e in range(saved_epoch, E): set_epoch(e); for b in loader`` that
+    checkpoints every ``len(loader)`` steps saves ``{"epoch": e}`` at epoch ``e``'s last batch:
+    resumed, epoch ``e`` has nothing left (as with ``StatefulDataLoader``); it was replayed."""
+    path = str(h5[0])
+
+    def run(saved=None):
+        loader, seen, ckpt = DataStoreLoader(path, batch_size=6, seed=9), [], None
+        if saved is not None:
+            loader.load_state_dict(saved["data"])
+        for e in range(saved["epoch"] if saved else 0, 3):
+            loader.set_epoch(e)
+            for b in loader:
+                seen.append(b["idx"].tolist())
+                if ckpt is None and len(seen) == len(loader):
+                    ckpt = {"epoch": e, "data": loader.state_dict()}
+        return seen, ckpt
+
+    full, ckpt = run()
+    assert (ckpt["epoch"], ckpt["data"]["epoch"], ckpt["data"]["step"]) == (0, 1, 0)
+    assert run(ckpt)[0] == full[4:]
+
+
 def test_set_epoch_and_pad_tail(h5):
     loader = DataStoreLoader(str(h5[0]), batch_size=7, drop_last=False, seed=1)
     assert len(loader) == 4

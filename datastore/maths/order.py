@@ -490,7 +490,7 @@ class EpochPosition:
     schedule: Schedule
     epoch: int
     _step: int
-    _resume: bool = False  # a loaded mid-epoch position that the next iter() resumes
+    _resume: bool = False  # a loaded position that the next iter() resumes
     _pass: int = 0  # the newest pass
 
     def __len__(self) -> int:
@@ -498,9 +498,13 @@ class EpochPosition:
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch at the next iteration (a loaded position in
-        ``epoch`` still resumes, as a ``DistributedSampler``'s under ``StatefulDataLoader``)."""
-        if not (self._resume and int(epoch) == self.epoch):
-            self.epoch, self._step, self._resume = int(epoch), 0, False
+        ``epoch`` still resumes, as a ``DistributedSampler``'s under ``StatefulDataLoader``;
+        a loaded start of the next epoch is the end of ``epoch``: its pass is empty)."""
+        epoch = int(epoch)
+        if self._resume and self._step == 0 and epoch == self.epoch - 1:
+            self.epoch, self._step = epoch, self.schedule.steps_per_epoch
+        elif not (self._resume and epoch == self.epoch):
+            self.epoch, self._step, self._resume = epoch, 0, False
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out; resuming from it is O(1)."""
@@ -511,15 +515,19 @@ class EpochPosition:
         epoch, step = check_state(self.schedule, saved)
         done = step >= self.schedule.steps_per_epoch
         self.epoch, self._step = (epoch + 1, 0) if done else (epoch, step)
-        self._resume = self._step > 0
+        self._resume = True
 
     def _new_pass(self) -> tuple[int, int, int]:
-        """``(epoch, step, pass)`` where a new ``iter()`` starts."""
+        """``(epoch, step, pass)`` where a new ``iter()`` starts; ``step`` is the epoch's
+        length when nothing is left of it (a loaded end of an epoch)."""
         if self._step > 0 and not self._resume:
             self.epoch, self._step = self.epoch + 1, 0
         self._resume = False
         self._pass += 1
-        return self.epoch, self._step, self._pass
+        at = self.epoch, self._step, self._pass
+        if self._step >= self.schedule.steps_per_epoch:
+            self.epoch, self._step = self.epoch + 1, 0
+        return at
 
     def _handed_out(self, epoch: int, step: int, pass_: int) -> None:
         """Batch ``step`` of ``epoch`` is with the consumer: the next one, or the next
