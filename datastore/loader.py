@@ -469,7 +469,8 @@ class DataStoreLoader(EpochPosition):
         exchanging = self._coll is not None
         owner = None
         if exchanging:
-            owner = RangeOwners(len(reader), self.world.size)  # O(ranks), not O(samples)
+            # O(ranks), not O(samples); a data rank's ranks hold its contiguous home
+            owner = RangeOwners(len(reader), self.world.size, _data_world(o, self.world.size))
             sharded = shard_layout(reader, _root(dataset), self._coll)
             if sharded is not None:  # each node holds its share (datastore stage --mode shard)
                 self.reader, owner = sharded
@@ -736,6 +737,13 @@ class LoaderSampler:
 
     def __len__(self) -> int:
         return len(self.loader) * self.loader.batch_size
+
+
+def _data_world(options: LoaderOptions, world: int) -> int:
+    """The data ranks of ``world`` (``1`` where the spatial blocks do not divide it: the
+    view refuses that on every rank)."""
+    blocks = math.prod(options.spatial["parts"]) if options.spatial else 1
+    return world // blocks if world % blocks == 0 else 1
 
 
 def _root(dataset: Any) -> str:

@@ -124,6 +124,25 @@ def test_homes_group_a_data_ranks_spatial_ranks_in_storage_order():
     assert Homes.contiguous(10, 3).keys_of(2).tolist() == [7, 8, 9]
 
 
+def test_the_exchanges_owners_give_each_data_rank_its_contiguous_home():
+    """The exchange's owners over ``D`` data ranks of ``S`` spatial ranks make the homes of
+    the local source and the service (``Homes.contiguous``): the same ``shard`` batches and
+    ``len()``. ``RangeOwners(10, 4)`` held 3, 3, 2, 2 samples: homes of 6 and 4 at
+    ``parts=(2, 1, 1)``, where the service's are 5 and 5 (len 6 against 5 at batch 1)."""
+    assert RangeOwners(10, 4, 2).counts(4).tolist() == [3, 2, 3, 2]
+    for n in range(13):
+        for data_world, spatial in ((1, 3), (2, 2), (3, 2), (2, 1), (4, 1)):
+            world = data_world * spatial
+            homes = Homes(RangeOwners(n, world, data_world), data_world, spatial)
+            plain = Homes.contiguous(n, data_world)
+            for d in range(data_world):
+                assert homes.keys_of(d).tolist() == plain.keys_of(d).tolist(), (n, d, spatial)
+            if spatial == 1:  # whole samples: the split is as it was
+                assert RangeOwners(n, world, data_world).counts(world).tolist() == [
+                    len(RangeOwners(n, world).keys_of(r)) for r in range(world)
+                ]
+
+
 @pytest.mark.parametrize("shuffle", ["shard", "window:3"])
 @pytest.mark.parametrize("tail", ["drop", "pad"])
 def test_a_local_shuffle_keeps_every_data_rank_in_its_home(shuffle, tail):

@@ -93,15 +93,26 @@ class RunOwners:
 
 
 class RangeOwners(RunOwners):
-    """Contiguous, balanced ranges on ``owners`` ranks (:func:`contiguous_owners`): O(ranks)."""
+    """Contiguous, balanced ranges on ``owners`` ranks (:func:`contiguous_owners`): O(ranks).
 
-    def __init__(self, num_samples: int, owners: int) -> None:
-        if owners < 1:
-            raise ValueError(f"owners must be >= 1, got {owners}")
-        sizes = np.full(owners, num_samples // owners, dtype=np.int64)
-        sizes[: num_samples % owners] += 1
+    With ``groups`` (data ranks of ``owners // groups`` spatial ranks each), the samples are
+    first split into ``groups`` balanced ranges, each then over its group's ranks: a group's
+    range is its home of :meth:`Homes.contiguous`, whatever the spatial blocks. Default: ``1``.
+    """
+
+    def __init__(self, num_samples: int, owners: int, groups: int = 1) -> None:
+        if owners < 1 or groups < 1 or owners % groups:
+            raise ValueError(f"owners must be a multiple >= 1 of {groups} groups, got {owners}")
+        sizes = _balanced(_balanced(num_samples, groups), owners // groups).reshape(-1)
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         super().__init__(starts, np.arange(owners), num_samples)
+
+
+def _balanced(total: Any, parts: int) -> np.ndarray:
+    """The sizes of ``parts`` contiguous ranges splitting each of ``total``, the first
+    ``total % parts`` one larger: shape ``(*shape(total), parts)``."""
+    total = np.asarray(total, dtype=np.int64)[..., None]
+    return total // parts + (np.arange(parts) < total % parts)
 
 
 def owned_keys(owner: Any, rank: int) -> np.ndarray:
