@@ -3,6 +3,7 @@ service's calls share under one lock."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -228,5 +229,27 @@ def test_a_file_copied_in_place_with_its_size_and_time_is_read_again(tmp_path):
         again.reader.read(0, "x", out=out)
         with h5py.File(new) as f:
             assert np.array_equal(out, f["x"][0])
+    finally:
+        residency.close()
+
+
+def test_a_restart_reloads_no_dataset_outside_its_allowed_roots(tmp_path):
+    """A service restarted with other ``--allow`` roots reloaded a spec file outside them from
+    its state file, which then could not be unloaded (``PERMISSION_DENIED``)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    inside = make_dataset(root / "a.h5", 1)
+    spec = tmp_path / "a.toml"  # outside the root, naming a file inside it
+    spec.write_text(f'format = "hdf5"\npaths = ["{inside}"]\n')
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"resident": [[str(spec), str(spec)], [inside, inside]]}))
+    events = []
+    residency = Residency(
+        threads=1, state_file=state, roots=(root,), on_event=lambda e, **k: events.append((e, k))
+    )
+    try:
+        assert residency.restore() == [inside]
+        assert [r.path for r in residency.all()] == [inside]
+        assert [k["dataset"] for e, k in events if e == "reload_failed"] == [str(spec)]
     finally:
         residency.close()

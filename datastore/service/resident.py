@@ -545,8 +545,8 @@ class Residency:
             if not (isinstance(entry, list) and len(entry) == 2):
                 continue
             p, template = entry
-            try:
-                self.load(p, template)
+            try:  # (the roots may have changed since: one outside could not be unloaded)
+                self.load(resolve_dataset(p, self.roots), template)
                 done.append(p)
             except ServiceError as exc:
                 self._event("reload_failed", dataset=p, msg=str(exc))
