@@ -1,5 +1,6 @@
 """A peer that failed or exited mid-epoch is reported as such, with its error, not as a loop
-bug (issue 22, 2d); a peer that broke its loop is still told as one (``RankMismatch``)."""
+bug (issue 22, 2d); a peer that broke its loop is still told as one (``RankMismatch``); a peer
+that cannot read the samples it owns tells the ranks waiting for them at once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -19,6 +21,7 @@ from staging.cluster import LAUNCH_ENV
 pytestmark = pytest.mark.slow  # jobs of several processes: not in `make test-quick`
 
 JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "peer_end_job.py")
+OWNER_JOB = os.path.join(os.path.dirname(__file__), "mpi_jobs", "owner_fails_job.py")
 N = 32  # 8 steps of 2 samples a rank
 
 
@@ -94,3 +97,27 @@ def test_a_peer_that_broke_its_loop_is_a_loop_bug(data, tmp_path):
     assert kind == "RankMismatch", row
     assert text.startswith("rank 1 stopped iterating before step "), text
     assert "exited" not in text  # it lives on
+
+
+@pytest.mark.mpi
+def test_a_peer_that_cannot_read_what_it_owns_is_named_with_its_error_at_once(tmp_path):
+    """Rank 1 cannot read the samples it owns (their files removed) at step 4, where rank 0
+    waits for two of them: rank 0 raises PeerFailed with rank 1's error within seconds (it
+    waited out the 30 s timeout, then said only that rank 1 had not sent)."""
+    root = tmp_path / "d"
+    root.mkdir()
+    for k in range(N):
+        np.save(root / f"s{k:02d}.npy", np.full((2, 8, 8, 8), k, np.float32))
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    out = str(tmp_path / "out")
+    cmd = [MPIEXEC, "-n", "2", sys.executable, OWNER_JOB, str(root), out]
+    subprocess.run(cmd, env=env, capture_output=True, timeout=90)
+    zero, one = (json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1))
+    assert one["batches"] == zero["batches"] == 4  # steps 0-3: samples 0-15, rank 0's
+    kind, text = one["error"]
+    assert text.startswith(f"{root}/s16.npy: "), one  # the first it sends at step 4
+    kind0, text0 = zero["error"]
+    assert kind0 == "PeerFailed", zero
+    assert text0.startswith(f"rank 1 failed ({kind}: "), text0
+    assert "s16.npy" in text0 and "at step 4 of the MPI exchange" in text0, text0
+    assert zero["seconds"] < 15, zero

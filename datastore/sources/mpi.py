@@ -15,7 +15,9 @@ outside the volume is written by the receiver, since buffers are reused and cons
 them. Waits are polled, so a peer that never sends stops the step with an error naming it
 instead of a hang; that step's buffers are then kept until the process exits, since the peer
 may yet send and MPI move the bytes, even in ``MPI_Finalize``, and the exchange takes no
-step after it (:meth:`~datastore.sources.owners.Owners.usable`).
+step after it (:meth:`~datastore.sources.owners.Owners.usable`). A rank whose step fails (a
+sample it owns cannot be read) tells that step's peers why, so that they raise
+:class:`~datastore.errors.PeerFailed` with its error at once instead of waiting out the timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from datastore.errors import ExchangeTimeout, PeerFailed
 from datastore.maths.delivery import Delivered, covered, pad_copies
 from datastore.maths.exchange import Message
 from datastore.ranks.agree import poll
@@ -32,6 +35,9 @@ from datastore.ranks.subarrays import BoxMessages
 from datastore.sources.owners import ExchangeSetup, Owners
 
 __all__ = ["MpiExchange"]
+
+_FAILED = 1  # a rank's report that its step failed (the steps' messages are tag 0)
+_WHY_BYTES = 1024  # a report's most bytes
 
 
 class MpiExchange(Owners):
@@ -51,6 +57,7 @@ class MpiExchange(Owners):
         self.comm = comm.Dup()
         super().__init__(self.comm.Get_rank(), setup)
         self._boxes = BoxMessages(self.comm)
+        self._reports: list[Any] = []  # what this rank told its peers: kept, as the sends
 
     def step(
         self,
@@ -73,7 +80,9 @@ class MpiExchange(Owners):
 
         # whatever fails once a message is posted: its bytes may still move, up to MPI_Finalize,
         # so this round's buffers are kept till exit
-        with self.failing_at(step, lambda: self._boxes.abandon(requests)):
+        with self.failing_at(
+            step, lambda: self._boxes.abandon(requests), lambda exc: self._tell(step, msgs, exc)
+        ):
             # receives first, in plan order (MPI matches same-pair messages in order)
             for m in msgs:
                 if m.dst == me and m.src != me:
@@ -96,7 +105,7 @@ class MpiExchange(Owners):
             copies.extend(self.own_copies(msgs, out))
             self.setup.gather.run(copies)
             poll(
-                lambda: self._mpi.Request.Testall(requests),
+                lambda: self._mpi.Request.Testall(requests) or self._told(),
                 deadline=time.monotonic() + self.setup.timeout,
                 what="the MPI exchange",
                 step=step,
@@ -105,6 +114,29 @@ class MpiExchange(Owners):
             self.setup.gather.run(self._boxes.unpacks())
         self._boxes.release()
         self.seconds += time.perf_counter() - t0
+
+    def _tell(self, step: int, msgs: list[Message], exc: BaseException) -> None:
+        """Tell the peers of ``step`` (those it sends to or receives from) that it failed
+        here, and why: they may wait for its messages in vain (not after a timeout or a
+        peer's failure, which they see themselves; not on an interrupt)."""
+        if isinstance(exc, ExchangeTimeout | PeerFailed) or not isinstance(exc, Exception):
+            return
+        why = bytearray(f"{step} {type(exc).__name__}: {exc}".encode()[:_WHY_BYTES])
+        for peer in sorted(({m.src for m in msgs} | {m.dst for m in msgs}) - {self.rank}):
+            self._reports.append((why, self.comm.Isend([why, self._mpi.BYTE], peer, _FAILED)))
+
+    def _told(self) -> bool:
+        """``False``, or raise :class:`PeerFailed` if a peer told that its step failed."""
+        status = self._mpi.Status()
+        if not self.comm.Iprobe(self._mpi.ANY_SOURCE, _FAILED, status):
+            return False
+        report = bytearray(status.Get_count(self._mpi.BYTE))
+        self.comm.Recv([report, self._mpi.BYTE], status.Get_source(), _FAILED)
+        step, why = report.decode(errors="replace").split(" ", 1)
+        raise PeerFailed(
+            f"rank {status.Get_source()} failed ({why}) at step {step} of the MPI exchange, "
+            "whose messages this rank waited for"
+        )
 
     def close(self) -> None:
         self.comm.Free()

@@ -70,16 +70,23 @@ class Owners:
             )
 
     @contextmanager
-    def failing_at(self, step: int, abandon: Callable[[], None] = lambda: None) -> Iterator[None]:
+    def failing_at(
+        self,
+        step: int,
+        abandon: Callable[[], None] = lambda: None,
+        tell: Callable[[BaseException], None] = lambda exc: None,
+    ) -> Iterator[None]:
         """Around a step from its first posted message: whatever escapes (a timeout, a peer
         gone, a read error, an interrupt) runs ``abandon`` (keep what a transfer may still
-        touch) and marks the exchange failed at ``step``, so that :meth:`usable` refuses the
-        next step whose buffers those messages could still reach."""
+        touch) and ``tell`` (the exception: say it to the peers), and marks the exchange failed
+        at ``step``, so that :meth:`usable` refuses the next step whose buffers those messages
+        could still reach."""
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             abandon()
             self.failed_at = step
+            tell(exc)
             raise
 
     def messages(self, batch: np.ndarray) -> list[Message]:
