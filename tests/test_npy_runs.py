@@ -221,3 +221,35 @@ def test_the_datasets_of_a_group_behind_an_external_link_are_fields(tmp_path):
     assert sorted(reader.fields) == ["data/sub/y", "data/x", "w"]
     assert np.array_equal(reader.read(3, "data/x"), x[3])
     assert reader.read(3, "data/sub/y") == 3
+
+
+@pytest.mark.parametrize("first", ["read before", "not read before"])
+def test_a_compressed_shard_replaced_after_the_set_was_opened_is_refused(
+    tmp_path, monkeypatch, first
+):
+    """A set of gzip shards (read through h5py, not as raw bytes): a shard replaced by one of
+    other rows after the set counted its samples was read with the old offsets when h5py
+    opened it (first, or again once it left the reader's cache of open files), silently."""
+    import h5py
+
+    from datastore import DatasetSpec
+    from datastore.readers import DatasetError, hdf5_reader, open_dataset
+
+    def write(path, rows, value):
+        with h5py.File(tmp_path / "new.h5", "w") as f:
+            f.create_dataset("x", data=np.full((rows, 4), value, np.float32), compression="gzip")
+        os.replace(tmp_path / "new.h5", path)
+
+    monkeypatch.setattr(hdf5_reader, "MAX_OPEN_FILES", 1)  # one open file: the others leave
+    paths = [tmp_path / f"s{k}.h5" for k in range(3)]
+    for k, path in enumerate(paths):
+        write(path, 2, k)
+    reader = open_dataset(DatasetSpec("hdf5", tuple(map(str, paths)), fields=("x",)))
+    assert reader._layout(0, reader.fields["x"]) is None  # compressed: read by h5py
+    if first == "read before":
+        assert reader.read(2, "x").tolist() == [1.0] * 4
+        assert reader.read(0, "x").tolist() == [0.0] * 4  # s1.h5 left the cache
+    write(paths[1], 3, 7)  # sample 2 would be 7s, samples 3 and 4 shifted
+    with pytest.raises(DatasetError, match=r"s1\.h5: changed since the dataset was opened"):
+        reader.read(2, "x")
+    assert reader.read(4, "x").tolist() == [2.0] * 4  # the others read on

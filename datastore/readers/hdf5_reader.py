@@ -367,10 +367,13 @@ def _stated_layout(files: list[str]) -> str | None:
 
 
 class _FileCache:
-    """A bounded LRU of open ``h5py.File`` s; used under the reader's lock only."""
+    """A bounded LRU of open ``h5py.File`` s; used under the reader's lock only. A file whose
+    ``file_stamp`` was taken when the dataset was opened (``stamps``) and differs when it is
+    opened here (first, or again after it left the cache) is refused: replaced or rewritten,
+    its samples may lie elsewhere now, or be others."""
 
-    def __init__(self, limit: int):
-        self.limit, self.files = limit, OrderedDict()
+    def __init__(self, limit: int, stamps: dict[str, tuple[int, int, int, int]]):
+        self.limit, self.files, self.stamps = limit, OrderedDict(), stamps
 
     def get(self, path: str) -> h5py.File:
         f = self.files.get(path)
@@ -378,6 +381,14 @@ class _FileCache:
             self.files.move_to_end(path)
             return f
         f = _open_file(path)
+        want = self.stamps.get(path)
+        if want is not None and file_stamp(f.id.get_vfd_handle()) != want:
+            f.close()
+            raise DatasetError(
+                path,
+                "changed since the dataset was opened (replaced or rewritten): open it again "
+                "to read the new data",
+            )
         self.files[path] = f
         while len(self.files) > self.limit:
             self.files.popitem(last=False)[1].close()
@@ -390,7 +401,7 @@ class _FileCache:
 
 class _Hdf5Base(Reader):
     def _open(self) -> _FileCache:
-        return _FileCache(MAX_OPEN_FILES)
+        return _FileCache(MAX_OPEN_FILES, getattr(self, "stamps", {}))
 
     def _close(self, handles: _FileCache) -> None:
         handles.close()
@@ -420,14 +431,18 @@ class Hdf5Reader(_Hdf5Base):
     Attributes:
         offsets: ``int64`` array of ``len(files) + 1``: file ``k`` holds samples
             ``offsets[k]:offsets[k + 1]`` (``np.searchsorted`` finds a sample's file).
+        stamps: each file's ``file_stamp`` when those were counted (a file opened with
+            another is refused).
     """
 
     def __init__(self, spec: DatasetSpec):
         super().__init__(spec)
         self.files = resolve_paths(spec)
         counts = []
+        self.stamps = {}
         for k, path in enumerate(self.files):
             with _open_file(path) as f:
+                self.stamps[path] = file_stamp(f.id.get_vfd_handle())
                 found = _datasets(f, path, self._names_asked() if k == 0 else list(self.fields))
                 if k == 0:
                     available = self._first_file(path, found)
