@@ -15,9 +15,10 @@ __all__ = ["add_parser", "run"]
 EPILOG = """\
 exit codes:
   0  everything staged (or verified) as asked
-  1  staging failed: an I/O error, a destination locked by another run, or a failed rank
-  2  bad input: usage error, a missing or unreadable source, an unsafe or corrupt archive
-     (the other sources are still staged)
+  1  staging failed: an I/O error (a file inside a source that cannot be read, or changed
+     while copied, included), a destination locked by another run, or a failed rank
+  2  bad input: usage error, a SRC that is missing or cannot be read or listed, an unsafe or
+     corrupt archive (the other sources are still staged)
   3  not enough free space in DEST (checked before anything is placed there)
   4  --verify found missing or changed files
   with --service: the stage's code; 1 also when no service answers or none is named, 2 when
