@@ -44,6 +44,13 @@ def _check(dest: str, rel: str, entry: dict[str, Any], leaf: int) -> str | None:
     return None
 
 
+REPAIR = (
+    "datastore stage: verify: a stage run again skips a file whose size and modification time "
+    "still match its record (as a checksum mismatch's may): remove those files from DEST, then "
+    "stage again"
+)
+
+
 def verify_dest(dest: str, streams: int) -> tuple[int, list[str]]:
     """``(entries checked, problems)`` for the manifest of ``dest``."""
     manifest = Manifest.load(dest)
@@ -79,6 +86,8 @@ def verify_command(cfg: Any, comm: Any) -> int:
         errs = [e for _, _, e in results if e]
         for line in errs + bad:
             print(f"datastore stage: verify: {line}", file=sys.stderr)
+        if any(": checksum mismatch: " in p for p in bad):
+            print(REPAIR, file=sys.stderr)
         if cfg.json:
             print(json.dumps({"verified": total, "problems": bad, "errors": errs}))
         elif not cfg.quiet:

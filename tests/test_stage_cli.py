@@ -40,6 +40,7 @@ from helpers import (
 from staging.cluster import LAUNCH_ENV
 from staging.progress import MIB, bar_columns
 from staging.stage import summary_line
+from staging.verify import REPAIR
 
 LEAF = 32 * 1024 * 1024  # the leaf size documented in staging/checksum.py
 N_TREE = len(TREE_FILES)
@@ -450,7 +451,8 @@ def test_large_file_leaves_and_verify(tmp_path, run_stage):
         f.write(bytes([b[0] ^ 0x01]))
     proc = run_stage("--verify", "--to", dest, check=4)
     assert proc.stderr.splitlines() == [
-        f"datastore stage: verify: {dest}: checksum mismatch: big.bin"
+        f"datastore stage: verify: {dest}: checksum mismatch: big.bin",
+        REPAIR,
     ]
 
 
@@ -547,7 +549,8 @@ def test_verify_clean_flipped_and_missing(tmp_path, run_stage, make_tree):
     victim.write_bytes(bytes(data))
     proc = run_stage("--verify", "--to", dest, check=4)
     assert proc.stderr.splitlines() == [
-        f"datastore stage: verify: {dest}: checksum mismatch: src/a/b/odd.bin"
+        f"datastore stage: verify: {dest}: checksum mismatch: src/a/b/odd.bin",
+        REPAIR,
     ]
     assert proc.stdout.strip() == f"verified {N_TREE} entries: 1 problem(s)"
 
@@ -557,6 +560,7 @@ def test_verify_clean_flipped_and_missing(tmp_path, run_stage, make_tree):
         [
             f"datastore stage: verify: {dest}: checksum mismatch: src/a/b/odd.bin",
             f"datastore stage: verify: {dest}: missing: src/a/small.txt",
+            REPAIR,
         ]
     )
     doc = summary(proc)
