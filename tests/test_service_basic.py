@@ -282,6 +282,20 @@ def test_tcp_without_token_file_is_refused(tmp_path, env):
     assert not (tmp_path / "s.sock").exists()
 
 
+def test_a_metrics_port_in_use_is_one_line_naming_it_and_why(tmp_path, env):
+    """Another server holds the ``--metrics`` port: exit 1, one line saying the address and
+    why, and no ``listening`` line before it (it said only '[Errno 98] Address already in
+    use', after a line saying the service listened)."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        metrics = f"127.0.0.1:{taken.getsockname()[1]}"
+        r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--metrics", metrics, env=env)
+    assert r.returncode == 1, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert "cannot_listen" in line, line
+    assert f"--metrics {metrics}: cannot listen: [Errno 98] Address already in use" in line
+    assert not (tmp_path / "s.sock").exists()
+
+
 def test_a_tcp_port_in_use_is_one_line_naming_it_and_why(tmp_path, env):
     """Another server holds the ``--tcp`` port: exit 1, one line (the service's own, saying
     the address and why), none of gRPC's (it printed a C-core 'E1128 ... add_port.cc' line

@@ -222,6 +222,18 @@ def _run(
         os.chmod(claim.socket, 0o600)
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        if config.metrics is not None:
+            try:
+                metrics_server, port = serve_metrics(config.metrics, servicer.status)
+            except (OSError, ValueError) as exc:
+                log.error(
+                    "cannot_listen",
+                    metrics=config.metrics,
+                    msg=f"--metrics {config.metrics}: cannot listen: {exc}",
+                )
+                return Exit.FAILED
+            host = config.metrics.rsplit(":", 1)[0] or "127.0.0.1"
+            listen.append(f"http://{host}:{port}/metrics")
         log.info(
             "listening",
             listen=listen,
@@ -238,14 +250,6 @@ def _run(
             peers=list(config.peers) or None,
             data_port=data.port if data is not None else None,
         )
-        if config.metrics is not None:
-            try:
-                metrics_server, port = serve_metrics(config.metrics, servicer.status)
-            except (OSError, ValueError) as exc:
-                log.error("cannot_listen", metrics=config.metrics, msg=str(exc))
-                return Exit.FAILED
-            host = config.metrics.rsplit(":", 1)[0] or "127.0.0.1"
-            listen.append(f"http://{host}:{port}/metrics")
         if isinstance(servicer.link, GrpcPeers):  # a peer may be down: never hold up the start
             threading.Thread(target=servicer.restore, daemon=True).start()
         else:
