@@ -282,6 +282,22 @@ def test_tcp_without_token_file_is_refused(tmp_path, env):
     assert not (tmp_path / "s.sock").exists()
 
 
+def test_a_tcp_host_that_does_not_resolve_is_one_line_naming_it(tmp_path, env):
+    """``--tcp`` on a host name that does not resolve: exit 1, the service's one line naming
+    the host (gRPC printed its C-core 'E1129 ... add_port.cc' line first)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    tcp = "no-such-host.invalid:0"
+    r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--tcp", tcp, "--token-file",
+            str(token_file), env=env)  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert "cannot_listen" in line, line
+    assert f"cannot bind {tcp}: host 'no-such-host.invalid' does not resolve" in line, line
+    assert not (tmp_path / "s.sock").exists()
+
+
 def test_a_metrics_port_in_use_is_one_line_naming_it_and_why(tmp_path, env):
     """Another server holds the ``--metrics`` port: exit 1, one line saying the address and
     why, and no ``listening`` line before it (it said only '[Errno 98] Address already in

@@ -96,13 +96,15 @@ def _check_bindable(tcp: str) -> None:
     """Raise ``RuntimeError`` saying why no address of ``tcp`` can be bound (a port in use,
     an address not this host's) before gRPC tries: it would print a C-core error line on
     stderr (whatever ``GRPC_VERBOSITY`` says) and raise without the reason. Like gRPC, one
-    address of the host's that binds is enough; a host that does not resolve is left to gRPC."""
+    address of the host's that binds is enough. A host that does not resolve is named."""
     host, _, port = tcp.rpartition(":")
-    if port == "0":  # any free port
-        return
     try:
         found = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise RuntimeError(f"host {host!r} does not resolve ({exc.strerror})") from None
     except (OSError, ValueError):
+        return
+    if port == "0":  # any free port
         return
     why = None
     for family, kind, proto, _, address in found:
