@@ -33,7 +33,7 @@ def allowed(tmp_path_factory):
         for name in ("d.h5", "e.h5"):
             with h5py.File(d / name, "w") as f:
                 f["x"] = np.arange(12, dtype=np.float32).reshape(4, 3) + len(name)
-                f.attrs["datastore_layout"] = "per-sample"  # a set of them: one sample a file
+                f.attrs["datastore_layout"] = "shards"  # a set of them: shards of 4 samples
     (root / "links").mkdir()  # under the root by name, its files outside once resolved
     for name in ("d.h5", "e.h5"):
         (root / "links" / name).symlink_to(outside / name)
