@@ -15,7 +15,7 @@ What runs (all real processes, ``--seconds`` long; default 1800, the tests run 4
   must deliver exactly the rest of that epoch. If the time is up with fewer than
   ``--min-kills`` kills (default 3), or before a killed client finished the epoch it resumed (a
   loaded machine: clients slow to start and save), the run goes on, killing only until there
-  were enough, until both, for at most half the time again (``overtime_s``).
+  were enough, until both, for at most as long again (``overtime_s``).
 - Half-way the service is stopped with SIGTERM and started again on the same socket (it reloads
   the resident dataset from its state file). A client that loses the service exits with
   ``OUTAGE`` (75) and is started again, resuming from its state file; that exit is expected only
@@ -363,12 +363,12 @@ def soak(
     outage: tuple[float, float] = (math.inf, math.inf)  # when a client may lose the service
     baseline: tuple[int, int] | None = None
     next_kill = t0 + rng.uniform(1, 4)
-    ends, cap = t0 + seconds, t0 + 1.5 * seconds
+    ends, cap = t0 + seconds, t0 + 2 * seconds
     while True:
         now = time.monotonic()
         # Under load (clients slow to start, so few saved to be killed after) the time may be
         # up with fewer than min_kills kills, or before a killed client finished the epoch it
-        # resumed: the run goes on until both, for at most half the time again.
+        # resumed: the run goes on until both, for at most as long again.
         if now >= ends and (
             now >= cap or (report["kills"] >= min_kills and epochs(logs)["resumed_epochs"])
         ):
