@@ -45,8 +45,9 @@ test-quick: $(STAMP)
 	$(PYC)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest $(XDIST) -m "not slow and not mpi"
 
-# The MPI tests that matter (exchange, staging, trainer grid, traps, service peers, check_mpi,
-# a launcher of another MPI) again under a site's Open MPI: a second venv, $(OPENMPI_VENV), holds
+# The MPI tests that matter, one or two per mechanism (the exchange, staging, the trainer grid,
+# the ranks' agreement and timeouts, MPI-peered services, check_mpi, a launcher of another
+# MPI) again under a site's Open MPI: a second venv, $(OPENMPI_VENV), holds
 # mpi4py built from source with OPENMPI_MPICC (once; -O0: built for the tests in about a
 # minute; CFLAGS puts Open MPI's mpi.h before the mpich wheel's in $(VENV)/include) and sees the
 # rest of $(VENV) after it; its python runs the tests, so every child process (sys.executable)
@@ -55,17 +56,14 @@ test-quick: $(STAMP)
 # OPENMPI_MPICC is not Open MPI's.
 OPENMPI_MPICC ?= /usr/bin/mpicc
 OPENMPI_VENV  := $(VENV)/openmpi
-OPENMPI_TESTS := tests/test_site_mpi.py tests/test_loader_traps_mpi.py tests/test_loader_stops_mpi.py \
-    tests/test_stage_mpi.py \
-    tests/test_loader.py::test_spatial_blocks_over_mpi_exchange tests/test_world.py tests/test_peer_tags.py tests/test_peer_at_once.py \
-    tests/test_peer_fetch.py tests/test_peer_expect.py tests/test_peer_unsent.py \
-    tests/test_peer_refused.py tests/test_peer_lent.py tests/test_hdf5_sets.py \
-    tests/test_loader_shards.py tests/test_service_nodes.py tests/test_service_peers.py \
+OPENMPI_TESTS := tests/test_site_mpi.py tests/test_loader_traps_mpi.py \
+    tests/test_loader_stops_mpi.py::test_6_a_peer_slow_to_send_gives_a_timeout_and_a_clean_exit \
+    tests/test_loader_stops_mpi.py::test_6_a_peer_that_stops_answering_gives_a_timeout_within_seconds \
+    tests/test_stage_mpi.py tests/test_loader.py::test_spatial_blocks_over_mpi_exchange \
+    tests/test_world.py tests/test_peer_tags.py tests/test_peer_lent.py tests/test_service_nodes.py \
     tests/test_trainer_hybrid.py::test_grid_losses_follow_one_process \
     tests/test_trainer_hybrid.py::test_the_data_ranks_share_the_dataset_through_the_exchange \
-    tests/test_deploy.py::test_check_mpi_reports_the_library_loaded_here \
-    tests/test_trainer_preflight.py::test_a_checkpoint_of_another_world_or_dataset_is_refused_on_every_rank
-SITE_PACKAGES = $(1)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))'
+    tests/test_deploy.py::test_check_mpi_reports_the_library_loaded_here
 
 $(OPENMPI_VENV)/.built: $(STAMP)
 	rm -rf $(OPENMPI_VENV)

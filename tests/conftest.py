@@ -17,6 +17,11 @@ import pytest
 # and their jobs' ranks on few cores, where every extra thread of each process spins idle in
 # OpenMP's barriers (-19% CPU time of test_loader.py on 2 cores). Before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The MPICH wheel's UCX opens every network device when a rank starts, and test_slurm.py's
+# namespaced node adds and removes a veth pair meanwhile: a rank died in MPI_Init
+# ("uct_iface_open(tcp/dsv14491a) failed: No such device"). The suite's mpiexec jobs run on
+# this host: loopback only (the Slurm jobs use MPICH's OFI netmod, which this leaves alone).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import helpers
