@@ -64,6 +64,7 @@ OPENMPI_TESTS := tests/test_site_mpi.py tests/test_loader_traps_mpi.py \
     tests/test_trainer_hybrid.py::test_grid_losses_follow_one_process \
     tests/test_trainer_hybrid.py::test_the_data_ranks_share_the_dataset_through_the_exchange \
     tests/test_deploy.py::test_check_mpi_reports_the_library_loaded_here
+SITE_PACKAGES = $(1)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))'
 
 $(OPENMPI_VENV)/.built: $(STAMP)
 	rm -rf $(OPENMPI_VENV)
