@@ -493,8 +493,12 @@ def test_remote_batches_views_are_read_only_and_reassembled_arrays_owned(chunkin
                     assert r.owned and a.flags.writeable and a.flags.owndata
 
 
-def test_a_bad_chunk_size_stops_the_service_at_start(tmp_path):
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "DATASTORE_INLINE_CHUNK": "lots"}
+@pytest.mark.parametrize(
+    "name, value",
+    [("DATASTORE_INLINE_CHUNK", "lots"), ("DATASTORE_SHM_DIR", "/nonexistent/shm")],
+)
+def test_a_bad_setting_in_the_environment_stops_the_service_at_start(tmp_path, name, value):
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), name: value}
     s = Server(tmp_path / "logs", ["--socket", str(tmp_path / "x.sock")], env)
-    assert s.proc.wait(30) != 0
-    assert "DATASTORE_INLINE_CHUNK" in s.stderr
+    assert s.proc.wait(30) == 2
+    assert name in s.stderr and value in s.stderr

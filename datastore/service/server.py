@@ -35,7 +35,7 @@ from datastore.service.logs import JsonLog
 from datastore.service.metrics import serve_metrics
 from datastore.service.paths import AddressInUse, UnsafeDirectory, claim_socket, unix_target
 from datastore.service.servicer import Counters, Servicer, Stop
-from datastore.service.shm import reclaim_stale
+from datastore.service.shm import reclaim_stale, segment_dir
 from datastore.service.stream import chunk_bytes
 from datastore.service.wire import keep_large_blocks
 from staging.exitcodes import Agreed, Exit
@@ -105,6 +105,7 @@ def _all_started(comm: Any, ok: bool, log: JsonLog) -> bool:
 def _serve(config: ServeConfig, log: JsonLog, out: Any, comm: Any) -> int:
     try:
         chunk_bytes()  # read by every inline stream: a bad value stops the service now
+        segment_dir()  # the same for every shared-memory stream
     except ValueError as exc:
         log.error("bad_usage", msg=str(exc))
         _all_started(comm, False, log)

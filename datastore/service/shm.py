@@ -29,7 +29,19 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "
 
 
 def segment_dir() -> Path:
-    """Where segments live: ``/dev/shm`` if the node has it, else the temporary directory."""
+    """Where segments live: ``DATASTORE_SHM_DIR`` from the service's environment (e.g. a
+    larger tmpfs where ``/dev/shm`` is a container's 64 MiB, or a job's own), else ``/dev/shm``
+    if the node has it, else the temporary directory.
+
+    Raises:
+        ValueError: ``DATASTORE_SHM_DIR`` is not a directory this user can write.
+    """
+    chosen = os.environ.get("DATASTORE_SHM_DIR", "").strip()
+    if chosen:
+        path = Path(chosen)
+        if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"DATASTORE_SHM_DIR={chosen}: not a directory this user can write")
+        return path
     shm = Path("/dev/shm")
     return (
         shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
