@@ -400,8 +400,12 @@ class _FileCache:
 
 
 class _Hdf5Base(Reader):
+    def __init__(self, spec: DatasetSpec):
+        super().__init__(spec)
+        self.stamps: dict[str, tuple[int, int, int, int]] = {}  # (filled where they are taken)
+
     def _open(self) -> _FileCache:
-        return _FileCache(MAX_OPEN_FILES, getattr(self, "stamps", {}))
+        return _FileCache(MAX_OPEN_FILES, self.stamps)
 
     def _close(self, handles: _FileCache) -> None:
         handles.close()
@@ -439,7 +443,6 @@ class Hdf5Reader(_Hdf5Base):
         super().__init__(spec)
         self.files = resolve_paths(spec)
         counts = []
-        self.stamps = {}
         for k, path in enumerate(self.files):
             with _open_file(path) as f:
                 self.stamps[path] = file_stamp(f.id.get_vfd_handle())
@@ -486,17 +489,16 @@ class Hdf5Reader(_Hdf5Base):
             ds.read_direct(out, source_sel=(local, *sel))
 
     def _layout(self, k: int, info: FieldInfo) -> tuple[str, Any, tuple[int, ...]] | None:
-        """``_plain_layout`` of the field in file ``k``, with the ``file_stamp`` of the file
-        that h5py has open: a raw read of a file replaced or rewritten since is refused."""
+        """``_plain_layout`` of the field in file ``k``, with the file's ``file_stamp`` when the
+        dataset was opened (h5py's open file has it: :class:`_FileCache` refuses another): a
+        raw read of a file replaced or rewritten since is refused."""
         cache = self.__dict__.setdefault("_raw_layouts", {})
         key = (k, info.name)
         if key not in cache:
+            path = self.files[k]
             with self._lock:
-                path = self.files[k]
-                ds = self._dataset(self._handles(), path, info)
-                layout = _plain_layout(ds, path)
-                stamp = file_stamp(ds.file.id.get_vfd_handle())
-            cache[key] = None if layout is None else (*layout, stamp)
+                layout = _plain_layout(self._dataset(self._handles(), path, info), path)
+            cache[key] = None if layout is None else (*layout, self.stamps[path])
         return cache[key]
 
     def _chunk_offset(self, k: int, info: FieldInfo, origin: tuple[int, ...]) -> int | None:
