@@ -153,13 +153,9 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             raise
     groups = _node_groups(plan, cfg.mode, comm, lay)
     planned = comm.bcast(bool(plan.groups) if lay.rank == 0 else None, root=0)
-    # shard mode: the file and tree sources of this run (one per SRC), whose files outside
-    # this node's share are dropped from it once the copy is done (``_drop_others``)
-    trees = (
-        comm.bcast([g.source for g in plan.groups if not g.ident] if lay.rank == 0 else None)
-        if cfg.mode == "shard"
-        else []
-    )
+    # the file and tree sources of this run (one per SRC), whose files outside this node's
+    # share are dropped from it once the copy is done (``_drop_others``)
+    trees = comm.bcast(_trees(plan, cfg.mode) if lay.rank == 0 else None)
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
     work = NodeWork()
@@ -221,8 +217,6 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     #    folds the node's journals into the manifest
     node_comm.Barrier()
     if lay.is_leader:
-        dir_items = [i for g in groups for i in g.items if i.kind == "dir"]
-        stats.errors.extend(settle_dirs(dest, dir_items, cfg.preserve_special_bits))
         stats.skipped, stats.skipped_bytes = work.skipped, work.skipped_bytes
         node_errors = (
             node_comm.allreduce(len(stats.errors)) if lay.local_size > 1 else len(stats.errors)
@@ -234,6 +228,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                 if g.ident:
                     final.archives[g.source] = archive_record(g)
             stats.errors.extend(_drop_others(final, dest, trees, groups))
+        dir_items = [i for g in groups for i in g.items if i.kind == "dir"]  # after the drops
+        stats.errors.extend(settle_dirs(dest, dir_items, cfg.preserve_special_bits))
         clean_tmp(dest)  # first: on a DEST out of inodes, the manifest needs one it frees
         if planned or not made:
             try:
@@ -265,17 +261,28 @@ def locked_message(dest: str, template: str, lay: Layout) -> str:
     return msg
 
 
+def _trees(plan: Plan, mode: str) -> list[str]:
+    """The file and tree sources whose earlier-staged files ``_drop_others`` may remove: in
+    replicate mode none when the plan met an error (a file the walk could not read is not a
+    file gone: ``rsync --delete`` deletes nothing after an I/O error either)."""
+    if mode != "shard" and plan.errors:
+        return []
+    return [g.source for g in plan.groups if not g.ident]
+
+
 def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[Group]) -> list[str]:
-    """Shard mode: remove from this node what an earlier run staged of the sources ``trees``
-    that is not in this node's share now (``groups``): a file the new plan gives another node
-    (the shares move when the sources change), or one gone from the source. Left in place, two
-    nodes would hold the same file, one copy stale, and the store would serve either. Only
-    files the manifest records are touched; the errors, if any."""
+    """Remove from this node what an earlier run staged of the sources ``trees`` that is not in
+    this node's share now (``groups``): a file gone from the source, or in shard mode one the
+    new plan gives another node (the shares move when the sources change). Left in place, a
+    training job would read samples the source no longer has, and two nodes of a sharded store
+    would hold the same file, one copy stale. Their directories that the new share has not go
+    too once empty (one holding files of the user's stays). Only files the manifest records
+    are touched; the errors, if any."""
     if not trees:
         return []
     mine = {i.dest for g in groups for i in g.items}
     roots = tuple(t.rstrip(os.sep) for t in trees)
-    errors = []
+    errors, dirs = [], set()
     for key, entry in list(manifest.entries.items()):
         source = entry.get("source") or ""
         if entry.get("kind") == "dir" or key in mine:
@@ -287,15 +294,30 @@ def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[G
         path = os.path.join(dest, key)
         if not within(dest, path):  # (through a link: not ours to remove)
             continue
+        dirs.update(_parents_outside(key, mine))
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            errors.append(f"{path}: cannot remove a file of another node's share: {exc.strerror}")
+            errors.append(f"{path}: cannot remove a file no longer in this share: {exc.strerror}")
             continue
         del manifest.entries[key]
+    for key in sorted(dirs, key=lambda k: -k.count("/")):  # deepest first
+        with contextlib.suppress(OSError):  # gone already, or not empty: files of the user's
+            os.rmdir(os.path.join(dest, key))
     return errors
+
+
+def _parents_outside(key: str, mine: set[str]) -> list[str]:
+    """The directories of the DEST path ``key``, deepest first, up to the first in ``mine``."""
+    parents = []
+    while "/" in key:
+        key = key.rsplit("/", 1)[0]
+        if key in mine:
+            break
+        parents.append(key)
+    return parents
 
 
 def _placed(source: str, root: str) -> str | None:

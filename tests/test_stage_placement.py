@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+from pathlib import Path
 
 from helpers import dir_info, file_info, link_info, run_stage, tar_bytes, write_archive
+
+from staging.cluster import world
+from staging.config import StageConfig
+from staging.exitcodes import Exit
+from staging.stage import stage
 
 
 def test_symlinks_from_other_archives_cannot_redirect_a_write(tmp_path):
@@ -82,3 +88,51 @@ def test_a_file_that_cannot_be_placed_is_not_counted(tmp_path):
     doc = json.loads(proc.stdout)
     assert (doc["files"], doc["bytes"]) == (2, 20)
     assert len(doc["errors"]) == 1 and "cannot place at mid/a" in doc["errors"][0]
+
+
+def _stage_here(dest: Path, *sources: Path) -> int:
+    cfg = StageConfig(dest=str(dest), sources=tuple(map(str, sources)), quiet=True)
+    return stage(cfg, world())
+
+
+def test_a_rerun_removes_what_the_source_no_longer_has(tmp_path):
+    """Replicate mode: files removed from the source stayed in DEST and its manifest after a
+    re-run (4 files kept where the source had 1; ``--verify``: 0 problems), with the
+    directories that held them; and a drop made after the directories' times were set left
+    DEST/ds with the time of the re-run, not the source's."""
+    src = tmp_path / "src" / "ds"
+    (src / "sub" / "deeper").mkdir(parents=True)
+    (src / "keep").mkdir()
+    for name in ("a.bin", "b.bin", "sub/deeper/c.bin", "keep/d.bin"):
+        (src / name).write_bytes(name.encode())
+    dest = tmp_path / "dest"
+    assert _stage_here(dest, src) == Exit.OK
+    (dest / "ds" / "keep" / "mine.txt").write_text("the user's")
+    os.remove(src / "b.bin")
+    for name in ("sub/deeper/c.bin", "keep/d.bin"):
+        os.remove(src / name)
+    os.rmdir(src / "sub" / "deeper")
+    os.rmdir(src / "sub")
+    os.utime(src, ns=(1_600_000_000_000_000_000,) * 2)
+    assert _stage_here(dest, src) == Exit.OK
+    staged = sorted(
+        str(p.relative_to(dest)) for p in dest.rglob("*") if ".datastore" not in p.parts
+    )
+    assert staged == ["ds", "ds/a.bin", "ds/keep", "ds/keep/mine.txt"]
+    entries = json.loads((dest / ".datastore" / "manifest.json").read_text())["entries"]
+    assert sorted(entries) == ["ds/a.bin"]
+    assert os.stat(dest / "ds").st_mtime_ns == 1_600_000_000_000_000_000
+
+
+def test_a_rerun_with_a_source_error_removes_nothing(tmp_path):
+    """A file the walk could not reach is not a file gone (``rsync --delete`` deletes nothing
+    after an I/O error either): a re-run with a source missing keeps what was staged."""
+    src = tmp_path / "src" / "ds"
+    src.mkdir(parents=True)
+    (src / "a.bin").write_bytes(b"a")
+    (src / "b.bin").write_bytes(b"b")
+    dest = tmp_path / "dest"
+    assert _stage_here(dest, src) == Exit.OK
+    os.remove(src / "b.bin")
+    assert _stage_here(dest, src, tmp_path / "missing") == Exit.BAD_INPUT
+    assert (dest / "ds" / "b.bin").read_bytes() == b"b"
