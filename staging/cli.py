@@ -63,7 +63,12 @@ def add_parser(sub: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("sources", nargs="*", metavar="SRC", help="files, directories or tar archives")
+    p.add_argument(
+        "sources",
+        nargs="*",
+        metavar="SRC",
+        help="files, directories (as DEST/NAME, also written SRC/ or SRC/.) or tar archives",
+    )
     p.add_argument(
         "--to",
         dest="dest",

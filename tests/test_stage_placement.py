@@ -136,3 +136,17 @@ def test_a_rerun_with_a_source_error_removes_nothing(tmp_path):
     os.remove(src / "b.bin")
     assert _stage_here(dest, src, tmp_path / "missing") == Exit.BAD_INPUT
     assert (dest / "ds" / "b.bin").read_bytes() == b"b"
+
+
+def test_a_directory_lands_under_its_name_however_it_is_written(tmp_path):
+    """``SRC``, ``SRC/`` and ``SRC/.`` all land as DEST/NAME (``cp -r SRC/. DEST`` would copy
+    the contents into DEST itself: documented in docs/staging.md)."""
+    src = tmp_path / "ds"
+    (src / "x").mkdir(parents=True)
+    (src / "x" / "b").write_bytes(b"b")
+    for k, spelled in enumerate((str(src), f"{src}/", f"{src}/.")):
+        dest = tmp_path / f"dest{k}"
+        assert _stage_here(dest, Path(spelled)) == Exit.OK
+        assert sorted(
+            str(p.relative_to(dest)) for p in dest.rglob("*") if ".datastore" not in p.parts
+        ) == ["ds", "ds/x", "ds/x/b"]
