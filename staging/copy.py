@@ -168,10 +168,13 @@ def copy_range(
     algo: str,
     write_lock: threading.Lock | None = None,
     stop: threading.Event | None = None,
+    holes: bool = False,
 ) -> bytes:
     """Copy ``length`` bytes between files and return their digest (``b""`` if none);
     ``write_lock``: held while writing ``dst`` in the kernel (``staging.splice.splice_range``);
-    ``stop``: once set, raise :class:`Stopped` before the next piece.
+    ``stop``: once set, raise :class:`Stopped` before the next piece; ``holes``: the range of
+    ``dst`` reads as zeros already (a new file at its size), so a hole of ``src`` is hashed as
+    the zeros it reads as and not written (``cp --sparse=auto``).
 
     Between two buffered descriptors the kernel moves the bytes (``staging.splice``) and the
     digest is taken of what landed in the destination (read back from its page cache, so
@@ -187,6 +190,14 @@ def copy_range(
         _check(stop)
         want = min(BUF_BYTES, length - done)
         s_off, d_off = src_off + done, dst_off + done
+        if holes:
+            gap, data = _sparse_at(src.fd, s_off, length - done)
+            if gap:
+                if h is not None:
+                    _hash_zeros(h, gap)
+                done += gap
+                continue
+            want = min(want, data)
         kernel = kernel and splice_range(src.fd, dst.fd, s_off, d_off, want, write_lock)
         if kernel:
             data = read_at(dst.fd, buf, d_off, want, False) if h is not None else b""
@@ -205,6 +216,32 @@ def copy_range(
             start_writeback(dst.fd, d_off, want)
         done += want
     return h.digest() if h is not None else b""
+
+
+def _sparse_at(fd: int, off: int, left: int) -> tuple[int, int]:
+    """The bytes of hole at ``off`` in ``fd`` and of data after them, of the next ``left``."""
+    try:
+        data = os.lseek(fd, off, os.SEEK_DATA)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # no holes known here: all data
+            return 0, left
+        if exc.errno != errno.ENXIO:  # (ENXIO: only a hole to the end)
+            raise
+        return left, 0
+    gap = min(data - off, left)
+    return gap, min(os.lseek(fd, data, os.SEEK_HOLE) - data, left - gap)
+
+
+_ZEROS = bytes(1 << 20)
+
+
+def _hash_zeros(h: Any, n: int) -> None:
+    """Feed ``n`` zero bytes to the hasher ``h``."""
+    view = memoryview(_ZEROS)
+    while n:
+        step = min(n, len(_ZEROS))
+        h.update(view[:step])
+        n -= step
 
 
 class Stopped(Exception):
@@ -605,7 +642,12 @@ class Engine:
             try:
                 whole = src_off == 0 and item.size <= BUFFERED_BYTES
                 with self._source(src_path, whole) as src:
-                    d = copy_range(src, fd, src_off, 0, item.size, self.algo, stop=self._stop)
+                    holes = item.sparse and not (src.direct or fd.direct)
+                    if holes:
+                        os.ftruncate(fd.fd, item.size)
+                    d = copy_range(
+                        src, fd, src_off, 0, item.size, self.algo, stop=self._stop, holes=holes
+                    )
                     _unchanged(item, os.fstat(src.fd))
             except BaseException:
                 os.close(fd.fd)
@@ -755,6 +797,7 @@ class Engine:
             self._fail(item, exc)
             return []
         digests: list[bytes] = [b""] * len(leaves)
+        fresh = item.sparse and not log.known  # a resumed file may hold bytes where holes go
         state = {"left": len(leaves), "failed": False}
         guard, writing = threading.Lock(), threading.Lock()
 
@@ -771,9 +814,11 @@ class Engine:
                         self.stats.resumed_bytes += length
                 else:
                     with self._source(src_path) as src:
+                        holes = fresh and not (src.direct or fd.direct)
                         digests[i] = copy_range(
-                            src, fd, src_off + off, off, length, self.algo, writing, self._stop
-                        )
+                            src, fd, src_off + off, off, length, self.algo, writing, self._stop,
+                            holes,
+                        )  # fmt: skip
                         _unchanged(item, os.fstat(src.fd))
                     log.record(i, digests[i])
                 self.on_bytes(length)

@@ -37,7 +37,8 @@ class Item:
     (``offset`` is then the index in the archive of the member that holds them, so that of
     duplicate names only the last member is extracted). A hardlink member is a file item with
     the bytes of the member it names, the one before it in the archive (as ``tar -xf`` leaves
-    it when a later member of that name replaces the target).
+    it when a later member of that name replaces the target). ``sparse``: a source file with
+    fewer blocks than bytes, whose holes stay holes in DEST (``cp --sparse=auto``).
     """
 
     dest: str
@@ -50,6 +51,7 @@ class Item:
     path: str = ""
     offset: int = 0
     link: str = ""
+    sparse: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ def _file_item(path: str, dest: str, st: os.stat_result) -> Item:
         mtime_ns=st.st_mtime_ns,
         mode=stat.S_IMODE(st.st_mode),
         path=path,
+        sparse=st.st_blocks * 512 < st.st_size,
     )
 
 

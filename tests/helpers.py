@@ -95,6 +95,17 @@ def run_stage(
     return proc
 
 
+def slow_file(path: str | os.PathLike, size: int) -> None:
+    """Make ``path`` a file of ``size`` zero bytes, quick to make and to read but slow to stage:
+    allocated (``posix_fallocate``), so every byte is written (a sparse file's holes are not),
+    or sparse where the filesystem cannot allocate ahead."""
+    with open(path, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, size)
+        except OSError:
+            f.truncate(size)
+
+
 def random_bytes(n: int, seed: int) -> bytes:
     """``n`` reproducible pseudo-random bytes."""
     import numpy as np

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from helpers import ctrl_c_heard, make_tree, random_bytes, run_stage, tree_bytes
+from helpers import ctrl_c_heard, make_tree, random_bytes, run_stage, slow_file, tree_bytes
 from test_service_basic import Server, wait_serving
 
 from datastore.service import stage_job
@@ -398,8 +398,7 @@ def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):
     sock, s = service
     src = root / "data" / "sparse"
     src.mkdir()
-    with open(src / "huge", "wb") as f:
-        f.truncate(2 << 30)  # reads fast, takes seconds to write
+    slow_file(src / "huge", 2 << 30)  # reads fast, takes seconds to write
     dest = root / "data" / "ctrl-c-dst"
     client = subprocess.Popen(
         [
@@ -477,8 +476,7 @@ def test_a_stage_whose_stream_grpc_drops_is_killed_and_logged_cancelled(tmp_path
     ``Servicer`` that ``datastore serve`` builds."""
     src = tmp_path / "sparse"
     src.mkdir()
-    with open(src / "huge", "wb") as f:
-        f.truncate(2 << 30)  # reads fast, takes seconds to write
+    slow_file(src / "huge", 2 << 30)  # reads fast, takes seconds to write
     dest = tmp_path / "dst"
     servicer, logs = _stage_servicer(tmp_path)
     request = pb.StageRequest(sources=[str(src)], dest=str(dest), streams=1)

@@ -31,6 +31,7 @@ from helpers import (
     link_info,
     meta_listing,
     random_bytes,
+    slow_file,
     snapshot,
     tar_bytes,
     tree_bytes,
@@ -1049,14 +1050,13 @@ def test_a_file_name_that_is_not_utf8_is_staged(tmp_path, run_stage):
 
 
 def test_ctrl_c_stops_the_copy_at_once_and_places_nothing_unfinished(tmp_path):
-    """Ctrl-C used to wait for every queued copy (two sparse 1 GiB files, one stream: both
+    """Ctrl-C used to wait for every queued copy (two 1 GiB files, one stream: both
     copied and committed, exit 130 after 6 s); the copies now stop at their next piece and
     the partial copy stays for a re-run to resume, as after ``kill -9``."""
     src = tmp_path / "huge"
     src.mkdir()
     for name in ("z1", "z2"):
-        with open(src / name, "wb") as f:
-            f.truncate(1 << 30)
+        slow_file(src / name, 1 << 30)
     dest = tmp_path / "dest"
     cmd = [sys.executable, "-m", "datastore", "stage", src, "--to", dest, "--streams", "1"]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
