@@ -144,7 +144,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.rank == 0:
         try:
             plan = build_plan(
-                list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine, dest,
+                list(cfg.sources), cfg.unpack, _whole_archives(manifest), cfg.io, cfg.confine, dest,
                 ahead=engine.ahead if engine is not None else None,
             )  # fmt: skip
         except BaseException:
@@ -153,8 +153,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             raise
     groups = _node_groups(plan, cfg.mode, comm, lay)
     planned = comm.bcast(bool(plan.groups) if lay.rank == 0 else None, root=0)
-    # the file and tree sources of this run (one per SRC), whose files outside this node's
-    # share are dropped from it once the copy is done (``_drop_others``)
+    # the sources of this run (one per SRC), whose files outside this node's share are dropped
+    # from it once the copy is done (``_drop_others``)
     trees = comm.bcast(_trees(plan, cfg.mode) if lay.rank == 0 else None)
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
@@ -261,13 +261,21 @@ def locked_message(dest: str, template: str, lay: Layout) -> str:
     return msg
 
 
+def _whole_archives(manifest: Manifest) -> dict:
+    """The archive records a plan may take instead of reading the archives again: none from a
+    shard of several nodes, whose records list only that node's members (a plan from them left
+    the other nodes' members out of the run)."""
+    shard = manifest.shard or {}
+    return {} if shard.get("mode") == "shard" and shard.get("nodes", 1) > 1 else manifest.archives
+
+
 def _trees(plan: Plan, mode: str) -> list[str]:
-    """The file and tree sources whose earlier-staged files ``_drop_others`` may remove: in
-    replicate mode none when the plan met an error (a file the walk could not read is not a
-    file gone: ``rsync --delete`` deletes nothing after an I/O error either)."""
+    """The sources whose earlier-staged files ``_drop_others`` may remove: in replicate mode
+    none when the plan met an error (a file the walk could not read is not a file gone:
+    ``rsync --delete`` deletes nothing after an I/O error either)."""
     if mode != "shard" and plan.errors:
         return []
-    return [g.source for g in plan.groups if not g.ident]
+    return [g.source for g in plan.groups]
 
 
 def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[Group]) -> list[str]:
@@ -287,9 +295,10 @@ def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[G
         source = entry.get("source") or ""
         if entry.get("kind") == "dir" or key in mine:
             continue
-        # staged from one of these sources where this run places it (under the source's base
-        # name): a file staged from inside one by another SRC (``stage SRC/sub``) is not ours
-        if not any(key == _placed(source, r) for r in roots):
+        # a member of one of these archives, or staged from one of these trees where this run
+        # places it (under its base name): a file staged from inside one by another SRC
+        # (``stage SRC/sub``) is not ours
+        if not any(source.startswith(f"{r}::") or key == _placed(source, r) for r in roots):
             continue
         path = os.path.join(dest, key)
         if not within(dest, path):  # (through a link: not ours to remove)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -133,6 +135,35 @@ def test_a_shard_rerun_after_the_source_changed_leaves_each_node_its_new_share_o
     for k in range(2):
         m = manifest(tmp_path / f"node{k}")
         assert {p for p, e in m["entries"].items() if e["kind"] == "file"} == set(shares[k])
+
+
+def test_a_sharded_archive_stays_on_one_node_each_across_reruns(tmp_path):
+    """Each node's manifest records only its members of an archive: a re-run planned from node
+    0's record, so an unchanged archive of 6 members was staged as 1 ("skipped 1 unchanged"),
+    and once the archive changed, members moved between nodes were left on the old one too
+    (4 stale copies of 6 members on 2 nodes)."""
+    arc = tmp_path / "x.tar"
+
+    def make(sizes: dict[str, int]) -> dict[str, bytes]:
+        members = {name: os.urandom(n) for name, n in sizes.items()}
+        with tarfile.open(arc, "w") as tf:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+        return members
+
+    args = [str(arc), "--to", str(tmp_path / "node{node}"), "--mode", "shard"]
+    args += ["--ranks-per-node", "1", "--json"]
+    make({f"m{i}": 1000 * (i + 1) for i in range(6)})
+    assert mpirun(2, *args).returncode == 0
+    again = mpirun(2, *args)
+    assert (summary(again)["files"], summary(again)["skipped"]) == (0, 6), again.stderr
+    members = make({f"m{i}": 1000 * (7 - i) + 50_000 * (i == 0) for i in range(5)})
+    assert mpirun(2, *args).returncode == 0
+    shares = [files_of(tmp_path / f"node{k}") for k in range(2)]
+    assert not set(shares[0]) & set(shares[1]), "a member is on both nodes"
+    assert {**shares[0], **shares[1]} == members
 
 
 def test_failing_rank_ends_all_ranks_quickly(dataset, tmp_path):

@@ -150,3 +150,16 @@ def test_a_directory_lands_under_its_name_however_it_is_written(tmp_path):
         assert sorted(
             str(p.relative_to(dest)) for p in dest.rglob("*") if ".datastore" not in p.parts
         ) == ["ds", "ds/x", "ds/x/b"]
+
+
+def test_a_rerun_of_an_archive_removes_the_members_it_no_longer_has(tmp_path):
+    """A member gone from a re-made archive stayed in DEST (``tar -xf`` leaves it too; a
+    stager that keeps DEST to its sources does not)."""
+    dest = tmp_path / "dest"
+    arc = tmp_path / "x.tar"
+    arc.write_bytes(tar_bytes([(file_info("a"), b"a1"), (file_info("b"), b"b1")]))
+    assert _stage_here(dest, arc) == Exit.OK
+    arc.write_bytes(tar_bytes([(file_info("a"), b"a22")]))
+    assert _stage_here(dest, arc) == Exit.OK
+    assert sorted(p.name for p in dest.iterdir()) == [".datastore", "a"]
+    assert (dest / "a").read_bytes() == b"a22"
