@@ -1,4 +1,5 @@
-"""``datastore stage --dry-run``: what would be copied, how many bytes, and how long."""
+"""``datastore stage --dry-run``: what would be copied or removed, how many bytes, and how
+long."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from staging.manifest import Manifest, meta_dir
 from staging.plan import assign, build_plan
 from staging.probe import measure
 from staging.progress import MIB, human_bytes
-from staging.stage import up_to_date
+from staging.stage import trees_to_clean, unwanted, up_to_date, whole_archives
 
 __all__ = ["dry_run"]
 
@@ -21,8 +22,11 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
     """Print the plan of ``node`` (of ``nodes``) against its DEST; writes nothing there."""
     dest = cfg.dest_for(node)
     manifest = Manifest.load(dest) if os.path.isdir(meta_dir(dest)) else Manifest()
-    plan = build_plan(list(cfg.sources), cfg.unpack, manifest.archives, cfg.io, cfg.confine, dest)
+    plan = build_plan(
+        list(cfg.sources), cfg.unpack, whole_archives(manifest), cfg.io, cfg.confine, dest
+    )
     groups = assign(plan, nodes)[node] if cfg.mode == "shard" else plan.groups
+    removed = unwanted(manifest, trees_to_clean(plan, cfg.mode), groups)
     copy, skipped = [], 0
     for item in (i for g in groups for i in g.items if i.kind != "dir"):
         if up_to_date(item, manifest.entries.get(item.dest), dest):
@@ -46,6 +50,7 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
                     "read_mib_per_s": round(probe.read_bps / MIB, 1),
                     "write_mib_per_s": round(probe.write_bps / MIB, 1),
                     "items": [{"dest": i.dest, "source": i.source, "bytes": i.size} for i in copy],
+                    "removed": removed,
                     "errors": plan.errors,
                 }
             )
@@ -53,9 +58,11 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
     else:
         for i in copy:
             print(f"copy {human_bytes(i.size):>10}  {i.dest}  <-  {i.source}")
+        for key in removed:
+            print(f"remove      {key}  (no longer in the source or this node's share)")
         print(
             f"would stage {len(copy)} files, {human_bytes(nbytes)} ({nbytes} bytes) into {dest}; "
-            f"{skipped} unchanged would be skipped"
+            f"{skipped} unchanged would be skipped; {len(removed)} would be removed"
         )
         print(
             f"estimated time: {seconds:.1f} s (probed read {probe.read_bps / MIB:.0f} MiB/s, "

@@ -29,7 +29,9 @@ from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, 
 from staging.progress import MIB, Progress, human_bytes
 from staging.tmpspace import Freed, clean_tmp, drop_partials
 
-__all__ = ["locked_message", "stage", "summary_line"]
+__all__ = [
+    "locked_message", "stage", "summary_line", "trees_to_clean", "unwanted", "whole_archives",
+]  # fmt: skip
 
 
 @dataclass
@@ -144,7 +146,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.rank == 0:
         try:
             plan = build_plan(
-                list(cfg.sources), cfg.unpack, _whole_archives(manifest), cfg.io, cfg.confine, dest,
+                list(cfg.sources), cfg.unpack, whole_archives(manifest), cfg.io, cfg.confine, dest,
                 ahead=engine.ahead if engine is not None else None,
             )  # fmt: skip
         except BaseException:
@@ -155,7 +157,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     planned = comm.bcast(bool(plan.groups) if lay.rank == 0 else None, root=0)
     # the sources of this run (one per SRC), whose files outside this node's share are dropped
     # from it once the copy is done (``_drop_others``)
-    trees = comm.bcast(_trees(plan, cfg.mode) if lay.rank == 0 else None)
+    trees = comm.bcast(trees_to_clean(plan, cfg.mode) if lay.rank == 0 else None)
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
     work = NodeWork()
@@ -261,7 +263,7 @@ def locked_message(dest: str, template: str, lay: Layout) -> str:
     return msg
 
 
-def _whole_archives(manifest: Manifest) -> dict:
+def whole_archives(manifest: Manifest) -> dict:
     """The archive records a plan may take instead of reading the archives again: none from a
     shard of several nodes, whose records list only that node's members (a plan from them left
     the other nodes' members out of the run)."""
@@ -269,37 +271,45 @@ def _whole_archives(manifest: Manifest) -> dict:
     return {} if shard.get("mode") == "shard" and shard.get("nodes", 1) > 1 else manifest.archives
 
 
-def _trees(plan: Plan, mode: str) -> list[str]:
-    """The sources whose earlier-staged files ``_drop_others`` may remove: in replicate mode
-    none when the plan met an error (a file the walk could not read is not a file gone:
+def trees_to_clean(plan: Plan, mode: str) -> list[str]:
+    """The sources whose earlier-staged files :func:`unwanted` may name: in replicate mode none
+    when the plan met an error (a file the walk could not read is not a file gone:
     ``rsync --delete`` deletes nothing after an I/O error either)."""
     if mode != "shard" and plan.errors:
         return []
     return [g.source for g in plan.groups]
 
 
-def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[Group]) -> list[str]:
-    """Remove from this node what an earlier run staged of the sources ``trees`` that is not in
-    this node's share now (``groups``): a file gone from the source, or in shard mode one the
+def unwanted(manifest: Manifest, trees: list[str], groups: list[Group]) -> list[str]:
+    """The files an earlier run staged of the sources ``trees`` that are not in this node's
+    share now (``groups``), by DEST name: a file gone from the source, or in shard mode one the
     new plan gives another node (the shares move when the sources change). Left in place, a
     training job would read samples the source no longer has, and two nodes of a sharded store
-    would hold the same file, one copy stale. Their directories that the new share has not go
-    too once empty (one holding files of the user's stays). Only files the manifest records
-    are touched; the errors, if any."""
-    if not trees:
-        return []
+    would hold the same file, one copy stale. Only files the manifest records are named."""
     mine = {i.dest for g in groups for i in g.items}
     roots = tuple(t.rstrip(os.sep) for t in trees)
+    return [
+        key
+        for key, entry in manifest.entries.items()
+        if entry.get("kind") != "dir"
+        and key not in mine
+        and any(_ours(key, entry.get("source") or "", r) for r in roots)
+    ]
+
+
+def _ours(key: str, source: str, root: str) -> bool:
+    """Whether the DEST name ``key``, staged from ``source``, is the archive ``root``'s member
+    or where a run staging the tree ``root`` places it (a file staged from inside it by another
+    SRC, ``stage SRC/sub``, is not)."""
+    return source.startswith(f"{root}::") or key == _placed(source, root)
+
+
+def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[Group]) -> list[str]:
+    """Remove the :func:`unwanted` files from DEST and the manifest, and their directories that
+    the new share has not once empty (one holding files of the user's stays); the errors."""
+    mine = {i.dest for g in groups for i in g.items}
     errors, dirs = [], set()
-    for key, entry in list(manifest.entries.items()):
-        source = entry.get("source") or ""
-        if entry.get("kind") == "dir" or key in mine:
-            continue
-        # a member of one of these archives, or staged from one of these trees where this run
-        # places it (under its base name): a file staged from inside one by another SRC
-        # (``stage SRC/sub``) is not ours
-        if not any(source.startswith(f"{r}::") or key == _placed(source, r) for r in roots):
-            continue
+    for key in unwanted(manifest, trees, groups):
         path = os.path.join(dest, key)
         if not within(dest, path):  # (through a link: not ours to remove)
             continue

@@ -11,6 +11,7 @@ from helpers import dir_info, file_info, link_info, run_stage, tar_bytes, write_
 
 from staging.cluster import world
 from staging.config import StageConfig
+from staging.dryrun import dry_run
 from staging.exitcodes import Exit
 from staging.stage import stage
 
@@ -163,3 +164,20 @@ def test_a_rerun_of_an_archive_removes_the_members_it_no_longer_has(tmp_path):
     assert _stage_here(dest, arc) == Exit.OK
     assert sorted(p.name for p in dest.iterdir()) == [".datastore", "a"]
     assert (dest / "a").read_bytes() == b"a22"
+
+
+def test_a_dry_run_names_what_a_rerun_would_remove(tmp_path, capsys):
+    """A re-run removes what the source no longer has: ``--dry-run`` says so (it listed only
+    what would be copied)."""
+    src = tmp_path / "src" / "ds"
+    src.mkdir(parents=True)
+    for name in ("a", "b"):
+        (src / name).write_bytes(name.encode())
+    dest = tmp_path / "dest"
+    assert _stage_here(dest, src) == Exit.OK
+    os.remove(src / "b")
+    cfg = StageConfig(dest=str(dest), sources=(str(src),), json=True)
+    assert dry_run(cfg) == Exit.OK
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["files"], doc["skipped"], doc["removed"]) == (0, 1, ["ds/b"])
+    assert (dest / "ds" / "b").exists()  # a dry run removes nothing
