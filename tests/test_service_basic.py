@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import filecmp
+import http.client
 import json
 import os
 import shutil
@@ -310,6 +311,35 @@ def test_a_metrics_port_in_use_is_one_line_naming_it_and_why(tmp_path, env):
     assert "cannot_listen" in line, line
     assert f"--metrics {metrics}: cannot listen: [Errno 98] Address already in use" in line
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_metrics_are_served_on_their_path_alone_to_get_and_head():
+    """``/metrics`` answers GET with the metrics and HEAD with their headers; another path is
+    404 and another method 405 (every path, ``/foo`` and ``/metrics/../x`` included, got 200
+    and the metrics, and HEAD got 405)."""
+    from datastore.service.metrics import serve_metrics
+
+    server, port = serve_metrics("127.0.0.1:0", lambda: pb.StatusResponse(batches_served=7))
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+
+        def ask(method: str, path: str) -> tuple[int, bytes, str | None]:
+            conn.request(method, path)
+            reply = conn.getresponse()
+            return reply.status, reply.read(), reply.getheader("Content-Length")
+
+        code, body, length = ask("GET", "/metrics")
+        assert code == 200 and b"datastore_batches_served_total 7.0" in body
+        assert int(length) == len(body)
+        assert ask("HEAD", "/metrics") == (200, b"", length)
+        for path in ("/", "/foo", "/metrics/", "/metrics/../x", "/metricsx", "/favicon.ico"):
+            assert ask("GET", path)[0] == 404, path
+        assert ask("GET", "/metrics?name[]=datastore_calls_total")[0] == 200
+        assert [ask(m, "/metrics")[0] for m in ("POST", "PUT", "OPTIONS")] == [405] * 3
+        conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_tcp_port_in_use_is_one_line_naming_it_and_why(tmp_path, env):

@@ -7,13 +7,19 @@ scrapes ``http://HOST:PORT/metrics``. Per-job series carry ``job`` (the session'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
-__all__ = ["ServiceCollector", "render", "serve_metrics"]
+__all__ = ["ServiceCollector", "metrics_app", "render", "serve_metrics"]
+
+PATH = "/metrics"
 
 
 class ServiceCollector:
@@ -95,12 +101,45 @@ def render(state: Callable[[], Any]) -> bytes:
     return generate_latest(_registry(state))
 
 
+def metrics_app(app: Callable[..., Iterable[bytes]]) -> Callable[..., list[bytes]]:
+    """``app`` (prometheus_client's, which answers every path) on ``/metrics`` only.
+
+    GET gets the metrics, HEAD their headers; any other path is 404, any other method 405."""
+
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        method = environ["REQUEST_METHOD"]
+        if environ.get("PATH_INFO") != PATH:
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [f"not found: the metrics are on {PATH}\n".encode()]
+        if method not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [b""]
+        answer: list[Any] = []
+        body = b"".join(app({**environ, "REQUEST_METHOD": "GET"}, lambda *a: answer.extend(a)))
+        status, headers = answer[:2]
+        start_response(status, [*headers, ("Content-Length", str(len(body)))])
+        return [b""] if method == "HEAD" else [body]
+
+    return serve
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log nothing (the service's log is JSON lines)."""
+
+
 def serve_metrics(address: str, state: Callable[[], Any]) -> tuple[Any, int]:
     """Serve ``/metrics`` on ``HOST:PORT`` (port 0: any free one); ``(server, port)``.
 
     ``server.shutdown()`` stops it."""
     host, _, port = address.rpartition(":")
-    server, _thread = start_http_server(
-        int(port), addr=host or "127.0.0.1", registry=_registry(state)
-    )
+    host = host or "127.0.0.1"
+    family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+
+    class Server(ThreadingWSGIServer):
+        address_family = family[0][0]
+
+    app = metrics_app(make_wsgi_app(_registry(state)))
+    server = make_server(host, int(port), app, Server, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="datastore-metrics", daemon=True).start()
     return server, server.server_address[1]
