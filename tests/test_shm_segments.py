@@ -112,3 +112,17 @@ def test_a_ring_says_when_the_client_holds_every_slot():
     assert ring.client_holds_all()
     ring.done(generations[:1])
     assert not ring.client_holds_all()
+
+
+def test_a_relative_shm_dir_names_segments_by_absolute_paths(tmp_path, monkeypatch):
+    """``DATASTORE_SHM_DIR=segs``: segments were sent as ``segs/datastore...``, which a client
+    in another directory could not open (FileNotFoundError on the first batch)."""
+    (tmp_path / "svc" / "segs").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "svc")
+    monkeypatch.setenv("DATASTORE_SHM_DIR", "segs")
+    assert segment_dir() == tmp_path / "svc" / "segs"
+    seg = Segment(1, 4096)
+    monkeypatch.chdir(tmp_path)  # a client elsewhere opens what it was sent
+    assert seg.path.parent == tmp_path / "svc" / "segs" and os.path.getsize(seg.path) == 4096
+    seg.close()
+    seg.unmap()

@@ -37,8 +37,8 @@ def segment_dir() -> Path:
         ValueError: ``DATASTORE_SHM_DIR`` is not a directory this user can write.
     """
     chosen = os.environ.get("DATASTORE_SHM_DIR", "").strip()
-    if chosen:
-        path = Path(chosen)
+    if chosen:  # absolute: clients open the paths the service sends from their own cwd
+        path = Path(chosen).absolute()
         if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
             raise ValueError(f"DATASTORE_SHM_DIR={chosen}: not a directory this user can write")
         return path
