@@ -126,3 +126,29 @@ def test_a_relative_shm_dir_names_segments_by_absolute_paths(tmp_path, monkeypat
     assert seg.path.parent == tmp_path / "svc" / "segs" and os.path.getsize(seg.path) == 4096
     seg.close()
     seg.unmap()
+
+
+def test_a_shm_dir_removed_while_serving_refuses_the_stream_by_name(tmp_path, monkeypatch):
+    """``DATASTORE_SHM_DIR`` removed under a running service: a shared-memory stream is
+    ``UNAVAILABLE`` naming it, and stopping finds nothing to remove (the stream was an
+    internal error, and the stopping service exited 1 with one)."""
+    (tmp_path / "data").mkdir()
+    for i in range(4):
+        np.save(tmp_path / "data" / f"s{i}.npy", np.full((2, 4), i, np.float32))
+    monkeypatch.setenv("DATASTORE_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    residency = Residency(1 << 20, None)
+    sessions = Sessions(residency)
+    s = sessions.open(pb.OpenSessionRequest(dataset_path=str(tmp_path / "data"), global_batch=2))
+    (tmp_path / "shm").rmdir()
+    with pytest.raises(ServiceError) as err:
+        s.stream(pb.StreamBatchesRequest(session_id=s.session_id), True)
+    assert err.value.code == "UNAVAILABLE"
+    assert str(err.value) == (
+        f"no shared-memory segment for the stream: DATASTORE_SHM_DIR={tmp_path / 'shm'}: "
+        "not a directory this user can write"
+    )
+    assert s.rings == {} and residency.ring_bytes == 0  # no ring kept, none budgeted
+    assert remove_own() == []
+    sessions.close_all()
+    residency.close()

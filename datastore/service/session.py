@@ -135,9 +135,13 @@ class Session:
                     self.residency.reserve_ring(ring_bytes)
                 try:
                     ring = SlotRing(fields, batch, nslots, shared_memory, self.gather)
-                except BaseException:
+                except BaseException as exc:
                     if ring_bytes and self.residency is not None:
                         self.residency.release_ring(ring_bytes)
+                    if isinstance(exc, OSError | ValueError):  # DATASTORE_SHM_DIR removed...
+                        raise ServiceError(
+                            "UNAVAILABLE", f"no shared-memory segment for the stream: {exc}"
+                        ) from exc
                     raise
                 ring.budgeted = ring_bytes
                 self.rings[(int(r.rank), shared_memory)] = ring

@@ -74,8 +74,12 @@ def reclaim_stale(directory: Path | None = None) -> list[Path]:
 
 def remove_own(directory: Path | None = None) -> list[Path]:
     """Remove every segment of this process (a stopping service: none may outlive it, whatever
-    stream or session failed to remove its own); the paths removed."""
-    directory = directory or segment_dir()
+    stream or session failed to remove its own); the paths removed (none where
+    ``DATASTORE_SHM_DIR`` was removed: nothing is left there)."""
+    try:
+        directory = directory or segment_dir()
+    except ValueError:
+        return []
     removed = []
     for path in directory.glob(f"{PREFIX}.{os.getuid()}.{os.getpid()}.*"):
         with contextlib.suppress(FileNotFoundError):
