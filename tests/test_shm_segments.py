@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -152,3 +155,41 @@ def test_a_shm_dir_removed_while_serving_refuses_the_stream_by_name(tmp_path, mo
     assert remove_own() == []
     sessions.close_all()
     residency.close()
+
+
+FULL_TMPFS = """
+import threading, numpy as np
+from datastore.maths.delivery import delivered_fields
+from datastore.readers.base import FieldInfo
+from datastore.service.errors import ServiceError
+from datastore.service.stream import SlotRing
+info = {"x": FieldInfo("x", np.dtype("float32"), (32, 32, 32))}  # 128 KiB
+ring = SlotRing(delivered_fields(info, None, 0), batch_size=4, nslots=6, shared=True)
+taken = []
+try:
+    while True:
+        taken.append(ring.take(threading.Event()))
+except ServiceError as exc:
+    print(len(taken), exc.code, exc)
+ring.close()
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="a tmpfs of its own needs root"
+)
+def test_a_shm_dir_too_small_for_a_ring_refuses_the_slot_not_kills_the_service(tmp_path):
+    """A ring larger than ``DATASTORE_SHM_DIR``'s tmpfs (a container's 64 MiB ``/dev/shm``):
+    the slot that finds no room is ``RESOURCE_EXHAUSTED`` naming the directory; writing zeros
+    into its pages killed the service with ``SIGBUS`` (exit -7), every job on the node with
+    it. Here a 1 MiB tmpfs and slots of 512 KiB: two fit."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    script = f"mount -t tmpfs -o size=1m tmpfs {shm} && exec {sys.executable} -c '{FULL_TMPFS}'"
+    env = {**os.environ, "DATASTORE_SHM_DIR": str(shm)}
+    r = subprocess.run(["unshare", "--mount", "sh", "-c", script], env=env,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (r.returncode, r.stdout) == (0, (
+        f"2 RESOURCE_EXHAUSTED no room for a shared-memory slot of 524288 bytes in {shm} "
+        "(DATASTORE_SHM_DIR names a larger one)\n"
+    )), r.stderr  # fmt: skip

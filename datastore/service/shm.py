@@ -99,15 +99,14 @@ class Segment:
         self.path = directory / f"{PREFIX}.{os.getuid()}.{os.getpid()}.{uuid.uuid4().hex[:16]}"
         self.slot_bytes = -(-max(1, slot_bytes) // 4096) * 4096  # page-aligned slots
         self.slots = slots
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, self.slots * self.slot_bytes)
-            self._map = mmap.mmap(fd, self.slots * self.slot_bytes)
+            os.ftruncate(self._fd, self.slots * self.slot_bytes)
+            self._map = mmap.mmap(self._fd, self.slots * self.slot_bytes)
         except BaseException:
-            os.close(fd)
+            os.close(self._fd)
             self.path.unlink()
             raise
-        os.close(fd)
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
@@ -116,7 +115,10 @@ class Segment:
         """Put ``slot``'s pages in place, zeros as in a new file, the writes spread over the
         ``gather``'s threads (``datastore.store.gather.Gather``): faulting fresh shared memory
         in page by page during a batch's fill made each slot's first batch many times slower.
-        Only for a slot that holds nothing yet (its first use)."""
+        Only for a slot that holds nothing yet (its first use). Its room is taken first, so a
+        full filesystem is an ``OSError`` (``ENOSPC``) here: writing into pages it has no room
+        for killed the service (``SIGBUS``)."""
+        os.posix_fallocate(self._fd, self.offset(slot), self.slot_bytes)
         region = np.frombuffer(self._map, np.uint8, count=self.slot_bytes, offset=self.offset(slot))
         if gather is None:
             region.fill(0)
@@ -140,6 +142,8 @@ class Segment:
         last view)."""
         with contextlib.suppress(BufferError):
             self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
 
 
 class ClientMaps:

@@ -20,6 +20,7 @@ the service shuts down.
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import math
 import os
@@ -150,8 +151,15 @@ class SlotRing:
         if slot in self._fresh and self.segment is not None:
             try:
                 self.segment.fault_in(slot, self._gather)
-            except BaseException:
+            except BaseException as exc:
                 self._free.put(slot)
+                if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                    where = self.segment.path.parent
+                    raise ServiceError(
+                        "RESOURCE_EXHAUSTED",
+                        f"no room for a shared-memory slot of {self.segment.slot_bytes} bytes "
+                        f"in {where} (DATASTORE_SHM_DIR names a larger one)",
+                    ) from exc
                 raise
             self._fresh.discard(slot)
         return slot
