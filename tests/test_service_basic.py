@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service._pb.v1 import datastore_pb2_grpc as pb_grpc
-from datastore.service.calls import CallCounter
+from datastore.service.calls import CallCounter, Refusing
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-t0ken"
@@ -594,6 +594,37 @@ def test_clients_are_the_open_sessions_streaming_or_not(start, tmp_path, env):
         assert clients_and_streams() == (1, [0])
         ds.CloseSession(pb.CloseSessionRequest(session_id=opened[1].session_id), timeout=10)
         assert clients_and_streams() == (0, [])
+
+
+def test_a_stopping_service_refuses_new_work_and_answers_the_rest(tmp_path):
+    """While a stopping service drains (its servers stop only after its streams ended), new
+    work is ``UNAVAILABLE`` ('the service is stopping'); ``Status``, ``CloseSession``,
+    ``Shutdown``, health checks and other services are still answered."""
+    stopping = threading.Event()
+    echo = grpc.unary_unary_rpc_method_handler(lambda request, context: b"ok")
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[Refusing(stopping.is_set)])
+    names = ("OpenSession", "LoadDataset", "Status", "CloseSession", "Shutdown")
+    server.add_generic_rpc_handlers([
+        grpc.method_handlers_generic_handler("datastore.v1.DataStore", dict.fromkeys(names, echo)),
+        grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": echo}),
+    ])  # fmt: skip
+    target = f"unix://{tmp_path}/refusing.sock"
+    server.add_insecure_port(target)
+    server.start()
+
+    def answers(method: str) -> str:
+        try:
+            return ch.unary_unary(f"/{method}")(b"", timeout=10).decode()
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+
+    methods = [f"datastore.v1.DataStore/{n}" for n in names] + ["grpc.health.v1.Health/Check"]
+    with grpc.insecure_channel(target) as ch:
+        assert [answers(m) for m in methods] == ["ok"] * 6
+        stopping.set()
+        refused = "UNAVAILABLE: the service is stopping"
+        assert [answers(m) for m in methods] == [refused, refused, "ok", "ok", "ok", "ok"]
+    server.stop(None)
 
 
 def test_calls_in_flight_count_as_clients_but_not_the_asker(tmp_path):

@@ -998,26 +998,35 @@ def test_shutdown_grace_is_checked_and_kept_with_a_stuck_client(start, tmp_path,
 @pytest.mark.parametrize("stop", ["SIGTERM", "Shutdown"])
 def test_stopping_after_streaming_takes_the_grace_and_a_few_seconds(start, tmp_path, stop):
     """After streaming traffic (a whole epoch read, then one stream per transport left open
-    by a client that reads no more), SIGTERM or Shutdown with --grace 2 ends the service within
-    grace + a few seconds, exit 0, its socket and segments removed; the stuck clients get an
-    error, not a hang."""
+    by a client that reads no more, inline over the socket and over TCP too), SIGTERM or
+    Shutdown with --grace 2 ends the service within grace + a few seconds, exit 0, its socket
+    and segments removed; the stuck clients get ABORTED naming the shutdown, not a hang. (An
+    inline client, its stream held in gRPC's flow control, got UNAVAILABLE 'Cancelling all
+    calls' from gRPC's end of the grace.)"""
     path = tmp_path / "data.h5"
     with h5py.File(path, "w") as f:  # 1 MiB samples: more than gRPC's flow control takes
         f["x"] = np.ones((32, 1, 64, 64, 64), np.float32)
     sock = tmp_path / "s.sock"
-    s = start("--socket", str(sock), "--grace", "2")
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    token.chmod(0o600)
+    s = start("--socket", str(sock), "--grace", "2", "--tcp", "127.0.0.1:0", "--token-file",
+              str(token))  # fmt: skip
+    tcp = s.listening()[1]
     with DataStoreLoader(str(path), batch_size=4, service=ServiceOptions(str(sock))) as job:
         assert len(list(job)) == 32 // 4
     stuck = [
-        DataStoreLoader(
-            str(path), batch_size=1, prefetch=1, service=ServiceOptions(str(sock), transport=t)
+        DataStoreLoader(str(path), batch_size=1, prefetch=1, service=service)
+        for service in (
+            ServiceOptions(str(sock), transport="shm"),
+            ServiceOptions(str(sock), transport="inline"),
+            ServiceOptions(tcp, token="s3cret"),
         )
-        for t in ("shm", "inline")
     ]
     its = [iter(loader) for loader in stuck]
     for it in its:
         next(it)
-    until(lambda: status(sock).clients == 2, 10, "both streams open")
+    until(lambda: status(sock).clients == 3, 10, "the three streams open")
     t0 = time.monotonic()
     if stop == "SIGTERM":
         s.proc.send_signal(signal.SIGTERM)
@@ -1034,9 +1043,11 @@ def test_stopping_after_streaming_takes_the_grace_and_a_few_seconds(start, tmp_p
         assert (e["event"], e["call"], e["code"]) == ("refused", "StreamBatches", "ABORTED")
         assert e["msg"].endswith("stopped before its last batch: the service is stopping")
     for it, loader in zip(its, stuck, strict=True):
-        with pytest.raises(DataStoreError):
+        with pytest.raises(DataStoreError) as err:
             for _ in range(32):
                 next(it)
+        assert err.value.grpc_status == grpc.StatusCode.ABORTED, err.value
+        assert err.value.grpc_details.endswith("before its last batch: the service is stopping")
         loader.close()
 
 

@@ -16,7 +16,7 @@ import grpc
 
 from datastore.service import SERVICE_NAME
 
-__all__ = ["CallCounter"]
+__all__ = ["CallCounter", "Refusing"]
 
 NOT_CLIENTS = ("StreamBatches", "CloseSession", "Status")
 """``DataStore`` calls that stand for no client of their own (see the module docstring)."""
@@ -82,6 +82,36 @@ class CallCounter(grpc.ServerInterceptor):
         kind = next(k for k in _HANDLERS if getattr(handler, k) is not None)
         return _HANDLERS[kind](
             wrap(getattr(handler, kind)),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class Refusing(grpc.ServerInterceptor):
+    """Once ``stopping()`` says so, new ``datastore.v1.DataStore`` calls but ``STILL_ANSWERED``
+    are ``UNAVAILABLE`` ("the service is stopping"): the service stops taking work itself
+    while the calls in flight drain, as gRPC's own stop would, without its GOAWAY (see
+    ``server._drain``)."""
+
+    STILL_ANSWERED = ("CloseSession", "Status", "Shutdown")
+
+    def __init__(self, stopping: Any) -> None:
+        self._stopping = stopping
+
+    def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        service, _, name = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service != SERVICE_NAME or name in self.STILL_ANSWERED:
+            return handler
+        if not self._stopping():
+            return handler
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the service is stopping")
+
+        kind = next(k for k in _HANDLERS if getattr(handler, k) is not None)
+        return _HANDLERS[kind](
+            refuse,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )

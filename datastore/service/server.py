@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2
 from datastore._version import __version__
 from datastore.service import SERVICE_NAME
 from datastore.service.auth import TokenInterceptor, read_token
+from datastore.service.calls import Refusing
 from datastore.service.config import ServeConfig
 from datastore.service.grpc_peers import GrpcPeers
 from datastore.service.guard import GuardInterceptor
@@ -183,14 +184,15 @@ def _run(
     metrics_server = None
 
     guard = GuardInterceptor(servicer.internal_error)
-    servers = [new_server(config.workers, [counters.calls, guard])]
+    refusing = Refusing(stop.event.is_set)
+    servers = [new_server(config.workers, [counters.calls, refusing, guard])]
     bind_unix(servers[0], listen[0])
     if config.tcp is not None:
         assert token is not None
         denied = TokenInterceptor(
             token, on_denied=lambda method: log.warning("unauthenticated", method=method)
         )
-        tcp_server = new_server(config.workers, [counters.calls, denied, guard])
+        tcp_server = new_server(config.workers, [counters.calls, denied, refusing, guard])
         try:
             listen.append(bind_tcp(tcp_server, config.tcp, config.tls_cert, config.tls_key))
         except OSError as exc:
@@ -288,14 +290,25 @@ def _drain(
     health_servicer: health.HealthServicer,
     grace: float,
 ) -> None:
-    """Stop accepting calls, give those in flight ``grace`` seconds, then end the open streams
-    (``ABORTED``, naming the cause) just before gRPC would cancel them at the grace's end, and
-    wait a little for their handlers to return."""
+    """Take no new work (``calls.Refusing``), give the calls in flight ``grace`` seconds, end
+    the open streams (``ABORTED``, naming the cause) and only then stop the servers, waiting
+    a little for their handlers to return. A stream whose client reads no more waits in gRPC's
+    flow control, where its handler cannot answer: it is ended from here
+    (``Servicer.abort_streams``), before gRPC's GOAWAY, after which its status was lost with
+    its connection; gRPC's own end of the grace told such a client ``UNAVAILABLE``
+    ("Cancelling all calls")."""
     health_servicer.enter_graceful_shutdown()
-    t0 = time.monotonic()
-    stopping = [server.stop(grace) for server in servers]
-    for done in stopping:  # calls in flight get the grace...
-        done.wait(max(0.0, t0 + grace - ABORT_BEFORE_S - time.monotonic()))
+    _until(servicer.idle, grace - ABORT_BEFORE_S)  # calls in flight get the grace...
     servicer.sessions.close_all()  # ...then open streams end (ABORTED) and handlers return
+    _until(lambda: not servicer.streaming(), ABORT_BEFORE_S / 2)
+    servicer.abort_streams()  # those whose client reads no more
+    stopping = [server.stop(ABORT_BEFORE_S / 2) for server in servers]
     for done in stopping:
         done.wait(ABORT_BEFORE_S + 5)
+
+
+def _until(done: Any, seconds: float) -> None:
+    """Wait until ``done()`` or ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.02)

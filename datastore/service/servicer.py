@@ -64,6 +64,17 @@ class Counters:
         self.bytes = 0
 
 
+def _abort_call(context: grpc.ServicerContext, exc: ServiceError) -> None:
+    """End ``context``'s call now with ``exc``'s status, from any thread, even while its handler
+    waits for the client to take a message (gRPC's ``abort`` works only in the handler's own
+    thread, ``cancel`` says ``CANCELLED``; without gRPC's call object, it cancels)."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    if call is None:
+        context.cancel()
+    else:
+        call.cancel(getattr(grpc.StatusCode, exc.code).value[0], str(exc))
+
+
 def _returns_slots(requests: Any, stream: Stream) -> None:
     """Read the client's later messages, returning the slots they list (a thread per stream)."""
     try:
@@ -95,6 +106,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         self._stop = stop
         self._counters = counters
         self._log = log
+        self._streaming: dict[Stream, grpc.ServicerContext] = {}  # calls in their handlers
         self.link: Peers | None = peers
         if comm is not None:  # --peer-timeout bounds every wait on an MPI peer too
             self.link = MpiPeers(
@@ -217,6 +229,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         except ServiceError as exc:
             self._refuse(context, "StreamBatches", exc)
         context.add_callback(lambda: session.release(stream))
+        self._streaming[stream] = context
         if shm and request.mapped:  # mapped during an earlier stream (one it may have left)
             stream.ring.client_mapped()
         if shm:
@@ -236,7 +249,26 @@ class Servicer(pb_grpc.DataStoreServicer):
         except (ValueError, OSError) as exc:  # a sample that cannot be read
             self._refuse(context, "StreamBatches", ServiceError("DATA_LOSS", str(exc)))
         finally:
+            self._streaming.pop(stream, None)
             session.release(stream)
+
+    def streaming(self) -> int:
+        """The ``StreamBatches`` calls in their handlers now."""
+        return len(self._streaming)
+
+    def idle(self) -> bool:
+        """Whether no call that a stop waits for is in flight (no stream, nothing standing for
+        a client: a ``Stage``, a ``LoadDataset`` that waits)."""
+        return not self._streaming and self._counters.calls.in_flight == 0
+
+    def abort_streams(self) -> None:
+        """End the streams still in their handlers, their sessions closed, with ``ABORTED``: a
+        client that reads no more holds its handler in gRPC's flow control, where it cannot
+        say so, and gRPC's end of the grace told it ``UNAVAILABLE`` ('Cancelling all calls')."""
+        for stream, context in list(self._streaming.items()):
+            exc = stream.cut()
+            self._log.warning("refused", call="StreamBatches", code=exc.code, msg=str(exc))
+            _abort_call(context, exc)
 
     def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:

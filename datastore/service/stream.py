@@ -403,13 +403,17 @@ class Stream:
                     self._until_mapped()
                     return
                 yield from self._message(slot, message)
-            raise ServiceError(
-                "ABORTED",
-                f"the stream of epoch {self.epoch} stopped before its last batch: "
-                f"{self.why or 'stopped'}",
-            )
+            raise self.cut()
         finally:
             self.close()
+
+    def cut(self) -> ServiceError:
+        """What the call ends with when the stream stopped before its last batch."""
+        return ServiceError(
+            "ABORTED",
+            f"the stream of epoch {self.epoch} stopped before its last batch: "
+            f"{self.why or 'stopped'}",
+        )
 
     def _stalled(self, t0: float, client: bool) -> None:
         """The call waited for a batch since ``t0``: a stall of the service's, unless the
