@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -135,6 +136,24 @@ def test_resume_state_round_trip_and_refusals():
         check_state(Schedule(100, 16, seed=5), state(sched, 3, 7))
     with pytest.raises(ValueError, match="step 99"):
         check_state(sched, {**state(sched, 0, 0), "step": 99})
+
+
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        ({"version": 99}, "format version 99; this datastore reads versions 1"),
+        ({"epoch": "1"}, "epoch is '1', not an integer"),
+        ({"epoch": "x"}, "epoch is 'x', not an integer"),
+        ({"step": 1.5}, "step is 1.5, not an integer"),
+        ({"step": True}, "step is True, not an integer"),
+        ({"seed": 5.0}, "seed is 5.0, not an integer"),
+        ({"epoch": -3}, "epoch -3 is negative"),
+    ],
+)
+def test_resume_refuses_a_foreign_or_edited_state(edit, error):
+    sched = Schedule(100, 8, seed=5)
+    with pytest.raises(ValueError, match=f"^cannot resume: .*{re.escape(error)}"):
+        check_state(sched, {**state(sched, 3, 7), **edit})
 
 
 def test_local_batch_must_divide():

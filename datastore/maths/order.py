@@ -433,10 +433,14 @@ def rank_layout(rank: int, world: int, spatial_size: int = 1) -> RankLayout:
     )
 
 
+STATE_VERSIONS = (1,)
+"""The ``state_dict`` formats read."""
+
+
 def state(schedule: Schedule, epoch: int, step: int) -> dict[str, Any]:
     """The resumable position: everything that fixes the sample sequence, plus where we are."""
     return {
-        "version": 1,
+        "version": STATE_VERSIONS[-1],
         "epoch": epoch,
         "step": step,
         "num_samples": schedule.num_samples,
@@ -452,12 +456,7 @@ def check_state(schedule: Schedule, saved: dict[str, Any]) -> tuple[int, int]:
     """``(epoch, step)`` of a saved state, refusing one that would change the sequence, or
     that is not a loader's state at all."""
     now = state(schedule, 0, 0)
-    needed = ("epoch", "step", "num_samples", "global_batch", "seed")
-    if not isinstance(saved, dict) or any(key not in saved for key in needed):
-        has = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
-        raise ValueError(
-            f"cannot resume: not a loader's state_dict (got {has}; a loader's has {', '.join(now)})"
-        )
+    _check_form(saved, now)
     saved = {**saved, "homes": saved.get("homes")}
     with contextlib.suppress(ValueError):  # positions saved before "shard" said True/False
         saved["shuffle"] = parse_shuffle(saved.get("shuffle"))
@@ -469,10 +468,34 @@ def check_state(schedule: Schedule, saved: dict[str, Any]) -> tuple[int, int]:
                 else f"saved {key}={saved.get(key)!r} but this loader has {key}={now[key]!r}"
             )
             raise ValueError(f"cannot resume: {what} (the sample sequence would differ)")
-    epoch, step = int(saved["epoch"]), int(saved["step"])
+    epoch, step = saved["epoch"], saved["step"]
+    if epoch < 0:
+        raise ValueError(f"cannot resume: epoch {epoch} is negative")
     if not 0 <= step <= schedule.steps_per_epoch:
         raise ValueError(f"cannot resume: step {step} outside 0..{schedule.steps_per_epoch}")
     return epoch, step
+
+
+def _check_form(saved: Any, now: dict[str, Any]) -> None:
+    """Refuse what is not a loader's state of a format read here, or has a value of the
+    wrong type (a hand-edited or damaged state)."""
+    needed = ("epoch", "step", "num_samples", "global_batch", "seed")
+    if not isinstance(saved, dict) or any(key not in saved for key in needed):
+        has = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(
+            f"cannot resume: not a loader's state_dict (got {has}; a loader's has {', '.join(now)})"
+        )
+    version = saved.get("version", 1)
+    if version not in STATE_VERSIONS:
+        raise ValueError(
+            f"cannot resume: a state_dict of format version {version!r}; this datastore reads "
+            f"versions {', '.join(map(str, STATE_VERSIONS))} (saved by another datastore?)"
+        )
+    for key in needed:
+        if type(saved[key]) is not int:
+            raise ValueError(
+                f"cannot resume: the state_dict's {key} is {saved[key]!r}, not an integer"
+            )
 
 
 class EpochPosition:
