@@ -18,6 +18,7 @@ holds them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import queue
@@ -44,6 +45,7 @@ from datastore.maths.rank_view import RankView, rank_view
 from datastore.ranks.agree import Collective, StepSync, StoreCollective, agree
 from datastore.ranks.world import World, detect_world
 from datastore.readers import open_dataset
+from datastore.readers.identity import identity
 from datastore.sources.embedded import EmbeddedSource, ExchangeSource
 from datastore.sources.local import LocalSource
 from datastore.sources.options import (
@@ -474,6 +476,11 @@ class DataStoreLoader(EpochPosition):
             sharded = shard_layout(reader, _root(dataset), self._coll)
             if sharded is not None:  # each node holds its share (datastore stage --mode shard)
                 self.reader, owner = sharded
+        files = identity(reader.files)
+        if self.reader is not reader:  # the data is every node's share
+            every = " ".join(self._coll.allgather(files)).encode()
+            files = hashlib.blake2b(every, digest_size=8).hexdigest()
+        self.dataset = {"location": _name(dataset, reader.location), "identity": files}
         error: BaseException | None = None
         try:
             if not len(self.reader):
@@ -558,6 +565,8 @@ class DataStoreLoader(EpochPosition):
         self.fields = source.fields
         self.batch_size = source.batch_size
         self.reader = None
+        if source.identity:
+            self.dataset = {"location": _name(dataset, str(dataset)), "identity": source.identity}
         return source
 
     # -- iteration -----------------------------------------------------------------------------
@@ -744,6 +753,11 @@ def _data_world(options: LoaderOptions, world: int) -> int:
     view refuses that on every rank)."""
     blocks = math.prod(options.spatial["parts"]) if options.spatial else 1
     return world // blocks if world % blocks == 0 else 1
+
+
+def _name(dataset: Any, otherwise: str) -> str:
+    """The dataset as the caller named it: its path, else ``otherwise``."""
+    return os.fspath(dataset) if isinstance(dataset, str | os.PathLike) else otherwise
 
 
 def _root(dataset: Any) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -111,6 +112,27 @@ def test_a_checkpoint_at_an_epochs_last_batch_resumes_with_set_epoch_of_that_epo
     full, ckpt = run()
     assert (ckpt["epoch"], ckpt["data"]["epoch"], ckpt["data"]["step"]) == (0, 1, 0)
     assert run(ckpt)[0] == full[4:]
+
+
+def test_resume_refuses_other_data_of_the_same_size_and_takes_a_copy(h5, tmp_path):
+    """A state over one file resumes on a copy that keeps names, sizes and times, and is
+    refused, naming both, on a file of the same shapes and size holding other samples."""
+    path = str(h5[0])
+    saved = DataStoreLoader(path, batch_size=3, seed=9).state_dict()
+    other, copy = tmp_path / "other", tmp_path / "copy"
+    other.mkdir(), copy.mkdir()
+    shutil.copy2(path, copy / "train.h5")
+    shutil.copy(path, other / "train.h5")
+    with h5py.File(other / "train.h5", "r+") as f:
+        f["idx"][...] = f["idx"][...][::-1]  # the same size, other bytes
+    assert os.path.getsize(other / "train.h5") == os.path.getsize(path)
+    DataStoreLoader(str(copy / "train.h5"), batch_size=3, seed=9).load_state_dict(saved)
+    loader = DataStoreLoader(str(other / "train.h5"), batch_size=3, seed=9)
+    with pytest.raises(ValueError, match="cannot resume: the state_dict was saved over") as e:
+        loader.load_state_dict(saved)
+    assert f"{path!r} (files {saved['dataset']['identity']})" in str(e.value)
+    assert f"{str(other / 'train.h5')!r} (files {loader.dataset['identity']})" in str(e.value)
+    loader.load_state_dict({**saved, "dataset": None})  # on other data on purpose
 
 
 def test_set_epoch_and_pad_tail(h5):

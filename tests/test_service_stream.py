@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,6 +189,25 @@ def test_resume_mid_epoch_equals_uninterrupted(served):
         assert_same(head, expected[:3])
         assert_same(batches(same), after)
         assert time.monotonic() - t0 < 10
+
+
+def test_resume_over_the_service_refuses_other_data_of_the_same_size(served):
+    """The service says which files it serves: a state resumes embedded or served alike over
+    them, and is refused over a file of the same size holding other samples."""
+    path, sock, _ = served
+    other = path.with_name("other.h5")
+    shutil.copy(path, other)
+    with h5py.File(other, "r+") as f:
+        f["idx"][...] = f["idx"][...][::-1]
+    service = ServiceOptions(str(sock))
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=service) as served_loader:
+        saved = served_loader.state_dict()
+    embedded = DataStoreLoader(str(path), batch_size=4, seed=3)
+    assert saved["dataset"]["identity"] == embedded.state_dict()["dataset"]["identity"]
+    embedded.load_state_dict(saved)
+    loader = DataStoreLoader(str(other), batch_size=4, seed=3, service=service)
+    with loader, pytest.raises(ValueError, match=r"saved over '.*data\.h5' \(files \w+\), this"):
+        loader.load_state_dict(saved)
 
 
 def test_the_next_epoch_is_filled_while_the_consumer_finishes_this_one(served):

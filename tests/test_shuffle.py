@@ -191,7 +191,7 @@ def test_resuming_refuses_other_homes_and_reads_old_true():
     with pytest.raises(ValueError, match="other shards"):
         check_state(b, state(a, 3, 1))
     g = Schedule(12, 4)
-    old = {**state(g, 2, 1), "shuffle": True}  # saved before the knob
+    old = {**state(g, 2, 1), "shuffle": True, "version": 1}  # saved before the knob
     del old["homes"]
     assert check_state(g, old) == (2, 1)
     with pytest.raises(ValueError, match="shuffle"):

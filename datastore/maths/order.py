@@ -433,12 +433,15 @@ def rank_layout(rank: int, world: int, spatial_size: int = 1) -> RankLayout:
     )
 
 
-STATE_VERSIONS = (1,)
-"""The ``state_dict`` formats read."""
+STATE_VERSIONS = (1, 2)
+"""The ``state_dict`` formats read: 1 (without ``"dataset"``) and 2, the one written."""
 
 
-def state(schedule: Schedule, epoch: int, step: int) -> dict[str, Any]:
-    """The resumable position: everything that fixes the sample sequence, plus where we are."""
+def state(
+    schedule: Schedule, epoch: int, step: int, dataset: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The resumable position: everything that fixes the sample sequence, plus where we are;
+    ``dataset``: ``{"location": ..., "identity": ...}`` of the data it is over."""
     return {
         "version": STATE_VERSIONS[-1],
         "epoch": epoch,
@@ -449,13 +452,17 @@ def state(schedule: Schedule, epoch: int, step: int) -> dict[str, Any]:
         "shuffle": schedule.shuffle,
         "tail": schedule.tail,
         "homes": schedule.homes.digest() if schedule.homes is not None else None,
+        "dataset": dict(dataset) if dataset is not None else None,  # the caller's to edit
     }
 
 
-def check_state(schedule: Schedule, saved: dict[str, Any]) -> tuple[int, int]:
-    """``(epoch, step)`` of a saved state, refusing one that would change the sequence, or
-    that is not a loader's state at all."""
-    now = state(schedule, 0, 0)
+def check_state(
+    schedule: Schedule, saved: dict[str, Any], dataset: dict[str, str] | None = None
+) -> tuple[int, int]:
+    """``(epoch, step)`` of a saved state, refusing one that would change the sequence, one
+    over other data than ``dataset`` (a state without its ``"dataset"`` resumes on any), or
+    one that is not a loader's state at all."""
+    now = state(schedule, 0, 0, dataset)
     _check_form(saved, now)
     saved = {**saved, "homes": saved.get("homes")}
     with contextlib.suppress(ValueError):  # positions saved before "shard" said True/False
@@ -468,6 +475,16 @@ def check_state(schedule: Schedule, saved: dict[str, Any]) -> tuple[int, int]:
                 else f"saved {key}={saved.get(key)!r} but this loader has {key}={now[key]!r}"
             )
             raise ValueError(f"cannot resume: {what} (the sample sequence would differ)")
+    was = saved.get("dataset")
+    if dataset is not None and was is not None and was.get("identity") != dataset["identity"]:
+        raise ValueError(
+            f"cannot resume: the state_dict was saved over {was.get('location')!r} (files "
+            f"{was.get('identity')}), this loader reads {dataset['location']!r} (files "
+            f"{dataset['identity']}): other data of the same size. A copy that keeps the "
+            "file names, sizes and modification times (datastore stage, cp -a, rsync -a) "
+            "resumes; to go on over other data on purpose, set the state's "
+            '"dataset" to None'
+        )
     epoch, step = saved["epoch"], saved["step"]
     if epoch < 0:
         raise ValueError(f"cannot resume: epoch {epoch} is negative")
@@ -491,11 +508,20 @@ def _check_form(saved: Any, now: dict[str, Any]) -> None:
             f"cannot resume: a state_dict of format version {version!r}; this datastore reads "
             f"versions {', '.join(map(str, STATE_VERSIONS))} (saved by another datastore?)"
         )
+    missing = [key for key in now if key not in saved] if version >= 2 else []
+    if missing:
+        raise ValueError(f"cannot resume: the state_dict has no {', '.join(missing)}")
     for key in needed:
         if type(saved[key]) is not int:
             raise ValueError(
                 f"cannot resume: the state_dict's {key} is {saved[key]!r}, not an integer"
             )
+    was = saved.get("dataset")
+    if was is not None and not (isinstance(was, dict) and isinstance(was.get("identity"), str)):
+        raise ValueError(
+            f"cannot resume: the state_dict's dataset is {was!r}, not "
+            '{"location": ..., "identity": ...}'
+        )
 
 
 class EpochPosition:
@@ -513,6 +539,7 @@ class EpochPosition:
     schedule: Schedule
     epoch: int
     _step: int
+    dataset: dict[str, str] | None = None  # the data's location and identity, if known
     _resume: bool = False  # a loaded position that the next iter() resumes
     _pass: int = 0  # the newest pass
 
@@ -531,11 +558,11 @@ class EpochPosition:
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out; resuming from it is O(1)."""
-        return state(self.schedule, self.epoch, self._step)
+        return state(self.schedule, self.epoch, self._step, self.dataset)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Resume at ``saved``'s position at the next ``iter()`` (once)."""
-        epoch, step = check_state(self.schedule, saved)
+        epoch, step = check_state(self.schedule, saved, self.dataset)
         done = step >= self.schedule.steps_per_epoch
         self.epoch, self._step = (epoch + 1, 0) if done else (epoch, step)
         self._resume = True

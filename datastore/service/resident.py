@@ -15,6 +15,7 @@ the node-local copies they were opened from) in the background.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import json
@@ -40,6 +41,7 @@ from datastore.maths.delivery import (
 from datastore.maths.ownership import RunOwners
 from datastore.maths.partition import Grid
 from datastore.readers import open_dataset
+from datastore.readers.identity import identity
 from datastore.service.errors import ServiceError
 from datastore.service.file_state import dataset_paths, files_state
 from datastore.service.paths import checked_path, shown
@@ -148,6 +150,12 @@ class Resident:
     @property
     def num_samples(self) -> int:
         return len(self.reader)
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """Its files' ``datastore.readers.identity.identity`` (``""`` when sharded across the
+        nodes: none sees every file)."""
+        return "" if self.owner is not None else identity(self.reader.files)
 
     @property
     def nbytes(self) -> int:

@@ -202,6 +202,7 @@ class Servicer(pb_grpc.DataStoreServicer):
             steps_per_epoch=s.schedule.steps_per_epoch,
             fields=s.field_infos(),
             shuffle=s.schedule.shuffle,
+            dataset_identity=s.resident.identity,
         )
 
     def _shared_memory(self, request: Any, context: grpc.ServicerContext) -> bool:

@@ -142,6 +142,7 @@ class ServiceSource:
         view = options.view(info, int(reply.num_samples), world)
         self.grid, self.layout, self.schedule = view.grid, view.layout, view.schedule
         self.fields, self.batch_size = list(view.fields), view.local_batch
+        self.identity = reply.dataset_identity  # "": a sharded dataset, or an older service
         self._kept: collections.deque[tuple[Buffer, int]] = collections.deque()
         # regions kept (queued ahead, and the consumer's) before batches are copied instead
         self.hold = options.prefetch + 2

@@ -75,18 +75,20 @@ class FieldInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., spatial_axes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "num_samples", "steps_per_epoch", "fields", "shuffle")
+    __slots__ = ("session_id", "num_samples", "steps_per_epoch", "fields", "shuffle", "dataset_identity")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    DATASET_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_samples: int
     steps_per_epoch: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldInfo]
     shuffle: str
-    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldInfo, _Mapping]]] = ..., shuffle: _Optional[str] = ...) -> None: ...
+    dataset_identity: str
+    def __init__(self, session_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldInfo, _Mapping]]] = ..., shuffle: _Optional[str] = ..., dataset_identity: _Optional[str] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
     __slots__ = ("session_id", "rank", "epoch", "start_step", "max_batches", "transport", "prefetch", "done", "mapped", "held")
