@@ -135,6 +135,24 @@ def test_resume_refuses_other_data_of_the_same_size_and_takes_a_copy(h5, tmp_pat
     loader.load_state_dict({**saved, "dataset": None})  # on other data on purpose
 
 
+def test_a_state_loaded_while_a_pass_is_live_is_where_the_next_pass_starts(h5):
+    """The live pass goes on (as ``StatefulDataLoader``'s old iterator) but no longer moves
+    the position: its next batch overwrote the loaded one, and the next ``iter()`` went on
+    from the old pass (epoch 0 step 2 instead of the loaded epoch 3 step 2)."""
+    path = str(h5[0])
+    loader = DataStoreLoader(path, batch_size=3, seed=1)
+    saved = {**loader.state_dict(), "epoch": 3, "step": 2}
+    live = iter(loader)
+    old = [next(live)["idx"].tolist()]
+    loader.load_state_dict(saved)
+    old.append(next(live)["idx"].tolist())
+    assert (loader.state_dict()["epoch"], loader.state_dict()["step"]) == (3, 2)
+    fresh = DataStoreLoader(path, batch_size=3, seed=1)
+    fresh.load_state_dict(saved)
+    assert sequence(loader) == sequence(fresh)
+    assert old == sequence(DataStoreLoader(path, batch_size=3, seed=1))[:2]
+
+
 def test_set_epoch_and_pad_tail(h5):
     loader = DataStoreLoader(str(h5[0]), batch_size=7, drop_last=False, seed=1)
     assert len(loader) == 4

@@ -561,11 +561,13 @@ class EpochPosition:
         return state(self.schedule, self.epoch, self._step, self.dataset)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Resume at ``saved``'s position at the next ``iter()`` (once)."""
+        """Resume at ``saved``'s position at the next ``iter()`` (once); a pass still live
+        goes on without moving the position, as ``StatefulDataLoader``'s old iterator."""
         epoch, step = check_state(self.schedule, saved, self.dataset)
         done = step >= self.schedule.steps_per_epoch
         self.epoch, self._step = (epoch + 1, 0) if done else (epoch, step)
         self._resume = True
+        self._pass += 1
 
     def _new_pass(self) -> tuple[int, int, int]:
         """``(epoch, step, pass)`` where a new ``iter()`` starts; ``step`` is the epoch's
