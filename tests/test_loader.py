@@ -153,6 +153,21 @@ def test_a_state_loaded_while_a_pass_is_live_is_where_the_next_pass_starts(h5):
     assert old == sequence(DataStoreLoader(path, batch_size=3, seed=1))[:2]
 
 
+def test_set_epoch_while_a_pass_is_live_is_where_the_next_pass_starts(h5):
+    """As a ``DistributedSampler``'s ``set_epoch`` mid-pass: the live pass ends its epoch,
+    the next pass is the epoch set (it was the live pass's next: epoch 1, not 5)."""
+    path = str(h5[0])
+    loader = DataStoreLoader(path, batch_size=3, seed=1)
+    live = iter(loader)
+    old = [next(live)["idx"].tolist()]
+    loader.sampler.set_epoch(5)
+    old += [b["idx"].tolist() for b in live]
+    assert old == sequence(DataStoreLoader(path, batch_size=3, seed=1))
+    assert (loader.state_dict()["epoch"], loader.state_dict()["step"]) == (5, 0)
+    order = Schedule(N, 3, 1, "global", "drop").order(5).tolist()
+    assert [i for b in sequence(loader) for i in b] == order
+
+
 def test_set_epoch_and_pad_tail(h5):
     loader = DataStoreLoader(str(h5[0]), batch_size=7, drop_last=False, seed=1)
     assert len(loader) == 4

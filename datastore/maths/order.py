@@ -549,12 +549,14 @@ class EpochPosition:
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch at the next iteration (a loaded position in
         ``epoch`` still resumes, as a ``DistributedSampler``'s under ``StatefulDataLoader``;
-        a loaded start of the next epoch is the end of ``epoch``: its pass is empty)."""
+        a loaded start of the next epoch is the end of ``epoch``: its pass is empty). A pass
+        still live goes on without moving the position, as a sampler's old iterator."""
         epoch = int(epoch)
         if self._resume and self._step == 0 and epoch == self.epoch - 1:
             self.epoch, self._step = epoch, self.schedule.steps_per_epoch
         elif not (self._resume and epoch == self.epoch):
             self.epoch, self._step, self._resume = epoch, 0, False
+        self._pass += 1
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out; resuming from it is O(1)."""
