@@ -205,6 +205,56 @@ def test_a_rank_that_skips_a_step_gives_its_peer_an_exchange_timeout_naming_both
     )
 
 
+def forked(world: int, mode: str, args: list[str], timeout: float = 30) -> list[dict]:
+    """``mode`` of ``torch_exchange_job.py`` on ``world`` ranks forked from this process (torch
+    imported once, not per rank: each rank of ``run`` spends seconds importing it)."""
+    import importlib.util
+    import multiprocessing
+
+    spec = importlib.util.spec_from_file_location("torch_exchange_job", EXCHANGE_JOB)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.SimpleQueue()  # a put is written at once: the rank ends with os._exit
+    port = free_port()
+
+    def rank_main(rank: int) -> None:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        results.put((rank, getattr(job, mode)(*args)))
+        os._exit(0)
+
+    procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:  # a hang fails this test, not the suite
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+    got = dict(results.get() for _ in range(world) if not results.empty())
+    assert sorted(got) == list(range(world)), f"ranks that ended within {timeout} s: {got}"
+    return [got[r] for r in range(world)]
+
+
+def test_a_rank_whose_step_fails_tells_its_waiting_peer_why_at_once(h5, tmp_path):
+    """Rank 1 cannot read a sample rank 0 waits for and lives on. Rank 0 waited out the whole
+    timeout (20.3 s of 20 in a torchrun job) and got ``ExchangeTimeout``, the cause unnamed;
+    now ``PeerFailed`` with rank 1's error at once, as over MPI."""
+    path, _ = h5
+    got = forked(2, "fail", [path, str(tmp_path / "f"), "4", "10", "1"])
+    step = got[1]["step"]
+    assert got[1]["error"].startswith("OSError: sample ") and got[0]["step"] == step, got
+    why = got[1]["error"]
+    assert got[0]["error"] == (
+        f"PeerFailed: rank 1 failed ({why}) at step {step} of the torch.distributed exchange, "
+        "whose messages this rank waited for"
+    )
+    assert got[0]["waited"] < 1.0, got[0]
+
+
 def test_two_loaders_side_by_side_and_the_trainings_all_reduces_never_mix(h5, tmp_path):
     """A training and a validation loader iterated together (both prefetch threads exchange at
     once) and CPU DDP's all-reduces on the default gloo group: each loader has a gloo group of

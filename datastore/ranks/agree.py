@@ -31,7 +31,15 @@ import numpy as np
 
 from datastore.errors import ExchangeTimeout, PeerFailed, RankMismatch
 
-__all__ = ["Collective", "StepSync", "StoreCollective", "agree", "poll", "timeout_error"]
+__all__ = [
+    "Collective",
+    "StepSync",
+    "StoreCollective",
+    "agree",
+    "default_store",
+    "poll",
+    "timeout_error",
+]
 
 
 def poll(
@@ -524,7 +532,7 @@ class StepSync:
                         q.Cancel()
                         q.Wait()
             return None
-        store = _default_store()
+        store = default_store()
         if store is None:
             return None
         keys = {r: self._key(step, r) for r in stopped}
@@ -550,12 +558,12 @@ class StepSync:
             while not all(q.Test() for q in sends) and time.monotonic() < deadline:
                 time.sleep(0.005)
             return
-        store = _default_store()
+        store = default_store()
         if store is not None:
             store.set(self._key(step, self.coll.rank), raw)
 
 
-def _default_store() -> Any:
+def default_store() -> Any:
     """The store of ``torch.distributed``'s default group (``None``: none, or not reachable)."""
     import torch.distributed as dist
 

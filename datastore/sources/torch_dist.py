@@ -18,6 +18,7 @@ unusable (that step's messages may still arrive).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 from typing import Any
@@ -26,15 +27,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from datastore.errors import PeerFailed
+from datastore.errors import ExchangeTimeout, PeerFailed
 from datastore.maths.delivery import Copy, covered, pad_copies
 from datastore.maths.exchange import Message
-from datastore.ranks.agree import timeout_error
+from datastore.ranks.agree import default_store, timeout_error
 from datastore.sources.owners import ExchangeSetup, Owners
 
 __all__ = ["TorchExchange", "gloo_group", "keeps_group"]
 
 _TAGS = 1 << 15  # message tags: the step modulo this
+_CLOSE = _TAGS  # a receive nobody sends: its timed-out wait closes the group's connections
+_WHY_BYTES = 1024  # a report's most bytes
 
 
 def gloo_group(group: Any = None) -> Any:
@@ -94,7 +97,7 @@ class TorchExchange(Owners):
         and the peers if the messages do not arrive within the timeout."""
         self.usable()
         t0 = time.perf_counter()
-        me, tag = self.rank, step % _TAGS
+        me = self.rank
         self._rooms.reset()
         works: list[tuple[Any, int]] = []
         unpack: list[Copy] = []  # received into a staging array: copied after the wait
@@ -102,7 +105,7 @@ class TorchExchange(Owners):
         sent: list[np.ndarray] = []
         # whatever fails once a message is posted (a timeout, a peer gone, a read error): gloo
         # may still write into this step's buffers, so the exchange takes no step after it
-        with self.failing_at(step):
+        with self.failing_at(step, tell=lambda exc: self._tell(step, exc)):
             # receives first, in plan order (gloo matches a pair's messages in order)
             for m in msgs:
                 if m.dst == me and m.src != me:
@@ -114,7 +117,7 @@ class TorchExchange(Owners):
                         if not place.flags.c_contiguous:  # a block of a multi-axis box
                             room = self._rooms.take(place.shape, place.dtype)
                             unpack.append((place, room))
-                        work = dist.irecv(_wire(room), self._peer(m.src), group=self.group, tag=tag)
+                        work = self._post(dist.irecv, _wire(room), m.src, step)
                         works.append((work, m.src))
                         copies.extend(pad_copies(f, dst))
             for m in msgs:
@@ -129,7 +132,7 @@ class TorchExchange(Owners):
                             np.copyto(packed, part)
                             part = packed
                         sent.append(part)
-                        work = dist.isend(_wire(part), self._peer(m.dst), group=self.group, tag=tag)
+                        work = self._post(dist.isend, _wire(part), m.dst, step)
                         works.append((work, m.dst))
                         self.bytes_sent += part.nbytes
             deadline = time.monotonic() + self.setup.timeout
@@ -150,10 +153,58 @@ class TorchExchange(Owners):
                 if "Timed out" in str(exc):
                     peers = tuple(sorted({peer} | _pending(works[i + 1 :])))
                     raise timeout_error("the torch.distributed exchange", step, peers) from None
-                raise PeerFailed(
-                    f"rank {peer} is gone: the torch.distributed exchange at step {step} lost "
-                    f"its connection ({' '.join(str(exc).split())}); it exited or failed"
-                ) from None
+                raise self._lost(peer, step, exc) from None
+
+    def _post(self, op: Any, buf: torch.Tensor, peer: int, step: int) -> Any:
+        """``op`` (``dist.isend`` or ``dist.irecv``) of ``buf`` with group rank ``peer`` at
+        ``step``; a connection that closed already is :meth:`_lost`."""
+        try:
+            return op(buf, self._peer(peer), group=self.group, tag=step % _TAGS)
+        except RuntimeError as exc:
+            raise self._lost(peer, step, exc) from None
+
+    def _lost(self, peer: int, step: int, exc: RuntimeError) -> PeerFailed:
+        """The error of ``step`` when its connection to ``peer`` closed: why the peer's step
+        failed, if it said, else that it is gone."""
+        why = self._told(step, peer)
+        if why is not None:
+            return PeerFailed(
+                f"rank {peer} failed ({why}) at step {step} of the torch.distributed exchange, "
+                "whose messages this rank waited for"
+            )
+        return PeerFailed(
+            f"rank {peer} is gone: the torch.distributed exchange at step {step} lost its "
+            f"connection ({' '.join(str(exc).split())}); it exited or failed"
+        )
+
+    def _key(self, step: int, rank: int) -> str:
+        """The name of ``rank``'s report that its ``step`` failed (the group names the loader)."""
+        return f"datastore/exchange/{self.group.group_name}/{step}/{rank}"
+
+    def _tell(self, step: int, exc: BaseException) -> None:
+        """Report why ``step`` failed here (not a timeout or a peer's failure, which the peers
+        see themselves; not an interrupt), then close the group's connections, so that a peer
+        blocked in this step's ``wait`` stops now: gloo closes them all when a wait times out,
+        and has no other way to end a peer's wait."""
+        if isinstance(exc, ExchangeTimeout | PeerFailed) or not isinstance(exc, Exception):
+            return
+        store = default_store()
+        if store is not None:
+            why = f"{type(exc).__name__}: {exc}".encode()[:_WHY_BYTES]
+            with contextlib.suppress(RuntimeError):  # the store's host is gone
+                store.set(self._key(step, self.rank), why)
+        peer = self._peer((self.rank + 1) % dist.get_world_size(self.group))
+        with contextlib.suppress(RuntimeError):  # closed already
+            work = dist.irecv(torch.empty(1, dtype=torch.uint8), peer, group=self.group, tag=_CLOSE)
+            work.wait(timedelta(milliseconds=1))
+
+    def _told(self, step: int, peer: int) -> str | None:
+        """Why ``peer`` said its ``step`` failed, or ``None`` (it exited, or was killed)."""
+        store, key = default_store(), self._key(step, peer)
+        try:
+            return store.get(key).decode(errors="replace") if store and store.check([key]) else None
+        except RuntimeError:  # the store's host is gone with it
+            return None
 
     def close(self) -> None:
         """Frees the staging arrays; the group is the caller's (or shared by every loader)."""

@@ -15,6 +15,9 @@ Usage:
   torch_exchange_job.py skip DATASET OUT GLOBAL_BATCH TIMEOUT SKIP
     rank 1 never calls step SKIP (it sleeps instead); the others must raise ExchangeTimeout,
     then refuse the next step (the exchange takes no step after a failed one).
+  torch_exchange_job.py fail DATASET OUT GLOBAL_BATCH TIMEOUT AT
+    rank 1 cannot read its samples from the first step from AT on that rank 0 needs one of
+    them (an OSError), and lives on past rank 0's wait; rank 0 must hear why at once.
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ from datastore.store.store import SlotSpec, Store
 SENTINEL = 7.0
 
 
-def setup(path: str, gb: int, parts: str, halo: str, budget: int | None, timeout: float):
+def setup(
+    path: str, gb: int, parts: str, halo: str, budget: int | None, timeout: float, broken=None
+):
     """This rank's exchange, its delivered fields, the schedule and the whole dataset (the
-    reference only)."""
+    reference only); a read raises ``OSError`` while ``broken`` (a set) is not empty."""
     rank, world = dist.get_rank(), dist.get_world_size()
     with h5py.File(path, "r") as f:
         whole = {name: f[name][...] for name in ("x", "idx")}
@@ -63,6 +68,8 @@ def setup(path: str, gb: int, parts: str, halo: str, budget: int | None, timeout
     h5 = h5py.File(path, "r")
 
     def read(key: int, name: str, out: np.ndarray) -> None:
+        if broken:
+            raise OSError(f"sample {key} cannot be read")
         out[...] = h5[name][key]
 
     specs = {name: SlotSpec(fi.shape, np.dtype(fi.dtype)) for name, fi in info.items()}
@@ -146,10 +153,42 @@ def skip(path: str, out: str, gb: str, timeout: str, at: str) -> dict:
     return {"finished": True}
 
 
+def crossing(sched: Schedule, at: int, data_world: int) -> int:
+    """The first step from ``at`` on at which a rank needs a sample another rank holds."""
+    owner = RangeOwners(sched.num_samples, dist.get_world_size())
+    return next(
+        s
+        for s in range(at, sched.steps_per_epoch)
+        if any(
+            (owner[sched.rank_samples(0, s, r, data_world)] != r).any() for r in range(data_world)
+        )
+    )
+
+
+def fail(path: str, out: str, gb: str, timeout: str, at: str) -> dict:
+    broken: set[int] = set()  # rank 1 reads nothing once it holds a step
+    ex, mine, sched, _, data_world, _ = setup(path, int(gb), "-", "0", 0, float(timeout), broken)
+    rank = dist.get_rank()
+    bufs = {f.name: np.empty((sched.local_batch(data_world), *f.shape), f.dtype) for f in mine}
+    expected = crossing(sched, int(at), data_world)
+    for step in range(expected + 1):
+        if rank == 1 and step == expected:
+            broken.add(step)
+        t0 = time.monotonic()
+        try:
+            ex.step(step, ex.messages(sched.global_batch_at(0, step)), bufs)
+        except Exception as exc:
+            waited = time.monotonic() - t0
+            if rank == 1:
+                time.sleep(1.5)  # lives on: its peer must not wait for its exit
+            return {"error": f"{type(exc).__name__}: {exc}", "step": step, "waited": waited}
+    return {"finished": True}
+
+
 def main() -> None:
     mode, path, out, *args = sys.argv[1:]
     dist.init_process_group("gloo")
-    result = {"check": check, "skip": skip}[mode](path, out, *args)
+    result = {"check": check, "skip": skip, "fail": fail}[mode](path, out, *args)
     with open(f"{out}.{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
     if mode == "check":
