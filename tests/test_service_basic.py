@@ -342,6 +342,24 @@ def test_metrics_are_served_on_their_path_alone_to_get_and_head():
         server.server_close()
 
 
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+def test_metrics_listen_on_a_bracketed_ipv6_host():
+    """``--metrics [::1]:PORT``, written as ``--tcp`` takes it, listens there (it stopped the
+    service: "cannot listen: [Errno -2] Name or service not known")."""
+    from datastore.service.metrics import serve_metrics
+
+    server, port = serve_metrics("[::1]:0", lambda: pb.StatusResponse(batches_served=3))
+    try:
+        conn = http.client.HTTPConnection("::1", port, timeout=10)
+        conn.request("GET", "/metrics")
+        reply = conn.getresponse()
+        assert reply.status == 200 and b"datastore_batches_served_total 3.0" in reply.read()
+        conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_tcp_port_in_use_is_one_line_naming_it_and_why(tmp_path, env):
     """Another server holds the ``--tcp`` port: exit 1, one line (the service's own, saying
     the address and why), none of gRPC's (it printed a C-core 'E1128 ... add_port.cc' line

@@ -133,7 +133,7 @@ def serve_metrics(address: str, state: Callable[[], Any]) -> tuple[Any, int]:
 
     ``server.shutdown()`` stops it."""
     host, _, port = address.rpartition(":")
-    host = host or "127.0.0.1"
+    host = host.removeprefix("[").removesuffix("]") or "127.0.0.1"  # [::1]: as --tcp takes it
     family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
 
     class Server(ThreadingWSGIServer):
