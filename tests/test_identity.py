@@ -34,3 +34,23 @@ def test_a_copy_keeping_times_is_the_same_and_a_rewrite_of_the_same_size_is_not(
     assert identity([*files[:1], str(data / "data2.mdb")]) != named
     assert identity(files[::-1]) != identity(files)  # their samples in another order
     assert identity([]) == ""
+
+
+def test_a_large_set_costs_a_bounded_number_of_stats(tmp_path, monkeypatch):
+    import datastore.readers.identity as ident
+
+    files = []
+    for k in range(10):
+        (tmp_path / f"{k}.npy").write_bytes(b"x")
+        files.append(str(tmp_path / f"{k}.npy"))
+    first = identity(files)
+    taken: list[str] = []
+    stat = ident._stat
+    monkeypatch.setattr(ident, "_stat", lambda path: taken.append(path) or stat(path))
+    monkeypatch.setattr(ident, "STATS", 4)
+    sampled = identity(files)
+    assert taken == [files[0], files[3], files[6], files[9]]
+    assert sampled != first  # (another digest: which files it covers is part of it)
+    os.utime(files[6], ns=(0, 1))
+    assert identity(files) != sampled
+    assert identity(files[:9]) != identity(files)  # every name counts
