@@ -11,13 +11,14 @@ import threading
 import numpy as np
 import pytest
 
+from datastore.errors import DataStoreError
 from datastore.maths.delivery import delivered_fields
 from datastore.readers.base import FieldInfo
 from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.resident import Residency
 from datastore.service.session import Sessions
-from datastore.service.shm import PREFIX, Segment, remove_own, segment_dir
+from datastore.service.shm import PREFIX, ClientMaps, Segment, remove_own, segment_dir
 from datastore.service.stream import SlotRing
 from datastore.store.gather import Gather
 
@@ -159,6 +160,7 @@ def test_a_shm_dir_removed_while_serving_refuses_the_stream_by_name(tmp_path, mo
 
 FULL_TMPFS = """
 import threading, numpy as np
+from datastore.errors import DataStoreError
 from datastore.maths.delivery import delivered_fields
 from datastore.readers.base import FieldInfo
 from datastore.service.errors import ServiceError
@@ -193,3 +195,16 @@ def test_a_shm_dir_too_small_for_a_ring_refuses_the_slot_not_kills_the_service(t
         f"2 RESOURCE_EXHAUSTED no room for a shared-memory slot of 524288 bytes in {shm} "
         "(DATASTORE_SHM_DIR names a larger one)\n"
     )), r.stderr  # fmt: skip
+
+
+def test_a_segment_this_process_cannot_see_is_named_with_the_way_out(tmp_path):
+    """A client that does not see the service's segment directory (a container sharing only
+    the socket) was told a bare ``FileNotFoundError``."""
+    with pytest.raises(DataStoreError) as err:
+        ClientMaps().array(str(tmp_path / "datastore.0.1.x"), 0, np.dtype(np.float32), (2,))
+    assert str(err.value) == (
+        f"cannot map the service's shared memory {tmp_path / 'datastore.0.1.x'} (No such file "
+        "or directory): this process must see the directory the service writes its segments "
+        "to (/dev/shm, or its DATASTORE_SHM_DIR), or stream inline "
+        '(ServiceOptions(transport="inline"))'
+    )

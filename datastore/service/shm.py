@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from datastore.errors import DataStoreError
+
 __all__ = ["ClientMaps", "Segment", "reclaim_stale", "remove_own", "segment_dir"]
 
 PREFIX = "datastore"
@@ -173,7 +175,15 @@ class ClientMaps:
     def array(self, path: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         m = self._maps.get(path)
         if m is None:
-            fd = os.open(path, os.O_RDWR)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as exc:  # (another /dev/shm: a container sharing only the socket)
+                raise DataStoreError(
+                    f"cannot map the service's shared memory {path} ({exc.strerror}): this "
+                    "process must see the directory the service writes its segments to "
+                    "(/dev/shm, or its DATASTORE_SHM_DIR), or stream inline "
+                    '(ServiceOptions(transport="inline"))'
+                ) from exc
             try:
                 m = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED)
             finally:
