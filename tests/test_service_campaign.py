@@ -1191,3 +1191,28 @@ def test_ranks_given_without_a_launcher_are_warned_that_nothing_checks_them(star
             str(path), batch_size=2, rank=1, world=2, service=ServiceOptions(str(sock))
         )
     job.close()
+
+
+def test_a_ring_over_the_room_left_streams_inline_when_the_transport_is_the_services(
+    start, tmp_path
+):
+    """A job whose shared-memory ring did not fit beside a partly resident dataset was
+    refused RESOURCE_EXHAUSTED, though it had asked for no transport (the default over the
+    Unix socket); asked for, shared memory is still refused."""
+    n = 480
+    path = make_dataset(tmp_path / "a.h5", n=n)
+    sock = tmp_path / "s.sock"
+    s = start("--socket", str(sock), "--memory-budget", str(n * SAMPLE_BYTES // 2))
+    with DataStoreLoader(str(path), batch_size=4, seed=3, service=ServiceOptions(str(sock))):
+        pass  # the dataset takes 7/8 of the budget; a ring of 18 slots of 4 needs more
+    kw = {"batch_size": 4, "seed": 3, "prefetch": 8}
+    with DataStoreLoader(str(path), **kw, service=ServiceOptions(str(sock))) as job:
+        got = [(0, i, digest(x)) for i, x in enumerate(job)]
+    assert got == embedded_hashes(path)
+    told = [x for x in s.logs() if x["event"] == "streaming_inline"]
+    assert len(told) == 1 and "RESOURCE_EXHAUSTED" not in told[0]["msg"]
+    assert "does not fit under the memory budget" in told[0]["msg"]
+    shm = ServiceOptions(str(sock), transport="shm")
+    refused = pytest.raises(DataStoreError, match="does not fit under the memory budget")
+    with DataStoreLoader(str(path), **kw, service=shm) as job, refused:
+        next(iter(job))

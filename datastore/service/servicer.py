@@ -226,7 +226,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         try:
             session = self.sessions.get(request.session_id)
             shm = self._shared_memory(request, context)
-            stream = session.stream(request, shm)
+            stream, shm = self._stream(session, request, shm)
         except ServiceError as exc:
             self._refuse(context, "StreamBatches", exc)
         context.add_callback(lambda: session.release(stream))
@@ -252,6 +252,27 @@ class Servicer(pb_grpc.DataStoreServicer):
         finally:
             self._streaming.pop(stream, None)
             session.release(stream)
+
+    def _stream(self, session: Any, request: Any, shm: bool) -> tuple[Any, bool]:
+        """``session``'s stream for ``request``, and whether over shared memory: a client
+        that left the transport to the service (``TRANSPORT_UNSPECIFIED``) whose ring does not
+        fit under the memory budget is streamed inline, the service saying so once per
+        session (asked for, shared memory is refused ``RESOURCE_EXHAUSTED``)."""
+        try:
+            return session.stream(request, shm), shm
+        except ServiceError as exc:
+            auto = request.transport == pb.TRANSPORT_UNSPECIFIED
+            if not (shm and auto and exc.code == "RESOURCE_EXHAUSTED"):
+                raise
+            if not session.inline_told:
+                session.inline_told = True
+                self._log.warning(
+                    "streaming_inline",
+                    session=session.session_id,
+                    msg=f"{exc}: streaming inline instead (a larger --memory-budget keeps "
+                    "shared memory)",
+                )
+            return session.stream(request, False), False
 
     def streaming(self) -> int:
         """The ``StreamBatches`` calls in their handlers now."""

@@ -75,6 +75,7 @@ class Session:
     closed: bool = False
     gather: Gather | None = None  # the service's batch copies
     residency: Any = None  # counts the shared-memory rings in the memory budget
+    inline_told: bool = False  # the log said its ring did not fit: streamed inline
 
     @property
     def schedule(self) -> Schedule:
