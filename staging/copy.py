@@ -191,13 +191,13 @@ def copy_range(
         want = min(BUF_BYTES, length - done)
         s_off, d_off = src_off + done, dst_off + done
         if holes:
-            gap, data = _sparse_at(src.fd, s_off, length - done)
+            gap, run = _sparse_at(src.fd, s_off, length - done)
             if gap:
                 if h is not None:
                     _hash_zeros(h, gap)
                 done += gap
                 continue
-            want = min(want, data)
+            want = min(want, run)
         kernel = kernel and splice_range(src.fd, dst.fd, s_off, d_off, want, write_lock)
         if kernel:
             data = read_at(dst.fd, buf, d_off, want, False) if h is not None else b""
