@@ -30,7 +30,7 @@ from staging.progress import MIB, Progress, human_bytes
 from staging.tmpspace import Freed, clean_tmp, drop_partials
 
 __all__ = [
-    "locked_message", "stage", "summary_line", "trees_to_clean", "unwanted", "whole_archives",
+    "locked_message", "stage", "stale_files", "summary_line", "trees_to_clean", "whole_archives",
 ]  # fmt: skip
 
 
@@ -156,7 +156,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     groups = _node_groups(plan, cfg.mode, comm, lay)
     planned = comm.bcast(bool(plan.groups) if lay.rank == 0 else None, root=0)
     # the sources of this run (one per SRC), whose files outside this node's share are dropped
-    # from it once the copy is done (``_drop_others``)
+    # from it once the copy is done (``_drop``; those in the way of the new plan before it)
     trees = comm.bcast(trees_to_clean(plan, cfg.mode) if lay.rank == 0 else None)
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
@@ -182,6 +182,12 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                     f"{human_bytes(usage.free + held)} available"
                 )
             else:
+                _drop(
+                    manifest,
+                    dest,
+                    _in_the_way(stale_files(manifest, trees, groups), groups),
+                    groups,
+                )
                 for item in (i for g in groups for i in g.items if i.kind == "dir"):
                     path = os.path.join(dest, item.dest)
                     if not within(dest, path):
@@ -229,7 +235,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             for g in groups:
                 if g.ident:
                     final.archives[g.source] = archive_record(g)
-            stats.errors.extend(_drop_others(final, dest, trees, groups))
+            stats.errors.extend(_drop(final, dest, stale_files(final, trees, groups), groups))
         dir_items = [i for g in groups for i in g.items if i.kind == "dir"]  # after the drops
         stats.errors.extend(settle_dirs(dest, dir_items, cfg.preserve_special_bits))
         clean_tmp(dest)  # first: on a DEST out of inodes, the manifest needs one it frees
@@ -272,21 +278,21 @@ def whole_archives(manifest: Manifest) -> dict:
 
 
 def trees_to_clean(plan: Plan, mode: str) -> list[str]:
-    """The sources whose earlier-staged files :func:`unwanted` may name: in replicate mode none
-    when the plan met an error (a file the walk could not read is not a file gone:
+    """The sources whose earlier-staged files :func:`stale_files` may name: in replicate mode
+    none when the plan met an error (a file the walk could not read is not a file gone:
     ``rsync --delete`` deletes nothing after an I/O error either)."""
     if mode != "shard" and plan.errors:
         return []
     return [g.source for g in plan.groups]
 
 
-def unwanted(manifest: Manifest, trees: list[str], groups: list[Group]) -> list[str]:
+def stale_files(manifest: Manifest, trees: list[str], groups: list[Group]) -> list[str]:
     """The files an earlier run staged of the sources ``trees`` that are not in this node's
     share now (``groups``), by DEST name: a file gone from the source, or in shard mode one the
     new plan gives another node (the shares move when the sources change). Left in place, a
     training job would read samples the source no longer has, and two nodes of a sharded store
     would hold the same file, one copy stale. Only files the manifest records are named."""
-    mine = {i.dest for g in groups for i in g.items}
+    mine = {i.dest for g in groups for i in g.items if i.kind != "dir"}
     roots = tuple(t.rstrip(os.sep) for t in trees)
     return [
         key
@@ -304,19 +310,34 @@ def _ours(key: str, source: str, root: str) -> bool:
     return source.startswith(f"{root}::") or key == _placed(source, root)
 
 
-def _drop_others(manifest: Manifest, dest: str, trees: list[str], groups: list[Group]) -> list[str]:
-    """Remove the :func:`unwanted` files from DEST and the manifest, and their directories that
-    the new share has not once empty (one holding files of the user's stays); the errors."""
-    mine = {i.dest for g in groups for i in g.items}
+def _in_the_way(keys: list[str], groups: list[Group]) -> list[str]:
+    """Of the DEST names ``keys``, those where the new plan (``groups``) puts a directory, or
+    beneath a name it gives a file (a file of the source become a directory, or the reverse)."""
+    planned = {i.dest: i.kind == "dir" for g in groups for i in g.items}
+    return [
+        k
+        for k in keys
+        if planned.get(k) or any(planned.get(p) is False for p in _parents_outside(k, set()))
+    ]
+
+
+def _drop(manifest: Manifest, dest: str, keys: list[str], groups: list[Group]) -> list[str]:
+    """Remove the files ``keys`` (:func:`stale_files`) from DEST and the manifest, and their
+    directories that the new share does not have once empty (one holding files of the user's
+    stays); the errors."""
+    mine = {i.dest for g in groups for i in g.items if i.kind == "dir"}
     errors, dirs = [], set()
-    for key in unwanted(manifest, trees, groups):
+    for key in keys:
         path = os.path.join(dest, key)
         if not within(dest, path):  # (through a link: not ours to remove)
+            continue
+        if key in mine and os.path.isdir(path):  # a directory now: its file went before the copy
+            del manifest.entries[key]
             continue
         dirs.update(_parents_outside(key, mine))
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # gone, or a file of the source now
             pass
         except OSError as exc:
             errors.append(f"{path}: cannot remove a file no longer in this share: {exc.strerror}")

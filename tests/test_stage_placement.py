@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -181,3 +182,25 @@ def test_a_dry_run_names_what_a_rerun_would_remove(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert (doc["files"], doc["skipped"], doc["removed"]) == (0, 1, ["ds/b"])
     assert (dest / "ds" / "b").exists()  # a dry run removes nothing
+
+
+def test_a_rerun_follows_a_file_become_a_directory_and_back(tmp_path):
+    """A source file replaced by a directory of its name refused the whole re-run (exit 1,
+    ``File exists``, nothing staged); the reverse left the old directory (``cannot place at
+    ds/a: Is a directory``). The old file, or directory, is removed first now."""
+    src = tmp_path / "src" / "ds"
+    src.mkdir(parents=True)
+    (src / "a").write_bytes(b"file")
+    dest = tmp_path / "dest"
+    assert _stage_here(dest, src) == Exit.OK
+    os.remove(src / "a")
+    (src / "a").mkdir()
+    (src / "a" / "x").write_bytes(b"x")
+    assert _stage_here(dest, src) == Exit.OK
+    assert (dest / "ds" / "a" / "x").read_bytes() == b"x"
+    shutil.rmtree(src / "a")
+    (src / "a").write_bytes(b"file again")
+    assert _stage_here(dest, src) == Exit.OK
+    assert (dest / "ds" / "a").read_bytes() == b"file again"
+    entries = json.loads((dest / ".datastore" / "manifest.json").read_text())["entries"]
+    assert sorted(entries) == ["ds/a"]
