@@ -277,37 +277,41 @@ def whole_archives(manifest: Manifest) -> dict:
     return {} if shard.get("mode") == "shard" and shard.get("nodes", 1) > 1 else manifest.archives
 
 
-def trees_to_clean(plan: Plan, mode: str) -> list[str]:
-    """The sources whose earlier-staged files :func:`stale_files` may name: in replicate mode
+def trees_to_clean(plan: Plan, mode: str) -> list[tuple[str, str]]:
+    """The sources whose earlier-staged files :func:`stale_files` may name, each with where it
+    lands in DEST (its base name; ``""`` for an archive, unpacked into DEST): in replicate mode
     none when the plan met an error (a file the walk could not read is not a file gone:
     ``rsync --delete`` deletes nothing after an I/O error either)."""
     if mode != "shard" and plan.errors:
         return []
-    return [g.source for g in plan.groups]
+    return [(g.source, "" if g.ident else os.path.basename(g.source)) for g in plan.groups]
 
 
-def stale_files(manifest: Manifest, trees: list[str], groups: list[Group]) -> list[str]:
-    """The files an earlier run staged of the sources ``trees`` that are not in this node's
-    share now (``groups``), by DEST name: a file gone from the source, or in shard mode one the
-    new plan gives another node (the shares move when the sources change). Left in place, a
-    training job would read samples the source no longer has, and two nodes of a sharded store
-    would hold the same file, one copy stale. Only files the manifest records are named."""
+def stale_files(manifest: Manifest, trees: list[tuple[str, str]], groups: list[Group]) -> list[str]:
+    """The files an earlier run staged where the sources ``trees`` land that are not in this
+    node's share now (``groups``), by DEST name: a file gone from the source (or staged there
+    from another source: an earlier version of the dataset, staged from another path), or in
+    shard mode one the new plan gives another node (the shares move when the sources change).
+    Left in place, a training job would read samples the source does not have, and two nodes
+    of a sharded store would hold the same file, one copy stale. Only files the manifest
+    records are named."""
     mine = {i.dest for g in groups for i in g.items if i.kind != "dir"}
-    roots = tuple(t.rstrip(os.sep) for t in trees)
     return [
         key
         for key, entry in manifest.entries.items()
         if entry.get("kind") != "dir"
         and key not in mine
-        and any(_ours(key, entry.get("source") or "", r) for r in roots)
+        and any(_lands(key, entry.get("source") or "", *tree) for tree in trees)
     ]
 
 
-def _ours(key: str, source: str, root: str) -> bool:
-    """Whether the DEST name ``key``, staged from ``source``, is the archive ``root``'s member
-    or where a run staging the tree ``root`` places it (a file staged from inside it by another
-    SRC, ``stage SRC/sub``, is not)."""
-    return source.startswith(f"{root}::") or key == _placed(source, root)
+def _lands(key: str, source: str, root: str, name: str) -> bool:
+    """Whether the DEST name ``key``, staged from ``source``, is where the source ``root``
+    lands: under ``name`` (a file or tree; a file staged from inside it by another SRC, ``stage
+    SRC/sub``, lands elsewhere), or a member of the archive ``root`` (``name`` empty)."""
+    if not name:
+        return source.startswith(f"{root}::")
+    return key == name or key.startswith(f"{name}/")
 
 
 def _in_the_way(keys: list[str], groups: list[Group]) -> list[str]:
@@ -358,16 +362,6 @@ def _parents_outside(key: str, mine: set[str]) -> list[str]:
             break
         parents.append(key)
     return parents
-
-
-def _placed(source: str, root: str) -> str | None:
-    """Where a run staging the tree or file ``root`` places ``source`` in DEST (``cp -r``:
-    under the root's base name), or ``None`` when ``source`` is not in it."""
-    if source != root and not source.startswith(root + os.sep):
-        return None
-    rel = os.path.relpath(source, root)
-    name = os.path.basename(root)
-    return name if rel == "." else f"{name}/{rel.replace(os.sep, '/')}"
 
 
 def _resumable(work: NodeWork, algo: str) -> set[str]:

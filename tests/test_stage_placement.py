@@ -204,3 +204,17 @@ def test_a_rerun_follows_a_file_become_a_directory_and_back(tmp_path):
     assert (dest / "ds" / "a").read_bytes() == b"file again"
     entries = json.loads((dest / ".datastore" / "manifest.json").read_text())["entries"]
     assert sorted(entries) == ["ds/a"]
+
+
+def test_a_new_version_staged_from_another_path_replaces_the_old_one(tmp_path):
+    """``stage /v1/ds`` then ``stage /v2/ds`` into one DEST: DEST/ds kept v1's files that v2
+    has not (a 3-sample dataset where v2 has 2, one sample from v1; ``--verify``: 0 problems)."""
+    for version, names in (("v1", ("f1", "f2", "f3")), ("v2", ("f1", "f2"))):
+        (tmp_path / version / "ds").mkdir(parents=True)
+        for name in names:
+            (tmp_path / version / "ds" / name).write_bytes(f"{version}-{name}".encode())
+    dest = tmp_path / "dest"
+    assert _stage_here(dest, tmp_path / "v1" / "ds") == Exit.OK
+    assert _stage_here(dest, tmp_path / "v2" / "ds") == Exit.OK
+    staged = {p.name: p.read_bytes() for p in (dest / "ds").iterdir()}
+    assert staged == {"f1": b"v2-f1", "f2": b"v2-f2"}
