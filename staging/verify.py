@@ -21,7 +21,7 @@ def _check(dest: str, rel: str, entry: dict[str, Any], leaf: int) -> str | None:
     path = os.path.join(dest, rel)
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (or a file where a directory of it was)
         return f"missing: {rel}"
     if entry["kind"] == "symlink":
         if not stat.S_ISLNK(st.st_mode) or os.readlink(path) != entry["link"]:
@@ -34,11 +34,14 @@ def _check(dest: str, rel: str, entry: dict[str, Any], leaf: int) -> str | None:
     if entry["hash"] is None:
         return None  # staged with --checksum none: size is all there is to check
     algo = entry["hash"].split(":", 1)[0]
-    fd = os.open(path, os.O_RDONLY)
     try:
-        digests = [hash_range(fd, off, n, algo) for off, n in leaf_ranges(st.st_size, leaf)]
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            digests = [hash_range(fd, off, n, algo) for off, n in leaf_ranges(st.st_size, leaf)]
+        finally:
+            os.close(fd)
+    except OSError as exc:  # one file's (an I/O error): the others are still checked
+        return f"unreadable: {rel} ({exc.strerror})"
     if combine(algo, digests) != entry["hash"]:
         return f"checksum mismatch: {rel}"
     return None

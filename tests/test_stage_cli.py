@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -38,6 +40,7 @@ from helpers import (
     write_archive,
 )
 
+import staging.verify
 from staging.cluster import LAUNCH_ENV
 from staging.progress import MIB, bar_columns
 from staging.stage import summary_line
@@ -570,6 +573,33 @@ def test_verify_clean_flipped_and_missing(tmp_path, run_stage, make_tree):
         f"{dest}: checksum mismatch: src/a/b/odd.bin",
         f"{dest}: missing: src/a/small.txt",
     ]
+
+
+def test_verify_names_a_file_it_cannot_reach_or_read_and_checks_the_rest(
+    tmp_path, run_stage, monkeypatch
+):
+    """One entry's ``OSError`` ended the whole verify (``verified 0 entries: 0 problem(s)``,
+    exit 1, ``[Errno 20] Not a directory``): a file whose directory in DEST became a file is
+    missing, one that fails to read (an I/O error) is unreadable, and every other is checked."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    for name in ("a/x", "b", "c"):
+        (src / name).write_bytes(name.encode())
+    dest = tmp_path / "dest"
+    run_stage(src, "--to", dest, "-q", check=0)
+    shutil.rmtree(dest / "src" / "a")
+    (dest / "src" / "a").write_bytes(b"a file now")
+    real = staging.verify.hash_range
+
+    def failing(fd, off, n, algo, *rest):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/b"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, off, n, algo, *rest)
+
+    monkeypatch.setattr(staging.verify, "hash_range", failing)
+    assert staging.verify.verify_dest(str(dest), 2) == (
+        3, ["missing: src/a/x", "unreadable: src/b (Input/output error)"]
+    )  # fmt: skip
 
 
 def test_verify_without_manifest(tmp_path, run_stage):
