@@ -165,11 +165,13 @@ class TorchExchange(Owners):
 
     def _lost(self, peer: int, step: int, exc: RuntimeError) -> PeerFailed:
         """The error of ``step`` when its connection to ``peer`` closed: why the peer's step
-        failed, if it said, else that it is gone."""
-        why = self._told(step, peer)
-        if why is not None:
+        failed, if it said (at this step or an earlier one this rank had done with), else that
+        it is gone."""
+        told = self._told(peer)
+        if told is not None:
+            at, why = told.split(" ", 1)
             return PeerFailed(
-                f"rank {peer} failed ({why}) at step {step} of the torch.distributed exchange, "
+                f"rank {peer} failed ({why}) at step {at} of the torch.distributed exchange, "
                 "whose messages this rank waited for"
             )
         return PeerFailed(
@@ -177,9 +179,10 @@ class TorchExchange(Owners):
             f"connection ({' '.join(str(exc).split())}); it exited or failed"
         )
 
-    def _key(self, step: int, rank: int) -> str:
-        """The name of ``rank``'s report that its ``step`` failed (the group names the loader)."""
-        return f"datastore/exchange/{self.group.group_name}/{step}/{rank}"
+    def _key(self, rank: int) -> str:
+        """The name of ``rank``'s report that a step failed: one at most, as the exchange takes
+        no step after it (the group names the loader)."""
+        return f"datastore/exchange/{self.group.group_name}/{rank}"
 
     def _tell(self, step: int, exc: BaseException) -> None:
         """Report why ``step`` failed here (not a timeout or a peer's failure, which the peers
@@ -190,17 +193,17 @@ class TorchExchange(Owners):
             return
         store = default_store()
         if store is not None:
-            why = f"{type(exc).__name__}: {exc}".encode()[:_WHY_BYTES]
+            why = f"{step} {type(exc).__name__}: {exc}".encode()[:_WHY_BYTES]
             with contextlib.suppress(RuntimeError):  # the store's host is gone
-                store.set(self._key(step, self.rank), why)
+                store.set(self._key(self.rank), why)
         peer = self._peer((self.rank + 1) % dist.get_world_size(self.group))
         with contextlib.suppress(RuntimeError):  # closed already
             work = dist.irecv(torch.empty(1, dtype=torch.uint8), peer, group=self.group, tag=_CLOSE)
             work.wait(timedelta(milliseconds=1))
 
-    def _told(self, step: int, peer: int) -> str | None:
-        """Why ``peer`` said its ``step`` failed, or ``None`` (it exited, or was killed)."""
-        store, key = default_store(), self._key(step, peer)
+    def _told(self, peer: int) -> str | None:
+        """``"STEP why"`` of ``peer``'s failed step, or ``None`` (it exited, or was killed)."""
+        store, key = default_store(), self._key(peer)
         try:
             return store.get(key).decode(errors="replace") if store and store.check([key]) else None
         except RuntimeError:  # the store's host is gone with it
