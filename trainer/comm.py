@@ -9,7 +9,9 @@ One place decides how a tensor travels:
   tensor fails in ``writev``), so the tensor is copied into page-locked host memory, travels
   there, and the result is copied back to the device without blocking the host.
 
-Waits: gloo applies no timeout to point-to-point waits, so every gloo wait passes ``timeout``;
+Waits: gloo applies no timeout to point-to-point waits, so every gloo wait passes ``timeout``
+(past it, :class:`~datastore.errors.ExchangeTimeout`; a connection a peer closed by exiting or
+dying, :class:`~datastore.errors.PeerFailed`: one line each, not gloo's traceback);
 an NCCL ``wait()`` only makes the current CUDA stream wait (the host runs on, which is what
 lets communication overlap compute), and NCCL's own watchdog ends a collective after the
 process group's timeout (``init_distributed(timeout=...)``).
@@ -40,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from datastore.errors import ExchangeTimeout, PeerFailed
+
 __all__ = [
     "CommClock",
     "CommTimes",
@@ -50,6 +54,7 @@ __all__ = [
     "broadcast",
     "comm_clock",
     "exchange",
+    "gloo_failures",
     "is_staged",
     "start_all_reduce",
     "start_exchange",
@@ -226,7 +231,7 @@ class Pending:
                     w.wait()
             comm_clock.nccl_works(self.kind, self.works)
         else:
-            with comm_clock.host(self.kind, "host_wait_s"):
+            with comm_clock.host(self.kind, "host_wait_s"), gloo_failures(self.kind, self.timeout):
                 for w in self.works:
                     w.wait(self.timeout)
         with comm_clock.device(self.kind, "to_device_s", self.device if self.back else None):
@@ -234,6 +239,34 @@ class Pending:
                 device.copy_(host, non_blocking=True)  # pinned: the allocator keeps it alive
         self.done = True
         self.works, self.back, self.keep = [], [], []
+
+
+_CLOSED = ("Connection closed", "Connection reset")  # gloo: the peer exited or was killed
+
+
+@contextmanager
+def gloo_failures(kind: str, timeout: datetime.timedelta) -> Iterator[None]:
+    """A gloo transfer of operation ``kind`` that failed as one line: past ``timeout``
+    :class:`~datastore.errors.ExchangeTimeout` (a peer stalled or failed), a connection closed
+    :class:`~datastore.errors.PeerFailed` (a peer exited or was killed); other errors as
+    they are."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = " ".join(str(exc).split())
+        what = f"the trainer's {kind} over gloo"
+        if "Timed out" in text:
+            raise ExchangeTimeout(
+                f"{what} did not complete within comm_timeout ({timeout.total_seconds():g} s): "
+                f"a peer rank stalled or failed ({text})",
+                -1,
+                (),
+            ) from None
+        if any(c in text for c in _CLOSED):
+            raise PeerFailed(
+                f"{what} lost its connection to a peer rank: it exited or failed ({text})"
+            ) from None
+        raise
 
 
 def start_all_reduce(
@@ -314,15 +347,16 @@ def start_exchange(
         return Pending(works, True, timeout, keep=[t for _, t, _ in sends], device=sample.device)
     staged = is_staged(sample, group)
     works, back, keep = [], [], []
-    for peer, t, tag in recvs:
-        buf = _host_like(t) if staged else t
-        if staged:
-            back.append((buf, t))
-        works.append(dist.irecv(buf, group=group, group_src=peer, tag=tag))
-    for peer, t, tag in sends:
-        buf = _host_copy(t, "exchange") if staged else t
-        keep.append(buf)
-        works.append(dist.isend(buf, group=group, group_dst=peer, tag=tag))
+    with gloo_failures("exchange", timeout):  # a connection closed already fails the posting
+        for peer, t, tag in recvs:
+            buf = _host_like(t) if staged else t
+            if staged:
+                back.append((buf, t))
+            works.append(dist.irecv(buf, group=group, group_src=peer, tag=tag))
+        for peer, t, tag in sends:
+            buf = _host_copy(t, "exchange") if staged else t
+            keep.append(buf)
+            works.append(dist.isend(buf, group=group, group_dst=peer, tag=tag))
     return Pending(works, False, timeout, back, keep, device=_cuda(sample))
 
 
