@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from datastore.errors import ExchangeTimeout, PeerFailed
 from trainer import comm
+from trainer.grid import init_distributed
 
 TIMEOUT = datetime.timedelta(seconds=30)
 RESET = (
@@ -94,3 +95,21 @@ def test_a_peer_that_exited_fails_an_exchange_with_one_line():
         "PeerFailed: the trainer's exchange over gloo lost its connection to a peer rank: it "
         "exited or failed ("
     ), got
+
+
+def test_a_rank_that_never_joins_the_group_is_a_timeout_naming_comm_timeout(monkeypatch):
+    """Rank 1 killed while the ranks started: rank 0 raised ``DistStoreError`` with a
+    traceback from ``init_process_group`` after comm_timeout (30 s under torchrun)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for k, v in {**env, "GLOO_SOCKET_IFNAME": "lo"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ExchangeTimeout) as got:
+        init_distributed("gloo", timeout=datetime.timedelta(seconds=1), env=env)
+    assert str(got.value).startswith(
+        "the process group of 2 ranks did not form within comm_timeout (1 s) at env://: a rank "
+        "did not start, or died (Timed out after "
+    ), str(got.value)
+    assert not dist.is_initialized()

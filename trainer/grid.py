@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from datastore.errors import ExchangeTimeout
 from datastore.maths.order import rank_layout
 from datastore.maths.partition import Grid, block_coords, block_index
 from staging.cluster import launched_by_mpi, torchrun_world
@@ -231,8 +232,9 @@ def init_distributed(
     Args:
         backend: ``"gloo"`` (CPU, or GPUs shared through host memory) or ``"nccl"``.
             Default: ``"gloo"``.
-        timeout: for every collective and receive of the group (NCCL's watchdog ends a
-            collective after it). Default: 120 s.
+        timeout: for the rendezvous (past it, :class:`~datastore.errors.ExchangeTimeout`: a
+            rank did not join) and every collective and receive of the group (NCCL's watchdog
+            ends a collective after it). Default: 120 s.
         env: environment to read. Default: ``os.environ``.
         device: this rank's GPU, for NCCL: made the current device and bound to the group.
             Default: ``None``.
@@ -272,8 +274,17 @@ def init_distributed(
     if backend == "nccl" and device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
         bound["device_id"] = device
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout, **bound
-    )
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout, **bound
+        )
+    except dist.DistStoreError as exc:  # a rank never joined: it did not start, or died
+        raise ExchangeTimeout(
+            f"the process group of {world} ranks did not form within comm_timeout "
+            f"({timeout.total_seconds():g} s) at {init_method}: a rank did not start, or died "
+            f"({' '.join(str(exc).split())})",
+            -1,
+            (),
+        ) from None
     _started_with["timeout"] = timeout
     return rank, world
