@@ -219,7 +219,7 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
         schedule_of(cfg, total)
     except ValueError as exc:  # a decay needs more steps than the warm-up
         raise ValueError(f"config keys 'lr_schedule', 'warmup', 'steps': {exc}") from None
-    check_resume(cfg, world, samples)
+    check_resume(cfg, world, samples, inputs, targets)
     return depth, inputs, targets, samples, total
 
 
@@ -249,11 +249,12 @@ the model's and the optimizer's state, the sample sequence, or the steps' update
 length, ``steps`` or ``epochs``, may change where the learning rate does not depend on it.)"""
 
 
-def check_resume(cfg: TrainConfig, world: int, samples: int) -> None:
+def check_resume(cfg: TrainConfig, world: int, samples: int, inputs: Field, targets: Field) -> None:
     """Refuse a checkpoint in ``checkpoint_dir`` that this run cannot resume: unreadable,
-    written with other :data:`RESUME_KEYS`, by another number of ranks, or over another
-    number of steps where the learning-rate schedule spans the run (a decay, not
-    ``constant``: its rate at every step left would change). ``samples``: the training set's.
+    written with other :data:`RESUME_KEYS`, by another number of ranks, for samples of other
+    shapes, or over another number of steps where the learning-rate schedule spans the run (a
+    decay, not ``constant``: its rate at every step left would change). ``samples``,
+    ``inputs``, ``targets``: the training set's sample count and fields.
 
     Raises:
         ValueError: naming the checkpoint and what differs.
@@ -281,6 +282,10 @@ def check_resume(cfg: TrainConfig, world: int, samples: int) -> None:
     position = saved.get("loader")  # (the loader refuses it too, but on each rank, mid-start)
     if isinstance(position, dict) and position.get("num_samples") not in (None, samples):
         differ.append(f"{position['num_samples']} training samples (now {samples})")
+    shapes = saved.get("shapes")  # (an older checkpoint has none: loading its model refuses)
+    for what, (name, shape, _) in (("input", inputs), ("target", targets)):
+        if shapes is not None and tuple(shapes[what]) != tuple(shape):
+            differ.append(f"{what} {name!r} of shape {tuple(shapes[what])} (now {tuple(shape)})")
     if cfg.lr_schedule != "constant" and not differ:
         was = run_steps(config.get("steps", 0), config.get("epochs", 1), samples, cfg.global_batch)
         total = run_steps(cfg.steps, cfg.epochs, samples, cfg.global_batch)

@@ -345,6 +345,7 @@ class Trainer:
             "loader": self.loader.state_dict(), "rng": rngs, "step": self.step,
             "targets": targets, "buffers": buffers, "config": cfg.to_dict(),
             "world": 1 if grid is None else grid.world,
+            "shapes": {"input": list(self.run.inputs[1]), "target": list(self.run.targets[1])},
         }  # fmt: skip
         return save_checkpoint(cfg.checkpoint_dir, state)
 
