@@ -189,6 +189,13 @@ def test_a_checkpoint_of_another_run_is_refused(tiny, small, tmp_path, capsys):
         "written with input 'x' of shape (4, 8, 8, 8) (now (4, 16, 16, 16)); resume with the "
         "same settings or choose another checkpoint_dir\n"
     )
+    # ... or other data of the same size and shapes (the loader's state names its files)
+    write_split(tmp_path / "other8", 40, 8, 8, seed=1)
+    data = [*sets, f"data={tmp_path / 'other8'}", "steps=4"]
+    assert main(["train", *set_args(data)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume: the state_dict was saved over" in err and "other8" in err
+    assert len(err.splitlines()) == 1, err
     (tmp_path / "checkpoint.pt").write_text("not a checkpoint")
     assert main(["train", *set_args([*sets, "steps=4"])]) == 2
     assert "is not a checkpoint of this trainer" in capsys.readouterr().err
