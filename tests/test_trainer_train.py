@@ -193,7 +193,7 @@ def test_a_checkpoint_of_another_run_is_refused(tiny, small, tmp_path, capsys):
     data = [*sets, f"data={tmp_path / 'other8'}", "steps=4"]
     assert main(["train", *set_args(data)]) == 2
     err = capsys.readouterr().err
-    assert "cannot resume: the state_dict was saved over" in err and "other8" in err
+    assert "checkpoint.pt: the state_dict was saved over" in err and "other8" in err
     assert len(err.splitlines()) == 1, err
     (tmp_path / "checkpoint.pt").write_text("not a checkpoint")
     assert main(["train", *set_args([*sets, "steps=4"])]) == 2

@@ -393,9 +393,10 @@ class Trainer:
         except ConfigError:
             raise
         except (RuntimeError, ValueError, KeyError) as exc:  # trainer.start.check_resume missed it
+            why = str(exc).removeprefix("cannot resume: ")  # (the loader's own words)
             raise ConfigError(
                 f"config key 'checkpoint_dir': cannot resume {self.cfg.checkpoint_dir}/"
-                f"checkpoint.pt: {exc}"
+                f"checkpoint.pt: {why}"
             ) from None
         return True
 
