@@ -253,3 +253,24 @@ def test_a_restart_reloads_no_dataset_outside_its_allowed_roots(tmp_path):
         assert [k["dataset"] for e, k in events if e == "reload_failed"] == [str(spec)]
     finally:
         residency.close()
+
+
+def test_the_residencys_failures_are_logged_as_warnings():
+    """A dataset that could not be reloaded was logged at information level, beside evictions."""
+    import io
+    import json
+
+    from datastore.service.logs import JsonLog
+    from datastore.service.servicer import residency_events
+
+    out = io.StringIO()
+    event = residency_events(JsonLog(out))
+    event("reload_failed", dataset="/d", msg="gone")
+    event("dataset_evicted", dataset="/e", bytes_freed=1)
+    event("load_failed", dataset="/f", msg="bad sample")
+    levels = [(r["event"], r["level"]) for r in map(json.loads, out.getvalue().splitlines())]
+    assert levels == [
+        ("reload_failed", "warning"),
+        ("dataset_evicted", "info"),
+        ("load_failed", "warning"),
+    ]

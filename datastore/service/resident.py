@@ -55,6 +55,8 @@ __all__ = ["Fetching", "Residency", "Resident", "resolve_dataset"]
 DESCRIBE_THREADS = 16  # peers asked at once for their files of a dataset
 RECHECK_S = 1.0  # a resident dataset's files are compared with the disk at most this often
 RING_SHARE = 8  # datasets leave 1/RING_SHARE of the budget to the jobs' shared-memory rings
+FAILURES = frozenset({"load_failed", "reload_failed", "state_unreadable", "state_unwritable"})
+"""The residency's events that are failures (logged as warnings; the others as information)."""
 
 
 def resolve_dataset(path: str, roots: tuple[Path, ...]) -> str:

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -29,7 +30,13 @@ from datastore.service.grpc_peers import GrpcPeers
 from datastore.service.logs import JsonLog
 from datastore.service.mpi_peers import MpiPeers
 from datastore.service.peer_link import Peers, node_path
-from datastore.service.resident import Residency, Resident, listing, resolve_dataset
+from datastore.service.resident import (
+    FAILURES,
+    Residency,
+    Resident,
+    listing,
+    resolve_dataset,
+)
 from datastore.service.session import Sessions
 from datastore.service.shm import remove_own
 from datastore.service.stage_job import landed, stream_stage
@@ -62,6 +69,16 @@ class Counters:
         self.lock = threading.Lock()
         self.batches = 0
         self.bytes = 0
+
+
+def residency_events(log: JsonLog) -> Callable[..., None]:
+    """``on_event`` for the residency: its :data:`FAILURES` (a dataset that could not be
+    loaded or reloaded, a state file unusable) as warnings, the rest as information."""
+
+    def event(name: str, **fields: Any) -> None:
+        (log.warning if name in FAILURES else log.info)(name, **fields)
+
+    return event
 
 
 def _abort_call(context: grpc.ServicerContext, exc: ServiceError) -> None:
@@ -115,7 +132,7 @@ class Servicer(pb_grpc.DataStoreServicer):
         self.residency = Residency(
             config.memory_budget,
             config.state_file,
-            on_event=log.info,
+            on_event=residency_events(log),
             link=self.link,
             roots=config.allowed_roots,
         )
