@@ -41,6 +41,7 @@ from datastore.service.client import (
     target_of,
 )
 from datastore.service.session import MAX_GLOBAL_BATCH
+from datastore.service.shm import MEMORY_FS, filesystem_of
 from datastore.service.status_table import format_status, status_dict
 from datastore.sources.options import ExchangeOptions, ServiceOptions
 from tests.test_service_basic import REPO, Server, cli, wait_serving
@@ -533,6 +534,8 @@ def test_next_start_removes_segments_of_a_killed_service(start, tmp_path, env):
     assert not shm.exists()
     removed = [x for x in s2.logs() if x["event"] == "removed_stale_segments"]
     assert [x["count"] for x in removed] == [1]
+    on_disk = [x["level"] for x in s2.logs() if x["event"] == "segments_on_disk"]
+    assert on_disk == ([] if filesystem_of(where) in MEMORY_FS else ["warning"])
     assert any(x["event"] == "removed_stale_socket" for x in s2.logs())
 
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +19,15 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.errors import ServiceError
 from datastore.service.resident import Residency
 from datastore.service.session import Sessions
-from datastore.service.shm import PREFIX, ClientMaps, Segment, remove_own, segment_dir
+from datastore.service.shm import (
+    PREFIX,
+    ClientMaps,
+    Segment,
+    disk_backed,
+    filesystem_of,
+    remove_own,
+    segment_dir,
+)
 from datastore.service.stream import SlotRing
 from datastore.store.gather import Gather
 
@@ -208,3 +217,16 @@ def test_a_segment_this_process_cannot_see_is_named_with_the_way_out(tmp_path):
         "to (/dev/shm, or its DATASTORE_SHM_DIR), or stream inline "
         '(ServiceOptions(transport="inline"))'
     )
+
+
+def test_segments_on_a_disk_are_told_apart_from_memory():
+    """``DATASTORE_SHM_DIR`` on a disk's file system was taken without a word: every batch
+    written went to the disk too."""
+    assert filesystem_of(Path("/proc/self")) == "proc"
+    assert disk_backed(Path("/proc")) == (
+        "shared-memory segments in /proc lie on proc, not in memory (tmpfs): batches are "
+        "written back to its disk; point DATASTORE_SHM_DIR at a tmpfs"
+    )
+    if filesystem_of(Path("/dev/shm")) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm here")
+    assert disk_backed(Path("/dev/shm")) is None

@@ -36,7 +36,7 @@ from datastore.service.logs import JsonLog
 from datastore.service.metrics import serve_metrics
 from datastore.service.paths import AddressInUse, UnsafeDirectory, claim_socket, unix_target
 from datastore.service.servicer import Counters, Servicer, Stop
-from datastore.service.shm import reclaim_stale, segment_dir
+from datastore.service.shm import disk_backed, reclaim_stale, segment_dir
 from datastore.service.stream import chunk_bytes
 from datastore.service.wire import keep_large_blocks
 from staging.exitcodes import Agreed, Exit
@@ -156,6 +156,9 @@ def _run(
     counters = Counters()
     listen = [unix_target(claim.socket)]
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    slow = disk_backed(segment_dir())
+    if slow is not None:
+        log.warning("segments_on_disk", msg=slow)
     removed = reclaim_stale()
     if removed:
         log.warning(

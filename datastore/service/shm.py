@@ -23,7 +23,10 @@ import numpy as np
 
 from datastore.errors import DataStoreError
 
-__all__ = ["ClientMaps", "Segment", "reclaim_stale", "remove_own", "segment_dir"]
+__all__ = [
+    "ClientMaps", "Segment", "disk_backed", "filesystem_of", "reclaim_stale", "remove_own",
+    "segment_dir",
+]  # fmt: skip
 
 PREFIX = "datastore"
 # madvise(2) advice: map a range's pages in one call, keeping their contents (Linux 5.14)
@@ -47,6 +50,40 @@ def segment_dir() -> Path:
     shm = Path("/dev/shm")
     return (
         shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
+    )
+
+
+MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})  # file systems held in memory
+
+
+def filesystem_of(directory: Path) -> str | None:
+    """The type of the file system ``directory`` lies on (``/proc/self/mountinfo``'s longest
+    mount point above it), or ``None`` where that cannot be read."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    real, best, kind = os.path.realpath(directory), "", None
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        point = fields[4].encode().decode("unicode_escape")  # (spaces come as \040)
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[fields.index("-", 6) + 1]
+    return kind
+
+
+def disk_backed(directory: Path) -> str | None:
+    """Why segments in ``directory`` would be slow (its file system is not held in memory:
+    every batch written would also go to a disk), or ``None``."""
+    kind = filesystem_of(directory)
+    if kind is None or kind in MEMORY_FS:
+        return None
+    return (
+        f"shared-memory segments in {directory} lie on {kind}, not in memory (tmpfs): batches "
+        "are written back to its disk; point DATASTORE_SHM_DIR at a tmpfs"
     )
 
 
