@@ -30,7 +30,8 @@ from staging.progress import MIB, Progress, human_bytes
 from staging.tmpspace import Freed, clean_tmp, drop_partials
 
 __all__ = [
-    "locked_message", "stage", "stale_files", "summary_line", "trees_to_clean", "whole_archives",
+    "locked_message", "seen", "stage", "stale_files", "summary_line", "trees_to_clean",
+    "whole_archives",
 ]  # fmt: skip
 
 
@@ -157,7 +158,9 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     planned = comm.bcast(bool(plan.groups) if lay.rank == 0 else None, root=0)
     # the sources of this run (one per SRC), whose files outside this node's share are dropped
     # from it once the copy is done (``_drop``; those in the way of the new plan before it)
-    trees = comm.bcast(trees_to_clean(plan, cfg.mode) if lay.rank == 0 else None)
+    trees, limit = comm.bcast(
+        (trees_to_clean(plan, cfg.mode), seen(plan, cfg.mode)) if lay.rank == 0 else None
+    )
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
     work = NodeWork()
@@ -185,7 +188,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                 _drop(
                     manifest,
                     dest,
-                    _in_the_way(stale_files(manifest, trees, groups), groups),
+                    _in_the_way(stale_files(manifest, trees, groups, limit), groups),
                     groups,
                 )
                 for item in (i for g in groups for i in g.items if i.kind == "dir"):
@@ -235,7 +238,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             for g in groups:
                 if g.ident:
                     final.archives[g.source] = archive_record(g)
-            stats.errors.extend(_drop(final, dest, stale_files(final, trees, groups), groups))
+            stale = stale_files(final, trees, groups, limit)
+            stats.errors.extend(_drop(final, dest, stale, groups))
         dir_items = [i for g in groups for i in g.items if i.kind == "dir"]  # after the drops
         stats.errors.extend(settle_dirs(dest, dir_items, cfg.preserve_special_bits))
         clean_tmp(dest)  # first: on a DEST out of inodes, the manifest needs one it frees
@@ -281,26 +285,41 @@ def trees_to_clean(plan: Plan, mode: str) -> list[tuple[str, str]]:
     """The sources whose earlier-staged files :func:`stale_files` may name, each with where it
     lands in DEST (its base name; ``""`` for an archive, unpacked into DEST): in replicate mode
     none when the plan met an error (a file the walk could not read is not a file gone:
-    ``rsync --delete`` deletes nothing after an I/O error either)."""
+    ``rsync --delete`` deletes nothing after an I/O error either; shard mode: :func:`seen`)."""
     if mode != "shard" and plan.errors:
         return []
     return [(g.source, "" if g.ident else os.path.basename(g.source)) for g in plan.groups]
 
 
-def stale_files(manifest: Manifest, trees: list[tuple[str, str]], groups: list[Group]) -> list[str]:
+def seen(plan: Plan, mode: str) -> set[str] | None:
+    """Shard mode, a plan that met an error: the DEST names the plan has (on any node), the
+    only ones :func:`stale_files` may name then (a file given to another node goes, a file the
+    walk may have missed stays); ``None``: no such limit."""
+    if mode != "shard" or not plan.errors:
+        return None
+    return {i.dest for g in plan.groups for i in g.items}
+
+
+def stale_files(
+    manifest: Manifest,
+    trees: list[tuple[str, str]],
+    groups: list[Group],
+    limit: set[str] | None = None,
+) -> list[str]:
     """The files an earlier run staged where the sources ``trees`` land that are not in this
     node's share now (``groups``), by DEST name: a file gone from the source (or staged there
     from another source: an earlier version of the dataset, staged from another path), or in
-    shard mode one the new plan gives another node (the shares move when the sources change).
-    Left in place, a training job would read samples the source does not have, and two nodes
-    of a sharded store would hold the same file, one copy stale. Only files the manifest
-    records are named."""
+    shard mode one the new plan gives another node (the shares move when the sources change);
+    only those in ``limit`` where given (:func:`seen`). Left in place, a training job would
+    read samples the source does not have, and two nodes of a sharded store would hold the
+    same file, one copy stale. Only files the manifest records are named."""
     mine = {i.dest for g in groups for i in g.items if i.kind != "dir"}
     return [
         key
         for key, entry in manifest.entries.items()
         if entry.get("kind") != "dir"
         and key not in mine
+        and (limit is None or key in limit)
         and any(_lands(key, entry.get("source") or "", *tree) for tree in trees)
     ]
 

@@ -8,6 +8,7 @@ import shutil
 import stat
 from pathlib import Path
 
+import pytest
 from helpers import dir_info, file_info, link_info, run_stage, tar_bytes, write_archive
 
 from staging.cluster import world
@@ -92,8 +93,8 @@ def test_a_file_that_cannot_be_placed_is_not_counted(tmp_path):
     assert len(doc["errors"]) == 1 and "cannot place at mid/a" in doc["errors"][0]
 
 
-def _stage_here(dest: Path, *sources: Path) -> int:
-    cfg = StageConfig(dest=str(dest), sources=tuple(map(str, sources)), quiet=True)
+def _stage_here(dest: Path, *sources: Path, mode: str = "replicate") -> int:
+    cfg = StageConfig(dest=str(dest), sources=tuple(map(str, sources)), quiet=True, mode=mode)
     return stage(cfg, world())
 
 
@@ -126,18 +127,22 @@ def test_a_rerun_removes_what_the_source_no_longer_has(tmp_path):
     assert os.stat(dest / "ds").st_mtime_ns == 1_600_000_000_000_000_000
 
 
-def test_a_rerun_with_a_source_error_removes_nothing(tmp_path):
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_a_rerun_with_a_source_error_removes_nothing(tmp_path, mode):
     """A file the walk could not reach is not a file gone (``rsync --delete`` deletes nothing
-    after an I/O error either): a re-run with a source missing keeps what was staged."""
+    after an I/O error either): a re-run with a source missing keeps what was staged (in
+    shard mode it went: only a file the plan gives another node may go then)."""
     src = tmp_path / "src" / "ds"
     src.mkdir(parents=True)
     (src / "a.bin").write_bytes(b"a")
     (src / "b.bin").write_bytes(b"b")
     dest = tmp_path / "dest"
-    assert _stage_here(dest, src) == Exit.OK
+    assert _stage_here(dest, src, mode=mode) == Exit.OK
     os.remove(src / "b.bin")
-    assert _stage_here(dest, src, tmp_path / "missing") == Exit.BAD_INPUT
+    assert _stage_here(dest, src, tmp_path / "missing", mode=mode) == Exit.BAD_INPUT
     assert (dest / "ds" / "b.bin").read_bytes() == b"b"
+    assert _stage_here(dest, src, mode=mode) == Exit.OK  # the source whole again: it goes
+    assert not (dest / "ds" / "b.bin").exists()
 
 
 def test_a_directory_lands_under_its_name_however_it_is_written(tmp_path):
