@@ -13,7 +13,13 @@ from staging.manifest import Manifest, meta_dir
 from staging.plan import assign, build_plan
 from staging.probe import measure
 from staging.progress import MIB, human_bytes
-from staging.stage import seen, stale_files, trees_to_clean, up_to_date, whole_archives
+from staging.stage import (
+    planned_names,
+    stale_files,
+    trees_to_clean,
+    up_to_date,
+    whole_archives,
+)
 
 __all__ = ["dry_run"]
 
@@ -26,7 +32,8 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
         list(cfg.sources), cfg.unpack, whole_archives(manifest), cfg.io, cfg.confine, dest
     )
     groups = assign(plan, nodes)[node] if cfg.mode == "shard" else plan.groups
-    removed = stale_files(manifest, trees_to_clean(plan, cfg.mode), groups, seen(plan, cfg.mode))
+    trees, limit = trees_to_clean(plan, cfg.mode), planned_names(plan, cfg.mode)
+    removed = stale_files(manifest, trees, groups, limit)
     copy, skipped = [], 0
     for item in (i for g in groups for i in g.items if i.kind != "dir"):
         if up_to_date(item, manifest.entries.get(item.dest), dest):

@@ -30,7 +30,7 @@ from staging.progress import MIB, Progress, human_bytes
 from staging.tmpspace import Freed, clean_tmp, drop_partials
 
 __all__ = [
-    "locked_message", "seen", "stage", "stale_files", "summary_line", "trees_to_clean",
+    "locked_message", "planned_names", "stage", "stale_files", "summary_line", "trees_to_clean",
     "whole_archives",
 ]  # fmt: skip
 
@@ -159,7 +159,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     # the sources of this run (one per SRC), whose files outside this node's share are dropped
     # from it once the copy is done (``_drop``; those in the way of the new plan before it)
     trees, limit = comm.bcast(
-        (trees_to_clean(plan, cfg.mode), seen(plan, cfg.mode)) if lay.rank == 0 else None
+        (trees_to_clean(plan, cfg.mode), planned_names(plan, cfg.mode)) if lay.rank == 0 else None
     )
 
     # 3. the leader decides what to copy and checks the space; the node's ranks share the work
@@ -285,13 +285,14 @@ def trees_to_clean(plan: Plan, mode: str) -> list[tuple[str, str]]:
     """The sources whose earlier-staged files :func:`stale_files` may name, each with where it
     lands in DEST (its base name; ``""`` for an archive, unpacked into DEST): in replicate mode
     none when the plan met an error (a file the walk could not read is not a file gone:
-    ``rsync --delete`` deletes nothing after an I/O error either; shard mode: :func:`seen`)."""
+    ``rsync --delete`` deletes nothing after an I/O error either; shard mode:
+    :func:`planned_names`)."""
     if mode != "shard" and plan.errors:
         return []
     return [(g.source, "" if g.ident else os.path.basename(g.source)) for g in plan.groups]
 
 
-def seen(plan: Plan, mode: str) -> set[str] | None:
+def planned_names(plan: Plan, mode: str) -> set[str] | None:
     """Shard mode, a plan that met an error: the DEST names the plan has (on any node), the
     only ones :func:`stale_files` may name then (a file given to another node goes, a file the
     walk may have missed stays); ``None``: no such limit."""
@@ -310,9 +311,9 @@ def stale_files(
     node's share now (``groups``), by DEST name: a file gone from the source (or staged there
     from another source: an earlier version of the dataset, staged from another path), or in
     shard mode one the new plan gives another node (the shares move when the sources change);
-    only those in ``limit`` where given (:func:`seen`). Left in place, a training job would
-    read samples the source does not have, and two nodes of a sharded store would hold the
-    same file, one copy stale. Only files the manifest records are named."""
+    only those in ``limit`` where given (:func:`planned_names`). Left in place, a training job
+    would read samples the source does not have, and two nodes of a sharded store would hold
+    the same file, one copy stale. Only files the manifest records are named."""
     mine = {i.dest for g in groups for i in g.items if i.kind != "dir"}
     return [
         key
