@@ -27,17 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from datastore.errors import ExchangeTimeout, PeerFailed
 from datastore.maths.delivery import Delivered, covered, pad_copies
 from datastore.maths.exchange import Message
 from datastore.ranks.agree import poll
 from datastore.ranks.subarrays import BoxMessages
-from datastore.sources.owners import ExchangeSetup, Owners
+from datastore.sources.owners import ExchangeSetup, Owners, failure_report, peer_failed
 
 __all__ = ["MpiExchange"]
 
 _FAILED = 1  # a rank's report that its step failed (the steps' messages are tag 0)
-_WHY_BYTES = 1024  # a report's most bytes
 
 
 class MpiExchange(Owners):
@@ -117,11 +115,12 @@ class MpiExchange(Owners):
 
     def _tell(self, step: int, msgs: list[Message], exc: BaseException) -> None:
         """Tell the peers of ``step`` (those it sends to or receives from) that it failed
-        here, and why: they may wait for its messages in vain (not after a timeout or a
-        peer's failure, which they see themselves; not on an interrupt)."""
-        if isinstance(exc, ExchangeTimeout | PeerFailed) or not isinstance(exc, Exception):
+        here, and why (:func:`~datastore.sources.owners.failure_report`): they may wait for its
+        messages in vain."""
+        report = failure_report(step, exc)
+        if report is None:
             return
-        why = bytearray(f"{step} {type(exc).__name__}: {exc}".encode()[:_WHY_BYTES])
+        why = bytearray(report)
         for peer in sorted(({m.src for m in msgs} | {m.dst for m in msgs}) - {self.rank}):
             self._reports.append((why, self.comm.Isend([why, self._mpi.BYTE], peer, _FAILED)))
 
@@ -132,11 +131,7 @@ class MpiExchange(Owners):
             return False
         report = bytearray(status.Get_count(self._mpi.BYTE))
         self.comm.Recv([report, self._mpi.BYTE], status.Get_source(), _FAILED)
-        step, why = report.decode(errors="replace").split(" ", 1)
-        raise PeerFailed(
-            f"rank {status.Get_source()} failed ({why}) at step {step} of the MPI exchange, "
-            "whose messages this rank waited for"
-        )
+        raise peer_failed(status.Get_source(), bytes(report), "the MPI exchange")
 
     def close(self) -> None:
         self.comm.Free()

@@ -9,14 +9,34 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from datastore.errors import DataStoreError
+from datastore.errors import DataStoreError, ExchangeTimeout, PeerFailed
 from datastore.maths.delivery import Copy, Delivered, box_copies
 from datastore.maths.exchange import Message, rank_plan
 from datastore.maths.ownership import RunOwners
 from datastore.store.gather import Gather
 from datastore.store.store import Store
 
-__all__ = ["ExchangeSetup", "Owners"]
+__all__ = ["ExchangeSetup", "Owners", "failure_report", "peer_failed"]
+
+_WHY_BYTES = 1024  # a failure report's most bytes
+
+
+def failure_report(step: int, exc: BaseException) -> bytes | None:
+    """What a rank whose ``step`` failed with ``exc`` tells that step's peers (``b"STEP why"``,
+    bounded), or ``None``: a timeout or a peer's failure (the peers see those themselves), or
+    an interrupt."""
+    if isinstance(exc, ExchangeTimeout | PeerFailed) or not isinstance(exc, Exception):
+        return None
+    return f"{step} {type(exc).__name__}: {exc}".encode()[:_WHY_BYTES]
+
+
+def peer_failed(peer: int, report: bytes, what: str) -> PeerFailed:
+    """The error of a rank told by ``peer``'s :func:`failure_report` that its step failed, in
+    ``what`` (``"the MPI exchange"``)."""
+    step, why = report.decode(errors="replace").split(" ", 1)
+    return PeerFailed(
+        f"rank {peer} failed ({why}) at step {step} of {what}, whose messages this rank waited for"
+    )
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from datastore.errors import ExchangeTimeout, PeerFailed
+from datastore.errors import PeerFailed
 from datastore.maths.delivery import Copy, covered, pad_copies
 from datastore.maths.exchange import Message
 from datastore.ranks.agree import default_store, timeout_error
-from datastore.sources.owners import ExchangeSetup, Owners
+from datastore.sources.owners import ExchangeSetup, Owners, failure_report, peer_failed
 
 __all__ = ["TorchExchange", "gloo_group", "keeps_group"]
 
 _TAGS = 1 << 15  # message tags: the step modulo this
 _CLOSE = _TAGS  # a receive nobody sends: its timed-out wait closes the group's connections
-_WHY_BYTES = 1024  # a report's most bytes
 
 
 def gloo_group(group: Any = None) -> Any:
@@ -169,11 +168,7 @@ class TorchExchange(Owners):
         it is gone."""
         told = self._told(peer)
         if told is not None:
-            at, why = told.split(" ", 1)
-            return PeerFailed(
-                f"rank {peer} failed ({why}) at step {at} of the torch.distributed exchange, "
-                "whose messages this rank waited for"
-            )
+            return peer_failed(peer, told, "the torch.distributed exchange")
         return PeerFailed(
             f"rank {peer} is gone: the torch.distributed exchange at step {step} lost its "
             f"connection ({' '.join(str(exc).split())}); it exited or failed"
@@ -189,23 +184,23 @@ class TorchExchange(Owners):
         see themselves; not an interrupt), then close the group's connections, so that a peer
         blocked in this step's ``wait`` stops now: gloo closes them all when a wait times out,
         and has no other way to end a peer's wait."""
-        if isinstance(exc, ExchangeTimeout | PeerFailed) or not isinstance(exc, Exception):
+        report = failure_report(step, exc)
+        if report is None:
             return
         store = default_store()
         if store is not None:
-            why = f"{step} {type(exc).__name__}: {exc}".encode()[:_WHY_BYTES]
             with contextlib.suppress(RuntimeError):  # the store's host is gone
-                store.set(self._key(self.rank), why)
+                store.set(self._key(self.rank), report)
         peer = self._peer((self.rank + 1) % dist.get_world_size(self.group))
         with contextlib.suppress(RuntimeError):  # closed already
             work = dist.irecv(torch.empty(1, dtype=torch.uint8), peer, group=self.group, tag=_CLOSE)
             work.wait(timedelta(milliseconds=1))
 
-    def _told(self, peer: int) -> str | None:
-        """``"STEP why"`` of ``peer``'s failed step, or ``None`` (it exited, or was killed)."""
+    def _told(self, peer: int) -> bytes | None:
+        """``peer``'s report of its failed step, or ``None`` (it exited, or was killed)."""
         store, key = default_store(), self._key(peer)
         try:
-            return store.get(key).decode(errors="replace") if store and store.check([key]) else None
+            return store.get(key) if store and store.check([key]) else None
         except RuntimeError:  # the store's host is gone with it
             return None
 
