@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import mpi_job, run_job
 
+from datastore.service.errors import ServiceError
 from datastore.service.resident import Residency
 
 JOB = Path(__file__).parent / "mpi_jobs" / "peer_at_once_job.py"
@@ -57,6 +58,35 @@ def test_a_fetch_is_answered_at_once_only_where_every_sample_is_in_ram(tmp_path)
         assert r.pieces_in_ram([in_ram[0], elsewhere], *asked) is None  # the pool reads it
         runs = r.pieces([elsewhere], *asked).runs()
         assert np.array_equal(np.concatenate(runs).view(np.float32), data[elsewhere].reshape(-1))
+    finally:
+        residency.close()
+
+
+def test_each_block_and_layout_a_peer_asks_for_is_answered_with_its_own_part(tmp_path):
+    """The delivered fields of a peer's fetch are kept per (fields, layout, block): blocks
+    asked in turn each get their own part, and a refused block is refused every time."""
+    data = np.arange(8 * 2 * 4 * 4, dtype=np.float32).reshape(8, 2, 4, 4)
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = data
+    residency = Residency(budget=None, threads=1)
+    try:
+        r = residency.load(str(path), "t")
+        assert r.wait(10)
+        halves = {"parts": [2, 1, 1], "halo": 0}
+        for spatial, block, want in [
+            (halves, 0, data[1, :1]),
+            (halves, 1, data[1, 1:]),
+            (halves, 0, data[1, :1]),
+            (None, 0, data[1]),
+            ({"parts": [1, 2, 1], "halo": 0}, 1, data[1, :, 2:]),
+        ]:
+            pieces = r.pieces_in_ram([1], ["x"], spatial, block)
+            got = np.concatenate(pieces.runs()).view(np.float32)
+            assert np.array_equal(got, want.reshape(-1)), (spatial, block)
+        for _ in range(2):
+            with pytest.raises(ServiceError, match=r"block 2 is outside 0\.\.1"):
+                r.pieces_in_ram([1], ["x"], halves, 2)
     finally:
         residency.close()
 

@@ -56,7 +56,7 @@ def test_the_sizes_an_asker_expects_are_the_owners_runs(shape, parts, halo, dtyp
         for f in delivered_fields(info, grid, block):
             stored = np.zeros(f.sample_shape if f.blocked else f.shape, f.dtype)
             runs = Pieces([(stored, covered(f)[0])]).runs()
-            assert covered_sizes(f) == [r.nbytes for r in runs]
+            assert list(covered_sizes(f)) == [r.nbytes for r in runs]
 
 
 @pytest.mark.mpi

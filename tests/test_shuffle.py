@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from datastore import DataStoreLoader
 from datastore.maths.order import Schedule, check_state, home_order, parse_shuffle, state
-from datastore.maths.ownership import Homes, RangeOwners, RunOwners, contiguous_owners
+from datastore.maths.ownership import FEW, Homes, RangeOwners, RunOwners, contiguous_owners
 from datastore.store.shards import owners_by_holders
 
 
@@ -76,6 +76,25 @@ def test_run_owners_merge_look_up_and_list():
     with pytest.raises(ValueError, match="start at sample 0"):
         RunOwners([1], [0], 4)
     assert RangeOwners(3, 5).counts(5).tolist() == [1, 1, 1, 0, 0]  # empty ranks have no run
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=200), st.data())
+def test_a_few_samples_are_looked_up_as_many_are(owner, data):
+    """A batch's few samples are looked up in Python (``owners_of``, and ``[]`` of up to
+    ``FEW``), many by numpy: both say the owner each sample has."""
+    own, n = RunOwners.of_array(owner), len(owner)
+    picked = data.draw(st.lists(st.integers(0, n - 1), max_size=2 * FEW))
+    assert own.owners_of(picked) == [owner[i] for i in picked]
+    got = own[np.asarray(picked, dtype=np.int64)]
+    assert isinstance(got, np.ndarray) and got.tolist() == [owner[i] for i in picked]
+    assert own[np.arange(n)].tolist() == owner and all(own[i] == owner[i] for i in picked[:3])
+    assert isinstance(own[np.int64(n - 1)], int)
+    for outside in (-1, n):
+        with pytest.raises(IndexError, match=f"outside 0..{n - 1}"):
+            own.owners_of([0, outside])
+        with pytest.raises(IndexError):
+            own[np.asarray([outside])]
 
 
 @settings(max_examples=80, deadline=None)

@@ -1,4 +1,5 @@
-"""The store's preload: everything read once, a stop honoured at once, a failing read raised."""
+"""The store's preload: everything read once, a stop honoured at once, a failing read raised;
+its RAM views (what a peer's fetch is sent from)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,24 @@ def test_a_failed_read_leaves_the_slot_to_the_next_reader():
     with pytest.raises(OSError, match="flaky disk"):
         store.get(3, "x")
     assert store.get(3, "x").tolist() == [3] * 4 and calls == [3, 3]
+
+
+def test_ram_views_are_the_slots_read_in_or_none_and_count_hits():
+    """Field after field, key after key: views of the RAM slots (no copy), each a hit; a key
+    over the budget (re-read scratch) or a slot not read in yet gives ``None``, no hit."""
+    fields = {"x": SlotSpec((4,), np.dtype(np.int64)), "y": SlotSpec((), np.dtype(np.int64))}
+
+    def fill(key: int, field: str, out: np.ndarray) -> None:
+        out[...] = key if field == "x" else -key
+
+    store = Store(np.arange(5, dtype=np.int64) * 3, fields, fill, budget=3 * 40)  # 3 in RAM
+    assert store.ram_views([3, 0], ["x"]) is None and store.counters.hits == 0  # not read
+    for key in (0, 3, 6):
+        store.get(key, "x"), store.get(key, "y")
+    hits = store.counters.hits
+    views = store.ram_views([6, 0], ["x", "y"])
+    assert [v.tolist() for v in views] == [[6] * 4, [0] * 4, -6, 0]
+    assert store.counters.hits == hits + 4
+    assert np.shares_memory(views[0], store.get(6, "x"))
+    assert store.ram_views([0, 9], ["x"]) is None  # 9: beyond the budget, never a RAM slot
+    assert store.ram_views([0], ["x"]) is not None and store.counters.hits == hits + 6

@@ -14,6 +14,7 @@ This module plans the copies (views, nothing written); ``datastore.store.gather`
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -90,6 +91,7 @@ class Delivered:
         return math.prod(self.shape) * self.dtype.itemsize  # exact: no int64 wrap-around
 
 
+@functools.lru_cache(maxsize=1024)  # (a fetch's hot path: the same few fields every batch)
 def covered(f: Delivered) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
     """``(in the sample, in the delivered box)``: the part of ``f``'s box inside the volume."""
     if not f.blocked:
@@ -103,12 +105,13 @@ def covered(f: Delivered) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
     return tuple(src), tuple(dst)
 
 
-def covered_sizes(f: Delivered) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def covered_sizes(f: Delivered) -> tuple[int, ...]:
     """The sizes of the messages one sample's part of ``f`` inside the volume travels in
     between services, as its owner cuts it from a C-contiguous sample
     (:func:`~datastore.maths.subarray.pieces`): what the asker posts receives for."""
     shape = f.sample_shape if f.blocked else f.shape
-    return piece_sizes(shape, f.dtype.itemsize, covered(f)[0], MIN_RUN)
+    return tuple(piece_sizes(shape, f.dtype.itemsize, covered(f)[0], MIN_RUN))
 
 
 def _pads(f: Delivered) -> list[tuple[slice, ...]]:

@@ -13,12 +13,16 @@ samples its own ranks hold, in storage order.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 __all__ = ["Homes", "RangeOwners", "RunOwners", "contiguous_owners", "owned_keys"]
+
+FEW = 64  # lookups of up to this many samples are made in Python
 
 
 def contiguous_owners(num_samples: int, owners: int) -> np.ndarray:
@@ -36,7 +40,7 @@ class RunOwners:
     ``[starts[k], starts[k + 1])`` (the last ends at ``num_samples``) on rank ``ranks[k]``.
 
     Adjacent runs of one rank are merged and empty ones dropped. Lookups are a binary search
-    over the runs.
+    over the runs (for a few samples, a batch's, in Python: a numpy call costs more than that).
 
     Raises:
         ValueError: starts that do not begin at 0 or do not increase, or a negative rank.
@@ -56,6 +60,7 @@ class RunOwners:
         first[1:] = ranks[1:] != ranks[:-1]
         self.starts, self.ranks = starts[first], ranks[first]
         self.num_samples = int(num_samples)
+        self._starts, self._ranks = memoryview(self.starts), memoryview(self.ranks)
 
     @classmethod
     def of_array(cls, owner: Any) -> RunOwners:
@@ -74,10 +79,22 @@ class RunOwners:
     def __getitem__(self, index: Any) -> Any:
         """The owner of sample ``index`` (an int or an array of them)."""
         idx = np.asarray(index)
+        if idx.ndim == 0:
+            return self.owners_of([int(idx)])[0]
+        if idx.size <= FEW:
+            return np.asarray(self.owners_of(idx.reshape(-1).tolist()), np.int64).reshape(idx.shape)
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_samples):
             raise IndexError(f"sample outside 0..{self.num_samples - 1}")
         owner = self.ranks[np.searchsorted(self.starts, idx, side="right") - 1]
         return int(owner) if np.ndim(owner) == 0 else owner
+
+    def owners_of(self, samples: Sequence[int]) -> list[int]:
+        """The owner of each of ``samples`` (Python ints), as a list."""
+        n = self.num_samples
+        if any(not 0 <= i < n for i in samples):
+            raise IndexError(f"sample outside 0..{n - 1}")
+        starts, ranks = self._starts, self._ranks
+        return [ranks[bisect.bisect_right(starts, i) - 1] for i in samples]
 
     def keys_of(self, rank: int) -> np.ndarray:
         """The samples ``rank`` owns, in order."""

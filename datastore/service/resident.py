@@ -54,6 +54,7 @@ __all__ = ["Fetching", "Residency", "Resident", "resolve_dataset"]
 
 DESCRIBE_THREADS = 16  # peers asked at once for their files of a dataset
 RECHECK_S = 1.0  # a resident dataset's files are compared with the disk at most this often
+ASKED_KEPT = 64  # the delivered fields of this many kinds of peers' fetches are kept
 RING_SHARE = 8  # datasets leave 1/RING_SHARE of the budget to the jobs' shared-memory rings
 FAILURES = frozenset({"load_failed", "reload_failed", "state_unreadable", "state_unwritable"})
 """The residency's events that are failures (logged as warnings; the others as information)."""
@@ -148,6 +149,7 @@ class Resident:
     checking: threading.Lock = field(default_factory=threading.Lock)  # one comparison at once
     retired: bool = False  # its files changed: closed once its last session ends
     load_error: str = ""  # why reading it in failed ("": it did not)
+    asked_fields: dict[tuple, list[Delivered]] = field(default_factory=dict)  # peers' asks
 
     @property
     def num_samples(self) -> int:
@@ -194,22 +196,24 @@ class Resident:
         samples here); returns at once. ``None`` when every sample is here."""
         if self.owner is None or self.link is None:
             return None
-        samples = np.asarray(samples, dtype=np.int64)
-        owners = np.asarray(self.owner[samples]).reshape(-1)
-        remote = owners != self.node
-        if not remote.any():
+        wanted = np.asarray(samples, dtype=np.int64).reshape(-1).tolist()
+        owners = self.owner.owners_of(wanted)  # (a batch's few samples: Python, no numpy)
+        by_owner: dict[int, list[int]] = {}
+        for pos, o in enumerate(owners):
+            if o != self.node:
+                by_owner.setdefault(o, []).append(pos)
+        if not by_owner:
             return None
         names = [f.name for f in fields]
-        sent = {f.name: covered_sizes(f) for f in fields}  # the messages of one sample's part
         pending, after = [], []
-        for dest in sorted(set(owners[remote].tolist())):
-            at = np.flatnonzero(owners == dest).tolist()
+        for dest in sorted(by_owner):
+            at = by_owner[dest]
             into = []
             for f in fields:  # the reply's order: field after field, sample after sample
                 inner = covered(f)[1]
                 for pos in at:
                     dst = out[f.name][pos]
-                    part = dst[inner]
+                    part = dst[inner] if f.blocked else dst
                     if part.flags.c_contiguous:
                         into.append(part.reshape(-1).view(np.uint8))
                     elif dst.flags.c_contiguous:
@@ -221,15 +225,15 @@ class Resident:
             request = {
                 "kind": "fetch",
                 "path": self.template,
-                "samples": samples[at].tolist(),
+                "samples": [wanted[pos] for pos in at],
                 "fields": names,
                 "spatial": spatial,
                 "block": block,
                 "pieces": True,  # (a peer of an older version sent whole boxes)
-                "expect": expect([n for f in fields for _ in at for n in sent[f.name]]),
+                "expect": _expect(tuple(fields), len(at)),
             }
             pending.append(self.link.start(dest, request, into))
-        return Fetching(frozenset(np.flatnonzero(remote).tolist()), pending, after)
+        return Fetching(frozenset(p for at in by_owner.values() for p in at), pending, after)
 
     def pieces(self, samples: list[int], names: list[str], spatial: Any, block: int) -> Pieces:
         """What a peer asked for: ``block`` of every field of ``samples``, its parts inside the
@@ -243,9 +247,11 @@ class Resident:
         """:meth:`pieces` where every field of ``samples`` is in RAM (views: nothing read);
         ``None`` where one is not."""
         fields = self._asked(samples, names, spatial, block)
-        if all(self.store.in_ram(i, f.name) for f in fields for i in samples):
-            return self._pieces(samples, fields)
-        return None
+        views = self.store.ram_views(samples, [f.name for f in fields])
+        if views is None:
+            return None
+        boxes = [covered(f)[0] for f in fields for _ in samples]
+        return Pieces(list(zip(views, boxes, strict=True)))
 
     def _pieces(self, samples: list[int], fields: list[Delivered]) -> Pieces:
         return Pieces(
@@ -262,14 +268,21 @@ class Resident:
         if unknown:
             known = ", ".join(self.reader.fields)
             raise ServiceError("NOT_FOUND", f"no field {shown(unknown[0])} (fields: {known})")
-        stray = []
         if self.owner is not None and samples:
-            where = np.asarray(self.owner[samples]).reshape(-1).tolist()
+            where = self.owner.owners_of(samples)
             stray = [i for i, o in zip(samples, where, strict=True) if o != self.node]
-        if stray:
-            raise ServiceError(
-                "FAILED_PRECONDITION", f"sample {stray[0]} is not on node {self.node}"
-            )
+            if stray:
+                raise ServiceError(
+                    "FAILED_PRECONDITION", f"sample {stray[0]} is not on node {self.node}"
+                )
+        key = (tuple(names), repr(spatial), block)  # (a stream asks the same every batch)
+        if key not in self.asked_fields:
+            if len(self.asked_fields) >= ASKED_KEPT:
+                self.asked_fields.clear()
+            self.asked_fields[key] = self._delivered(names, spatial, block)
+        return self.asked_fields[key]
+
+    def _delivered(self, names: list[str], spatial: Any, block: int) -> list[Delivered]:
         info = {f: self.reader.fields[f] for f in names}
         try:
             grid: Grid | None = spatial_grid(info, spatial)
@@ -332,6 +345,13 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
             )
         reader.confine = lambda f: _confined(path, f, roots)
     return reader
+
+
+@functools.lru_cache(maxsize=256)
+def _expect(fields: tuple[Delivered, ...], n: int) -> tuple[tuple[int, int], ...]:
+    """The ``expect`` of a fetch of ``n`` samples' ``fields`` (the same every batch)."""
+    sizes = [m for f in fields for _ in range(n) for m in covered_sizes(f)]
+    return tuple(map(tuple, expect(sizes)))
 
 
 def _confined(path: str, reached: str, roots: tuple[Path, ...]) -> None:

@@ -16,7 +16,7 @@ import mmap
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -148,6 +148,23 @@ class Store:
         """Whether ``(key, field)`` is read into its RAM slot: :meth:`get` is a view, at once."""
         slot = self._slot[int(key)]
         return slot < self.ram_slots and bool(self._filled[field][slot])
+
+    def ram_views(self, keys: Sequence[int], fields: Sequence[str]) -> list[np.ndarray] | None:
+        """Every ``(key, field)``'s RAM slot, field after field, key after key: views, valid
+        for good, each counted a hit; ``None`` (nothing counted) where one is not read in."""
+        slots = [self._slot[int(k)] for k in keys]
+        if any(s >= self.ram_slots for s in slots):
+            return None
+        views = []
+        for f in fields:
+            filled, ram = self._filled[f], self._ram[f]
+            for s in slots:
+                if not filled[s]:
+                    return None
+                views.append(ram[s, ...])
+        with self._lock:
+            self.counters.hits += len(views)
+        return views
 
     def _place(self, field: str, slot: int) -> np.ndarray | None:
         if slot < self.ram_slots:  # [slot, ...]: a view even for 0-d fields
