@@ -196,6 +196,49 @@ def test_whole_samples_and_parts_amid_their_halo_arrive_exactly_over_the_data_co
     assert all(to_first > 0 and to_last >= 0 for to_first, to_last in stats["legs"])
 
 
+def test_fetches_in_ram_are_answered_at_once_the_others_by_answer():
+    """Over the data connection and the gRPC stream alike, a fetch ``at_once`` answers (the
+    servicer's samples in RAM: no path resolved) is sent from its reply; one it leaves
+    (``None``) goes to ``answer``, as does every other request."""
+    asked: list[tuple[str, list[int]]] = []
+
+    def at_once(request):
+        asked.append(("at_once", request["samples"]))
+        return _pieces(request) if request["samples"][0] < 5 else None
+
+    def answer(request):
+        asked.append(("answer", request["samples"]))
+        return _pieces(request)
+
+    listener = bind_data("127.0.0.1:0", 0, None, None, 10.0)
+    servicer = PeersServicer(1, 2, answer, lambda s: None, data=listener, at_once=at_once)
+    server, address = _peers_server(servicer)
+    listener.start(servicer.serve_data)
+    streamed = PeersServicer(1, 2, answer, lambda s: None, at_once=at_once)  # no data port
+    stream_server, stream_address = _peers_server(streamed)
+    try:
+        with linked(address) as link:
+            for i in (3, 7):
+                out = _flat()
+                link.fetch(1, _ask([i]), out)
+                assert _holds(out, i)
+        with linked(stream_address) as link:
+            out = _flat()
+            link.fetch(1, _ask([4]), out)
+            assert _holds(out, 4)
+    finally:
+        server.stop(None)
+        stream_server.stop(None)
+        listener.close()
+    assert asked == [
+        ("at_once", [3]),
+        ("at_once", [7]),
+        ("answer", [7]),
+        ("at_once", [4]),
+    ]
+    assert listener.served == 2
+
+
 def test_a_wrong_used_or_other_nodes_ticket_and_an_oversized_request_get_nothing():
     """The listener answers only a connection whose first bytes are a ticket it gave out,
     once, to the node that asks, and only requests of at most 16 MiB; anything else, and a

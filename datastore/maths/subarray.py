@@ -11,7 +11,9 @@ the messages' sizes without being told (:func:`piece_sizes`).
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +35,15 @@ def run_layout(shape: tuple[int, ...], box: tuple[slice, ...]) -> tuple[int, int
     Raises:
         ValueError: ``box`` is not one step-1 slice within ``shape`` per axis.
     """
+    extents, lead = _cut(shape, box)
+    if not math.prod(extents):
+        return 0, 0
+    return math.prod(extents[:lead]), math.prod(extents[lead:])
+
+
+def _cut(shape: tuple[int, ...], box: tuple[slice, ...]) -> tuple[list[int], int]:
+    """``box``'s extent on each axis, and how many leading axes its runs are taken over (the
+    trailing whole axes, and the first part-covered one, make one run)."""
     if len(box) != len(shape):
         raise ValueError(f"a box of {len(box)} axes for an array of shape {shape}")
     extents = []
@@ -43,15 +54,12 @@ def run_layout(shape: tuple[int, ...], box: tuple[slice, ...]) -> tuple[int, int
         if not 0 <= start <= stop <= n:
             raise ValueError(f"box {box} is not within shape {shape}")
         extents.append(stop - start)
-    if not math.prod(extents):
-        return 0, 0
-    run, axis = 1, len(shape)
-    while axis > 0:  # trailing whole axes, and the first part-covered one, are one run
-        axis -= 1
-        run *= extents[axis]
-        if extents[axis] != shape[axis]:
+    lead = len(shape)
+    while lead > 0:
+        lead -= 1
+        if extents[lead] != shape[lead]:
             break
-    return math.prod(extents[:axis]), run
+    return extents, lead
 
 
 def piece_sizes(
@@ -92,6 +100,12 @@ def pieces(
     runs, or, where they are shorter than ``min_run`` on average, the part packed into one
     (into ``pack``, 1-d uint8 of its size, where given: a copy); none for an empty part. For a
     C-contiguous array their sizes are :func:`piece_sizes`."""
+    if array.flags.c_contiguous and array.ndim == len(box):  # (a stored sample: its runs kept)
+        bounds = tuple((s.start, s.stop, s.step) for s in box)
+        starts, run = _run_starts(array.shape, array.dtype.itemsize, bounds, min_run)
+        if run:
+            flat = array.reshape(-1).view(np.uint8)
+            return [flat[at : at + run] for at in starts]
     part = view(array, box)
     if not part.nbytes:
         return []
@@ -109,3 +123,24 @@ def pieces(
         pack = np.empty(part.nbytes, np.uint8)
     np.copyto(pack.view(part.dtype).reshape(part.shape), part)
     return [pack]
+
+
+@functools.lru_cache(maxsize=1024)
+def _run_starts(
+    shape: tuple[int, ...], itemsize: int, bounds: tuple[tuple[Any, Any, Any], ...], min_run: int
+) -> tuple[tuple[int, ...], int]:
+    """Where (bytes) the runs of ``array[box]`` (``bounds``: its slices' start, stop, step)
+    begin in a C-contiguous array of ``shape`` and ``itemsize``, and their length: what
+    :func:`pieces` sends, computed once per geometry; ``((), 0)`` where it packs the part
+    (short runs) or it is empty."""
+    box = tuple(slice(*b) for b in bounds)
+    extents, lead = _cut(shape, box)
+    run = math.prod(extents[lead:]) * itemsize
+    count = math.prod(extents[:lead])
+    if not run or not count or (count > 1 and run < min_run):
+        return (), 0
+    strides = [math.prod(shape[k + 1 :]) * itemsize for k in range(len(shape))]
+    at = np.array([sum((s.start or 0) * st for s, st in zip(box, strides, strict=True))])
+    for k in range(lead):  # every run's start: the leading axes' offsets added up
+        at = (at[:, None] + np.arange(extents[k]) * strides[k]).ravel()
+    return tuple(at.tolist()), run

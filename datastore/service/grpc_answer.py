@@ -43,6 +43,9 @@ class PeersServicer:
             without Python's text). Default: nothing.
         data: this node's data listener, whose tickets ``OpenData`` hands out. Default: none
             (``OpenData`` answers ``UNIMPLEMENTED``: the peers fetch over gRPC).
+        at_once: ``at_once(request) -> reply | None``: ``answer``'s reply to a fetch of
+            samples in RAM (views: no path resolved, nothing read), ``None`` where it leaves
+            the request to ``answer``. Default: every request to ``answer``.
     """
 
     def __init__(
@@ -53,10 +56,11 @@ class PeersServicer:
         spatial_of: Callable[[Any], dict[str, Any] | None],
         on_error: Callable[[BaseException], None] = lambda exc: None,
         data: DataListener | None = None,
+        at_once: Callable[[dict], Any] = lambda request: None,
     ) -> None:
         self.node, self.nodes = node, nodes
         self._answer, self._spatial_of, self._on_error = answer, spatial_of, on_error
-        self._data = data
+        self._data, self._at_once = data, at_once
 
     def _mismatch(self, header: Any) -> ServiceError | None:
         if (header.to_node, header.nodes) == (self.node, self.nodes):
@@ -74,7 +78,8 @@ class PeersServicer:
 
     def _answered(self, request: dict) -> Any:
         try:
-            return self._answer(request)
+            reply = self._at_once(request) if request["kind"] == "fetch" else None
+            return self._answer(request) if reply is None else reply
         except ServiceError:
             raise
         except Exception as exc:  # a peer's bad request must not kill this service

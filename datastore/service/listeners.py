@@ -184,7 +184,13 @@ def add_services(
     link = servicer.link
     if peers and isinstance(link, GrpcPeers):
         answering = PeersServicer(
-            link.node, link.nodes, servicer.answer, spatial_of, servicer.internal_error, data
+            link.node,
+            link.nodes,
+            servicer.answer,
+            spatial_of,
+            servicer.internal_error,
+            data,
+            at_once=servicer.answer_at_once,
         )
         add_peers_to_server(answering, server)
         if data is not None:
