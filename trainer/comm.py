@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from datastore.errors import ExchangeTimeout, PeerFailed
+from datastore.ranks.agree import gloo_timed_out
 
 __all__ = [
     "CommClock",
@@ -255,7 +256,7 @@ def gloo_failures(kind: str, timeout: datetime.timedelta) -> Iterator[None]:
     except RuntimeError as exc:
         text = " ".join(str(exc).split())
         what = f"the trainer's {kind} over gloo"
-        if "Timed out" in text:
+        if gloo_timed_out(exc):
             raise ExchangeTimeout(
                 f"{what} did not complete within comm_timeout ({timeout.total_seconds():g} s): "
                 f"a peer rank stalled or failed ({text})",

@@ -37,6 +37,7 @@ __all__ = [
     "StoreCollective",
     "agree",
     "default_store",
+    "gloo_timed_out",
     "poll",
     "timeout_error",
 ]
@@ -80,6 +81,12 @@ def timeout_error(what: str, step: int, peers: tuple[int, ...]) -> ExchangeTimeo
         step,
         peers,
     )
+
+
+def gloo_timed_out(exc: BaseException) -> bool:
+    """Whether a gloo wait failed at its timeout (gloo raises ``RuntimeError`` for every
+    failure, and says which only in its text); any other failure is a connection lost."""
+    return "Timed out" in str(exc)
 
 
 _TAG = 1 << 20  # the checks' messages; the torch exchange tags its steps below 32768
@@ -157,7 +164,7 @@ class Collective:
             try:  # gloo completes a point-to-point work only inside wait
                 work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError as exc:
-                if "Timed out" in str(exc):
+                if gloo_timed_out(exc):
                     raise timeout_error(what, step, tuple(r for _, r in works[k:])) from None
                 at = f" at step {step}" if step >= 0 else ""
                 raise PeerFailed(

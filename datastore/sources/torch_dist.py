@@ -30,7 +30,7 @@ import torch.distributed as dist
 from datastore.errors import PeerFailed
 from datastore.maths.delivery import Copy, covered, pad_copies
 from datastore.maths.exchange import Message
-from datastore.ranks.agree import default_store, timeout_error
+from datastore.ranks.agree import default_store, gloo_timed_out, timeout_error
 from datastore.sources.owners import ExchangeSetup, Owners, failure_report, peer_failed
 
 __all__ = ["TorchExchange", "gloo_group", "keeps_group"]
@@ -149,7 +149,7 @@ class TorchExchange(Owners):
             try:
                 work.wait(timedelta(seconds=left))
             except RuntimeError as exc:
-                if "Timed out" in str(exc):
+                if gloo_timed_out(exc):
                     peers = tuple(sorted({peer} | _pending(works[i + 1 :])))
                     raise timeout_error("the torch.distributed exchange", step, peers) from None
                 raise self._lost(peer, step, exc) from None
