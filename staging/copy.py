@@ -378,7 +378,7 @@ class Committer:
                         )
                     os.makedirs(parent, exist_ok=True)
                     self._made.add(parent)
-                os.replace(tmp, final)
+                _place(tmp, final)
             except OSError as exc:
                 self.errors.append(f"{rec['source']}: cannot place at {rel}: {exc.strerror}")
                 _unlink(tmp)
@@ -404,6 +404,32 @@ def _unchanged(item: Item, st: os.stat_result) -> None:
     if item.path == item.source and now != item.ident:
         why = f"changed while being copied (size:mtime_ns {item.ident}, then {now}); not placed"
         raise OSError(errno.EAGAIN, why)
+
+
+def _place(tmp: str, final: str) -> None:
+    """``os.replace``, also over a directory that holds only directories: one an earlier run
+    made where the source has a file now (an empty directory of the source, whose name is a
+    file's now, as ``rsync`` replaces it). A directory holding anything else stays, the error
+    raised."""
+    try:
+        os.replace(tmp, final)
+    except IsADirectoryError:
+        tree = _dirs_only(final)
+        if tree is None:
+            raise
+        for path in tree:
+            os.rmdir(path)
+        os.replace(tmp, final)
+
+
+def _dirs_only(path: str) -> list[str] | None:
+    """The directories of the tree ``path``, deepest first, when it holds nothing else."""
+    found = []
+    for root, dirs, files in os.walk(path, topdown=False):  # links are not followed
+        if files or any(os.path.islink(os.path.join(root, d)) for d in dirs):
+            return None
+        found.append(root)
+    return found
 
 
 def _unlink(path: str) -> None:

@@ -87,6 +87,7 @@ def test_a_file_that_cannot_be_placed_is_not_counted(tmp_path):
     for name in "abc":
         (src / name).write_bytes(name.encode() * 10)
     (tmp_path / "dest" / "mid" / "a").mkdir(parents=True)
+    (tmp_path / "dest" / "mid" / "a" / "mine").write_bytes(b"the user's")
     proc = run_stage(src, "--to", tmp_path / "dest", "--json", check=1)
     doc = json.loads(proc.stdout)
     assert (doc["files"], doc["bytes"]) == (2, 20)
@@ -223,3 +224,24 @@ def test_a_new_version_staged_from_another_path_replaces_the_old_one(tmp_path):
     assert _stage_here(dest, tmp_path / "v2" / "ds") == Exit.OK
     staged = {p.name: p.read_bytes() for p in (dest / "ds").iterdir()}
     assert staged == {"f1": b"v2-f1", "f2": b"v2-f2"}
+
+
+def test_a_rerun_puts_a_file_where_an_empty_directory_was(tmp_path):
+    """An empty directory of the source (or one holding only empty directories) become a file
+    failed every re-run (exit 1, ``cannot place at ds/b: Is a directory``): the manifest records
+    no directory, so nothing removed it. A directory holding a file of the user's stays."""
+    src = tmp_path / "src" / "ds"
+    (src / "b" / "c").mkdir(parents=True)
+    (src / "e").mkdir()
+    dest = tmp_path / "dest"
+    assert _stage_here(dest, src) == Exit.OK
+    shutil.rmtree(src / "b")
+    (src / "b").write_bytes(b"now a file")
+    (src / "e").rmdir()
+    (src / "e").write_bytes(b"e")
+    (dest / "ds" / "e" / "mine").write_bytes(b"the user's")
+    assert _stage_here(dest, src) == Exit.FAILED
+    assert (dest / "ds" / "b").read_bytes() == b"now a file"
+    assert (dest / "ds" / "e" / "mine").read_bytes() == b"the user's"
+    entries = json.loads((dest / ".datastore" / "manifest.json").read_text())["entries"]
+    assert sorted(entries) == ["ds/b"]
