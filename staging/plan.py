@@ -300,6 +300,9 @@ def build_plan(
             plan.errors.append(f"{src}: the name {RESERVED} is reserved for staging metadata")
             continue
         kind = archive_kind(path) if unpack and stat.S_ISREG(st.st_mode) else None
+        if dest and not kind and _lands_on_itself(path, name, dest):
+            plan.errors.append(f"{src}: would be staged onto itself (DEST/{name}); skipped")
+            continue
         try:
             if kind and _recorded(known.get(path), st):
                 group = _group_from_record(path, known[path])
@@ -329,6 +332,12 @@ def build_plan(
                 dirs.setdefault(parent, path)
         plan.groups.append(group)
     return plan
+
+
+def _lands_on_itself(path: str, name: str, dest: str) -> bool:
+    """Whether the source ``path`` is where it would land, DEST/``name`` (``stage /d/ds --to
+    /d``: each file would be replaced by a copy of itself, a hardlink to it cut off)."""
+    return os.path.realpath(os.path.join(dest, name)) == os.path.realpath(path)
 
 
 def _parents(dest: str) -> list[str]:

@@ -245,3 +245,20 @@ def test_a_rerun_puts_a_file_where_an_empty_directory_was(tmp_path):
     assert (dest / "ds" / "e" / "mine").read_bytes() == b"the user's"
     entries = json.loads((dest / ".datastore" / "manifest.json").read_text())["entries"]
     assert sorted(entries) == ["ds/b"]
+
+
+def test_a_source_that_would_land_on_itself_is_refused(tmp_path):
+    """``stage /d/ds --to /d`` replaced every file of the source by a copy of itself (exit 0;
+    a hardlink to it cut off, a ``.datastore`` left in /d); ``cp -r`` says they are the same
+    file. A file source and an archive copied whole are refused the same way."""
+    src = tmp_path / "ds"
+    src.mkdir()
+    (src / "f").write_bytes(b"data")
+    os.link(src / "f", tmp_path / "hard")
+    archive = write_archive(tmp_path / "a.tar", tar_bytes([(file_info("m"), b"m")]))
+    for source, dest in [(src, tmp_path), (src / "f", src), (archive, tmp_path)]:
+        cfg = StageConfig(dest=str(dest), sources=(str(source),), quiet=True, unpack=False)
+        assert stage(cfg, world()) == Exit.BAD_INPUT
+    assert os.stat(src / "f").st_nlink == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tar", "ds", "hard"]
+    assert sorted(p.name for p in src.iterdir()) == ["f"]
