@@ -484,7 +484,7 @@ class _Log:
 
     def errors(self, errors: list[str]) -> None:
         if self.lay.rank == 0:
-            for e in errors:
+            for e in dict.fromkeys(errors):  # every node's, said once
                 print(f"datastore stage: error: {e}", file=sys.stderr)
 
     def notes(self, notes: list[str]) -> None:
@@ -498,7 +498,7 @@ class _Log:
         total = Stats()
         for s in every:
             total.add(s)
-        errors = plan.errors + total.errors
+        errors = list(dict.fromkeys(plan.errors + total.errors))  # every node's, said once
         doc = {
             "files": total.files,
             "bytes": total.bytes,

@@ -41,9 +41,12 @@ from helpers import (
 )
 
 import staging.verify
-from staging.cluster import LAUNCH_ENV
+from staging.cluster import LAUNCH_ENV, Layout
+from staging.config import StageConfig
+from staging.copy import Stats
+from staging.plan import Plan
 from staging.progress import MIB, bar_columns
-from staging.stage import summary_line
+from staging.stage import _Log, summary_line
 from staging.verify import REPAIR
 
 LEAF = 32 * 1024 * 1024  # the leaf size documented in staging/checksum.py
@@ -632,6 +635,23 @@ def test_summary_line_in_binary_units():
         "staged 37 files, 18.0 MiB in 0.11 s (164 MiB/s) on 1 node(s), 2 rank(s); skipped 2 "
         "unchanged (1.5 KiB); resumed 1.5 MiB of partial copies; 1 error(s)"
     )
+
+
+def test_the_same_error_of_every_node_is_said_once(capsys):
+    """Replicate mode: a source file no rank can read failed on each node, and the summary
+    printed its line once per node (3 identical lines and '3 error(s)' on 3 nodes)."""
+    cfg = StageConfig(dest="/d", sources=("/s",), mode="replicate")
+    lay = Layout(rank=0, size=3, node=0, nodes=3, local_rank=0, local_size=1)
+    same = ["/s/a: Permission denied"]
+    every = [Stats(files=2, errors=list(same)) for _ in range(3)] + [Stats(errors=["/s/b: x"])]
+    _Log(cfg, lay).summary(Plan(), every, 1.0, lay, 0)
+    out, err = capsys.readouterr()
+    assert (
+        err == "datastore stage: error: /s/a: Permission denied\ndatastore stage: error: /s/b: x\n"
+    )
+    assert out.endswith("; 2 error(s)\n")
+    _Log(cfg, lay).errors(["/local: not enough space: need 1 B, 0 B available"] * 3)
+    assert capsys.readouterr().err.count("not enough space") == 1
 
 
 def test_stage_summary_in_binary_units(tmp_path, run_stage, make_tree):
