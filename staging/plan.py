@@ -282,8 +282,12 @@ def build_plan(
     plan = Plan()
     files: dict[str, str] = {}  # dest path -> the source that writes it
     dirs: dict[str, str] = {}  # directory dest path -> the first source that needs it
+    seen: set[str] = set()
     for src in sources:
         path = os.path.abspath(src)
+        if path in seen:  # named twice (``ds ds/``): staged once, as ``cp -r`` does
+            continue
+        seen.add(path)
         try:
             st = os.stat(path)
         except OSError as exc:

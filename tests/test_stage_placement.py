@@ -94,7 +94,7 @@ def test_a_file_that_cannot_be_placed_is_not_counted(tmp_path):
     assert len(doc["errors"]) == 1 and "cannot place at mid/a" in doc["errors"][0]
 
 
-def _stage_here(dest: Path, *sources: Path, mode: str = "replicate") -> int:
+def _stage_here(dest: Path, *sources: Path | str, mode: str = "replicate") -> int:
     cfg = StageConfig(dest=str(dest), sources=tuple(map(str, sources)), quiet=True, mode=mode)
     return stage(cfg, world())
 
@@ -262,3 +262,18 @@ def test_a_source_that_would_land_on_itself_is_refused(tmp_path):
     assert os.stat(src / "f").st_nlink == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tar", "ds", "hard"]
     assert sorted(p.name for p in src.iterdir()) == ["f"]
+
+
+def test_a_source_named_twice_is_staged_once(tmp_path):
+    """``stage ds ds/`` (or an archive named twice) planned every file twice: the second copy
+    found its temp file taken by the first, ``cannot place at ds/f: No such file or
+    directory`` for each file, exit 1. ``cp -r`` copies it once."""
+    src = tmp_path / "ds"
+    src.mkdir()
+    (src / "f").write_bytes(b"data")
+    archive = write_archive(tmp_path / "a.tar", tar_bytes([(file_info("m"), b"m")]))
+    dest = tmp_path / "dest"
+    assert _stage_here(dest, src, f"{src}/", archive, archive) == Exit.OK
+    entries = json.loads((dest / ".datastore" / "manifest.json").read_text())["entries"]
+    assert sorted(entries) == ["ds/f", "m"]
+    assert (dest / "ds" / "f").read_bytes() == b"data" and (dest / "m").read_bytes() == b"m"
