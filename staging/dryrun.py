@@ -54,8 +54,8 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
                     "bytes": nbytes,
                     "skipped": skipped,
                     "estimate_s": round(seconds, 2),
-                    "read_mib_per_s": round(probe.read_bps / MIB, 1),
-                    "write_mib_per_s": round(probe.write_bps / MIB, 1),
+                    "read_mib_per_s": _mib(probe.read_bps),
+                    "write_mib_per_s": _mib(probe.write_bps),
                     "items": [{"dest": i.dest, "source": i.source, "bytes": i.size} for i in copy],
                     "removed": removed,
                     "errors": plan.errors,
@@ -72,9 +72,18 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
             f"{skipped} unchanged would be skipped; {len(removed)} would be removed"
         )
         print(
-            f"estimated time: {seconds:.1f} s (probed read {probe.read_bps / MIB:.0f} MiB/s, "
-            f"write {probe.write_bps / MIB:.0f} MiB/s, {probe.per_file_s * 1e3:.2f} ms per file)"
+            f"estimated time: {seconds:.1f} s (probed read {_rate(probe.read_bps)}, "
+            f"write {_rate(probe.write_bps)}, {probe.per_file_s * 1e3:.2f} ms per file)"
         )
         for e in plan.errors:
             print(f"datastore stage: error: {e}", file=sys.stderr)
     return Exit.BAD_INPUT if plan.errors else Exit.OK
+
+
+def _mib(bps: float | None) -> float | None:
+    """A probed rate in MiB/s for ``--json``; ``None`` (null) where none was measured."""
+    return None if bps is None else round(bps / MIB, 1)
+
+
+def _rate(bps: float | None) -> str:
+    return "not measured" if bps is None else f"{bps / MIB:.0f} MiB/s"

@@ -41,12 +41,14 @@ from helpers import (
 )
 
 import staging.verify
-from staging.cluster import LAUNCH_ENV, Layout
+from staging.cluster import LAUNCH_ENV, Layout, world
 from staging.config import StageConfig
 from staging.copy import Stats
+from staging.dryrun import dry_run
+from staging.exitcodes import Exit
 from staging.plan import Plan
 from staging.progress import MIB, bar_columns
-from staging.stage import _Log, summary_line
+from staging.stage import _Log, stage, summary_line
 from staging.verify import REPAIR
 
 LEAF = 32 * 1024 * 1024  # the leaf size documented in staging/checksum.py
@@ -667,6 +669,31 @@ def test_stage_summary_in_binary_units(tmp_path, run_stage, make_tree):
     assert "mb_per_s" not in doc and type(doc["mib_per_s"]) is float
     dry = run_stage(src, "--to", tmp_path / "dry", "--dry-run", check=0).stdout.splitlines()[-1]
     assert re.fullmatch(r"estimated time: .* \(probed read \d+ MiB/s, write \d+ MiB/s, .*\)", dry)
+
+
+def test_a_dry_run_says_what_its_probes_could_not_measure(tmp_path, capsys, monkeypatch):
+    """A DEST without room for the 64 MiB write probe ended ``--dry-run`` with ``internal error:
+    OSError: [Errno 28] No space left on device``, nothing listed; with nothing to copy, the
+    read probe was ``"read_mib_per_s": Infinity`` (not JSON). Both are null now."""
+    src = tmp_path / "ds"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 4096)
+    dest = tmp_path / "dest"
+    cfg = StageConfig(dest=str(dest), sources=(str(src),), dry_run=True, json=True)
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fdatasync", full)
+    assert dry_run(cfg) == Exit.OK
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["files"], doc["write_mib_per_s"]) == (1, None) and doc["read_mib_per_s"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # the probe left nothing
+    monkeypatch.undo()
+    assert stage(StageConfig(dest=str(dest), sources=(str(src),), quiet=True), world()) == 0
+    assert dry_run(cfg) == Exit.OK
+    doc = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
+    assert (doc["files"], doc["read_mib_per_s"]) == (0, None) and doc["write_mib_per_s"] > 0
 
 
 def test_progress_bar_in_binary_units():
