@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 from staging.config import StageConfig
 from staging.exitcodes import Exit
 from staging.manifest import Manifest, meta_dir
 from staging.plan import assign, build_plan
-from staging.probe import measure
+from staging.probe import existing_ancestor, measure
 from staging.progress import MIB, human_bytes
 from staging.stage import (
     planned_names,
+    space_shortfall,
     stale_files,
     trees_to_clean,
     up_to_date,
@@ -44,6 +46,9 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
     sources = [i.path for i in copy if i.kind == "file" and i.path]
     largest = max(sources, key=os.path.getsize, default=None)
     probe = measure(largest, dest)
+    usage = shutil.disk_usage(existing_ancestor(dest))
+    short = space_shortfall(dest, nbytes, usage.free, usage.total)  # as the run would refuse
+    errors = plan.errors + ([short] if short else [])
     seconds = probe.estimate(nbytes, len(copy), cfg.streams)
     if cfg.json:
         print(
@@ -58,7 +63,7 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
                     "write_mib_per_s": _mib(probe.write_bps),
                     "items": [{"dest": i.dest, "source": i.source, "bytes": i.size} for i in copy],
                     "removed": removed,
-                    "errors": plan.errors,
+                    "errors": errors,
                 }
             )
         )
@@ -75,9 +80,9 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
             f"estimated time: {seconds:.1f} s (probed read {_rate(probe.read_bps)}, "
             f"write {_rate(probe.write_bps)}, {probe.per_file_s * 1e3:.2f} ms per file)"
         )
-        for e in plan.errors:
+        for e in errors:
             print(f"datastore stage: error: {e}", file=sys.stderr)
-    return Exit.BAD_INPUT if plan.errors else Exit.OK
+    return Exit.NO_SPACE if short else Exit.BAD_INPUT if plan.errors else Exit.OK
 
 
 def _mib(bps: float | None) -> float | None:

@@ -9,7 +9,7 @@ import time
 
 from staging.durable import syncfs
 
-__all__ = ["Probe", "measure"]
+__all__ = ["Probe", "existing_ancestor", "measure"]
 
 PROBE_BYTES = 64 * 1024 * 1024
 PROBE_FILES = 64
@@ -28,7 +28,8 @@ class Probe:
         return max((nbytes / r for r in rates), default=0.0) + nfiles * self.per_file_s / streams
 
 
-def _existing_ancestor(path: str) -> str:
+def existing_ancestor(path: str) -> str:
+    """``path``, or its nearest parent that is a directory (DEST before it is made)."""
     path = os.path.abspath(path)
     while not os.path.isdir(path):
         path = os.path.dirname(path)
@@ -46,7 +47,7 @@ def measure(largest_source: str | None, dest: str) -> Probe:
         with open(largest_source, "rb", buffering=0) as f:
             got = len(f.read(n))
         read_bps = got / max(time.perf_counter() - t0, 1e-6) if got else None
-    where = _existing_ancestor(dest)
+    where = existing_ancestor(dest)
     room = shutil.disk_usage(where).free // 2 >> 20 << 20  # whole MiB
     try:
         write_bps, per_file_s = _write_probe(where, min(PROBE_BYTES, room))

@@ -178,12 +178,9 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                     "skipping the free-space check",
                     file=sys.stderr,
                 )
-            if usage.total and work.todo_bytes - held > usage.free:  # held: written already
-                work.code = Exit.NO_SPACE
-                work.error = (
-                    f"{dest}: not enough space: need {human_bytes(work.todo_bytes)}, "
-                    f"{human_bytes(usage.free + held)} available"
-                )
+            short = space_shortfall(dest, work.todo_bytes, usage.free + held, usage.total)
+            if short:  # held: written already
+                work.code, work.error = Exit.NO_SPACE, short
             else:
                 _drop(
                     manifest,
@@ -262,6 +259,14 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     if lay.rank == 0:
         log.summary(plan, every, elapsed, lay, sum(b for *_, b in status))
     return Agreed(code)
+
+
+def space_shortfall(dest: str, need: int, free: int, total: int) -> str | None:
+    """The error of a DEST whose ``free`` bytes cannot take the ``need`` bytes to copy;
+    ``None`` where they fit, or the filesystem reports no capacity (``total`` 0: ramfs)."""
+    if not total or need <= free:
+        return None
+    return f"{dest}: not enough space: need {human_bytes(need)}, {human_bytes(free)} available"
 
 
 def locked_message(dest: str, template: str, lay: Layout) -> str:

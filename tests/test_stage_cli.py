@@ -696,6 +696,22 @@ def test_a_dry_run_says_what_its_probes_could_not_measure(tmp_path, capsys, monk
     assert (doc["files"], doc["read_mib_per_s"]) == (0, None) and doc["write_mib_per_s"] > 0
 
 
+def test_a_dry_run_says_what_the_run_would_refuse_for_space(tmp_path, capsys, monkeypatch):
+    """40 MiB to stage on an 8 MiB DEST: ``--dry-run`` said ``would stage 41 files, 40.3 MiB``,
+    exit 0, and the run then refused it (exit 3). The dry run says so as the run would."""
+    src = tmp_path / "ds"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 3 * MIB)
+    usage = shutil.disk_usage(tmp_path)._replace(total=8 * MIB, free=2 * MIB)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+    cfg = StageConfig(dest=str(tmp_path / "dest"), sources=(str(src),), dry_run=True)
+    assert dry_run(cfg) == Exit.NO_SPACE
+    out, err = capsys.readouterr()
+    assert "would stage 1 files, 3.0 MiB" in out
+    want = "not enough space: need 3.0 MiB, 2.0 MiB available"
+    assert err == f"datastore stage: error: {cfg.dest}: {want}\n"
+
+
 def test_progress_bar_in_binary_units():
     """The bar's columns, rendered for a task that moved 2 MiB in the last second (rich's
     clock given, so nothing depends on time)."""
