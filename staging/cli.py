@@ -217,12 +217,15 @@ def run(args: argparse.Namespace) -> int:
     except LaunchMismatch as exc:
         print(f"datastore stage: error: {exc}", file=sys.stderr)
         return Agreed(Exit.BAD_INPUT)  # (each process in a world of its own)
-    if cfg.dry_run:
-        if comm.Get_rank() != 0:
+    if cfg.dry_run:  # node 0's plan, its share of the run's nodes in shard mode
+        from staging.cluster import layout
+
+        lay, _ = layout(comm, cfg.ranks_per_node)
+        if lay.rank != 0:
             return Exit.OK
         from staging.dryrun import dry_run
 
-        return dry_run(cfg)
+        return dry_run(cfg, lay.node, lay.nodes)
     code = Exit.OK
     if cfg.sources:
         from staging.stage import stage

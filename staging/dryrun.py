@@ -68,12 +68,13 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
             )
         )
     else:
+        where = f"{dest} (node {node} of {nodes})" if nodes > 1 else dest
         for i in copy:
             print(f"copy {human_bytes(i.size):>10}  {i.dest}  <-  {i.source}")
         for key in removed:
             print(f"remove      {key}  (no longer in the source or this node's share)")
         print(
-            f"would stage {len(copy)} files, {human_bytes(nbytes)} ({nbytes} bytes) into {dest}; "
+            f"would stage {len(copy)} files, {human_bytes(nbytes)} ({nbytes} bytes) into {where}; "
             f"{skipped} unchanged would be skipped; {len(removed)} would be removed"
         )
         print(

@@ -166,6 +166,18 @@ def test_a_sharded_archive_stays_on_one_node_each_across_reruns(tmp_path):
     assert {**shares[0], **shares[1]} == members
 
 
+def test_a_dry_run_under_mpi_plans_node_0s_share_of_every_node(dataset, tmp_path):
+    """``--dry-run --mode shard`` on 2 nodes planned node 0 as the only node: after a full
+    shard stage it said node 0 would copy node 1's files (``would stage 20 files``, where the
+    run copies none); a changed source showed nothing that would go to node 1."""
+    args = [str(dataset), "--to", str(tmp_path / "node{node}"), "--mode", "shard"]
+    args += ["--ranks-per-node", "1", "--json"]
+    assert mpirun(2, *args).returncode == 0
+    mine = {p for p, e in manifest(tmp_path / "node0")["entries"].items() if e["kind"] == "file"}
+    dry = summary(mpirun(2, *args, "--dry-run"))
+    assert (dry["files"], dry["skipped"], dry["removed"]) == (0, len(mine), [])
+
+
 def test_failing_rank_ends_all_ranks_quickly(dataset, tmp_path):
     (tmp_path / "node1").write_text("a file where node 1's DEST should be")
     proc = mpirun(
