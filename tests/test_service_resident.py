@@ -10,8 +10,10 @@ import time
 
 import h5py
 import numpy as np
+import pytest
 
 from datastore.service import resident
+from datastore.service.errors import ServiceError
 from datastore.service.resident import Residency
 
 SAMPLES = 16
@@ -147,6 +149,24 @@ def _shard(path, n):
     with h5py.File(path, "w") as f:
         f["x"] = np.zeros((n, 2), np.float32)
         f["y"] = np.arange(n)
+
+
+def test_hdf5_shards_on_different_nodes_are_refused_not_served_as_each_nodes_whole(tmp_path):
+    """``stage --mode shard`` of an HDF5 set puts whole shards on each node. The store shards
+    only files of one sample each, and served each node's share as the whole dataset: a job
+    got 16 of 32 samples per epoch, its ranks on each node from different halves, silently."""
+    for node, n in ((0, 16), (1, 20)):
+        (tmp_path / f"n{node}").mkdir()
+        _shard(tmp_path / f"n{node}" / f"part-{node}.h5", n)
+    res = Residency(link=_CountingLink(str(tmp_path / "n1")))
+    try:
+        with pytest.raises(ServiceError) as refused:
+            res.acquire(str(tmp_path / "n0"), str(tmp_path / "n{node}"))
+        assert refused.value.code == "FAILED_PRECONDITION"
+        assert "--mode replicate" in str(refused.value)
+        assert res.all() == []
+    finally:
+        res.close()
 
 
 def test_a_file_added_to_a_directory_glob_or_spec_makes_the_dataset_read_again(tmp_path):

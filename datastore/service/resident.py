@@ -371,7 +371,7 @@ def listing(path: str, roots: tuple[Path, ...] = ()) -> tuple[bool, list[str], d
     try:
         root = path if os.path.isdir(path) else os.path.dirname(path)
         ok = getattr(reader, "format", None) in SHARDABLE and hasattr(reader, "files")
-        names = sorted(os.path.relpath(f, root) for f in reader.files) if ok else []
+        names = sorted(os.path.relpath(f, root) for f in getattr(reader, "files", ()))
         signature = {n: (str(f.dtype), tuple(f.shape)) for n, f in reader.fields.items()}
         return ok, names, signature
     finally:
@@ -606,8 +606,15 @@ class Residency:
         mine = listing(path, self.roots)
         link, theirs = self.link, self._describe_others(template)
         every = [mine if n == self.node else theirs[n] for n in range(link.nodes)]
-        if not all(ok for ok, _, _ in every) or all(held == mine[1] for _, held, _ in every):
+        if all(held == mine[1] for _, held, _ in every):
             return None
+        if not all(ok for ok, _, _ in every):  # (each node served its own share as the whole)
+            raise ServiceError(
+                "FAILED_PRECONDITION",
+                f"the nodes hold different files of {shown(template)}, and the store shards "
+                "only datasets of one sample per file (.npy/.npz, HDF5 per sample): stage it "
+                "with --mode replicate, or as files of one sample each",
+            )
         if any(sig != mine[2] for _, _, sig in every):
             raise ServiceError(
                 "FAILED_PRECONDITION", f"the nodes' shards of {template!r} have different fields"
