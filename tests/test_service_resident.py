@@ -145,6 +145,53 @@ def test_a_peers_fetch_asks_no_other_node(tmp_path, monkeypatch):
     res.release(r)
 
 
+class _Asking(_CountingLink):
+    """Node 1's view of the store (node 0 holds ``other``), keeping the fetches it starts."""
+
+    node = 1
+
+    def __init__(self, other):
+        super().__init__(other)
+        self.asked = []
+
+    def start(self, dest, request, into):
+        self.asked.append((dest, request))
+
+
+def test_an_owner_whose_files_changed_refuses_a_fetch_of_the_old_global_index(tmp_path):
+    """A file staged onto a node while a job ran: the next job's opening had that node read its
+    files again, and the running job's fetches of sample i got the new index's sample i
+    (batches [23, 24, 25, 26] where [24, 25, 26, 27] were due, silently). A fetch now names
+    its copy's global index, and an owner with another refuses it (``ABORTED``)."""
+    for node, keys in ((0, (0, 1)), (1, (2, 3))):
+        (tmp_path / f"n{node}").mkdir()
+        for k in keys:
+            np.save(tmp_path / f"n{node}" / f"{k:02d}.npy", np.full(4, k, np.float32))
+    path, template = str(tmp_path / "n1"), str(tmp_path / "n{node}")
+    res = Residency(link=_Asking(str(tmp_path / "n0")))
+    try:
+        old = res.acquire(path, template)
+        old.wait()
+        assert old.pieces([2], ["data"], None, 0, old.index).runs()[0].view(np.float32)[0] == 2
+        np.save(tmp_path / "n1" / "02a.npy", np.full(4, 99, np.float32))  # staged meanwhile
+        new = res.acquire(path, template, force=True)
+        new.wait()
+        assert new is not old and new.index != old.index
+        with pytest.raises(ServiceError) as refused:
+            new.pieces([3], ["data"], None, 0, old.index)  # the old index's 3 is "03": new 4
+        assert refused.value.code == "ABORTED" and "changed" in str(refused.value)
+        assert (
+            new.pieces_in_ram([3], ["data"], None, 0, new.index).runs()[0].view(np.float32)[0] == 99
+        )
+        fields = new._asked([], ["data"], None, 0, b"")
+        new.start_fetch(np.array([0]), fields, None, 0, {"data": np.zeros((1, 4), np.float32)})
+        assert [(d, r["index"]) for d, r in res.link.asked] == [(0, new.index)]
+        res.release(old)
+        res.release(new)
+    finally:
+        res.close()
+
+
 def _shard(path, n):
     with h5py.File(path, "w") as f:
         f["x"] = np.zeros((n, 2), np.float32)

@@ -114,6 +114,7 @@ class PeersServicer:
                 "spatial": self._spatial_of(request.spatial),
                 "block": request.block,
                 "pieces": request.pieces,
+                "index": request.index,
             }
         )
         if isinstance(reply, Pieces):  # straight from the store: nothing packed

@@ -270,6 +270,7 @@ class GrpcPeers:
             spatial=_layout(request["spatial"]),
             block=request["block"],
             pieces=bool(request.get("pieces")),
+            index=request.get("index", b""),
         )
         into = [_as_bytes(t) for t in targets(out)]
         conn = None if self._over_grpc(dest) else self._connection(dest, job)

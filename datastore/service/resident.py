@@ -161,6 +161,11 @@ class Resident:
         nodes: none sees every file)."""
         return "" if self.owner is not None else identity(self.reader.files)
 
+    @functools.cached_property
+    def index(self) -> bytes:
+        """Its global index as the services' fetches name it (``b""``: not sharded)."""
+        return b"" if self.owner is None else index_digest(self.owner)
+
     @property
     def nbytes(self) -> int:
         """Bytes of every sample held here, resident or not."""
@@ -230,23 +235,27 @@ class Resident:
                 "spatial": spatial,
                 "block": block,
                 "pieces": True,  # (a peer of an older version sent whole boxes)
+                "index": self.index,  # (an owner whose files changed since refuses it)
                 "expect": _expect(tuple(fields), len(at)),
             }
             pending.append(self.link.start(dest, request, into))
         return Fetching(frozenset(p for at in by_owner.values() for p in at), pending, after)
 
-    def pieces(self, samples: list[int], names: list[str], spatial: Any, block: int) -> Pieces:
+    def pieces(
+        self, samples: list[int], names: list[str], spatial: Any, block: int, index: bytes = b""
+    ) -> Pieces:
         """What a peer asked for: ``block`` of every field of ``samples``, its parts inside the
         volume straight from the store, field after field, sample after sample; the asker
-        zeroes the halo outside the volume."""
-        return self._pieces(samples, self._asked(samples, names, spatial, block))
+        zeroes the halo outside the volume. ``index``: the global index the asker's copy has
+        (``b""``: not compared)."""
+        return self._pieces(samples, self._asked(samples, names, spatial, block, index))
 
     def pieces_in_ram(
-        self, samples: list[int], names: list[str], spatial: Any, block: int
+        self, samples: list[int], names: list[str], spatial: Any, block: int, index: bytes = b""
     ) -> Pieces | None:
         """:meth:`pieces` where every field of ``samples`` is in RAM (views: nothing read);
         ``None`` where one is not."""
-        fields = self._asked(samples, names, spatial, block)
+        fields = self._asked(samples, names, spatial, block, index)
         views = self.store.ram_views(samples, [f.name for f in fields])
         if views is None:
             return None
@@ -258,8 +267,17 @@ class Resident:
             [(self.store.lasting(i, f.name), covered(f)[0]) for f in fields for i in samples]
         )
 
-    def _asked(self, samples: list[int], names: list[str], spatial: Any, block: int) -> list:
-        """The delivered fields of a peer's request, checked (its samples owned here)."""
+    def _asked(
+        self, samples: list[int], names: list[str], spatial: Any, block: int, index: bytes
+    ) -> list:
+        """The delivered fields of a peer's request, checked (its samples owned here, its
+        global index this copy's)."""
+        if index and index != self.index:  # (its sample i is another sample here)
+            raise ServiceError(
+                "ABORTED",
+                f"the files of {shown(self.template)} changed there since the asking job "
+                "opened them (other samples there now): start its loaders again",
+            )
         n = self.num_samples
         outside = [i for i in samples if not 0 <= i < n]
         if outside:
@@ -376,6 +394,12 @@ def listing(path: str, roots: tuple[Path, ...] = ()) -> tuple[bool, list[str], d
         return ok, names, signature
     finally:
         reader.close()
+
+
+def index_digest(owner: RunOwners) -> bytes:
+    """A sharded dataset's global index (its owners' runs) as 16 bytes."""
+    runs = owner.starts.tobytes() + owner.ranks.tobytes() + owner.num_samples.to_bytes(8, "little")
+    return hashlib.blake2b(runs, digest_size=16).digest()
 
 
 def _digest(listings: dict[int, Any]) -> bytes:

@@ -475,4 +475,5 @@ def _dataset_status(r: Resident) -> Any:
 
 def _asked(request: dict) -> tuple:
     """A peer's fetch as :meth:`~datastore.service.resident.Resident.pieces` takes it."""
-    return request["samples"], request["fields"], request["spatial"], request["block"]
+    index = request.get("index", b"")
+    return request["samples"], request["fields"], request["spatial"], request["block"], index

@@ -389,7 +389,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, shardable: _Optional[bool] = ..., files: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSignature, _Mapping]]] = ...) -> None: ...
 
 class FetchBlocksRequest(_message.Message):
-    __slots__ = ("header", "dataset_path", "samples", "fields", "spatial", "block", "pieces")
+    __slots__ = ("header", "dataset_path", "samples", "fields", "spatial", "block", "pieces", "index")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATASET_PATH_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +397,7 @@ class FetchBlocksRequest(_message.Message):
     SPATIAL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     header: PeerHeader
     dataset_path: str
     samples: _containers.RepeatedScalarFieldContainer[int]
@@ -404,7 +405,8 @@ class FetchBlocksRequest(_message.Message):
     spatial: SpatialLayout
     block: int
     pieces: bool
-    def __init__(self, header: _Optional[_Union[PeerHeader, _Mapping]] = ..., dataset_path: _Optional[str] = ..., samples: _Optional[_Iterable[int]] = ..., fields: _Optional[_Iterable[str]] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., block: _Optional[int] = ..., pieces: _Optional[bool] = ...) -> None: ...
+    index: bytes
+    def __init__(self, header: _Optional[_Union[PeerHeader, _Mapping]] = ..., dataset_path: _Optional[str] = ..., samples: _Optional[_Iterable[int]] = ..., fields: _Optional[_Iterable[str]] = ..., spatial: _Optional[_Union[SpatialLayout, _Mapping]] = ..., block: _Optional[int] = ..., pieces: _Optional[bool] = ..., index: _Optional[bytes] = ...) -> None: ...
 
 class FetchBlocksResponse(_message.Message):
     __slots__ = ("data",)
