@@ -84,10 +84,11 @@ class Store:
 
 
 @contextlib.contextmanager
-def two_services(tmp, kind=Store):
-    """A dataset staged sharded under ``tmp`` and both services of a ``kind`` store on it:
-    ``(source dir, dataset template, store)``; the services are killed at the end."""
-    src, env = stage_sharded(tmp)
+def two_services(tmp, kind=Store, write=None):
+    """A dataset staged sharded under ``tmp`` (the 20 samples of ``stage_sharded``, or what
+    ``write(src)`` writes) and both services of a ``kind`` store on it: ``(source dir, dataset
+    template, store)``; the services are killed at the end."""
+    src, env = stage_sharded(tmp, write)
     s = kind(tmp, env)
     try:
         s.start(0)
@@ -173,6 +174,22 @@ def test_grpc_fetch_ahead_keeps_the_embedded_batches_across_a_partial_step_and_e
         finally:
             remote.close()
             local.close()
+
+
+def _with_scalars(src):
+    for i in range(8):
+        x = np.random.default_rng(i).standard_normal((1, 4, 2, 2)).astype(np.float32)
+        np.savez(src / f"s{i}.npz", x=x, cls=np.int64(1000 + i))
+
+
+@pytest.mark.mpi
+def test_a_scalar_field_of_a_sharded_store_arrives_exactly(tmp_path):
+    """A 0-d field (a class label): ``out[field][pos]`` is a copy, not a view, for it. A
+    batch's local samples failed the stream (``INTERNAL``: copyto of a numpy.int64), and the
+    other node's labels landed in a temporary, the batch keeping zeros."""
+    with two_services(tmp_path, write=_with_scalars) as (src, template, s):
+        kw = {"rank": 0, "world": 2, "seed": 1, "spatial": None, "batch_size": 2}
+        _as_embedded(src, template, s.sockets[0], 1, kw)
 
 
 @pytest.mark.mpi

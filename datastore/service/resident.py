@@ -217,7 +217,7 @@ class Resident:
             for f in fields:  # the reply's order: field after field, sample after sample
                 inner = covered(f)[1]
                 for pos in at:
-                    dst = out[f.name][pos]
+                    dst = out[f.name][pos, ...]  # (a view, a 0-d field's too)
                     part = dst[inner] if f.blocked else dst
                     if part.flags.c_contiguous:
                         into.append(part.reshape(-1).view(np.uint8))

@@ -351,7 +351,7 @@ class Stream:
             return _Filling(step, slot, message, None)
         try:
             copies = [
-                part_copy(f, out[f.name][pos], self._sample(index, f.name))
+                part_copy(f, out[f.name][pos, ...], self._sample(index, f.name))
                 for pos, index in enumerate(samples.tolist())
                 if pos not in fetching.positions
                 for f in self._fields
