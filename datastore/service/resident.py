@@ -275,8 +275,9 @@ class Resident:
         if index and index != self.index:  # (its sample i is another sample here)
             raise ServiceError(
                 "ABORTED",
-                f"the files of {shown(self.template)} changed there since the asking job "
-                "opened them (other samples there now): start its loaders again",
+                f"its copy of {shown(self.template)} holds other samples than the asking "
+                "job's (files staged to or removed from a node since one of them read it): "
+                "start the job again; if this persists, `datastore load` it on this node",
             )
         n = self.num_samples
         outside = [i for i in samples if not 0 <= i < n]
