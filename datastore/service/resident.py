@@ -295,11 +295,13 @@ class Resident:
                     "FAILED_PRECONDITION", f"sample {stray[0]} is not on node {self.node}"
                 )
         key = (tuple(names), repr(spatial), block)  # (a stream asks the same every batch)
-        if key not in self.asked_fields:
+        fields = self.asked_fields.get(key)  # (one lookup: another thread may clear it)
+        if fields is None:
+            fields = self._delivered(names, spatial, block)
             if len(self.asked_fields) >= ASKED_KEPT:
                 self.asked_fields.clear()
-            self.asked_fields[key] = self._delivered(names, spatial, block)
-        return self.asked_fields[key]
+            self.asked_fields[key] = fields
+        return fields
 
     def _delivered(self, names: list[str], spatial: Any, block: int) -> list[Delivered]:
         info = {f: self.reader.fields[f] for f in names}
