@@ -17,6 +17,7 @@ holds them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import math
@@ -156,6 +157,22 @@ def _raw_fingerprint(kw: dict[str, Any]) -> dict[str, str]:
 
 STUCK_WAIT_S = 1.0  # how long a producer that gave nothing within the timeout is waited for
 CLOSED = "this loader is closed (close(), or the end of its with block): make a new one"
+EXIT_WAIT_S = 5.0  # how long the prefetch threads still running at exit are waited for, in all
+_PREFETCHING: set[tuple[threading.Thread, threading.Event]] = set()  # (thread, its stop)
+
+
+@atexit.register
+def _stop_prefetching() -> None:
+    """Stop the prefetch threads of passes still open at exit (an iterator kept after a peek,
+    an exception out of a list comprehension), before the interpreter ends its daemon threads
+    where they stand: one ended inside a torch call aborts the process (``terminate called
+    without an active exception``, exit 134)."""
+    live = list(_PREFETCHING)
+    for _, stop in live:
+        stop.set()
+    end = time.monotonic() + EXIT_WAIT_S
+    for worker, _ in live:
+        worker.join(max(0.0, end - time.monotonic()))
 
 
 def _offer(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
@@ -626,6 +643,7 @@ class DataStoreLoader(EpochPosition):
         )
         worker.start()
         self._workers = [(w, s) for w, s in self._workers if w.is_alive()] + [(worker, stop)]
+        _PREFETCHING.add((worker, stop))
         stuck = False  # the producer gave nothing within the timeout
         try:
             while True:
@@ -660,6 +678,7 @@ class DataStoreLoader(EpochPosition):
             stop.set()
             # a stuck producer is not waited for again: the error goes out at the timeout
             worker.join(STUCK_WAIT_S if stuck else self.options.timeout + 10)
+            _PREFETCHING.discard((worker, stop))
             if worker.is_alive():
                 self._broken = (
                     "the loader's prefetch thread did not stop within the timeout (a peer "
