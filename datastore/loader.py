@@ -66,7 +66,7 @@ from datastore.store.ring import BufferRing, can_pin, staging_pinned
 from datastore.store.shards import shard_layout
 from datastore.store.store import Counters, SlotSpec, Store
 
-__all__ = ["VALID", "DataStoreLoader", "LoaderOptions", "LoaderSampler"]
+__all__ = ["VALID", "DataStoreLoader", "LoaderDataset", "LoaderOptions", "LoaderSampler"]
 
 VALID = "valid"  # the key of the mask of real samples when drop_last=False
 # the arguments that fix which samples each rank receives at every step (``rank_view``'s)
@@ -497,7 +497,7 @@ class DataStoreLoader(EpochPosition):
         if self.reader is not reader:  # the data is every node's share
             every = " ".join(self._coll.allgather(files)).encode()
             files = hashlib.blake2b(every, digest_size=8).hexdigest()
-        self.dataset = {"location": _name(dataset, reader.location), "identity": files}
+        self._data_id = {"location": _name(dataset, reader.location), "identity": files}
         error: BaseException | None = None
         try:
             if not len(self.reader):
@@ -583,7 +583,7 @@ class DataStoreLoader(EpochPosition):
         self.batch_size = source.batch_size
         self.reader = None
         if source.identity:
-            self.dataset = {"location": _name(dataset, str(dataset)), "identity": source.identity}
+            self._data_id = {"location": _name(dataset, str(dataset)), "identity": source.identity}
         return source
 
     # -- iteration -----------------------------------------------------------------------------
@@ -694,6 +694,12 @@ class DataStoreLoader(EpochPosition):
         rank gets per epoch, as a ``DistributedSampler``'s."""
         return LoaderSampler(self)
 
+    @property
+    def dataset(self) -> LoaderDataset:
+        """What a ``DataLoader``'s ``dataset`` is to ported scripts: its ``len`` is the samples
+        in the dataset, what they divide summed losses by (``len(test_loader.dataset)``)."""
+        return LoaderDataset(self.schedule.num_samples)
+
     # -- what it did ---------------------------------------------------------------------------
     @property
     def session_id(self) -> str | None:
@@ -765,6 +771,17 @@ class LoaderSampler:
 
     def __len__(self) -> int:
         return len(self.loader) * self.loader.batch_size
+
+
+class LoaderDataset:
+    """``loader.dataset``: its ``len()`` is the samples in the dataset (over every rank,
+    padding repeats not counted), as a ``DataLoader``'s dataset's."""
+
+    def __init__(self, num_samples: int):
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
 
 
 def _data_world(options: LoaderOptions, world: int) -> int:

@@ -131,7 +131,8 @@ def test_resume_refuses_other_data_of_the_same_size_and_takes_a_copy(h5, tmp_pat
     with pytest.raises(ValueError, match="cannot resume: the state_dict was saved over") as e:
         loader.load_state_dict(saved)
     assert f"{path!r} (files {saved['dataset']['identity']})" in str(e.value)
-    assert f"{str(other / 'train.h5')!r} (files {loader.dataset['identity']})" in str(e.value)
+    theirs = loader.state_dict()["dataset"]["identity"]
+    assert f"{str(other / 'train.h5')!r} (files {theirs})" in str(e.value)
     loader.load_state_dict({**saved, "dataset": None})  # on other data on purpose
 
 

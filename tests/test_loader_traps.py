@@ -199,6 +199,19 @@ def test_4_len_of_the_sampler_counts_samples_as_distributed_samplers_does(h5, dr
     assert [b["idx"].tolist() for b in loader] == want[:, 4:].tolist()
 
 
+@pytest.mark.filterwarnings(NO_COMM)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_4_len_of_the_dataset_counts_the_datasets_samples_as_a_dataloaders(h5, drop_last):
+    """``test_loss /= len(test_loader.dataset)`` (PyTorch's MNIST example): ``loader.dataset``
+    was the state's record of the data, a dict of 2 keys, so the mean came out 11 times too
+    large for 22 samples. Its ``len`` is now the samples in the dataset, a ``DataLoader``'s."""
+    path, _, _ = h5
+    loader = DataStoreLoader(path, batch_size=4, seed=1, drop_last=drop_last, rank=1, world=2)
+    torch_loader = torch.utils.data.DataLoader(range(N), batch_size=4, drop_last=drop_last)
+    assert len(loader.dataset) == len(torch_loader.dataset) == N
+    assert set(loader.state_dict()["dataset"]) == {"location", "identity"}
+
+
 def test_4_no_padding_still_has_an_all_true_valid(tmp_path):
     path = write(tmp_path / "e.h5", 8, 3)
     loader = DataStoreLoader(path, batch_size=4, drop_last=False)

@@ -539,7 +539,7 @@ class EpochPosition:
     schedule: Schedule
     epoch: int
     _step: int
-    dataset: dict[str, str] | None = None  # the data's location and identity, if known
+    _data_id: dict[str, str] | None = None  # the data's location and identity, if known
     _resume: bool = False  # a loaded position that the next iter() resumes
     _pass: int = 0  # the newest pass
 
@@ -560,12 +560,12 @@ class EpochPosition:
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out; resuming from it is O(1)."""
-        return state(self.schedule, self.epoch, self._step, self.dataset)
+        return state(self.schedule, self.epoch, self._step, self._data_id)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Resume at ``saved``'s position at the next ``iter()`` (once); a pass still live
         goes on without moving the position, as ``StatefulDataLoader``'s old iterator."""
-        epoch, step = check_state(self.schedule, saved, self.dataset)
+        epoch, step = check_state(self.schedule, saved, self._data_id)
         done = step >= self.schedule.steps_per_epoch
         self.epoch, self._step = (epoch + 1, 0) if done else (epoch, step)
         self._resume = True
