@@ -101,10 +101,7 @@ class LoaderOptions:
             v = kw[name]
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if isinstance(kw["fields"], str):
-            raise ValueError(f"fields must be a list of names, got the string {kw['fields']!r}")
-        if kw["fields"] is not None and len(kw["fields"]) == 0:
-            raise ValueError("fields=[] names no field: name at least one, or None for all")
+        fields = _field_names(kw["fields"])
         seed = kw["seed"]
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
             raise ValueError(f"seed must be an int, got {seed!r}")
@@ -124,7 +121,7 @@ class LoaderOptions:
         return cls(
             **{
                 **kw,
-                "fields": None if kw["fields"] is None else tuple(kw["fields"]),
+                "fields": fields,
                 "seed": int(kw["seed"]),
                 "shuffle": parse_shuffle(kw["shuffle"]),
                 "spatial": parse_spatial(kw["spatial"]),
@@ -146,6 +143,28 @@ class LoaderOptions:
         """What must be the same on every rank of a job."""
         order = {k: repr(getattr(self, k)) for k in ORDER_KEYS}
         return {**order, "fields": repr(self.fields), "exchange": repr(self.exchange.enabled)}
+
+
+def _field_names(fields: Any) -> tuple[str, ...] | None:
+    """``fields=`` as a tuple of distinct names (``None``: every field), the same check for
+    every source."""
+    if fields is None:
+        return None
+    if isinstance(fields, str):
+        raise ValueError(f"fields must be a list of names, got the string {fields!r}")
+    try:
+        names = tuple(fields)
+    except TypeError:
+        raise ValueError(f"fields must be a list of names, got {fields!r}") from None
+    if not names:
+        raise ValueError("fields=[] names no field: name at least one, or None for all")
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"fields must be a list of names, got {name!r} in {fields!r}")
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"fields names {name!r} twice: name each field once")
+    return names
 
 
 def _raw_fingerprint(kw: dict[str, Any]) -> dict[str, str]:
@@ -335,7 +354,7 @@ class DataStoreLoader(EpochPosition):
         reader = None
         if not remote and error is None:
             try:  # the fields asked for: others (an xarray file's coordinates) are not checked
-                reader = open_dataset(dataset, layout=layout, fields=tuple(fields or ()))
+                reader = open_dataset(dataset, layout=layout, fields=self.options.fields or ())
             except (OSError, ValueError) as exc:  # a missing path is a DatasetNotFound
                 error = exc
         self._agree(_raw_fingerprint(kw) if error else self.options.fingerprint(), error)

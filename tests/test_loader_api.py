@@ -187,6 +187,29 @@ def test_careless_arguments_are_named_when_made(h5, kw, error, message):
         DataStoreLoader(h5[0], batch_size=2, **kw)
 
 
+@pytest.mark.parametrize("service", [None, ServiceOptions("unix:///nonexistent/ds.sock")])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (["idx", "idx"], "^fields names 'idx' twice: name each field once$"),
+        ([1], r"^fields must be a list of names, got 1 in \[1\]$"),
+        (["x", None], r"^fields must be a list of names, got None in \['x', None\]$"),
+        (3, "^fields must be a list of names, got 3$"),
+    ],
+)
+def test_bad_fields_are_named_alike_embedded_and_with_a_service(h5, service, fields, message):
+    """Before a service is asked: ``fields=[1]`` was ``TypeError: bad argument type for
+    built-in operation`` from the service's request, and ``["x", "x"]`` delivered ``x`` once
+    there but was refused embedded, as "named twice in the spec" (no spec was given)."""
+    with pytest.raises(ValueError, match=message):
+        DataStoreLoader(h5[0], batch_size=2, fields=fields, service=service)
+
+
+def test_fields_may_be_any_iterable_of_names(h5):
+    batch = next(iter(DataStoreLoader(h5[0], batch_size=2, fields=iter(["idx"]))))
+    assert list(batch) == ["idx"]
+
+
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
