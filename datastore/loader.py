@@ -105,6 +105,8 @@ class LoaderOptions:
         seed = kw["seed"]
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        if not 0 <= seed < 2**64:  # (the service's wire and the trainer take no other)
+            raise ValueError(f"seed must be between 0 and 2**64 - 1, got {seed}")
         for name in ("drop_last", "pin_memory"):
             if not isinstance(kw[name], bool | np.bool_):
                 raise ValueError(f"{name} must be True or False, got {kw[name]!r}")
@@ -218,7 +220,7 @@ class DataStoreLoader(EpochPosition):
             ``global_batch_size`` instead, the samples per step over all data-parallel ranks.
         fields: fields to deliver; with a path, the others are not read or checked (an xarray
             file's coordinate arrays, of other lengths, may stay beside them). Default: all.
-        seed: shuffle seed, the same on every rank. Default: ``0``.
+        seed: shuffle seed, the same on every rank (0 to ``2**64 - 1``). Default: ``0``.
         shuffle: the order of every epoch (``datastore.maths.order``). ``"global"`` (or ``True``):
             a new permutation of the whole dataset, the same for any world size.
             ``"shard"``: each data rank draws a permutation of the samples its own ranks

@@ -155,6 +155,9 @@ def test_bad_device_and_threads_are_named(h5):
         ({"fields": []}, ValueError, r"fields=\[\] names no field"),
         ({"seed": "abc"}, ValueError, "seed must be an int, got 'abc'"),
         ({"seed": 1.5}, ValueError, "seed must be an int, got 1.5"),
+        # embedded such seeds were taken; datastore serve's "Value out of range: -5" named none
+        ({"seed": -5}, ValueError, r"^seed must be between 0 and 2\*\*64 - 1, got -5$"),
+        ({"seed": 2**64}, ValueError, r"^seed must be between 0 and 2\*\*64 - 1, got 1844"),
         ({"drop_last": "no"}, ValueError, "drop_last must be True or False, got 'no'"),
         ({"timeout": "5"}, ValueError, "timeout must be a number of seconds, got '5'"),
         ({"timeout": float("inf")}, ValueError, "timeout must be > 0 seconds and finite"),
