@@ -208,6 +208,18 @@ def test_bad_fields_are_named_alike_embedded_and_with_a_service(h5, service, fie
         DataStoreLoader(h5[0], batch_size=2, fields=fields, service=service)
 
 
+@pytest.mark.parametrize("epoch", [1.7, None, "2", -1, True])
+def test_set_epoch_refuses_what_is_not_an_epoch(h5, epoch):
+    """``set_epoch(1.7)`` went to epoch 1 and ``set_epoch(-1)`` to epoch -1 (whose
+    ``state_dict`` no loader would load), silently; ``set_epoch(None)`` was ``TypeError:
+    int() argument must be ...``, naming no call."""
+    loader = DataStoreLoader(h5[0], batch_size=2)
+    with pytest.raises(ValueError, match=rf"^set_epoch takes an int >= 0, got {epoch!r}$"):
+        loader.sampler.set_epoch(epoch)
+    loader.set_epoch(np.int64(3))
+    assert loader.state_dict()["epoch"] == 3
+
+
 def test_fields_may_be_any_iterable_of_names(h5):
     batch = next(iter(DataStoreLoader(h5[0], batch_size=2, fields=iter(["idx"]))))
     assert list(batch) == ["idx"]

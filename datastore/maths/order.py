@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -524,6 +525,18 @@ def _check_form(saved: Any, now: dict[str, Any]) -> None:
         )
 
 
+def _epoch_of(epoch: Any) -> int:
+    """``set_epoch``'s argument as an epoch: a whole number >= 0 (``numpy`` and 0-d integer
+    tensors too), never a truncated float."""
+    try:
+        value = None if isinstance(epoch, bool) else operator.index(epoch)
+    except TypeError:
+        value = None
+    if value is None or value < 0:
+        raise ValueError(f"set_epoch takes an int >= 0, got {epoch!r}")
+    return value
+
+
 class EpochPosition:
     """Where a loader is in its sequence: ``epoch`` and ``_step`` (the next batch) over
     ``schedule``. An epoch ends when its last batch is handed out, not when a ``for`` loop
@@ -551,7 +564,7 @@ class EpochPosition:
         ``epoch`` still resumes, as a ``DistributedSampler``'s under ``StatefulDataLoader``;
         a loaded start of the next epoch is the end of ``epoch``: its pass is empty). A pass
         still live goes on without moving the position, as a sampler's old iterator."""
-        epoch = int(epoch)
+        epoch = _epoch_of(epoch)
         if self._resume and self._step == 0 and epoch == self.epoch - 1:
             self.epoch, self._step = epoch, self.schedule.steps_per_epoch
         elif not (self._resume and epoch == self.epoch):
