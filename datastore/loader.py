@@ -691,9 +691,11 @@ class DataStoreLoader(EpochPosition):
                     batch = self._stage.hand_out(batch, event)
                 if self.transform is not None:  # here: its random draws are the loop's, in order
                     batch = self.transform(batch)
+                if self.collate is not None:  # (a batch it fails on is not handed out)
+                    batch = self.collate(batch)
                 self._handed_out(epoch, step, pass_)
                 start = step + 1
-                yield self.collate(batch) if self.collate is not None else batch
+                yield batch
                 del batch
         finally:
             stop.set()

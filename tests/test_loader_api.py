@@ -107,6 +107,29 @@ def test_collate_shapes_what_iteration_yields(h5):
         assert np.array_equal(xs.numpy(), x[idx.numpy()])
 
 
+@pytest.mark.parametrize("hook", ["transform", "collate"])
+def test_a_batch_a_hook_fails_on_is_not_handed_out(h5, hook):
+    """As with ``StatefulDataLoader`` (its ``collate_fn`` fails before the batch is yielded):
+    the state after the error is at the failed batch, which a resume gives again. A failed
+    ``collate`` counted its batch as handed out (step 3 after failing on the third)."""
+    calls = []
+
+    def fail_third(batch):
+        calls.append(batch["idx"].tolist())
+        if len(calls) == 3:
+            raise ValueError("bad batch")
+        return batch
+
+    loader = DataStoreLoader(h5[0], batch_size=2, seed=4, **{hook: fail_third})
+    with pytest.raises(ValueError, match="bad batch"):
+        for _ in loader:
+            pass
+    assert loader.state_dict()["step"] == 2
+    again = DataStoreLoader(h5[0], batch_size=2, seed=4)
+    again.load_state_dict(loader.state_dict())
+    assert next(iter(again))["idx"].tolist() == calls[2]
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_any_number_of_gather_threads_gives_the_same_bytes(h5, threads):
     path, x = h5
