@@ -99,7 +99,7 @@ class LoaderOptions:
             raise ValueError("give exactly one of batch_size (per rank) and global_batch_size")
         for name in ("batch_size", "global_batch_size"):
             v = kw[name]
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            if v is not None and not _whole(v):
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         fields = _field_names(kw["fields"])
         seed = kw["seed"]
@@ -110,9 +110,9 @@ class LoaderOptions:
         for name in ("drop_last", "pin_memory"):
             if not isinstance(kw[name], bool | np.bool_):
                 raise ValueError(f"{name} must be True or False, got {kw[name]!r}")
-        if not isinstance(kw["prefetch"], int) or kw["prefetch"] < 1:
+        if not _whole(kw["prefetch"]):
             raise ValueError(f"prefetch must be an int >= 1, got {kw['prefetch']!r}")
-        if kw["threads"] is not None and (not isinstance(kw["threads"], int) or kw["threads"] < 1):
+        if kw["threads"] is not None and not _whole(kw["threads"]):
             raise ValueError(f"threads must be an int >= 1, got {kw['threads']!r}")
         timeout = kw["timeout"]
         if isinstance(timeout, bool) or not isinstance(timeout, int | float | np.number):
@@ -145,6 +145,11 @@ class LoaderOptions:
         """What must be the same on every rank of a job."""
         order = {k: repr(getattr(self, k)) for k in ORDER_KEYS}
         return {**order, "fields": repr(self.fields), "exchange": repr(self.exchange.enabled)}
+
+
+def _whole(v: Any) -> bool:
+    """An int >= 1 (a bool is not: ``prefetch=True`` would be 1, less than the default)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 def _field_names(fields: Any) -> tuple[str, ...] | None:

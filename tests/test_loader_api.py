@@ -182,6 +182,8 @@ def test_bad_device_and_threads_are_named(h5):
         ({"seed": -5}, ValueError, r"^seed must be between 0 and 2\*\*64 - 1, got -5$"),
         ({"seed": 2**64}, ValueError, r"^seed must be between 0 and 2\*\*64 - 1, got 1844"),
         ({"drop_last": "no"}, ValueError, "drop_last must be True or False, got 'no'"),
+        ({"prefetch": True}, ValueError, "^prefetch must be an int >= 1, got True$"),  # was 1
+        ({"threads": True}, ValueError, "^threads must be an int >= 1, got True$"),
         ({"timeout": "5"}, ValueError, "timeout must be a number of seconds, got '5'"),
         ({"timeout": float("inf")}, ValueError, "timeout must be > 0 seconds and finite"),
         ({"rank": "0", "world": "1"}, ValueError, "rank must be an int, got '0'"),
