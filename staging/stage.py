@@ -21,7 +21,7 @@ from typing import Any
 from staging.checksum import LEAF_BYTES
 from staging.cluster import Layout, layout
 from staging.config import StageConfig
-from staging.copy import Engine, Stats, settle_dirs, tmp_dir, within
+from staging.copy import Engine, Stats, mode_mask, settle_dirs, tmp_dir, within
 from staging.directio import IoPolicy
 from staging.exitcodes import Agreed, Exit
 from staging.manifest import Manifest, lock_dest, meta_dir
@@ -43,6 +43,7 @@ class NodeWork:
     skipped: int = 0
     skipped_bytes: int = 0
     todo_bytes: int = 0
+    modes: list[tuple[str, int]] = field(default_factory=list)  # up to date, mode changed
     error: str | None = None
     code: int = 0
 
@@ -51,22 +52,32 @@ def up_to_date(item: Item, entry: dict[str, Any] | None, dest: str) -> bool:
     """True when ``item`` was staged from the same source state and is still in place as the
     stage left it: a link to the same target, a file of the recorded size and the source's
     mtime (one ``lstat``: a file changed or removed in DEST is copied again)."""
+    return _staged(item, entry, dest) is not None
+
+
+def _staged(item: Item, entry: dict[str, Any] | None, dest: str) -> os.stat_result | None:
+    """:func:`up_to_date`'s ``lstat`` of ``item`` in DEST where it is up to date, else ``None``."""
     if entry is None or entry["source"] != item.source or entry["ident"] != item.ident:
-        return False
+        return None
     try:
         st = os.lstat(os.path.join(dest, item.dest))
     except OSError:
-        return False
+        return None
     if item.kind == "symlink":
-        return stat.S_ISLNK(st.st_mode) and os.readlink(os.path.join(dest, item.dest)) == item.link
+        same = stat.S_ISLNK(st.st_mode) and os.readlink(os.path.join(dest, item.dest)) == item.link
+        return st if same else None
     # DEST's mtime may be cut to the second (Lustre, ext4 of 128-byte inodes, NFSv3, exFAT):
     # what the stage set, truncated, and never the later time of a write since
     behind = item.mtime_ns - st.st_mtime_ns
-    return stat.S_ISREG(st.st_mode) and st.st_size == entry["size"] and 0 <= behind < 10**9
+    same = stat.S_ISREG(st.st_mode) and st.st_size == entry["size"] and 0 <= behind < 10**9
+    return st if same else None
 
 
-def _node_work(groups: list[Group], manifest: Manifest, dest: str, local_size: int) -> NodeWork:
-    """Skip what is up to date and split the rest over the node's ranks."""
+def _node_work(
+    groups: list[Group], manifest: Manifest, dest: str, local_size: int, mask: int
+) -> NodeWork:
+    """Skip what is up to date (noting those whose source's mode changed, as ``mask`` lets
+    it be written) and split the rest over the node's ranks."""
     work = NodeWork()
     todo: list[Group] = []
     for g in groups:
@@ -74,9 +85,12 @@ def _node_work(groups: list[Group], manifest: Manifest, dest: str, local_size: i
         for item in g.items:
             if item.kind == "dir":
                 continue  # made by the caller once the space check has passed
-            if up_to_date(item, manifest.entries.get(item.dest), dest):
+            st = _staged(item, manifest.entries.get(item.dest), dest)
+            if st is not None:
                 work.skipped += 1
                 work.skipped_bytes += item.size
+                if item.kind == "file" and stat.S_IMODE(st.st_mode) != item.mode & mask:
+                    work.modes.append((item.dest, item.mode & mask))
             else:
                 keep.append(item)
                 work.todo_bytes += item.size
@@ -167,7 +181,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     dirs: list[str] = []  # the directories of the plan this run creates, shallowest first
     if lay.is_leader:
         try:
-            work = _node_work(groups, manifest, dest, lay.local_size)
+            mask = mode_mask(cfg.preserve_special_bits)
+            work = _node_work(groups, manifest, dest, lay.local_size, mask)
             held = engine.settle(work.per_rank[0]) if engine is not None else 0
             unwanted = drop_partials(dest, _resumable(work, cfg.checksum))
             freed.files, freed.bytes = freed.files + unwanted.files, freed.bytes + unwanted.bytes
@@ -238,6 +253,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             stale = stale_files(final, trees, groups, limit)
             stats.errors.extend(_drop(final, dest, stale, groups))
         dir_items = [i for g in groups for i in g.items if i.kind == "dir"]  # after the drops
+        stats.errors.extend(_settle_modes(dest, work.modes))
         stats.errors.extend(settle_dirs(dest, dir_items, cfg.preserve_special_bits))
         clean_tmp(dest)  # first: on a DEST out of inodes, the manifest needs one it frees
         if planned or not made:
@@ -348,6 +364,19 @@ def _in_the_way(keys: list[str], groups: list[Group]) -> list[str]:
         for k in keys
         if planned.get(k) or any(planned.get(p) is False for p in _parents_outside(k, set()))
     ]
+
+
+def _settle_modes(dest: str, modes: list[tuple[str, int]]) -> list[str]:
+    """Give files left in place their source's new mode (``chmod`` of the source since the
+    last run: nothing copied, as ``rsync -a``); the errors of those that cannot take it."""
+    errors = []
+    for rel, mode in modes:
+        path = os.path.join(dest, rel)
+        try:
+            os.chmod(path, mode)  # (a regular file when the run began: _staged)
+        except OSError as exc:
+            errors.append(f"{path}: cannot set mode {mode:o}: {exc.strerror}")
+    return errors
 
 
 def _drop(manifest: Manifest, dest: str, keys: list[str], groups: list[Group]) -> list[str]:

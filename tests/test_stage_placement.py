@@ -79,6 +79,27 @@ def test_read_only_mode_is_kept(tmp_path):
     run_stage("--verify", "--to", tmp_path / "dest", check=0)
 
 
+def test_a_rerun_gives_a_file_its_sources_new_mode_without_copying_it(tmp_path):
+    """A source ``chmod`` since the last run (a script made executable, a file made read-only)
+    was not applied by a re-run: the file was up to date, its mode not compared (``rsync -a``
+    sets it). It is set now, the file left in place; the setuid bit stays dropped."""
+    src = tmp_path / "src" / "ds"
+    src.mkdir(parents=True)
+    for name in ("run.sh", "ro.bin", "same.bin"):
+        (src / name).write_bytes(name.encode())
+        (src / name).chmod(0o644)
+    dest = tmp_path / "dest"
+    assert _stage_here(dest, src) == Exit.OK
+    inodes = {n: os.stat(dest / "ds" / n).st_ino for n in ("run.sh", "ro.bin", "same.bin")}
+    (src / "run.sh").chmod(0o4755)
+    (src / "ro.bin").chmod(0o444)
+    assert _stage_here(dest, src) == Exit.OK
+    modes = {n: stat.S_IMODE(os.stat(dest / "ds" / n).st_mode) for n in inodes}
+    assert modes == {"run.sh": 0o755, "ro.bin": 0o444, "same.bin": 0o644}
+    assert {n: os.stat(dest / "ds" / n).st_ino for n in inodes} == inodes  # not copied again
+    assert (dest / "ds" / "run.sh").read_bytes() == b"run.sh"
+
+
 def test_a_file_that_cannot_be_placed_is_not_counted(tmp_path):
     """A directory in DEST where a file goes: that file is named and not counted (the summary
     used to count it as staged)."""
