@@ -341,3 +341,23 @@ def test_the_residencys_failures_are_logged_as_warnings():
         ("dataset_evicted", "info"),
         ("load_failed", "warning"),
     ]
+
+
+def test_a_dataset_whole_in_memory_leaves_its_hdf5_files_open_to_writers(tmp_path):
+    """Once every sample is in memory the service closes the dataset's HDF5 files: their lock
+    refused ``h5py.File(path, "r+")`` between jobs (``BlockingIOError``, errno 11), so a file
+    could not be rewritten in place for the next job; the new bytes are read again."""
+    path = make_dataset(tmp_path / "a.h5", 1)
+    residency = Residency(threads=1)
+    try:
+        r = residency.load(path)
+        assert r.wait(30)
+        with h5py.File(path, "r+") as f:
+            f["x"][0] = 7.0
+        again = residency.load(path)
+        assert again is not r and again.wait(30)
+        out = np.empty((4, 4, 4), np.float32)
+        again.reader.read(0, "x", out=out)
+        assert np.array_equal(out, np.full((4, 4, 4), 7.0, np.float32))
+    finally:
+        residency.close()

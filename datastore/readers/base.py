@@ -346,6 +346,10 @@ class Reader(ABC):
             if state is not None and state[0] == os.getpid():
                 self._close(state[1])
 
+    def release(self) -> None:  # noqa: B027 - most readers lock no file
+        """Close the files this process holds open that a later read opens again (none here);
+        for a dataset whose samples are all in memory, so it locks no file of them."""
+
     def __enter__(self) -> Reader:
         return self
 

@@ -410,6 +410,13 @@ class _Hdf5Base(Reader):
     def _close(self, handles: _FileCache) -> None:
         handles.close()
 
+    def release(self) -> None:
+        """Close the open files (a later read opens them again): HDF5's lock on them refuses
+        a writer, ``h5py.File(path, "w")`` included, for as long as they stay open."""
+        with self._process_lock():
+            if self._state is not None and self._state[0] == os.getpid():
+                self._state[1].close()
+
     def _dataset(self, files: _FileCache, path: str, info: FieldInfo) -> h5py.Dataset:
         """``info``'s dataset in ``path``; only under ``self._lock``."""
         obj = _get(files.get(path), path, info.name)

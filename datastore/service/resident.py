@@ -694,6 +694,8 @@ class Residency:
             self._event("load_failed", dataset=r.path, msg=str(exc))
             return
         if not r.stop.is_set():
+            if r.owner is None and r.store.ram_slots == len(r.store.keys):
+                r.reader.release()  # all in memory: its HDF5 files' locks kept writers out
             self._event(
                 "dataset_resident",
                 dataset=r.path,
