@@ -40,6 +40,7 @@ from datastore.service.client import (
     stream_batches,
     target_of,
 )
+from datastore.service.config import ServeConfig
 from datastore.service.session import MAX_GLOBAL_BATCH
 from datastore.service.shm import MEMORY_FS, filesystem_of
 from datastore.service.status_table import format_status, status_dict
@@ -952,6 +953,17 @@ def test_a_port_out_of_range_stops_serve_at_start(tmp_path, env, args, says):
     r = cli(*cmd, env=env)
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert not (tmp_path / "p.sock").exists()
+
+
+@pytest.mark.parametrize("option", ["session_idle_s", "peer_timeout_s"])
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), 0.0])
+def test_a_session_idle_or_peer_timeout_not_finite_is_refused_naming_it(tmp_path, option, seconds):
+    """``--session-idle nan`` passed the check ``<= 0`` (sessions then never expired) and
+    ``--session-idle -1`` was refused as "the session idle time must be > 0", no option named."""
+    flag = "--" + option.removesuffix("_s").replace("_", "-")
+    says = f"^{flag} must be a finite number of seconds > 0, got {seconds}$"
+    with pytest.raises(ValueError, match=says):
+        ServeConfig(socket=tmp_path / "s.sock", **{option: seconds})
 
 
 def test_a_client_port_out_of_range_is_refused_not_wrapped(tmp_path, env):

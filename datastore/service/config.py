@@ -78,8 +78,7 @@ class ServeConfig:
                 f"--memory-budget must be more than 0 bytes, got {self.memory_budget} (leave it "
                 "out for no limit)"
             )
-        if self.session_idle_s <= 0:
-            raise ValueError("the session idle time must be > 0")
+        _check_seconds("--session-idle", self.session_idle_s)
         if self.metrics is not None:
             _check_host_port("--metrics", self.metrics)
         if self.peers and (self.tcp is None or self.node is None):
@@ -101,8 +100,7 @@ class ServeConfig:
             raise ValueError(f"--data-port must be 0..65535, got {self.data_port}")
         if self.data_port and not self.peers:
             raise ValueError("--data-port goes with --peers")
-        if self.peer_timeout_s <= 0:
-            raise ValueError("the peer timeout must be > 0")
+        _check_seconds("--peer-timeout", self.peer_timeout_s)
         for r in self.allowed_roots:
             if not os.path.exists(r):
                 raise ValueError(f"--allow {r}: no such directory")
@@ -113,6 +111,13 @@ class ServeConfig:
             raise ValueError(f"--state-file {state} is a directory: name a file in one")
         if state is not None and state.parent.exists() and not state.parent.is_dir():
             raise ValueError(f"--state-file {state}: {state.parent} is not a directory")
+
+
+def _check_seconds(option: str, seconds: float) -> None:
+    """A duration that is finite and more than 0 (``nan`` passed ``<= 0``: sessions never
+    expired, and a request to a peer never timed out)."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{option} must be a finite number of seconds > 0, got {seconds}")
 
 
 def _check_host_port(option: str, address: str) -> None:
