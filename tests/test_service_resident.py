@@ -361,3 +361,22 @@ def test_a_dataset_whole_in_memory_leaves_its_hdf5_files_open_to_writers(tmp_pat
         assert np.array_equal(out, np.full((4, 4, 4), 7.0, np.float32))
     finally:
         residency.close()
+
+
+def test_the_resident_bytes_count_a_changed_copy_still_in_use(tmp_path):
+    """A copy whose files changed, kept for its sessions, is memory in use (and in the budget):
+    ``datastore status`` said 196.5 KiB resident where 360.5 KiB were held."""
+    path = make_dataset(tmp_path / "a.h5", 1)
+    residency = Residency(threads=1)
+    try:
+        old = residency.acquire(path)
+        assert old.wait(30)
+        os.replace(make_dataset(tmp_path / "new.h5", 2), path)
+        new = residency.acquire(path, force=True)
+        assert new.wait(30) and old.retired
+        assert residency.bytes_resident == 2 * SAMPLES * SAMPLE_BYTES
+        residency.release(old)
+        assert residency.bytes_resident == SAMPLES * SAMPLE_BYTES
+        residency.release(new)
+    finally:
+        residency.close()

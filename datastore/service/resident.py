@@ -586,7 +586,10 @@ class Residency:
 
     @property
     def bytes_resident(self) -> int:
-        return sum(r.budgeted for r in self.all())
+        """Bytes of the datasets in memory, with the copies whose files changed that sessions
+        still use (the budget counts them too)."""
+        with self._lock:
+            return sum(r.budgeted for r in [*self._by_path.values(), *self._retired])
 
     def restore(self) -> list[str]:
         """Reload what the state file lists (in the background); the paths being reloaded."""

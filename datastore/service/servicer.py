@@ -377,7 +377,7 @@ class Servicer(pb_grpc.DataStoreServicer):
             bytes_served=nbytes,
             calls_served=calls.served,
             memory_budget=self._config.memory_budget or 0,
-            bytes_resident=sum(r.budgeted for r in datasets),
+            bytes_resident=self.residency.bytes_resident,
             bytes_exchanged=self.link.bytes_received if self.link else 0,
             node=self.residency.node,
             nodes=self.link.nodes if self.link else 1,
