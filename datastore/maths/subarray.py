@@ -68,7 +68,7 @@ def piece_sizes(
     """The sizes in bytes of the messages :func:`pieces` cuts ``array[box]`` into, for a
     C-contiguous array of ``shape`` and ``itemsize``: what a receiver posts, untold."""
     count, items = run_layout(shape, box)
-    if count > 1 and items * itemsize < min_run:  # runs shorter than min_run: packed
+    if _packed(count, items * itemsize, min_run):
         return [count * items * itemsize]
     return [items * itemsize] * count
 
@@ -125,6 +125,12 @@ def pieces(
     return [pack]
 
 
+def _packed(count: int, run: int, min_run: int) -> bool:
+    """Whether a part of ``count`` runs of ``run`` bytes is packed into one message (its runs
+    shorter than ``min_run``) rather than sent run by run."""
+    return count > 1 and run < min_run
+
+
 @functools.lru_cache(maxsize=1024)
 def _run_starts(
     shape: tuple[int, ...], itemsize: int, bounds: tuple[tuple[Any, Any, Any], ...], min_run: int
@@ -137,7 +143,7 @@ def _run_starts(
     extents, lead = _cut(shape, box)
     run = math.prod(extents[lead:]) * itemsize
     count = math.prod(extents[:lead])
-    if not run or not count or (count > 1 and run < min_run):
+    if not run or not count or _packed(count, run, min_run):
         return (), 0
     strides = [math.prod(shape[k + 1 :]) * itemsize for k in range(len(shape))]
     at = np.array([sum((s.start or 0) * st for s, st in zip(box, strides, strict=True))])
