@@ -380,3 +380,22 @@ def test_the_resident_bytes_count_a_changed_copy_still_in_use(tmp_path):
         residency.release(new)
     finally:
         residency.close()
+
+
+def test_a_dataset_with_a_string_field_is_held_without_it(tmp_path):
+    """A field no tensor can hold (HDF5 variable-length strings) is not held: making its slots
+    failed (``ValueError: cannot create an OBJECT array from memory buffer``), so a client got
+    ``INTERNAL`` even with ``fields=["x"]``; now ``x`` is served and the string field refused by
+    the session, naming it."""
+    path = make_dataset(tmp_path / "a.h5", 1)
+    with h5py.File(path, "a") as f:
+        f.create_dataset("name", data=["s"] * SAMPLES, dtype=h5py.string_dtype())
+    residency = Residency(threads=1)
+    try:
+        r = residency.load(path)
+        assert r.wait(30) and r.load_error == ""
+        assert list(r.store.fields) == ["x"] and r.nbytes == SAMPLES * SAMPLE_BYTES
+        with h5py.File(path) as f:
+            assert np.array_equal(r.sample(5, "x"), f["x"][5])
+    finally:
+        residency.close()

@@ -37,6 +37,7 @@ from datastore.maths.delivery import (
     covered_sizes,
     delivered_fields,
     spatial_grid,
+    tensor_dtype_problem,
 )
 from datastore.maths.ownership import RunOwners
 from datastore.maths.partition import Grid
@@ -283,9 +284,9 @@ class Resident:
         outside = [i for i in samples if not 0 <= i < n]
         if outside:
             raise ServiceError("OUT_OF_RANGE", f"sample {outside[0]} is outside 0..{n - 1}")
-        unknown = [f for f in names if f not in self.reader.fields]
+        unknown = [f for f in names if f not in self.store.fields]
         if unknown:
-            known = ", ".join(self.reader.fields)
+            known = ", ".join(self.store.fields)
             raise ServiceError("NOT_FOUND", f"no field {shown(unknown[0])} (fields: {known})")
         if self.owner is not None and samples:
             where = self.owner.owners_of(samples)
@@ -410,8 +411,14 @@ def _digest(listings: dict[int, Any]) -> bytes:
     return hashlib.blake2b(repr(sorted(listings.items())).encode(), digest_size=16).digest()
 
 
+def _held(reader: Any) -> dict[str, Any]:
+    """The fields of ``reader`` a batch can carry (numbers and bools): only they are held; a
+    session asking for another is refused naming it (``chosen_fields``)."""
+    return {n: f for n, f in reader.fields.items() if tensor_dtype_problem(f.dtype) is None}
+
+
 def _open(path: str, budget: int | None, keys: np.ndarray, reader: Any) -> Resident:
-    specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in reader.fields.items()}
+    specs = {n: SlotSpec(tuple(fi.shape), np.dtype(fi.dtype)) for n, fi in _held(reader).items()}
     store = Store(keys, specs, lambda k, f, out: reader.read(k, f, out=out), budget)
     return Resident(path, reader, store)
 
@@ -663,7 +670,7 @@ class Residency:
     ) -> Resident:
         reader, owner = opened
         keys = np.arange(len(reader)) if owner is None else owner.keys_of(self.node)
-        need = len(keys) * sum(fi.nbytes for fi in reader.fields.values())
+        need = len(keys) * sum(fi.nbytes for fi in _held(reader).values())
         evicted: list[Resident] = []
         keep = self.budget // RING_SHARE if self.budget is not None else 0
         room = self._make_room_locked(need, evicted, keep)
