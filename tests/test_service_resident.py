@@ -399,3 +399,24 @@ def test_a_dataset_with_a_string_field_is_held_without_it(tmp_path):
             assert np.array_equal(r.sample(5, "x"), f["x"][5])
     finally:
         residency.close()
+
+
+def test_a_file_an_external_link_names_rewritten_makes_the_dataset_read_again(tmp_path):
+    """Only the dataset's own files were compared with the disk: after the file its external
+    link names was rewritten, the service served the old values (0.0 where embedded read
+    7.0)."""
+    target = make_dataset(tmp_path / "target.h5", 1)
+    path = str(tmp_path / "main.h5")
+    with h5py.File(path, "w") as f:
+        f["x"] = h5py.ExternalLink(target, "/x")
+    residency = Residency(threads=1)
+    try:
+        r = residency.load(path)
+        assert r.wait(30)
+        with h5py.File(target, "r+") as f:
+            f["x"][3] = 7.0
+        again = residency.load(path)
+        assert again is not r and again.wait(30)
+        assert np.array_equal(again.sample(3, "x"), np.full((4, 4, 4), 7.0, np.float32))
+    finally:
+        residency.close()

@@ -151,6 +151,9 @@ class Reader(ABC):
         stored: ``{name: FieldInfo}`` of the fields whose files hold another byte order than
             this machine's, as stored; ``fields`` and ``found`` give them in this machine's
             order, and reads convert (torch tensors have no byte order of their own).
+        reached: the files besides ``files`` that reading the fields opens, as found when the
+            dataset was opened (HDF5's external links, external storage, virtual datasets'
+            sources; of a set of one sample per file, the first file's).
 
     Subclasses scan the layout in ``__init__`` (picklable attributes only), open per-process
     handles in ``_open()``, release them in ``_close(handles)``, and fill ``out`` in
@@ -171,6 +174,7 @@ class Reader(ABC):
         self.fields: dict[str, FieldInfo] = {}
         self.found: dict[str, FieldInfo] = {}
         self.stored: dict[str, FieldInfo] = {}
+        self.reached: list[str] = []
         self._length = 0
         self._closed = False
         self._init_process()

@@ -461,6 +461,7 @@ class Hdf5Reader(_Hdf5Base):
                 got = {n: (ds.dtype, ds.shape) for n, ds in found.items()}
                 want = {n: (fi.dtype, fi.shape) for n, fi in self._as_stored().items()}
                 counts.append(shard_count(path, got, want))
+                self.reached += [r for n in self.fields for r in reached_files(found[n], path)]
         self.offsets = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=self.offsets[1:])
         self._length = int(self.offsets[-1])
@@ -637,6 +638,7 @@ class Hdf5PerSampleReader(_Hdf5Base):
             }
             self._select_fields(available, first)
             _check_filters(found, first, self.fields)
+            self.reached = [r for n in self.fields for r in reached_files(found[n], first)]
         self._length = len(self.files)
 
     def _path_of(self, index: int) -> str:

@@ -369,6 +369,12 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
     return reader
 
 
+def _read_files(reader: Any) -> list[str]:
+    """The files ``reader`` reads: its own and those they name (HDF5's external links, ...):
+    a dataset whose linked file is rewritten is read again too."""
+    return [*reader.files, *reader.reached]
+
+
 @functools.lru_cache(maxsize=256)
 def _expect(fields: tuple[Delivered, ...], n: int) -> tuple[tuple[int, int], ...]:
     """The ``expect`` of a fetch of ``n`` samples' ``fields`` (the same every batch)."""
@@ -485,10 +491,10 @@ class Residency:
             sharded = self._shards(path, template)
             if sharded is None:
                 opened = _reader(path, self.roots), None
-                state = files_state([*dataset_paths(path), *opened[0].files]), b""
+                state = files_state([*dataset_paths(path), *_read_files(opened[0])]), b""
             else:
                 view, owner, theirs = sharded
-                local = files_state([*dataset_paths(path), *view.local.files])
+                local = files_state([*dataset_paths(path), *_read_files(view.local)])
                 opened, state = (view, owner), (local, theirs)
         if opened is not None:  # another call loaded it meanwhile
             opened[0].close()
@@ -539,7 +545,7 @@ class Residency:
         try:  # (a stat per file, the peers' listings: not under the residency's lock)
             if not force and time.monotonic() - r.checked < RECHECK_S:
                 return
-            local = r.reader.local.files if r.owner is not None else r.reader.files
+            local = _read_files(r.reader.local if r.owner is not None else r.reader)
             same = files_state([*dataset_paths(path), *local]) == r.state
             if same and peers and r.owner is not None:
                 same = _digest(self._describe_others(r.template)) == r.peers_state
