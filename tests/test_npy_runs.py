@@ -253,3 +253,23 @@ def test_a_compressed_shard_replaced_after_the_set_was_opened_is_refused(
     with pytest.raises(DatasetError, match=r"s1\.h5: changed since the dataset was opened"):
         reader.read(2, "x")
     assert reader.read(4, "x").tolist() == [2.0] * 4  # the others read on
+
+
+def test_a_file_behind_an_external_link_rewritten_after_it_was_read_is_refused(tmp_path):
+    """The linked file's bytes were read as they were at each read: a store re-reading under
+    its budget gave an epoch of 4 old samples (0.0) and 4 new ones (7.0), silently; a file
+    of the dataset's own is refused so, and now the linked one too."""
+    import h5py
+
+    from datastore.readers import DatasetError, open_dataset
+
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = np.zeros((4, 3), np.float32)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["x"] = h5py.ExternalLink("other.h5", "/x")
+    reader = open_dataset(str(tmp_path / "d.h5"))
+    assert reader.read(0, "x").tolist() == [0.0] * 3
+    with h5py.File(tmp_path / "other.h5", "r+") as f:
+        f["x"][...] = 7.0
+    with pytest.raises(DatasetError, match=r"other\.h5, which it reads, changed since the data"):
+        reader.read(1, "x")

@@ -180,6 +180,16 @@ def _regular(target: str, path: str, name: str) -> None:
         )
 
 
+def _stamp(path: str) -> tuple[int, int, int, int] | None:
+    """``(device, inode, size, mtime_ns)`` of ``path`` (``None``: not there), as
+    ``file_stamp`` gives it for an open file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def _chunks(ds: h5py.Dataset, drop: int) -> tuple[int, ...] | None:
     return None if ds.chunks is None else tuple(ds.chunks[drop:])
 
@@ -422,13 +432,23 @@ class _Hdf5Base(Reader):
         obj = _get(files.get(path), path, info.name)
         if not isinstance(obj, h5py.Dataset):
             raise DatasetError(path, "no such dataset in the file", info.name)
-        checked = self.__dict__.setdefault("_reached", set())
-        if (path, info.name) not in checked:
-            for f in reached_files(obj, path):
+        seen = self.__dict__.setdefault("_reached", {})  # {(path, field): {file: stamp}}
+        stamps = seen.get((path, info.name))
+        if stamps is None:
+            reached = reached_files(obj, path)
+            for f in reached:
                 _regular(f, path, info.name)
                 if self.confine is not None:
                     self.confine(f)
-            checked.add((path, info.name))
+            stamps = seen[path, info.name] = {f: _stamp(f) for f in reached}
+        for f, stamp in stamps.items():
+            if _stamp(f) != stamp:
+                raise DatasetError(
+                    path,
+                    f"{f}, which it reads, changed since the dataset was first read (replaced "
+                    "or rewritten): open it again to read the new data",
+                    info.name,
+                )
         return obj
 
     def _names_asked(self) -> list[str] | None:
