@@ -443,6 +443,20 @@ def test_detect_globs_and_single_files(tmp_path, arrays):
         )
 
 
+def test_one_npy_file_named_by_itself_is_refused_not_read_as_one_sample(tmp_path):
+    """``np.save("train.npy", x)`` of 10 samples, named by itself, was one sample: batches of
+    ``(1, 10, 2, 4, 4, 4)``, ``len(loader.dataset)`` 1. A directory of one file is one sample."""
+    x = np.zeros((10, 2, 4, 4, 4), np.float32)
+    for name in ("train.npy", "train.npz"):
+        (np.save if name.endswith("y") else np.savez)(tmp_path / name, x)
+        with pytest.raises(DatasetError, match=rf"{name}: one \.npy/\.npz file is one sample, not"):
+            detect(str(tmp_path / name))
+    (tmp_path / "one").mkdir()
+    np.save(tmp_path / "one" / "s.npy", x[0])
+    with open_dataset(str(tmp_path / "one")) as r:
+        assert len(r) == 1 and r.fields["data"].shape == (2, 4, 4, 4)
+
+
 def test_spec_overrides_spatial_axes_and_sets_label(tmp_path, arrays):
     path = tmp_path / "cl.h5"
     cl = np.ascontiguousarray(np.moveaxis(arrays["x"], 1, -1))  # channels last (D, H, W, C)

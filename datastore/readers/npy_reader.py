@@ -45,4 +45,18 @@ class NpyReader(PerSampleFiles):
         return self.files[index]
 
 
-register(Format("npy", NpyReader, suffixes=(".npy", ".npz")))
+def _settle(files: list[str], where: str) -> str:
+    """``npy``, but for one file named by itself: detection would read it as one sample, and an
+    array of many (``np.save("train.npy", x)``, ``x`` of shape ``(N, C, D, H, W)``) came back as
+    a batch of one ``(1, N, C, D, H, W)`` sample."""
+    if files == [where]:
+        raise DatasetError(
+            where,
+            "one .npy/.npz file is one sample, not an array of samples: save one file per sample "
+            "into a directory (np.save(f'{i:06d}.npy', x[i])) and name the directory, or write "
+            "the arrays to HDF5 or zarr, whose leading axis is the sample axis",
+        )
+    return "npy"
+
+
+register(Format("npy", NpyReader, suffixes=(".npy", ".npz"), settle=_settle))
