@@ -3,6 +3,7 @@ service's calls share under one lock."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import threading
@@ -13,8 +14,11 @@ import numpy as np
 import pytest
 
 from datastore.service import resident
+from datastore.service.config import ServeConfig
 from datastore.service.errors import ServiceError
+from datastore.service.logs import JsonLog
 from datastore.service.resident import Residency
+from datastore.service.servicer import Counters, Servicer, Stop
 
 SAMPLES = 16
 SAMPLE_BYTES = 4 * 4 * 4 * 4  # "x" (4, 4, 4) float32
@@ -420,3 +424,41 @@ def test_a_file_an_external_link_names_rewritten_makes_the_dataset_read_again(tm
         assert np.array_equal(again.sample(3, "x"), np.full((4, 4, 4), 7.0, np.float32))
     finally:
         residency.close()
+
+
+def test_a_peers_fetch_by_name_gets_the_copy_a_relinked_path_names_now(tmp_path):
+    """A sharded dataset named through a link (``cur -> runA``) pointed at a new directory
+    between jobs (``runB``, the same file names): the owner's fetches by the name clients
+    give found the old copy, resident under that name beside the new one, so the next job
+    got runA's samples from this node and runB's from its own, silently. A peer's Describe
+    (every job's opening) now drops a copy that name no longer names."""
+    for run, value in (("runA", 0), ("runB", 100)):
+        (tmp_path / run).mkdir()
+        for k in (0, 2):
+            np.save(tmp_path / run / f"{k:02d}.npy", np.full(4, value + k, np.float32))
+    (tmp_path / "cur").symlink_to("runA")
+    servicer = Servicer(
+        config=ServeConfig(socket=tmp_path / "s.sock", allowed_roots=(tmp_path,)),
+        listen=[],
+        stop=Stop(),
+        counters=Counters(),
+        log=JsonLog(io.StringIO()),
+    )
+    fetch = {"kind": "fetch", "path": str(tmp_path / "cur"), "pieces": True, "samples": [0]}
+    fetch |= {"fields": ["data"], "spatial": None, "block": 0}
+
+    def first(pieces):
+        return pieces.runs()[0].view(np.float32)[0]
+
+    try:
+        assert first(servicer.answer(fetch)) == 0  # runA made resident by a fetch
+        servicer.residency.all()[0].wait()
+        (tmp_path / "cur").unlink()
+        (tmp_path / "cur").symlink_to("runB")
+        servicer.answer({"kind": "describe", "path": fetch["path"]})  # the next job's opening
+        at_once = servicer.answer_at_once(fetch)
+        assert at_once is None or first(at_once) == 100
+        assert first(servicer.answer(fetch)) == 100
+        assert [r.path for r in servicer.residency.all()] == [str(tmp_path / "runB")]
+    finally:
+        servicer.residency.close()

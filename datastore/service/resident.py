@@ -498,6 +498,7 @@ class Residency:
                 opened, state = (view, owner), (local, theirs)
         if opened is not None:  # another call loaded it meanwhile
             opened[0].close()
+        self._forget_renamed(template, path)
         return r
 
     def acquire_named(self, template: str) -> Resident | None:
@@ -522,11 +523,35 @@ class Residency:
         if done:
             r.close()
 
-    def check_local(self, path: str) -> None:
+    def check_local(self, path: str, template: str = "") -> None:
         """Forget the resident copy of ``path`` if this node's files of it changed (a peer
         describing this node's share before it reads the dataset again: the copy this node
-        would otherwise send it is stale); skipped while a comparison is under way here."""
+        would otherwise send it is stale), and any copy clients call ``template`` that is not
+        at ``path``, what it names now; skipped while a comparison is under way here."""
         self._forget_if_changed(path, force=True, peers=False)
+        self._forget_renamed(template or path, path)
+
+    def _forget_renamed(self, template: str, path: str) -> None:
+        """Forget the resident copies clients call ``template`` that are not at ``path``, what
+        it names now (a link to the dataset's directory pointed at a new one): a peer's fetch
+        finds a copy by that name (:meth:`acquire_named`), and took the old one's samples."""
+        with self._lock:
+            old = [r for p, r in self._by_path.items() if r.template == template and p != path]
+            idle = [r for r in old if self._retire_locked(r)]
+            if old:
+                self._save_locked()
+        for r in old:
+            self._event("dataset_changed", dataset=r.path, msg=f"{template} now names {path}")
+        for r in idle:
+            r.close()
+
+    def _retire_locked(self, r: Resident) -> bool:
+        """Forget ``r``, kept until its last session ends; whether none uses it now."""
+        del self._by_path[r.path]
+        r.retired = True
+        if r.sessions:
+            self._retired.append(r)
+        return r.sessions == 0
 
     def _forget_if_changed(self, path: str, force: bool = False, peers: bool = True) -> None:
         """Forget the resident copy of ``path`` if its files changed on disk since it was
@@ -558,12 +583,8 @@ class Residency:
         with self._lock:
             if self._by_path.get(path) is not r:
                 return
-            del self._by_path[path]
+            idle = self._retire_locked(r)
             self._save_locked()
-            r.retired = True
-            idle = r.sessions == 0
-            if not idle:
-                self._retired.append(r)
         self._event(
             "dataset_changed", dataset=path, msg="its files changed on disk: it is read again"
         )

@@ -156,7 +156,7 @@ class Servicer(pb_grpc.DataStoreServicer):
             )
         path = self._resolve(request["path"])
         if kind == "describe":  # (a peer about to read it: a stale copy here is forgotten)
-            self.residency.check_local(path)
+            self.residency.check_local(path, request["path"])
             return listing(path, self._config.allowed_roots)
         if kind == "fetch":
             if not request.get("pieces"):
