@@ -141,6 +141,22 @@ stop_children() {
     CHILD_PIDS=()
 }
 
+# remove_mpich_segments DIR BEFORE...: remove the MPICH shared-memory segments in DIR
+# (mpich_shm_*, 2 MiB each) of this user that are not among BEFORE (those there when the
+# campaign began) and that no live process maps: the ranks of an MPICH job stopped by a
+# signal leave theirs for good.
+remove_mpich_segments() {
+    local dir=$1 f mapped
+    local -A before=()
+    shift
+    for f in "$@"; do before[$f]=1; done
+    mapped=$(grep -hF -- "$dir/mpich_shm_" /proc/[0-9]*/maps 2>/dev/null | awk '{print $6}')
+    for f in "$dir"/mpich_shm_*; do
+        [[ -O $f && -z ${before[$f]:-} ]] || continue
+        grep -qxF -- "$f" <<<"$mapped" || rm -f -- "$f"
+    done
+}
+
 # run_phases: every phase of the jobs file; status 1 as soon as a job fails or a service dies.
 run_phases() {
     local phase i names

@@ -157,10 +157,12 @@ stop_services() {
 }
 
 cleanup_run() {
+    remove_mpich_segments /dev/shm "${MPICH_SEGMENTS[@]}"
     rm -f "$SOCKET_DIR/token"
     ((OWN_SOCKET_DIR)) && rmdir "$SOCKET_DIR" 2>/dev/null
 }
 
+MPICH_SEGMENTS=(/dev/shm/mpich_shm_*) # there before the campaign: not its own
 campaign_traps
 say "$NODES node(s), jobs from $JOBS, work in $WORK, sockets in $SOCKET_DIR"
 

@@ -232,6 +232,36 @@ def test_a_jobs_file_with_crlf_line_endings_and_a_byte_order_mark_is_read(tmp_pa
     assert r.stdout == f"1|2|{config}|{config}||lr=0.1|"
 
 
+def test_the_mpich_segments_of_jobs_stopped_by_a_signal_are_removed(tmp_path):
+    """The ranks of an MPICH job stopped by a signal (a failed job's partners, SIGINT) leave
+    their /dev/shm/mpich_shm_* segment for good: a campaign stopped by Ctrl-C left one of
+    2 MiB per job of several ranks. What no live process maps and was not there when the
+    campaign began is removed as it ends."""
+    old, left, mapped = (tmp_path / f"mpich_shm_{k}_0" for k in ("old", "left", "mapped"))
+    for f in (old, left, mapped, tmp_path / "other"):
+        f.write_bytes(b"\0" * 4096)
+    holder = subprocess.Popen(  # a rank of another job, still running
+        [sys.executable, "-c", f"import mmap, sys; f = open({str(mapped)!r}, 'r+b'); "
+         "m = mmap.mmap(f.fileno(), 0); print(flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == b"\n"
+        r = subprocess.run(
+            ["bash", "-c", 'source "$1"; shift; remove_mpich_segments "$@"', "-",
+             str(DEPLOY / "campaign-lib.sh"), str(tmp_path), str(old)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        holder.communicate(b"")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "mpich_shm_mapped_0",
+        "mpich_shm_old_0",
+        "other",
+    ]
+
+
 def test_the_same_job_name_twice_and_bad_parameters_are_refused(tmp_path, short_tmp):
     jobs = _write_jobs(tmp_path / "twice.jobs", ["1 1 a CONFIG", "2 1 a CONFIG"])
     env = _env(short_tmp, "-")
