@@ -966,6 +966,16 @@ def test_a_session_idle_or_peer_timeout_not_finite_is_refused_naming_it(tmp_path
         ServeConfig(socket=tmp_path / "s.sock", **{option: seconds})
 
 
+def test_a_peer_timeout_over_a_day_is_refused(tmp_path):
+    """``--peer-timeout 1e10`` was taken, and every session's opening then failed at once,
+    "node 1 did not answer Describe within 1e+10 s" (gRPC's deadline overflowed)."""
+    config = ServeConfig(socket=tmp_path / "s.sock", peer_timeout_s=86400.0)
+    assert config.peer_timeout_s == 86400.0
+    says = r"^--peer-timeout must be at most 86400 seconds \(a day\), got 1e\+10$"
+    with pytest.raises(ValueError, match=says):
+        ServeConfig(socket=tmp_path / "s.sock", peer_timeout_s=1e10)
+
+
 def test_a_client_port_out_of_range_is_refused_not_wrapped(tmp_path, env):
     """gRPC takes 127.0.0.1:99999 as 127.0.0.1:34463: a client with such an address would talk
     to whichever service is there. target_of refuses it; `datastore status` is exit 2."""

@@ -11,6 +11,8 @@ __all__ = ["MAX_GRACE_S", "ServeConfig"]
 
 MAX_GRACE_S = 3600.0
 """The longest drain ``--grace`` or ``Shutdown(grace_s)`` may ask for."""
+MAX_PEER_TIMEOUT_S = 86400.0
+"""The longest ``--peer-timeout`` (a gRPC deadline 1e10 s ahead overflowed: every call failed)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,11 @@ class ServeConfig:
         if self.data_port and not self.peers:
             raise ValueError("--data-port goes with --peers")
         _check_seconds("--peer-timeout", self.peer_timeout_s)
+        if self.peer_timeout_s > MAX_PEER_TIMEOUT_S:
+            raise ValueError(
+                f"--peer-timeout must be at most {MAX_PEER_TIMEOUT_S:g} seconds (a day), got "
+                f"{self.peer_timeout_s:g}"
+            )
         for r in self.allowed_roots:
             if not os.path.exists(r):
                 raise ValueError(f"--allow {r}: no such directory")
