@@ -976,6 +976,18 @@ def test_a_peer_timeout_over_a_day_is_refused(tmp_path):
         ServeConfig(socket=tmp_path / "s.sock", peer_timeout_s=1e10)
 
 
+@pytest.mark.parametrize("option", ["--allow", "--socket", "--state-file", "--token-file"])
+def test_an_empty_path_option_is_refused(option, capsys, tmp_path):
+    """``--allow ""`` (an unset variable) was taken as the working directory: a service
+    started in ``/`` served any dataset it was asked for, where a root was meant."""
+    from datastore.cli import parser
+
+    with pytest.raises(SystemExit) as stopped:
+        parser().parse_args(["serve", "--socket", str(tmp_path / "s.sock"), option, ""])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"argument {option}: an empty path")
+
+
 def test_a_client_port_out_of_range_is_refused_not_wrapped(tmp_path, env):
     """gRPC takes 127.0.0.1:99999 as 127.0.0.1:34463: a client with such an address would talk
     to whichever service is there. target_of refuses it; `datastore status` is exit 2."""

@@ -121,7 +121,7 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
         SERVE_EPILOG,
     )
     p.add_argument(
-        "--socket", type=Path, default=None, help=f"Unix socket path (default: {default})"
+        "--socket", type=_path, default=None, help=f"Unix socket path (default: {default})"
     )
     p.add_argument(
         "--tcp",
@@ -131,12 +131,12 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--token-file",
-        type=Path,
+        type=_path,
         default=None,
         help="file holding the shared secret every TCP call must carry",
     )
-    p.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: TCP over TLS")
-    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-cert", type=_path, default=None, help="PEM certificate: TCP over TLS")
+    p.add_argument("--tls-key", type=_path, default=None, help="PEM private key of --tls-cert")
     _seconds_option(p, "--grace", "grace_s", "how long shutdown lets calls in flight finish")
     p.add_argument(
         "--workers",
@@ -154,7 +154,7 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--allow",
-        type=Path,
+        type=_path,
         action="append",
         default=[],
         metavar="DIR",
@@ -162,7 +162,7 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--state-file",
-        type=Path,
+        type=_path,
         default=None,
         help="where resident datasets are listed, to reload them after a restart "
         "(default: under $XDG_STATE_HOME/datastore, one per socket)",
@@ -185,7 +185,7 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--node", type=int, default=None, help="this service's index in --peers")
     p.add_argument(
         "--peer-ca",
-        type=Path,
+        type=_path,
         default=None,
         help="PEM certificate(s) to check the peers' TLS against (default: --tls-cert)",
     )
@@ -277,9 +277,9 @@ def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
     where.add_argument(
         "--tcp", dest="address", type=_tcp, metavar="HOST:PORT", help="as --address HOST:PORT"
     )
-    p.add_argument("--token-file", type=Path, default=None, help="the secret for TCP")
+    p.add_argument("--token-file", type=_path, default=None, help="the secret for TCP")
     p.add_argument(
-        "--tls-ca", type=Path, default=None, help="PEM certificate to check a TLS service against"
+        "--tls-ca", type=_path, default=None, help="PEM certificate to check a TLS service against"
     )
     shown = "5; none with --wait" if timeout is None else f"{timeout:g}"
     p.add_argument(
@@ -296,6 +296,14 @@ def _socket(path: str) -> str:
     from datastore.service.paths import unix_target
 
     return unix_target(path)
+
+
+def _path(text: str) -> Path:
+    """A path option: never empty (``Path("")`` is the working directory, so
+    ``--allow ""`` of an unset variable allowed everything under ``/``)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(text)
 
 
 def _number(text: str) -> float:
