@@ -433,6 +433,30 @@ def test_a_loader_whose_session_expired_reopens_and_carries_on(start, tmp_path):
     assert [x["event"] for x in s.logs()].count("session_expired") == 1
 
 
+def test_a_loader_whose_dataset_grew_while_its_session_was_closed_raises(start, tmp_path):
+    """The service closed the idle session (or restarted) and the dataset grew from 32 to 48
+    samples meanwhile: the reopened session streamed the 48-sample permutation's first 8
+    steps where the loader's 8 steps of 32 were due (9 new samples in, 9 old ones lost,
+    silently). Reopening is now refused naming both counts."""
+    data = tmp_path / "grow"
+    data.mkdir()
+    for i in range(32):
+        np.save(data / f"{i:02d}.npy", np.full(3, i, np.float32))
+    sock = tmp_path / "s.sock"
+    start("--socket", str(sock), "--session-idle", "1")
+    loader = DataStoreLoader(str(data), batch_size=4, seed=3, service=ServiceOptions(str(sock)))
+    try:
+        assert sorted(int(v) for b in loader for v in b["data"][:, 0]) == list(range(32))
+        until(lambda: not status(sock).sessions, 6, "the idle session closed")
+        for i in range(32, 48):
+            np.save(data / f"{i:02d}.npy", np.full(3, i, np.float32))
+        loader.set_epoch(1)
+        with pytest.raises(DataStoreError, match="32 samples when the loader was made, 48 now"):
+            list(loader)
+    finally:
+        loader.close()
+
+
 def test_sigterm_with_open_streams_exits_cleanly(start, tmp_path, jobs):
     path = make_dataset(tmp_path / "data.h5")
     sock = tmp_path / "s.sock"

@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 import torch
 
+from datastore.errors import DataStoreError
 from datastore.maths.rank_view import global_batch
 from datastore.readers.base import FieldInfo
 from datastore.sources.options import ServiceOptions
@@ -127,6 +128,7 @@ class ServiceSource:
         self._maps: Any = None  # the shared-memory mappings of the session (ClientMaps)
         self._ahead: _Open | None = None  # the next pass's stream, opened before it began
         reply = self._open()
+        self._made_for = _made_for(reply)
         info = {
             f.name: FieldInfo(f.name, np.dtype(f.dtype), tuple(f.shape), tuple(f.spatial_axes))
             for f in reply.fields
@@ -165,6 +167,19 @@ class ServiceSource:
         self._kept = collections.deque()
         return reply
 
+    def _reopen(self) -> None:
+        """A new session for this loader's request, refused where the dataset has other
+        samples or fields than when the loader was made: the same request then gave another
+        sequence (a 48-sample epoch's first 32 samples where 32 were due, silently)."""
+        reply = self._open()
+        if _made_for(reply) != self._made_for:
+            raise DataStoreError(
+                f"{self.address}: the dataset changed while this loader's session was closed "
+                "(the service restarted, or the session sat idle): "
+                f"{self._made_for[0]} samples when the loader was made, {reply.num_samples} "
+                "now, or other fields: make a new loader"
+            )
+
     def _stream(self, epoch: int, start: int, count: int = 0) -> _Open:
         """A stream of ``count`` batches of ``epoch`` from ``start`` (``0``: to its end); the
         regions this loader still reads stay the service's concern, every other is free."""
@@ -196,7 +211,7 @@ class ServiceSource:
             if live.started or exc.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
                 raise
             live.stream.close()
-            self._open()
+            self._reopen()
             live = self._stream(live.epoch, live.start, live.end - live.start)
             got = next(live.items, None)
         live.started = True
@@ -300,6 +315,12 @@ class ServiceSource:
             self._channel.close()
             self._channel = None
             self._maps.drop()
+
+
+def _made_for(reply: Any) -> tuple:
+    """What an ``OpenSession`` reply gives a loader its schedule and buffers by: the sample
+    count and each field's name, dtype and shape."""
+    return reply.num_samples, [(f.name, f.dtype, tuple(f.shape)) for f in reply.fields]
 
 
 @dataclass
