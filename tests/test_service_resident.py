@@ -462,3 +462,28 @@ def test_a_peers_fetch_by_name_gets_the_copy_a_relinked_path_names_now(tmp_path)
         assert [r.path for r in servicer.residency.all()] == [str(tmp_path / "runB")]
     finally:
         servicer.residency.close()
+
+
+def test_a_file_that_lands_while_a_dataset_opens_is_read_by_the_next_job(tmp_path, monkeypatch):
+    """A staged file renamed into the dataset's directory after its reader listed the files
+    but before their state was taken: that state already held it, so no later job saw a
+    change, and the copy served 2 samples of 3 for as long as the service ran."""
+    for k in (0, 1):
+        np.save(tmp_path / f"{k:02d}.npy", np.full(4, k, np.float32))
+    open_reader = resident._reader
+
+    def staged_meanwhile(path, roots=()):
+        reader = open_reader(path, roots)
+        if not (tmp_path / "02.npy").exists():
+            np.save(tmp_path / "02.npy", np.full(4, 2, np.float32))
+        return reader
+
+    monkeypatch.setattr(resident, "_reader", staged_meanwhile)
+    res = Residency()
+    try:
+        first = res.load(str(tmp_path))
+        assert first.num_samples == 2  # (this job's copy: opened before the file landed)
+        again = res.load(str(tmp_path))  # the next job
+        assert again is not first and again.num_samples == 3
+    finally:
+        res.close()

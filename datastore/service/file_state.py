@@ -16,22 +16,30 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from datastore.readers.base import DatasetError
 from datastore.readers.spec import SPEC_SUFFIXES, DatasetSpec
 
-__all__ = ["dataset_paths", "files_state"]
+__all__ = ["dataset_paths", "files_state", "files_stats"]
 
 
-def files_state(paths: Sequence[str]) -> bytes:
+def files_state(paths: Sequence[str], seen: Mapping[str, str] | None = None) -> bytes:
     """A digest of the size, modification and change times and inode of every file under
     ``paths`` (a file, or a directory walked whole); a path that cannot be read counts as its
-    error."""
+    error. ``seen``: those read before (:func:`files_stats`), for the files it holds."""
+    seen = seen or {}
     h = hashlib.blake2b(digest_size=16)
     for name in sorted({name for path in paths for name in _files(path)}):
-        h.update(f"{name}\0{_stat(name)}\0".encode("utf-8", "surrogateescape"))
+        stat = seen[name] if name in seen else _stat(name)
+        h.update(f"{name}\0{stat}\0".encode("utf-8", "surrogateescape"))
     return h.digest()
+
+
+def files_stats(paths: Sequence[str]) -> dict[str, str]:
+    """What :func:`files_state` digests of each file under ``paths``, by name: taken before a
+    dataset is opened, so that a file changed or added while it opens counts as a change."""
+    return {name: _stat(name) for path in paths for name in _files(path)}
 
 
 def dataset_paths(path: str) -> list[str]:

@@ -44,7 +44,7 @@ from datastore.maths.partition import Grid
 from datastore.readers import open_dataset
 from datastore.readers.identity import identity
 from datastore.service.errors import ServiceError
-from datastore.service.file_state import dataset_paths, files_state
+from datastore.service.file_state import dataset_paths, files_state, files_stats
 from datastore.service.paths import checked_path, shown
 from datastore.service.peer_link import Peers, Pending, Pieces, expect
 from datastore.store.shards import SHARDABLE, LocalView, owners_by_holders
@@ -488,13 +488,16 @@ class Residency:
                     break
             # Opening a dataset (its files' metadata, the peers' listings) may take long:
             # never with the lock held, which Status and every other call need.
+            # (the files as they were before: one landing while it opens is a change)
+            named = dataset_paths(path)
+            seen = files_stats(named)
             sharded = self._shards(path, template)
             if sharded is None:
                 opened = _reader(path, self.roots), None
-                state = files_state([*dataset_paths(path), *_read_files(opened[0])]), b""
+                state = files_state([*named, *_read_files(opened[0])], seen), b""
             else:
                 view, owner, theirs = sharded
-                local = files_state([*dataset_paths(path), *_read_files(view.local)])
+                local = files_state([*named, *_read_files(view.local)], seen)
                 opened, state = (view, owner), (local, theirs)
         if opened is not None:  # another call loaded it meanwhile
             opened[0].close()
