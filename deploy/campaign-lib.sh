@@ -141,6 +141,13 @@ stop_children() {
     CHILD_PIDS=()
 }
 
+# remove_service_files SOCKET PID: what the `datastore serve` of pid PID on SOCKET leaves when
+# it is killed: the socket, its lock file (SOCKET.lock: the socket's directory was left) and
+# its /dev/shm segments.
+remove_service_files() {
+    rm -f "$1" "$1.lock" "/dev/shm/datastore.$(id -u).$2."*
+}
+
 # remove_mpich_segments DIR BEFORE...: remove the MPICH shared-memory segments in DIR
 # (mpich_shm_*, 2 MiB each) of this user that are not among BEFORE (those there when the
 # campaign began) and that no live process maps: the ranks of an MPICH job stopped by a

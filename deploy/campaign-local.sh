@@ -131,7 +131,7 @@ services_alive() {
 cancel_jobs() { :; }
 
 # stop_services: SIGTERM to each service, SIGKILL after STOP_TIMEOUT; then nothing of theirs
-# is left: their sockets and /dev/shm segments are removed even after a SIGKILL.
+# is left: their sockets, lock files and /dev/shm segments are removed even after a SIGKILL.
 stop_services() {
     local k pid rc ok=0 waited
     for k in "${!SERVE_PIDS[@]}"; do kill -TERM "${SERVE_PIDS[$k]}" 2>/dev/null; done
@@ -150,7 +150,7 @@ stop_services() {
         rc=$?
         say "datastore serve of node $k stopped (exit $rc)"
         ((rc == 0)) || ok=1
-        rm -f "$(socket_of "$k")" "/dev/shm/datastore.$(id -u).$pid."*
+        remove_service_files "$(socket_of "$k")" "$pid"
     done
     SERVE_PIDS=()
     return "$ok"

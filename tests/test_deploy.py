@@ -262,6 +262,26 @@ def test_the_mpich_segments_of_jobs_stopped_by_a_signal_are_removed(tmp_path):
     ]
 
 
+def test_a_killed_services_socket_lock_and_segments_are_removed(tmp_path):
+    """A service killed while jobs ran (SIGKILL, the OOM killer) left SOCKET.lock, so the
+    campaign's sockets directory stayed behind, though it said everything was shut down."""
+    sock, pid = tmp_path / "node1.sock", 2**31 - 7  # (no live process's)
+    segment = Path(f"/dev/shm/datastore.{os.getuid()}.{pid}.{uuid.uuid4().hex}")
+    for f in (sock, tmp_path / "node1.sock.lock", tmp_path / "node0.sock", segment):
+        f.write_bytes(b"")
+    try:
+        r = subprocess.run(
+            ["bash", "-c", 'source "$1"; remove_service_files "$2" "$3"', "-",
+             str(DEPLOY / "campaign-lib.sh"), str(sock), str(pid)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        leftover = segment.exists()
+        segment.unlink(missing_ok=True)
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["node0.sock"] and not leftover
+
+
 def test_the_same_job_name_twice_and_bad_parameters_are_refused(tmp_path, short_tmp):
     jobs = _write_jobs(tmp_path / "twice.jobs", ["1 1 a CONFIG", "2 1 a CONFIG"])
     env = _env(short_tmp, "-")
