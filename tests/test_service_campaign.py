@@ -961,7 +961,7 @@ def test_a_stream_cut_by_sigterm_ends_aborted_naming_the_shutdown(start, tmp_pat
         (["--tcp", "127.0.0.1:abc"], "--tcp wants HOST:PORT"),
         (["--metrics", "127.0.0.1:99999"], "--metrics: the port must be 0..65535"),
         (["--metrics", "127.0.0.1:-1"], "--metrics wants HOST:PORT"),
-        (["--memory-budget", "0"], "--memory-budget must be more than 0 bytes, got 0"),
+        (["--memory-budget", "0"], "--memory-budget: '0' is 0 bytes: give 1 byte or more"),
     ],
     ids=["tcp-over-65535", "tcp-not-a-number", "metrics-over-65535", "metrics-negative",
          "budget-0"],
@@ -1010,6 +1010,26 @@ def test_an_empty_path_option_is_refused(option, capsys, tmp_path):
         parser().parse_args(["serve", "--socket", str(tmp_path / "s.sock"), option, ""])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"argument {option}: an empty path")
+
+
+@pytest.mark.parametrize("size, bytes_", [("0.5", 0), ("0.5K", 512), ("2G", 2 << 30)])
+def test_a_memory_budget_under_a_byte_names_what_was_given_and_the_units(size, bytes_, capsys):
+    """``--memory-budget 0.5`` was refused as "must be more than 0 bytes, got 0": neither
+    the 0.5 given nor the units (a plain number is bytes) were said."""
+    from datastore.cli import parser
+
+    argv = ["serve", "--memory-budget", size]
+    if bytes_:
+        assert parser().parse_args(argv).memory_budget == bytes_
+        return
+    with pytest.raises(SystemExit) as stopped:
+        parser().parse_args(argv)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "datastore serve: error: argument --memory-budget: '0.5' is 0 bytes: give 1 byte or more "
+        "(a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G; leave it out for "
+        "no limit)"
+    )
 
 
 def test_a_client_port_out_of_range_is_refused_not_wrapped(tmp_path, env):

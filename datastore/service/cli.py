@@ -337,8 +337,15 @@ def _tcp(address: str) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """``"64G"`` -> bytes (K, M, G, T: powers of 1024; a plain number: bytes)."""
+    """``"64G"`` -> bytes (K, M, G, T: powers of 1024; a plain number: bytes), at least 1
+    (``0.5`` was 0 bytes, refused as "got 0")."""
+    units = "a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
     try:
-        return parse_size(text, "size")
+        size = parse_size(text, "size")
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 64G)") from None
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} ({units})") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {size} bytes: give 1 byte or more ({units}; leave it out for no limit)"
+        )
+    return size
