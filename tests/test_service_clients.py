@@ -188,6 +188,19 @@ def test_shutdown_waits_until_the_service_holds_its_socket_no_more(tmp_path):
     assert _stopped(_Gone(sock), 0.3)
 
 
+def test_a_socket_under_a_missing_directory_names_it_and_creates_nothing(tmp_path):
+    """``serve --socket /nonexistent/x/y.sock`` stopped with a bare "[Errno 2] No such file
+    or directory: '/nonexistent/x'": which of the two was missing, and what serve creates,
+    went unsaid."""
+    with pytest.raises(FileNotFoundError) as err:
+        claim_socket(tmp_path / "no" / "x" / "y.sock", private=False)
+    assert str(err.value) == (
+        f"cannot create the socket's directory {tmp_path}/no/x: {tmp_path}/no does not exist "
+        "(serve creates only the socket's own directory)"
+    )
+    assert os.listdir(tmp_path) == []
+
+
 def test_shutdown_over_tcp_needs_the_token(tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")

@@ -20,14 +20,16 @@ SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
 
 
 SERVE_EPILOG = """\
-The socket's directory is created 0700 if missing, the socket is 0600. A socket left by a
-server that died is removed on the next start; a path served by a live server is refused.
+The socket's directory (not its parents) is created 0700 if missing, the socket is 0600. A
+socket left by a server that died is removed on the next start; a path served by a live
+server is refused.
 Logs: one JSON object per line on stderr. SIGTERM, SIGINT or the Shutdown call drain the
 calls in flight and exit 0, removing the socket (and its directory if serve created it).
 
 exit codes:
   0  stopped cleanly
-  1  could not listen (a live server holds the socket, an unsafe directory, a busy port)
+  1  could not listen (a live server holds the socket, an unsafe or missing directory, a
+     busy port)
   2  bad usage (--tcp without --token-file, an unreadable or empty token file, or one that
      others can read, an --allow root that does not exist, a --state-file that is a directory)
 

@@ -211,11 +211,17 @@ class Claim:
 
 
 def _private_dir(directory: Path) -> Path | None:
-    """Create ``directory`` 0700 if missing (returning it), else check it is safe (None)."""
+    """Create ``directory`` 0700 if missing (returning it), else check it is safe (None).
+    Its parent must exist (a bare "[Errno 2] No such file or directory" named no directory)."""
     try:
         directory.mkdir(mode=0o700)
     except FileExistsError:
         pass
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"cannot create the socket's directory {directory}: {directory.parent} does not "
+            "exist (serve creates only the socket's own directory)"
+        ) from None
     else:
         os.chmod(directory, 0o700)  # mkdir's mode is subject to the umask
         return directory
