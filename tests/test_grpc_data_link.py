@@ -25,6 +25,7 @@ import pytest
 
 from datastore.service import data_link, grpc_peers
 from datastore.service._pb.v1 import datastore_pb2 as pb
+from datastore.service.config import ServeConfig
 from datastore.service.data_link import REPLY, TICKET, DataConnection, recv_bytes
 from datastore.service.errors import ServiceError
 from datastore.service.grpc_answer import PeersServicer, add_peers_to_server
@@ -461,6 +462,17 @@ def test_bad_data_port_options_exit_2_naming_the_option(tmp_path, args, says):
     r = _serve(tmp_path, *args)
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_data_port_equal_to_the_tcp_port_is_bad_usage_naming_both(tmp_path):
+    """``--tcp 127.0.0.1:47433 --data-port 47433`` started, then stopped with exit 1 "Address
+    already in use": a conflict the arguments show is bad usage (exit 2), said before binding."""
+    peers = ("127.0.0.1:47433", "127.0.0.1:47434")
+    same = dict(socket=tmp_path / "s.sock", token_file=tmp_path / "t", peers=peers, node=0)
+    says = "^--data-port 47433 is the port of --tcp 127.0.0.1:47433: give each its own$"
+    with pytest.raises(ValueError, match=says):
+        ServeConfig(tcp="127.0.0.1:47433", data_port=47433, **same)
+    assert ServeConfig(tcp="127.0.0.1:47433", data_port=47435, **same).data_port == 47435
 
 
 def test_a_data_port_in_use_fails_the_start_naming_it(tmp_path):

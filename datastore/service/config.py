@@ -102,6 +102,10 @@ class ServeConfig:
             raise ValueError(f"--data-port must be 0..65535, got {self.data_port}")
         if self.data_port and not self.peers:
             raise ValueError("--data-port goes with --peers")
+        if self.data_port and self.tcp and int(self.tcp.rpartition(":")[2]) == self.data_port:
+            raise ValueError(
+                f"--data-port {self.data_port} is the port of --tcp {self.tcp}: give each its own"
+            )
         _check_seconds("--peer-timeout", self.peer_timeout_s)
         if self.peer_timeout_s > MAX_PEER_TIMEOUT_S:
             raise ValueError(
