@@ -201,6 +201,31 @@ def test_a_socket_under_a_missing_directory_names_it_and_creates_nothing(tmp_pat
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("command", ["status", "shutdown"])
+def test_a_service_that_takes_the_connection_but_never_answers_is_said_hung(
+    command, tmp_path, capsys
+):
+    """A service stopped with SIGSTOP (its socket still listening) was reported as "no service
+    answers ... DEADLINE_EXCEEDED (is `datastore serve` running? start it ...)"; a socket with
+    no process behind it still says start it."""
+    from datastore.cli import parser
+    from datastore.service.commands import run_shutdown, run_status
+
+    run = {"status": run_status, "shutdown": run_shutdown}[command]
+    sock = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX) as hung:
+        hung.bind(str(sock))
+        hung.listen()  # the kernel takes the connection; nobody reads it
+        args = parser().parse_args([command, "--socket", str(sock), "--timeout", "0.5"])
+        assert run(args) == 1
+    assert capsys.readouterr().err == (
+        f"datastore {command}: the service at unix://{sock} did not answer within 0.5 s: it "
+        "may be hung (--timeout waits longer)\n"
+    )
+    assert run(args) == 1  # the socket file left, no process: not running
+    assert "(is `datastore serve` running? start it" in capsys.readouterr().err
+
+
 def test_shutdown_over_tcp_needs_the_token(tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")

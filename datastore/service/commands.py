@@ -83,8 +83,9 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
             if code is None:
                 raise
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                tls = args.tls_ca is not None
                 msg = unreachable(
-                    client.target, code.name, exc.grpc_details, args.tls_ca is not None
+                    client.target, code.name, exc.grpc_details, tls, timeout_s=args.timeout
                 )
             else:
                 msg = f"the service at {client.target} refused: {code.name}: {exc.grpc_details}"
@@ -92,13 +93,28 @@ def _ask(args: argparse.Namespace, command: str, call: Callable[[Any], Any]) -> 
             return None, Exit.FAILED
 
 
-def unreachable(target: str, code: str, details: str, tls: bool, flag: str = "--address") -> str:
+def unreachable(
+    target: str,
+    code: str,
+    details: str,
+    tls: bool,
+    flag: str = "--address",
+    timeout_s: float | None = None,
+) -> str:
     """Why no service answered at ``target``: a TLS handshake that failed, with gRPC's reason
-    (a wrong CA, a service without TLS); else whether it runs (``flag`` names another), and
+    (a wrong CA, a service without TLS); no answer within ``timeout_s`` (a service stopped
+    with SIGSTOP was told to "start it"); else whether it runs (``flag`` names another), and
     over TCP without TLS (``tls``: ``--tls-ca`` given) that a service with a certificate needs
     one (it just closes the socket)."""
     if "handshake" in details.lower():
         return f"no TLS connection to {target}: {details}"
+    if code == "DEADLINE_EXCEEDED":
+        within = f" within {timeout_s:g} s" if timeout_s else ""
+        host = "" if target.startswith("unix:") else ", or its host is unreachable"
+        return (
+            f"the service at {target} did not answer{within}: it may be hung{host} "
+            "(--timeout waits longer)"
+        )
     hint = f"is `datastore serve` running? start it, or pass {flag}"
     if not tls and not target.startswith("unix:"):
         hint += "; a service started with --tls-cert needs --tls-ca"
