@@ -3,8 +3,8 @@
 # campaign.flux): the jobs file, running jobs phase by phase, and shutting everything down on
 # the way out, whatever the way out is (done, a failed job, SIGTERM/SIGINT/SIGUSR1).
 #
-# The jobs file: one job per line, `PHASE RANKS NAME CONFIG [KEY=VALUE ...]`; `#` starts a
-# comment. The jobs of a phase run at once; phases run one after another, lowest first. CONFIG
+# The jobs file: one job per line, `PHASE RANKS NAME CONFIG [KEY=VALUE ...]` (PHASE 0..999999,
+# RANKS 1..999999); `#` starts a comment. The jobs of a phase run at once; phases run one after another, lowest first. CONFIG
 # is a trainer TOML file (relative to the jobs file, or absolute), `tournament:FILE` for a
 # tournament of RANKS trainers (`trainer tournament`); each KEY=VALUE becomes
 # `--set KEY=VALUE` after the campaign's own `data`, `log_file` and `checkpoint_dir`, so a line
@@ -47,6 +47,10 @@ read_jobs() {
         read -r phase ranks name config rest <<<"$line"
         [[ $phase =~ ^[0-9]+$ ]] || usage_error "$file:$n: PHASE '$phase' is not a whole number"
         [[ $ranks =~ ^[1-9][0-9]*$ ]] || usage_error "$file:$n: RANKS '$ranks' is not a positive whole number"
+        # at most 6 digits: bash arithmetic wraps past 2^63 (a PHASE of 20 nines sorted as
+        # 7766279631452241919, and could run before a smaller phase)
+        [[ $phase =~ ^0*[0-9]{1,6}$ ]] || usage_error "$file:$n: PHASE '$phase' is over 999999"
+        ((${#ranks} <= 6)) || usage_error "$file:$n: RANKS '$ranks' is over 999999"
         [[ $name =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] ||
             usage_error "$file:$n: NAME '$name' must be letters, digits, '_', '.', '-'"
         for k in "${!JOB_NAME[@]}"; do

@@ -216,6 +216,32 @@ def test_a_bad_jobs_file_is_refused_before_anything_starts(tmp_path, line, messa
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("99999999999999999999 1 a CONFIG", "PHASE '99999999999999999999' is over 999999"),
+        ("1 99999999999999999999 a CONFIG", "RANKS '99999999999999999999' is over 999999"),
+        ("1000000 1 a CONFIG", "PHASE '1000000' is over 999999"),
+        ("000999999 999999 a CONFIG", ""),
+    ],
+    ids=["phase-20-digits", "ranks-20-digits", "phase-1e6", "largest"],
+)
+def test_a_phase_or_ranks_out_of_range_is_refused_not_wrapped(tmp_path, line, message):
+    """A PHASE of 20 nines wrapped in bash arithmetic to 7766279631452241919 (a phase may sort
+    before another it was written after); a RANKS of 20 nines was taken as it was."""
+    jobs = _write_jobs(tmp_path / "big.jobs", ["2 1 b CONFIG", line])
+    script = 'source "$1"; read_jobs "$2"; printf "%s|" "${JOB_PHASE[@]}" "${JOB_RANKS[@]}"'
+    r = subprocess.run(
+        ["bash", "-c", script, "-", str(DEPLOY / "campaign-lib.sh"), str(jobs)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if message:
+        assert (r.returncode, r.stdout) == (2, "")
+        assert r.stderr.endswith(f" campaign: error: {jobs}:2: {message}\n"), r.stderr
+    else:
+        assert (r.returncode, r.stdout) == (0, "2|999999|1|999999|"), r.stderr
+
+
 def test_a_jobs_file_with_crlf_line_endings_and_a_byte_order_mark_is_read(tmp_path):
     jobs = _write_jobs(
         tmp_path / "dos.jobs", ["1 1 a CONFIG", "# a comment", "", "2 1 b CONFIG lr=0.1"]
