@@ -528,7 +528,10 @@ class DataStoreLoader(EpochPosition):
         try:
             if not len(self.reader):
                 raise ValueError(f"{reader.location}: the dataset has no samples")
-            info = chosen_fields(self.reader.fields, o.fields)  # fields=[] refused earlier
+            try:  # (fields=[] refused earlier)
+                info = chosen_fields(self.reader.fields, o.fields)
+            except ValueError as exc:  # named the field, not the file
+                raise ValueError(f"{reader.location}: {exc}") from None
             view = self._view(info, owner)
             grid, layout, schedule = view.grid, view.layout, view.schedule
             mine = list(view.fields)

@@ -337,18 +337,23 @@ def test_a_spill_dir_is_made_only_where_its_parent_exists(h5, tmp_path):
 @pytest.mark.parametrize(
     ("data", "says"),
     [
-        (np.array([b"a", b"b", b"c"]), "has no torch tensor type"),
-        (np.zeros(3, dtype=[("a", "f4"), ("b", "i4")]), "has no torch tensor type"),
+        (np.array([b"a", b"b", b"c"]), "|S1 (bytes8)"),
+        (np.zeros(3, dtype=[("a", "f4"), ("b", "i4")]), "|V8 (void64)"),
     ],
     ids=["bytes", "compound"],
 )
 def test_a_field_no_tensor_can_hold_is_named(tmp_path, data, says):
+    """The file is named too, as the readers' other refusals do (it named the field only)."""
     path = tmp_path / "odd.h5"
     with h5py.File(path, "w") as f:
         f["x"] = np.arange(3, dtype=np.float32)
         f["odd"] = data
-    with pytest.raises(ValueError, match=f"field 'odd': its dtype .*{says}"):
+    with pytest.raises(ValueError) as err:
         DataStoreLoader(str(path), batch_size=1)
+    assert str(err.value) == (
+        f"{path}: field 'odd': its dtype {says} has no torch tensor type (numbers and bools "
+        "only); leave it out with fields=[...]"
+    )
     loader = DataStoreLoader(str(path), batch_size=1, fields=["x"])  # the way out it names
     assert len(list(loader)) == 3
     loader.close()
