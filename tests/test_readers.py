@@ -560,6 +560,27 @@ def test_missing_paths(tmp_path):
         detect(tmp_path / "empty")
 
 
+def test_a_directory_of_class_subfolders_names_one_and_the_glob_of_them_all(tmp_path):
+    """``data/a/*.npy`` and ``data/b/*.npy``: ``data`` was "no dataset here" with no word that
+    subdirectories are not searched; the glob it now names reads every sample, a/ then b/."""
+    for c, base in (("a", 0), ("b", 10)):
+        (tmp_path / "data" / c).mkdir(parents=True)
+        for i in range(2):
+            np.save(tmp_path / "data" / c / f"{i}.npy", np.full(3, base + i, np.float32))
+    (tmp_path / "data" / ".hidden").mkdir()
+    with pytest.raises(DatasetError) as exc:
+        open_dataset(str(tmp_path / "data"))
+    d = tmp_path / "data"
+    assert str(exc.value) == (
+        f"{d}: no dataset here: no .h5/.hdf5/.npy/.npz/.tar files, no LMDB or zarr markers; "
+        f"subdirectories are not searched, and {d}/a holds .npy files: name a glob of them "
+        f"all, '{d}/*/*.npy', or one subdirectory"
+    )
+    with open_dataset(f"{d}/*/*.npy") as r:
+        got = [r.read(i, "data").tolist() for i in range(len(r))]
+    assert got == [[0.0] * 3, [1.0] * 3, [10.0] * 3, [11.0] * 3]
+
+
 def test_truncated_and_garbage_hdf5(tmp_path, arrays):
     good = tmp_path / "good.h5"
     with h5py.File(good, "w") as f:

@@ -13,6 +13,7 @@ Readers import this module and ``base``, never each other or ``spec`` (at run ti
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from collections.abc import Callable, Mapping
@@ -189,11 +190,35 @@ def detect_format(path: str, layout: str | None = None) -> str:
         if not files:
             listed = "/".join(s for f in detected for s in f.suffixes)
             marked = " or ".join(f.title for f in FORMATS.values() if f.marker is not None)
-            raise DatasetError(d, f"no dataset here: no {listed} files, no {marked} markers")
+            raise DatasetError(
+                d,
+                f"no dataset here: no {listed} files, no {marked} markers"
+                + _subdirectory_hint(d, tuple(s for f in detected for s in f.suffixes)),
+            )
         return _format_of_files(d, files, layout)
     if any(os.path.isdir(f) for f in found):
         raise DatasetError(path, f"names {len(found)} paths, some directories; name one dataset")
     return _format_of_files(path, found, layout)
+
+
+def _subdirectory_hint(path: str, suffixes: tuple[str, ...]) -> str:
+    """For a directory with no sample files of its own: the first subdirectory that has some
+    (class subfolders, ``data/a/*.npy``), and the glob that names them all; else ``""``."""
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(path)):
+            sub = os.path.join(path, name)
+            if name.startswith(".") or not os.path.isdir(sub):
+                continue
+            with contextlib.suppress(DatasetError):
+                files = _listdir(sub, suffixes)
+                if files:
+                    ext = os.path.splitext(files[0])[1]
+                    return (
+                        f"; subdirectories are not searched, and {sub} holds {ext} files: "
+                        f"name a glob of them all, '{os.path.join(path, '*', '*' + ext)}', "
+                        "or one subdirectory"
+                    )
+    return ""
 
 
 def _format_of_file(path: str) -> Format:
