@@ -36,6 +36,7 @@ __all__ = [
     "mtime_ns",
     "normalize_name",
     "open_stream",
+    "unpack_note",
 ]
 
 RESERVED = ".datastore"
@@ -44,6 +45,7 @@ MTIME_MAX = 2**63 // 10**9 - 1
 bits (``os.utime``, ``st_mtime_ns``); a tar's base-256 fields go far beyond."""
 _SUFFIXES = {".tar": "tar", ".tar.gz": "gz", ".tgz": "gz", ".tar.zst": "zst", ".tzst": "zst"}
 _MAGIC = {"gz": b"\x1f\x8b", "zst": b"\x28\xb5\x2f\xfd"}
+_NOT_UNPACKED = (".tar.xz", ".txz", ".tar.bz2", ".tbz2", ".tbz", ".tar.lz4", ".tar.lzma", ".tar.lz")
 
 
 class ArchiveError(Exception):
@@ -82,6 +84,14 @@ def archive_kind(path: str) -> str | None:
         if low.endswith(suffix):
             return kind
     return None
+
+
+def unpack_note(path: str) -> str | None:
+    """What to say of a tar compressed in a way staging does not unpack (``.tar.xz``,
+    ``.tar.bz2``, ...; it is copied as a file, which said nothing), else ``None``."""
+    if not path.lower().endswith(_NOT_UNPACKED):
+        return None
+    return f"{path}: copied as a file, not unpacked (only .tar, .tar.gz/.tgz, .tar.zst/.tzst are)"
 
 
 def normalize_name(raw: str) -> str:

@@ -20,6 +20,7 @@ from staging.archive import (
     archive_kind,
     list_members,
     normalize_name,
+    unpack_note,
 )
 from staging.confine import beneath
 from staging.directio import reads_direct
@@ -72,6 +73,7 @@ class Group:
 class Plan:
     groups: list[Group] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def items(self) -> list[Item]:
@@ -335,6 +337,8 @@ def build_plan(
             for parent in _parents(i.dest):
                 dirs.setdefault(parent, path)
         plan.groups.append(group)
+        note = unpack_note(src) if unpack and stat.S_ISREG(st.st_mode) else None
+        plan.notes.extend([note] if note else [])
     return plan
 
 

@@ -168,6 +168,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             if engine is not None:
                 engine.settle([])
             raise
+        log.notes(plan.notes)
     groups = _node_groups(plan, cfg.mode, comm, lay)
     planned = comm.bcast(bool(plan.groups) if lay.rank == 0 else None, root=0)
     # the sources of this run (one per SRC), whose files outside this node's share are dropped

@@ -1173,3 +1173,27 @@ def test_ctrl_c_stops_the_copy_at_once_and_places_nothing_unfinished(tmp_path):
         proc.kill()
     assert not (dest / "huge" / "z1").exists() and not (dest / "huge" / "z2").exists()
     assert list(dest.glob(f"{META}/tmp/*/*.part"))  # kept for a re-run to resume
+
+
+def test_a_tar_compressed_another_way_is_copied_with_a_note_not_unpacked(tmp_path, capsys):
+    """``stage t.tar.xz t.tar.bz2`` copied both as plain files without a word, where `tar -x`
+    would unpack them; each now gets one note (``--no-unpack`` asked for the copy: none)."""
+    made = {}
+    for name, mode in (("t.tar.xz", "w:xz"), ("t.tar.bz2", "w:bz2"), ("t.tar.gz", "w:gz")):
+        with tarfile.open(tmp_path / name, mode) as tar:
+            info = tarfile.TarInfo(f"{name}.txt")
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"hi"))
+        made[name] = str(tmp_path / name)
+    dest = tmp_path / "dest"
+    cfg = StageConfig(dest=str(dest), sources=tuple(made.values()))
+    assert stage(cfg, world()) == Exit.OK
+    err = capsys.readouterr().err
+    says = "copied as a file, not unpacked (only .tar, .tar.gz/.tgz, .tar.zst/.tzst are)"
+    assert err == "".join(
+        f"datastore stage: note: {made[n]}: {says}\n" for n in ("t.tar.xz", "t.tar.bz2")
+    )
+    assert sorted(os.listdir(dest)) == [".datastore", "t.tar.bz2", "t.tar.gz.txt", "t.tar.xz"]
+    cfg = StageConfig(dest=str(tmp_path / "kept"), sources=(made["t.tar.xz"],), unpack=False)
+    assert stage(cfg, world()) == Exit.OK
+    assert capsys.readouterr().err == ""
