@@ -959,6 +959,30 @@ def test_inspect_lists_a_zarr_string_array(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("shards", [None, (2, 3)], ids=["chunked", "sharded"])
+def test_inspect_shows_a_big_endian_zarr_3_array_as_stored(tmp_path, shards):
+    """A format-3 array written with ``BytesCodec(endian="big")`` showed ``float32`` where a
+    format-2 ``>f4`` array, HDF5 and npy show ``float32 (>f4)``; its values read as written."""
+    from zarr.codecs import BytesCodec
+
+    from datastore.readers.inspect_cmd import describe, format_text
+
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    g = zarr.open_group(str(tmp_path / "b.zarr"), mode="w", zarr_format=3)
+    big = BytesCodec(endian="big")
+    kw = {"chunks": (1, 3), "shards": shards}
+    g.create_array("x", shape=(4, 3), dtype="f4", serializer=big, **kw)[:] = x
+    g.create_array("n", shape=(4, 3), dtype="f4", **kw)[:] = x  # little: as is
+    with open_dataset(str(tmp_path / "b.zarr")) as reader:
+        lines = format_text(describe(reader, "b.zarr")).splitlines()
+        got = [reader.read(i, "x") for i in range(4)]
+    assert [" ".join(line.split()) for line in lines[2:]] == [
+        "n float32 (3,) - (3,) 12 B",
+        "x float32 (>f4) (3,) - (3,) 12 B",
+    ]
+    assert np.array_equal(np.stack(got), x) and got[0].dtype == np.dtype("=f4")
+
+
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_a_zarr_array_written_anew_after_opening_is_refused(tmp_path, zarr_format):
     """zarr keeps the metadata it read when the group was opened: an array written anew with

@@ -276,6 +276,10 @@ class Reader(ABC):
             DatasetError: naming the first file that does not hold the fields as expected.
         """
 
+    def stored_dtype(self, name: str) -> np.dtype:
+        """Field ``name``'s dtype as its files hold it, the byte order too (``inspect``)."""
+        return self.stored.get(name, self.fields[name]).dtype
+
     def read_sample(self, index: int) -> dict[str, np.ndarray]:
         """Every field of sample ``index``, whole."""
         return {name: self.read(index, name) for name in self.fields}

@@ -59,7 +59,7 @@ def describe(reader: Reader, path: str) -> dict[str, Any]:
         "num_samples": len(reader),
         "fields": {
             name: {
-                "dtype": reader.stored.get(name, f).dtype.str,  # as stored: byte order too
+                "dtype": reader.stored_dtype(name).str,  # as stored: byte order too
                 "shape": list(f.shape),
                 "spatial_axes": list(f.spatial_axes),
                 "chunks": None if f.chunks is None else list(f.chunks),

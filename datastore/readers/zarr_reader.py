@@ -61,6 +61,15 @@ class ZarrReader(Reader):
                 )
         self._length = 0 if count is None else count[1]
         self._stamps = {name: _meta_stamp(root, name) for name in self.fields}
+        orders = {name: _stored_order(arrays[name]) for name in self.fields}
+        self._orders = {name: o for name, o in orders.items() if o is not None}
+
+    def stored_dtype(self, name: str) -> np.dtype:
+        """As stored: a format-3 array's ``bytes`` codec holds the byte order (zarr decodes
+        into this machine's; ``inspect`` showed ``float32`` for a big-endian array)."""
+        dtype = super().stored_dtype(name)
+        order = self._orders.get(name)
+        return dtype if order is None else dtype.newbyteorder(order)
 
     def _open(self) -> dict[str, Any]:
         root = self.files[0]
@@ -92,6 +101,17 @@ def _meta_stamp(root: str, name: str) -> tuple[int, int, int] | None:
             continue
         return st.st_ino, st.st_size, st.st_mtime_ns
     return None
+
+
+def _stored_order(arr: Any) -> str | None:
+    """``">"`` or ``"<"``: the byte order a format-3 array's ``bytes`` codec stores (of a
+    sharded array: its chunks'), where it is not this machine's; else ``None`` (format 2's
+    dtype gives its byte order itself)."""
+    endian = getattr(getattr(arr, "serializer", None), "endian", None)
+    if arr.metadata.zarr_format != 3 or endian is None:
+        return None
+    order = ">" if endian.value == "big" else "<"
+    return None if np.dtype(arr.dtype).newbyteorder(order).isnative else order
 
 
 def _chunks(arr: Any) -> tuple[int, ...] | None:
