@@ -57,11 +57,14 @@ def test_a_field_no_tensor_can_hold_is_named_in_both_modes(allowed):
     with h5py.File(path, "w") as f:
         f["x"] = np.arange(4, dtype=np.float32)
         f["name"] = np.array([b"a", b"b", b"c", b"d"])
-    for kw in ({}, {"service": ServiceOptions(str(sock))}):
-        with pytest.raises(
-            ValueError, match=r"field 'name': its dtype \|S1 .*no torch tensor type"
-        ):
+    says = (
+        "field 'name': its dtype |S1 (bytes8) has no torch tensor type (numbers and bools "
+        "only); leave it out with fields=[...]"
+    )
+    for kw, where in (({}, str(path)), ({"service": ServiceOptions(str(sock))}, repr(str(path)))):
+        with pytest.raises(ValueError) as err:  # the file named too (it was not)
             DataStoreLoader(str(path), batch_size=2, **kw)
+        assert str(err.value) == f"{where}: {says}"
 
 
 def test_a_dataset_with_no_samples_is_named_in_both_modes(allowed):

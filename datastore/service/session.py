@@ -295,8 +295,11 @@ class Sessions:
             raise ServiceError(
                 "INVALID_ARGUMENT", f"{shown(r.dataset_path)}: the dataset has no samples"
             )
-        try:
+        try:  # (it named the field, not the dataset)
             info = chosen_fields(resident.reader.fields, list(r.fields), shown)
+        except ValueError as exc:
+            raise ServiceError("INVALID_ARGUMENT", f"{shown(r.dataset_path)}: {exc}") from exc
+        try:
             view = rank_view(
                 info,
                 len(resident.reader),
