@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -977,6 +978,27 @@ def test_a_port_out_of_range_stops_serve_at_start(tmp_path, env, args, says):
     r = cli(*cmd, env=env)
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert not (tmp_path / "p.sock").exists()
+
+
+@pytest.mark.parametrize(
+    "metrics, says",
+    [
+        ("0.0.0.0:47533", "--metrics 0.0.0.0:47533 is the port of --tcp 127.0.0.1:47533"),
+        ("127.0.0.1:47535", "--metrics 127.0.0.1:47535 is the port of --data-port 47535"),
+        ("127.0.0.2:47533", None),  # another host: both bind
+        ("127.0.0.1:0", None),  # any free port
+    ],
+)
+def test_metrics_on_the_port_of_tcp_or_data_port_is_bad_usage(tmp_path, metrics, says):
+    """``--metrics`` on the ``--tcp`` (or ``--data-port``) port started, then stopped with exit 1
+    "Address already in use": a conflict the arguments show, refused before binding (exit 2)."""
+    peers = ("127.0.0.1:47533", "127.0.0.1:47534")
+    args = dict(socket=tmp_path / "s.sock", tcp=peers[0], token_file=tmp_path / "t", peers=peers)
+    if says is None:
+        assert ServeConfig(node=0, data_port=47535, metrics=metrics, **args).metrics == metrics
+        return
+    with pytest.raises(ValueError, match=f"^{re.escape(says)}: give each its own$"):
+        ServeConfig(node=0, data_port=47535, metrics=metrics, **args)
 
 
 @pytest.mark.parametrize("option", ["session_idle_s", "peer_timeout_s"])

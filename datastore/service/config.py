@@ -102,10 +102,9 @@ class ServeConfig:
             raise ValueError(f"--data-port must be 0..65535, got {self.data_port}")
         if self.data_port and not self.peers:
             raise ValueError("--data-port goes with --peers")
-        if self.data_port and self.tcp and int(self.tcp.rpartition(":")[2]) == self.data_port:
-            raise ValueError(
-                f"--data-port {self.data_port} is the port of --tcp {self.tcp}: give each its own"
-            )
+        clash = _shared_port(self.tcp, self.data_port, self.metrics)
+        if clash:
+            raise ValueError(f"{clash}: give each its own")
         _check_seconds("--peer-timeout", self.peer_timeout_s)
         if self.peer_timeout_s > MAX_PEER_TIMEOUT_S:
             raise ValueError(
@@ -129,6 +128,35 @@ def _check_seconds(option: str, seconds: float) -> None:
     expired, and a request to a peer never timed out)."""
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"{option} must be a finite number of seconds > 0, got {seconds}")
+
+
+_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+
+
+def _shared_port(tcp: str | None, data_port: int, metrics: str | None) -> str | None:
+    """Which two listeners the arguments put on one port, or ``None`` (the second to bind
+    stopped the start with exit 1, "Address already in use"). The data port listens on the
+    host of ``tcp``."""
+    listens = []  # (option, as given, the HOST:PORT it listens on)
+    if tcp is not None:
+        listens.append(("--tcp", tcp, tcp))
+        if data_port:
+            listens.append(("--data-port", str(data_port), f"{tcp.rpartition(':')[0]}:{data_port}"))
+    if metrics is not None:
+        listens.append(("--metrics", metrics, metrics))
+    for i, (first, given, address) in enumerate(listens):
+        for option, value, other in listens[i + 1 :]:
+            if _same_port(address, other):
+                return f"{option} {value} is the port of {first} {given}"
+    return None
+
+
+def _same_port(a: str, b: str) -> bool:
+    """Whether ``HOST:PORT`` ``a`` and ``b`` are one port (not 0: any free port) on one host
+    or on any address."""
+    (host, _, port), (other, _, same) = a.rpartition(":"), b.rpartition(":")
+    hosts = host == other or host in _ANY_HOST or other in _ANY_HOST
+    return int(port) != 0 and int(port) == int(same) and hosts
 
 
 def _check_host_port(option: str, address: str) -> None:
