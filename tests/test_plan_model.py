@@ -254,6 +254,23 @@ def test_recommendations_in_order_of_preference():
     )
 
 
+def test_fewer_files_than_nodes_cannot_be_sharded():
+    # one HDF5 file of 64 GiB on 4 nodes: --mode shard puts it on one node, 3 get nothing
+    ds = flat(1024, 64 * MIB, files=1)
+    got, why = recommend_for(ds, memory_per_node=32 * GIB)
+    assert got is None  # it recommended shuffle='window:4096', which the loader refuses
+    assert why[1] == (
+        "nor can it be sharded: it has fewer files than nodes, so 3 node(s) would hold none of "
+        "it (the loader refuses a node without the dataset): store it in at least as many "
+        "files as nodes, or use fewer nodes"
+    )
+    assert stage_time(ds, machine(), "shard").empty_nodes == 3
+    assert stage_time(ds, machine(), "replicate").empty_nodes == 0
+    assert recommend_for(flat(1024, 64 * MIB, files=4), memory_per_node=32 * GIB)[0] == (
+        "shard", "global", "embedded",
+    )  # fmt: skip
+
+
 def test_plan_picks_the_fewest_blocks_that_work():
     ds, m = volume(64), machine()  # 8 ranks
     plan = make_plan(ds, m, Job(global_batch=4, step_time=1))  # 4 < 8 ranks: split 2 ways

@@ -299,6 +299,7 @@ class Staging:
     write_s: float
     bound: str  # what limits it: "PFS", "node link" or "NVMe write"
     fits_nvme: bool
+    empty_nodes: int = 0  # nodes given no file (``--mode shard`` of fewer files than nodes)
 
     @property
     def seconds(self) -> float:
@@ -316,7 +317,8 @@ def stage_time(ds: DatasetSize, m: Machine, mode: str) -> Staging:
         bound = "NVMe write"
     else:
         bound = "PFS" if pfs_each <= m.network_bw else "node link"
-    return Staging(mode, share, read_s, write_s, bound, share <= m.nvme_per_node)
+    empty = 0 if mode == "replicate" else max(0, m.nodes - ds.files)
+    return Staging(mode, share, read_s, write_s, bound, share <= m.nvme_per_node, empty)
 
 
 # ----------------------------------------------------------------------------- spatial splits
@@ -596,7 +598,7 @@ def recommend(
     exchange, full shuffle) if it fits; sharded with the global shuffle if its exchange stays
     within ``max_exchange_share`` of a step; sharded with ``shuffle="shard"`` otherwise; sharded
     with ``"window:K"`` when even a node's shard is larger than memory; nothing when a shard
-    does not fit on NVMe."""
+    does not fit on NVMe, or the dataset has fewer files than nodes (some would hold none)."""
     by = {(r.staging, r.shuffle): r for r in rows}
     rep, shard_g, home = by["replicate", "global"], by["shard", "global"], by["shard", "shard"]
     rep_s, shard_s = staged["replicate"], staged["shard"]
@@ -614,6 +616,13 @@ def recommend(
     where = "in memory" if rep.fits_nvme else "on NVMe"
     big = rep.memory_bytes if rep.fits_nvme else rep_s.bytes_per_node
     why_not = f"replicate does not fit {where} ({human_bytes(big)} a node)"
+    if shard_s.empty_nodes:
+        return None, [
+            why_not,
+            f"nor can it be sharded: it has fewer files than nodes, so {shard_s.empty_nodes} "
+            "node(s) would hold none of it (the loader refuses a node without the dataset): "
+            "store it in at least as many files as nodes, or use fewer nodes",
+        ]
     if not shard_s.fits_nvme:
         return None, [
             why_not,
