@@ -125,6 +125,10 @@ def test_the_text_tables():
          "--memory-per-node must be >= 0"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--network-bw", "0"),
          "--network-bw must be a number > 0"),
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--network-bw", "25Gb/s"),
+         "--network-bw takes bytes per second, got '25Gb/s': bits"),  # was read as 25 GiB/s
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--network-bw", "100Gbps"),
+         "--network-bw takes bytes per second, got '100Gbps': bits"),
         (("--samples", "10", "--shape", "4,2,8,8", *JOB, "--spatial", "3,1,1"),
          "parts[0]=3 > shape[0]=2: cannot split an axis of size 2 into 3 parts"),
         (("--samples", "10", "--shape", "4,8,8,8", *JOB, "--spatial", "2,1"),

@@ -58,9 +58,16 @@ def _size(value: Any, name: str) -> int:
 
 
 def _rate(value: Any, name: str) -> float:
-    """Bytes per second: ``"25G"``, ``"25GiB/s"`` (powers of 1024, as sizes) or a number."""
+    """Bytes per second: ``"25G"``, ``"25GiB/s"`` (powers of 1024, as sizes) or a number. Bits
+    (``"25Gb/s"``, ``"100Gbps"``: how links are sold) are refused, not read as bytes."""
     if isinstance(value, str):
-        return _number(_size(value.strip().removesuffix("/s"), name), name)
+        text = value.strip().removesuffix("/s")
+        if text.endswith("b") or text.lower().endswith(("bps", "bit")):
+            raise ValueError(
+                f"{name} takes bytes per second, got {value!r}: bits (a link of 25Gb/s moves "
+                "3.125e9 bytes/s, about 2.9G)"
+            )
+        return _number(_size(text, name), name)
     return _number(value, name)
 
 
