@@ -386,16 +386,39 @@ def split_by_bytes(sizes: list[int], parts: int) -> list[int]:
     return out
 
 
+STORE_MARKERS = frozenset({"zarr.json", ".zgroup", ".zarray", "data.mdb"})
+"""Files that make their directory one dataset (a Zarr store, an LMDB environment)."""
+
+
+def store_unit(dest: str, roots: set[str]) -> str:
+    """The outermost directory of ``roots`` holding ``dest`` (``dest`` itself if none)."""
+    parts = dest.split("/")
+    return next((head for k in range(len(parts)) if (head := "/".join(parts[:k])) in roots), dest)
+
+
+def _nodes_of(items: list[Item], nodes: int) -> list[int]:
+    """The node of every file item, by bytes, a store's files (:func:`store_unit`) as one."""
+    roots = {os.path.dirname(i.dest) for i in items if os.path.basename(i.dest) in STORE_MARKERS}
+    if not roots:
+        return split_by_bytes([i.size for i in items], nodes)
+    units = [store_unit(i.dest, roots) for i in items]
+    sizes: dict[str, int] = {}
+    for unit, i in zip(units, items, strict=True):
+        sizes[unit] = sizes.get(unit, 0) + i.size
+    node_of = dict(zip(sizes, split_by_bytes(list(sizes.values()), nodes), strict=True))
+    return [node_of[u] for u in units]
+
+
 def assign(plan: Plan, nodes: int) -> list[list[Group]]:
-    """Shard the plan over ``nodes``: each non-directory item goes to one node, by bytes.
+    """Shard the plan over ``nodes``: each non-directory item goes to one node, by bytes; the
+    files of a Zarr store or an LMDB environment (:data:`STORE_MARKERS`) go to one node
+    together, since a part of one is no dataset.
 
     Directories go everywhere. A compressed archive's members may land on several nodes; each
     node then reads the stream and writes only its own members.
     """
     items = [i for g in plan.groups for i in g.items if i.kind != "dir"]
-    where = dict(
-        zip((i.source for i in items), split_by_bytes([i.size for i in items], nodes), strict=False)
-    )
+    where = dict(zip((i.source for i in items), _nodes_of(items, nodes), strict=True))
     shards: list[list[Group]] = [[] for _ in range(nodes)]
     for g in plan.groups:  # one pass over the items: O(items + dirs x nodes holding items)
         dirs: list[int] = []

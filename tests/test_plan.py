@@ -107,6 +107,22 @@ def test_assign_partitions_every_item_once(sizes, nodes):
             assert g.items[0].kind == "dir"
 
 
+def test_assign_keeps_a_zarr_store_or_an_lmdb_on_one_node():
+    # a part of a Zarr store is no dataset: node 0 got x's chunks without x/zarr.json, and
+    # read a group of y alone, y's chunks on node 1 read as zeros
+    sizes = {
+        "z.zarr/zarr.json": 66, "z.zarr/x/zarr.json": 600, "z.zarr/x/c/0": 1000,
+        "z.zarr/x/c/1": 1000, "g.zarr/.zgroup": 24, "g.zarr/x/.zarray": 300, "g.zarr/x/0": 700,
+        "g.zarr/x/1": 700, "db/data.mdb": 1500, "db/lock.mdb": 10, "a.npy": 900, "b.npy": 900,
+    }  # fmt: skip
+    plan = Plan(groups=[Group("/src", tuple(_item(d, n) for d, n in sizes.items()))])
+    node = {i.dest: n for n, shard in enumerate(assign(plan, 2)) for g in shard for i in g.items}
+    units = [["z.zarr/"], ["g.zarr/"], ["db/"], ["a.npy"], ["b.npy"]]
+    got = [{node[d] for d in sizes if d.startswith(u[0])} for u in units]
+    # by bytes: z.zarr 2,666 -> 0, g.zarr 1,724 -> 1, db 1,510 -> 1, a -> 0, b -> 1
+    assert got == [{0}, {1}, {1}, {0}, {1}]
+
+
 def test_launcher_detection():
     assert not launched_by_mpi({})
     assert launched_by_mpi({"PMI_RANK": "0"})
