@@ -271,6 +271,22 @@ def test_fewer_files_than_nodes_cannot_be_sharded():
     )  # fmt: skip
 
 
+def test_shard_is_not_recommended_where_it_moves_as_much_as_global():
+    # 4 blocks on nodes of 2 ranks: a data rank's blocks span both nodes, so shuffle="shard"
+    # moves 16 KiB a rank a step, as "global" does (it was recommended for a cost it has too)
+    ds, m = volume(64), machine(nodes=2, memory_per_node=800 * 1024)
+    plan = make_plan(ds, m, Job(global_batch=16, step_time=1e-4, spatial=((2, 2, 1),)))
+    rows = {(r.staging, r.shuffle): r for r in plan.layouts}
+    assert rows["shard", "shard"].exchange_bytes == rows["shard", "global"].exchange_bytes == 16384
+    r = plan.recommended
+    assert (r.staging, r.shuffle, r.source) == ("shard", "global", "serve")
+    assert plan.reasons[1] == (
+        "shard: a node holds 256.0 KiB; the global shuffle moves 16.0 KiB a rank a step between "
+        "nodes, 30.5% of a step (limit 10.0%), but shuffle='shard' would move as much (a data "
+        "rank's spatial blocks span nodes): more ranks per node, or fewer blocks, move less"
+    )
+
+
 def test_plan_picks_the_fewest_blocks_that_work():
     ds, m = volume(64), machine()  # 8 ranks
     plan = make_plan(ds, m, Job(global_batch=4, step_time=1))  # 4 < 8 ranks: split 2 ways

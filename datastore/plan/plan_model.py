@@ -648,6 +648,15 @@ def recommend(
             f"of a step {limit}",
             times,
         ]
+    if shard_g.fits_memory and home.exchange_share >= shard_g.exchange_share:
+        return shard_g, [
+            why_not,
+            f"shard: a node holds {human_bytes(shard_g.resident_bytes)}; the global shuffle "
+            f"moves {human_bytes(shard_g.exchange_bytes)} a rank a step between nodes, {share} "
+            f"of a step {limit}, but shuffle='shard' would move as much (a data rank's spatial "
+            "blocks span nodes): more ranks per node, or fewer blocks, move less",
+            times,
+        ]
     if shard_g.fits_memory:
         cost = f"the global shuffle's exchange would take {share} of a step {limit}"
     else:
@@ -656,8 +665,9 @@ def recommend(
         why_not,
         cost,
         "shuffle='shard' (embedded loader: its homes are the nodes' shards) moves "
-        f"{human_bytes(home.exchange_bytes)} a rank a step between nodes, but each data rank "
-        f"draws only from {home.draws_from}: check the mixing (benchmarks/shuffle.py)",
+        f"{human_bytes(home.exchange_bytes)} a rank a step between nodes "
+        f"({_pct(home.exchange_share)} of a step), but each data rank draws only from "
+        f"{home.draws_from}: check the mixing (benchmarks/shuffle.py)",
         times,
     ]
 
