@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
 
@@ -75,6 +76,21 @@ def test_a_dataset_on_disk(tmp_path):
     assert rec["resident_bytes"] == 8 * 4096
     # 4 ranks, 2 samples each a step; the service's rings: 2 ranks x (2 x 2 + 2) batches
     assert rec["buffer_bytes"] == 2 * 6 * 2 * 4096
+
+
+def test_layout_of_a_set_of_equal_hdf5_shards(tmp_path, capsys):
+    for k in range(2):  # shards of 4 samples, or 2 samples of (4, 2, 4, 4, 4): no file says
+        with h5py.File(tmp_path / f"part-{k}.h5", "w") as f:
+            f["x"] = np.zeros((4, 2, 4, 4, 4), np.float32)
+            f["y"] = np.zeros((4, 3), np.float32)
+    args = ["plan", str(tmp_path), "--nodes", "1", "--global-batch", "2", "--step-time", "1"]
+    assert main([*args, "--json"]) == 2
+    assert "datastore plan --layout" in capsys.readouterr().err  # plan had no --layout
+    assert main([*args, "--layout", "shards", "--json"]) == 0
+    ds = json.loads(capsys.readouterr().out)["dataset"]
+    assert (ds["num_samples"], ds["files"], ds["sample_bytes"]) == (8, 2, 512 + 12)
+    assert main([*args, "--layout", "per-sample", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dataset"]["num_samples"] == 2
 
 
 def test_the_machine_file_and_flags_over_defaults(tmp_path):

@@ -178,6 +178,11 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``datastore plan`` (``datastore.cli`` makes its parser)."""
     p.add_argument("dataset", nargs="?", metavar="DATASET", help="a dataset (as for inspect)")
+    p.add_argument(
+        "--layout",
+        choices=("shards", "per-sample"),
+        help="how a set of HDF5 files of DATASET holds its samples (as inspect's --layout)",
+    )
     d = p.add_argument_group("a dataset given by its sizes (instead of DATASET)")
     d.add_argument("--samples", help="number of samples")
     d.add_argument("--sample-bytes", help="bytes per sample (no spatial split then)")
@@ -261,7 +266,9 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
                 "give a DATASET path or its sizes (--samples with --sample-bytes or --shape), "
                 "not both"
             )
-        return _read_dataset(args.dataset), args.dataset
+        return _read_dataset(args.dataset, args.layout), args.dataset
+    if args.layout is not None:
+        raise ValueError("--layout goes with a DATASET path, not with its sizes")
     if args.samples is None:
         raise ValueError("missing the dataset: a DATASET path, or --samples with --sample-bytes "
                          "or --shape")  # fmt: skip
@@ -304,11 +311,11 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
     return ds, "(sizes given)"
 
 
-def _read_dataset(path: str) -> DatasetSize:
+def _read_dataset(path: str, layout: str | None) -> DatasetSize:
     from datastore.plan.plan_model import DatasetSize
     from datastore.readers.spec import open_dataset
 
-    with open_dataset(path) as reader:
+    with open_dataset(path, layout=layout) as reader:
         reader.check_files()
         stored = sum(_disk_bytes(f) for f in reader.files)
         return DatasetSize(len(reader), tuple(reader.fields.values()), len(reader.files), stored)

@@ -339,8 +339,8 @@ class AmbiguousLayout(DatasetError):
             f"{files} HDF5 files of identical shapes ({_describe(layout)}): each could be one "
             f"sample, or a shard of {n} samples along axis 0, and no file says which; state it "
             f'with layout="shards" or layout="per-sample" (DataStoreLoader, open_dataset, '
-            f'datastore inspect --layout), or with a spec file (format = "hdf5" or '
-            f'"hdf5-per-sample") for datastore serve and the trainer',
+            "datastore inspect --layout, datastore plan --layout), or with a spec file "
+            '(format = "hdf5" or "hdf5-per-sample") for datastore serve and the trainer',
         )
 
 
