@@ -134,6 +134,8 @@ def test_the_text_tables():
     [
         ((), "missing the dataset: a DATASET path, or --samples"),
         (("--samples", "-5", "--sample-bytes", "10", *JOB), "--samples must be a whole number"),
+        (("--samples", "10", "--sample-bytes", "1M", "--files", "20", *JOB),
+         "--files 20 is more than the 10 samples"),
         (("--samples", "10", "--sample-bytes", "10", "--global-batch", "8", "--step-time", "1"),
          "missing --nodes (or nodes = ... in the --machine file)"),
         (("--samples", "10", "--sample-bytes", "-1", *JOB), "--sample-bytes must be >= 0"),

@@ -274,6 +274,10 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
                          "or --shape")  # fmt: skip
     samples = _count(1)(args.samples, "--samples")
     files = 0 if args.files is None else _count(1)(args.files, "--files")
+    if files > samples:
+        raise ValueError(
+            f"--files {files} is more than the {samples} samples (a file holds one or more)"
+        )
     if (args.sample_bytes is None) == (args.shape is None):
         raise ValueError("give exactly one of --sample-bytes and --shape (with --dtype)")
     if args.sample_bytes is not None:
