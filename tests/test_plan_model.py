@@ -271,6 +271,18 @@ def test_fewer_files_than_nodes_cannot_be_sharded():
     )  # fmt: skip
 
 
+def test_global_by_the_embedded_loader_where_only_the_rings_overflow():
+    # a node's 16 GiB share + the service's rings (2 ranks x 6 batches of 128 MiB) is 17.5 GiB;
+    # with the loader's own 2 x 4 batches, 17 GiB: the global shuffle fits, embedded
+    got, why = recommend_for(flat(1024, 64 * MIB), memory_per_node=17 * GIB)
+    assert got == ("shard", "global", "embedded")  # was ("shard", "shard"): 1/8 of the data
+    assert why[1] == (
+        "shard: a node holds 16.0 GiB; the global shuffle moves 96.0 MiB a rank a step between "
+        "nodes, 1.9% of a step (limit 10.0%); by the embedded loader's exchange (with the "
+        "service's rings a node would need 17.5 GiB)"
+    )
+
+
 def test_shard_is_not_recommended_where_it_moves_as_much_as_global():
     # 4 blocks on nodes of 2 ranks: a data rank's blocks span both nodes, so shuffle="shard"
     # moves 16 KiB a rank a step, as "global" does (it was recommended for a cost it has too)

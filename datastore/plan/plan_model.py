@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -638,6 +638,14 @@ def recommend(
             f"shuffle='window:{job.window}' keeps those reads sequential",
             times,
         ]
+    embedded = ""
+    if not shard_g.fits_memory and home.fits_memory:  # the service's rings are what overflow
+        embedded = (
+            "; by the embedded loader's exchange (with the service's rings a node would need "
+            f"{human_bytes(shard_g.memory_bytes)})"
+        )
+        buffers = home.buffer_bytes
+        shard_g = replace(shard_g, source="embedded", buffer_bytes=buffers, fits_memory=True)
     limit = f"(limit {_pct(job.max_exchange_share)})"
     share = _pct(shard_g.exchange_share)
     if shard_g.fits_memory and shard_g.exchange_share <= job.max_exchange_share:
@@ -645,7 +653,7 @@ def recommend(
             why_not,
             f"shard: a node holds {human_bytes(shard_g.resident_bytes)}; the global shuffle "
             f"moves {human_bytes(shard_g.exchange_bytes)} a rank a step between nodes, {share} "
-            f"of a step {limit}",
+            f"of a step {limit}{embedded}",
             times,
         ]
     if shard_g.fits_memory and home.exchange_share >= shard_g.exchange_share:
