@@ -217,15 +217,15 @@ def run(args: argparse.Namespace) -> int:
     except LaunchMismatch as exc:
         print(f"datastore stage: error: {exc}", file=sys.stderr)
         return Agreed(Exit.BAD_INPUT)  # (each process in a world of its own)
-    if cfg.dry_run:  # node 0's plan, its share of the run's nodes in shard mode
+    if cfg.dry_run:  # node 0's plan (its share in shard mode), every node's space checked
         from staging.cluster import layout
+        from staging.dryrun import dry_run, space_error
 
         lay, _ = layout(comm, cfg.ranks_per_node)
-        if lay.rank != 0:
-            return Exit.OK
-        from staging.dryrun import dry_run
-
-        return dry_run(cfg, lay.node, lay.nodes)
+        mine = space_error(cfg, lay.node, lay.nodes) if lay.is_leader and lay.node else None
+        others = [e for e in comm.gather(mine) or () if e]
+        code = dry_run(cfg, lay.node, lay.nodes, others) if lay.rank == 0 else None
+        return Agreed(comm.bcast(code))
     code = Exit.OK
     if cfg.sources:
         from staging.stage import stage

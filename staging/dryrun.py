@@ -7,11 +7,12 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 
 from staging.config import StageConfig
 from staging.exitcodes import Exit
 from staging.manifest import Manifest, meta_dir
-from staging.plan import assign, build_plan
+from staging.plan import Item, Plan, assign, build_plan
 from staging.probe import existing_ancestor, measure
 from staging.progress import MIB, human_bytes
 from staging.stage import (
@@ -23,11 +24,11 @@ from staging.stage import (
     whole_archives,
 )
 
-__all__ = ["dry_run"]
+__all__ = ["dry_run", "space_error"]
 
 
-def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
-    """Print the plan of ``node`` (of ``nodes``) against its DEST; writes nothing there."""
+def _node_plan(cfg: StageConfig, node: int, nodes: int) -> tuple[str, Plan, list[Item], int, list]:
+    """``(dest, plan, items to copy, items skipped, files removed)`` of ``node``."""
     dest = cfg.dest_for(node)
     manifest = Manifest.load(dest) if os.path.isdir(meta_dir(dest)) else Manifest()
     plan = build_plan(
@@ -42,13 +43,31 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
             skipped += 1
         else:
             copy.append(item)
+    return dest, plan, copy, skipped, removed
+
+
+def _shortfall(dest: str, copy: list[Item]) -> str | None:
+    usage = shutil.disk_usage(existing_ancestor(dest))
+    return space_shortfall(dest, sum(i.size for i in copy), usage.free, usage.total)
+
+
+def space_error(cfg: StageConfig, node: int, nodes: int) -> str | None:
+    """What the run would refuse for space on ``node`` (``None``: its share fits): the check an
+    MPI dry run makes on every node but node 0, whose plan it prints."""
+    dest, _, copy, _, _ = _node_plan(cfg, node, nodes)
+    return _shortfall(dest, copy)
+
+
+def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1, others: Sequence[str] = ()) -> int:
+    """Print the plan of ``node`` (of ``nodes``) against its DEST; writes nothing there.
+    ``others``: the other nodes' :func:`space_error` messages, reported with this node's."""
+    dest, plan, copy, skipped, removed = _node_plan(cfg, node, nodes)
     nbytes = sum(i.size for i in copy)
     sources = [i.path for i in copy if i.kind == "file" and i.path]
     largest = max(sources, key=os.path.getsize, default=None)
     probe = measure(largest, dest)
-    usage = shutil.disk_usage(existing_ancestor(dest))
-    short = space_shortfall(dest, nbytes, usage.free, usage.total)  # as the run would refuse
-    errors = plan.errors + ([short] if short else [])
+    short = _shortfall(dest, copy)  # as the run would refuse
+    errors = plan.errors + ([short] if short else []) + list(others)
     seconds = probe.estimate(nbytes, len(copy), cfg.streams)
     if cfg.json:
         print(
@@ -83,7 +102,7 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1) -> int:
         )
         for e in errors:
             print(f"datastore stage: error: {e}", file=sys.stderr)
-    return Exit.NO_SPACE if short else Exit.BAD_INPUT if plan.errors else Exit.OK
+    return Exit.NO_SPACE if short or others else Exit.BAD_INPUT if plan.errors else Exit.OK
 
 
 def _mib(bps: float | None) -> float | None:

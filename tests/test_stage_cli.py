@@ -712,6 +712,60 @@ def test_a_dry_run_says_what_the_run_would_refuse_for_space(tmp_path, capsys, mo
     assert err == f"datastore stage: error: {cfg.dest}: {want}\n"
 
 
+class _TwoNodes:
+    """Rank ``rank`` of a 2-rank world, one rank a node; ``theirs``: what the other rank
+    gathers to rank 0, ``code``: what rank 0 broadcasts."""
+
+    def __init__(self, rank: int, theirs=None, code=None):
+        self.rank, self.theirs, self.code, self.sent = rank, theirs, code, "nothing"
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def Get_size(self) -> int:
+        return 2
+
+    def gather(self, obj, root=0):
+        self.sent = obj
+        return [obj, self.theirs] if self.rank == 0 else None
+
+    def bcast(self, obj, root=0):
+        return obj if self.rank == 0 else self.code
+
+
+def test_a_dry_run_under_mpi_checks_every_nodes_space(tmp_path, capsys, monkeypatch):
+    """Node 1 of 2 without room for its share: ``--dry-run --mode shard`` printed node 0's
+    ``would stage``, exit 0, and the run then refused it (exit 3, naming node 1's DEST)."""
+    from datastore.cli import main
+
+    src = tmp_path / "ds"
+    src.mkdir()
+    for name in "ab":  # one file a node
+        (src / name).write_bytes(b"x" * 3 * MIB)
+    for k in range(2):
+        (tmp_path / f"node{k}").mkdir()
+    real = shutil.disk_usage
+
+    def usage(path):
+        small = real(path)._replace(total=8 * MIB, free=MIB)
+        return small if str(path).endswith("node1") else real(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    args = ["stage", str(src), "--to", str(tmp_path / "node{node}"), "--mode", "shard"]
+    want = f"{tmp_path}/node1: not enough space: need 3.0 MiB, 1.0 MiB available"
+    for rank, theirs in ((1, None), (0, want)):
+        comm = _TwoNodes(rank, theirs, code=Exit.NO_SPACE)
+        monkeypatch.setattr("staging.cluster.world", lambda comm=comm: comm)
+        lay = Layout(rank, 2, rank, 2, 0, 1)
+        monkeypatch.setattr("staging.cluster.layout", lambda c, r, lay=lay: (lay, c))
+        assert main([*args, "--dry-run"]) == Exit.NO_SPACE
+        if rank == 1:  # node 1 checks its share's space, and tells rank 0
+            assert comm.sent == want
+    out, err = capsys.readouterr()
+    assert f"into {tmp_path}/node0 (node 0 of 2)" in out
+    assert err == f"datastore stage: error: {want}\n"
+
+
 def test_progress_bar_in_binary_units():
     """The bar's columns, rendered for a task that moved 2 MiB in the last second (rich's
     clock given, so nothing depends on time)."""
