@@ -662,7 +662,7 @@ def recommend(
             f"shard: a node holds {human_bytes(shard_g.resident_bytes)}; the global shuffle "
             f"moves {human_bytes(shard_g.exchange_bytes)} a rank a step between nodes, {share} "
             f"of a step {limit}, but shuffle='shard' would move as much (a data rank's spatial "
-            "blocks span nodes): more ranks per node, or fewer blocks, move less",
+            f"blocks span nodes): more ranks per node, or fewer blocks, move less{embedded}",
             times,
         ]
     if shard_g.fits_memory:
