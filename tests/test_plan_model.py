@@ -262,7 +262,9 @@ def test_fewer_files_than_nodes_cannot_be_sharded():
     assert why[1] == (
         "nor can it be sharded: it has fewer files than nodes, so 3 node(s) would hold none of "
         "it (the loader refuses a node without the dataset): store it in at least as many "
-        "files as nodes, or use fewer nodes"
+        "files as nodes, or use fewer nodes; or stage it replicated and hold it once over the "
+        "ranks with the embedded loader's exchange (each rank a contiguous 1/ranks of the "
+        "samples)"
     )
     assert stage_time(ds, machine(), "shard").empty_nodes == 3
     assert stage_time(ds, machine(), "replicate").empty_nodes == 0

@@ -617,11 +617,16 @@ def recommend(
     big = rep.memory_bytes if rep.fits_nvme else rep_s.bytes_per_node
     why_not = f"replicate does not fit {where} ({human_bytes(big)} a node)"
     if shard_s.empty_nodes:
+        held_once = (
+            "; or stage it replicated and hold it once over the ranks with the embedded "
+            "loader's exchange (each rank a contiguous 1/ranks of the samples)"
+        )
         return None, [
             why_not,
             f"nor can it be sharded: it has fewer files than nodes, so {shard_s.empty_nodes} "
             "node(s) would hold none of it (the loader refuses a node without the dataset): "
-            "store it in at least as many files as nodes, or use fewer nodes",
+            "store it in at least as many files as nodes, or use fewer nodes"
+            + (held_once if rep.fits_nvme else ""),
         ]
     if not shard_s.fits_nvme:
         return None, [
