@@ -260,6 +260,11 @@ def test_fields_may_be_any_iterable_of_names(h5):
             "StoreOptions.memory_budget must be a finite size",
         ),
         (lambda: StoreOptions(memory_budget="lots"), ValueError, "StoreOptions.memory_budget"),
+        (  # was a budget of 1 byte: every sample read from disk again on every use
+            lambda: StoreOptions(memory_budget=1.5),
+            ValueError,
+            r"StoreOptions.memory_budget must be whole bytes or a size like '1.5G', got 1.5",
+        ),
         (lambda: StoreOptions(spill_dir=5), TypeError, "StoreOptions.spill_dir must be a path"),
         (
             lambda: ExchangeOptions(enabled="yes"),

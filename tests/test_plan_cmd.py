@@ -78,6 +78,14 @@ def test_a_dataset_on_disk(tmp_path):
     assert rec["buffer_bytes"] == 2 * 6 * 2 * 4096
 
 
+def test_a_measured_rate_may_be_a_fraction(capsys):
+    # plan_check.py passes its measured rates as they are: '5132334976.127276'
+    args = ["plan", "--samples", "10", "--sample-bytes", "1M", *JOB, "--json"]
+    assert main([*args, "--pfs-read-bw", "5132334976.127276", "--network-bw", "2.5G"]) == 0
+    machine = json.loads(capsys.readouterr().out)["machine"]
+    assert (machine["pfs_read_bw"], machine["network_bw"]) == (5132334976.127276, 2.5 * 2**30)
+
+
 def test_layout_of_a_set_of_equal_hdf5_shards(tmp_path, capsys):
     for k in range(2):  # shards of 4 samples, or 2 samples of (4, 2, 4, 4, 4): no file says
         with h5py.File(tmp_path / f"part-{k}.h5", "w") as f:
@@ -190,12 +198,15 @@ def test_bad_machine_files(tmp_path, capsys):
     broken.write_text("nodes = \n")
     negative = tmp_path / "negative.toml"
     negative.write_text('nodes = 2\nnvme_per_node = "-3T"\n')
+    fraction = tmp_path / "fraction.toml"
+    fraction.write_text("nodes = 2\nmemory_per_node = 1.5\n")  # was 1 byte: nothing fit
     base = ["--samples", "10", "--sample-bytes", "1M", "--global-batch", "8"]
     base += ["--step-time", "1", "--machine"]
     for path, message in (
         (unknown, "unknown key(s) network_gbps; the keys are nodes, "),
         (broken, "not valid TOML"),
         (negative, f"{negative}: nvme_per_node must be >= 0, got '-3T'"),
+        (fraction, f"{fraction}: memory_per_node must be whole bytes or a size like '1.5G'"),
     ):
         assert main(["plan", *base, str(path)]) == 2
         assert message in capsys.readouterr().err

@@ -67,7 +67,10 @@ def _rate(value: Any, name: str) -> float:
                 f"{name} takes bytes per second, got {value!r}: bits (a link of 25Gb/s moves "
                 "3.125e9 bytes/s, about 2.9G)"
             )
-        return _number(_size(text, name), name)
+        try:  # a plain number of bytes per second, fractions too (a measured rate)
+            value = float(text)
+        except ValueError:
+            value = _size(text, name)
     return _number(value, name)
 
 

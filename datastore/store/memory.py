@@ -15,6 +15,7 @@ def parse_size(value: int | str, name: str = "size") -> int:
     a plain number: bytes). Raises ``ValueError`` naming ``name``."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be bytes or a size like '64G', got {value!r}")
+    unit = ""
     if isinstance(value, int):
         number = float(value)
     else:
@@ -30,6 +31,8 @@ def parse_size(value: int | str, name: str = "size") -> int:
         raise ValueError(f"{name} must be a finite size like '512M' or '64G', got {value!r}")
     if number < 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if not unit and number != int(number):  # 1.5 was 1 byte: meant 1.5G?
+        raise ValueError(f"{name} must be whole bytes or a size like '1.5G', got {value!r}")
     return int(number)
 
 
