@@ -247,6 +247,13 @@ def run_store(template: str, src: str, args: argparse.Namespace, batch: int) -> 
 # ----------------------------------------------------------------------------- the report
 
 
+def calibrated_rate(nbytes: float, added_s: float) -> float | None:
+    """The store's exchange rate: the ``nbytes`` a rank exchanged per step over the
+    ``added_s`` seconds they added to the step; ``None`` where they added none (the sharded job
+    was no slower than the replicated one: noise), not a rate over a floor of 1 us."""
+    return nbytes / added_s if added_s > 0 else None
+
+
 def err(pred: float, meas: float) -> str:
     if meas == 0:
         return "exact" if pred == 0 else "-"
@@ -293,10 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             calibration[k] = run_store(template, src, args, args.calibrate_batch)
             served[k] = run_store(template, src, args, args.batch)
         added = calibration["shard2"]["step_s"] - calibration["rep2"]["step_s"]
-        bw["exchange"] = calibration["shard2"]["exchange_bytes"] / max(added, 1e-6)
+        bw["exchange"] = calibrated_rate(calibration["shard2"]["exchange_bytes"], added)
         print("predicting ...", flush=True)
         one, two = predict(src, 1, bw, args), predict(src, 2, bw, args)
-        two_cal = predict(src, 2, bw, args, exchange=True)
+        two_cal = predict(src, 2, bw, args, exchange=True) if bw["exchange"] else None
     finally:
         for path in [tmp, *copies.values()]:
             shutil.rmtree(path, ignore_errors=True)
@@ -317,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"exchange/rank/step, {mode}", pred, served[k]["exchange_bytes"], "MiB"))
     share = extra / args.step_time
     for plan, how in ((two, "link"), (two_cal, "calibrated exchange_bw")):
+        if plan is None:
+            continue
         shard_row = row(plan, "shard")
         rows.append((f"exchange time/step, shard ({how})", shard_row["exchange_s"], extra, "ms"))
         rows.append((f"exchange share, shard ({how})", shard_row["exchange_share"], share, "%"))
@@ -337,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         f"step time of the job (no compute): replicated {served['rep2']['step_s'] * 1e3:.1f} ms, "
         f"sharded {served['shard2']['step_s'] * 1e3:.1f} ms; the store's exchange rate "
         f"calibrated at batch {args.calibrate_batch} (given as --exchange-bw): "
-        f"{bw['exchange'] / 1e9:.2f} GB/s",
+        + (
+            f"{bw['exchange'] / 1e9:.2f} GB/s"
+            if bw["exchange"]
+            else f"not measured (the sharded job was no slower: {added * 1e3:+.1f} ms a step)"
+        ),
         f"recommended for 2 nodes: {two['recommended']['staging']}, "
         f"shuffle={two['recommended']['shuffle']!r}",
         "machine: " + machine_info(),

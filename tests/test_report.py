@@ -21,7 +21,10 @@ pytest.importorskip("matplotlib", reason="benchmarks/report.py needs matplotlib 
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
-MODULES = ("common", "stage", "loader", "service", "peers", "shuffle", "train_step", "gpu_feed")
+MODULES = (
+    *("common", "stage", "loader", "service", "peers", "shuffle", "train_step", "gpu_feed"),
+    "plan_check",
+)
 MIB = 1 << 20
 BEFORE = "# Benchmarks\n\nHand-written intro, kept — byte for byte.\n\n"
 AFTER = "\n\n## Earlier runs\n\n| a | b |\n|---|---|\n| 1 | 2 |\ntrailing text without newline"
@@ -343,3 +346,13 @@ def test_peers_node_cpus_takes_two_cpu_lists_of_this_process(bench, capsys):
             peers.parse_args(["--node-cpus", bad])
         assert e.value.code == 2
         assert "--node-cpus: two CPU lists A/B" in capsys.readouterr().err
+
+
+def test_plan_check_calibrates_no_rate_from_no_added_time(bench):
+    """A sharded job no slower than the replicated one (noise on a busy machine) gave the
+    store's exchange rate over a floor of 1 us: '4227.07 GB/s', printed as calibrated and
+    passed to datastore plan as --exchange-bw."""
+    plan_check = bench["plan_check"]
+    assert plan_check.calibrated_rate(4 * MIB, 0.002) == 2 * MIB / 0.001
+    assert plan_check.calibrated_rate(4 * MIB, 0.0) is None
+    assert plan_check.calibrated_rate(4 * MIB, -0.0005) is None
