@@ -25,6 +25,7 @@ from datastore.service.shm import (
     Segment,
     disk_backed,
     filesystem_of,
+    reclaim_stale,
     remove_own,
     segment_dir,
 )
@@ -98,6 +99,23 @@ def test_remove_own_removes_this_process_segments_only(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [other.name]
     for s in mine:
         s.unmap()
+
+
+def test_another_users_files_named_as_segments_are_left_alone(tmp_path, monkeypatch):
+    """Another user could name a file in /dev/shm as a dead service's segment, or as the live
+    one's: unlinking it failed (the sticky bit), and serve exited at start or at its stop with
+    'internal error: PermissionError'. Here the files are this process's, the service another
+    uid's."""
+    uid = os.getuid() + 1
+    monkeypatch.setattr(os, "getuid", lambda: uid)
+    planted = [
+        tmp_path / f"{PREFIX}.{uid}.999999999.x",
+        tmp_path / f"{PREFIX}.{uid}.{os.getpid()}.x",
+    ]
+    for p in planted:
+        p.write_bytes(b"")
+    assert (reclaim_stale(tmp_path), remove_own(tmp_path)) == ([], [])
+    assert sorted(tmp_path.iterdir()) == sorted(planted)
 
 
 def test_a_session_made_while_the_service_stops_is_refused_and_closed(tmp_path):

@@ -97,11 +97,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _owned(directory: Path, pattern: str) -> list[Path]:
+    """The files matching ``pattern`` in ``directory`` that this user owns: another user may
+    name a file in ``/dev/shm`` as one of ours, and it cannot be removed (the sticky bit)."""
+    owned = []
+    for path in directory.glob(pattern):
+        with contextlib.suppress(FileNotFoundError):
+            if path.lstat().st_uid == os.getuid():
+                owned.append(path)
+    return owned
+
+
 def reclaim_stale(directory: Path | None = None) -> list[Path]:
     """Remove this user's segments whose service is dead; the paths removed."""
     directory = directory or segment_dir()
     removed = []
-    for path in directory.glob(f"{PREFIX}.{os.getuid()}.*"):
+    for path in _owned(directory, f"{PREFIX}.{os.getuid()}.*"):
         parts = path.name.split(".")
         if len(parts) != 4 or not parts[2].isdigit() or _alive(int(parts[2])):
             continue
@@ -120,7 +131,7 @@ def remove_own(directory: Path | None = None) -> list[Path]:
     except ValueError:
         return []
     removed = []
-    for path in directory.glob(f"{PREFIX}.{os.getuid()}.{os.getpid()}.*"):
+    for path in _owned(directory, f"{PREFIX}.{os.getuid()}.{os.getpid()}.*"):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed.append(path)
