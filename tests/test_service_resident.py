@@ -279,6 +279,46 @@ def test_hdf5_files_naming_files_outside_the_allowed_roots_are_refused(tmp_path)
         residency.close()
 
 
+def test_directory_datasets_with_entries_linked_out_of_the_roots_are_refused(tmp_path):
+    """A Zarr store's chunk, or its array's directory, or an LMDB environment's ``data.mdb``
+    linked out of ``--allow`` was served (42.0, the outside file's values)."""
+    import zarr
+
+    from datastore.readers.lmdb_format import write_lmdb
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d in (root, out):
+        zarr.open_group(d / "s.zarr", mode="w").create_array(
+            "x", shape=(8, 4), chunks=(4, 4), dtype="f4"
+        )[:] = 1
+        write_lmdb(d / "s.lmdb", [{"x": np.full(4, 1, np.float32)}] * 4)
+    linked = {  # the dataset: the entry linked out of the roots
+        "s.zarr": "s.zarr/x/c/1/0",
+        "d.zarr": "d.zarr/x",
+        "s.lmdb": "s.lmdb/data.mdb",
+    }
+    (root / "d.zarr").mkdir()
+    (root / "d.zarr" / "zarr.json").write_bytes((root / "s.zarr" / "zarr.json").read_bytes())
+    for entry in linked.values():
+        target = out / entry.replace("d.zarr", "s.zarr")
+        (root / entry).unlink(missing_ok=True)
+        (root / entry).symlink_to(target)
+    residency = Residency(threads=1, roots=(root,))
+    try:
+        for name, entry in linked.items():
+            with pytest.raises(ServiceError) as err:
+                residency.load(str(root / name))
+            target = out / entry.replace("d.zarr", "s.zarr")
+            assert (err.value.code, str(err.value)) == (
+                "PERMISSION_DENIED",
+                f"{str(root / name)!r} reads {str(target)!r} (through {str(root / entry)!r}), "
+                f"outside the allowed roots ({root})",
+            )
+        assert residency.all() == []
+    finally:
+        residency.close()
+
+
 def test_a_file_copied_in_place_with_its_size_and_time_is_read_again(tmp_path):
     """``cp -p`` of a file of the same size and modification time (archives' fixed times)
     rewrites it in place, the same inode: the old copy was served (1.0 where the file held 2.0)."""

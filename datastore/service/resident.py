@@ -356,7 +356,7 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
     except OSError as exc:
         raise ServiceError("NOT_FOUND", f"cannot open {path!r}: {exc}") from exc
     if roots:
-        real = {f: os.path.realpath(f) for f in reader.files}
+        real = {f: os.path.realpath(f) for f in _within(reader.files)}
         outside = [f for f, r in real.items() if not beneath(r, roots)]
         if outside:
             reader.close()
@@ -367,6 +367,19 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
             )
         reader.confine = lambda f: _confined(path, f, roots)
     return reader
+
+
+def _within(files: list[str]) -> list[str]:
+    """``files`` and, of a directory among them (a Zarr store, an LMDB environment), every
+    entry beneath it, links not followed: a chunk or ``data.mdb`` linked out of the roots was
+    served."""
+    out = []
+    for f in files:
+        out.append(f)
+        if os.path.isdir(f):
+            for root, dirs, names in os.walk(f):
+                out += [os.path.join(root, n) for n in [*dirs, *names]]
+    return out
 
 
 def _read_files(reader: Any) -> list[str]:
