@@ -319,6 +319,34 @@ def test_directory_datasets_with_entries_linked_out_of_the_roots_are_refused(tmp
         residency.close()
 
 
+def test_a_zarr_chunk_linked_out_of_the_roots_after_the_check_is_refused(tmp_path):
+    """A chunk swapped for a link out of ``--allow`` after the dataset was opened (a session
+    under a memory budget reads it again every epoch) was served: 101.0 from outside."""
+    import zarr
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d, value in ((root, 1), (out, 101)):
+        zarr.open_group(d / "s.zarr", mode="w").create_array(
+            "x", shape=(2, 4), chunks=(1, 4), dtype="f4"
+        )[:] = value
+    reader = resident._reader(str(root / "s.zarr"), (root,))
+    got = np.empty(4, np.float32)
+    reader.read(1, "x", out=got)
+    chunk = root / "s.zarr/x/c/1/0"
+    chunk.unlink()
+    chunk.symlink_to(out / "s.zarr/x/c/1/0")
+    reader.read(0, "x", out=got)
+    with pytest.raises(ServiceError) as err:
+        reader.read(1, "x", out=got)
+    assert (err.value.code, str(err.value), got.tolist()) == (
+        "PERMISSION_DENIED",
+        f"{str(root / 's.zarr')!r} reads {str(out / 's.zarr/x/c/1/0')!r} (named in its files), "
+        f"outside the allowed roots ({root})",
+        [1.0] * 4,
+    )
+    reader.close()
+
+
 def test_a_file_copied_in_place_with_its_size_and_time_is_read_again(tmp_path):
     """``cp -p`` of a file of the same size and modification time (archives' fixed times)
     rewrites it in place, the same inode: the old copy was served (1.0 where the file held 2.0)."""

@@ -11,6 +11,8 @@ importing the readers (``spec`` imports them all) does not pay for it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,7 +75,7 @@ class ZarrReader(Reader):
 
     def _open(self) -> dict[str, Any]:
         root = self.files[0]
-        return _arrays(root, _open_group(root))
+        return _arrays(root, _open_group(root, self.confine))
 
     def _read_into(self, index: int, info: FieldInfo, sel: tuple[slice, ...], out: np.ndarray):
         arr = self._handles().get(info.name)
@@ -121,12 +123,12 @@ def _chunks(arr: Any) -> tuple[int, ...] | None:
         return None
 
 
-def _open_group(root: str) -> Any:
+def _open_group(root: str, confine: Callable[[str], None] | None = None) -> Any:
     import zarr
     from zarr.errors import ContainsArrayError
 
     try:
-        return zarr.open_group(root, mode="r")
+        return zarr.open_group(root if confine is None else _confined(root, confine), mode="r")
     except ContainsArrayError:
         raise DatasetError(
             root, "a zarr array, not a group; write the fields into a group"
@@ -134,6 +136,38 @@ def _open_group(root: str) -> Any:
     except Exception as exc:  # zarr raises many kinds for a missing or broken group
         reason = f"not a readable zarr group: {type(exc).__name__}: {exc}"
         raise DatasetError(root, reason) from None
+
+
+def _confined(root: str, confine: Callable[[str], None]) -> Any:
+    """A read-only store of ``root`` that calls ``confine`` with the file each read opened,
+    links resolved, before reading it: a chunk linked out of the service's roots after the
+    dataset was opened was served."""
+    import asyncio
+
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.storage import LocalStore
+    from zarr.storage._local import _get
+
+    def get(path: Path, prototype: Any, byte_range: Any) -> Any:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            confine(os.readlink(f"/proc/self/fd/{fd}"))
+            return _get(Path(f"/proc/self/fd/{fd}"), prototype, byte_range)  # the file opened
+        finally:
+            os.close(fd)
+
+    class Confined(LocalStore):
+        async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+            if not self._is_open:
+                await self._open()
+            try:
+                return await asyncio.to_thread(
+                    get, self.root / key, prototype or default_buffer_prototype(), byte_range
+                )
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                return None
+
+    return Confined(root, read_only=True)
 
 
 def _arrays(root: str, group: Any) -> dict[str, Any]:
