@@ -347,6 +347,40 @@ def test_a_zarr_chunk_linked_out_of_the_roots_after_the_check_is_refused(tmp_pat
     reader.close()
 
 
+def test_npy_and_tar_samples_linked_out_of_the_roots_after_the_check_are_refused(tmp_path):
+    """A sample's .npy file or a tar shard swapped for a link out of ``--allow`` after the
+    dataset was opened, before its samples were first read, was served: 42.0 from outside."""
+    import tarfile
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d, value in ((root, 1), (out, 42)):
+        (d / "npy").mkdir(parents=True)
+        (d / "tar").mkdir()
+        for i in range(2):
+            np.save(d / "npy" / f"{i}.npy", np.full(4, value, np.float32))
+            with tarfile.open(d / "tar" / f"shard-{i}.tar", "w") as t:
+                member = io.BytesIO()
+                np.save(member, np.full(4, value, np.float32))
+                info = tarfile.TarInfo(f"{i}.x.npy")
+                info.size = len(member.getvalue())
+                t.addfile(info, io.BytesIO(member.getvalue()))
+    got = np.empty(4, np.float32)
+    for name, field, linked in (("npy", "data", "npy/1.npy"), ("tar", "x", "tar/shard-1.tar")):
+        reader = resident._reader(str(root / name), (root,))
+        (root / linked).unlink()
+        (root / linked).symlink_to(out / linked)
+        reader.read(0, field, out=got)
+        with pytest.raises(ServiceError) as err:
+            reader.read(1, field, out=got)
+        assert (err.value.code, str(err.value), got.tolist()) == (
+            "PERMISSION_DENIED",
+            f"{str(root / name)!r} reads {str(out / linked)!r} (named in its files), "
+            f"outside the allowed roots ({root})",
+            [1.0] * 4,
+        )
+        reader.close()
+
+
 def test_a_file_copied_in_place_with_its_size_and_time_is_read_again(tmp_path):
     """``cp -p`` of a file of the same size and modification time (archives' fixed times)
     rewrites it in place, the same inode: the old copy was served (1.0 where the file held 2.0)."""

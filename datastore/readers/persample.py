@@ -12,6 +12,7 @@ kept in a bounded cache; a sample whose dtype or shape differs from sample 0's i
 
 from __future__ import annotations
 
+import os
 import zipfile
 from abc import abstractmethod
 from collections import OrderedDict
@@ -22,7 +23,7 @@ import numpy as np
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.labels import ValueArray
-from datastore.readers.npyfile import StoredArray
+from datastore.readers.npyfile import RawArray, StoredArray, file_stamp
 
 __all__ = ["NPY_FIELD", "Located", "PerSampleFiles", "reading"]
 
@@ -108,11 +109,28 @@ class PerSampleFiles(Reader):
                 self._cache.move_to_end(index)
         if arrays is None:
             arrays = self._locate(index)
+            if self.confine is not None:
+                self._confine(index, arrays)
             with lock:
                 self._cache[index] = arrays
                 while len(self._cache) > CACHED_SAMPLES:
                     self._cache.popitem(last=False)
         return self._checked(index, arrays, info)
+
+    def _confine(self, index: int, arrays: Located) -> None:
+        """Pass the file each array of sample ``index`` was located in, as opened (its
+        ``stamp``'s file, links resolved), to ``confine``: a file linked out of the service's
+        roots after the dataset was opened was served."""
+        for a in arrays.values():
+            if not isinstance(a, RawArray):
+                continue
+            fd = os.open(a.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if file_stamp(fd) != a.stamp:
+                    raise DatasetError(self._where(index), "changed while it was being read")
+                self.confine(os.readlink(f"/proc/self/fd/{fd}"))
+            finally:
+                os.close(fd)
 
     def _checked(self, index: int, arrays: Located, info: FieldInfo) -> StoredArray | ValueArray:
         """``info``'s array of sample ``index``, if it has sample 0's dtype and shape (a
