@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["beneath", "opened_path"]
+__all__ = ["beneath", "leads_out", "opened_path"]
 
 
 def beneath(path: str, roots: Sequence[str | os.PathLike]) -> bool:
@@ -23,6 +23,16 @@ def beneath(path: str, roots: Sequence[str | os.PathLike]) -> bool:
         if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
             return True
     return False
+
+
+def leads_out(path: str, roots: Sequence[str | os.PathLike]) -> bool:
+    """Whether ``path`` lies under one of ``roots`` by its name, yet not once every symlink is
+    resolved: a link under the roots leads it out (a stage's DEST swapped for one)."""
+    named = os.path.abspath(path)
+    return not beneath(path, roots) and any(
+        named == r or named.startswith(r.rstrip(os.sep) + os.sep)
+        for r in map(os.path.abspath, roots)
+    )
 
 
 def opened_path(fd: int) -> str:

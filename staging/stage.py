@@ -21,6 +21,7 @@ from typing import Any
 from staging.checksum import LEAF_BYTES
 from staging.cluster import Layout, layout
 from staging.config import StageConfig
+from staging.confine import leads_out
 from staging.copy import Engine, Stats, mode_mask, settle_dirs, tmp_dir, within
 from staging.directio import IoPolicy
 from staging.exitcodes import Agreed, Exit
@@ -129,6 +130,10 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     code = Exit.FAILED
     if lay.is_leader:
         try:
+            if cfg.confine and leads_out(dest, cfg.confine):  # a link swapped in since asked
+                raise ValueError(
+                    f"a link leads it out of the allowed roots ({', '.join(cfg.confine)})"
+                )
             made = _absent(meta_dir(dest))
             os.makedirs(meta_dir(dest), exist_ok=True)
             lock_fd = lock_dest(dest)

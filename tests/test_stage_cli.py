@@ -269,6 +269,26 @@ def test_confine_keeps_reads_beneath_the_roots(tmp_path, run_stage):
     assert not (dest / "tree" / "out").exists() and not (dest / "outside.txt").exists()
 
 
+def test_confine_refuses_a_dest_that_leads_out_of_the_roots(tmp_path):
+    """A DEST under the roots when the service checked it, swapped for a link out before its
+    stage started (a Python start-up later), was written: a planted note.txt landed in the
+    service user's home."""
+    from staging.cluster import SoloComm
+    from staging.config import StageConfig
+    from staging.stage import stage
+
+    root, home = tmp_path / "root", tmp_path / "home"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "note.txt").write_text("planted")
+    home.mkdir()
+    (root / "dst").symlink_to(home)
+    cfg = StageConfig(
+        dest=str(root / "dst"), sources=(str(root / "src"),), confine=(str(root),), quiet=True
+    )
+    assert stage(cfg, SoloComm()) == 1
+    assert list(home.iterdir()) == []
+
+
 def test_a_symlink_loop_is_an_error_not_a_copy_without_end(tmp_path, run_stage):
     """A link back to a directory on its own path is named and skipped; the rest is staged
     once (``selfdir -> .`` used to write 40 nested copies, and two loops never ended)."""

@@ -64,6 +64,8 @@ def stage_argv(request: Any, allowed_roots: Sequence[Path | str] = ()) -> list[s
                     "PERMISSION_DENIED",
                     f"{shown(p)} is outside the paths this service stages from and to ({roots})",
                 )
+    if allowed_roots:  # as checked: the stage refuses it if a link leads it out by then
+        dest = os.path.realpath(dest)
     argv = [sys.executable, "-m", "datastore", "stage", *sources, "--to", dest]
     argv.append("--progress-json")
     for root in allowed_roots:  # no symlink inside a source may lead out of the roots
