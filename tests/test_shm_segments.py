@@ -118,6 +118,26 @@ def test_another_users_files_named_as_segments_are_left_alone(tmp_path, monkeypa
     assert sorted(tmp_path.iterdir()) == sorted(planted)
 
 
+def test_an_inline_stream_over_the_whole_memory_budget_is_refused(tmp_path):
+    """Inline batches are not counted in the budget: a batch of 2,048 samples of 1 MiB took
+    the service from 211 MiB to 4 GiB under --memory-budget 128K (1,000,000: all memory)."""
+    for i in range(4):
+        np.save(tmp_path / f"s{i}.npy", np.full((2, 4), i, np.float32))
+    residency = Residency(1 << 20, None)
+    sessions = Sessions(residency)
+    request = pb.OpenSessionRequest(dataset_path=str(tmp_path), global_batch=1_000_000)
+    session = sessions.open(request)
+    with pytest.raises(ServiceError) as err:
+        session.stream(pb.StreamBatchesRequest(session_id=session.session_id), False)
+    assert (err.value.code, str(err.value)) == (
+        "RESOURCE_EXHAUSTED",
+        "an inline stream's 3 batches of 32000000 bytes exceed the memory budget of 1048576 "
+        "bytes: ask for smaller batches or less prefetch",
+    )
+    sessions.close_all()
+    residency.close()
+
+
 def test_a_session_made_while_the_service_stops_is_refused_and_closed(tmp_path):
     """close_all() ran between a session's making and its listing: nobody would close it."""
     for i in range(4):

@@ -131,7 +131,10 @@ class Session:
                 prefetch = int(r.prefetch) or 2
                 nslots = prefetch + (prefetch + 2 if shared_memory else 1)
                 batch = view.local_batch
-                ring_bytes = nslots * batch * sum(f.nbytes for f in fields) if shared_memory else 0
+                ring_bytes = nslots * batch * sum(f.nbytes for f in fields)
+                if not shared_memory and self.residency is not None:
+                    self.residency.check_inline(ring_bytes, nslots)
+                    ring_bytes = 0  # (not counted: a job whose ring did not fit streams inline)
                 if ring_bytes and self.residency is not None:
                     self.residency.reserve_ring(ring_bytes)
                 try:
