@@ -138,6 +138,29 @@ def test_an_inline_stream_over_the_whole_memory_budget_is_refused(tmp_path):
     residency.close()
 
 
+def test_an_inline_stream_over_the_memory_available_is_refused_without_a_budget(
+    tmp_path, monkeypatch
+):
+    """With no budget, 1,000,000 samples of 1 MiB took the service to 14 GiB, and every call
+    waited, until it was killed."""
+    monkeypatch.setenv("DATASTORE_MEMORY_AVAILABLE", "1M")
+    for i in range(4):
+        np.save(tmp_path / f"s{i}.npy", np.full((2, 4), i, np.float32))
+    residency = Residency(None, None)
+    sessions = Sessions(residency)
+    for batch, refused in ((10_000, False), (100_000, True)):
+        request = pb.OpenSessionRequest(dataset_path=str(tmp_path), global_batch=batch)
+        session = sessions.open(request)
+        stream = pb.StreamBatchesRequest(session_id=session.session_id)
+        if refused:
+            with pytest.raises(ServiceError, match="exceed the memory available of 1048576 b"):
+                session.stream(stream, False)
+        else:
+            session.stream(stream, False).close()
+    sessions.close_all()
+    residency.close()
+
+
 def test_a_session_made_while_the_service_stops_is_refused_and_closed(tmp_path):
     """close_all() ran between a session's making and its listing: nobody would close it."""
     for i in range(4):

@@ -47,6 +47,7 @@ from datastore.service.errors import ServiceError
 from datastore.service.file_state import dataset_paths, files_state, files_stats
 from datastore.service.paths import checked_path, shown
 from datastore.service.peer_link import Peers, Pending, Pieces, expect
+from datastore.store.memory import available_memory
 from datastore.store.shards import SHARDABLE, LocalView, owners_by_holders
 from datastore.store.store import SlotSpec, Store
 from staging.confine import beneath
@@ -780,17 +781,23 @@ class Residency:
 
     def check_inline(self, nbytes: int, batches: int) -> None:
         """Refuse an inline stream's ``batches`` of ``nbytes`` in all when they exceed the
-        whole budget: not counted in it, they were unbounded (a batch of 2,048 samples of 1 MiB
-        took the service from 211 MiB to 4 GiB under a budget of 128 KiB).
+        whole budget, or with no budget the memory available: not counted in it, they were
+        unbounded (a batch of 2,048 samples of 1 MiB took the service from 211 MiB to 4 GiB
+        under a budget of 128 KiB; with none, 1,000,000 of them took 14 GiB and every call
+        waited until the service was killed).
 
         Raises:
             ServiceError: ``RESOURCE_EXHAUSTED``.
         """
-        if self.budget is not None and nbytes > self.budget:
+        if self.budget is not None:
+            limit, what = self.budget, "the memory budget"
+        else:
+            limit, what = available_memory(), "the memory available"
+        if limit is not None and nbytes > limit:
             raise ServiceError(
                 "RESOURCE_EXHAUSTED",
-                f"an inline stream's {batches} batches of {nbytes // batches} bytes exceed the "
-                f"memory budget of {self.budget} bytes: ask for smaller batches or less prefetch",
+                f"an inline stream's {batches} batches of {nbytes // batches} bytes exceed "
+                f"{what} of {limit} bytes: ask for smaller batches or less prefetch",
             )
 
     def release_ring(self, nbytes: int) -> None:
