@@ -218,3 +218,39 @@ def test_a_stream_cancelled_before_its_first_request_is_no_internal_error(servic
             call.cancel()
     time.sleep(1)
     assert log.read_text().count("internal_error") == before
+
+
+def test_a_call_beyond_the_workers_is_refused_at_once_not_kept_waiting(short_tmp):
+    """Each stream holds a worker thread for its life: a 17th rank's stream on the 16 threads
+    waited for one to end, and a job of 17 ranks hung at its first step."""
+    import threading
+
+    from datastore.service.listeners import bind_unix, new_server
+
+    release = threading.Event()
+
+    def stream(_request, _context):
+        yield b"first"
+        release.wait(10)
+
+    handler = grpc.method_handlers_generic_handler(
+        "t.T", {"S": grpc.unary_stream_rpc_method_handler(stream)}
+    )
+    server = new_server(2, [])
+    server.add_generic_rpc_handlers((handler,))
+    bind_unix(server, f"unix://{short_tmp}/s.sock")
+    server.start()
+    channel = grpc.insecure_channel(f"unix://{short_tmp}/s.sock")
+    call = channel.unary_stream("/t.T/S")
+    try:
+        held = [call(b"", timeout=10) for _ in range(2)]
+        assert [next(s) for s in held] == [b"first"] * 2
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            next(call(b"", timeout=5))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - t0 < 2
+    finally:
+        release.set()
+        channel.close()
+        server.stop(None)

@@ -144,7 +144,8 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
         "--workers",
         type=int,
         default=SERVE_DEFAULTS["workers"],
-        help="threads serving calls (default: %(default)s)",
+        help="threads serving calls, one per call in flight (each rank's stream holds one for "
+        "its life); a call beyond them is refused RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     p.add_argument(
         "--memory-budget",

@@ -27,7 +27,8 @@ class ServeConfig:
         tls_cert, tls_key: PEM certificate chain and private key: TCP is served over TLS.
             Default: none (plaintext TCP, the token in the clear: trusted networks only).
         grace_s: seconds to let calls in flight finish on shutdown. Default: ``5.0``.
-        workers: threads serving calls. Default: ``16``.
+        workers: threads serving calls, one per call in flight (a stream holds one for its
+            life; a call beyond them is ``RESOURCE_EXHAUSTED``). Default: ``128``.
         memory_budget: bytes of memory for resident datasets. Default: none (no limit).
         state_file: where the resident datasets are listed, to reload them after a restart.
             Default: none.
@@ -50,7 +51,7 @@ class ServeConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     grace_s: float = 5.0
-    workers: int = 16
+    workers: int = 128
     memory_budget: int | None = None
     state_file: Path | None = None
     allowed_roots: tuple[Path, ...] = ()

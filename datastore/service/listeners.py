@@ -41,11 +41,15 @@ MESSAGE_OPTIONS = [
 
 
 def new_server(workers: int, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
+    """A server of ``workers`` threads, each call (a stream for its whole life) holding one: a
+    call beyond them is ``RESOURCE_EXHAUSTED`` at once (it waited for a stream to end: a job
+    of 17 ranks on 16 threads hung at its first step)."""
     # so_reuseport off: a second server must never share a TCP port with a live one
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datastore-rpc"),
         interceptors=interceptors,
         options=[("grpc.so_reuseport", 0), *MESSAGE_OPTIONS],
+        maximum_concurrent_rpcs=workers,
     )
 
 
