@@ -589,3 +589,20 @@ def test_a_file_that_lands_while_a_dataset_opens_is_read_by_the_next_job(tmp_pat
         assert again is not first and again.num_samples == 3
     finally:
         res.close()
+
+
+def test_the_state_file_is_never_written_through_a_link_planted_beside_it(tmp_path):
+    """In a directory others can write, another user's link at the temporary name known in
+    advance (``.state.json.PID``) made the service overwrite the link's target with its list."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    state = tmp_path / "state.json"
+    (tmp_path / f".state.json.{os.getpid()}").symlink_to(victim)
+    residency = Residency(threads=1, state_file=state)
+    try:
+        path = make_dataset(tmp_path / "a.h5", 1)
+        residency.load(path)
+        assert victim.read_text() == "precious"
+        assert json.loads(state.read_text()) == {"resident": [[path, path]]}
+    finally:
+        residency.close()

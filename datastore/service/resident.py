@@ -20,6 +20,7 @@ import glob
 import hashlib
 import json
 import os
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -834,13 +835,20 @@ class Residency:
     def _save_locked(self) -> None:
         if self.state_file is None:
             return
-        tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}")
         saved = sorted((r.path, r.template) for r in self._by_path.values())
+        tmp = None
         try:
             self.state_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp.write_text(json.dumps({"resident": saved}))
+            # a new file of a random name: in a directory others can write, a link they put
+            # at a name known in advance (.NAME.PID) had the service overwrite its target
+            fd, tmp = tempfile.mkstemp(
+                prefix=f".{self.state_file.name}.", dir=self.state_file.parent
+            )
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"resident": saved}))
             os.replace(tmp, self.state_file)
         except OSError as exc:  # only a restart misses it: the load or unload itself stands
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             self._event("state_unwritable", path=str(self.state_file), msg=str(exc))
