@@ -288,3 +288,18 @@ def test_this_process_describes_itself():
     pid, ticks, boot = this_process()
     assert (pid, ticks, boot) == (os.getpid(), start_ticks(os.getpid()), boot_id())
     assert len(boot) == 36  # a UUID
+
+
+def test_another_users_socket_is_said_to_be_theirs_not_a_service_to_start():
+    """gRPC's detail as another user connects to a 0600 socket: the client said 'is `datastore
+    serve` running? start it', though it runs."""
+    from datastore.service.commands import unreachable
+
+    details = (
+        "failed to connect to all addresses; last error: FAILED_PRECONDITION: unix:/r/s.sock: "
+        "connect failed: addr: unix:/r/s.sock error: Permission denied"
+    )
+    assert unreachable("unix:///r/s.sock", "UNAVAILABLE", details, False) == (
+        "no access to unix:///r/s.sock: permission denied (a socket of another user's service: "
+        "start your own, or pass --address)"
+    )

@@ -108,6 +108,11 @@ def unreachable(
     one (it just closes the socket)."""
     if "handshake" in details.lower():
         return f"no TLS connection to {target}: {details}"
+    if "permission denied" in details.lower():  # (it said: is `datastore serve` running?)
+        return (
+            f"no access to {target}: permission denied (a socket of another user's service: "
+            f"start your own, or pass {flag})"
+        )
     if code == "DEADLINE_EXCEEDED":
         within = f" within {timeout_s:g} s" if timeout_s else ""
         host = "" if target.startswith("unix:") else ", or its host is unreachable"
