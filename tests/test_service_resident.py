@@ -606,3 +606,26 @@ def test_the_state_file_is_never_written_through_a_link_planted_beside_it(tmp_pa
         assert json.loads(state.read_text()) == {"resident": [[path, path]]}
     finally:
         residency.close()
+
+
+def test_an_lmdb_data_file_linked_out_of_the_roots_after_the_check_is_refused(tmp_path):
+    """``data.mdb`` swapped for a link out of ``--allow`` after the dataset was opened (the
+    environment is mapped on first read) was served whole: 42.0 from outside."""
+    from datastore.readers.lmdb_format import write_lmdb
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d, value in ((root, 1), (out, 42)):
+        write_lmdb(d / "s.lmdb", [{"x": np.full(4, value, np.float32)}] * 2)
+    reader = resident._reader(str(root / "s.lmdb"), (root,))
+    (root / "s.lmdb" / "data.mdb").unlink()
+    (root / "s.lmdb" / "data.mdb").symlink_to(out / "s.lmdb" / "data.mdb")
+    got = np.zeros(4, np.float32)
+    with pytest.raises(ServiceError) as err:
+        reader.read(0, "x", out=got)
+    assert (err.value.code, str(err.value), got.tolist()) == (
+        "PERMISSION_DENIED",
+        f"{str(root / 's.lmdb')!r} reads {str(out / 's.lmdb' / 'data.mdb')!r} (named in its "
+        f"files), outside the allowed roots ({root})",
+        [0.0] * 4,
+    )
+    reader.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import lmdb
@@ -42,26 +43,43 @@ _envs: dict[str, list[Any]] = {}  # real path -> [Environment, users]
 _envs_lock = threading.Lock()
 
 
-def _acquire_env(path: str) -> lmdb.Environment:
+def _acquire_env(path: str, confine: Callable[[str], None] | None = None) -> lmdb.Environment:
     key = os.path.realpath(path)
     with _envs_lock:
         entry = _envs.get(key)
         if entry is None:
             try:
-                env = lmdb.open(
-                    path,
-                    readonly=True,
-                    lock=False,
-                    readahead=False,
-                    subdir=os.path.isdir(path),
-                    max_readers=1024,
-                    max_dbs=MAX_DBS,
-                )
+                env = _open_env(path) if confine is None else _open_confined(path, confine)
             except lmdb.Error as exc:
                 raise DatasetError(path, f"not a readable LMDB environment: {exc}") from None
             entry = _envs[key] = [env, 0]
         entry[1] += 1
         return entry[0]
+
+
+def _open_env(path: str, subdir: bool | None = None) -> lmdb.Environment:
+    return lmdb.open(
+        path,
+        readonly=True,
+        lock=False,
+        readahead=False,
+        subdir=os.path.isdir(path) if subdir is None else subdir,
+        max_readers=1024,
+        max_dbs=MAX_DBS,
+    )
+
+
+def _open_confined(path: str, confine: Callable[[str], None]) -> lmdb.Environment:
+    """The environment at ``path`` mapped from the data file checked by ``confine`` as opened,
+    links resolved (``data.mdb`` linked out of the service's roots after the dataset was
+    opened was served)."""
+    data = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
+    fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        confine(os.readlink(f"/proc/self/fd/{fd}"))
+        return _open_env(f"/proc/self/fd/{fd}", subdir=False)  # the file checked (no lock file)
+    finally:
+        os.close(fd)
 
 
 def _release_env(path: str) -> None:
@@ -164,7 +182,7 @@ class LmdbReader(Reader):
         codecs = {
             k: None if c is None else numcodecs.get_codec(dict(c)) for k, c in self._codecs.items()
         }
-        env = _acquire_env(self.files[0])
+        env = _acquire_env(self.files[0], self.confine)
         return env, codecs, self._database(env)
 
     def _close(self, handles: tuple[lmdb.Environment, dict[str, Any], Any]) -> None:
