@@ -629,3 +629,29 @@ def test_an_lmdb_data_file_linked_out_of_the_roots_after_the_check_is_refused(tm
         [0.0] * 4,
     )
     reader.close()
+
+
+def test_an_hdf5_sample_file_linked_out_of_the_roots_after_the_check_is_refused(tmp_path):
+    """A set of one sample per file has no stamps: a sample's file swapped for a link out of
+    ``--allow`` after the dataset was opened was served (42.0 from outside)."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d, value in ((root, 1), (out, 42)):
+        (d / "ps").mkdir(parents=True)
+        for k in range(2):
+            with h5py.File(d / "ps" / f"s{k}.h5", "w") as f:
+                f["x"] = np.full(4, value, np.float32)
+    (root / "spec.toml").write_text('format = "hdf5-per-sample"\npaths = ["ps"]\n')
+    reader = resident._reader(str(root / "spec.toml"), (root,))
+    (root / "ps" / "s1.h5").unlink()
+    (root / "ps" / "s1.h5").symlink_to(out / "ps" / "s1.h5")
+    got = np.empty(4, np.float32)
+    reader.read(0, "x", out=got)
+    with pytest.raises(ServiceError) as err:
+        reader.read(1, "x", out=got)
+    assert (err.value.code, str(err.value), got.tolist()) == (
+        "PERMISSION_DENIED",
+        f"{str(root / 'spec.toml')!r} reads {str(out / 'ps' / 's1.h5')!r} (named in its files), "
+        f"outside the allowed roots ({root})",
+        [1.0] * 4,
+    )
+    reader.close()

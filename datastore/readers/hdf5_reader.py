@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import h5py
@@ -380,10 +381,17 @@ class _FileCache:
     """A bounded LRU of open ``h5py.File`` s; used under the reader's lock only. A file whose
     ``file_stamp`` was taken when the dataset was opened (``stamps``) and differs when it is
     opened here (first, or again after it left the cache) is refused: replaced or rewritten,
-    its samples may lie elsewhere now, or be others."""
+    its samples may lie elsewhere now, or be others. ``confine`` (the reader's) is called with
+    each file as opened, links resolved: a sample's file of a set of one sample per file, which
+    has no stamp, linked out of the service's roots after the dataset was opened was served."""
 
-    def __init__(self, limit: int, stamps: dict[str, tuple[int, int, int, int]]):
-        self.limit, self.files, self.stamps = limit, OrderedDict(), stamps
+    def __init__(
+        self,
+        limit: int,
+        stamps: dict[str, tuple[int, int, int, int]],
+        confine: Callable[[str], None] | None = None,
+    ):
+        self.limit, self.files, self.stamps, self.confine = limit, OrderedDict(), stamps, confine
 
     def get(self, path: str) -> h5py.File:
         f = self.files.get(path)
@@ -391,6 +399,12 @@ class _FileCache:
             self.files.move_to_end(path)
             return f
         f = _open_file(path)
+        if self.confine is not None:
+            try:
+                self.confine(os.readlink(f"/proc/self/fd/{f.id.get_vfd_handle()}"))
+            except BaseException:
+                f.close()
+                raise
         want = self.stamps.get(path)
         if want is not None and file_stamp(f.id.get_vfd_handle()) != want:
             f.close()
@@ -415,7 +429,7 @@ class _Hdf5Base(Reader):
         self.stamps: dict[str, tuple[int, int, int, int]] = {}  # (filled where they are taken)
 
     def _open(self) -> _FileCache:
-        return _FileCache(MAX_OPEN_FILES, self.stamps)
+        return _FileCache(MAX_OPEN_FILES, self.stamps, self.confine)
 
     def _close(self, handles: _FileCache) -> None:
         handles.close()
