@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
+from datastore.readers.base import DatasetError
 from datastore.service import resident
 from datastore.service.config import ServeConfig
 from datastore.service.errors import ServiceError
@@ -654,4 +655,23 @@ def test_an_hdf5_sample_file_linked_out_of_the_roots_after_the_check_is_refused(
         f"outside the allowed roots ({root})",
         [1.0] * 4,
     )
+    reader.close()
+
+
+def test_a_compressed_npz_sample_replaced_after_it_was_read_is_refused(tmp_path):
+    """A deflated .npz member had no stamp: its file swapped for a link out of ``--allow`` (or
+    rewritten) after its first read was read again and served (42.0 from outside)."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d, value in ((root, 1), (out, 42)):
+        d.mkdir()
+        for i in range(2):
+            np.savez_compressed(d / f"{i}.npz", x=np.full(4, value, np.float32))
+    reader = resident._reader(str(root), (root,))
+    got = np.empty(4, np.float32)
+    reader.read(1, "x", out=got)
+    (root / "1.npz").unlink()
+    (root / "1.npz").symlink_to(out / "1.npz")
+    with pytest.raises(DatasetError, match="changed since the dataset was opened"):
+        reader.read(1, "x", out=got)
+    assert got.tolist() == [1.0] * 4
     reader.close()

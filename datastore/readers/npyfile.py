@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import numpy as np
@@ -49,9 +49,19 @@ class StoredArray:
     dtype: np.dtype
     shape: tuple[int, ...]
     fortran: bool
+    stamp: tuple[int, int, int, int] | None = field(default=None, kw_only=True)
+    """The file's ``file_stamp`` when the array was found in it: a read of a file with another
+    stamp is refused, its bytes there may be anything now."""
 
     def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         raise NotImplementedError
+
+    def _check_stamp(self, fd: int) -> None:
+        if self.stamp is not None and file_stamp(fd) != self.stamp:
+            raise ValueError(
+                f"{self.path} changed since the dataset was opened (replaced or rewritten): "
+                "open it again to read the new data"
+            )
 
 
 def file_stamp(fd: int) -> tuple[int, int, int, int]:
@@ -63,12 +73,9 @@ def file_stamp(fd: int) -> tuple[int, int, int, int]:
 
 @dataclass(frozen=True, kw_only=True)
 class RawArray(StoredArray):
-    """An array stored raw at byte ``offset`` of ``path``; ``stamp`` (``file_stamp``) is the
-    file's when ``offset`` was found, and a read of a file with another stamp is refused: its
-    bytes there may be anything now."""
+    """An array stored raw at byte ``offset`` of ``path``."""
 
     offset: int
-    stamp: tuple[int, int, int, int] | None = None
 
     def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         """Copy the box ``sel`` into ``out`` (C-contiguous), reading only the bytes it covers.
@@ -94,13 +101,6 @@ class RawArray(StoredArray):
                     raise ValueError(f"{self.path}: file ends before the array its header declares")
         finally:
             os.close(fd)
-
-    def _check_stamp(self, fd: int) -> None:
-        if self.stamp is not None and file_stamp(fd) != self.stamp:
-            raise ValueError(
-                f"{self.path} changed since the dataset was opened (replaced or rewritten): "
-                "open it again to read the new data"
-            )
 
     def _mapped_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         with open(self.path, "rb") as fh:
@@ -155,12 +155,13 @@ class ZippedArray(StoredArray):
 
     def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         """Decode the whole member, then copy the box ``sel`` into ``out``."""
-        with (
-            open(self.path, "rb") as fh,
-            zipfile.ZipFile(_Window(fh, self.base, self.size)) as zf,
-            zf.open(self.member) as m,
-        ):
-            arr = np.lib.format.read_array(m, allow_pickle=False)
+        with open(self.path, "rb") as fh:
+            self._check_stamp(fh.fileno())
+            with (
+                zipfile.ZipFile(_Window(fh, self.base, self.size)) as zf,
+                zf.open(self.member) as m,
+            ):
+                arr = np.lib.format.read_array(m, allow_pickle=False)
         if arr.shape != self.shape or arr.dtype != self.dtype:
             raise ValueError(f"member {self.member} changed since it was indexed")
         np.copyto(out, arr[sel])
@@ -258,8 +259,9 @@ def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, S
                     with zf.open(info) as m:
                         shape, fortran, dtype = _header(m)
                     out[key] = ZippedArray(
-                        path, dtype, shape, fortran, base=base, size=size, member=info.filename
-                    )
+                        path, dtype, shape, fortran, base=base, size=size, member=info.filename,
+                        stamp=stamp,
+                    )  # fmt: skip
                     continue
                 win.seek(info.header_offset)
                 sig, name_len, extra_len = _LOCAL_HEADER.unpack(win.read(_LOCAL_HEADER.size))

@@ -23,7 +23,7 @@ import numpy as np
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.labels import ValueArray
-from datastore.readers.npyfile import RawArray, StoredArray, file_stamp
+from datastore.readers.npyfile import StoredArray, file_stamp
 
 __all__ = ["NPY_FIELD", "Located", "PerSampleFiles", "reading"]
 
@@ -122,7 +122,7 @@ class PerSampleFiles(Reader):
         ``stamp``'s file, links resolved), to ``confine``: a file linked out of the service's
         roots after the dataset was opened was served."""
         for a in arrays.values():
-            if not isinstance(a, RawArray):
+            if not isinstance(a, StoredArray) or a.stamp is None:
                 continue
             fd = os.open(a.path, os.O_RDONLY | os.O_CLOEXEC)
             try:
