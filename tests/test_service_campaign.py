@@ -1034,24 +1034,32 @@ def test_an_empty_path_option_is_refused(option, capsys, tmp_path):
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"argument {option}: an empty path")
 
 
-@pytest.mark.parametrize("size, bytes_", [("0.5", 0), ("0.5K", 512), ("2G", 2 << 30)])
-def test_a_memory_budget_under_a_byte_names_what_was_given_and_the_units(size, bytes_, capsys):
+UNITS = "(a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
+
+
+@pytest.mark.parametrize(
+    "size, said",
+    [
+        ("0.5", f"size must be whole bytes or a size like '1.5G', got '0.5' {UNITS})"),
+        ("0", f"'0' is 0 bytes: give 1 byte or more {UNITS}; leave it out for no limit)"),
+        ("0.5K", 512),
+        ("2G", 2 << 30),
+    ],
+)
+def test_a_memory_budget_under_a_byte_names_what_was_given_and_the_units(size, said, capsys):
     """``--memory-budget 0.5`` was refused as "must be more than 0 bytes, got 0": neither
     the 0.5 given nor the units (a plain number is bytes) were said."""
     from datastore.cli import parser
 
     argv = ["serve", "--memory-budget", size]
-    if bytes_:
-        assert parser().parse_args(argv).memory_budget == bytes_
+    if isinstance(said, int):
+        assert parser().parse_args(argv).memory_budget == said
         return
     with pytest.raises(SystemExit) as stopped:
         parser().parse_args(argv)
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        "datastore serve: error: argument --memory-budget: '0.5' is 0 bytes: give 1 byte or more "
-        "(a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G; leave it out for "
-        "no limit)"
-    )
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == f"datastore serve: error: argument --memory-budget: {said}"
 
 
 def test_a_client_port_out_of_range_is_refused_not_wrapped(tmp_path, env):

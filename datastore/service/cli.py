@@ -340,13 +340,13 @@ def _tcp(address: str) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """``"64G"`` -> bytes (K, M, G, T: powers of 1024; a plain number: bytes), at least 1
-    (``0.5`` was 0 bytes, refused as "got 0")."""
+    """``"64G"`` -> bytes (K, M, G, T: powers of 1024; a plain number: whole bytes), at
+    least 1 (``0.5`` was 0 bytes, refused as "got 0")."""
     units = "a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
     try:
         size = parse_size(text, "size")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} ({units})") from None
+    except ValueError as exc:  # (what is wrong with it: not a number, a fraction of a byte)
+        raise argparse.ArgumentTypeError(f"{exc} ({units})") from None
     if size < 1:
         raise argparse.ArgumentTypeError(
             f"{text!r} is {size} bytes: give 1 byte or more ({units}; leave it out for no limit)"
