@@ -133,8 +133,9 @@ def test_data_errors_name_their_keys(tiny, tmp_path, capsys):
 def test_a_service_without_room_for_the_ring_still_trains_the_job(tiny, tmp_path, capsys):
     """A service without room for the job's shared-memory ring refused it: a 30-line
     traceback and exit 1, then one line and exit 1; the trainer leaves the transport to the
-    service, which now streams such a job inline."""
-    with serving(tmp_path, job_env(), "--memory-budget", "4K") as sock:
+    service, which now streams such a job inline (its 3 inline batches of 32,816 bytes fit the
+    128 KiB budget; its ring, 6 of them, does not)."""
+    with serving(tmp_path, job_env(), "--memory-budget", "128K") as sock:
         sets = [f"data={tiny}", "width=2", "steps=2", "global_batch=4", f"data_address={sock}"]
         assert main(["train", *(a for s in sets for a in ("--set", s))]) == 0
     assert capsys.readouterr().err == ""
