@@ -3,20 +3,24 @@
 # limit within one budget, every log and JSON result written to $OUT (what `device` brings back).
 #
 # A session lent a GPU has about 15 minutes of device time, start-up included, and at most
-# 10 minutes a command: so everything goes in one command, the steps that say most come first,
-# and a step that fails or runs out of time leaves its log and the next step still runs. First
-# what has never run on a GPU (issue 23): the CUDA tests of several ranks (`-m mpi`: ranks
-# sharing the one GPU over gloo; NCCL refuses two ranks on one GPU) and train_gpu's cases 2-4
-# (split memory, exposure); then the other CUDA tests, gpu_feed and train_gpu's case 1, which
-# ran on an H100 before (docs/benchmarks.md). pytest prints its 15 slowest tests, to size the
+# 10 minutes a command: so everything goes in two commands run back to back (below), and a
+# step that fails or runs out of time leaves its log and the next step still runs. First the
+# CUDA tests of several ranks (`-m mpi`: ranks sharing the one GPU over gloo; NCCL refuses two
+# ranks on one GPU) and train_gpu's cases 2-4 (split memory, exposure); then the other CUDA
+# tests, gpu_feed and train_gpu's case 1 (docs/benchmarks.md: an H100 on 2026-11-27, an H200 on
+# 2026-11-29). pytest prints its 15 slowest tests, to size the
 # steps' limits.
 #
 # On the CPU machine, once:   ../shared/tools/gpu-wheels.sh --mpi    (fills .whl/)
 #                             and msgspec (zarr >= 3.2 imports it; the tool leaves it out):
 #   .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux2014_x86_64 -d .whl msgspec
-# Then one device run:        carry [".whl"], timeout_s 590, command
-#                             bash benchmarks/gpu_session.sh
+# Then two device runs (all steps took 594 s on an H200 on 2026-11-29: env 8, cuda-ranks 175,
+# train-split 147, cuda-tests 127, gpu-feed 113, train-fed 24), each carry [".whl"]:
+#   timeout_s 450: GPU_SESSION_BUDGET=420 GPU_SESSION_STEPS="env cuda-ranks train-split" \
+#                      OUT=$OUT bash benchmarks/gpu_session.sh
+#   timeout_s 330, at once (the machine is still warm): GPU_SESSION_BUDGET=300 \
+#       GPU_SESSION_STEPS="cuda-tests gpu-feed train-fed" OUT=$OUT bash benchmarks/gpu_session.sh
 # Afterwards, here: copy the returned gpu_feed.json to benchmarks/results/ and run
 #                             python benchmarks/report.py --skip-run   (docs/benchmarks.md, plots)
 # Locally (no GPU), a smoke run of the same steps at toy sizes on the CPU:
@@ -84,10 +88,13 @@ if [ "$SMOKE" = 1 ]; then
     feed=(--quick --device cpu --width 4 --workers 2)
     train=(--device cpu --reps 1 --samples 8 --steps 2 --sides 32 48 --cpu-side 32
         --halo-side 32 --job-steps 2)
+    fed=("${train[@]}")
 else
-    # 48 samples of 32 MiB (1.5 GiB), one repetition: about a minute a case on an H100
-    feed=(--samples 48 --steps 24 --warmup 6 --reps 1 --workers "8,14")
+    # 48 samples of 32 MiB (1.5 GiB), three repetitions (targets are medians of 3): gpu-feed
+    # 113 s, train-fed 24 s on an H200; the split cases stay at one (147 s)
+    feed=(--samples 48 --steps 24 --warmup 6 --reps 3 --workers "8,14")
     train=(--reps 1)
+    fed=(--reps 3)
 fi
 
 # what runs where; a 2-rank world must say "world: 2 rank(s)" (a world of 1 is an MPI mix-up)
@@ -103,7 +110,7 @@ step cuda-ranks 270 "$PY" "${tests[@]}" -m mpi
 step train-split 150 "$PY" benchmarks/train_gpu.py "${train[@]}" --cases 234
 step cuda-tests 150 "$PY" "${tests[@]}" -m "not mpi"
 step gpu-feed 170 "$PY" benchmarks/gpu_feed.py "${feed[@]}" --json "$OUT/gpu_feed.json"
-step train-fed 90 "$PY" benchmarks/train_gpu.py "${train[@]}" --cases 1
+step train-fed 90 "$PY" benchmarks/train_gpu.py "${fed[@]}" --cases 1
 mode=""
 [ "$SMOKE" = 1 ] && mode=" (CPU smoke run)"
 echo "== all steps: $((SECONDS - start)) s of a ${BUDGET} s budget$mode" | tee -a "$OUT/summary.txt"
