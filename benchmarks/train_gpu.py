@@ -18,7 +18,8 @@ What is measured
    ranks sharing the GPU over gloo, each with ``1/W`` of its memory. Peak memory per rank
    (``torch.cuda.max_memory_allocated``) whole vs split (halo overlap ``--overlaps``, GPU
    default on), at the largest side that fits whole. Targets: <= 0.6x at 2-way, <= 0.35x at
-   4-way. On the CPU the peak is the bytes autograd saves in one forward (``--cpu-side``).
+   4-way. On the CPU the peak is the bytes autograd saves in one forward plus the parameters,
+   gradients, optimizer state and gradient buckets a rank keeps (``--cpu-side``).
 3. **Exposed halo** at a 2-way split (same job, ``--halo-side``), ``DistConv3d(overlap=False)``
    and ``overlap=True``, with ``trainer.comm.comm_clock``:
    - over NCCL (``--backend nccl``, the default with a GPU per rank: a cluster): the compute
@@ -217,7 +218,7 @@ def case_memory(a: argparse.Namespace, device: torch.device) -> None:
                 r = job(a, n, s, f"{n},1,1", "--halo-overlap", "--reduce-overlap")
                 state = "out of memory" if r["oom"] else f"{r['peak_bytes'] / 2**30:.2f} GiB/rank"
                 print(f"   side {s} split {n} ways: {state}")
-    what = "GiB allocated" if device.type == "cuda" else "GiB saved by autograd"
+    what = "GiB allocated" if device.type == "cuda" else "GiB saved by autograd and kept"
     print(f"   side {side} whole: {whole['peak_bytes'] / 2**30:.3f} {what}")
     for n, target in ((2, 0.6), (4, 0.35)):
         for overlap in a.overlaps:

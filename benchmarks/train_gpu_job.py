@@ -24,7 +24,9 @@ each transfer's time on NCCL's stream, the staged copies' device time. ``--witho
 also times the steps without the gradient all-reduce (``step_device_without_reduce_s``, to
 subtract). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the timed steps (not
 the warm-up, whose ``cudnn.benchmark`` tries algorithms in transient workspaces), on the CPU
-the bytes autograd saves in one forward. A CUDA out-of-memory error is reported as ``"oom": true``.
+the bytes autograd saves in one forward plus those a rank keeps between steps (parameters,
+gradients, optimizer state, the reducer's buckets). A CUDA out-of-memory error is reported as
+``"oom": true``.
 
 ``--probe`` (world 1, NCCL): the gradients' all-reduce and the first convolution's halo slab
 sent by the rank to itself (``start_exchange``'s NCCL branch), each either started before a
@@ -101,6 +103,16 @@ class DeviceSpan:
         return self.t[1] - self.t[0]
 
 
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer, reducer: GradientReducer):
+    """Bytes of the distinct storages a rank keeps between steps: parameters, gradients,
+    optimizer state and the reducer's buckets."""
+    kept = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    kept += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    kept += [b.flat for b in reducer.buckets]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    return sum(storages.values())
+
+
 def model_and_batch(a: argparse.Namespace, grid: ProcessGrid, device: torch.device):
     side = a.side
     n_conv = min(4, int(math.log2(side // max(grid.parts))))
@@ -164,7 +176,7 @@ def run(a: argparse.Namespace, grid: ProcessGrid, device: torch.device, coll: to
     if device.type == "cuda":
         figures.append(torch.cuda.max_memory_allocated(device))
     else:
-        figures.append(saved_bytes(model, x))
+        figures.append(saved_bytes(model, x) + state_bytes(model, opt, reducer))
     reducer.remove()
     without = timed_steps(model, x, y, opt, None, a.steps, grid, coll) if a.without_reduce else []
     figures.append(without[1] if without else float("nan"))

@@ -34,8 +34,8 @@ class RecordingLayers(TorchLayers):
     def conv_transpose3d(self, cin, cout, k):
         return self._keep(super().conv_transpose3d(cin, cout, k))
 
-    def flatten(self):
-        return self._keep(super().flatten())
+    def flatten_linear(self, channels, whole, out):
+        return self._keep(super().flatten_linear(channels, whole, out))
 
 
 def conv(cin, cout, k):

@@ -2,47 +2,39 @@
 
 A model built with ``DistLayers(grid, stats_group)`` instead of ``TorchLayers`` computes, on
 every rank, this rank's block of every activation of the single-process model, and the whole
-sample's features after ``flatten`` (``gather_flatten``), so the dense head the model creates
-itself is replicated over the spatial group:
+output of the first dense layer (``flatten_linear``, whose weight is split by its input
+features), so the rest of the dense head, which the model creates itself, is replicated over
+the spatial group:
 
 - ``conv3d`` is :class:`~trainer.layers.DistConv3d` (halo exchange, any stride);
 - ``maxpool3d`` is :class:`~trainer.pool.DistMaxPool3d` (local);
 - ``batchnorm3d`` is :class:`~trainer.norm.DistBatchNorm3d` over ``stats_group``;
 - ``conv_transpose3d(cin, cout, k)`` (stride ``k``) is a plain ``nn.ConvTranspose3d``: its
   output windows do not overlap, so each block's output is its own block of the whole output;
-- ``flatten`` gathers the whole volume (:func:`~trainer.pool.gather_flatten`).
+- ``flatten_linear`` is :class:`~trainer.dense.DistFlattenLinear`: each rank holds the
+  weight's columns of its own block's features, and the partial products are summed over the
+  spatial group.
 
-The parameters of these layers see only this rank's block: their gradients are partial sums
-over the spatial group (:meth:`DistLayers.spatially_partial`, to pass to
-``GradientReducer(spatially_partial=...)``); the replicated head's gradients are whole-sample
-gradients already. Parameters are initialised from the torch RNG exactly as ``TorchLayers``
-would (seed every rank alike), not broadcast.
+The parameters of the convolutions and norms see only this rank's block: their gradients are
+partial sums over the spatial group (:meth:`DistLayers.spatially_partial`, to pass to
+``GradientReducer(spatially_partial=...)``). The first dense layer's columns and the replicated
+head's parameters get whole-sample gradients already. Parameters are initialised from the
+torch RNG exactly as ``TorchLayers`` would (seed every rank alike), not broadcast.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
+from trainer.dense import DistFlattenLinear
 from trainer.grid import ProcessGrid
 from trainer.layers import DistConv3d
 from trainer.norm import DistBatchNorm3d
-from trainer.pool import DistMaxPool3d, gather_flatten
+from trainer.pool import DistMaxPool3d
 
-__all__ = ["DistFlatten", "DistLayers"]
-
-
-class DistFlatten(nn.Module):
-    """``torch.flatten(whole, 1)`` of the whole sample, on every rank of the spatial group."""
-
-    def __init__(self, grid: ProcessGrid) -> None:
-        super().__init__()
-        self.grid = grid
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_flatten(x, self.grid)
+__all__ = ["DistLayers"]
 
 
 class DistLayers:
@@ -80,8 +72,8 @@ class DistLayers:
     def conv_transpose3d(self, cin: int, cout: int, k: int) -> nn.Module:
         return self._keep(nn.ConvTranspose3d(cin, cout, k, stride=k))
 
-    def flatten(self) -> nn.Module:
-        return DistFlatten(self.grid)
+    def flatten_linear(self, channels: int, whole: tuple[int, ...], out: int) -> nn.Module:
+        return DistFlattenLinear(channels, whole, out, self.grid)
 
     def spatially_partial(self) -> list[nn.Parameter]:
         """Parameters of the layers made so far whose gradients are per-block partial sums."""

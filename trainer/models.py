@@ -2,8 +2,9 @@
 
 The models never construct a layer that touches the spatial axes themselves: they ask a
 ``layers`` object (:class:`TorchLayers` by default, single process) for convolutions, pooling,
-normalisation, upsampling and the flatten before the dense head. A spatially distributed
-factory with the same methods (``DistConv3d`` etc.) plugs in without changing the models.
+normalisation, upsampling and the first dense layer (over the flattened volume). A spatially
+distributed factory with the same methods (``DistConv3d`` etc.) plugs in without changing the
+models.
 Element-wise layers (activations, dropout) and channel concatenation act on each block alone,
 so the models create them directly.
 
@@ -18,10 +19,13 @@ padding symmetric, which the halo exchange needs), and the width ``conv_size`` i
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
 from torch import nn
+
+from trainer.dense import FlattenLinear
 
 __all__ = ["CosmoFlow", "LayerFactory", "TorchLayers", "UNet3D", "count_parameters"]
 
@@ -37,7 +41,7 @@ class LayerFactory(Protocol):
 
     def conv_transpose3d(self, cin: int, cout: int, k: int) -> nn.Module: ...
 
-    def flatten(self) -> nn.Module: ...
+    def flatten_linear(self, channels: int, whole: tuple[int, ...], out: int) -> nn.Module: ...
 
 
 class TorchLayers:
@@ -45,7 +49,8 @@ class TorchLayers:
 
     ``conv3d`` pads ``k // 2`` ("same" for odd ``k`` at stride 1); ``maxpool3d(k)`` has stride
     ``k``; ``conv_transpose3d(cin, cout, k)`` has stride ``k`` (upsampling by ``k``);
-    ``flatten`` keeps the batch axis.
+    ``flatten_linear(channels, whole, out)`` is ``nn.Linear`` of the input flattened after the
+    batch axis (:class:`~trainer.dense.FlattenLinear`).
     """
 
     def conv3d(self, cin: int, cout: int, k: int, stride: int = 1) -> nn.Module:
@@ -60,8 +65,8 @@ class TorchLayers:
     def conv_transpose3d(self, cin: int, cout: int, k: int) -> nn.Module:
         return nn.ConvTranspose3d(cin, cout, k, stride=k)
 
-    def flatten(self) -> nn.Module:
-        return nn.Flatten(1)
+    def flatten_linear(self, channels: int, whole: tuple[int, ...], out: int) -> nn.Module:
+        return FlattenLinear(channels * math.prod(whole), out)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -111,17 +116,16 @@ class CosmoFlow(nn.Module):
             blocks += [layers.conv3d(cin, cout, kernel_size), nn.LeakyReLU(), layers.maxpool3d(2)]
             cin = cout
         self.features = nn.Sequential(*blocks)
-        self.flatten = layers.flatten()
-        flat = cin * (input_size // 2**n_conv) ** 3
+        whole = (input_size // 2**n_conv,) * 3
         self.head = nn.Sequential(
-            nn.Linear(flat, fc1), nn.LeakyReLU(), nn.Dropout(dropout),
+            layers.flatten_linear(cin, whole, fc1), nn.LeakyReLU(), nn.Dropout(dropout),
             nn.Linear(fc1, fc2), nn.LeakyReLU(), nn.Dropout(dropout),
             nn.Linear(fc2, n_out), nn.Tanh(),
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(N, C, S, S, S)`` to ``(N, n_out)`` in ``[-1.2, 1.2]``."""
-        return 1.2 * self.head(self.flatten(self.features(x)))
+        return 1.2 * self.head(self.features(x))
 
 
 class _DoubleConv(nn.Sequential):

@@ -70,6 +70,7 @@ from datastore.sources.options import ServiceOptions
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.comm import all_gather, all_reduce_sum
 from trainer.config import ConfigError, TrainConfig
+from trainer.dense import own_optimizer_state, whole_model_state, whole_optimizer_state
 from trainer.dist_models import DistLayers
 from trainer.grid import ProcessGrid
 from trainer.lion_cub import LionCub
@@ -328,20 +329,24 @@ class Trainer:
         return isinstance(self.opt, LionCub) and self.grid is not None and self.grid.data_size > 1
 
     def save(self) -> str | None:
-        """Write the checkpoint (rank 0; with ``lion_cub`` every data rank's momenta first)."""
+        """Write the checkpoint (rank 0; with ``lion_cub`` every data rank's momenta first).
+        The first dense layer's weight, split by columns over the spatial group, and its
+        optimizer state are gathered whole first (``trainer.dense``)."""
         cfg, grid = self.cfg, self.grid
+        optimizer = whole_optimizer_state(self.model, self.opt)  # (collectives, every rank)
         if self._own_optimizer():
             assert grid is not None
             if grid.spatial_rank == 0:
-                state = {"step": self.step, "optimizer": self.opt.state_dict()}
+                state = {"step": self.step, "optimizer": optimizer}
                 save_checkpoint(cfg.checkpoint_dir, state, f"optimizer.d{grid.data_rank}.pt")
             self._world_sum(torch.zeros(1, device=self.run.device))  # every file is written
         rngs = self._rng_states()  # (collectives: before rank 0 alone goes on)
         targets, buffers = self._target_states(), self._buffer_states()
-        if not self.lead:  # the model is replicated: rank 0 writes for all
+        model = whole_model_state(self.model)
+        if not self.lead:  # the model is replicated (or gathered): rank 0 writes for all
             return None
         state = {
-            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+            "model": model, "optimizer": optimizer,
             "loader": self.loader.state_dict(), "rng": rngs, "step": self.step,
             "targets": targets, "buffers": buffers, "config": cfg.to_dict(),
             "world": 1 if grid is None else grid.world,
@@ -414,7 +419,7 @@ class Trainer:
                     "run must resume with the data ranks it was saved with"
                 )
             optimizer = own["optimizer"]
-        self.opt.load_state_dict(optimizer)
+        self.opt.load_state_dict(own_optimizer_state(self.model, self.opt, optimizer))
         self.loader.load_state_dict(saved["loader"])
         data_rank = 0 if self.grid is None else self.grid.data_rank
         own = _own_rng(saved, data_rank)

@@ -2,7 +2,9 @@
 models built with ``TorchLayers`` in one process on the whole batch (float64).
 
 For every grid in CASES that fits N ranks: CosmoFlow's output and every parameter gradient
-after ``GradientReducer`` (head not spatially partial), and a small U-Net (BatchNorm over the
+after ``GradientReducer`` (head not spatially partial; the first dense layer's weight split by
+columns, compared with the reference's columns), its state gathered whole and loaded back, and
+a small U-Net (BatchNorm over the
 world, transposed convolution) output block and gradients, for two steps of SGD. Rank 0 writes
 the worst errors over all ranks as JSON ``{case: {check: value}}``.
 
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from datastore.maths.partition import Grid, block_bounds
+from trainer.dense import DistFlattenLinear, whole_model_state
 from trainer.dist_models import DistLayers
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.models import CosmoFlow, TorchLayers, UNet3D
@@ -75,8 +78,18 @@ def check_case(pg: ProcessGrid, device: torch.device) -> dict[str, float]:
         ref = build(TorchLayers())
         layers = DistLayers(pg, dist.group.WORLD)
         model = build(layers).to(device)
+        # The first dense layer's weight is split by columns: each rank holds its block's.
+        cols = {id(m.weight): m.columns(pg.spatial_rank) for m in model.modules()
+                if isinstance(m, DistFlattenLinear)}  # fmt: skip
+        assert len(cols) == (name == "cosmoflow")
+
+        def mine_of(p: torch.Tensor, r: torch.Tensor, cols=cols) -> torch.Tensor:
+            return r[:, cols[id(p)]] if id(p) in cols else r
+
         ref_params, params = list(ref.parameters()), list(model.parameters())
-        assert [p.shape for p in ref_params] == [p.shape for p in params]
+        pairs = list(zip(params, ref_params, strict=True))
+        assert [p.shape for p, _ in pairs] == [mine_of(p, r).shape for p, r in pairs]
+        out[f"{name} init"] = max(max_err(p.cpu(), mine_of(p, r)) for p, r in pairs)
         reducer = GradientReducer(model, pg, spatially_partial=layers.spatially_partial())
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -95,11 +108,23 @@ def check_case(pg: ProcessGrid, device: torch.device) -> dict[str, float]:
             (loss_of(got, mine) * scale).backward()  # back through .cpu() to the device
             reducer.finish()
             out[f"{name} grads step {step}"] = max(
-                max_err(p.grad.cpu(), r.grad) for p, r in zip(params, ref_params, strict=True)
+                max_err(p.grad.cpu(), mine_of(p, r.grad)) for p, r in pairs
             )
             ref_opt.step()
             opt.step()
         reducer.remove()
+        # A checkpoint holds the whole model's parameters (the split weight gathered), and
+        # loading it into a fresh split model gives this rank's columns back.
+        whole = whole_model_state(model)
+        named = [k for k, _ in model.named_parameters()]
+        out[f"{name} whole state"] = max(
+            max_err(whole[k].cpu(), r) for k, r in zip(named, ref_params, strict=True)
+        )
+        fresh = build(DistLayers(pg, dist.group.WORLD)).to(device)
+        fresh.load_state_dict(whole)
+        out[f"{name} state loaded"] = max(
+            max_err(p.cpu(), q.cpu()) for p, q in zip(fresh.parameters(), params, strict=True)
+        )
     return out
 
 
