@@ -126,6 +126,11 @@ def test_grid_fed_by_the_service_and_resumed_equals_uninterrupted(data, grid_run
     assert got["loader"] == want["loader"]
     for k, v in want["model"].items():
         assert torch.equal(got["model"][k], v), k
+    # the first dense layer, split by columns over the 2 spatial ranks, is saved whole
+    # (width 2, 3 blocks: 8 channels x 2^3 features), its momentum too
+    assert want["model"]["head.0.weight"].shape == (128, 64)
+    momenta = [s["momentum_buffer"].shape for s in want["optimizer"]["state"].values()]
+    assert (128, 64) in momenta and (128, 32) not in momenta
 
 
 def validations(events: list[dict]) -> list[dict]:
