@@ -31,7 +31,7 @@ def test_a_block_holds_the_flatten_features_of_its_voxels_in_its_own_flatten_ord
 
 def test_the_single_process_layer_is_nn_linear_of_the_flattened_input():
     torch.manual_seed(3)
-    layer = FlattenLinear(2 * 27, 5)
+    layer = FlattenLinear(2, (3, 3, 3), 5)
     torch.manual_seed(3)
     plain = nn.Linear(2 * 27, 5)
     x = torch.randn(4, 2, 3, 3, 3)

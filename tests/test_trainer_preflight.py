@@ -28,6 +28,7 @@ from trainer.preflight import (
     model_depth,
     model_parameters,
     optimizer_copies,
+    rank_parameters,
 )
 from trainer.start import memory_of
 
@@ -194,6 +195,32 @@ def test_only_what_cannot_fit_is_refused():
         check_memory("unet3d", 8, 3, n, "sgd", 0, "cuda:0", None, n * 4 - 1)
     assert [optimizer_copies(o, m) for o, m in [("adam", 0), ("sgd", 0), ("sgd", 0.9),
             ("lars", 0.9), ("lion", 0), ("lion_cub", 0)]] == [2, 0, 1, 1, 1, 1]  # fmt: skip
+
+
+def test_a_split_rank_holds_its_block_s_columns_of_the_first_dense_layer():
+    """CosmoFlow 4 x 32^3, width 2, 3 poolings: the first dense layer takes 8 channels x 4^3
+    features to 128 (65,536 weights); a 2-way split keeps half of them on a rank, a 3-way one
+    the largest block's (2 of the 4 planes)."""
+    whole = model_parameters("cosmoflow", 4, 4, 32, 2, 3)
+    assert rank_parameters("cosmoflow", 4, 4, 32, 2, 3, (1, 1, 1)) == whole
+    assert rank_parameters("cosmoflow", 4, 4, 32, 2, 3, (2, 1, 1)) == whole - 65_536 // 2
+    assert rank_parameters("cosmoflow", 4, 4, 32, 2, 3, (3, 1, 1)) == whole - 65_536 // 2
+    assert rank_parameters("cosmoflow", 4, 4, 32, 2, 3, (2, 2, 2)) == whole - 65_536 * 7 // 8
+    assert rank_parameters("unet3d", 4, 4, 32, 2, 2, (2, 1, 1)) == model_parameters(
+        "unet3d", 4, 4, 32, 2, 2
+    )  # (no dense layer: every rank holds all)
+
+
+def test_a_split_that_fits_on_each_rank_is_not_refused():
+    whole = model_parameters("cosmoflow", 4, 4, 32, 2, 3)
+    on_rank = rank_parameters("cosmoflow", 4, 4, 32, 2, 3, (2, 2, 2))
+    fits = on_rank * 4 * 2  # sgd without momentum: parameters and gradients
+    check_memory("cosmoflow", 2, 3, whole, "sgd", 0, "cuda:0", fits, None, on_rank=on_rank)
+    with pytest.raises(ValueError, match=r"parameters \([0-9,]+ on the rank of the largest "
+                       r"block\); with their gradients .* free on cuda:0"):  # fmt: skip
+        check_memory("cosmoflow", 2, 3, whole, "sgd", 0, "cuda:0", fits - 1, None, on_rank=on_rank)
+    with pytest.raises(ValueError, match="free on cuda:0"):  # the whole model would not fit
+        check_memory("cosmoflow", 2, 3, whole, "sgd", 0, "cuda:0", fits, None)
 
 
 def test_the_host_memory_is_what_the_loader_sees(monkeypatch):

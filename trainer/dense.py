@@ -45,7 +45,17 @@ __all__ = [
 
 
 class FlattenLinear(nn.Linear):
-    """``nn.Linear`` of ``torch.flatten(x, 1)``: the single-process first dense layer."""
+    """``nn.Linear(channels * prod(whole), out_features)`` of ``torch.flatten(x, 1)`` over a
+    ``(N, channels, *whole)`` input: the single-process first dense layer."""
+
+    def __init__(self, channels: int, whole: Sequence[int], out_features: int) -> None:
+        super().__init__(channels * math.prod(whole), out_features)
+        self.channels, self.whole = channels, tuple(whole)
+
+    def rank_weights(self, parts: Sequence[int]) -> int:
+        """Weights the split form holds on the rank of the largest block, split ``parts``."""
+        largest = [-(-n // p) for n, p in zip(self.whole, parts, strict=True)]
+        return self.out_features * self.channels * math.prod(largest)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.flatten(1))

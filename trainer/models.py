@@ -19,7 +19,6 @@ padding symmetric, which the halo exchange needs), and the width ``conv_size`` i
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -66,7 +65,7 @@ class TorchLayers:
         return nn.ConvTranspose3d(cin, cout, k, stride=k)
 
     def flatten_linear(self, channels: int, whole: tuple[int, ...], out: int) -> nn.Module:
-        return FlattenLinear(channels * math.prod(whole), out)
+        return FlattenLinear(channels, whole, out)
 
 
 def count_parameters(model: nn.Module) -> int:

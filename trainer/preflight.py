@@ -33,12 +33,15 @@ import math
 from collections.abc import Sequence
 from decimal import Decimal
 
+import torch
+
 from datastore.maths.partition import split_sizes
+from trainer.dense import FlattenLinear
 from trainer.model_table import model_named, parameter_count
 
 __all__ = [
     "check_fields", "check_memory", "check_run", "check_world", "level_blocks", "model_depth",
-    "model_parameters", "optimizer_copies",
+    "model_parameters", "optimizer_copies", "rank_parameters",
 ]  # fmt: skip
 
 KERNEL = 3  # both models' convolutions
@@ -186,6 +189,27 @@ def model_parameters(
     return parameter_count(model_named(model), in_channels, out_channels, (side,) * 3, width, depth)
 
 
+def rank_parameters(
+    model: str, in_channels: int, out_channels: int, side: int, width: int, depth: int,
+    parts: tuple[int, ...],
+) -> int:  # fmt: skip
+    """The most parameters one rank of a ``parts`` split holds: :func:`model_parameters` less
+    the first dense layer's columns of the other blocks (``trainer.dense``: its weight is split
+    by input features; the rank of the largest block holds most). A model torch cannot describe
+    even on the meta device counts whole (a pessimistic bound)."""
+    whole = model_parameters(model, in_channels, out_channels, side, width, depth)
+    if math.prod(parts) == 1:
+        return whole
+    try:
+        with torch.device("meta"):
+            built = model_named(model).build(in_channels, out_channels, (side,) * 3, width=width,
+                                              depth=depth, dropout=0.0, layers=None)  # fmt: skip
+    except (RuntimeError, TypeError, OverflowError):  # (as model_parameters)
+        return whole
+    split = [m for m in built.modules() if isinstance(m, FlattenLinear)]
+    return whole - sum(m.weight.numel() - m.rank_weights(parts) for m in split)
+
+
 def optimizer_copies(optimizer: str, momentum: float) -> int:
     """Copies of the parameters ``optimizer`` keeps as state: Adam's two moments, SGD's momentum
     buffer (none without momentum), LARS's momentum buffer, Lion's (and Lion Cub's) momentum."""
@@ -217,18 +241,24 @@ def check_memory(
     device: str,
     device_memory: int | None,
     host_memory: int | None,
+    on_rank: int | None = None,
 ) -> None:
-    """Refuse a model whose parameters, gradients and ``copies`` optimizer state copies
-    (``PARAMETER_BYTES`` each) exceed ``device_memory``, the memory of ``device`` (``"cpu"``: the
-    host's available memory), or, on a GPU, whose parameters alone exceed ``host_memory`` (the
-    model is built on the CPU, then moved). ``None``: unknown, not checked.
+    """Refuse a model whose parameters on a rank (``on_rank``, :func:`rank_parameters`; default
+    ``params``), their gradients and ``copies`` optimizer state copies (``PARAMETER_BYTES`` each)
+    exceed ``device_memory``, the memory of ``device`` (``"cpu"``: the host's available memory),
+    or, on a GPU, whose parameters alone (``params``, all of them: the split layers are drawn
+    whole first) exceed ``host_memory`` (the model is built on the CPU, then moved). ``None``:
+    unknown, not checked.
 
     Raises:
         ValueError: naming the config keys, the estimate and the memory.
     """
-    need = params * (2 + copies) * PARAMETER_BYTES
+    on_rank = params if on_rank is None else on_rank
+    need = on_rank * (2 + copies) * PARAMETER_BYTES
     keys = "config keys 'width', 'conv_blocks', 'model'"
     this = f"a {model} of width {width} with {depth} poolings has {_count(params)} parameters"
+    if on_rank != params:
+        this += f" ({_count(on_rank)} on the rank of the largest block)"
     state = f"no {optimizer} state"
     if copies:
         state = f"{optimizer}'s {copies} state cop{'y' if copies == 1 else 'ies'}"

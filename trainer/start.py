@@ -52,6 +52,7 @@ from trainer.preflight import (
     check_world,
     model_parameters,
     optimizer_copies,
+    rank_parameters,
 )
 
 __all__ = [
@@ -196,12 +197,20 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
                 f"{field[1]}"
             )
     depth = check_run(cfg.model, inputs, targets, cfg.spatial_parts, cfg.conv_blocks, world)
-    params = model_parameters(
-        cfg.model, inputs[1][0], targets[1][0], inputs[1][1], cfg.width, depth
-    )
+    shape = (cfg.model, inputs[1][0], targets[1][0], inputs[1][1], cfg.width, depth)
+    params = model_parameters(*shape)
+    on_rank = rank_parameters(*shape, tuple(cfg.spatial_parts))
     copies = optimizer_copies(cfg.optimizer, cfg.momentum)
     check_memory(
-        cfg.model, cfg.width, depth, params, cfg.optimizer, copies, str(device), *memory_of(device)
+        cfg.model,
+        cfg.width,
+        depth,
+        params,
+        cfg.optimizer,
+        copies,
+        str(device),
+        *memory_of(device),
+        on_rank=on_rank,
     )
     data_ranks = check_world(world, cfg.spatial_parts)
     if cfg.global_batch % data_ranks:
