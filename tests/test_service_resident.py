@@ -320,6 +320,30 @@ def test_directory_datasets_with_entries_linked_out_of_the_roots_are_refused(tmp
         residency.close()
 
 
+def test_only_the_links_beneath_a_directory_dataset_are_resolved(tmp_path):
+    """Every entry of a Zarr store was resolved at each load under ``--allow`` (3.4 s for a
+    store of 4,160 chunks); only a link can lead out of the store's directory."""
+    import zarr
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d in (root, out):
+        zarr.open_group(d / "s.zarr", mode="w").create_array(
+            "x", shape=(8, 4), chunks=(1, 4), dtype="f4"
+        )[:] = 1
+    chunk = root / "s.zarr/x/c/3/0"
+    chunk.unlink()
+    chunk.symlink_to(out / "s.zarr/x/c/3/0")
+    store = str(root / "s.zarr")
+    assert resident._within([store]) == [store, str(chunk)]
+    with pytest.raises(ServiceError) as err:
+        resident._reader(store, (root,))
+    assert (err.value.code, str(err.value)) == (
+        "PERMISSION_DENIED",
+        f"{store!r} reads {str(out / 's.zarr/x/c/3/0')!r} (through {str(chunk)!r}), "
+        f"outside the allowed roots ({root})",
+    )
+
+
 def test_a_zarr_chunk_linked_out_of_the_roots_after_the_check_is_refused(tmp_path):
     """A chunk swapped for a link out of ``--allow`` after the dataset was opened (a session
     under a memory budget reads it again every epoch) was served: 101.0 from outside."""

@@ -373,15 +373,33 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
 
 def _within(files: list[str]) -> list[str]:
     """``files`` and, of a directory among them (a Zarr store, an LMDB environment), every
-    entry beneath it, links not followed: a chunk or ``data.mdb`` linked out of the roots was
-    served."""
+    link beneath it, not followed: a chunk or ``data.mdb`` linked out of the roots was served,
+    and the open reads metadata (an array's ``zarr.json``, LMDB's ``__meta__``) unchecked.
+    Nothing else beneath a directory resolves out of it (resolving every entry of a store of
+    4,160 chunks took 3.4 s of each load)."""
     out = []
     for f in files:
         out.append(f)
         if os.path.isdir(f):
-            for root, dirs, names in os.walk(f):
-                out += [os.path.join(root, n) for n in [*dirs, *names]]
+            out += _links(f)
     return out
+
+
+def _links(top: str) -> list[str]:
+    """The symbolic links beneath the directory ``top``, links not followed (an unreadable
+    directory is skipped, as ``os.walk`` does)."""
+    found, todo = [], [top]
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as entries:
+                for e in entries:
+                    if e.is_symlink():
+                        found.append(e.path)
+                    elif e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+        except OSError:
+            continue
+    return found
 
 
 def _read_files(reader: Any) -> list[str]:
