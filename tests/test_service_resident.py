@@ -406,6 +406,31 @@ def test_npy_and_tar_samples_linked_out_of_the_roots_after_the_check_are_refused
         reader.close()
 
 
+def test_a_sample_file_is_opened_once_at_its_first_read_and_a_later_swap_is_refused(
+    tmp_path, monkeypatch
+):
+    """Under ``--allow`` a sample's first read opened its .npy file once more to check it
+    (3 opens, 2 without ``--allow``): the descriptor ``_locate`` opened is checked instead. A
+    link out of the roots swapped in after that read is refused by the file's stamp."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d, value in ((root, 1), (out, 42)):
+        d.mkdir()
+        for i in range(2):
+            np.save(d / f"{i}.npy", np.full(4, value, np.float32))
+    reader = resident._reader(str(root), (root,))
+    opened, os_open = [], os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: opened.append(str(p)) or os_open(p, *a, **k))
+    got = np.empty(4, np.float32)
+    reader.read(1, "data", out=got)  # located through builtins' open, read through os.open
+    assert (opened, got.tolist()) == ([str(root / "1.npy")], [1.0] * 4)
+    (root / "1.npy").unlink()
+    (root / "1.npy").symlink_to(out / "1.npy")
+    with pytest.raises(DatasetError, match="changed since the dataset was opened"):
+        reader.read(1, "data", out=got)
+    assert got.tolist() == [1.0] * 4
+    reader.close()
+
+
 def test_a_file_copied_in_place_with_its_size_and_time_is_read_again(tmp_path):
     """``cp -p`` of a file of the same size and modification time (archives' fixed times)
     rewrites it in place, the same inode: the old copy was served (1.0 where the file held 2.0)."""

@@ -35,6 +35,7 @@ __all__ = [
     "locate_npy",
     "locate_npz",
     "npy_in_buffer",
+    "opened_path",
 ]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra length
@@ -52,6 +53,9 @@ class StoredArray:
     stamp: tuple[int, int, int, int] | None = field(default=None, kw_only=True)
     """The file's ``file_stamp`` when the array was found in it: a read of a file with another
     stamp is refused, its bytes there may be anything now."""
+    opened: str | None = field(default=None, kw_only=True)
+    """The file the array was found in, as opened (links resolved; ``stamp``'s file): what
+    ``datastore serve --allow`` checks."""
 
     def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         raise NotImplementedError
@@ -62,6 +66,11 @@ class StoredArray:
                 f"{self.path} changed since the dataset was opened (replaced or rewritten): "
                 "open it again to read the new data"
             )
+
+
+def opened_path(fd: int) -> str:
+    """The file open as ``fd``, links resolved."""
+    return os.readlink(f"/proc/self/fd/{fd}")
 
 
 def file_stamp(fd: int) -> tuple[int, int, int, int]:
@@ -234,11 +243,11 @@ def locate_npy(path: str, base: int = 0, size: int | None = None) -> RawArray:
         win = _Window(fh, base, size)
         shape, fortran, dtype = _header(win)
         start = win.tell()
-        stamp = file_stamp(fh.fileno())
+        stamp, opened = file_stamp(fh.fileno()), opened_path(fh.fileno())
     need = start + _nbytes(shape, dtype)
     if need > size:
         raise ValueError(f"truncated: the header promises {need} bytes, there are {size}")
-    return RawArray(path, dtype, shape, fortran, offset=base + start, stamp=stamp)
+    return RawArray(path, dtype, shape, fortran, offset=base + start, stamp=stamp, opened=opened)
 
 
 def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, StoredArray]:
@@ -248,7 +257,7 @@ def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, S
     size = _size(path, size)
     out: dict[str, StoredArray] = {}
     with open(path, "rb") as fh:
-        stamp = file_stamp(fh.fileno())
+        stamp, opened = file_stamp(fh.fileno()), opened_path(fh.fileno())
         win = _Window(fh, base, size)
         with zipfile.ZipFile(win) as zf:
             for info in zf.infolist():
@@ -260,7 +269,7 @@ def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, S
                         shape, fortran, dtype = _header(m)
                     out[key] = ZippedArray(
                         path, dtype, shape, fortran, base=base, size=size, member=info.filename,
-                        stamp=stamp,
+                        stamp=stamp, opened=opened,
                     )  # fmt: skip
                     continue
                 win.seek(info.header_offset)
@@ -273,7 +282,9 @@ def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, S
                 start = win.tell()
                 if start - data + _nbytes(shape, dtype) > info.file_size:
                     raise ValueError(f"member {info.filename}: truncated array data")
-                out[key] = RawArray(path, dtype, shape, fortran, offset=base + start, stamp=stamp)
+                out[key] = RawArray(
+                    path, dtype, shape, fortran, offset=base + start, stamp=stamp, opened=opened
+                )
     return out
 
 

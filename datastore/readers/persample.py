@@ -12,7 +12,6 @@ kept in a bounded cache; a sample whose dtype or shape differs from sample 0's i
 
 from __future__ import annotations
 
-import os
 import zipfile
 from abc import abstractmethod
 from collections import OrderedDict
@@ -23,7 +22,7 @@ import numpy as np
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.labels import ValueArray
-from datastore.readers.npyfile import StoredArray, file_stamp
+from datastore.readers.npyfile import StoredArray
 
 __all__ = ["NPY_FIELD", "Located", "PerSampleFiles", "reading"]
 
@@ -110,27 +109,21 @@ class PerSampleFiles(Reader):
         if arrays is None:
             arrays = self._locate(index)
             if self.confine is not None:
-                self._confine(index, arrays)
+                self._confine(arrays)
             with lock:
                 self._cache[index] = arrays
                 while len(self._cache) > CACHED_SAMPLES:
                     self._cache.popitem(last=False)
         return self._checked(index, arrays, info)
 
-    def _confine(self, index: int, arrays: Located) -> None:
-        """Pass the file each array of sample ``index`` was located in, as opened (its
-        ``stamp``'s file, links resolved), to ``confine``: a file linked out of the service's
-        roots after the dataset was opened was served."""
+    def _confine(self, arrays: Located) -> None:
+        """Pass the file each array of a sample was located in, as ``_locate`` opened it
+        (``opened``, links resolved), to ``confine``: a file linked out of the service's roots
+        after the dataset was opened was served. A later read of a file replaced since (a link
+        swapped in) is refused by its ``stamp``."""
         for a in arrays.values():
-            if not isinstance(a, StoredArray) or a.stamp is None:
-                continue
-            fd = os.open(a.path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if file_stamp(fd) != a.stamp:
-                    raise DatasetError(self._where(index), "changed while it was being read")
-                self.confine(os.readlink(f"/proc/self/fd/{fd}"))
-            finally:
-                os.close(fd)
+            if isinstance(a, StoredArray) and a.opened is not None:
+                self.confine(a.opened)
 
     def _checked(self, index: int, arrays: Located, info: FieldInfo) -> StoredArray | ValueArray:
         """``info``'s array of sample ``index``, if it has sample 0's dtype and shape (a
