@@ -406,6 +406,35 @@ def test_npy_and_tar_samples_linked_out_of_the_roots_after_the_check_are_refused
         reader.close()
 
 
+def test_a_shard_of_labels_linked_out_of_the_roots_after_the_check_is_refused(tmp_path):
+    """A tar shard holding only ``.cls`` members, swapped for a link out of ``--allow`` after
+    the dataset was opened: its labels were served (42 from outside); only ``.npy`` members
+    were checked."""
+    import tarfile
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d, label in ((root, 1), (out, 42)):
+        d.mkdir()
+        for k in range(2):
+            with tarfile.open(d / f"shard-{k}.tar", "w") as t:
+                info = tarfile.TarInfo(f"{k}.cls")
+                info.size = 3
+                t.addfile(info, io.BytesIO(f"{label:2d}\n".encode()))
+    reader = resident._reader(str(root), (root,))
+    (root / "shard-1.tar").unlink()
+    (root / "shard-1.tar").symlink_to(out / "shard-1.tar")
+    got = np.zeros((), np.int64)
+    with pytest.raises(ServiceError) as err:
+        reader.read(1, "cls", out=got)
+    assert (err.value.code, str(err.value), got.tolist()) == (
+        "PERMISSION_DENIED",
+        f"{str(root)!r} reads {str(out / 'shard-1.tar')!r} (named in its files), "
+        f"outside the allowed roots ({root})",
+        0,
+    )
+    reader.close()
+
+
 def test_a_sample_file_is_opened_once_at_its_first_read_and_a_later_swap_is_refused(
     tmp_path, monkeypatch
 ):

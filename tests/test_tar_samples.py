@@ -310,3 +310,33 @@ def test_loader_delivers_fields_and_labels_in_batches(shards):
         assert batch["redshift"].tolist() == [float(_meta(i)["redshift"]) for i in samples]
         steps += 1
     assert steps == len(loader) == 2
+
+
+def test_a_label_member_of_a_shard_replaced_after_it_was_read_is_refused(tmp_path):
+    """A shard's ``.cls`` and ``.json`` members had no stamp: after the shard was replaced,
+    the ``.npy`` member was refused but the labels read before were served (11, the shard
+    held 21 now)."""
+
+    def shard(label: int) -> None:
+        members = [(f"{i}.x.npy", _npy(np.full(2, label + i, np.float32))) for i in range(2)]
+        members += [(f"{i}.cls", f"{label + i}\n".encode()) for i in range(2)]
+        members += [(f"{i}.json", json.dumps({"y": label + i}).encode()) for i in range(2)]
+        _write_tar(tmp_path / "new.tar", members)
+        os.replace(tmp_path / "new.tar", tmp_path / "shard-0.tar")
+
+    shard(10)
+    reader = open_dataset(str(tmp_path / "shard-0.tar"))
+    out = {f: np.zeros((), np.int64) for f in ("cls", "y")}
+    for f, got in out.items():
+        reader.read(1, f, out=got)
+    shard(20)
+    path = tmp_path / "shard-0.tar"
+    for f, got in out.items():
+        with pytest.raises(DatasetError) as err:
+            reader.read(1, f, out=got)
+        assert (str(err.value), got.tolist()) == (
+            f"{path}[1]: field {f!r}: cannot read sample 1: ValueError: {path} changed since "
+            "the dataset was opened (replaced or rewritten): open it again to read the new data",
+            11,
+        )
+    reader.close()

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from datastore.readers.npyfile import check_stamp
 
 __all__ = ["ValueArray", "class_label", "json_arrays"]
 
@@ -27,6 +29,13 @@ class ValueArray:
     """A small decoded array held in memory (a class label, a JSON value)."""
 
     value: np.ndarray
+    path: str | None = field(default=None, kw_only=True)
+    """The file it was read from (a tar shard), if a read is to check that file."""
+    stamp: tuple[int, int, int, int] | None = field(default=None, kw_only=True)
+    """``path``'s ``file_stamp`` when it was read: a read after the file was replaced or
+    rewritten is refused, as a ``StoredArray``'s is (its old value was served)."""
+    opened: str | None = field(default=None, kw_only=True)
+    """``path`` as opened, links resolved: what ``datastore serve --allow`` checks."""
 
     @property
     def dtype(self) -> np.dtype:
@@ -38,7 +47,15 @@ class ValueArray:
 
     def read_into(self, out: np.ndarray, sel: tuple[slice, ...]) -> None:
         """Copy the box ``sel`` into ``out`` (which may widen the dtype: ``int64`` to
-        ``float64``)."""
+        ``float64``).
+
+        Raises:
+            ValueError: ``path`` changed since the value was read from it.
+        """
+        if self.stamp is not None:
+            assert self.path is not None  # (set together)
+            with open(self.path, "rb") as fh:
+                check_stamp(fh.fileno(), self.path, self.stamp)
         np.copyto(out, self.value[sel])
 
 

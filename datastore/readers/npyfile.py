@@ -31,6 +31,7 @@ __all__ = [
     "RawArray",
     "StoredArray",
     "ZippedArray",
+    "check_stamp",
     "file_stamp",
     "locate_npy",
     "locate_npz",
@@ -61,11 +62,21 @@ class StoredArray:
         raise NotImplementedError
 
     def _check_stamp(self, fd: int) -> None:
-        if self.stamp is not None and file_stamp(fd) != self.stamp:
-            raise ValueError(
-                f"{self.path} changed since the dataset was opened (replaced or rewritten): "
-                "open it again to read the new data"
-            )
+        check_stamp(fd, self.path, self.stamp)
+
+
+def check_stamp(fd: int, path: str, stamp: tuple[int, int, int, int] | None) -> None:
+    """Refuse to read ``path``, open as ``fd``, when its ``file_stamp`` is not ``stamp`` (taken
+    when what is read was found in it; ``None``: not checked).
+
+    Raises:
+        ValueError: naming ``path``, replaced or rewritten since.
+    """
+    if stamp is not None and file_stamp(fd) != stamp:
+        raise ValueError(
+            f"{path} changed since the dataset was opened (replaced or rewritten): "
+            "open it again to read the new data"
+        )
 
 
 def opened_path(fd: int) -> str:

@@ -122,7 +122,7 @@ class PerSampleFiles(Reader):
         after the dataset was opened was served. A later read of a file replaced since (a link
         swapped in) is refused by its ``stamp``."""
         for a in arrays.values():
-            if isinstance(a, StoredArray) and a.opened is not None:
+            if a.opened is not None:
                 self.confine(a.opened)
 
     def _checked(self, index: int, arrays: Located, info: FieldInfo) -> StoredArray | ValueArray:

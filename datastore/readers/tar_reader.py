@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import os
 import tarfile
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from datastore.readers.base import DatasetError
 from datastore.readers.labels import class_label, json_arrays
-from datastore.readers.npyfile import locate_npy, locate_npz
+from datastore.readers.npyfile import file_stamp, locate_npy, locate_npz, opened_path
 from datastore.readers.persample import Located, PerSampleFiles, reading
 from datastore.readers.registry import Format, register, resolve_paths
 from datastore.readers.tar_keys import Entry, Sample, group_samples
@@ -78,8 +79,8 @@ class TarReader(PerSampleFiles):
         for slot, kind, name, offset, size in entries:
             if (slot, kind) == (member, "json"):
                 path = self.files[shard]
-                with reading(f"{path}[{name}]", kind, member):
-                    return json.loads(_member_bytes(path, offset, size))
+                with reading(f"{path}[{name}]", kind, member), open(path, "rb") as fh:
+                    return json.loads(_member_bytes(fh.fileno(), offset, size))
         raise DatasetError(self._where(i), "no such .json member", member)
 
     def _locate(self, index: int) -> Located:
@@ -110,19 +111,21 @@ class TarReader(PerSampleFiles):
                 return {field: locate_npy(path, offset, size)}
             if kind == "npz":
                 return {prefix + k: a for k, a in locate_npz(path, offset, size).items()}
-            data = _member_bytes(path, offset, size)
+            with open(path, "rb") as fh:
+                fd = fh.fileno()
+                data = _member_bytes(fd, offset, size)
+                read = {"path": path, "stamp": file_stamp(fd), "opened": opened_path(fd)}
             if kind == "cls":
-                return {field: class_label(data)}
-            return dict(json_arrays(data, field, prefix))
+                return {field: replace(class_label(data), **read)}
+            return {k: replace(v, **read) for k, v in json_arrays(data, field, prefix).items()}
 
     def _where(self, index: int) -> str:
         shard, key, _ = self._samples[index]
         return f"{self.files[shard]}[{key}]"
 
 
-def _member_bytes(path: str, offset: int, size: int) -> bytes:
-    with open(path, "rb") as fh:
-        data = os.pread(fh.fileno(), size, offset)
+def _member_bytes(fd: int, offset: int, size: int) -> bytes:
+    data = os.pread(fd, size, offset)
     if len(data) != size:
         raise ValueError(f"truncated: {len(data)} of {size} bytes")
     return data
