@@ -136,6 +136,26 @@ def test_a_dataset_whose_files_lie_outside_the_allowed_roots_is_path_not_allowed
         assert batches(embedded)  # its two files are two samples: one batch
 
 
+def test_a_field_linked_to_a_file_outside_the_roots_is_refused_before_it_is_described(allowed):
+    """An HDF5 file under the root whose field is an external link to a file outside: Describe
+    showed that file's field (8 samples, float64 (5,)); then the load failed ``DATA_LOSS``."""
+    root, outside, sock = allowed
+    with h5py.File(outside / "hidden.h5", "w") as f:
+        f["hidden"] = np.zeros((8, 5))
+    with h5py.File(root / "ext.h5", "w") as f:
+        f["x"] = h5py.ExternalLink(str(outside / "hidden.h5"), "hidden")
+    says = (
+        f"{str(root / 'ext.h5')!r} reads {str(outside / 'hidden.h5')!r} (named in its files), "
+        f"outside the allowed roots ({root})"
+    )
+    with pytest.raises(PathNotAllowed) as e:
+        describe_dataset(str(root / "ext.h5"), ServiceOptions(str(sock)), timeout=30)
+    assert str(e.value) == says
+    with pytest.raises(PathNotAllowed) as e:
+        DataStoreLoader(str(root / "ext.h5"), batch_size=2, service=ServiceOptions(str(sock)))
+    assert str(e.value) == says
+
+
 def test_a_glob_under_the_root_is_served_as_embedded(allowed):
     root, _, sock = allowed
     pattern = str(root / "[de].h5")

@@ -346,9 +346,10 @@ class Resident:
 
 
 def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
-    """The dataset's reader; refused when a file it reads lies outside ``roots`` (a link, or
-    a spec file naming another place, or pickled records), with the status the loader's errors
-    map to."""
+    """The dataset's reader; refused when a file it reads lies outside ``roots`` (a link, a
+    spec file naming another place, a file an HDF5 field reads: an external link, external
+    storage, a virtual dataset's sources; or pickled records), with the status the loader's
+    errors map to."""
     try:
         reader = open_dataset(path, allow_pickle=False)
     except DatasetNotFound as exc:  # a spec naming a file that is not there
@@ -368,6 +369,12 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
                 "PERMISSION_DENIED", f"{path!r} reads {real[f]!r}{via}, {_outside(roots)}"
             )
         reader.confine = lambda f: _confined(path, f, roots)
+        try:  # (an external link's file: its fields were shown, then reading it in failed)
+            for f in reader.reached:
+                reader.confine(f)
+        except ServiceError:
+            reader.close()
+            raise
     return reader
 
 
