@@ -270,6 +270,15 @@ def test_tcp_needs_the_token_on_every_call(start, tmp_path, env):
                     call(metadata)
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert any(x["event"] == "unauthenticated" for x in s.logs())
+    open_paths = [x for x in s.logs() if x["event"] == "tcp_without_allow"]
+    assert [(x["level"], x["msg"]) for x in open_paths] == [
+        (
+            "warning",
+            "--tcp 127.0.0.1:0 without --allow: any client with the token may read every "
+            "dataset and stage any tree this user can read, to any place it can write; confine "
+            "them with --allow DIR",
+        )
+    ]
 
     ok = cli("status", "--tcp", tcp, "--token-file", str(token_file), "--json", env=env)
     assert ok.returncode == 0 and json.loads(ok.stdout)["pid"] == s.proc.pid
@@ -409,6 +418,18 @@ def test_an_allowed_root_that_does_not_exist_is_refused_at_start(tmp_path, env):
             env=env)  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert f"--allow {missing}: no such directory" in r.stderr and not sock.exists()
+
+
+def test_only_a_tcp_service_without_allowed_roots_warns_of_it(tmp_path):
+    """``--tcp`` without ``--allow`` said nothing: any token holder names any path."""
+    from datastore.service.config import ServeConfig
+    from datastore.service.server import _tcp_without_allow
+
+    token = tmp_path / "token"
+    tcp = {"tcp": "127.0.0.1:0", "token_file": token}
+    cases = [{}, {"allowed_roots": (tmp_path,)}, tcp, {**tcp, "allowed_roots": (tmp_path,)}]
+    warned = [_tcp_without_allow(ServeConfig(tmp_path / "s.sock", **kw)) for kw in cases]
+    assert [w is not None for w in warned] == [False, False, True, False]
 
 
 def test_status_when_nothing_listens(tmp_path, env):

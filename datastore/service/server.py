@@ -240,6 +240,9 @@ def _run(
                 return Exit.FAILED
             host = config.metrics.rsplit(":", 1)[0] or "127.0.0.1"
             listen.append(f"http://{host}:{port}/metrics")
+        open_paths = _tcp_without_allow(config)  # (once it listens: a failed start says one line)
+        if open_paths is not None:
+            log.warning("tcp_without_allow", msg=open_paths)
         log.info(
             "listening",
             listen=listen,
@@ -285,6 +288,18 @@ def _run(
         if metrics_server is not None:
             metrics_server.shutdown()
         servicer.close()
+
+
+def _tcp_without_allow(config: ServeConfig) -> str | None:
+    """The warning for a service on TCP that confines no path (no ``--allow``), else ``None``:
+    there it said nothing of what a token opens."""
+    if config.tcp is None or config.allowed_roots:
+        return None
+    return (
+        f"--tcp {config.tcp} without --allow: any client with the token may read every dataset "
+        "and stage any tree this user can read, to any place it can write; confine them with "
+        "--allow DIR"
+    )
 
 
 def _drain(
