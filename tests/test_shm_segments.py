@@ -138,6 +138,40 @@ def test_an_inline_stream_over_the_whole_memory_budget_is_refused(tmp_path):
     residency.close()
 
 
+def test_inline_streams_together_are_refused_over_the_memory_budget(tmp_path):
+    """Each inline stream was checked alone: eight streams of 40 MiB under --memory-budget
+    64M took the service from 137 MiB to 594 MiB."""
+    for i in range(4):
+        np.save(tmp_path / f"s{i}.npy", np.full((2, 4), i, np.float32))
+    residency = Residency(1 << 20, None)
+    sessions = Sessions(residency)
+
+    def stream() -> tuple:  # a session of one rank, 3 inline batches of 4,000 samples
+        session = sessions.open(
+            pb.OpenSessionRequest(dataset_path=str(tmp_path), global_batch=4000)
+        )
+        return session, session.stream(
+            pb.StreamBatchesRequest(session_id=session.session_id), False
+        )
+
+    (first, _), _ = stream(), stream()
+    assert residency.inline_bytes == 2 * 384_000
+    with pytest.raises(ServiceError) as err:
+        stream()
+    assert (err.value.code, str(err.value)) == (
+        "RESOURCE_EXHAUSTED",
+        "an inline stream's 3 batches of 128000 bytes beside 768000 bytes of other inline "
+        "streams exceed the memory budget of 1048576 bytes: ask for smaller batches or less "
+        "prefetch",
+    )
+    sessions.close(first.session_id)
+    stream()  # the closed session's room is free again
+    assert residency.inline_bytes == 2 * 384_000
+    sessions.close_all()
+    assert residency.inline_bytes == 0
+    residency.close()
+
+
 def test_an_inline_stream_over_the_memory_available_is_refused_without_a_budget(
     tmp_path, monkeypatch
 ):

@@ -74,7 +74,7 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
     gather: Gather | None = None  # the service's batch copies
-    residency: Any = None  # counts the shared-memory rings in the memory budget
+    residency: Any = None  # counts the rings (shared memory or inline) in the memory budget
     inline_told: bool = False  # the log said its ring did not fit: streamed inline
 
     @property
@@ -132,16 +132,16 @@ class Session:
                 nslots = prefetch + (prefetch + 2 if shared_memory else 1)
                 batch = view.local_batch
                 ring_bytes = nslots * batch * sum(f.nbytes for f in fields)
-                if not shared_memory and self.residency is not None:
-                    self.residency.check_inline(ring_bytes, nslots)
-                    ring_bytes = 0  # (not counted: a job whose ring did not fit streams inline)
-                if ring_bytes and self.residency is not None:
+                if self.residency is None:
+                    ring_bytes = 0
+                elif shared_memory:
                     self.residency.reserve_ring(ring_bytes)
+                else:  # (apart from the rings: a job whose ring did not fit streams inline)
+                    self.residency.reserve_inline(ring_bytes, nslots)
                 try:
                     ring = SlotRing(fields, batch, nslots, shared_memory, self.gather)
                 except BaseException as exc:
-                    if ring_bytes and self.residency is not None:
-                        self.residency.release_ring(ring_bytes)
+                    self._unbudget(ring_bytes, shared_memory)
                     if isinstance(exc, OSError | ValueError):  # DATASTORE_SHM_DIR removed...
                         raise ServiceError(
                             "UNAVAILABLE", f"no shared-memory segment for the stream: {exc}"
@@ -196,8 +196,16 @@ class Session:
             s.close(why)
         for ring in rings:
             ring.close()
-            if ring.budgeted and self.residency is not None:
-                self.residency.release_ring(ring.budgeted)
+            self._unbudget(ring.budgeted, ring.segment is not None)
+
+    def _unbudget(self, nbytes: int, shared_memory: bool) -> None:
+        """Give back the ``nbytes`` a ring counted in the memory budget."""
+        if not nbytes:
+            return
+        if shared_memory:
+            self.residency.release_ring(nbytes)
+        else:
+            self.residency.release_inline(nbytes)
 
 
 class Sessions:

@@ -91,7 +91,7 @@ class SlotRing:
         shared: bool,
         gather: Gather | None = None,
     ) -> None:
-        self.budgeted = 0  # bytes the residency counts for this ring (its shared memory)
+        self.budgeted = 0  # bytes the residency counts for this ring (shared memory or inline)
         self.fields = fields
         self.segment: Segment | None = None
         self.at: dict[str, int] = {}  # where each field starts in a shared-memory slot
