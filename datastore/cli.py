@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -19,7 +20,9 @@ from staging.console import grpc_errors_only, reader_gone, whole_lines
 from staging.exitcodes import Agreed, Exit
 from staging.launcher import finalize_mpi
 
-__all__ = ["main"]
+__all__ = ["main", "negatives_joined"]
+
+_NEGATIVE = re.compile(r"-(\d|\.\d|inf|nan)", re.IGNORECASE)  # -5G, -.5G, -1e3, -inf
 
 # the commands of the datastore core: (module, name, summary, about); each module gives the
 # arguments (add_arguments), what the command does (run) and the end of its help (EPILOG)
@@ -90,10 +93,25 @@ def _stage(args: argparse.Namespace) -> int:
     return stage_cli.run(args)
 
 
+def negatives_joined(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--option -5G`` as ``--option=-5G``: argparse takes a value that
+    starts with ``-`` and is not a plain number for an option, and answered a negative size
+    with its usage and 'expected one argument' where the command names the option in one
+    line."""
+    out: list[str] = []
+    for arg in argv:
+        last = out[-1] if out else ""
+        if last.startswith("--") and last != "--" and "=" not in last and _NEGATIVE.match(arg):
+            out[-1] = f"{last}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     whole_lines()
     grpc_errors_only()
-    args = parser().parse_args(argv)
+    args = parser().parse_args(negatives_joined(sys.argv[1:] if argv is None else argv))
     try:
         code = args.func(args)
         sys.stdout.flush()  # (a reader gone is seen here, not at the interpreter's exit)

@@ -148,7 +148,15 @@ def test_the_text_tables():
          "missing --nodes (or nodes = ... in the --machine file)"),
         (("--samples", "10", "--sample-bytes", "-1", *JOB), "--sample-bytes must be >= 0"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--memory-per-node=-1G"),
-         "--memory-per-node must be >= 0"),
+         "--memory-per-node must be >= 1, got '-1G'"),
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--memory-per-node", "-5G"),
+         "--memory-per-node must be >= 1, got '-5G'"),  # was argparse's usage, 'expected one'
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--memory-per-node", "0"),
+         "--memory-per-node must be >= 1, got '0'"),  # was planned: serve refuses 0
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--gpu-memory", "-.5G"),
+         "--gpu-memory must be >= 0, got '-.5G'"),
+        (("--samples", "10", "--sample-bytes", "1M", *JOB, "--pfs-read-bw", "-inf"),
+         "--pfs-read-bw must be a number > 0, got -inf"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--network-bw", "0"),
          "--network-bw must be a number > 0"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--network-bw", "25Gb/s"),

@@ -329,8 +329,10 @@ def test_configs_refuse_bad_values():
         volume(0)
     with pytest.raises(PlanError, match="nodes must be a whole number >= 1, got -1"):
         machine(nodes=-1)
-    with pytest.raises(PlanError, match="memory_per_node must be a whole number >= 0"):
+    with pytest.raises(PlanError, match="memory_per_node must be a whole number >= 1"):
         machine(memory_per_node=-5)
+    with pytest.raises(PlanError, match="memory_per_node must be a whole number >= 1, got 0"):
+        machine(memory_per_node=0)  # (serve's --memory-budget refuses 0)
     with pytest.raises(PlanError, match="network_bw must be a finite number > 0"):
         machine(network_bw=math.inf)
     with pytest.raises(PlanError, match="exchange_bw must be a finite number > 0"):

@@ -57,6 +57,13 @@ def _size(value: Any, name: str) -> int:
     return parse_size(value, name)
 
 
+def _room(value: Any, name: str) -> int:
+    """A size of 1 byte or more (``datastore serve --memory-budget`` refuses 0)."""
+    from datastore.store.memory import parse_size
+
+    return parse_size(value, name, least=1)
+
+
 def _rate(value: Any, name: str) -> float:
     """Bytes per second: ``"25G"``, ``"25GiB/s"`` (powers of 1024, as sizes) or a number. Bits
     (``"25Gb/s"``, ``"100Gbps"``: how links are sold) are refused, not read as bytes."""
@@ -122,7 +129,7 @@ DEFAULTS: dict[str, tuple[Callable[[Any, str], Any], Any, str]] = {
     "nodes": (_count(1), None, "nodes of the job"),
     "gpus_per_node": (_count(0), 4, "GPUs per node (0: none)"),
     "ranks_per_node": (_count(1), None, "ranks per node (default: one per GPU)"),
-    "memory_per_node": (_size, "256G", "memory a node gives the data (serve's --memory-budget)"),
+    "memory_per_node": (_room, "256G", "memory a node gives the data (serve's --memory-budget)"),
     "gpu_memory": (_size, "80G", "memory of one GPU"),
     "nvme_per_node": (_size, "3T", "node-local disk free for staging"),
     "pfs_read_bw": (_rate, "100G", "parallel filesystem read bandwidth, shared by the nodes"),

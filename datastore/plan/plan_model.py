@@ -197,7 +197,8 @@ class Machine:
         _set(self, "nodes", _whole("nodes", self.nodes, 1))
         _set(self, "ranks_per_node", _whole("ranks_per_node", self.ranks_per_node, 1))
         _set(self, "gpus_per_node", _whole("gpus_per_node", self.gpus_per_node, 0))
-        for name in ("memory_per_node", "gpu_memory", "nvme_per_node"):
+        _set(self, "memory_per_node", _whole("memory_per_node", self.memory_per_node, 1))
+        for name in ("gpu_memory", "nvme_per_node"):
             _set(self, name, _whole(name, getattr(self, name), 0))
         for name in ("pfs_read_bw", "nvme_write_bw", "network_bw"):
             _set(self, name, _positive(name, getattr(self, name)))

@@ -10,9 +10,9 @@ __all__ = ["available_memory", "parse_size"]
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def parse_size(value: int | str, name: str = "size") -> int:
+def parse_size(value: int | str, name: str = "size", least: int = 0) -> int:
     """``"64G"`` -> bytes (K, M, G, T: powers of 1024; ``"64GiB"``/``"64GB"`` alike; an int or
-    a plain number: bytes). Raises ``ValueError`` naming ``name``."""
+    a plain number: bytes), ``least`` or more. Raises ``ValueError`` naming ``name``."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be bytes or a size like '64G', got {value!r}")
     unit = ""
@@ -29,8 +29,8 @@ def parse_size(value: int | str, name: str = "size") -> int:
             ) from None
     if not math.isfinite(number):
         raise ValueError(f"{name} must be a finite size like '512M' or '64G', got {value!r}")
-    if number < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if number < least:
+        raise ValueError(f"{name} must be >= {least}, got {value!r}")
     if not unit and number != int(number):  # 1.5 was 1 byte: meant 1.5G?
         raise ValueError(f"{name} must be whole bytes or a size like '1.5G', got {value!r}")
     return int(number)
