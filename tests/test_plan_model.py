@@ -28,6 +28,7 @@ from datastore.plan.plan_model import (
     stage_time,
 )
 from datastore.readers.base import FieldInfo
+from staging.plan import split_by_bytes
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -148,8 +149,22 @@ def test_exchange_per_shuffle():
     assert exchange_cost(m, job, s, "shard", "global") == (3 * MIB // 2, 3 * MIB / GIB)
     # storage order: each global batch lies on one node, which sends 3/4 of its 16 MiB
     assert exchange_cost(m, job, s, "shard", "none") == (3 * MIB // 2, 12 * MIB / GIB)
+    # ...unless a file holds one sample: then it is spread as under "global" (this was 12 MiB)
+    assert exchange_cost(m, job, s, "shard", "none", per_file=True) == (
+        3 * MIB // 2,
+        3 * MIB / GIB,
+    )
     assert exchange_cost(m, job, s, "shard", "shard") == (0, 0.0)
     assert exchange_cost(m, job, s, "shard", "window:64") == (0, 0.0)
+
+
+def test_stage_spreads_each_global_batch_of_one_sample_files_over_the_nodes():
+    """The premise of ``per_file``: ``stage --mode shard`` deals 64 equal one-sample files to
+    the 4 nodes in turn, so each global batch of 16 in storage order has 4 on every node (2
+    ranks at mpiexec -n 2 sent 4,096 bytes each under "none" as under "global")."""
+    nodes = np.array(split_by_bytes([MIB] * 64, 4))
+    for batch in nodes.reshape(-1, 16):
+        assert np.bincount(batch, minlength=4).tolist() == [4, 4, 4, 4]
 
 
 def test_the_stores_own_exchange_rate_bounds_the_link():

@@ -32,7 +32,9 @@ Exchange under a shuffle (per step, per rank; what crosses the network)
     share owned by other nodes is ``(N-1)/N`` when sharded and 0 when every node holds
     everything (a replicated dataset is served from local memory). A rank receives only its
     block with halo (:mod:`datastore.maths.partition`, via
-    :func:`datastore.maths.delivery.delivered_fields`). ``"none"`` moves as many bytes but every
+    :func:`datastore.maths.delivery.delivered_fields`). ``"none"`` moves as many bytes, spread
+    alike over the nodes for one-sample files (``stage --mode shard`` deals consecutive files to
+    different nodes); files of several samples hold runs of the storage order, so there every
     global batch lies on one node, which sends it all. ``"shard"`` and ``"window:K"`` keep each data
     rank on its home (the samples its own ranks hold): nothing crosses the network unless a spatial
     group spans nodes. The time is the busiest node link's bytes over ``min(network_bw,
@@ -462,10 +464,12 @@ class Layout:
 
 
 def exchange_cost(
-    m: Machine, job: Job, split: Split, staging: str, shuffle: str
+    m: Machine, job: Job, split: Split, staging: str, shuffle: str, per_file: bool = False
 ) -> tuple[int, float]:
     """``(bytes one rank receives from other nodes per step, seconds of the busiest link)``
-    under ``shuffle`` with the dataset staged ``staging``."""
+    under ``shuffle`` with the dataset staged ``staging``; ``per_file``: one sample a file
+    (``stage --mode shard`` deals consecutive files to different nodes, so a global batch in
+    storage order is spread over them as under ``"global"``). Default: ``False``."""
     n, rpn = m.nodes, m.ranks_per_node
     if shuffle in ("global", "none"):
         remote = 0.0 if staging == "replicate" else (n - 1) / n
@@ -473,7 +477,8 @@ def exchange_cost(
         remote = offnode_home_share(split.blocks, m)
     per_rank = split.local_batch * split.rank_sample_bytes * remote
     node_in = rpn * per_rank
-    if shuffle == "none" and remote:  # every global batch sits on one node, which sends it
+    if shuffle == "none" and remote and not per_file:  # a file's run of the storage order
+        # holds every global batch, on one node, which sends it
         node_in = rpn * split.local_batch * split.rank_sample_bytes
         node_out = job.global_batch * split.sample_delivered_bytes * remote
     else:
@@ -515,7 +520,7 @@ def layouts(ds: DatasetSize, m: Machine, job: Job, split: Split) -> list[Layout]
     for staging, shuffle, source in rows:
         resident = node_share(ds.nbytes, ds.files, m.nodes, staging)
         buffers = _buffers(m, job, split, source)
-        nbytes, seconds = exchange_cost(m, job, split, staging, shuffle)
+        nbytes, seconds = exchange_cost(m, job, split, staging, shuffle, per_file)
         out.append(
             Layout(
                 staging=staging,
