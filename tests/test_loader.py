@@ -221,6 +221,28 @@ def test_memory_budget_spills_or_rereads_with_the_same_batches(h5, tmp_path):
     assert os.listdir(tmp_path / "spill") == []  # the spill file is unlinked at once
 
 
+def test_a_memory_budget_of_0_holds_no_sample(h5, tmp_path):
+    """0 is a budget like any other: no RAM slot, so every sample spills to ``spill_dir``
+    (read once) or, without one, is read from the dataset at every use."""
+    path = str(h5[0])
+    whole = DataStoreLoader(path, batch_size=4)
+    once = whole.counters.bytes_read  # the preload's
+    want = [b["x"].clone() for _ in range(2) for b in whole]
+    reads = 2 * N * 3  # 2 epochs of each sample's 3 fields
+    for spill, counts in (
+        (str(tmp_path / "spill"), (reads, 0, once)),
+        (None, (0, reads, 2 * once)),
+    ):
+        loader = DataStoreLoader(
+            path, batch_size=4, store=StoreOptions(memory_budget=0, spill_dir=spill)
+        )
+        got = [b["x"] for _ in range(2) for b in loader]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        c = loader.counters
+        assert (loader.store.ram_slots, c.bytes_resident) == (0, 0)
+        assert (c.hits, c.misses, c.bytes_read) == counts
+
+
 def test_bad_arguments_are_named(h5):
     path = str(h5[0])
     with pytest.raises(ValueError) as exc:  # (the reader, which reads only the fields named)

@@ -44,8 +44,9 @@ class StoreOptions:
         preload: read the rank's samples when the loader is made, not on first use.
             Default: ``True``.
         memory_budget: RAM for the store, in bytes or as ``"64G"``; beyond it samples spill to
-            ``spill_dir`` or are re-read. Default: ``None`` (no limit; a dataset larger than
-            the memory available is refused before reading).
+            ``spill_dir`` or are re-read (``0``: every sample, never "no limit"). Default:
+            ``None`` (no limit; a dataset larger than the memory available is refused before
+            reading).
         spill_dir: where the store spills: a directory, made if its parent exists.
             Default: ``None``.
     """
