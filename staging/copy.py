@@ -20,6 +20,7 @@ import hashlib
 import os
 import queue
 import shutil
+import stat
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
@@ -126,6 +127,53 @@ def within(dest: str, path: str) -> bool:
     return real == root or real.startswith(root + os.sep)
 
 
+_BENEATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_beneath(dest: str, rel: str, make: bool = False) -> int:
+    """An ``O_PATH`` descriptor of the directory ``rel`` of ``dest``, opened a name at a time
+    from ``dest``, never through a symlink: one swapped in while a stage runs is ``EPERM``
+    (checked once by path, a link swapped for a directory that already held files sent the
+    rest of them wherever it pointed). ``make``: missing directories are made, as
+    ``os.makedirs``. The caller closes it.
+
+    Raises:
+        OSError: ``EPERM`` for a symlink or ``..`` on the way, else as ``openat``/``mkdirat``.
+    """
+    fd = os.open(dest, _BENEATH & ~os.O_NOFOLLOW)
+    for name in (n for n in rel.split("/") if n not in ("", ".")):
+        fd = _step(fd, name, make)
+    return fd
+
+
+def _step(fd: int, name: str, make: bool) -> int:
+    """The directory ``name`` in directory ``fd``, as :func:`open_beneath` opens it; ``fd``
+    is closed, whatever happens."""
+    try:
+        if name == "..":
+            raise OSError(errno.EPERM, "refusing to write through '..'", name)
+        try:
+            return os.open(name, _BENEATH, dir_fd=fd)
+        except FileNotFoundError:
+            if not make:
+                raise
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, dir_fd=fd)
+            return os.open(name, _BENEATH, dir_fd=fd)
+        except NotADirectoryError:
+            if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                raise OSError(errno.EPERM, "refusing to write through a symlink", name) from None
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fd_path(fd: int, name: str = "") -> str:
+    """A path to ``name`` in the directory open as ``fd`` (``/proc/self/fd``: no link between
+    them is followed again)."""
+    return os.path.join(f"/proc/self/fd/{fd}", name)
+
+
 def mode_mask(special_bits: bool) -> int:
     """The permission bits written to DEST: setuid, setgid and sticky only when asked for."""
     return 0o7777 if special_bits else 0o777
@@ -139,11 +187,14 @@ def settle_dirs(dest: str, dirs: list[Item], special_bits: bool) -> list[str]:
     last = {i.dest: i for i in dirs}
     errors = []
     for item in sorted(last.values(), key=lambda i: -i.dest.count("/")):
-        path = os.path.join(dest, item.dest)
         try:
-            os.chmod(path, item.mode & mode_mask(special_bits))
-            if item.mtime_ns:
-                os.utime(path, ns=(item.mtime_ns, item.mtime_ns))
+            fd = open_beneath(dest, item.dest)  # (a link swapped in: its target's mode stays)
+            try:
+                os.chmod(_fd_path(fd), item.mode & mode_mask(special_bits))
+                if item.mtime_ns:
+                    os.utime(_fd_path(fd), ns=(item.mtime_ns, item.mtime_ns))
+            finally:
+                os.close(fd)
         except OSError as exc:
             errors.append(
                 f"{item.source}: cannot set the mode and time of {item.dest}: {exc.strerror}"
@@ -304,7 +355,6 @@ class Committer:
         self._lock = threading.Lock()
         self._batch: Batch = []
         self._pending = 0  # bytes in _batch
-        self._made: set[str] = set()
         self.errors: list[str] = []
         self.placed = Stats()  # the files and bytes placed under their names
         self._thread = threading.Thread(target=self._loop, name="committer", daemon=True)
@@ -366,19 +416,21 @@ class Committer:
                 self.errors.append(f"{rec['source']}: cannot make {rel} durable: {why}")
                 _unlink(tmp)
             return
+        parents: dict[str, int] = {}  # this batch's directories, opened beneath DEST
+        try:
+            self._place_batch(batch, parents)
+        finally:
+            for fd in parents.values():
+                os.close(fd)
+
+    def _place_batch(self, batch: Batch, parents: dict[str, int]) -> None:
         placed = []
         for tmp, rel, rec, nbytes in batch:
-            final = os.path.join(self.dest, rel)
-            parent = os.path.dirname(final)
+            parent, name = os.path.split(rel)
             try:
-                if parent not in self._made:
-                    if not within(self.dest, parent):
-                        raise OSError(
-                            errno.EPERM, "refusing to write through a symlink out of DEST"
-                        )
-                    os.makedirs(parent, exist_ok=True)
-                    self._made.add(parent)
-                _place(tmp, final)
+                if parent not in parents:
+                    parents[parent] = open_beneath(self.dest, parent, make=True)
+                _place(tmp, parents[parent], name)
             except OSError as exc:
                 self.errors.append(f"{rec['source']}: cannot place at {rel}: {exc.strerror}")
                 _unlink(tmp)
@@ -390,7 +442,8 @@ class Committer:
         except OSError as exc:  # unrecorded, a file is unknown to re-runs, --verify and shards
             for rel, rec, _ in placed:
                 self.errors.append(f"{rec['source']}: cannot record {rel}: {exc.strerror}")
-                _unlink(os.path.join(self.dest, rel))
+                parent, name = os.path.split(rel)
+                _unlink(_fd_path(parents[parent], name))
             return
         self.placed.files += len(placed)
         self.placed.bytes += sum(nbytes for *_, nbytes in placed)
@@ -406,20 +459,20 @@ def _unchanged(item: Item, st: os.stat_result) -> None:
         raise OSError(errno.EAGAIN, why)
 
 
-def _place(tmp: str, final: str) -> None:
-    """``os.replace``, also over a directory that holds only directories: one an earlier run
-    made where the source has a file now (an empty directory of the source, whose name is a
-    file's now, as ``rsync`` replaces it). A directory holding anything else stays, the error
-    raised."""
+def _place(tmp: str, parent: int, name: str) -> None:
+    """``os.replace`` to ``name`` in the directory ``parent``, also over a directory that
+    holds only directories: one an earlier run made where the source has a file now (an empty
+    directory of the source, whose name is a file's now, as ``rsync`` replaces it). A
+    directory holding anything else stays, the error raised."""
     try:
-        os.replace(tmp, final)
+        os.replace(tmp, name, dst_dir_fd=parent)
     except IsADirectoryError:
-        tree = _dirs_only(final)
+        tree = _dirs_only(_fd_path(parent, name))
         if tree is None:
             raise
         for path in tree:
             os.rmdir(path)
-        os.replace(tmp, final)
+        os.replace(tmp, name, dst_dir_fd=parent)
 
 
 def _dirs_only(path: str) -> list[str] | None:

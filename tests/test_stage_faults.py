@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import signal
+import stat
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 import staging.copy as copy
 from staging.checksum import LEAF_BYTES
 from staging.manifest import Journal, Manifest, meta_dir
+from staging.plan import Item
 
 
 def test_a_failing_syncfs_is_an_error_not_a_hang(tmp_path, monkeypatch):
@@ -147,3 +149,35 @@ def test_a_source_written_while_copied_is_named_not_placed(tmp_path, monkeypatch
     monkeypatch.setattr(copy, "copy_range", real)
     assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == 0
     assert (dest / "src" / "grown.bin").read_bytes() == grown.read_bytes()
+
+
+def test_a_directory_swapped_for_a_link_mid_run_takes_no_file_and_no_mode(tmp_path):
+    """DEST/d held a file when a link took its place: the link was checked once, by path, so
+    the rest of the run went where it pointed (19,985 of 20,000 files, exit 0), and the
+    directories' modes and times were set on its target at the end."""
+    dest, outside = tmp_path / "dest", tmp_path / "outside"
+    os.makedirs(meta_dir(str(dest)))
+    outside.mkdir(mode=0o700)
+    committer = copy.Committer(str(dest), Journal(str(dest), 0))
+
+    def add(name: str) -> None:
+        tmp = dest / f"{name}.part"
+        tmp.write_bytes(name.encode())
+        committer.add(str(tmp), f"d/{name}", {"source": f"/src/d/{name}"}, 1)
+
+    add("a")
+    committer.drain()
+    (dest / "d").rename(tmp_path / "moved")
+    (dest / "d").symlink_to(outside)
+    add("b")
+    committer.close()
+    assert committer.errors == [
+        "/src/d/b: cannot place at d/b: refusing to write through a symlink"
+    ]
+    d = Item("d", "dir", "/src/d", "", mode=0o777, mtime_ns=10**18)
+    errors = copy.settle_dirs(str(dest), [d], special_bits=False)
+    assert errors == [
+        "/src/d: cannot set the mode and time of d: refusing to write through a symlink"
+    ]
+    assert (os.listdir(outside), stat.S_IMODE(outside.stat().st_mode)) == ([], 0o700)
+    assert os.listdir(tmp_path / "moved") == ["a"]
