@@ -16,7 +16,8 @@ A rank's columns and their optimizer state are its own: checkpoints hold the who
 :func:`whole_model_state` and :func:`whole_optimizer_state` gather it (collectives over the
 spatial group, on every rank), loading a whole weight takes this rank's columns
 (:meth:`DistFlattenLinear._load_from_state_dict`, :func:`own_optimizer_state`): a checkpoint
-holds the same whole weight whatever the split it was written or is read with.
+holds the same whole weight whatever the split it was written or is read with. LARS's trust
+ratio takes the whole weight's norms (:func:`whole_norms`), not the rank's columns'.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 from datastore.maths.partition import Grid, block_bounds
 from trainer.comm import all_gather, all_reduce_sum
 from trainer.grid import ProcessGrid
+from trainer.optim import Norms, local_norms
 from trainer.pool import block_shapes
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "block_columns",
     "own_optimizer_state",
     "whole_model_state",
+    "whole_norms",
     "whole_optimizer_state",
 ]
 
@@ -180,6 +183,25 @@ def whole_model_state(model: nn.Module) -> dict[str, Any]:
     for name, m in _split(model).items():
         state[f"{name}.weight" if name else "weight"] = m.gather_whole(m.weight)
     return state
+
+
+def whole_norms(model: nn.Module) -> Norms:
+    """LARS's ``norms`` (``trainer.optim.LARS``) for ``model``: ``(||w||, ||g||)`` of a
+    parameter and its gradient, of the whole weight for a :class:`DistFlattenLinear`'s columns
+    (one all-reduce of the two squared norms over its spatial group: every rank of the group
+    asks for them in the same order, as an optimizer's step does)."""
+    owner = {id(m.weight): m for m in _split(model).values()}
+
+    def norms(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = owner.get(id(w))
+        w_norm, g_norm = local_norms(w, g)
+        if m is None or m.grid.spatial_size == 1:
+            return w_norm, g_norm
+        squares = torch.stack([w_norm, g_norm]).square()
+        squares = all_reduce_sum(squares, m.grid.spatial_group, m.grid.timeout)
+        return squares[0].sqrt(), squares[1].sqrt()
+
+    return norms
 
 
 def _sharded(model: nn.Module, opt: torch.optim.Optimizer) -> dict[int, DistFlattenLinear]:

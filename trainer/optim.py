@@ -20,7 +20,9 @@ LARS (You et al. 2017, Algorithm 1), per parameter ``w`` with gradient ``g``::
 
     Parameters of a group with ``lars_exclude=True`` (biases and normalization parameters, see
     :func:`split_decay_groups`) take plain momentum SGD without weight decay: ``trust = 1``,
-    ``wd = 0``.
+    ``wd = 0``. The norms are of the whole parameter: one split over ranks (a
+    :class:`~trainer.dense.DistFlattenLinear`'s columns) takes them from ``norms``
+    (:func:`trainer.dense.whole_norms`).
 
 Lion (Chen et al. 2023), with decoupled weight decay::
 
@@ -43,8 +45,10 @@ __all__ = [
     "LARS",
     "LRSchedule",
     "Lion",
+    "Norms",
     "lion_apply",
     "lion_direction",
+    "local_norms",
     "lr_at",
     "set_lr",
     "split_decay_groups",
@@ -143,6 +147,15 @@ def _closure_loss(closure: Callable[[], float] | None) -> float | None:
         return closure()
 
 
+Norms = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``(||w||, ||g||)`` of a parameter ``w`` and its gradient ``g`` (LARS's trust ratio)."""
+
+
+def local_norms(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2-norms of ``w`` and ``g`` themselves."""
+    return torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
+
+
 def _state_buffer(state: dict[str, Any], name: str, p: torch.Tensor) -> torch.Tensor:
     """``state[name]``, created as zeros like ``p`` on first use (a momentum buffer)."""
     if name not in state:
@@ -159,6 +172,9 @@ class LARS(torch.optim.Optimizer):
         momentum: Default: ``0.9``.
         weight_decay: Default: ``0.0``.
         eta: trust coefficient. Default: ``0.001``.
+        norms: ``(||w||, ||g||)`` of a parameter and its gradient. Default: ``None``, of the
+            tensors themselves; a parameter split over ranks needs its whole norms
+            (:func:`trainer.dense.whole_norms`).
     """
 
     def __init__(
@@ -169,6 +185,7 @@ class LARS(torch.optim.Optimizer):
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         eta: float = 0.001,
+        norms: Norms | None = None,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0 or eta <= 0:
             raise ValueError("LARS needs lr, momentum, weight_decay >= 0 and eta > 0")
@@ -176,6 +193,7 @@ class LARS(torch.optim.Optimizer):
             lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta, lars_exclude=False
         )
         super().__init__(params, defaults)
+        self.norms = norms or local_norms
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -189,7 +207,7 @@ class LARS(torch.optim.Optimizer):
                 g = p.grad
                 scale = group["lr"]
                 if not exclude:
-                    w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
+                    w_norm, g_norm = self.norms(p, g)
                     trust = group["eta"] * w_norm / (g_norm + wd * w_norm)
                     ok = (w_norm > 0) & (g_norm > 0)
                     scale = scale * torch.where(ok, trust, torch.ones_like(trust))

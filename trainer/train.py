@@ -70,7 +70,12 @@ from datastore.sources.options import ServiceOptions
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.comm import all_gather, all_reduce_sum
 from trainer.config import ConfigError, TrainConfig
-from trainer.dense import own_optimizer_state, whole_model_state, whole_optimizer_state
+from trainer.dense import (
+    own_optimizer_state,
+    whole_model_state,
+    whole_norms,
+    whole_optimizer_state,
+)
 from trainer.dist_models import DistLayers
 from trainer.grid import ProcessGrid
 from trainer.lion_cub import LionCub
@@ -107,12 +112,14 @@ def build_optimizer(
     cfg: TrainConfig, model: nn.Module, grid: ProcessGrid | None = None
 ) -> torch.optim.Optimizer:
     """``cfg.optimizer`` over ``model``'s parameters: ``sgd`` (with ``cfg.momentum``), ``adam``,
-    ``lars`` (biases and norms excluded), ``lion``, or ``lion_cub`` (plain Lion without a grid)."""
+    ``lars`` (biases and norms excluded; a split weight's trust ratio from its whole norms),
+    ``lion``, or ``lion_cub`` (plain Lion without a grid)."""
     params, lr, wd = model.parameters(), cfg.lr, cfg.weight_decay
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
     if cfg.optimizer == "lars":
-        return LARS(split_decay_groups(model, wd), lr=lr, momentum=cfg.momentum)
+        groups = split_decay_groups(model, wd)
+        return LARS(groups, lr=lr, momentum=cfg.momentum, norms=whole_norms(model))
     if cfg.optimizer == "lion" or (cfg.optimizer == "lion_cub" and grid is None):
         return Lion(params, lr=lr, weight_decay=wd)
     if cfg.optimizer == "lion_cub":

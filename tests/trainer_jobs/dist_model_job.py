@@ -5,7 +5,9 @@ For every grid in CASES that fits N ranks: CosmoFlow's output and every paramete
 after ``GradientReducer`` (head not spatially partial; the first dense layer's weight split by
 columns, compared with the reference's columns), its state gathered whole and loaded back, and
 a small U-Net (BatchNorm over the
-world, transposed convolution) output block and gradients, for two steps of SGD. Rank 0 writes
+world, transposed convolution) output block and gradients, for two steps of SGD and a third of
+the trainer's LARS (whose trust ratio takes the split weight's whole norms), and the parameters
+after it. Rank 0 writes
 the worst errors over all ranks as JSON ``{case: {check: value}}``.
 
 With DEVICE ``cuda`` the split models run on the GPU (every rank on GPU 0 over gloo: messages
@@ -25,11 +27,13 @@ import torch.distributed as dist
 from torch import nn
 
 from datastore.maths.partition import Grid, block_bounds
+from trainer.config import TrainConfig
 from trainer.dense import DistFlattenLinear, whole_model_state
 from trainer.dist_models import DistLayers
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.models import CosmoFlow, TorchLayers, UNet3D
 from trainer.reduce import GradientReducer
+from trainer.train import build_optimizer
 
 F64 = torch.float64
 SIDE, C_IN, N_LOCAL = 8, 2, 2
@@ -91,9 +95,10 @@ def check_case(pg: ProcessGrid, device: torch.device) -> dict[str, float]:
         assert [p.shape for p, _ in pairs] == [mine_of(p, r).shape for p, r in pairs]
         out[f"{name} init"] = max(max_err(p.cpu(), mine_of(p, r)) for p, r in pairs)
         reducer = GradientReducer(model, pg, spatially_partial=layers.spatially_partial())
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(2):
+        sgd = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = TrainConfig(data="-", optimizer="lars", lr=100.0, weight_decay=0.01)
+        lars = build_optimizer(cfg, ref), build_optimizer(cfg, model, pg)
+        for step, (ref_opt, opt) in enumerate((sgd, sgd, lars)):
             ref_opt.zero_grad()
             opt.zero_grad()
             ref_out = ref(x)
@@ -112,6 +117,7 @@ def check_case(pg: ProcessGrid, device: torch.device) -> dict[str, float]:
             )
             ref_opt.step()
             opt.step()
+        out[f"{name} params after lars"] = max(max_err(p.cpu(), mine_of(p, r)) for p, r in pairs)
         reducer.remove()
         # A checkpoint holds the whole model's parameters (the split weight gathered), and
         # loading it into a fresh split model gives this rank's columns back.
