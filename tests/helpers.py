@@ -252,13 +252,15 @@ def stage_sharded(
 
 
 @contextmanager
-def serving(tmp: Path, env: dict[str, str], *args: str) -> Iterator[Path]:
+def serving(tmp: Path, env: dict[str, str], *args: str, log: Path | None = None) -> Iterator[Path]:
     """A fresh ``datastore serve --socket TMP/ds.sock ARGS`` (its state under ``tmp``) for the
-    block, its socket path yielded once it is there; terminated after the block."""
+    block, its socket path yielded once it is there; terminated after the block. ``log``: the
+    file its log (stderr) goes to (default: discarded)."""
     sock = tmp / "ds.sock"
     env = {**env, "XDG_STATE_HOME": str(tmp / "state")}
     cmd = [sys.executable, "-m", "datastore", "serve", "--socket", str(sock), *args]
-    service = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    with open(log or os.devnull, "w") as err:
+        service = subprocess.Popen(cmd, env=env, stderr=err)
     try:
         deadline = time.monotonic() + 30
         while not sock.exists():

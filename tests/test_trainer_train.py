@@ -130,15 +130,19 @@ def test_data_errors_name_their_keys(tiny, tmp_path, capsys):
         assert err.startswith(f"trainer: {message}") and err.count("\n") == 1, (sets, err)
 
 
-def test_a_service_without_room_for_the_ring_still_trains_the_job(tiny, tmp_path, capsys):
+def test_a_service_without_room_for_the_ring_still_trains_the_job(tiny, tmp_path, capfd):
     """A service without room for the job's shared-memory ring refused it: a 30-line
     traceback and exit 1, then one line and exit 1; the trainer leaves the transport to the
-    service, which now streams such a job inline (its 3 inline batches of 32,816 bytes fit the
-    128 KiB budget; its ring, 6 of them, does not)."""
-    with serving(tmp_path, job_env(), "--memory-budget", "128K") as sock:
+    service, which now streams such a job inline. Under a budget of 200,000 bytes the
+    training and validation loaders' inline rings (3 batches of 32,816 bytes each: 196,896
+    together) fit, the shared-memory ring (6 of them, 196,896) beside the resident dataset
+    does not."""
+    log = tmp_path / "serve.log"
+    with serving(tmp_path, job_env(), "--memory-budget", "200000", log=log) as sock:
         sets = [f"data={tiny}", "width=2", "steps=2", "global_batch=4", f"data_address={sock}"]
         assert main(["train", *(a for s in sets for a in ("--set", s))]) == 0
-    assert capsys.readouterr().err == ""
+    assert capfd.readouterr().err == ""
+    assert log.read_text().count('"streaming_inline"') == 2  # (once a session)
 
 
 def test_output_paths_are_refused_before_training(tiny, tmp_path, capsys):
