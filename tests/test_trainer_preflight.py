@@ -221,6 +221,13 @@ def test_a_split_that_fits_on_each_rank_is_not_refused():
         check_memory("cosmoflow", 2, 3, whole, "sgd", 0, "cuda:0", fits - 1, None, on_rank=on_rank)
     with pytest.raises(ValueError, match="free on cuda:0"):  # the whole model would not fit
         check_memory("cosmoflow", 2, 3, whole, "sgd", 0, "cuda:0", fits, None)
+    # several ranks: the reducer's buckets are one more copy of the gradients
+    check_memory("cosmoflow", 2, 3, whole, "sgd", 0, "cuda:0", fits * 3 // 2, None,
+                 on_rank=on_rank, buckets=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"no sgd state and the gradient reducer's buckets "
+                       r"\(4 bytes each\) training needs"):  # fmt: skip
+        check_memory("cosmoflow", 2, 3, whole, "sgd", 0, "cuda:0", fits * 3 // 2 - 1, None,
+                     on_rank=on_rank, buckets=True)  # fmt: skip
 
 
 def test_the_host_memory_is_what_the_loader_sees(monkeypatch):

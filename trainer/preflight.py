@@ -242,19 +242,21 @@ def check_memory(
     device_memory: int | None,
     host_memory: int | None,
     on_rank: int | None = None,
+    buckets: bool = False,
 ) -> None:
     """Refuse a model whose parameters on a rank (``on_rank``, :func:`rank_parameters`; default
-    ``params``), their gradients and ``copies`` optimizer state copies (``PARAMETER_BYTES`` each)
-    exceed ``device_memory``, the memory of ``device`` (``"cpu"``: the host's available memory),
-    or, on a GPU, whose parameters alone (``params``, all of them: the split layers are drawn
-    whole first) exceed ``host_memory`` (the model is built on the CPU, then moved). ``None``:
-    unknown, not checked.
+    ``params``), their gradients, ``copies`` optimizer state copies and, with ``buckets``, the
+    gradient reducer's flat copy of the gradients (a job of several ranks:
+    ``trainer.reduce.GradientReducer``), ``PARAMETER_BYTES`` each, exceed ``device_memory``,
+    the memory of ``device`` (``"cpu"``: the host's available memory), or, on a GPU, whose
+    parameters alone (``params``, all of them: the split layers are drawn whole first) exceed
+    ``host_memory`` (the model is built on the CPU, then moved). ``None``: unknown, not checked.
 
     Raises:
         ValueError: naming the config keys, the estimate and the memory.
     """
     on_rank = params if on_rank is None else on_rank
-    need = on_rank * (2 + copies) * PARAMETER_BYTES
+    need = on_rank * (2 + copies + buckets) * PARAMETER_BYTES
     keys = "config keys 'width', 'conv_blocks', 'model'"
     this = f"a {model} of width {width} with {depth} poolings has {_count(params)} parameters"
     if on_rank != params:
@@ -262,6 +264,8 @@ def check_memory(
     state = f"no {optimizer} state"
     if copies:
         state = f"{optimizer}'s {copies} state cop{'y' if copies == 1 else 'ies'}"
+    if buckets:
+        state += " and the gradient reducer's buckets"
     fix = "choose a smaller width or fewer conv_blocks"
     if device_memory is not None and need > device_memory:
         where = "available on the host" if device == "cpu" else f"free on {device}"

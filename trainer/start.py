@@ -211,6 +211,7 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
         str(device),
         *memory_of(device),
         on_rank=on_rank,
+        buckets=world > 1,
     )
     data_ranks = check_world(world, cfg.spatial_parts)
     if cfg.global_batch % data_ranks:
