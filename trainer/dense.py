@@ -107,6 +107,10 @@ class DistFlattenLinear(nn.Module):
         self.channels, self.whole = channels, tuple(whole)
         self.in_features, self.out_features = channels * math.prod(whole), out_features
         self.blocks = Grid(self.whole, tuple(grid.parts))  # refuses parts > whole, naming them
+        self.expected = [  # every spatial rank's block, as its input must come
+            tuple(s.stop - s.start for s in block_bounds(self.blocks, r))
+            for r in range(self.blocks.nblocks)
+        ]
         full = nn.Linear(self.in_features, out_features)
         cols = self.columns(grid.spatial_rank)
         self.weight = nn.Parameter(full.weight.detach()[:, cols].clone())
@@ -125,11 +129,7 @@ class DistFlattenLinear(nn.Module):
     def _check(self, x: torch.Tensor) -> None:
         """Every rank's block is the one its columns belong to (one all-gather the first
         time a shape is seen, so every rank raises alike)."""
-        shapes = block_shapes(x, self.grid)
-        want = [
-            tuple(s.stop - s.start for s in block_bounds(self.blocks, r))
-            for r in range(len(shapes))
-        ]
+        shapes, want = block_shapes(x, self.grid), self.expected
         if x.dim() != len(self.whole) + 2 or x.shape[1] != self.channels or shapes != want:
             raise ValueError(
                 f"DistFlattenLinear over a ({self.channels}, {self.whole}) volume split "
@@ -176,6 +176,11 @@ def _split(model: nn.Module) -> dict[str, DistFlattenLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, DistFlattenLinear)}
 
 
+def _owners(model: nn.Module) -> dict[int, DistFlattenLinear]:
+    """``id(weight)`` -> its layer, for every split weight of ``model``."""
+    return {id(m.weight): m for m in _split(model).values()}
+
+
 def whole_model_state(model: nn.Module) -> dict[str, Any]:
     """``model.state_dict()`` with every :class:`DistFlattenLinear`'s whole weight.
     Collective over each such layer's spatial group: call it on every rank."""
@@ -190,7 +195,7 @@ def whole_norms(model: nn.Module) -> Norms:
     parameter and its gradient, of the whole weight for a :class:`DistFlattenLinear`'s columns
     (one all-reduce of the two squared norms over its spatial group: every rank of the group
     asks for them in the same order, as an optimizer's step does)."""
-    owner = {id(m.weight): m for m in _split(model).values()}
+    owner = _owners(model)
 
     def norms(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = owner.get(id(w))
@@ -206,7 +211,7 @@ def whole_norms(model: nn.Module) -> Norms:
 
 def _sharded(model: nn.Module, opt: torch.optim.Optimizer) -> dict[int, DistFlattenLinear]:
     """Optimizer state index -> the layer, for every split weight among ``opt``'s parameters."""
-    owner = {id(m.weight): m for m in _split(model).values()}
+    owner = _owners(model)
     params = [p for group in opt.param_groups for p in group["params"]]
     return {i: owner[id(p)] for i, p in enumerate(params) if id(p) in owner}
 

@@ -32,6 +32,7 @@ from h5py import h5t, h5z
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.npyfile import RawArray, file_stamp
 from datastore.readers.registry import LAYOUTS, Format, register, resolve_paths
+from staging.confine import opened_path
 
 if TYPE_CHECKING:
     from datastore.readers.spec import DatasetSpec
@@ -401,7 +402,7 @@ class _FileCache:
         f = _open_file(path)
         if self.confine is not None:
             try:
-                self.confine(os.readlink(f"/proc/self/fd/{f.id.get_vfd_handle()}"))
+                self.confine(opened_path(f.id.get_vfd_handle()))
             except BaseException:
                 f.close()
                 raise

@@ -25,6 +25,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from staging.confine import opened_path
 from staging.directio import PositionedReader
 
 __all__ = [
@@ -36,7 +37,6 @@ __all__ = [
     "locate_npy",
     "locate_npz",
     "npy_in_buffer",
-    "opened_path",
 ]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra length
@@ -77,11 +77,6 @@ def check_stamp(fd: int, path: str, stamp: tuple[int, int, int, int] | None) -> 
             f"{path} changed since the dataset was opened (replaced or rewritten): "
             "open it again to read the new data"
         )
-
-
-def opened_path(fd: int) -> str:
-    """The file open as ``fd``, links resolved."""
-    return os.readlink(f"/proc/self/fd/{fd}")
 
 
 def file_stamp(fd: int) -> tuple[int, int, int, int]:
