@@ -59,7 +59,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import signal
 import subprocess
@@ -220,14 +219,16 @@ def _write_tree(root: Path, files: int = 40, size: int = 256 << 10) -> None:
         (sub / f"f{i:03d}.bin").write_bytes(rng.bytes(size))
 
 
-def _stage(src: Path, dest: Path, env: dict[str, str], *extra: str, **kw: Any):
-    cmd = [sys.executable, "-m", "datastore", "stage", str(src), "--to", str(dest), "-q", *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
+def _stage(src: Path, dest: Path, env: dict[str, str], *extra: str, wrap: tuple = ()):
+    cmd = [*wrap, sys.executable, "-m", "datastore", "stage", str(src), "--to", str(dest), "-q"]
+    out = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE}
+    return subprocess.Popen([*cmd, *extra], env=env, **out)
 
 
-def _limit_file_size() -> None:
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100 << 10, 100 << 10))
+# files of at most 100 KiB: a write past it fails with EFBIG (SIGXFSZ ignored). coreutils' env
+# and util-linux's prlimit set them before the exec; a preexec_fn would fork this process, whose
+# gRPC threads' fork handlers can kill the child
+FULL_DISK = ("env", "--ignore-signal=XFSZ", "prlimit", f"--fsize={100 << 10}")
 
 
 def _stage_round(k: int, src: Path, root: Path, env: dict[str, str], rng: random.Random):
@@ -240,7 +241,7 @@ def _stage_round(k: int, src: Path, root: Path, env: dict[str, str], rng: random
     p.wait()
     out["resumed"] = _stage(src, killed, env).wait(120)
     full = root / f"dest-full-{k}"
-    p = _stage(src, full, env, preexec_fn=_limit_file_size)
+    p = _stage(src, full, env, wrap=FULL_DISK)
     out["full_disk_exit"] = p.wait(120)
     big = [f for f in full.rglob("*.bin") if f.stat().st_size != 256 << 10]
     out["partial_files"] = len(big)

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -338,8 +337,10 @@ def run_job(cmd: list[str], out: Path, timeout: float = 300) -> dict:
     return json.loads(Path(out).read_text())
 
 
-def ctrl_c_heard() -> None:
-    """(``preexec_fn``: in the child, before exec) SIGINT as a terminal delivers it: a run
-    started in the background (``cmd &`` without job control, as a CI job may run the tests)
-    inherits it ignored, and Python then ignores it too."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def ctrl_c_heard(cmd: list) -> list:
+    """``cmd`` run so that it hears SIGINT as from a terminal: a run started in the background
+    (``cmd &`` without job control, as a CI job may run the tests) inherits it ignored, and
+    Python then ignores it too. coreutils' ``env --default-signal`` resets it before the exec;
+    a ``preexec_fn`` cannot: it makes Popen fork (not vfork) the test process, and gRPC's fork
+    handlers in a process with gRPC threads killed the child (SIGABRT, SIGSEGV) before its exec."""
+    return ["env", "--default-signal=INT", *cmd]

@@ -100,9 +100,12 @@ def test_ctrl_c_ends_a_training_with_one_line_and_130(tmp_path):
            "--set", "epochs=1000", "--set", "log_every=1", "--set",
            f"checkpoint_dir={tmp_path}/run", "--set", f"log_file={log}"]  # fmt: skip
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=job_env(),
-        preexec_fn=ctrl_c_heard,  # (a test run in the background ignores SIGINT)
-    )  # fmt: skip
+        ctrl_c_heard(cmd),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=job_env(),
+    )  # (a test run in the background ignores SIGINT)
     try:
         deadline = time.monotonic() + 120
         while not (log.exists() and '"loss"' in log.read_text()):  # training: a step logged

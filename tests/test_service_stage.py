@@ -401,16 +401,15 @@ def test_ctrl_c_cancels_the_stage_on_the_service(service, root, env):
     slow_file(src / "huge", 2 << 30)  # reads fast, takes seconds to write
     dest = root / "data" / "ctrl-c-dst"
     client = subprocess.Popen(
-        [
+        ctrl_c_heard([
             *(sys.executable, "-m", "datastore", "stage", src, "--to", dest),
             *("--streams", "1", "--progress-json", f"--service={sock}"),
-        ],
+        ]),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=ctrl_c_heard,
-    )
+    )  # fmt: skip
     first = json.loads(client.stdout.readline())
     assert first == {"event": "progress", "bytes_done": 0, "bytes_total": 2 << 30}
     client.send_signal(signal.SIGINT)

@@ -1229,7 +1229,7 @@ def test_ctrl_c_stops_the_copy_at_once_and_places_nothing_unfinished(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.Popen(
-        [*cmd, "--checksum", "blake2b"], env=env, preexec_fn=ctrl_c_heard,
+        ctrl_c_heard([*cmd, "--checksum", "blake2b"]), env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -1237,7 +1237,8 @@ def test_ctrl_c_stops_the_copy_at_once_and_places_nothing_unfinished(tmp_path):
         while not any(
             len(p.read_text().splitlines()) > 1 for p in dest.glob(f"{META}/tmp/*/*.leaves")
         ):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            assert proc.poll() is None, (proc.returncode, proc.stderr.read())
+            assert time.monotonic() < deadline, "no leaf copied in 60 s"
             time.sleep(0.01)  # until a first leaf is copied
         proc.send_signal(signal.SIGINT)
         sent = time.monotonic()
