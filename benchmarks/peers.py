@@ -46,9 +46,10 @@ flight and message sizes, :class:`datastore.service.peer_stats.ExchangeStats`). 
 of either service was in flight during the timed epochs (request sent to last byte in), and
 **per epoch time** = the same bytes / the timed wall time (in which batches are also filled
 and read). Right after each ``mpi`` job, two fresh ``mpiexec -n 2`` ranks
-(``benchmarks/peers_link.py``) replay that job's fetches, ``LINK_REPS`` times each way,
-alternating, in the same two processes: **bare** mpi4py (each fetch's messages, of the sizes
-the services sent, into contiguous buffers), **typed** (bare mpi4py moving each sample's part
+(``benchmarks/peers_link.py``) replay that job's fetches, ``LINK_REPS`` times each way
+(``LINK_PASSES`` passes over them a replay), alternating, in the same two processes:
+**bare** mpi4py (each fetch's messages, of the sizes the services sent, into contiguous
+buffers), **typed** (bare mpi4py moving each sample's part
 from the owner's resident sample into the asker's batch slot amid its halo, a subarray
 datatype on each side: the same job as the link, done the MPI way) and **the link** (each
 rank builds what ``datastore serve`` builds on an
@@ -123,6 +124,9 @@ LAYOUT_VERSION = 1
 BARE = {"mpi": "bare mpi4py", "grpc": "bare TCP sockets"}  # each link's bare peer
 INTO = {"mpi": "typed into the slots", "grpc": "copied into the slots"}  # ...doing its job
 LINK_REPS = 3  # replays each of the bare transfers and the link, after each mpi and grpc job
+# passes over the job's fetches in one replay: one pass took 50 ms (MPI whole), as short as the
+# scheduler's and the barrier's jitter, and each replay paid the pipeline's fill and drain
+LINK_PASSES = 4
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TOKEN = "peers-benchmark"
@@ -431,10 +435,12 @@ def run_link(
     fetches: list[list[list[int]]], layout: str, template: str, store: Store
 ) -> dict[str, list[float]]:
     """GB/s of bare transfers and of the services' link (``benchmarks/peers_link.py``),
-    ``LINK_REPS`` replays each of ``fetches`` (node k's fetches, each its message sizes)
-    alternating in the same two fresh processes: both directions' bytes / time, per replay.
+    ``LINK_REPS`` replays each of ``fetches`` (node k's fetches, each its message sizes; a
+    replay goes over them ``LINK_PASSES`` times) alternating in the same two fresh processes:
+    both directions' bytes / time, per replay.
     Over MPI (``store.kind == "mpi"``): two ``mpiexec`` ranks, bare mpi4py (and typed);
     over gRPC: two plain processes, bare TCP sockets."""
+    fetches = [node * LINK_PASSES for node in fetches]
     spec = {
         "via": store.kind,
         "fetches": fetches,
@@ -846,7 +852,8 @@ def report(args: argparse.Namespace, jobs: dict[tuple[str, str], Job], notes: li
             "bytes / the timed epochs' wall time. The bare transfers and the link beside them: "
             "two fresh processes, each building its node's service (over MPI without its gRPC "
             "server; over gRPC its TCP server and data listener, no Unix socket), replaying the "
-            f"same fetches {LINK_REPS} times each, alternating. Over MPI, bare mpi4py sends each "
+            f"same fetches {LINK_REPS} times each ({LINK_PASSES} passes over them a time), "
+            "alternating. Over MPI, bare mpi4py sends each "
             "fetch's messages into contiguous buffers, and typed into the slots sends each "
             "sample's part from the resident sample into the batch slot amid its halo, a "
             "subarray datatype on each side (the MPI idiom for a block amid its halo). Over "
