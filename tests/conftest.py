@@ -22,6 +22,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # ("uct_iface_open(tcp/dsv14491a) failed: No such device"). The suite's mpiexec jobs run on
 # this host: loopback only (the Slurm jobs use MPICH's OFI netmod, which this leaves alone).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# Tests fork this process (fork Pools, forked gloo ranks); gRPC's fork handlers, with another
+# test's gRPC threads still calling into it, killed such children (SIGSEGV, SIGABRT: 70 of 300
+# forks here; CI lost a stage run that way). Before anything imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import helpers
