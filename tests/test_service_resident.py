@@ -289,6 +289,41 @@ def test_hdf5_files_naming_files_outside_the_allowed_roots_are_refused(tmp_path)
         residency.close()
 
 
+def test_virtual_sources_are_looked_for_where_hdf5_looks(tmp_path, monkeypatch):
+    """HDF5 looks for a virtual dataset's source in the file's directory, then in the working
+    directory (an absolute name that is not there: its last component). A relative source
+    beside the file was refused when the service's working directory lay outside ``--allow``
+    (``reads '.../out/source.h5'``, not there); an absolute one not there, its name in the
+    working directory outside, was served from there."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    root.mkdir()
+    out.mkdir()
+    make_dataset(root / "source.h5", 1)
+    make_dataset(out / "stray.h5", 2)
+    for name, source in (("beside.h5", "source.h5"), ("gone.h5", str(root / "no" / "stray.h5"))):
+        with h5py.File(root / name, "w") as f:
+            layout = h5py.VirtualLayout((SAMPLES, 4, 4, 4), np.float32)
+            layout[:] = h5py.VirtualSource(source, "x", shape=(SAMPLES, 4, 4, 4))
+            f.create_virtual_dataset("x", layout)
+    monkeypatch.chdir(out)
+    residency = Residency(threads=1, roots=(root,))
+    try:
+        r = residency.load(str(root / "beside.h5"))
+        assert r.wait(30) and r.load_error == ""
+        with h5py.File(root / "source.h5") as f:
+            want = f["x"][:]
+        assert np.array_equal(np.stack([r.sample(i, "x") for i in range(SAMPLES)]), want)
+        with pytest.raises(ServiceError) as err:
+            residency.load(str(root / "gone.h5"))
+        assert (err.value.code, str(err.value)) == (
+            "PERMISSION_DENIED",
+            f"{str(root / 'gone.h5')!r} reads {str(out / 'stray.h5')!r} (named in its files), "
+            f"outside the allowed roots ({root})",
+        )
+    finally:
+        residency.close()
+
+
 def test_directory_datasets_with_entries_linked_out_of_the_roots_are_refused(tmp_path):
     """A Zarr store's chunk, or its array's directory, or an LMDB environment's ``data.mdb``
     linked out of ``--allow`` was served (42.0, the outside file's values)."""

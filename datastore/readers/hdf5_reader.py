@@ -630,16 +630,33 @@ def reached_files(ds: h5py.Dataset, path: str) -> list[str]:
     """The files besides ``path`` that reading ``ds`` (a dataset got from the file at
     ``path``) opens: the file an external link led to, external raw storage, a virtual
     dataset's sources. A relative name is given as each place HDF5 may look for it (the
-    file's directory, the working directory)."""
+    file's directory, the working directory; a virtual source's: ``_source_places``)."""
     own = ds.file.filename
     out = [] if _same_file(own, path) else [own]
     for name, _, _ in ds.external or ():
         out += _places(os.fsdecode(name), own)
     if ds.is_virtual:
         out += [
-            f for m in ds.virtual_sources() if m.file_name != "." for f in _places(m.file_name, own)
+            f
+            for m in ds.virtual_sources()
+            if m.file_name != "."
+            for f in _source_places(m.file_name, own)
         ]
     return out
+
+
+def _source_places(name: str, own: str) -> list[str]:
+    """The places HDF5 looks for the virtual dataset source ``name`` of the file ``own``, in
+    its order, up to the first that is there (it opens that one): ``name`` itself if absolute,
+    then ``name`` (its last component, if absolute) in ``own``'s directory, then in the
+    working directory (``H5Pset_virtual_prefix``)."""
+    tail = os.path.basename(name) if os.path.isabs(name) else name
+    places = [name] if os.path.isabs(name) else []
+    places += [os.path.join(os.path.dirname(os.path.abspath(own)), tail), os.path.abspath(tail)]
+    for k, place in enumerate(places):
+        if os.path.exists(place):
+            return places[: k + 1]
+    return places
 
 
 def _places(name: str, own: str) -> list[str]:
