@@ -364,6 +364,36 @@ def test_directory_datasets_with_entries_linked_out_of_the_roots_are_refused(tmp
         residency.close()
 
 
+@pytest.mark.parametrize("zarr_format, meta", [(3, "zarr.json"), (2, ".zarray")])
+def test_a_zarr_array_directory_linked_in_the_roots_with_its_metadata_linked_out_is_refused(
+    tmp_path, zarr_format, meta
+):
+    """A store's array directory linked to one in ``--allow`` whose metadata file links out:
+    the links beneath the linked directory went unchecked, and the outside file's metadata was
+    shown (1000 samples of float64 (4,) for a store of 8 of float32), then reading it failed
+    ``DATA_LOSS``. A link back to a directory already walked is walked once."""
+    import zarr
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d, n, dtype in ((root, 8, "f4"), (out, 1000, "f8")):
+        g = zarr.open_group(d / "s.zarr", mode="w", zarr_format=zarr_format)
+        g.create_array("x", shape=(n, 4), chunks=(4, 4), dtype=dtype)[:] = 1
+    (root / "s.zarr" / "x").rename(root / "x")
+    (root / "s.zarr" / "x").symlink_to(root / "x")
+    (root / "x" / "back").symlink_to(root / "s.zarr")
+    linked = root / "x" / meta
+    linked.unlink()
+    linked.symlink_to(out / "s.zarr" / "x" / meta)
+    store = str(root / "s.zarr")
+    with pytest.raises(ServiceError) as err:
+        resident._reader(store, (root,))
+    assert (err.value.code, str(err.value)) == (
+        "PERMISSION_DENIED",
+        f"{store!r} reads {str(out / 's.zarr' / 'x' / meta)!r} "
+        f"(through {store + '/x/' + meta!r}), outside the allowed roots ({root})",
+    )
+
+
 def test_only_the_links_beneath_a_directory_dataset_are_resolved(tmp_path):
     """Every entry of a Zarr store was resolved at each load under ``--allow`` (3.4 s for a
     store of 4,160 chunks); only a link can lead out of the store's directory."""
@@ -378,7 +408,7 @@ def test_only_the_links_beneath_a_directory_dataset_are_resolved(tmp_path):
     chunk.unlink()
     chunk.symlink_to(out / "s.zarr/x/c/3/0")
     store = str(root / "s.zarr")
-    assert resident._within([store]) == [store, str(chunk)]
+    assert resident._within([store], (root,)) == [store, str(chunk)]
     with pytest.raises(ServiceError) as err:
         resident._reader(store, (root,))
     assert (err.value.code, str(err.value)) == (

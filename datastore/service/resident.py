@@ -359,7 +359,7 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
     except OSError as exc:
         raise ServiceError("NOT_FOUND", f"cannot open {path!r}: {exc}") from exc
     if roots:
-        real = {f: os.path.realpath(f) for f in _within(reader.files)}
+        real = {f: os.path.realpath(f) for f in _within(reader.files, roots)}
         outside = [f for f, r in real.items() if not beneath(r, roots)]
         if outside:
             reader.close()
@@ -378,30 +378,36 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
     return reader
 
 
-def _within(files: list[str]) -> list[str]:
+def _within(files: list[str], roots: tuple[Path, ...]) -> list[str]:
     """``files`` and, of a directory among them (a Zarr store, an LMDB environment), every
-    link beneath it, not followed: a chunk or ``data.mdb`` linked out of the roots was served,
-    and the open reads metadata (an array's ``zarr.json``, LMDB's ``__meta__``) unchecked.
-    Nothing else beneath a directory resolves out of it (resolving every entry of a store of
-    4,160 chunks took 3.4 s of each load)."""
+    link beneath it: a chunk or ``data.mdb`` linked out of the roots was served, and the open
+    reads metadata (an array's ``zarr.json``, LMDB's ``__meta__``) unchecked. Nothing else
+    beneath a directory resolves out of it (resolving every entry of a store of 4,160 chunks
+    took 3.4 s of each load)."""
     out = []
     for f in files:
         out.append(f)
         if os.path.isdir(f):
-            out += _links(f)
+            out += _links(f, roots)
     return out
 
 
-def _links(top: str) -> list[str]:
-    """The symbolic links beneath the directory ``top``, links not followed (an unreadable
-    directory is skipped, as ``os.walk`` does)."""
-    found, todo = [], [top]
+def _links(top: str, roots: tuple[Path, ...]) -> list[str]:
+    """The symbolic links beneath the directory ``top``, and beneath each directory linked
+    there that lies in ``roots``, each directory once (an array's directory linked to one in
+    the roots whose ``zarr.json`` linked out: the outside file's shape and dtype were shown).
+    An unreadable directory is skipped, as ``os.walk`` does."""
+    found, todo, seen = [], [top], {os.path.realpath(top)}
     while todo:
         try:
             with os.scandir(todo.pop()) as entries:
                 for e in entries:
                     if e.is_symlink():
                         found.append(e.path)
+                        real = os.path.realpath(e.path) if e.is_dir() else None
+                        if real is not None and real not in seen and beneath(real, roots):
+                            seen.add(real)
+                            todo.append(e.path)
                     elif e.is_dir(follow_symlinks=False):
                         todo.append(e.path)
         except OSError:
