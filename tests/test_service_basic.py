@@ -292,6 +292,30 @@ def test_tcp_needs_the_token_on_every_call(start, tmp_path, env):
     assert s.proc.wait(10) == 0 and not sock.exists()
 
 
+@pytest.mark.parametrize(
+    ("budget", "why"),
+    [
+        ("-5G", "must be >= 1, got '-5G'"),
+        ("-.5G", "must be >= 1, got '-.5G'"),
+        ("0.5", "must be >= 1, got '0.5'"),
+        ("5Q", "must be bytes or a size like '512M' or '64G', got '5Q'"),
+        ("nan", "must be a finite size like '512M' or '64G', got 'nan'"),
+        ("1.5", "must be whole bytes or a size like '1.5G', got '1.5'"),
+    ],
+)
+def test_a_bad_memory_budget_is_one_line_naming_it_and_exit_2(tmp_path, capsys, budget, why):
+    """argparse's usage (11 lines) came above the error: a size is checked where serve's other
+    options are, as ``datastore plan --memory-per-node -5G`` does."""
+    from datastore.cli import main
+
+    assert main(["serve", "--socket", str(tmp_path / "s.sock"), "--memory-budget", budget]) == 2
+    units = "a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
+    assert capsys.readouterr().err == (
+        f"datastore serve: --memory-budget {why} ({units}; leave it out for no limit)\n"
+    )
+    assert not (tmp_path / "s.sock").exists()
+
+
 def test_tcp_without_token_file_is_refused(tmp_path, env):
     r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--tcp", "127.0.0.1:0", env=env)
     assert r.returncode == 2 and "--token-file" in r.stderr

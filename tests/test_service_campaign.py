@@ -962,7 +962,7 @@ def test_a_stream_cut_by_sigterm_ends_aborted_naming_the_shutdown(start, tmp_pat
         (["--tcp", "127.0.0.1:abc"], "--tcp wants HOST:PORT"),
         (["--metrics", "127.0.0.1:99999"], "--metrics: the port must be 0..65535"),
         (["--metrics", "127.0.0.1:-1"], "--metrics wants HOST:PORT"),
-        (["--memory-budget", "0"], "--memory-budget: '0' is 0 bytes: give 1 byte or more"),
+        (["--memory-budget", "0"], "--memory-budget must be >= 1, got '0'"),
     ],
     ids=["tcp-over-65535", "tcp-not-a-number", "metrics-over-65535", "metrics-negative",
          "budget-0"],
@@ -1040,26 +1040,23 @@ UNITS = "(a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
 @pytest.mark.parametrize(
     "size, said",
     [
-        ("0.5", f"size must be whole bytes or a size like '1.5G', got '0.5' {UNITS})"),
-        ("0", f"'0' is 0 bytes: give 1 byte or more {UNITS}; leave it out for no limit)"),
+        ("0.5", f"--memory-budget must be >= 1, got '0.5' {UNITS}; leave it out for no limit)"),
+        ("0", f"--memory-budget must be >= 1, got '0' {UNITS}; leave it out for no limit)"),
         ("0.5K", 512),
         ("2G", 2 << 30),
     ],
 )
-def test_a_memory_budget_under_a_byte_names_what_was_given_and_the_units(size, said, capsys):
+def test_a_memory_budget_under_a_byte_names_what_was_given_and_the_units(size, said):
     """``--memory-budget 0.5`` was refused as "must be more than 0 bytes, got 0": neither
     the 0.5 given nor the units (a plain number is bytes) were said."""
-    from datastore.cli import parser
+    from datastore.service.cli import parse_bytes
 
-    argv = ["serve", "--memory-budget", size]
     if isinstance(said, int):
-        assert parser().parse_args(argv).memory_budget == said
+        assert parse_bytes(size, "--memory-budget") == said
         return
-    with pytest.raises(SystemExit) as stopped:
-        parser().parse_args(argv)
-    assert stopped.value.code == 2
-    last = capsys.readouterr().err.splitlines()[-1]
-    assert last == f"datastore serve: error: argument --memory-budget: {said}"
+    with pytest.raises(ValueError) as err:
+        parse_bytes(size, "--memory-budget")
+    assert str(err.value) == said
 
 
 def test_a_client_port_out_of_range_is_refused_not_wrapped(tmp_path, env):

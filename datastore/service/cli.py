@@ -149,7 +149,6 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--memory-budget",
-        type=parse_bytes,
         default=None,
         metavar="SIZE",
         help="memory for resident datasets, e.g. 64G (default: no limit); least recently used "
@@ -339,16 +338,13 @@ def _tcp(address: str) -> str:
     return address
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, option: str) -> int:
     """``"64G"`` -> bytes (K, M, G, T: powers of 1024; a plain number: whole bytes), at
-    least 1 (``0.5`` was 0 bytes, refused as "got 0")."""
-    units = "a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
+    least 1 (``0.5`` was 0 bytes, refused as "got 0"). Raises ``ValueError`` naming
+    ``option``: ``run_serve`` says it in one line (as an argparse type, argparse's usage
+    came above it)."""
     try:
-        size = parse_size(text, "size")
+        return parse_size(text, option, least=1)
     except ValueError as exc:  # (what is wrong with it: not a number, a fraction of a byte)
-        raise argparse.ArgumentTypeError(f"{exc} ({units})") from None
-    if size < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is {size} bytes: give 1 byte or more ({units}; leave it out for no limit)"
-        )
-    return size
+        units = "a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
+        raise ValueError(f"{exc} ({units}; leave it out for no limit)") from None
