@@ -172,6 +172,43 @@ def test_inline_streams_together_are_refused_over_the_memory_budget(tmp_path):
     residency.close()
 
 
+def test_an_inline_streams_budget_goes_back_at_its_end_not_its_sessions(tmp_path):
+    """Two clients, one inline stream each under a budget with room for one: the first
+    streamed a batch and stopped, keeping its session; its 192 bytes stayed counted until the
+    session closed, and the second's stream was refused ``RESOURCE_EXHAUSTED``. A stream
+    still open keeps its room; the first's next stream counts again."""
+    for i in range(4):
+        np.save(tmp_path / f"s{i}.npy", np.full((2, 4), i, np.float32))
+    residency = Residency(300, None)
+    sessions = Sessions(residency)
+    request = pb.OpenSessionRequest(dataset_path=str(tmp_path), global_batch=2)
+    a, b = sessions.open(request), sessions.open(request)
+    busy = "an inline stream's 3 batches of 64 bytes beside 192 bytes of other inline streams"
+
+    def stream(session):  # 3 inline batches of 2 samples: 192 bytes
+        return session.stream(pb.StreamBatchesRequest(session_id=session.session_id), False)
+
+    first = stream(a)
+    messages = first.messages()
+    assert next(messages)[1] == 64
+    with pytest.raises(ServiceError, match=busy):
+        stream(b)
+    messages.close()
+    a.release(first)  # the servicer's, as the stream ends (and once more from its callback)
+    a.release(first)
+    assert residency.inline_bytes == 0
+    second = stream(b)
+    assert residency.inline_bytes == 192
+    with pytest.raises(ServiceError, match=busy):
+        stream(a)
+    b.release(second)
+    stream(a)
+    assert residency.inline_bytes == 192
+    sessions.close_all()
+    assert residency.inline_bytes == 0
+    residency.close()
+
+
 def test_an_inline_stream_over_the_memory_available_is_refused_without_a_budget(
     tmp_path, monkeypatch
 ):

@@ -178,10 +178,22 @@ class Session:
             self.bytes_served += nbytes
 
     def release(self, s: Stream) -> None:
+        """End ``s`` (again: a no-op). An inline ring that no other stream uses ends with it,
+        and what it counted in the memory budget goes back: it was held until the session
+        closed, and a client that stopped its stream and kept its session had another's
+        refused ``RESOURCE_EXHAUSTED``. A shared-memory ring stays for the session: the client
+        may still read its slots, and the rank's next stream takes them over."""
         s.close()
         with self.lock:
             self.streams.discard(s)
             self.last_active = time.monotonic()
+            ring = s.ring
+            unused = ring.segment is None and all(o.ring is not ring for o in self.streams)
+            key = next((k for k, r in self.rings.items() if r is ring), None) if unused else None
+            if key is not None:
+                del self.rings[key]
+        if key is not None:
+            self._unbudget(ring.budgeted, False)
 
     def idle_s(self) -> float:
         with self.lock:
