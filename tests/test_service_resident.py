@@ -324,6 +324,42 @@ def test_virtual_sources_are_looked_for_where_hdf5_looks(tmp_path, monkeypatch):
         residency.close()
 
 
+def test_virtual_sources_under_hdf5_vds_prefix_or_the_resolved_files_directory(
+    tmp_path, monkeypatch
+):
+    """HDF5 also looks under ``HDF5_VDS_PREFIX`` (first) and in the directory of the file
+    with its links resolved (last): a source under the prefix outside ``--allow`` was served
+    (its -7.0), and one beside a linked file's target was refused for the working directory
+    HDF5 looked in before it (``reads '.../out/source.h5'``, not there)."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    (root / "real").mkdir(parents=True)
+    out.mkdir()
+    make_dataset(root / "real" / "source.h5", 1)
+    with h5py.File(root / "real" / "virtual.h5", "w") as f:
+        layout = h5py.VirtualLayout((SAMPLES, 4, 4, 4), np.float32)
+        layout[:] = h5py.VirtualSource("source.h5", "x", shape=(SAMPLES, 4, 4, 4))
+        f.create_virtual_dataset("x", layout)
+    (root / "virtual.h5").symlink_to(root / "real" / "virtual.h5")
+    monkeypatch.chdir(out)
+    residency = Residency(threads=1, roots=(root,))
+    try:
+        r = residency.load(str(root / "virtual.h5"))
+        assert r.wait(30) and r.load_error == ""
+        with h5py.File(root / "real" / "source.h5") as f:
+            assert np.array_equal(r.sample(3, "x"), f["x"][3])
+        make_dataset(out / "source.h5", 2)
+        monkeypatch.setenv("HDF5_VDS_PREFIX", str(out))
+        with pytest.raises(ServiceError) as err:
+            residency.load(str(root / "real" / "virtual.h5"))
+        assert (err.value.code, str(err.value)) == (
+            "PERMISSION_DENIED",
+            f"{str(root / 'real' / 'virtual.h5')!r} reads {str(out / 'source.h5')!r} (named in "
+            f"its files), outside the allowed roots ({root})",
+        )
+    finally:
+        residency.close()
+
+
 def test_directory_datasets_with_entries_linked_out_of_the_roots_are_refused(tmp_path):
     """A Zarr store's chunk, or its array's directory, or an LMDB environment's ``data.mdb``
     linked out of ``--allow`` was served (42.0, the outside file's values)."""

@@ -647,12 +647,22 @@ def reached_files(ds: h5py.Dataset, path: str) -> list[str]:
 
 def _source_places(name: str, own: str) -> list[str]:
     """The places HDF5 looks for the virtual dataset source ``name`` of the file ``own``, in
-    its order, up to the first that is there (it opens that one): ``name`` itself if absolute,
-    then ``name`` (its last component, if absolute) in ``own``'s directory, then in the
-    working directory (``H5Pset_virtual_prefix``)."""
+    its order, up to the first that is there (it opens that one): ``name`` itself if absolute;
+    then ``name`` (its last component, if absolute) under each directory of
+    ``HDF5_VDS_PREFIX`` and under the whole of it (a leading ``${ORIGIN}``: ``own``'s
+    directory), in ``own``'s directory, in the working directory, and in the directory of
+    ``own`` with its links resolved (``H5Pset_virtual_prefix``; HDF5's
+    ``H5F_prefix_open_file``)."""
     tail = os.path.basename(name) if os.path.isabs(name) else name
+    here = os.path.dirname(os.path.abspath(own))
     places = [name] if os.path.isabs(name) else []
-    places += [os.path.join(os.path.dirname(os.path.abspath(own)), tail), os.path.abspath(tail)]
+    prefix = os.environ.get("HDF5_VDS_PREFIX")
+    if prefix is not None:
+        places += [os.path.join(p, tail) for p in prefix.split(":") if p]
+        if prefix.startswith("${ORIGIN}"):
+            places.append(os.path.join(here + prefix.removeprefix("${ORIGIN}"), tail))
+    places += [os.path.join(here, tail), os.path.abspath(tail)]
+    places.append(os.path.join(os.path.dirname(os.path.realpath(own)), tail))
     for k, place in enumerate(places):
         if os.path.exists(place):
             return places[: k + 1]

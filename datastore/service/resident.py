@@ -430,9 +430,12 @@ def _expect(fields: tuple[Delivered, ...], n: int) -> tuple[tuple[int, int], ...
 
 def _confined(path: str, reached: str, roots: tuple[Path, ...]) -> None:
     """Refuse a file that the dataset at ``path`` reaches from inside its own (HDF5's external
-    links and storage, virtual datasets) when it lies outside ``roots``."""
+    links and storage, virtual datasets) when it lies outside ``roots``. A place that holds
+    nothing is passed (HDF5 looks on, and a file put there later changes the dataset's
+    files): a virtual source found beside the links-resolved file was refused for the
+    working directory HDF5 looked in first."""
     real = os.path.realpath(reached)
-    if not beneath(real, roots):
+    if not beneath(real, roots) and os.path.exists(real):
         raise ServiceError(
             "PERMISSION_DENIED", f"{path!r} reads {real!r} (named in its files), {_outside(roots)}"
         )
