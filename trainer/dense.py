@@ -13,8 +13,9 @@ replicated, so every rank gets the same output gradient: the sum's backward is t
 and its block's input gradient.
 
 A rank's columns and their optimizer state are its own: checkpoints hold the whole weight.
-:func:`whole_model_state` and :func:`whole_optimizer_state` gather it (collectives over the
-spatial group, on every rank), loading a whole weight takes this rank's columns
+:func:`whole_model_state` and :func:`whole_optimizer_state` gather it on the first rank of the
+spatial group, the one that writes (collectives over the spatial group, on every rank: the
+others send their columns and assemble nothing), loading a whole weight takes this rank's columns
 (:meth:`DistFlattenLinear._load_from_state_dict`, :func:`own_optimizer_state`): a checkpoint
 holds the same whole weight whatever the split it was written or is read with. LARS's trust
 ratio takes the whole weight's norms (:func:`whole_norms`), not the rank's columns'.
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from datastore.maths.partition import Grid, block_bounds
-from trainer.comm import all_gather, all_reduce_sum
+from trainer.comm import all_reduce_sum, exchange
 from trainer.grid import ProcessGrid
 from trainer.optim import Norms, local_norms
 from trainer.pool import block_shapes
@@ -155,20 +156,24 @@ class DistFlattenLinear(nn.Module):
             state_dict = {**state_dict, key: w[:, self.columns(self.grid.spatial_rank)]}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def gather_whole(self, t: torch.Tensor) -> torch.Tensor:
-        """Collective over the spatial group: the whole ``(out, in)`` tensor of which every
-        rank holds its columns ``t`` (the weight, or optimizer state shaped like it), on
-        the CPU."""
+    def gather_whole(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Collective over the spatial group: on its first rank (the one that writes
+        checkpoints) the whole ``(out, in)`` tensor of which every rank holds its columns ``t``
+        (the weight, or optimizer state shaped like it), on the CPU; ``None`` on the others,
+        which only send their columns."""
+        t = t.detach()
         if self.grid.spatial_size == 1:
-            return t.detach().cpu()
-        ranks = range(self.grid.spatial_size)
-        cols = [self.columns(r) for r in ranks]
-        widest = max(len(c) for c in cols)
-        padded = F.pad(t.detach(), (0, widest - t.shape[1]))  # (uneven blocks)
+            return t.cpu()
+        group, timeout = self.grid.spatial_group, self.grid.timeout
+        if self.grid.spatial_rank != 0:
+            exchange([(0, t.contiguous(), 0)], [], group, timeout)
+            return None
+        cols = [self.columns(r) for r in range(self.grid.spatial_size)]
+        pieces = [t] + [t.new_empty((t.shape[0], len(c))) for c in cols[1:]]
+        exchange([], [(r, p, 0) for r, p in enumerate(pieces) if r], group, timeout)
         out = torch.empty((t.shape[0], self.in_features), dtype=t.dtype)
-        for c, piece in zip(cols, all_gather(padded, self.grid.spatial_group, self.grid.timeout),
-                            strict=True):  # fmt: skip
-            out[:, c] = piece[:, : len(c)].cpu()
+        for c, piece in zip(cols, pieces, strict=True):
+            out[:, c] = piece.cpu()
         return out
 
 
@@ -181,13 +186,20 @@ def _owners(model: nn.Module) -> dict[int, DistFlattenLinear]:
     return {id(m.weight): m for m in _split(model).values()}
 
 
-def whole_model_state(model: nn.Module) -> dict[str, Any]:
-    """``model.state_dict()`` with every :class:`DistFlattenLinear`'s whole weight.
-    Collective over each such layer's spatial group: call it on every rank."""
+def _writer(model: nn.Module) -> bool:
+    """Whether this rank assembles the whole state: the first of every split layer's spatial
+    group (every rank, when nothing is split)."""
+    return all(m.grid.spatial_rank == 0 for m in _split(model).values())
+
+
+def whole_model_state(model: nn.Module) -> dict[str, Any] | None:
+    """``model.state_dict()`` with every :class:`DistFlattenLinear`'s whole weight, on the
+    first rank of its spatial group (the one that writes checkpoints); ``None`` on the
+    others. Collective over each such layer's spatial group: call it on every rank."""
     state = model.state_dict()
     for name, m in _split(model).items():
         state[f"{name}.weight" if name else "weight"] = m.gather_whole(m.weight)
-    return state
+    return state if _writer(model) else None
 
 
 def whole_norms(model: nn.Module) -> Norms:
@@ -216,9 +228,9 @@ def _sharded(model: nn.Module, opt: torch.optim.Optimizer) -> dict[int, DistFlat
     return {i: owner[id(p)] for i, p in enumerate(params) if id(p) in owner}
 
 
-def whole_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def whole_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any] | None:
     """``opt.state_dict()`` with the whole state of every split weight (its tensors shaped like
-    the weight gathered). Collective, as :func:`whole_model_state`."""
+    the weight gathered), or ``None``, as :func:`whole_model_state`. Collective, as it."""
     state = opt.state_dict()
     for i, m in _sharded(model, opt).items():
         own = state["state"].get(i, {})
@@ -226,7 +238,7 @@ def whole_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[
             k: m.gather_whole(v) if isinstance(v, torch.Tensor) and v.shape == m.weight.shape else v
             for k, v in own.items()
         }
-    return state
+    return state if _writer(model) else None
 
 
 def own_optimizer_state(

@@ -338,9 +338,13 @@ class Trainer:
     def save(self) -> str | None:
         """Write the checkpoint (rank 0; with ``lion_cub`` every data rank's momenta first).
         The first dense layer's weight, split by columns over the spatial group, and its
-        optimizer state are gathered whole first (``trainer.dense``)."""
+        optimizer state are gathered whole first (``trainer.dense``), by the ranks that write
+        them: spatial rank 0 of data rank 0 (of every data rank for ``lion_cub``'s momenta)."""
         cfg, grid = self.cfg, self.grid
-        optimizer = whole_optimizer_state(self.model, self.opt)  # (collectives, every rank)
+        first = grid is None or grid.data_rank == 0  # (a spatial group's collectives, or none)
+        optimizer = None
+        if first or self._own_optimizer():
+            optimizer = whole_optimizer_state(self.model, self.opt)
         if self._own_optimizer():
             assert grid is not None
             if grid.spatial_rank == 0:
@@ -349,7 +353,7 @@ class Trainer:
             self._world_sum(torch.zeros(1, device=self.run.device))  # every file is written
         rngs = self._rng_states()  # (collectives: before rank 0 alone goes on)
         targets, buffers = self._target_states(), self._buffer_states()
-        model = whole_model_state(self.model)
+        model = whole_model_state(self.model) if first else None
         if not self.lead:  # the model is replicated (or gathered): rank 0 writes for all
             return None
         state = {

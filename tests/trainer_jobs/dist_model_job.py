@@ -119,13 +119,18 @@ def check_case(pg: ProcessGrid, device: torch.device) -> dict[str, float]:
             opt.step()
         out[f"{name} params after lars"] = max(max_err(p.cpu(), mine_of(p, r)) for p, r in pairs)
         reducer.remove()
-        # A checkpoint holds the whole model's parameters (the split weight gathered), and
-        # loading it into a fresh split model gives this rank's columns back.
+        # A checkpoint holds the whole model's parameters (the split weight gathered on the
+        # spatial group's first rank, the writer), and loading it into a fresh split model
+        # gives this rank's columns back.
         whole = whole_model_state(model)
+        assert (whole is None) == (pg.spatial_rank != 0 and name == "cosmoflow")
         named = [k for k, _ in model.named_parameters()]
-        out[f"{name} whole state"] = max(
+        out[f"{name} whole state"] = 0.0 if whole is None else max(
             max_err(whole[k].cpu(), r) for k, r in zip(named, ref_params, strict=True)
-        )
+        )  # fmt: skip
+        shared = [whole]
+        dist.broadcast_object_list(shared, group=pg.spatial_group, group_src=0)
+        whole = shared[0]
         fresh = build(DistLayers(pg, dist.group.WORLD)).to(device)
         fresh.load_state_dict(whole)
         out[f"{name} state loaded"] = max(
