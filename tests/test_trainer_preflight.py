@@ -17,7 +17,7 @@ from helpers import MPIEXEC, set_args, trainer_refusals
 from staging.cluster import LAUNCH_ENV
 from trainer.config import load_config
 from trainer.cosmology import write_split
-from trainer.devices import check_gpus, pick_backend, pick_device
+from trainer.devices import check_gpus, pick_backend, pick_device, ranks_on_device
 from trainer.models import CosmoFlow, UNet3D, count_parameters
 from trainer.preflight import (
     check_fields,
@@ -30,7 +30,7 @@ from trainer.preflight import (
     optimizer_copies,
     rank_parameters,
 )
-from trainer.start import memory_of
+from trainer.start import _check, memory_of
 
 ROOT = Path(__file__).parent.parent
 ENV = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
@@ -85,6 +85,21 @@ def test_nccl_needs_a_gpu_per_rank_and_says_how_to_share():
     check_gpus("gloo", CPU, ranks_per_node=64, gpus=0)
     with pytest.raises(ValueError, match=r"4 ranks on this node but 2 GPU\(s\).*backend = 'gloo'"):
         check_gpus("nccl", CUDA0, ranks_per_node=4, gpus=2)
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "gpus", "want"),
+    [
+        ("cpu", CPU, 0, 4),  # the host's memory: every rank of the node
+        ("auto", CPU, 0, 4),
+        ("auto", torch.device("cuda", 1), 2, 2),  # local ranks 1 and 3
+        ("auto", CUDA0, 3, 2),  # local ranks 0 and 3
+        ("auto", CUDA0, 4, 1),
+        ("cuda:1", torch.device("cuda", 1), 2, 4),  # every rank asked for it
+    ],
+)
+def test_the_ranks_sharing_a_device_are_counted(setting, device, gpus, want):
+    assert ranks_on_device(setting, device, gpus=gpus, ranks_per_node=4) == want
 
 
 # -- the model's blocks ------------------------------------------------------------------------
@@ -228,6 +243,42 @@ def test_a_split_that_fits_on_each_rank_is_not_refused():
                        r"\(4 bytes each\) training needs"):  # fmt: skip
         check_memory("cosmoflow", 2, 3, whole, "sgd", 0, "cuda:0", fits * 3 // 2 - 1, None,
                      on_rank=on_rank, buckets=True)  # fmt: skip
+
+
+def test_ranks_that_each_fit_alone_but_not_together_are_refused():
+    """4 ranks on one host (or one GPU) share its memory: each used to be checked alone."""
+    n = model_parameters("unet3d", 4, 4, 64, 8, 3)
+    need = n * 4 * (2 + 2)  # adam
+    check_memory("unet3d", 8, 3, n, "adam", 2, "cpu", need * 4, None, host_ranks=4,
+                 device_ranks=4)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"training needs {need / 2**20:.3g} MiB a rank, "
+                       rf"{need * 4 / 2**20:.3g} MiB for the 4 ranks on this host, more than the "
+                       rf"{(need * 4 - 1) / 2**20:.3g} MiB available on the host; choose a smaller "
+                       r"width or fewer conv_blocks, or launch fewer ranks per host$"):  # fmt: skip
+        check_memory("unet3d", 8, 3, n, "adam", 2, "cpu", need * 4 - 1, None, device_ranks=4)
+    # a GPU shared by 2 ranks (gloo); the host builds 4 whole models before they move
+    check_memory("unet3d", 8, 3, n, "adam", 2, "cuda:0", need * 2, n * 16, device_ranks=2,
+                 host_ranks=4)  # fmt: skip
+    with pytest.raises(ValueError, match=r"MiB for the 2 ranks on cuda:0, more than the .* free "
+                       r"on cuda:0; .* or launch fewer ranks per GPU$"):  # fmt: skip
+        check_memory("unet3d", 8, 3, n, "adam", 2, "cuda:0", need * 2 - 1, None, device_ranks=2)
+    built = r"MiB for the 4 ranks on this host\), built on the host before it moves to cuda:0"
+    with pytest.raises(ValueError, match=rf"{built}: .* or launch fewer ranks per host$"):
+        check_memory("unet3d", 8, 3, n, "adam", 2, "cuda:0", None, n * 16 - 1, host_ranks=4)
+
+
+@pytest.mark.parametrize("launcher", ["MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"])
+def test_the_start_up_check_counts_the_ranks_the_launcher_put_on_this_host(
+    data, monkeypatch, launcher
+):
+    cfg = load_config(None, [f'data="{data}"', "width=64", "conv_blocks=2", "steps=2"])
+    n = model_parameters("cosmoflow", 4, 3, 16, 64, 2)
+    need = n * 4 * (2 + 2)  # adam, one process: no buckets
+    monkeypatch.setenv("DATASTORE_MEMORY_AVAILABLE", str(need * 3))
+    _check(cfg, 1, CPU, "gloo", 0)  # alone it fits
+    monkeypatch.setenv(launcher, "4")
+    with pytest.raises(ValueError, match=r"a rank, .* for the 4 ranks on this host, more than"):
+        _check(cfg, 1, CPU, "gloo", 0)
 
 
 def test_the_host_memory_is_what_the_loader_sees(monkeypatch):

@@ -13,14 +13,15 @@ Backend (config key ``backend``)
     ("Duplicate GPU detected").
 
 :func:`check_gpus` refuses an NCCL job with more ranks on a node than GPUs before anything is
-started, with a message saying how to share GPUs deliberately.
+started, with a message saying how to share GPUs deliberately; :func:`ranks_on_device` counts the
+ranks that share a device's memory (``trainer.preflight.check_memory``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["BACKENDS", "check_gpus", "pick_backend", "pick_device"]
+__all__ = ["BACKENDS", "check_gpus", "pick_backend", "pick_device", "ranks_on_device"]
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -49,6 +50,16 @@ def pick_device(setting: str, *, gpus: int, local_rank: int | None) -> torch.dev
             raise ValueError(f"device {setting!r}: this node has {gpus} GPU(s)")
         return torch.device("cuda", index)
     raise ValueError(f"device {setting!r}: expected auto, cpu, cuda or cuda:N")
+
+
+def ranks_on_device(setting: str, device: torch.device, *, gpus: int, ranks_per_node: int) -> int:
+    """The ranks of this node that ``setting`` puts on ``device`` (:func:`pick_device` of every
+    local rank; a node's ranks share its host memory, a GPU's its device memory)."""
+    if device.type != "cuda":
+        return ranks_per_node
+    return sum(
+        pick_device(setting, gpus=gpus, local_rank=r) == device for r in range(ranks_per_node)
+    )
 
 
 def pick_backend(setting: str, device: torch.device) -> str:

@@ -23,8 +23,9 @@ A model larger than memory used to fail while it was built, with an out-of-memor
 build, built on the meta device (exact Python integers: nothing is allocated, and no width
 overflows), and
 :func:`check_memory` refuses a run whose parameters, gradients and optimizer state
-(:func:`optimizer_copies`) cannot fit in the memory it runs in. Activations, buffers and
-communication buckets are left out: only what cannot fit is refused.
+(:func:`optimizer_copies`) cannot fit in the memory it runs in, shared with the other ranks on
+the host (or on the GPU). Activations and buffers are left out: only what cannot fit is
+refused.
 """
 
 from __future__ import annotations
@@ -243,17 +244,22 @@ def check_memory(
     host_memory: int | None,
     on_rank: int | None = None,
     buckets: bool = False,
+    device_ranks: int = 1,
+    host_ranks: int = 1,
 ) -> None:
     """Refuse a model whose parameters on a rank (``on_rank``, :func:`rank_parameters`; default
     ``params``), their gradients, ``copies`` optimizer state copies and, with ``buckets``, the
     gradient reducer's flat copy of the gradients (a job of several ranks:
-    ``trainer.reduce.GradientReducer``), ``PARAMETER_BYTES`` each, exceed ``device_memory``,
-    the memory of ``device`` (``"cpu"``: the host's available memory), or, on a GPU, whose
-    parameters alone (``params``, all of them: the split layers are drawn whole first) exceed
-    ``host_memory`` (the model is built on the CPU, then moved). ``None``: unknown, not checked.
+    ``trainer.reduce.GradientReducer``), ``PARAMETER_BYTES`` each, times the ``device_ranks``
+    ranks that share ``device``, exceed ``device_memory``, its memory (``"cpu"``: the host's
+    available memory, shared by the ranks on the host), or, on a GPU, whose parameters alone
+    (``params``, all of them: the split layers are drawn whole first) times the ``host_ranks``
+    ranks on the host exceed ``host_memory`` (the model is built on the CPU, then moved).
+    ``None``: unknown, not checked.
 
     Raises:
-        ValueError: naming the config keys, the estimate and the memory.
+        ValueError: naming the config keys, the estimate, the ranks sharing the memory and the
+            memory.
     """
     on_rank = params if on_rank is None else on_rank
     need = on_rank * (2 + copies + buckets) * PARAMETER_BYTES
@@ -267,15 +273,31 @@ def check_memory(
     if buckets:
         state += " and the gradient reducer's buckets"
     fix = "choose a smaller width or fewer conv_blocks"
-    if device_memory is not None and need > device_memory:
+    if device_memory is not None and need * device_ranks > device_memory:
         where = "available on the host" if device == "cpu" else f"free on {device}"
         raise ValueError(
             f"{keys}: {this}; with their gradients and {state} ({PARAMETER_BYTES} bytes each) "
-            f"training needs {_size(need)}, more than the {_size(device_memory)} {where}; {fix}"
+            f"training needs {_shared(need, device_ranks, device)}, more than the "
+            f"{_size(device_memory)} {where}; {fix}{_fewer(device_ranks, device)}"
         )
     built = params * PARAMETER_BYTES
-    if device != "cpu" and host_memory is not None and built > host_memory:
+    if device != "cpu" and host_memory is not None and built * host_ranks > host_memory:
         raise ValueError(
-            f"{keys}: {this} ({_size(built)}), built on the host before it moves to {device}: "
-            f"more than the {_size(host_memory)} available on the host; {fix}"
+            f"{keys}: {this} ({_shared(built, host_ranks, 'cpu')}), built on the host before it "
+            f"moves to {device}: more than the {_size(host_memory)} available on the host; "
+            f"{fix}{_fewer(host_ranks, 'cpu')}"
         )
+
+
+def _shared(need: int, ranks: int, device: str) -> str:
+    """``need`` bytes a rank, and what the ``ranks`` sharing ``device`` need together."""
+    if ranks == 1:
+        return _size(need)
+    where = "this host" if device == "cpu" else device
+    return f"{_size(need)} a rank, {_size(need * ranks)} for the {ranks} ranks on {where}"
+
+
+def _fewer(ranks: int, device: str) -> str:
+    return (
+        "" if ranks == 1 else f", or launch fewer ranks per {'host' if device == 'cpu' else 'GPU'}"
+    )

@@ -43,7 +43,7 @@ from datastore.store.memory import available_memory
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
 from trainer.checkpoint import CHECKPOINT_NAME, hold_directory, load_checkpoint
 from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_log
-from trainer.devices import check_gpus, pick_backend, pick_device
+from trainer.devices import check_gpus, pick_backend, pick_device, ranks_on_device
 from trainer.grid import ProcessGrid, init_distributed
 from trainer.optim import LRSchedule
 from trainer.preflight import (
@@ -179,7 +179,8 @@ def schedule_of(cfg: TrainConfig, total_steps: int) -> LRSchedule:
 
 def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpus: int):
     """Every check of the module docstring; ``(depth, inputs, targets, samples, total)``."""
-    check_gpus(backend, device, ranks_per_node=local_size(), gpus=gpus)
+    here = local_size()
+    check_gpus(backend, device, ranks_per_node=here, gpus=gpus)
     train_path, val_path = data_paths(cfg)
     address, token = data_address(cfg), data_token(cfg)
     timeout = cfg.comm_timeout
@@ -212,6 +213,8 @@ def _check(cfg: TrainConfig, world: int, device: torch.device, backend: str, gpu
         *memory_of(device),
         on_rank=on_rank,
         buckets=world > 1,
+        device_ranks=ranks_on_device(cfg.device, device, gpus=gpus, ranks_per_node=here),
+        host_ranks=here,
     )
     data_ranks = check_world(world, cfg.spatial_parts)
     if cfg.global_batch % data_ranks:
