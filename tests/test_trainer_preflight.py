@@ -206,7 +206,7 @@ def test_only_what_cannot_fit_is_refused():
     check_memory("unet3d", 8, 3, n, "sgd", 0, "cuda:0", n * 8, n * 4)
     with pytest.raises(ValueError, match=r"and no sgd state .* more than the .* free on cuda:0"):
         check_memory("unet3d", 8, 3, n, "sgd", 0, "cuda:0", n * 8 - 1, None)
-    with pytest.raises(ValueError, match="built on the host before it moves to cuda:0"):
+    with pytest.raises(ValueError, match="built whole on the host before it moves to cuda:0"):
         check_memory("unet3d", 8, 3, n, "sgd", 0, "cuda:0", None, n * 4 - 1)
     assert [optimizer_copies(o, m) for o, m in [("adam", 0), ("sgd", 0), ("sgd", 0.9),
             ("lars", 0.9), ("lion", 0), ("lion_cub", 0)]] == [2, 0, 1, 1, 1, 1]  # fmt: skip
@@ -262,9 +262,26 @@ def test_ranks_that_each_fit_alone_but_not_together_are_refused():
     with pytest.raises(ValueError, match=r"MiB for the 2 ranks on cuda:0, more than the .* free "
                        r"on cuda:0; .* or launch fewer ranks per GPU$"):  # fmt: skip
         check_memory("unet3d", 8, 3, n, "adam", 2, "cuda:0", need * 2 - 1, None, device_ranks=2)
-    built = r"MiB for the 4 ranks on this host\), built on the host before it moves to cuda:0"
+    built = r"MiB for the 4 ranks on this host\), built whole on the host before it moves to cuda:0"
     with pytest.raises(ValueError, match=rf"{built}: .* or launch fewer ranks per host$"):
         check_memory("unet3d", 8, 3, n, "adam", 2, "cuda:0", None, n * 16 - 1, host_ranks=4)
+
+
+def test_a_split_whose_ranks_cannot_all_draw_the_whole_model_on_the_cpu_is_refused():
+    """Every rank draws the first dense layer's weight whole before it keeps its columns: 4
+    ranks of a (2, 2, 1) split counted 48 MiB each (sgd) but peaked at 100 MiB each building
+    it; the host check was made on a GPU only."""
+    shape = ("cosmoflow", 4, 3, 32, 32, 1)
+    whole, on_rank = model_parameters(*shape), rank_parameters(*shape, (2, 2, 1))
+    assert (whole, on_rank) == (16_789_283, 4_206_371)
+    fits = on_rank * 3 * 4 * 4  # parameters, gradients and buckets of 4 ranks: 193 MiB
+    with pytest.raises(ValueError, match=r"^config keys .* \(64.0 MiB a rank, 256 MiB for the 4 "
+                       r"ranks on this host\), built whole on the host: more than the 193 MiB "
+                       r"available on the host; .* or launch fewer ranks per host$"):  # fmt: skip
+        check_memory("cosmoflow", 32, 1, whole, "sgd", 0, "cpu", fits, fits, on_rank=on_rank,
+                     buckets=True, device_ranks=4, host_ranks=4)  # fmt: skip
+    check_memory("cosmoflow", 32, 1, whole, "sgd", 0, "cpu", whole * 16, whole * 16,
+                 on_rank=on_rank, buckets=True, device_ranks=4, host_ranks=4)  # fmt: skip
 
 
 @pytest.mark.parametrize("launcher", ["MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"])

@@ -252,9 +252,9 @@ def check_memory(
     gradient reducer's flat copy of the gradients (a job of several ranks:
     ``trainer.reduce.GradientReducer``), ``PARAMETER_BYTES`` each, times the ``device_ranks``
     ranks that share ``device``, exceed ``device_memory``, its memory (``"cpu"``: the host's
-    available memory, shared by the ranks on the host), or, on a GPU, whose parameters alone
-    (``params``, all of them: the split layers are drawn whole first) times the ``host_ranks``
-    ranks on the host exceed ``host_memory`` (the model is built on the CPU, then moved).
+    available memory, shared by the ranks on the host), or whose parameters alone (``params``,
+    all of them: the split layers are drawn whole first) times the ``host_ranks`` ranks on the
+    host exceed ``host_memory`` (the model is built on the CPU, then moved to a GPU).
     ``None``: unknown, not checked.
 
     Raises:
@@ -281,10 +281,11 @@ def check_memory(
             f"{_size(device_memory)} {where}; {fix}{_fewer(device_ranks, device)}"
         )
     built = params * PARAMETER_BYTES
-    if device != "cpu" and host_memory is not None and built * host_ranks > host_memory:
+    if host_memory is not None and built * host_ranks > host_memory:
+        moves = "" if device == "cpu" else f" before it moves to {device}"
         raise ValueError(
-            f"{keys}: {this} ({_shared(built, host_ranks, 'cpu')}), built on the host before it "
-            f"moves to {device}: more than the {_size(host_memory)} available on the host; "
+            f"{keys}: {this} ({_shared(built, host_ranks, 'cpu')}), built whole on the host"
+            f"{moves}: more than the {_size(host_memory)} available on the host; "
             f"{fix}{_fewer(host_ranks, 'cpu')}"
         )
 
