@@ -213,30 +213,38 @@ def test_lion_cub_resume_is_exact_on_every_data_rank(data, tmp_path):
     """Each data rank keeps its own momenta and its own dropout stream (every rank's samples
     were masked alike: each drew from one seed, and the checkpoint kept rank 0's state): a
     resumed run reloads every rank's own, so it equals the uninterrupted run (losses and
-    weights)."""
+    weights). The first part is killed while it saves step 4, between the data ranks' files and
+    checkpoint.pt: it resumes from step 3 (the files used to be overwritten in place, and the
+    run could not resume at all: step 3's checkpoint, step 4's momenta)."""
     more = ["optimizer=lion_cub", "lr=1e-3", "dropout=0.3"]
     whole = launch(2, args(data, tmp_path, "w", *more, f"checkpoint_dir={tmp_path}/w"))
     assert whole.returncode == 0, whole.stdout + whole.stderr
     ck = f"checkpoint_dir={tmp_path}/r"
-    first = launch(2, args(data, tmp_path, "a", *more, ck, "steps=3"))
-    assert first.returncode == 0, first.stdout + first.stderr
+    part = args(data, tmp_path, "a", *more, ck, "steps=4", "checkpoint_interval=3")
+    first = launch(2, ["4", *part], script=[str(JOBS / "save_crash_job.py")])
+    assert first.returncode != 0, first.stdout + first.stderr
     assert sorted(os.listdir(tmp_path / "r")) == [
-        "checkpoint.pt", "optimizer.d0.pt", "optimizer.d1.pt", "run.lock",
+        "checkpoint.pt", "optimizer.d0.step3.pt", "optimizer.d0.step4.pt",
+        "optimizer.d1.step3.pt", "optimizer.d1.step4.pt", "run.lock",
     ]  # fmt: skip
     # one data rank's momenta gone: refused before a step, on both ranks alike (was: rank 1
     # alone, after rank 0 had resumed)
-    aside = tmp_path / "optimizer.d1.pt"
-    (tmp_path / "r" / "optimizer.d1.pt").rename(aside)
+    aside = tmp_path / "optimizer.d1.step3.pt"
+    (tmp_path / "r" / aside.name).rename(aside)
     lost = launch(2, args(data, tmp_path, "x", *more, ck))
     assert lost.returncode == 2, lost.stdout + lost.stderr
-    assert lost.stderr.count("optimizer.d1.pt: missing or not from step 3") == 2, lost.stderr
+    assert lost.stderr.count("optimizer.d1.step3.pt: missing or not from step 3") == 2, lost.stderr
     assert "resumed" not in lost.stdout and "Abort" not in lost.stderr
-    aside.rename(tmp_path / "r" / "optimizer.d1.pt")
+    aside.rename(tmp_path / "r" / aside.name)
     rest = launch(2, args(data, tmp_path, "b", *more, ck))
     assert rest.returncode == 0, rest.stdout + rest.stderr
     assert "resumed from step 3" in rest.stdout
     (w, _), (a, _), (b, _) = (records(tmp_path / f"{n}.log") for n in "wab")
-    assert a + b == w
+    assert a[:3] + b == w
+    assert sorted(os.listdir(tmp_path / "r")) == [  # step 4's stale files gone; the last two
+        "checkpoint.pt", "optimizer.d0.step3.pt", "optimizer.d0.step6.pt",  # saves' kept
+        "optimizer.d1.step3.pt", "optimizer.d1.step6.pt", "run.lock",
+    ]  # fmt: skip
     got = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     want = torch.load(tmp_path / "w" / "checkpoint.pt", weights_only=True)
     for k, v in want["model"].items():
@@ -245,7 +253,7 @@ def test_lion_cub_resume_is_exact_on_every_data_rank(data, tmp_path):
     for mine, ref in zip(got["rng"], want["rng"], strict=True):
         assert torch.equal(mine, ref)
     for d in (0, 1):
-        mine = torch.load(tmp_path / "r" / f"optimizer.d{d}.pt", weights_only=True)
-        ref = torch.load(tmp_path / "w" / f"optimizer.d{d}.pt", weights_only=True)
+        mine = torch.load(tmp_path / "r" / f"optimizer.d{d}.step6.pt", weights_only=True)
+        ref = torch.load(tmp_path / "w" / f"optimizer.d{d}.step6.pt", weights_only=True)
         for key, state in ref["optimizer"]["state"].items():
             assert torch.equal(mine["optimizer"]["state"][key]["exp_avg"], state["exp_avg"])

@@ -13,7 +13,13 @@ import torch
 from helpers import job_env, serving, set_args
 
 from trainer.__main__ import main
-from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    load_checkpoint,
+    load_own_optimizer,
+    own_optimizer_name,
+    prune_own_optimizer,
+    save_checkpoint,
+)
 from trainer.config import ConfigError, TrainConfig, load_config, parse_override
 from trainer.cosmology import write_split
 from trainer.optim import lr_at
@@ -301,6 +307,24 @@ def test_checkpoint_is_replaced_atomically(tmp_path):
     assert os.listdir(tmp_path) == ["checkpoint.pt"]
     assert load_checkpoint(tmp_path)["step"] == 2
     assert load_checkpoint(tmp_path / "none") is None
+
+
+def test_a_data_rank_s_own_optimizer_files_are_named_by_their_step(tmp_path):
+    """A save killed between the data ranks' files (step 4) and checkpoint.pt (still step 3)
+    leaves step 3's files to resume from; the older ones go, other ranks' stay; a file of the
+    format before (``optimizer.dR.pt``) resumes when it is from the step."""
+    for step in (2, 3, 4):
+        save_checkpoint(tmp_path, {"step": step, "m": step}, own_optimizer_name(0, step))
+    save_checkpoint(tmp_path, {"step": 2}, own_optimizer_name(1, 2))
+    prune_own_optimizer(tmp_path, 0, {4, 3})
+    assert sorted(os.listdir(tmp_path)) == [
+        "optimizer.d0.step3.pt", "optimizer.d0.step4.pt", "optimizer.d1.step2.pt",
+    ]  # fmt: skip
+    assert load_own_optimizer(tmp_path, 0, 3) == {"step": 3, "m": 3}
+    assert load_own_optimizer(tmp_path, 0, 2) is None
+    save_checkpoint(tmp_path, {"step": 7, "m": 7}, "optimizer.d2.pt")
+    assert load_own_optimizer(tmp_path, 2, 7) == {"step": 7, "m": 7}
+    assert load_own_optimizer(tmp_path, 2, 8) is None
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

@@ -2,18 +2,26 @@
 the directory held by one run at a time.
 
 A crash while saving leaves the previous checkpoint intact; a reader never sees half a file.
+Files a checkpoint needs besides its own (each data rank's optimizer state with ``lion_cub``)
+are named by their step (:func:`own_optimizer_name`), so a save killed between them and the
+checkpoint leaves the previous checkpoint's in place.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
+from collections.abc import Collection
 from typing import IO, Any
 
 import torch
 
-__all__ = ["CHECKPOINT_NAME", "LOCK_NAME", "hold_directory", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_NAME", "LOCK_NAME", "hold_directory", "load_checkpoint", "load_own_optimizer",
+    "own_optimizer_name", "prune_own_optimizer", "save_checkpoint",
+]  # fmt: skip
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LOCK_NAME = "run.lock"
@@ -90,3 +98,32 @@ def load_checkpoint(
     if not os.path.exists(path):
         return None
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def own_optimizer_name(data_rank: int, step: int) -> str:
+    """The file of data rank ``data_rank``'s own optimizer state saved at ``step``."""
+    return f"optimizer.d{data_rank}.step{step}.pt"
+
+
+def load_own_optimizer(
+    directory: str | os.PathLike, data_rank: int, step: int, mmap: bool = False
+) -> dict[str, Any] | None:
+    """Data rank ``data_rank``'s own optimizer state saved at ``step`` (or, written before the
+    files were named by their step, ``optimizer.dR.pt`` if it is from ``step``); ``None`` if
+    there is none."""
+    for name in (own_optimizer_name(data_rank, step), f"optimizer.d{data_rank}.pt"):
+        state = load_checkpoint(directory, name, mmap)
+        if state is not None and state.get("step") == step:
+            return state
+    return None
+
+
+def prune_own_optimizer(
+    directory: str | os.PathLike, data_rank: int, keep: Collection[int]
+) -> None:
+    """Remove data rank ``data_rank``'s own optimizer files of the steps not in ``keep``."""
+    named = re.compile(rf"optimizer\.d{data_rank}\.step(\d+)\.pt")
+    for name in os.listdir(directory):
+        found = named.fullmatch(name)
+        if found and int(found[1]) not in keep:
+            os.unlink(os.path.join(directory, name))

@@ -41,7 +41,13 @@ from datastore.sources.describe import describe_dataset, hold_datasets
 from datastore.sources.options import ServiceOptions
 from datastore.store.memory import available_memory
 from staging.cluster import launched_by_mpi, local_rank, local_size, torchrun_world
-from trainer.checkpoint import CHECKPOINT_NAME, hold_directory, load_checkpoint
+from trainer.checkpoint import (
+    CHECKPOINT_NAME,
+    hold_directory,
+    load_checkpoint,
+    load_own_optimizer,
+    own_optimizer_name,
+)
 from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_log
 from trainer.devices import check_gpus, pick_backend, pick_device, ranks_on_device
 from trainer.grid import ProcessGrid, init_distributed
@@ -316,12 +322,12 @@ def check_resume(cfg: TrainConfig, world: int, samples: int, inputs: Field, targ
     data_ranks = check_world(world, cfg.spatial_parts)
     if cfg.optimizer == "lion_cub" and data_ranks > 1:  # each data rank's momenta, its own file
         for r in range(data_ranks):
-            name = f"optimizer.d{r}.pt"
+            name = own_optimizer_name(r, saved.get("step"))
             try:
-                own = load_checkpoint(cfg.checkpoint_dir, name, mmap=True)
+                own = load_own_optimizer(cfg.checkpoint_dir, r, saved.get("step"), mmap=True)
             except Exception as exc:  # (as above: not a file torch.save wrote)
                 raise ValueError(f"{bad} ({name}: {type(exc).__name__}: {exc}); {fix}") from None
-            if own is None or own.get("step") != saved.get("step"):
+            if own is None:
                 raise ValueError(
                     f"config key 'checkpoint_dir': {cfg.checkpoint_dir}/{name}: missing or not "
                     f"from step {saved.get('step')}; lion_cub resumes each data rank's own "

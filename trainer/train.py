@@ -32,7 +32,8 @@ Resume: with ``checkpoint_dir`` set, training starts from ``checkpoint.pt`` when
 the target sums) and writes it every ``checkpoint_interval`` steps and at the end; rank 0
 prints ``resumed from step N``. A resumed run continues exactly as an uninterrupted one.
 ``lion_cub``'s momenta differ between data ranks: each data rank's first rank writes
-``optimizer.dR.pt`` beside it, and every rank resumes its own.
+``optimizer.dR.stepN.pt`` beside it (``trainer.checkpoint.own_optimizer_name``; the last two
+saves' are kept), and every rank resumes its own.
 
 Log (``log_file``, JSON lines, appended; rank 0):
 
@@ -67,7 +68,13 @@ from torch import nn
 
 from datastore import DataStoreLoader
 from datastore.sources.options import ServiceOptions
-from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    load_checkpoint,
+    load_own_optimizer,
+    own_optimizer_name,
+    prune_own_optimizer,
+    save_checkpoint,
+)
 from trainer.comm import all_gather, all_reduce_sum
 from trainer.config import ConfigError, TrainConfig
 from trainer.dense import (
@@ -230,6 +237,7 @@ class Trainer:
         self.whole_voxels = math.prod(run.targets[1][1:]) if self.task == "voxel" else 1
         self.target_sums = Sums(run.targets[1][0], run.device)
         self.step, self.resumed_from = 0, None
+        self.saved_at: int | None = None  # the step of checkpoint.pt, once saved or resumed
         self.label: dict[str, Any] = {}
 
     # -- reductions over the world ----------------------------------------------------------------
@@ -347,13 +355,16 @@ class Trainer:
             optimizer = whole_optimizer_state(self.model, self.opt)
         if self._own_optimizer():
             assert grid is not None
-            if grid.spatial_rank == 0:
+            if grid.spatial_rank == 0:  # (checkpoint.pt is still the last save's: keep its)
                 state = {"step": self.step, "optimizer": optimizer}
-                save_checkpoint(cfg.checkpoint_dir, state, f"optimizer.d{grid.data_rank}.pt")
+                name = own_optimizer_name(grid.data_rank, self.step)
+                save_checkpoint(cfg.checkpoint_dir, state, name)
+                prune_own_optimizer(cfg.checkpoint_dir, grid.data_rank, {self.step, self.saved_at})
             self._world_sum(torch.zeros(1, device=self.run.device))  # every file is written
         rngs = self._rng_states()  # (collectives: before rank 0 alone goes on)
         targets, buffers = self._target_states(), self._buffer_states()
         model = whole_model_state(self.model) if first else None
+        self.saved_at = self.step
         if not self.lead:  # the model is replicated (or gathered): rank 0 writes for all
             return None
         state = {
@@ -421,9 +432,9 @@ class Trainer:
         optimizer = saved["optimizer"]
         if self._own_optimizer():
             assert self.grid is not None
-            name = f"optimizer.d{self.grid.data_rank}.pt"
-            own = load_checkpoint(self.cfg.checkpoint_dir, name)
-            if own is None or own["step"] != saved["step"]:
+            own = load_own_optimizer(self.cfg.checkpoint_dir, self.grid.data_rank, saved["step"])
+            if own is None:
+                name = own_optimizer_name(self.grid.data_rank, saved["step"])
                 raise ConfigError(
                     f"{self.cfg.checkpoint_dir}/{name}: missing or not from step "
                     f"{saved['step']}; lion_cub resumes each data rank's own momenta, so the "
@@ -447,7 +458,7 @@ class Trainer:
         targets = saved["targets"]  # (an older checkpoint: rank 0's sums alone)
         rank = 0 if self.grid is None else self.grid.rank
         self.target_sums.load_state_dict(targets[rank] if isinstance(targets, list) else targets)
-        self.step = self.resumed_from = saved["step"]
+        self.step = self.resumed_from = self.saved_at = saved["step"]
 
     def close(self) -> None:
         self.loader.close()
