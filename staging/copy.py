@@ -41,12 +41,14 @@ from staging.splice import splice_range
 __all__ = [
     "Engine",
     "Stats",
+    "fd_path",
     "hash_range",
     "mode_mask",
+    "open_beneath",
+    "opened_beneath",
     "settle_dirs",
     "tmp_dir",
     "tmp_subdir",
-    "within",
 ]
 
 BUF_BYTES = 8 * 1024 * 1024
@@ -116,50 +118,55 @@ def _joins(run: list[Item], item: Item, limit: int = BUF_BYTES) -> bool:
     )
 
 
-def within(dest: str, path: str) -> bool:
-    """True when ``path`` resolves (following every symlink already there) inside ``dest``.
-
-    Archives are checked one by one; this check at placement time also stops a write that a
-    symlink staged by another source (or an earlier run) would send out of DEST.
-    """
-    root = os.path.realpath(dest)
-    real = os.path.realpath(path)
-    return real == root or real.startswith(root + os.sep)
-
-
 _BENEATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def open_beneath(dest: str, rel: str, make: bool = False) -> int:
+def open_beneath(dest: str, rel: str, make: bool = False, made: list[str] | None = None) -> int:
     """An ``O_PATH`` descriptor of the directory ``rel`` of ``dest``, opened a name at a time
     from ``dest``, never through a symlink: one swapped in while a stage runs is ``EPERM``
     (checked once by path, a link swapped for a directory that already held files sent the
     rest of them wherever it pointed). ``make``: missing directories are made, as
-    ``os.makedirs``. The caller closes it.
+    ``os.makedirs``, and the DEST names of those it made appended to ``made``, shallowest
+    first. The caller closes it.
 
     Raises:
         OSError: ``EPERM`` for a symlink or ``..`` on the way, else as ``openat``/``mkdirat``.
     """
     fd = os.open(dest, _BENEATH & ~os.O_NOFOLLOW)
-    for name in (n for n in rel.split("/") if n not in ("", ".")):
-        fd = _step(fd, name, make)
+    names = [n for n in rel.split("/") if n not in ("", ".")]
+    for k, name in enumerate(names):
+        fd, new = _step(fd, name, make)
+        if new and made is not None:
+            made.append("/".join(names[: k + 1]))
     return fd
 
 
-def _step(fd: int, name: str, make: bool) -> int:
-    """The directory ``name`` in directory ``fd``, as :func:`open_beneath` opens it; ``fd``
-    is closed, whatever happens."""
+@contextlib.contextmanager
+def opened_beneath(dest: str, rel: str) -> Iterator[int]:
+    """:func:`open_beneath` (nothing made) as a context: the descriptor is closed on leaving."""
+    fd = open_beneath(dest, rel)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _step(fd: int, name: str, make: bool) -> tuple[int, bool]:
+    """The directory ``name`` in directory ``fd``, as :func:`open_beneath` opens it, and
+    whether it was made; ``fd`` is closed, whatever happens."""
     try:
         if name == "..":
             raise OSError(errno.EPERM, "refusing to write through '..'", name)
         try:
-            return os.open(name, _BENEATH, dir_fd=fd)
+            return os.open(name, _BENEATH, dir_fd=fd), False
         except FileNotFoundError:
             if not make:
                 raise
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.mkdir(name, dir_fd=fd)
-            return os.open(name, _BENEATH, dir_fd=fd)
+            except FileExistsError:
+                return os.open(name, _BENEATH, dir_fd=fd), False
+            return os.open(name, _BENEATH, dir_fd=fd), True
         except NotADirectoryError:
             if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
                 raise OSError(errno.EPERM, "refusing to write through a symlink", name) from None
@@ -168,10 +175,11 @@ def _step(fd: int, name: str, make: bool) -> int:
         os.close(fd)
 
 
-def _fd_path(fd: int, name: str = "") -> str:
+def fd_path(fd: int, name: str = "") -> str:
     """A path to ``name`` in the directory open as ``fd`` (``/proc/self/fd``: no link between
-    them is followed again)."""
-    return os.path.join(f"/proc/self/fd/{fd}", name)
+    them is followed again); the file open as ``fd`` itself without ``name``."""
+    path = f"/proc/self/fd/{fd}"
+    return os.path.join(path, name) if name else path
 
 
 def mode_mask(special_bits: bool) -> int:
@@ -190,9 +198,9 @@ def settle_dirs(dest: str, dirs: list[Item], special_bits: bool) -> list[str]:
         try:
             fd = open_beneath(dest, item.dest)  # (a link swapped in: its target's mode stays)
             try:
-                os.chmod(_fd_path(fd), item.mode & mode_mask(special_bits))
+                os.chmod(fd_path(fd), item.mode & mode_mask(special_bits))
                 if item.mtime_ns:
-                    os.utime(_fd_path(fd), ns=(item.mtime_ns, item.mtime_ns))
+                    os.utime(fd_path(fd), ns=(item.mtime_ns, item.mtime_ns))
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -443,7 +451,7 @@ class Committer:
             for rel, rec, _ in placed:
                 self.errors.append(f"{rec['source']}: cannot record {rel}: {exc.strerror}")
                 parent, name = os.path.split(rel)
-                _unlink(_fd_path(parents[parent], name))
+                _unlink(fd_path(parents[parent], name))
             return
         self.placed.files += len(placed)
         self.placed.bytes += sum(nbytes for *_, nbytes in placed)
@@ -467,7 +475,7 @@ def _place(tmp: str, parent: int, name: str) -> None:
     try:
         os.replace(tmp, name, dst_dir_fd=parent)
     except IsADirectoryError:
-        tree = _dirs_only(_fd_path(parent, name))
+        tree = _dirs_only(fd_path(parent, name))
         if tree is None:
             raise
         for path in tree:

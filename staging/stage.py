@@ -22,7 +22,16 @@ from staging.checksum import LEAF_BYTES
 from staging.cluster import Layout, layout
 from staging.config import StageConfig
 from staging.confine import leads_out
-from staging.copy import Engine, Stats, mode_mask, settle_dirs, tmp_dir, within
+from staging.copy import (
+    Engine,
+    Stats,
+    fd_path,
+    mode_mask,
+    open_beneath,
+    opened_beneath,
+    settle_dirs,
+    tmp_dir,
+)
 from staging.directio import IoPolicy
 from staging.exitcodes import Agreed, Exit
 from staging.manifest import Manifest, lock_dest, meta_dir
@@ -209,13 +218,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                     _in_the_way(stale_files(manifest, trees, groups, limit), groups),
                     groups,
                 )
-                for item in (i for g in groups for i in g.items if i.kind == "dir"):
-                    path = os.path.join(dest, item.dest)
-                    if not within(dest, path):
-                        raise OSError(errno.EPERM, "refusing to write through a symlink", path)
-                    dirs.extend(reversed(_absent(path)))
-                    os.makedirs(path, exist_ok=True)
-                    _writable(path)
+                _make_dirs(dest, [i.dest for g in groups for i in g.items if i.kind == "dir"], dirs)
         except OSError as exc:
             work.code, work.error = Exit.FAILED, f"{dest}: {exc.strerror}: {exc.filename}"
     work = node_comm.bcast(work, root=0)
@@ -372,45 +375,95 @@ def _in_the_way(keys: list[str], groups: list[Group]) -> list[str]:
     ]
 
 
+def _make_dirs(dest: str, rels: list[str], made: list[str]) -> None:
+    """Make the directories ``rels`` of the plan in DEST, each through descriptors opened a
+    name at a time from DEST (:func:`~staging.copy.open_beneath`), and let the owner write into
+    them until the run gives them their modes (one staged read-only by an earlier run); the
+    DEST names of those made are appended to ``made``, shallowest first. Checked by path, a
+    directory swapped for a link between the check and the ``mkdir`` had it made outside."""
+    for rel in rels:
+        try:
+            fd = open_beneath(dest, rel, make=True, made=made)
+        except OSError as exc:  # named by the directory to make, a link on its way or not
+            raise OSError(exc.errno, exc.strerror, os.path.join(dest, rel)) from None
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+            if mode & 0o700 != 0o700:
+                os.chmod(fd_path(fd), mode | 0o700)
+        finally:
+            os.close(fd)
+
+
 def _settle_modes(dest: str, modes: list[tuple[str, int]]) -> list[str]:
     """Give files left in place their source's new mode (``chmod`` of the source since the
-    last run: nothing copied, as ``rsync -a``); the errors of those that cannot take it."""
+    last run: nothing copied, as ``rsync -a``), each through its directory opened beneath DEST
+    and never through a link (by path, a directory swapped for one had the files it led to
+    take the modes); the errors of those that cannot take it."""
     errors = []
     for rel, mode in modes:
-        path = os.path.join(dest, rel)
+        parent, name = os.path.split(rel)
         try:
-            os.chmod(path, mode)  # (a regular file when the run began: _staged)
+            with opened_beneath(dest, parent) as dir_fd:
+                _chmod_file(dir_fd, name, mode)
         except OSError as exc:
-            errors.append(f"{path}: cannot set mode {mode:o}: {exc.strerror}")
+            errors.append(f"{os.path.join(dest, rel)}: cannot set mode {mode:o}: {exc.strerror}")
     return errors
+
+
+def _chmod_file(dir_fd: int, name: str, mode: int) -> None:
+    """``chmod`` the file ``name`` of the directory ``dir_fd``, never through a link (Python
+    3.11 has no ``fchmodat(AT_SYMLINK_NOFOLLOW)`` on Linux)."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise OSError(errno.EPERM, "refusing to write through a symlink", name)
+        os.chmod(fd_path(fd), mode)
+    finally:
+        os.close(fd)
 
 
 def _drop(manifest: Manifest, dest: str, keys: list[str], groups: list[Group]) -> list[str]:
     """Remove the files ``keys`` (:func:`stale_files`) from DEST and the manifest, and their
     directories that the new share does not have once empty (one holding files of the user's
-    stays); the errors."""
+    stays), through descriptors opened beneath DEST (by path, a directory swapped for a link
+    while the stage ran had the files it led to removed); the errors."""
     mine = {i.dest for g in groups for i in g.items if i.kind == "dir"}
     errors, dirs = [], set()
     for key in keys:
-        path = os.path.join(dest, key)
-        if not within(dest, path):  # (through a link: not ours to remove)
-            continue
-        if key in mine and os.path.isdir(path):  # a directory now: its file went before the copy
-            del manifest.entries[key]
-            continue
         dirs.update(_parents_outside(key, mine))
         try:
-            os.unlink(path)
+            _unlink_beneath(dest, key, key in mine)
         except (FileNotFoundError, NotADirectoryError):  # gone, or a file of the source now
             pass
-        except OSError as exc:
-            errors.append(f"{path}: cannot remove a file no longer in this share: {exc.strerror}")
+        except OSError as exc:  # a link on the way included: the file is not ours to remove
+            errors.append(
+                f"{os.path.join(dest, key)}: cannot remove a file no longer in this share: "
+                f"{exc.strerror}"
+            )
             continue
         del manifest.entries[key]
     for key in sorted(dirs, key=lambda k: -k.count("/")):  # deepest first
-        with contextlib.suppress(OSError):  # gone already, or not empty: files of the user's
-            os.rmdir(os.path.join(dest, key))
+        _rmdir_beneath(dest, key)
     return errors
+
+
+def _unlink_beneath(dest: str, rel: str, planned_dir: bool) -> None:
+    """Remove the file ``rel`` of DEST through its directory opened beneath DEST (a link on
+    the way: ``EPERM``); nothing where the plan has a directory there and one stands there
+    (its file went before the copy)."""
+    parent, name = os.path.split(rel)
+    with opened_beneath(dest, parent) as fd:
+        if planned_dir and stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+            return
+        os.unlink(name, dir_fd=fd)
+
+
+def _rmdir_beneath(dest: str, rel: str) -> None:
+    """Remove the directory ``rel`` of DEST through its parent opened beneath DEST, if it is
+    empty; nothing where it is gone, not empty (files of the user's) or behind a link."""
+    parent, name = os.path.split(rel)
+    with contextlib.suppress(OSError), opened_beneath(dest, parent) as fd:
+        os.rmdir(name, dir_fd=fd)
 
 
 def _parents_outside(key: str, mine: set[str]) -> list[str]:
@@ -458,22 +511,14 @@ def _absent(path: str) -> list[str]:
     return missing
 
 
-def _writable(path: str) -> None:
-    """Let the owner write into directory ``path`` until the run gives it its mode (one
-    staged read-only by an earlier run)."""
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o700 != 0o700:
-        os.chmod(path, mode | 0o700)
-
-
 def _unmake(dest: str, made: list[str], dirs: list[str] | None = None) -> None:
-    """Remove the directories of the plan this run made in DEST (``dirs``), then the lock, the
-    temp directory and the directories this run made for DEST (``made``), each deepest first
-    and only once it is empty: whatever another run put there meanwhile stays. A DEST that had
-    ``.datastore`` (``made`` empty) keeps its lock, its manifest and its partial copies."""
-    for path in dirs or ():
-        with contextlib.suppress(OSError):  # not made after all, or no longer empty
-            os.rmdir(path)
+    """Remove the directories of the plan this run made in DEST (``dirs``, DEST names, through
+    descriptors opened beneath it), then the lock, the temp directory and the directories this
+    run made for DEST (``made``), each deepest first and only once it is empty: whatever
+    another run put there meanwhile stays. A DEST that had ``.datastore`` (``made`` empty)
+    keeps its lock, its manifest and its partial copies."""
+    for rel in dirs or ():  # (not made after all, or no longer empty: it stays)
+        _rmdir_beneath(dest, rel)
     if not made:
         return
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # (DEST is a file)

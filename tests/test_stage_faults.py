@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import signal
 import stat
 import threading
@@ -181,3 +182,66 @@ def test_a_directory_swapped_for_a_link_mid_run_takes_no_file_and_no_mode(tmp_pa
     ]
     assert (os.listdir(outside), stat.S_IMODE(outside.stat().st_mode)) == ([], 0o700)
     assert os.listdir(tmp_path / "moved") == ["a"]
+
+
+def _outside(root) -> dict:
+    """Every entry under ``root``: its kind, mode and modification time."""
+    return {
+        str(p.relative_to(root)): (p.is_dir(), stat.S_IMODE(p.stat().st_mode), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_a_directory_swapped_for_a_link_mid_run_is_not_followed_to_mkdir_unlink_or_chmod(
+    tmp_path, monkeypatch, capsys
+):
+    """A re-run that makes a directory, removes a file gone from the source and gives a file
+    left in place its new mode, while a directory of DEST is swapped for a link out of it just
+    before each call: by path, the directory was made, the file removed and the mode set
+    where the link led. Through descriptors opened beneath DEST, nothing outside changes."""
+    from datastore.cli import main
+
+    src, dest, out = tmp_path / "src" / "ds", tmp_path / "dest", tmp_path / "outside"
+    for d in ("keep", "gone", "new"):
+        (src / d).mkdir(parents=True)
+        (src / d / "f").write_bytes(d.encode())
+        (out / d).mkdir(parents=True)
+        (out / d / "f").write_bytes(b"outside")
+        os.chmod(out / d / "f", 0o644)
+    assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == 0
+    os.chmod(src / "keep" / "f", 0o600)  # kept in place: the re-run sets the mode
+    shutil.rmtree(src / "gone")  # the re-run removes DEST/ds/gone/f
+    (src / "new" / "x").mkdir()  # the re-run makes DEST/ds/new/x
+    before = _outside(out)
+
+    def swap(*names: str) -> None:
+        for name in names:
+            os.rename(dest / "ds" / name, tmp_path / f"moved-{name}")
+            os.symlink(out / name, dest / "ds" / name)
+
+    real_mkdir, real_unlink = os.mkdir, os.unlink
+
+    def mkdir(path, *args, **kwargs):
+        if os.path.basename(path) == "x":  # after the up-to-date check of DEST/ds/keep/f
+            swap("new", "keep")
+        return real_mkdir(path, *args, **kwargs)
+
+    def unlink(path, *args, **kwargs):
+        if os.path.basename(path) == "f":
+            swap("gone")
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "unlink", unlink)
+    code = main(["stage", str(src), "--to", str(dest), "--quiet", "--json"])
+    monkeypatch.undo()
+    assert _outside(out) == before
+    why = "refusing to write through a symlink"
+    assert (code, json.loads(capsys.readouterr().out)["errors"]) == (1, [
+        f"{dest}/ds/keep/f: cannot set mode 600: {why}",
+        f"{src}/new/x: cannot set the mode and time of ds/new/x: {why}",
+        f"{src}/keep: cannot set the mode and time of ds/keep: {why}",
+        f"{src}/new: cannot set the mode and time of ds/new: {why}",
+    ])  # fmt: skip
+    assert sorted(os.listdir(tmp_path / "moved-new")) == ["f", "x"]
+    assert os.listdir(tmp_path / "moved-gone") == []
