@@ -251,3 +251,26 @@ def test_a_huge_sample_is_never_negative_bytes():
     shape = "99999999,99999999,99999999"
     out = plan_json("--samples", "100", "--shape", shape, *JOB)
     assert all(s["gpu_bytes"] > 0 for s in out["splits"]), out["splits"]
+
+
+def test_shards_on_disk_are_planned_where_the_stage_puts_them(tmp_path, capsys):
+    """HDF5 shards of 16, 16, 16 and 8 samples on 2 nodes: ``stage --mode shard`` puts 32
+    samples on one node, 24 on the other (its own placement, below). The plan took 2 of 4
+    equal files, 28 samples a node."""
+    from staging.plan import assign, build_plan
+
+    src = tmp_path / "ds"
+    src.mkdir()
+    for k, n in enumerate((16, 16, 16, 8)):
+        with h5py.File(src / f"part-{k}.h5", "w") as f:
+            f["x"] = np.zeros((n, 2, 4, 4, 4), np.float32)
+            f["y"] = np.zeros((n, 3), np.float32)
+    args = ["plan", str(src), *JOB, "--ranks-per-node", "1", "--gpus-per-node", "0"]
+    assert main([*args, "--layout", "shards", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    nodes = assign(build_plan([str(src)]), 2)
+    staged = [sum(i.size for g in node for i in g.items) for node in nodes]
+    shard = next(s for s in out["staging"] if s["mode"] == "shard")
+    assert shard["bytes_per_node"] == max(staged)
+    held = next(r for r in out["layouts"] if (r["staging"], r["shuffle"]) == ("shard", "shard"))
+    assert held["resident_bytes"] == 32 * (512 + 12)

@@ -21,8 +21,8 @@ from datastore.plan.plan_model import (
     exchange_cost,
     layouts,
     make_plan,
-    node_share,
     offnode_home_share,
+    shard_loads,
     split_cost,
     split_ladder,
     stage_time,
@@ -74,9 +74,9 @@ def test_staging_replicate_vs_shard():
 
 
 def test_shard_share_is_whole_files():
-    assert node_share(10 * MIB, 10, 4, "shard") == 3 * MIB  # ceil(10/4) files
-    assert node_share(10 * MIB, 10, 4, "replicate") == 10 * MIB
-    assert node_share(2 * MIB, 2, 4, "shard") == MIB  # 2 nodes get nothing
+    # (busiest node's bytes on disk, most and least bytes of samples a node holds)
+    assert shard_loads(flat(10, MIB), 4) == (3 * MIB, 3 * MIB, 2 * MIB)  # ceil(10/4) files
+    assert shard_loads(flat(2, MIB), 4) == (MIB, MIB, 0)  # 2 nodes get nothing
     one_file = stage_time(flat(20, MIB, files=1), machine(), "shard")
     # the one file lands on one node, which alone reads the filesystem (2 GiB/s > its link)
     assert (one_file.bytes_per_node, one_file.read_s) == (20 * MIB, 20 * MIB / GIB)
@@ -358,3 +358,31 @@ def test_configs_refuse_bad_values():
         Job(global_batch=1, step_time=1, boundary="wrap")
     with pytest.raises(PlanError, match=r"halo \(1, 1\) needs one width, or one per spatial"):
         make_plan(volume(8), machine(), Job(global_batch=8, step_time=1, halo=(1, 1)))
+
+
+def test_shards_of_different_sizes_land_where_the_stage_puts_them():
+    """HDF5 shards of 30, 2, 2 and 2 samples on 2 nodes: the stage puts the 30 on one node and
+    the rest on the other (a real ``--mode shard`` run and its loaders: 30 and 6 samples held,
+    the small node's rank receiving 47,360 B a step where the plan said 32,788). Taken as
+    ``ceil(F/N)`` of ``F`` equal files, the plan gave each node 18 samples: staged, held and
+    exchanged figures 40% and more off, and a node's memory found to fit where it did not."""
+    sizes = ((30 * MIB + 7, 30), (2 * MIB + 7, 2), (2 * MIB + 7, 2), (2 * MIB + 7, 2))
+    ds = DatasetSize(36, (FieldInfo("b", np.uint8, (MIB,)),), files=4, file_sizes=sizes)
+    assert split_by_bytes([b for b, _ in sizes], 2) == [0, 1, 1, 1]  # what the stage does
+    assert shard_loads(ds, 2) == (30 * MIB + 7, 30 * MIB, 6 * MIB)
+    m = machine(nodes=2, ranks_per_node=1, memory_per_node=20 * GIB // 1024)
+    assert stage_time(ds, m, "shard").bytes_per_node == 30 * MIB + 7
+    job = Job(global_batch=4, step_time=1)
+    rows = {(r.staging, r.shuffle): r for r in layouts(ds, m, job, split_cost(ds, m, job, None))}
+    held = rows["shard", "shard"]
+    assert (held.resident_bytes, held.fits_memory) == (30 * MIB, False)  # 20 MiB a node
+    # a rank of the node holding 6 of 36 draws 30/36 of its 2 samples a step from the other
+    got = rows["shard", "global"]
+    assert (got.exchange_bytes, got.exchange_s) == (
+        round(2 * MIB * 30 / 36), 2 * MIB * 30 / 36 / m.exchange_rate,
+    )  # fmt: skip
+    # equal files of unknown sizes: as before
+    even = flat(36, MIB, files=4)
+    assert shard_loads(even, 2) == (18 * MIB, 18 * MIB, 18 * MIB)
+    with pytest.raises(PlanError, match="file sizes of 4 files holding 36 samples, for a "):
+        DatasetSize(40, ds.fields, files=4, file_sizes=sizes)

@@ -9,6 +9,7 @@ flags: what was measured overrides the defaults), and prints the plan as tables 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -331,8 +332,22 @@ def _read_dataset(path: str, layout: str | None) -> DatasetSize:
 
     with open_dataset(path, layout=layout) as reader:
         reader.check_files()
-        stored = sum(_disk_bytes(f) for f in reader.files)
-        return DatasetSize(len(reader), tuple(reader.fields.values()), len(reader.files), stored)
+        disk = [_disk_bytes(f) for f in reader.files]
+        counts = _file_samples(reader)
+        sizes = () if counts is None else tuple(zip(disk, counts, strict=True))
+        return DatasetSize(len(reader), tuple(reader.fields.values()), len(disk), sum(disk), sizes)
+
+
+def _file_samples(reader: Any) -> list[int] | None:
+    """The samples in each of ``reader``'s files (where ``datastore stage --mode shard`` places
+    them): one each in a set of one-sample files, a shard's count in a set of shards (its
+    ``offsets``), all in a dataset of one file; ``None`` where not known."""
+    files, offsets = reader.files, getattr(reader, "offsets", None)
+    if len(files) == 1:
+        return [len(reader)]
+    if offsets is not None and len(offsets) == len(files) + 1:
+        return [int(b - a) for a, b in itertools.pairwise(offsets)]
+    return [1] * len(files) if len(files) == len(reader) else None
 
 
 def _disk_bytes(path: str) -> int:

@@ -6,7 +6,8 @@ sample count: 10^8 samples on 4,096 ranks cost what 10 samples on 2 ranks do. (N
 confused with ``staging/plan.py``, which lists the files a stage copies.)
 
 The model, per node (``N`` nodes, ``R`` ranks per node, a dataset of ``D`` bytes in ``F``
-files of equal size; shard gives the busiest node ``ceil(F/N)`` files):
+files; shard places them as the stage does where their sizes are known, else gives the busiest
+node ``ceil(F/N)`` of ``F`` equal files: :func:`shard_loads`):
 
 Staging (``datastore stage``)
     Every node reads its share from the parallel filesystem while it writes it to NVMe; the two
@@ -18,7 +19,7 @@ Staging (``datastore stage``)
         seconds = max(read_s, write_s)
 
     ``--mode replicate``: share = ``D`` on every node (the filesystem serves ``N D``);
-    ``--mode shard``: share = ``ceil(F/N) / F`` of ``D``. Per-file costs are left out.
+    ``--mode shard``: share = the busiest node's files. Per-file costs are left out.
 
 Memory per node
     A node holds what it staged, uncompressed: the whole dataset when replicated (served by
@@ -29,8 +30,9 @@ Memory per node
 
 Exchange under a shuffle (per step, per rank; what crosses the network)
     Under ``shuffle="global"`` a rank's samples are spread evenly over the dataset, so the
-    share owned by other nodes is ``(N-1)/N`` when sharded and 0 when every node holds
-    everything (a replicated dataset is served from local memory). A rank receives only its
+    share owned by other nodes is, for a rank of the node holding least, all but that node's
+    share when sharded (``(N-1)/N`` of equal shares) and 0 when every node holds everything (a
+    replicated dataset is served from local memory). A rank receives only its
     block with halo (:mod:`datastore.maths.partition`, via
     :func:`datastore.maths.delivery.delivered_fields`). ``"none"`` moves as many bytes, spread
     alike over the nodes for one-sample files (``stage --mode shard`` deals consecutive files to
@@ -60,6 +62,7 @@ import numpy as np
 from datastore.maths.delivery import delivered_fields, spatial_grid
 from datastore.maths.partition import BOUNDARIES
 from datastore.readers.base import FieldInfo
+from staging.plan import split_by_bytes
 from staging.progress import human_bytes
 
 __all__ = [
@@ -77,9 +80,9 @@ __all__ = [
     "exchange_cost",
     "layouts",
     "make_plan",
-    "node_share",
     "offnode_home_share",
     "recommend",
+    "shard_loads",
     "split_cost",
     "split_ladder",
     "stage_time",
@@ -128,12 +131,16 @@ class DatasetSize:
         files: the files the dataset is stored in (the unit ``--mode shard`` places).
             Default: ``0``, one file per sample.
         stored_bytes: bytes on disk (what staging copies). Default: ``0``, the samples' bytes.
+        file_sizes: ``(bytes on disk, samples)`` of every file, where known (a dataset read
+            from its path), for where ``--mode shard`` places them. Default: ``()``, ``files``
+            files of equal size.
     """
 
     num_samples: int
     fields: tuple[FieldInfo, ...]
     files: int = 0
     stored_bytes: int = 0
+    file_sizes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         _set(self, "num_samples", _whole("samples", self.num_samples, 1))
@@ -144,6 +151,14 @@ class DatasetSize:
             raise PlanError("a sample of the dataset holds no bytes")
         files = _whole("files", self.files, 0) or self.num_samples
         _set(self, "files", files)
+        sizes = tuple((_whole("file bytes", b, 0), _whole("file samples", n, 0)) for b, n in
+                      self.file_sizes)  # fmt: skip
+        _set(self, "file_sizes", sizes)
+        if sizes and (len(sizes), sum(n for _, n in sizes)) != (files, self.num_samples):
+            raise PlanError(
+                f"file sizes of {len(sizes)} files holding {sum(n for _, n in sizes)} samples, "
+                f"for a dataset of {files} files and {self.num_samples} samples"
+            )
         stored = _whole("stored bytes", self.stored_bytes, 0) or self.nbytes
         _set(self, "stored_bytes", stored)
 
@@ -285,11 +300,27 @@ class Job:
 # ----------------------------------------------------------------------------- staging
 
 
-def node_share(total: int, files: int, nodes: int, staging: str) -> int:
-    """Bytes of ``total`` (in ``files`` equal files) on the busiest node."""
-    if staging == "replicate":
-        return total
-    return total * -(-files // nodes) // files
+def shard_loads(ds: DatasetSize, nodes: int) -> tuple[int, int, int]:
+    """Under ``--mode shard``: the bytes on disk of the busiest node, and the most and the least
+    bytes of samples a node holds. Where the files' sizes are known, the stage's own placement
+    of them (:func:`staging.plan.split_by_bytes`: largest first, to the least loaded node;
+    taken as ``ceil(F/N)`` of ``F`` equal files, the 64 and 56 samples two nodes held of HDF5
+    shards of 16 samples, 7 of them, and one of 8 were 60 each, the 30 and 6 of shards of 30,
+    2, 2 and 2 were 18 each). Else ``F`` files of equal size, dealt evenly."""
+    if not ds.file_sizes:
+        most, least = -(-ds.files // nodes), ds.files // nodes
+        return (
+            ds.stored_bytes * most // ds.files,
+            ds.nbytes * most // ds.files,
+            ds.nbytes * least // ds.files,
+        )
+    disk, samples = [0] * nodes, [0] * nodes
+    for (nbytes, n), node in zip(
+        ds.file_sizes, split_by_bytes([b for b, _ in ds.file_sizes], nodes), strict=True
+    ):
+        disk[node] += nbytes
+        samples[node] += n
+    return max(disk), max(samples) * ds.sample_bytes, min(samples) * ds.sample_bytes
 
 
 @dataclass(frozen=True)
@@ -311,7 +342,7 @@ class Staging:
 
 def stage_time(ds: DatasetSize, m: Machine, mode: str) -> Staging:
     """Time to stage ``ds`` with ``--mode mode`` (the busiest node's), and whether it fits."""
-    share = node_share(ds.stored_bytes, ds.files, m.nodes, mode)
+    share = ds.stored_bytes if mode == "replicate" else shard_loads(ds, m.nodes)[0]
     readers = m.nodes if mode == "replicate" else min(m.nodes, ds.files)
     pfs_each = m.pfs_read_bw / readers
     read_s = share / min(pfs_each, m.network_bw)
@@ -464,15 +495,25 @@ class Layout:
 
 
 def exchange_cost(
-    m: Machine, job: Job, split: Split, staging: str, shuffle: str, per_file: bool = False
+    m: Machine,
+    job: Job,
+    split: Split,
+    staging: str,
+    shuffle: str,
+    per_file: bool = False,
+    held: tuple[float, float] | None = None,
 ) -> tuple[int, float]:
-    """``(bytes one rank receives from other nodes per step, seconds of the busiest link)``
-    under ``shuffle`` with the dataset staged ``staging``; ``per_file``: one sample a file
-    (``stage --mode shard`` deals consecutive files to different nodes, so a global batch in
-    storage order is spread over them as under ``"global"``). Default: ``False``."""
+    """``(bytes the busiest rank receives from other nodes per step, seconds of the busiest
+    link)`` under ``shuffle`` with the dataset staged ``staging``; ``per_file``: one sample a
+    file (``stage --mode shard`` deals consecutive files to different nodes, so a global batch
+    in storage order is spread over them as under ``"global"``). Default: ``False``. ``held``:
+    the least and the most share of the samples a node holds when sharded (files of different
+    sizes: a rank of the node holding least draws the most from other nodes, the node holding
+    most sends the most). Default: ``1/N`` each."""
     n, rpn = m.nodes, m.ranks_per_node
+    least, most = held or (1 / n, 1 / n)
     if shuffle in ("global", "none"):
-        remote = 0.0 if staging == "replicate" else (n - 1) / n
+        remote = 0.0 if staging == "replicate" else 1 - least
     else:
         remote = offnode_home_share(split.blocks, m)
     per_rank = split.local_batch * split.rank_sample_bytes * remote
@@ -480,7 +521,9 @@ def exchange_cost(
     if shuffle == "none" and remote and not per_file:  # a file's run of the storage order
         # holds every global batch, on one node, which sends it
         node_in = rpn * split.local_batch * split.rank_sample_bytes
-        node_out = job.global_batch * split.sample_delivered_bytes * remote
+        node_out = job.global_batch * split.sample_delivered_bytes * (n - 1) / n
+    elif shuffle in ("global", "none") and remote:  # the other nodes' ranks draw from it
+        node_out = (n - 1) * rpn * split.local_batch * split.rank_sample_bytes * most
     else:
         node_out = node_in
     return round(per_rank), max(node_in, node_out) / m.exchange_rate
@@ -508,6 +551,8 @@ def layouts(ds: DatasetSize, m: Machine, job: Job, split: Split) -> list[Layout]
         f"window:{job.window}": f"its home (1/{w}), in windows of {job.window}",
     }
     per_file = ds.files == ds.num_samples  # the service shards one-sample-per-file sets only
+    _, most, least = shard_loads(ds, m.nodes)
+    held = (least / ds.nbytes, most / ds.nbytes)
     rows = [
         ("replicate", "global", "serve"),
         ("replicate", "none", "serve"),
@@ -518,9 +563,9 @@ def layouts(ds: DatasetSize, m: Machine, job: Job, split: Split) -> list[Layout]
     ]
     out = []
     for staging, shuffle, source in rows:
-        resident = node_share(ds.nbytes, ds.files, m.nodes, staging)
+        resident = ds.nbytes if staging == "replicate" else most
         buffers = _buffers(m, job, split, source)
-        nbytes, seconds = exchange_cost(m, job, split, staging, shuffle, per_file)
+        nbytes, seconds = exchange_cost(m, job, split, staging, shuffle, per_file, held)
         out.append(
             Layout(
                 staging=staging,
