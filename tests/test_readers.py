@@ -36,7 +36,7 @@ from datastore.readers import (
     open_dataset,
     write_lmdb,
 )
-from datastore.readers.base import normalize_region
+from datastore.readers.base import DatasetMissing, normalize_region
 from datastore.readers.lmdb_format import META_KEY, sample_key
 
 N, C, S = 5, 4, 16  # samples, channels, side: x is (C, S, S, S) float32, y is (C,) float32
@@ -1010,6 +1010,51 @@ def _reader_of_fifo(fifo: Path, stop: threading.Event) -> None:
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         except OSError:
             stop.wait(0.05)
+
+
+def _virtual(path, sources, n=4):
+    """A virtual dataset ``x`` at ``path``: ``n`` float32 of each of ``sources`` in turn."""
+    layout = h5py.VirtualLayout((n * len(sources),), np.float32)
+    for k, source in enumerate(sources):
+        layout[k * n : (k + 1) * n] = h5py.VirtualSource(source, "x", shape=(n,))
+    with h5py.File(path, "w") as f:
+        f.create_virtual_dataset("x", layout)
+
+
+def test_hdf5_virtual_sources_found_nowhere_are_refused(tmp_path, monkeypatch):
+    """A virtual dataset whose source is in none of the places HDF5 looks for it was read as
+    its fill value: ``[1] * 4 + [0] * 8`` for ``[1] * 4 + [2] * 8``, without a word. It is
+    refused when opened (a file of a set of one sample per file: when read), naming the file,
+    the dataset and the source; once the source is there it is read."""
+    data, cwd = tmp_path / "data", tmp_path / "cwd"
+    data.mkdir()
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("HDF5_VDS_PREFIX", raising=False)
+    with h5py.File(data / "a.h5", "w") as f:
+        f["x"] = np.ones(4, np.float32)
+    _virtual(data / "vds.h5", ["a.h5", "b.h5", "b.h5"])
+    _virtual(data / "one.h5", ["a.h5"])
+    _virtual(data / "two.h5", ["b.h5"])
+
+    def missing(name):
+        return (
+            f"{data / name}: field 'x': its virtual source 'b.h5' is in none of the places "
+            f"HDF5 looks for it ({data / 'b.h5'}, {cwd / 'b.h5'}): HDF5 would read its samples "
+            "as the fill value; put the file there (or set HDF5_VDS_PREFIX to its directory)"
+        )
+
+    with pytest.raises(DatasetMissing) as err:
+        open_dataset(str(data / "vds.h5"))
+    assert str(err.value) == missing("vds.h5")
+    spec = DatasetSpec("hdf5-per-sample", (str(data / "one.h5"), str(data / "two.h5")))
+    with open_dataset(spec) as r, pytest.raises(DatasetMissing) as err:
+        r.read(1, "x")
+    assert str(err.value) == missing("two.h5")
+    with h5py.File(data / "b.h5", "w") as f:
+        f["x"] = np.full(4, 2, np.float32)
+    with open_dataset(str(data / "vds.h5")) as r:
+        assert [float(r.read(i, "x")) for i in range(len(r))] == [1] * 4 + [2] * 8
 
 
 def test_hdf5_fields_reaching_a_fifo_are_refused_never_opened(tmp_path):

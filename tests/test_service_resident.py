@@ -360,6 +360,46 @@ def test_virtual_sources_under_hdf5_vds_prefix_or_the_resolved_files_directory(
         residency.close()
 
 
+def test_virtual_sources_found_nowhere_are_not_found(tmp_path, monkeypatch):
+    """A virtual dataset whose source is in none of the places HDF5 looks for it was served
+    as the fill value (zeros for its samples 8 to 15) without a word: now ``NOT_FOUND``
+    naming the file, the dataset and the source; once the source is there it is served."""
+    root, cwd = tmp_path / "root", tmp_path / "cwd"
+    root.mkdir()
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("HDF5_VDS_PREFIX", raising=False)
+    make_dataset(root / "a.h5", 1)
+    half = (SAMPLES // 2, 4, 4, 4)
+    with h5py.File(root / "virtual.h5", "w") as f:
+        layout = h5py.VirtualLayout((SAMPLES, 4, 4, 4), np.float32)
+        layout[: SAMPLES // 2] = h5py.VirtualSource("a.h5", "x", shape=(SAMPLES, 4, 4, 4))[
+            : SAMPLES // 2
+        ]
+        layout[SAMPLES // 2 :] = h5py.VirtualSource("b.h5", "x", shape=half)
+        f.create_virtual_dataset("x", layout)
+    residency = Residency(threads=1, roots=(root,))
+    try:
+        with pytest.raises(ServiceError) as err:
+            residency.load(str(root / "virtual.h5"))
+        assert (err.value.code, str(err.value)) == (
+            "NOT_FOUND",
+            f"{root / 'virtual.h5'}: field 'x': its virtual source 'b.h5' is in none of the "
+            f"places HDF5 looks for it ({root / 'b.h5'}, {cwd / 'b.h5'}): HDF5 would read its "
+            "samples as the fill value; put the file there (or set HDF5_VDS_PREFIX to its "
+            "directory)",
+        )
+        with h5py.File(root / "b.h5", "w") as f:
+            f["x"] = np.full(half, 2, np.float32)
+        r = residency.load(str(root / "virtual.h5"))
+        assert r.wait(30) and r.load_error == ""
+        with h5py.File(root / "a.h5") as f:
+            want = np.concatenate([f["x"][: SAMPLES // 2], np.full(half, 2, np.float32)])
+        assert np.array_equal(np.stack([r.sample(i, "x") for i in range(SAMPLES)]), want)
+    finally:
+        residency.close()
+
+
 def test_directory_datasets_with_entries_linked_out_of_the_roots_are_refused(tmp_path):
     """A Zarr store's chunk, or its array's directory, or an LMDB environment's ``data.mdb``
     linked out of ``--allow`` was served (42.0, the outside file's values)."""

@@ -29,7 +29,13 @@ import h5py
 import numpy as np
 from h5py import h5t, h5z
 
-from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
+from datastore.readers.base import (
+    DatasetError,
+    DatasetMissing,
+    FieldInfo,
+    Reader,
+    default_spatial_axes,
+)
 from datastore.readers.npyfile import RawArray, file_stamp
 from datastore.readers.registry import LAYOUTS, Format, register, resolve_paths
 from staging.confine import opened_path
@@ -636,13 +642,30 @@ def reached_files(ds: h5py.Dataset, path: str) -> list[str]:
     for name, _, _ in ds.external or ():
         out += _places(os.fsdecode(name), own)
     if ds.is_virtual:
-        out += [
-            f
-            for m in ds.virtual_sources()
-            if m.file_name != "."
-            for f in _source_places(m.file_name, own)
-        ]
+        for name in dict.fromkeys(m.file_name for m in ds.virtual_sources()):
+            if name != ".":
+                out += _found_source(ds, name, own)
     return out
+
+
+def _found_source(ds: h5py.Dataset, name: str, own: str) -> list[str]:
+    """``_source_places`` of the virtual source ``name`` of ``ds`` (of the file ``own``).
+
+    Raises:
+        DatasetMissing: naming ``own``, the dataset and the source, when the source is in
+            none of those places: HDF5 reads its part as the fill value (zeros), silently.
+            A name with ``%`` (a printf pattern HDF5 expands, ``%b``) is not checked.
+    """
+    places = _source_places(name, own)
+    if "%" in name or os.path.exists(places[-1]):
+        return places
+    raise DatasetMissing(
+        own,
+        f"its virtual source {name!r} is in none of the places HDF5 looks for it "
+        f"({', '.join(dict.fromkeys(places))}): HDF5 would read its samples as the fill "
+        "value; put the file there (or set HDF5_VDS_PREFIX to its directory)",
+        ds.name.lstrip("/"),
+    )
 
 
 def _source_places(name: str, own: str) -> list[str]:
