@@ -316,6 +316,31 @@ def test_a_bad_memory_budget_is_one_line_naming_it_and_exit_2(tmp_path, capsys, 
     assert not (tmp_path / "s.sock").exists()
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "why"),
+    [
+        ("--workers", "x", "must be a whole number, got 'x'"),
+        ("--workers", "1.5", "must be a whole number, got '1.5'"),
+        ("--node", "x", "must be a whole number, got 'x'"),
+        ("--data-port", "x", "must be a whole number, got 'x'"),
+        ("--grace", "x", "must be a number of seconds, got 'x'"),
+        ("--session-idle", "x", "must be a number of seconds, got 'x'"),
+        ("--peer-timeout", "x", "must be a number of seconds, got 'x'"),
+        ("--grace", "-1", "must be 0..3600 seconds, got -1.0"),
+    ],
+)
+def test_a_bad_number_is_one_line_naming_its_option_and_exit_2(
+    tmp_path, capsys, option, value, why
+):
+    """A value of serve's other numeric options that is not a number: argparse's usage (9
+    lines) came above ``argument --workers: invalid int value: 'x'``."""
+    from datastore.cli import main
+
+    assert main(["serve", "--socket", str(tmp_path / "s.sock"), option, value]) == 2
+    assert capsys.readouterr().err == f"datastore serve: {option} {why}\n"
+    assert not (tmp_path / "s.sock").exists()
+
+
 def test_tcp_without_token_file_is_refused(tmp_path, env):
     r = cli("serve", "--socket", str(tmp_path / "s.sock"), "--tcp", "127.0.0.1:0", env=env)
     assert r.returncode == 2 and "--token-file" in r.stderr

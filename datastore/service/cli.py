@@ -17,6 +17,14 @@ __all__ = ["add_parser", "parse_bytes"]
 
 # serve's defaults are ServeConfig's; an option of serve is stored under its field's name
 SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
+SERVE_NUMBERS = {  # ServeConfig field: its option and type, taken as text (parse_number)
+    "grace_s": ("--grace", float),
+    "workers": ("--workers", int),
+    "session_idle_s": ("--session-idle", float),
+    "node": ("--node", int),
+    "peer_timeout_s": ("--peer-timeout", float),
+    "data_port": ("--data-port", int),
+}
 
 
 SERVE_EPILOG = """\
@@ -31,7 +39,8 @@ exit codes:
   1  could not listen (a live server holds the socket, an unsafe or missing directory, a
      busy port)
   2  bad usage (--tcp without --token-file, an unreadable or empty token file, or one that
-     others can read, an --allow root that does not exist, a --state-file that is a directory)
+     others can read, an --allow root that does not exist, a --state-file that is a directory,
+     a value of a numeric option that is not a number or out of its range: one line naming it)
 
 examples:
   datastore serve
@@ -142,7 +151,6 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     _seconds_option(p, "--grace", "grace_s", "how long shutdown lets calls in flight finish")
     p.add_argument(
         "--workers",
-        type=int,
         default=SERVE_DEFAULTS["workers"],
         help="threads serving calls, one per call in flight (each rank's stream holds one for "
         "its life); a call beyond them is refused RESOURCE_EXHAUSTED (default: %(default)s)",
@@ -184,7 +192,7 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
         help="every service of the store, this one included, in node order: the services "
         "peer over gRPC on their --tcp addresses, with the same --token-file (not under mpiexec)",
     )
-    p.add_argument("--node", type=int, default=None, help="this service's index in --peers")
+    p.add_argument("--node", default=None, help="this service's index in --peers")
     p.add_argument(
         "--peer-ca",
         type=_path,
@@ -195,7 +203,6 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     _seconds_option(p, "--peer-timeout", "peer_timeout_s", what)
     p.add_argument(
         "--data-port",
-        type=int,
         default=SERVE_DEFAULTS["data_port"],
         metavar="PORT",
         help="with --peers: the port of the peers' data connections, on the host of --tcp "
@@ -260,7 +267,7 @@ def _seconds_option(p: Any, flag: str, field: str, what: str) -> None:
     takes); ``what`` it sets, for the help."""
     help = f"{what} (default: %(default)g)"
     default = SERVE_DEFAULTS[field]
-    p.add_argument(flag, type=float, dest=field, default=default, metavar="SECONDS", help=help)
+    p.add_argument(flag, dest=field, default=default, metavar="SECONDS", help=help)
 
 
 def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
@@ -336,6 +343,19 @@ def _tcp(address: str) -> str:
     if ":" not in address:
         raise argparse.ArgumentTypeError(f"wants HOST:PORT, got {address!r}")
     return address
+
+
+def parse_number(value: Any, option: str, kind: type) -> Any:
+    """An option's text as ``kind`` (``int``: a whole number; ``float``: seconds); anything
+    else (its default) as it is. Raises ``ValueError`` naming ``option``: ``run_serve`` says it
+    in one line (as an argparse type, argparse's usage came above it)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number of seconds"
+        raise ValueError(f"{option} must be {what}, got {value!r}") from None
 
 
 def parse_bytes(text: str, option: str) -> int:

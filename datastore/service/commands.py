@@ -21,7 +21,7 @@ __all__ = ["run_load", "run_serve", "run_shutdown", "run_status", "run_unload"]
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from datastore.service.cli import parse_bytes
+    from datastore.service.cli import SERVE_NUMBERS, parse_bytes, parse_number
     from datastore.service.config import ServeConfig
     from datastore.service.grpc_peers import parse_peers
     from datastore.service.paths import default_socket, default_state_file
@@ -40,6 +40,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 None if args.memory_budget is None
                 else parse_bytes(args.memory_budget, "--memory-budget")
             ),
+            **{
+                field: parse_number(getattr(args, field), option, kind)
+                for field, (option, kind) in SERVE_NUMBERS.items()
+            },
         }  # fmt: skip
         names = {f.name for f in dataclasses.fields(ServeConfig)} - derived.keys()
         # the other options are stored under their ServeConfig field's name (service.cli)
