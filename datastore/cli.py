@@ -86,6 +86,12 @@ def _command(
 
 def _stage(args: argparse.Namespace) -> int:
     """``datastore stage``: here, or by a running service (``--service``)."""
+    try:
+        args.streams = stage_cli.whole(args.streams, "--streams")
+        args.ranks_per_node = stage_cli.whole(args.ranks_per_node, "--ranks-per-node")
+    except ValueError as exc:
+        print(f"datastore stage: error: {exc}", file=sys.stderr)
+        return Exit.BAD_INPUT
     if args.service is not None:
         from datastore.service.stage_client import run_remote
 

@@ -10,7 +10,7 @@ from staging.config import MODES, StageConfig, default_streams
 from staging.directio import IO_MODES
 from staging.exitcodes import Agreed, Exit
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "whole"]
 
 EPILOG = """\
 exit codes:
@@ -33,15 +33,16 @@ examples:
 """
 
 
-def _positive(text: str) -> int:
-    """An explicit ``--streams``: 0 is not "the default", it is an error."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def whole(value: Any, option: str) -> Any:
+    """An option's text as a whole number >= 1 (an explicit ``--streams 0`` is not "the
+    default", it is an error); anything else (its default) as it is. Raises ``ValueError``
+    naming ``option``: the command says it in one line (as an argparse type, argparse's usage
+    came above it)."""
+    if not isinstance(value, str):
+        return value
+    if not value.strip().isdecimal() or int(value) < 1:
+        raise ValueError(f"{option} must be a whole number >= 1, got {value!r}")
+    return int(value)
 
 
 def _default_streams_text() -> str:
@@ -78,7 +79,6 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--streams",
-        type=_positive,
         default=0,
         metavar="N",
         help=f"parallel I/O streams per rank (default here: {_default_streams_text()})",
@@ -119,7 +119,6 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--ranks-per-node",
-        type=int,
         default=None,
         metavar="N",
         help="group ranks into nodes by rank // N instead of by shared memory",

@@ -862,10 +862,10 @@ def test_dry_run_json(tmp_path, run_stage, make_tree):
     ("args", "fragment"),
     [
         (["SRC"], "the following arguments are required: --to"),
-        (["SRC", "--to", "DEST", "--streams", "0"], "argument --streams: must be >= 1, got 0"),
+        (["SRC", "--to", "DEST", "--streams", "0"], "--streams must be a whole number >= 1"),
         (["SRC", "--to", "DEST", "--mode", "bogus"], "argument --mode: invalid choice: 'bogus'"),
         (["SRC", "--to", "DEST", "--checksum", "md5"], "argument --checksum: invalid choice"),
-        (["SRC", "--to", "DEST", "--ranks-per-node", "0"], "--ranks-per-node must be >= 1"),
+        (["SRC", "--to", "DEST", "--ranks-per-node", "0"], "--ranks-per-node must be a whole"),
         (["--to", "DEST"], "give at least one SRC to stage (or --verify to check DEST)"),
     ],
     ids=["missing-to", "streams-0", "unknown-mode", "unknown-checksum", "rpn-0", "no-src"],
@@ -884,6 +884,34 @@ def test_usage_errors(tmp_path, run_stage, args, fragment):
     assert err_lines[0].startswith("datastore stage: error: ")
     assert fragment in err_lines[0]
     assert not dest.exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--streams", "x"),
+        ("--streams", "1.5"),
+        ("--streams", "0"),
+        ("--ranks-per-node", "x"),
+        ("--ranks-per-node", "-2"),
+    ],
+)
+@pytest.mark.parametrize("service", [False, True])
+def test_a_bad_count_is_one_line_naming_its_option(tmp_path, capsys, option, value, service):
+    """``--streams x`` or ``--ranks-per-node x``: argparse's usage (9 lines) came above
+    ``argument --streams: invalid int value: 'x'``; now one line, exit 2, as serve's and
+    plan's numbers, here or with ``--service``."""
+    from datastore.cli import main
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"data")
+    more = ["--service", str(tmp_path / "s.sock")] if service else []
+    assert main(["stage", str(src), "--to", str(tmp_path / "dest"), option, value, *more]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"datastore stage: error: {option} must be a whole number >= 1, got {value!r}\n",
+    )
+    assert not (tmp_path / "dest").exists()
 
 
 def test_missing_source_others_still_staged(tmp_path, run_stage, make_tree):
