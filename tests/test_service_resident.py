@@ -400,6 +400,33 @@ def test_virtual_sources_found_nowhere_are_not_found(tmp_path, monkeypatch):
         residency.close()
 
 
+def test_a_missing_virtual_source_of_a_later_file_is_found_once_it_is_there(tmp_path):
+    """A set of one sample per file whose second file's virtual source is missing fails its
+    reading-in naming it (it served zeros); the source put there later changes the dataset,
+    which is read again (the failure stayed, ``DATA_LOSS``, until the dataset was unloaded:
+    the source was not among the files compared)."""
+    for name, source in (("p0.h5", "a.h5"), ("p1.h5", "b.h5")):
+        with h5py.File(tmp_path / name, "w") as f:
+            layout = h5py.VirtualLayout((4,), np.float32)
+            layout[:] = h5py.VirtualSource(source, "x", shape=(4,))
+            f.create_virtual_dataset("x", layout)
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["x"] = np.ones(4, np.float32)
+    spec = tmp_path / "set.json"
+    spec.write_text(json.dumps({"format": "hdf5-per-sample", "paths": ["p0.h5", "p1.h5"]}))
+    residency = Residency(threads=1)
+    try:
+        r = residency.load(str(spec))
+        assert r.wait(30) and "its virtual source 'b.h5' is in none of the places" in r.load_error
+        with h5py.File(tmp_path / "b.h5", "w") as f:
+            f["x"] = np.full(4, 2, np.float32)
+        r = residency.load(str(spec))
+        assert r.wait(30) and r.load_error == ""
+        assert [r.sample(i, "x").tolist() for i in range(2)] == [[1.0] * 4, [2.0] * 4]
+    finally:
+        residency.close()
+
+
 def test_directory_datasets_with_entries_linked_out_of_the_roots_are_refused(tmp_path):
     """A Zarr store's chunk, or its array's directory, or an LMDB environment's ``data.mdb``
     linked out of ``--allow`` was served (42.0, the outside file's values)."""

@@ -49,6 +49,7 @@ __all__ = [
     "AmbiguousLayout",
     "Hdf5PerSampleReader",
     "Hdf5Reader",
+    "SourceMissing",
     "reached_files",
     "set_format",
     "shard_count",
@@ -652,20 +653,34 @@ def _found_source(ds: h5py.Dataset, name: str, own: str) -> list[str]:
     """``_source_places`` of the virtual source ``name`` of ``ds`` (of the file ``own``).
 
     Raises:
-        DatasetMissing: naming ``own``, the dataset and the source, when the source is in
+        SourceMissing: naming ``own``, the dataset and the source, when the source is in
             none of those places: HDF5 reads its part as the fill value (zeros), silently.
             A name with ``%`` (a printf pattern HDF5 expands, ``%b``) is not checked.
     """
     places = _source_places(name, own)
     if "%" in name or os.path.exists(places[-1]):
         return places
-    raise DatasetMissing(
+    raise SourceMissing(
         own,
         f"its virtual source {name!r} is in none of the places HDF5 looks for it "
         f"({', '.join(dict.fromkeys(places))}): HDF5 would read its samples as the fill "
         "value; put the file there (or set HDF5_VDS_PREFIX to its directory)",
         ds.name.lstrip("/"),
+        tuple(places),
     )
+
+
+class SourceMissing(DatasetMissing):
+    """A virtual dataset's source in none of the ``places`` HDF5 looks for it: one put there
+    later changes the dataset (a file of a set of one sample per file is refused when read,
+    after the files the dataset reads were taken)."""
+
+    def __init__(self, path: str, reason: str, field: str | None, places: tuple[str, ...]):
+        super().__init__(path, reason, field)
+        self.places = places
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.reason, self.field, self.places))
 
 
 def _source_places(name: str, own: str) -> list[str]:
