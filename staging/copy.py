@@ -33,7 +33,7 @@ from staging.checksum import LEAF_BYTES, combine, leaf_ranges, new_hasher
 from staging.confine import beneath, opened_path
 from staging.directio import ALIGN, IoPolicy, aligned_buffer, read_at, write_at
 from staging.durable import start_writeback, syncfs
-from staging.manifest import Journal, meta_dir
+from staging.manifest import META, Journal, meta_dir
 from staging.plan import Group, Item
 from staging.prefetch import Held
 from staging.splice import splice_range
@@ -60,6 +60,11 @@ _local = threading.local()
 
 def tmp_dir(dest: str) -> str:
     return os.path.join(meta_dir(dest), "tmp")
+
+
+def _tmp_rel(sub: str = "") -> str:
+    """DEST's name of its temp directory (``sub``: of that subdirectory of it)."""
+    return os.path.join(META, "tmp", sub)
 
 
 def tmp_subdir(key: str) -> str:
@@ -493,6 +498,18 @@ def _dirs_only(path: str) -> list[str] | None:
     return found
 
 
+def _open_temp(path: str, flags: int) -> int:
+    """``os.open`` of the temp file ``path`` (mode 600 where made), never through a link at
+    its name: one planted there is ``EPERM`` (followed, the file it led to was truncated and
+    written, and the link placed in DEST). A partial copy is still opened as it is."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise OSError(errno.EPERM, "refusing to write through a symlink", path) from None
+
+
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -511,16 +528,16 @@ class _LeafLog:
     def __init__(self, path: str, ident: str):
         self.path, self.ident = path, ident
         self.known: dict[int, bytes] = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                lines = f.read().splitlines()
-            if lines and lines[0] == ident:
-                for line in lines[1:]:
-                    parts = line.split()
-                    if len(parts) == 2 and parts[0].isdigit():
-                        self.known[int(parts[0])] = bytes.fromhex(parts[1])
+        lines: list[str] = []
+        with contextlib.suppress(FileNotFoundError), open(path, opener=_open_temp) as f:
+            lines = f.read().splitlines()
+        if lines and lines[0] == ident:
+            for line in lines[1:]:
+                parts = line.split()
+                if len(parts) == 2 and parts[0].isdigit():
+                    self.known[int(parts[0])] = bytes.fromhex(parts[1])
         self._lock = threading.Lock()
-        self._f = open(path, "w")  # noqa: SIM115 - closed in close()
+        self._f = open(path, "w", opener=_open_temp)  # noqa: SIM115 - closed in close()
         self._f.write(ident + "\n")
         for i, d in self.known.items():
             self._f.write(f"{i} {d.hex()}\n")
@@ -554,15 +571,13 @@ class Engine:
         self.confine = confine
         self.on_bytes = on_bytes
         self.rank = rank
-        self.tmp = tmp_dir(dest)
-        os.makedirs(self.tmp, exist_ok=True)
-        _spread_subdirs(self.tmp)
         self.stats = Stats()
         self._lock = threading.Lock()
+        self._tmp_dirs: dict[str, int] = {}  # tmp/ ("") and its subdirectories, by name
+        _spread_subdirs(fd_path(self._tmp_dir()))
         self._sources: dict[str, list] = {}  # path -> [Fd, users]
         self._direct_from_512 = True  # direct writes from 512-aligned addresses (tar data)
         self._archives: set[str] = set()  # uncompressed tars: read direct when cold (auto)
-        self._shards: set[str] = set()  # subdirectories of tmp/ made so far
         # written ahead of the plan (ahead, settle): the run being gathered, the jobs, room
         # left on DEST for them, and each finished member's temp file and digest
         self._pending: list[Item] = []
@@ -642,7 +657,26 @@ class Engine:
     def _open_tmp(self, path: str, flags: int) -> Fd:
         """A temporary file to write (direct as ``IoPolicy.writes_direct`` says)."""
         direct = self.algo != "none" and self.policy.writes_direct()
-        return Fd(os.open(path, flags | (os.O_DIRECT if direct else 0), 0o600), direct)
+        return Fd(_open_temp(path, flags | (os.O_DIRECT if direct else 0)), direct)
+
+    def _tmp_dir(self, sub: str = "") -> int:
+        """The descriptor of DEST's temp directory (``sub``: that subdirectory of it, made
+        where missing), opened once, beneath DEST (:func:`open_beneath`): its temp files are
+        named through it, so a directory swapped for a link while the stage runs takes none
+        of them (by path, files were written where it led: 16 of 4,000 then failed to place)."""
+        with self._lock:
+            fd = self._tmp_dirs.get(sub)
+            if fd is None:
+                fd = self._tmp_dirs[sub] = open_beneath(self.dest, _tmp_rel(sub), make=True)
+        return fd
+
+    def close(self) -> None:
+        """Close the descriptors of the temp directories (:meth:`run` does at its end; one
+        left open keeps a DEST's filesystem busy)."""
+        with self._lock:
+            for fd in self._tmp_dirs.values():
+                os.close(fd)
+            self._tmp_dirs.clear()
 
     def _fail(self, item: Item, exc: BaseException) -> None:
         msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -656,11 +690,7 @@ class Engine:
         before the last is known to win)."""
         name = os.fsencode(item.dest) + (b"\0%d" % item.offset if ahead else b"")
         key = hashlib.sha1(name).hexdigest()[:20]  # any file name bytes
-        shard = os.path.join(self.tmp, tmp_subdir(key))
-        if shard not in self._shards:
-            os.makedirs(shard, exist_ok=True)
-            self._shards.add(shard)
-        return os.path.join(shard, key + ".part")
+        return fd_path(self._tmp_dir(tmp_subdir(key)), key + ".part")
 
     def _tmp_or_fail(self, item: Item, ahead: bool = False) -> str | None:
         """:meth:`_tmp_path`, or ``None`` where its directory cannot be made (no inode left on
@@ -823,7 +853,7 @@ class Engine:
     def _stream_held(self, item: Item, data: Held, tmp: str) -> None:
         """Write a member larger than one extent piece by piece as the walk's reader brings
         it in, hashed leaf by leaf (``staging.checksum``), each piece let go once written."""
-        out = Fd(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))  # never direct
+        out = Fd(_open_temp(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))  # never direct
         try:
             digests: list[bytes] = []
             h, left, pos = None, 0, 0
@@ -1144,6 +1174,7 @@ class Engine:
         finally:
             self.committer.close()
             self.journal.close()
+            self.close()
         self.stats.add(self.committer.placed)
         self.stats.errors.extend(self.committer.errors)
         return self.stats

@@ -181,6 +181,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         except BaseException:
             if engine is not None:
                 engine.settle([])
+                engine.close()
             raise
         log.notes(plan.notes)
     groups = _node_groups(plan, cfg.mode, comm, lay)
@@ -229,6 +230,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         if lock_fd is not None:  # refused here or on another node: leave nothing this run made
             if engine is not None:
                 engine.settle([])
+                engine.close()
                 clean_tmp(dest)
             _unmake(dest, made, dirs[::-1])
             os.close(lock_fd)
@@ -244,6 +246,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         if engine is not None:
             engine.on_bytes = bar.advance
         stats = engine.run(mine) if mine and engine is not None else Stats()
+        if engine is not None:
+            engine.close()
 
     # 5. the leader gives the directories their modes and times, clears the temp space and
     #    folds the node's journals into the manifest

@@ -245,3 +245,46 @@ def test_a_directory_swapped_for_a_link_mid_run_is_not_followed_to_mkdir_unlink_
     ])  # fmt: skip
     assert sorted(os.listdir(tmp_path / "moved-new")) == ["f", "x"]
     assert os.listdir(tmp_path / "moved-gone") == []
+
+
+def test_temp_files_are_named_beneath_tmp_never_through_a_link(tmp_path, monkeypatch, capsys):
+    """A link planted at a temp file's predictable name (``tmp/K/KEY.part``) as the engine
+    names it, and ``tmp/K`` swapped for a link out of DEST: the temp files were opened by
+    path with ``O_CREAT|O_TRUNC``, so the planted link's target was overwritten and the link
+    itself placed in DEST (1,571 of 2,000 racing a real run, exit 0), and a swapped ``tmp/K``
+    took the temp files written until their placement. Beneath the directory's descriptor, a
+    link at the name is refused, named, and nothing outside DEST changes."""
+    from datastore.cli import main
+
+    src, dest, out = tmp_path / "src" / "ds", tmp_path / "dest", tmp_path / "outside"
+    src.mkdir(parents=True)
+    (src / "planted").write_bytes(b"new")
+    (src / "swapped").write_bytes(b"new too")
+    out.mkdir()
+    (out / "victim").write_bytes(b"victim")
+    real_tmp_path, real_place, seen = copy.Engine._tmp_path, copy._place, []
+
+    def tmp_path_then_link(engine, item, ahead=False):
+        path = real_tmp_path(engine, item, ahead)
+        tmp = dest / ".datastore" / "tmp" / copy.tmp_subdir(os.path.basename(path))
+        if item.dest == "ds/planted":
+            os.symlink(out / "victim", tmp / os.path.basename(path))
+        elif not tmp.is_symlink():
+            tmp.rename(tmp_path / f"moved-{tmp.name}")
+            tmp.symlink_to(out, target_is_directory=True)
+        return path
+
+    def place(*args) -> None:
+        seen.append(os.listdir(out))
+        real_place(*args)
+
+    monkeypatch.setattr(copy.Engine, "_tmp_path", tmp_path_then_link)
+    monkeypatch.setattr(copy, "_place", place)
+    before = _outside(out)
+    code = main(["stage", str(src), "--to", str(dest), "--quiet", "--json"])
+    assert (code, json.loads(capsys.readouterr().out)["errors"]) == (
+        1, [f"{src}/planted: refusing to write through a symlink"]
+    )  # fmt: skip
+    assert (_outside(out), seen) == (before, [["victim"]])
+    assert sorted(os.listdir(dest / "ds")) == ["swapped"]
+    assert (dest / "ds" / "swapped").read_bytes() == b"new too"
