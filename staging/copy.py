@@ -476,25 +476,30 @@ def _place(tmp: str, parent: int, name: str) -> None:
     """``os.replace`` to ``name`` in the directory ``parent``, also over a directory that
     holds only directories: one an earlier run made where the source has a file now (an empty
     directory of the source, whose name is a file's now, as ``rsync`` replaces it). A
-    directory holding anything else stays, the error raised."""
+    directory holding anything else stays, the error raised. Each is removed through its
+    parent opened beneath ``parent`` (by path, one of the tree swapped for a link once
+    checked had the empty directory it led to removed)."""
     try:
         os.replace(tmp, name, dst_dir_fd=parent)
     except IsADirectoryError:
-        tree = _dirs_only(fd_path(parent, name))
+        tree = _dirs_only(fd_path(parent), name)
         if tree is None:
             raise
-        for path in tree:
-            os.rmdir(path)
+        for rel in tree:
+            head, tail = os.path.split(rel)
+            with opened_beneath(fd_path(parent), head) as fd:
+                os.rmdir(tail, dir_fd=fd)
         os.replace(tmp, name, dst_dir_fd=parent)
 
 
-def _dirs_only(path: str) -> list[str] | None:
-    """The directories of the tree ``path``, deepest first, when it holds nothing else."""
+def _dirs_only(top: str, name: str) -> list[str] | None:
+    """The directories of the tree ``name`` of directory ``top``, by their names in ``top``,
+    deepest first, when it holds nothing else."""
     found = []
-    for root, dirs, files in os.walk(path, topdown=False):  # links are not followed
+    for root, dirs, files in os.walk(os.path.join(top, name), topdown=False):  # no link followed
         if files or any(os.path.islink(os.path.join(root, d)) for d in dirs):
             return None
-        found.append(root)
+        found.append(os.path.relpath(root, top))
     return found
 
 

@@ -288,3 +288,36 @@ def test_temp_files_are_named_beneath_tmp_never_through_a_link(tmp_path, monkeyp
     assert (_outside(out), seen) == (before, [["victim"]])
     assert sorted(os.listdir(dest / "ds")) == ["swapped"]
     assert (dest / "ds" / "swapped").read_bytes() == b"new too"
+
+
+def test_an_empty_tree_a_file_replaces_is_removed_beneath_dest_only(tmp_path, monkeypatch, capsys):
+    """A file of the source where an earlier run staged an empty directory tree: the tree
+    goes, a directory at a time. One of its directories swapped for a link once the tree was
+    checked: by path (``/proc/self/fd/N/x/sub/deep``), the empty directory the link led to
+    was removed; beneath DEST the link is refused, named, and nothing outside changes."""
+    from datastore.cli import main
+
+    src, dest, out = tmp_path / "src" / "ds", tmp_path / "dest", tmp_path / "outside"
+    (src / "x" / "sub" / "deep").mkdir(parents=True)
+    (out / "deep").mkdir(parents=True)
+    assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == 0
+    shutil.rmtree(src / "x")
+    (src / "x").write_bytes(b"a file now")
+    real = copy._dirs_only
+
+    def then_swap(*args):
+        tree = real(*args)
+        (dest / "ds" / "x" / "sub").rename(tmp_path / "moved")
+        (dest / "ds" / "x" / "sub").symlink_to(out, target_is_directory=True)
+        return tree
+
+    monkeypatch.setattr(copy, "_dirs_only", then_swap)
+    code = main(["stage", str(src), "--to", str(dest), "--quiet", "--json"])
+    assert (code, json.loads(capsys.readouterr().out)["errors"]) == (
+        1, [f"{src}/x: cannot place at ds/x: refusing to write through a symlink"]
+    )  # fmt: skip
+    assert os.listdir(out) == ["deep"]
+    monkeypatch.undo()
+    (dest / "ds" / "x" / "sub").unlink()
+    assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == 0
+    assert (dest / "ds" / "x").read_bytes() == b"a file now"
