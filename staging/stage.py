@@ -520,20 +520,20 @@ def _unmake(dest: str, made: list[str], dirs: list[str] | None = None) -> None:
     descriptors opened beneath it), then the lock, the temp directory and the directories this
     run made for DEST (``made``), each deepest first and only once it is empty: whatever
     another run put there meanwhile stays. A DEST that had ``.datastore`` (``made`` empty)
-    keeps its lock, its manifest and its partial copies."""
+    keeps its lock, its manifest and its partial copies. ``made`` goes through descriptors
+    opened beneath the directory that held the first of them (by path, a DEST swapped for a
+    link had the lock, ``tmp`` and ``.datastore`` of the DEST it led to removed)."""
     for rel in dirs or ():  # (not made after all, or no longer empty: it stays)
         _rmdir_beneath(dest, rel)
     if not made:
         return
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # (DEST is a file)
-        os.unlink(os.path.join(meta_dir(dest), "lock"))  # still held: released when closed
-    with contextlib.suppress(OSError):  # not made, or holding what another run wrote
-        os.rmdir(tmp_dir(dest))
+    top = os.path.dirname(made[-1]) or "."
+    meta = os.path.relpath(meta_dir(dest), top)
+    with contextlib.suppress(OSError):  # (gone, DEST a file, or a link on the way)
+        _unlink_beneath(top, os.path.join(meta, "lock"), False)  # held: released when closed
+    _rmdir_beneath(top, os.path.join(meta, "tmp"))
     for path in made:
-        try:
-            os.rmdir(path)
-        except OSError:
-            return
+        _rmdir_beneath(top, os.path.relpath(path, top))
 
 
 def _node_groups(plan: Plan, mode: str, comm: Any, lay: Layout) -> list[Group]:

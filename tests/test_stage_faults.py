@@ -321,3 +321,32 @@ def test_an_empty_tree_a_file_replaces_is_removed_beneath_dest_only(tmp_path, mo
     (dest / "ds" / "x" / "sub").unlink()
     assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == 0
     assert (dest / "ds" / "x").read_bytes() == b"a file now"
+
+
+def test_a_refused_run_removes_what_it_made_for_dest_never_through_a_link(
+    tmp_path, monkeypatch, capsys
+):
+    """A run whose every source is refused removes the directories it made for DEST, and its
+    lock. A directory it made (DEST) swapped for a link to another DEST meanwhile: by path,
+    that other DEST's lock was removed (a stage holding it no longer kept others out); now
+    only the directories it made are opened, beneath the one above them, none through a link."""
+    import staging.stage as stage_mod
+    from datastore.cli import main
+
+    dest, other = tmp_path / "new" / "dest", tmp_path / "other"
+    (other / ".datastore").mkdir(parents=True)
+    (other / ".datastore" / "lock").write_bytes(b"")
+    (other / ".datastore" / "held").write_bytes(b"other")
+    real = stage_mod.build_plan
+
+    def then_swap(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        dest.rename(tmp_path / "moved")
+        dest.symlink_to(other, target_is_directory=True)
+        return plan
+
+    monkeypatch.setattr(stage_mod, "build_plan", then_swap)
+    before = _outside(other)
+    assert main(["stage", str(tmp_path / "missing"), "--to", str(dest), "--quiet"]) == 2
+    assert "source not found" in capsys.readouterr().err
+    assert _outside(other) == before
