@@ -11,13 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore.maths.order import Schedule
+from datastore.maths.order import Schedule, rank_layout
 from datastore.maths.partition import Grid, block_shape
 from datastore.plan.plan_model import (
     DatasetSize,
     Job,
     Machine,
     PlanError,
+    Split,
     exchange_cost,
     layouts,
     make_plan,
@@ -26,6 +27,7 @@ from datastore.plan.plan_model import (
     split_cost,
     split_ladder,
     stage_time,
+    storage_order_link,
 )
 from datastore.readers.base import FieldInfo
 from staging.plan import split_by_bytes
@@ -150,7 +152,9 @@ def test_exchange_per_shuffle():
     # storage order: each global batch lies on one node, which sends 3/4 of its 16 MiB
     assert exchange_cost(m, job, s, "shard", "none") == (3 * MIB // 2, 12 * MIB / GIB)
     # ...unless a file holds one sample: then it is spread as under "global" (this was 12 MiB)
-    assert exchange_cost(m, job, s, "shard", "none", per_file=True) == (
+    link = storage_order_link(flat(64, MIB), m, job, s)
+    assert (link, storage_order_link(flat(64, MIB, files=4), m, job, s)) == (3 * MIB, 12 * MIB)
+    assert exchange_cost(m, job, s, "shard", "none", storage_link=link) == (
         3 * MIB // 2,
         3 * MIB / GIB,
     )
@@ -165,6 +169,59 @@ def test_stage_spreads_each_global_batch_of_one_sample_files_over_the_nodes():
     nodes = np.array(split_by_bytes([MIB] * 64, 4))
     for batch in nodes.reshape(-1, 16):
         assert np.bincount(batch, minlength=4).tolist() == [4, 4, 4, 4]
+
+
+def test_none_over_files_of_fewer_samples_than_a_global_batch_as_a_real_run():
+    """30 HDF5 shards of 2 samples (32,788 B each) on 2 nodes of 1 rank, a global batch of 8:
+    each batch spans 4 files, dealt to the nodes in turn, so each node holds half of it and
+    sends 2 samples a step (a real ``stage --mode shard`` and 2 embedded loaders: 65,576 B a
+    step each). Taken as one node's, the plan gave 131,152 B."""
+    fields = (FieldInfo("x", np.float32, (8192,)), FieldInfo("y", np.int32, (5,)))
+    ds = DatasetSize(60, fields, files=30, file_sizes=((65_600, 2),) * 30)
+    m = machine(nodes=2, ranks_per_node=1, gpus_per_node=0)
+    job = Job(global_batch=8, step_time=1)
+    rows = {(r.staging, r.shuffle): r for r in layouts(ds, m, job, split_cost(ds, m, job, None))}
+    none = rows["shard", "none"]
+    assert (none.exchange_bytes, none.exchange_s * m.exchange_rate) == (65_576, 65_576)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    nodes=st.integers(1, 4),
+    rpn=st.sampled_from([1, 2, 4]),
+    blocks=st.sampled_from([1, 2, 4, 8]),
+    per_batch=st.integers(1, 3),
+    files=st.lists(st.integers(1, 9), min_size=1, max_size=24),
+)
+def test_storage_order_link_matches_the_real_order(nodes, rpn, blocks, per_batch, files):
+    """Against the loader's own order (``Schedule(shuffle="none")``, ``rank_layout``) with
+    each sample on the node the stage puts its file (``split_by_bytes``): the busiest link's
+    samples a step, every step counted."""
+    world = nodes * rpn
+    if world % blocks:
+        return
+    g = world // blocks * per_batch
+    samples = sum(files)
+    if samples < g:
+        return
+    ds = DatasetSize(samples, (FieldInfo("b", np.uint8, (1,)),), files=len(files),
+                     file_sizes=tuple((7 * n + 1, n) for n in files))  # fmt: skip
+    m = machine(nodes=nodes, ranks_per_node=rpn)
+    split = Split(None, blocks, world // blocks, per_batch, 1, blocks, 0.0, 0, 0, 0, True)
+    owner = np.repeat(split_by_bytes([b for b, _ in ds.file_sizes], nodes), files)
+    sched = Schedule(samples, g, shuffle="none")
+    busiest = []
+    for step in range(sched.steps_per_epoch):
+        link_in, link_out = np.zeros(nodes), np.zeros(nodes)
+        for rank in range(world):
+            lay = rank_layout(rank, world, blocks)
+            for sample in sched.rank_samples(0, step, lay.data_rank, lay.data_world):
+                if owner[sample] != rank // rpn:
+                    link_in[rank // rpn] += 1
+                    link_out[owner[sample]] += 1
+        busiest.append(max(link_in.max(), link_out.max()))
+    got = storage_order_link(ds, m, Job(global_batch=g, step_time=1), split, most=10**6)
+    assert got == pytest.approx(np.mean(busiest))
 
 
 def test_the_stores_own_exchange_rate_bounds_the_link():

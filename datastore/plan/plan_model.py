@@ -34,10 +34,12 @@ Exchange under a shuffle (per step, per rank; what crosses the network)
     share when sharded (``(N-1)/N`` of equal shares) and 0 when every node holds everything (a
     replicated dataset is served from local memory). A rank receives only its
     block with halo (:mod:`datastore.maths.partition`, via
-    :func:`datastore.maths.delivery.delivered_fields`). ``"none"`` moves as many bytes, spread
-    alike over the nodes for one-sample files (``stage --mode shard`` deals consecutive files to
-    different nodes); files of several samples hold runs of the storage order, so there every
-    global batch lies on one node, which sends it all. ``"shard"`` and ``"window:K"`` keep each data
+    :func:`datastore.maths.delivery.delivered_fields`). ``"none"`` moves as many bytes to a
+    rank; its busiest link is counted over the storage order's global batches, each sample on
+    the node its file went to (:func:`storage_order_link`): spread alike over the nodes where
+    a file holds fewer samples than a global batch (``stage --mode shard`` deals consecutive
+    files to different nodes), on one node, which sends it all, where a file holds a whole
+    batch. ``"shard"`` and ``"window:K"`` keep each data
     rank on its home (the samples its own ranks hold): nothing crosses the network unless a spatial
     group spans nodes. The time is the busiest node link's bytes over ``min(network_bw,
     exchange_bw)``, the store's own rate (cutting blocks, packing, unpacking: measured, it can be
@@ -86,6 +88,7 @@ __all__ = [
     "split_cost",
     "split_ladder",
     "stage_time",
+    "storage_order_link",
 ]
 
 STAGINGS = ("replicate", "shard")
@@ -494,22 +497,66 @@ class Layout:
         return self.resident_bytes + self.buffer_bytes
 
 
+def _holders(ds: DatasetSize, nodes: int, positions: np.ndarray) -> np.ndarray:
+    """The node holding each sample of the storage order at ``positions`` under ``--mode
+    shard``: the node the stage put its file on (:func:`shard_loads`'s placement; equal files
+    are dealt in turn)."""
+    if not ds.file_sizes:
+        return positions * ds.files // ds.num_samples % nodes
+    ends = np.cumsum([n for _, n in ds.file_sizes])
+    placed = np.array(split_by_bytes([b for b, _ in ds.file_sizes], nodes))
+    return placed[np.searchsorted(ends, positions, side="right")]
+
+
+def storage_order_link(
+    ds: DatasetSize, m: Machine, job: Job, split: Split, most: int = 64
+) -> float:
+    """Under ``shuffle="none"`` with ``--mode shard``: the bytes the busiest node link carries
+    a step (in or out), averaged over up to ``most`` global batches spread over the epoch
+    (fewer where they would hold over 2^22 samples). Default: ``64``. A global batch is a run
+    of the storage order; each sample goes from the node holding its file (:func:`_holders`)
+    to the ranks of the data rank whose slice of the batch holds it (spatial-fastest), those
+    on other nodes over the links. Files of at least a global batch put each batch on one
+    node, which sends all of it but its own ranks' part; files of fewer samples spread it
+    over the nodes (taken as on one node, 30 files of 2 samples, a global batch of 8 on 2
+    nodes, gave 2x what a real run moved)."""
+    n, rpn, g = m.nodes, m.ranks_per_node, job.global_batch
+    steps = ds.num_samples // g
+    if not steps:
+        return 0.0
+    k = min(steps, most, max(1, (1 << 22) // g))
+    firsts = np.unique(np.linspace(0, steps - 1, k).round().astype(np.int64)) * g
+    k = len(firsts)
+    held = _holders(ds, n, (firsts[:, None] + np.arange(g, dtype=np.int64)).reshape(-1))
+    step = np.repeat(np.arange(k, dtype=np.int64), g)
+    first = np.tile(np.arange(g, dtype=np.int64) // split.local_batch, k) * split.blocks
+    link_in, link_out = np.zeros(k * n), np.zeros(k * n)
+    for j in range(-(-split.blocks // rpn) + 1):  # the nodes a data rank's ranks span
+        node = first // rpn + j
+        ranks = np.minimum(first + split.blocks, (node + 1) * rpn) - np.maximum(first, node * rpn)
+        away = np.where(held != node, np.maximum(ranks, 0), 0)  # its ranks there, fed from afar
+        link_in += np.bincount(step * n + np.minimum(node, n - 1), away, k * n)
+        link_out += np.bincount(step * n + held, away, k * n)
+    busiest = np.maximum(link_in.reshape(k, n).max(axis=1), link_out.reshape(k, n).max(axis=1))
+    return float(busiest.mean()) * split.rank_sample_bytes
+
+
 def exchange_cost(
     m: Machine,
     job: Job,
     split: Split,
     staging: str,
     shuffle: str,
-    per_file: bool = False,
     held: tuple[float, float] | None = None,
+    storage_link: float | None = None,
 ) -> tuple[int, float]:
     """``(bytes the busiest rank receives from other nodes per step, seconds of the busiest
-    link)`` under ``shuffle`` with the dataset staged ``staging``; ``per_file``: one sample a
-    file (``stage --mode shard`` deals consecutive files to different nodes, so a global batch
-    in storage order is spread over them as under ``"global"``). Default: ``False``. ``held``:
-    the least and the most share of the samples a node holds when sharded (files of different
-    sizes: a rank of the node holding least draws the most from other nodes, the node holding
-    most sends the most). Default: ``1/N`` each."""
+    link)`` under ``shuffle`` with the dataset staged ``staging``. ``held``: the least and the
+    most share of the samples a node holds when sharded (files of different sizes: a rank of
+    the node holding least draws the most from other nodes, the node holding most sends the
+    most). Default: ``1/N`` each. ``storage_link``: the busiest link's bytes a step under
+    ``"none"`` when sharded (:func:`storage_order_link`). Default: ``None``, every global
+    batch on one node (files of at least a global batch)."""
     n, rpn = m.nodes, m.ranks_per_node
     least, most = held or (1 / n, 1 / n)
     if shuffle in ("global", "none"):
@@ -518,8 +565,9 @@ def exchange_cost(
         remote = offnode_home_share(split.blocks, m)
     per_rank = split.local_batch * split.rank_sample_bytes * remote
     node_in = rpn * per_rank
-    if shuffle == "none" and remote and not per_file:  # a file's run of the storage order
-        # holds every global batch, on one node, which sends it
+    if shuffle == "none" and remote and storage_link is not None:
+        node_in = node_out = storage_link
+    elif shuffle == "none" and remote:  # every global batch on one node, which sends it
         node_in = rpn * split.local_batch * split.rank_sample_bytes
         node_out = job.global_batch * split.sample_delivered_bytes * (n - 1) / n
     elif shuffle in ("global", "none") and remote:  # the other nodes' ranks draw from it
@@ -553,6 +601,7 @@ def layouts(ds: DatasetSize, m: Machine, job: Job, split: Split) -> list[Layout]
     per_file = ds.files == ds.num_samples  # the service shards one-sample-per-file sets only
     _, most, least = shard_loads(ds, m.nodes)
     held = (least / ds.nbytes, most / ds.nbytes)
+    storage_link = storage_order_link(ds, m, job, split)
     rows = [
         ("replicate", "global", "serve"),
         ("replicate", "none", "serve"),
@@ -565,7 +614,8 @@ def layouts(ds: DatasetSize, m: Machine, job: Job, split: Split) -> list[Layout]
     for staging, shuffle, source in rows:
         resident = ds.nbytes if staging == "replicate" else most
         buffers = _buffers(m, job, split, source)
-        nbytes, seconds = exchange_cost(m, job, split, staging, shuffle, per_file, held)
+        link = storage_link if (staging, shuffle) == ("shard", "none") else None
+        nbytes, seconds = exchange_cost(m, job, split, staging, shuffle, held, link)
         out.append(
             Layout(
                 staging=staging,
