@@ -24,8 +24,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # Tests fork this process (fork Pools, forked gloo ranks); gRPC's fork handlers, with another
 # test's gRPC threads still calling into it, killed such children (SIGSEGV, SIGABRT: 70 of 300
-# forks here; CI lost a stage run that way). Before anything imports grpc.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# forks here; CI lost a stage run that way). gRPC reads the setting when it is imported: it is
+# set for this process's import alone, so the services and jobs the tests start run as shipped.
+if "GRPC_ENABLE_FORK_SUPPORT" not in os.environ:
+    os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+    import grpc  # noqa: F401
+
+    del os.environ["GRPC_ENABLE_FORK_SUPPORT"]
 sys.path.insert(0, str(Path(__file__).parent))
 
 import helpers
