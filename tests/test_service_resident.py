@@ -427,6 +427,33 @@ def test_a_missing_virtual_source_of_a_later_file_is_found_once_it_is_there(tmp_
         residency.close()
 
 
+def test_external_storage_under_hdf5_extfile_prefix_outside_the_roots_is_refused(
+    tmp_path, monkeypatch
+):
+    """HDF5 reads a relative external storage file under ``HDF5_EXTFILE_PREFIX`` (a leading
+    ``${ORIGIN}``: the file's directory): one there outside ``--allow`` was served (its -7.0)."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    root.mkdir()
+    out.mkdir()
+    np.full((SAMPLES, 3), -7.0, np.float32).tofile(out / "data.bin")
+    with h5py.File(root / "ext.h5", "w") as f:
+        f.create_dataset("x", (SAMPLES, 3), np.float32, external=[("data.bin", 0, SAMPLES * 12)])
+    monkeypatch.chdir(root)
+    residency = Residency(threads=1, roots=(root,))
+    try:
+        for prefix in (str(out), "${ORIGIN}/../out"):
+            monkeypatch.setenv("HDF5_EXTFILE_PREFIX", prefix)
+            with pytest.raises(ServiceError) as err:
+                residency.load(str(root / "ext.h5"))
+            assert (err.value.code, str(err.value)) == (
+                "PERMISSION_DENIED",
+                f"{str(root / 'ext.h5')!r} reads {str(out / 'data.bin')!r} (named in its files), "
+                f"outside the allowed roots ({root})",
+            )
+    finally:
+        residency.close()
+
+
 def test_directory_datasets_with_entries_linked_out_of_the_roots_are_refused(tmp_path):
     """A Zarr store's chunk, or its array's directory, or an LMDB environment's ``data.mdb``
     linked out of ``--allow`` was served (42.0, the outside file's values)."""

@@ -641,7 +641,7 @@ def reached_files(ds: h5py.Dataset, path: str) -> list[str]:
     own = ds.file.filename
     out = [] if _same_file(own, path) else [own]
     for name, _, _ in ds.external or ():
-        out += _places(os.fsdecode(name), own)
+        out += _storage_places(os.fsdecode(name), own)
     if ds.is_virtual:
         for name in dict.fromkeys(m.file_name for m in ds.virtual_sources()):
             if name != ".":
@@ -705,6 +705,20 @@ def _source_places(name: str, own: str) -> list[str]:
         if os.path.exists(place):
             return places[: k + 1]
     return places
+
+
+def _storage_places(name: str, own: str) -> list[str]:
+    """The places of the external raw storage file ``name`` of the file ``own``: ``_places``
+    and, for a relative name, the one HDF5 reads under ``HDF5_EXTFILE_PREFIX`` (the whole of
+    it; a leading ``${ORIGIN}``: ``own``'s directory), unchecked before: a file under the
+    prefix outside the roots was served."""
+    prefix = os.environ.get("HDF5_EXTFILE_PREFIX", "")
+    if os.path.isabs(name) or prefix in ("", "."):
+        return _places(name, own)
+    if prefix.startswith("${ORIGIN}"):
+        here = os.path.dirname(os.path.abspath(own))
+        prefix = here + prefix.removeprefix("${ORIGIN}")
+    return [*_places(name, own), os.path.join(prefix, name)]
 
 
 def _places(name: str, own: str) -> list[str]:
