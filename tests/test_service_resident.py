@@ -427,6 +427,33 @@ def test_a_missing_virtual_source_of_a_later_file_is_found_once_it_is_there(tmp_
         residency.close()
 
 
+def test_a_virtual_source_that_is_itself_virtual_is_looked_into(tmp_path):
+    """A virtual dataset whose source in ``--allow`` is itself virtual, its own source
+    outside: HDF5 reads through both, and only the first level was checked (the outside
+    file's -7.0 was served)."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    root.mkdir()
+    out.mkdir()
+    with h5py.File(out / "secret.h5", "w") as f:
+        f["x"] = np.full((SAMPLES, 3), -7.0, np.float32)
+    for name, source in (("mid.h5", out / "secret.h5"), ("virtual.h5", root / "mid.h5")):
+        with h5py.File(root / name, "w") as f:
+            layout = h5py.VirtualLayout((SAMPLES, 3), np.float32)
+            layout[:] = h5py.VirtualSource(str(source), "x", shape=(SAMPLES, 3))
+            f.create_virtual_dataset("x", layout)
+    residency = Residency(threads=1, roots=(root,))
+    try:
+        with pytest.raises(ServiceError) as err:
+            residency.load(str(root / "virtual.h5"))
+        assert (err.value.code, str(err.value)) == (
+            "PERMISSION_DENIED",
+            f"{str(root / 'virtual.h5')!r} reads {str(out / 'secret.h5')!r} (named in its "
+            f"files), outside the allowed roots ({root})",
+        )
+    finally:
+        residency.close()
+
+
 def test_external_storage_under_hdf5_extfile_prefix_outside_the_roots_is_refused(
     tmp_path, monkeypatch
 ):
@@ -957,3 +984,26 @@ def test_a_compressed_npz_sample_replaced_after_it_was_read_is_refused(tmp_path)
         reader.read(1, "x", out=got)
     assert got.tolist() == [1.0] * 4
     reader.close()
+
+
+def test_a_virtual_sources_own_missing_source_is_not_found(tmp_path, monkeypatch):
+    """A virtual dataset whose source is itself virtual, its own source in none of the places
+    HDF5 looks: HDF5 reads that part as the fill value; the lookup into the source swallowed
+    the refusal (zeros would be served), now ``NOT_FOUND`` naming the inner file and source."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HDF5_VDS_PREFIX", raising=False)
+    for name, source in (("mid.h5", "gone.h5"), ("virtual.h5", "mid.h5")):
+        with h5py.File(tmp_path / name, "w") as f:
+            layout = h5py.VirtualLayout((SAMPLES, 3), np.float32)
+            layout[:] = h5py.VirtualSource(source, "x", shape=(SAMPLES, 3))
+            f.create_virtual_dataset("x", layout)
+    residency = Residency(threads=1, roots=(tmp_path,))
+    try:
+        with pytest.raises(ServiceError) as err:
+            residency.load(str(tmp_path / "virtual.h5"))
+        assert err.value.code == "NOT_FOUND"
+        assert str(err.value).startswith(
+            f"{tmp_path / 'mid.h5'}: field 'x': its virtual source 'gone.h5' is in none of the "
+        ), str(err.value)
+    finally:
+        residency.close()

@@ -633,19 +633,33 @@ def _plain_layout(ds: h5py.Dataset, path: str) -> tuple[str, Any] | None:
     return ("chunked", tuple(ds.chunks))
 
 
-def reached_files(ds: h5py.Dataset, path: str) -> list[str]:
+def reached_files(ds: h5py.Dataset, path: str, _seen: set | None = None) -> list[str]:
     """The files besides ``path`` that reading ``ds`` (a dataset got from the file at
     ``path``) opens: the file an external link led to, external raw storage, a virtual
-    dataset's sources. A relative name is given as each place HDF5 may look for it (the
-    file's directory, the working directory; a virtual source's: ``_source_places``)."""
+    dataset's sources, and what each source's dataset reads in turn (a source in the roots
+    that was itself virtual, its own source outside, was served). A relative name is given
+    as each place HDF5 may look for it (the file's directory, the working directory; a
+    virtual source's: ``_source_places``)."""
     own = ds.file.filename
     out = [] if _same_file(own, path) else [own]
     for name, _, _ in ds.external or ():
         out += _storage_places(os.fsdecode(name), own)
-    if ds.is_virtual:
-        for name in dict.fromkeys(m.file_name for m in ds.virtual_sources()):
-            if name != ".":
-                out += _found_source(ds, name, own)
+    if not ds.is_virtual:
+        return out
+    seen = set() if _seen is None else _seen
+    found: dict[str, list[str]] = {}  # (one lookup per distinct source file)
+    for m in ds.virtual_sources():
+        if m.file_name == ".":
+            places = [own]
+        else:
+            if m.file_name not in found:
+                found[m.file_name] = _found_source(ds, m.file_name, own)
+                out += found[m.file_name]
+            places = found[m.file_name]
+        key = (os.path.realpath(places[-1]), m.dset_name)
+        if key not in seen and os.path.isfile(places[-1]):
+            seen.add(key)
+            out += _source_reaches(places[-1], m.dset_name, path, seen)
     return out
 
 
@@ -681,6 +695,20 @@ class SourceMissing(DatasetMissing):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.path, self.reason, self.field, self.places))
+
+
+def _source_reaches(place: str, name: str, path: str, seen: set) -> list[str]:
+    """``reached_files`` of the dataset ``name`` of the virtual source file ``place`` (none
+    when HDF5 could not read one there either; a source of its own in none of its places is
+    :class:`SourceMissing`, as at the first level)."""
+    try:
+        with h5py.File(place, "r") as f:
+            ds = f.get(name)
+            return reached_files(ds, path, seen) if isinstance(ds, h5py.Dataset) else []
+    except SourceMissing:
+        raise
+    except (OSError, ValueError, KeyError):
+        return []
 
 
 def _source_places(name: str, own: str) -> list[str]:
