@@ -603,6 +603,39 @@ def test_a_zarr_chunk_linked_out_of_the_roots_after_the_check_is_refused(tmp_pat
     reader.close()
 
 
+def test_a_read_of_a_file_outside_the_roots_unlinked_since_it_opened_is_refused(tmp_path):
+    """A descriptor's path is ``'.../out/... (deleted)'`` once its file is unlinked (replaced
+    between the read's open and its check): not there, so it passed as a place HDF5 looks in
+    on, and the outside chunk's 101.0 was served."""
+    import zarr
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    for d, value in ((root, 1), (out, 101)):
+        zarr.open_group(d / "s.zarr", mode="w").create_array(
+            "x", shape=(2, 4), chunks=(1, 4), dtype="f4"
+        )[:] = value
+    reader = resident._reader(str(root / "s.zarr"), (root,))
+    outside = out / "s.zarr/x/c/1/0"
+    fd = os.open(outside, os.O_RDONLY)
+    try:
+        outside.unlink()
+        chunk = root / "s.zarr/x/c/1/0"
+        chunk.unlink()
+        chunk.symlink_to(f"/proc/self/fd/{fd}")  # (this process' open, unlinked file)
+        got = np.zeros(4, np.float32)
+        with pytest.raises(ServiceError) as err:
+            reader.read(1, "x", out=got)
+        assert (err.value.code, str(err.value), got.tolist()) == (
+            "PERMISSION_DENIED",
+            f"{str(root / 's.zarr')!r} reads {str(outside) + ' (deleted)'!r} (named in its "
+            f"files), outside the allowed roots ({root})",
+            [0.0] * 4,
+        )
+    finally:
+        os.close(fd)
+        reader.close()
+
+
 def test_npy_and_tar_samples_linked_out_of_the_roots_after_the_check_are_refused(tmp_path):
     """A sample's .npy file or a tar shard swapped for a link out of ``--allow`` after the
     dataset was opened, before its samples were first read, was served: 42.0 from outside."""

@@ -460,7 +460,7 @@ class _Hdf5Base(Reader):
             reached = reached_files(obj, path)
             for f in reached:
                 _regular(f, path, info.name)
-                if self.confine is not None:
+                if self.confine is not None and os.path.exists(f):  # (none there: HDF5 looks on)
                     self.confine(f)
             stamps = seen[path, info.name] = {f: _stamp(f) for f in reached}
         for f, stamp in stamps.items():

@@ -373,7 +373,8 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
         reader.confine = lambda f: _confined(path, f, roots)
         try:  # (an external link's file: its fields were shown, then reading it in failed)
             for f in reader.reached:
-                reader.confine(f)
+                if os.path.exists(f):  # (a place that holds nothing: HDF5 looks on)
+                    reader.confine(f)
         except ServiceError:
             reader.close()
             raise
@@ -432,12 +433,11 @@ def _expect(fields: tuple[Delivered, ...], n: int) -> tuple[tuple[int, int], ...
 
 def _confined(path: str, reached: str, roots: tuple[Path, ...]) -> None:
     """Refuse a file that the dataset at ``path`` reaches from inside its own (HDF5's external
-    links and storage, virtual datasets) when it lies outside ``roots``. A place that holds
-    nothing is passed (HDF5 looks on, and a file put there later changes the dataset's
-    files): a virtual source found beside the links-resolved file was refused for the
-    working directory HDF5 looked in first."""
+    links and storage, virtual datasets), or a descriptor a read opened, when it lies outside
+    ``roots``, there or not (an open file unlinked since is ``'... (deleted)'``: one outside
+    was served)."""
     real = os.path.realpath(reached)
-    if not beneath(real, roots) and os.path.exists(real):
+    if not beneath(real, roots):
         raise ServiceError(
             "PERMISSION_DENIED", f"{path!r} reads {real!r} (named in its files), {_outside(roots)}"
         )
