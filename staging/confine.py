@@ -36,5 +36,9 @@ def leads_out(path: str, roots: Sequence[str | os.PathLike]) -> bool:
 
 
 def opened_path(fd: int) -> str:
-    """The path the open descriptor ``fd`` refers to (Linux ``/proc/self/fd``)."""
-    return os.readlink(f"/proc/self/fd/{fd}")
+    """The path the open descriptor ``fd`` refers to (Linux ``/proc/self/fd``). One of no
+    file in a directory (a pipe, a socket: ``pipe:[INODE]``) is named under
+    ``/proc/PID/fd``: taken as a relative path, it lay beneath the working directory, and a
+    read through a link to ``/proc/self/fd/N`` passed as inside the roots."""
+    link = os.readlink(f"/proc/self/fd/{fd}")
+    return link if os.path.isabs(link) else os.path.join(f"/proc/{os.getpid()}/fd", link)

@@ -636,6 +636,40 @@ def test_a_read_of_a_file_outside_the_roots_unlinked_since_it_opened_is_refused(
         reader.close()
 
 
+def test_a_read_through_a_link_to_one_of_the_services_pipes_is_refused(tmp_path, monkeypatch):
+    """A chunk swapped for a link to ``/proc/self/fd/N``, a pipe of the service: the
+    descriptor's path, ``pipe:[INODE]``, was taken relative to the working directory, inside
+    ``--allow``, and the pipe's 99.0 was served."""
+    import zarr
+
+    root = tmp_path / "root"
+    zarr.open_group(root / "s.zarr", mode="w").create_array(
+        "x", shape=(2, 4), chunks=(1, 4), dtype="f4", compressors=None
+    )[:] = 1
+    reader = resident._reader(str(root / "s.zarr"), (root,))
+    monkeypatch.chdir(root)
+    r, w = os.pipe()
+    os.write(w, np.full(4, 99.0, np.float32).tobytes())
+    os.close(w)  # (the pipe ends there: a read of it does not wait)
+    try:
+        chunk = root / "s.zarr/x/c/1/0"
+        chunk.unlink()
+        chunk.symlink_to(f"/proc/self/fd/{r}")
+        got = np.zeros(4, np.float32)
+        with pytest.raises(ServiceError) as err:
+            reader.read(1, "x", out=got)
+        pipe = f"/proc/{os.getpid()}/fd/{os.readlink(f'/proc/self/fd/{r}')}"
+        assert (err.value.code, str(err.value), got.tolist()) == (
+            "PERMISSION_DENIED",
+            f"{str(root / 's.zarr')!r} reads {pipe!r} (named in its files), outside the "
+            f"allowed roots ({root})",
+            [0.0] * 4,
+        )
+    finally:
+        os.close(r)
+        reader.close()
+
+
 def test_npy_and_tar_samples_linked_out_of_the_roots_after_the_check_are_refused(tmp_path):
     """A sample's .npy file or a tar shard swapped for a link out of ``--allow`` after the
     dataset was opened, before its samples were first read, was served: 42.0 from outside."""
