@@ -10,9 +10,10 @@ path is not beneath a root, and the copy engine check the descriptor it actually
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 
-__all__ = ["beneath", "leads_out", "opened_path"]
+__all__ = ["beneath", "leads_out", "open_regular", "opened_path"]
 
 
 def beneath(path: str, roots: Sequence[str | os.PathLike]) -> bool:
@@ -42,3 +43,17 @@ def opened_path(fd: int) -> str:
     read through a link to ``/proc/self/fd/N`` passed as inside the roots."""
     link = os.readlink(f"/proc/self/fd/{fd}")
     return link if os.path.isabs(link) else os.path.join(f"/proc/{os.getpid()}/fd", link)
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of the regular file at ``path``; ``OSError`` for anything else,
+    unopened if it is a FIFO (a sample swapped for one after the check: the read's open
+    waited for a writer, for ever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(
+            f"{os.fspath(path)}: not a regular file (a FIFO, socket, device or directory)"
+        )
+    os.set_blocking(fd, True)
+    return fd

@@ -28,7 +28,7 @@ from datastore.readers.base import DatasetError, FieldInfo, Reader
 from datastore.readers.lmdb_format import META_KEY, parse_meta, sample_key
 from datastore.readers.lmdb_records import SpecRecords
 from datastore.readers.registry import Format, register, resolve_paths
-from staging.confine import opened_path
+from staging.confine import open_regular, opened_path
 
 if TYPE_CHECKING:
     from datastore.readers.spec import DatasetSpec
@@ -75,7 +75,7 @@ def _open_confined(path: str, confine: Callable[[str], None]) -> lmdb.Environmen
     links resolved (``data.mdb`` linked out of the service's roots after the dataset was
     opened was served)."""
     data = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
-    fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_regular(data)
     try:
         confine(opened_path(fd))
         return _open_env(f"/proc/self/fd/{fd}", subdir=False)  # the file checked (no lock file)

@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from staging.confine import opened_path
+from staging.confine import open_regular, opened_path
 from staging.directio import PositionedReader
 
 __all__ = [
@@ -245,7 +245,7 @@ def locate_npy(path: str, base: int = 0, size: int | None = None) -> RawArray:
     to the end of the file). Raises ``ValueError`` (the reason) for a malformed or truncated
     file, ``OSError`` for one that cannot be read."""
     size = _size(path, size)
-    with open(path, "rb") as fh:
+    with open(open_regular(path), "rb") as fh:
         win = _Window(fh, base, size)
         shape, fortran, dtype = _header(win)
         start = win.tell()
@@ -262,7 +262,7 @@ def locate_npz(path: str, base: int = 0, size: int | None = None) -> dict[str, S
     ``zipfile.BadZipFile`` for a malformed file, ``OSError`` for one that cannot be read."""
     size = _size(path, size)
     out: dict[str, StoredArray] = {}
-    with open(path, "rb") as fh:
+    with open(open_regular(path), "rb") as fh:
         stamp, opened = file_stamp(fh.fileno()), opened_path(fh.fileno())
         win = _Window(fh, base, size)
         with zipfile.ZipFile(win) as zf:

@@ -33,6 +33,7 @@ from datastore.readers.persample import Located, PerSampleFiles, reading
 from datastore.readers.registry import Format, register, resolve_paths
 from datastore.readers.tar_keys import Entry, Sample, group_samples
 from staging.archive import StrictInfo
+from staging.confine import open_regular
 
 if TYPE_CHECKING:
     from datastore.readers.spec import DatasetSpec
@@ -111,7 +112,7 @@ class TarReader(PerSampleFiles):
                 return {field: locate_npy(path, offset, size)}
             if kind == "npz":
                 return {prefix + k: a for k, a in locate_npz(path, offset, size).items()}
-            with open(path, "rb") as fh:
+            with open(open_regular(path), "rb") as fh:
                 fd = fh.fileno()
                 data = _member_bytes(fd, offset, size)
                 read = {"path": path, "stamp": file_stamp(fd), "opened": opened_path(fd)}

@@ -19,7 +19,7 @@ import numpy as np
 
 from datastore.readers.base import DatasetError, FieldInfo, Reader, default_spatial_axes
 from datastore.readers.registry import Format, register, resolve_paths
-from staging.confine import opened_path
+from staging.confine import open_regular, opened_path
 
 if TYPE_CHECKING:
     from datastore.readers.spec import DatasetSpec
@@ -150,7 +150,7 @@ def _confined(root: str, confine: Callable[[str], None]) -> Any:
     from zarr.storage._local import _get
 
     def get(path: Path, prototype: Any, byte_range: Any) -> Any:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path)
         try:
             confine(opened_path(fd))
             return _get(Path(f"/proc/self/fd/{fd}"), prototype, byte_range)  # the file opened
