@@ -464,12 +464,15 @@ class DataStoreLoader(EpochPosition):
             "them (give rank=/world= as the group's, or a group of this job's ranks)"
         )
 
-    def _agree(self, fingerprint: dict[str, str], error: BaseException | None) -> None:
-        """Raise ``error`` (or a peer's, or a disagreement) on every rank alike."""
+    def _agree(
+        self, fingerprint: dict[str, str], error: BaseException | None, doing: str | None = None
+    ) -> None:
+        """Raise ``error`` (or a peer's, or a disagreement) on every rank alike; with ``doing``
+        a peer's error is a ``PeerFailed`` saying it failed ``doing`` so."""
         timeout = self.options.timeout if self.options is not None else 300.0
         coll = self._coll or self._checks
         if coll is not None:
-            agree(coll, fingerprint, error, timeout)
+            agree(coll, fingerprint, error, timeout, doing=doing)
         elif error is not None:
             raise error
         elif self._unchecked is not None:
@@ -563,8 +566,23 @@ class DataStoreLoader(EpochPosition):
             ex = self._make_exchange(owner, layout, by_block, store)
             source = ExchangeSource(schedule, layout, keys, ex, StepSync(self._coll, o.timeout))
         if o.store.preload:
-            source.store.preload(threads=max(4, self.gather.threads))
+            self._preload(source.store)
         return source
+
+    def _preload(self, store: Store) -> None:
+        """Read this rank's samples now. A rank that cannot tells the others, and every rank
+        raises (its error, or one naming it): they would wait for its blocks until the timeout."""
+        error: Exception | None = None
+        try:
+            store.preload(threads=max(4, self.gather.threads))
+        except Exception as exc:
+            error = exc
+        try:
+            self._agree({}, error, "while reading its samples (preload), before the first step")
+        except ExchangeTimeout:
+            if error is None:
+                raise
+            raise error from None
 
     def _make_exchange(
         self, owner: RunOwners, layout: RankLayout, by_block: dict, store: Store

@@ -14,7 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import MPIEXEC
+from helpers import MPIEXEC, job_env, mpi_job, rank_rows
 
 from staging.cluster import LAUNCH_ENV
 
@@ -121,3 +121,28 @@ def test_a_peer_that_cannot_read_what_it_owns_is_named_with_its_error_at_once(tm
     assert text0.startswith(f"rank 1 failed ({kind}: "), text0
     assert "s16.npy" in text0 and "at step 4 of the MPI exchange" in text0, text0
     assert zero["seconds"] < 15, zero
+
+
+@pytest.mark.mpi
+def test_a_peer_whose_preload_fails_is_named_with_its_error_at_once(tmp_path):
+    """Rank 1 cannot read sample 2 (a shape that differs, a virtual source gone) when the
+    loader is made: it raises its error, rank 0 a PeerFailed with it, both at once (rank 0 went
+    on and waited out the timeout for step 0's batch, then ExchangeTimeout)."""
+    job = os.path.join(os.path.dirname(__file__), "mpi_jobs", "preload_fails_job.py")
+    out = tmp_path / "out"
+    cmd = mpi_job(2, Path(job), tmp_path, out, "shape", "vds")
+    zero, one = rank_rows(cmd, str(out), 2, job_env())
+    why = {
+        "shape": ("DatasetError", "dataset <f4 (5,) differs from the first file's <f4 (4,)"),
+        "vds": ("SourceMissing", "its virtual source 'src.h5' is in none of the places HDF5"),
+    }
+    for case, (kind, what) in why.items():
+        text = one[case]["error"][1]
+        assert one[case]["error"][0] == kind, one
+        assert text.startswith(f"{tmp_path}/{case}/q2.h5: field 'x': {what}"), text
+        assert zero[case]["error"] == [
+            "PeerFailed",
+            f"rank 1 failed ({kind}: {text}) while reading its samples (preload), before the "
+            "first step",
+        ]
+        assert zero[case]["seconds"] < 1 and one[case]["seconds"] < 1, (zero, one)

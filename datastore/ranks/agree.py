@@ -365,9 +365,11 @@ def agree(
     error: BaseException | None,
     timeout: float,
     what: str = "the loader's start-up check",
+    doing: str | None = None,
 ) -> None:
     """Raise the same error on every rank when any rank had ``error`` or the ranks'
-    ``fingerprint`` values differ (:class:`RankMismatch`, naming the key and the ranks).
+    ``fingerprint`` values differ (:class:`RankMismatch`, naming the key and the ranks). With
+    ``doing`` a peer's error is a :class:`PeerFailed` (``rank R failed (Kind: text) <doing>``).
 
     ``fingerprint`` must have the same keys, in the same order, on every rank.
     """
@@ -383,6 +385,8 @@ def agree(
         if error is not None:
             raise error
         r, (kind, text) = failed[0]
+        if doing is not None:
+            raise PeerFailed(f"rank {r} failed ({kind}: {text}) {doing}")
         raise _rebuild(kind, f"rank {r} refused: {text}")
     for k in keys:
         values = [fp[k] for _, fp in every]
