@@ -246,6 +246,24 @@ def test_one_file_is_read_as_the_layout_it_states(tmp_path, stated):
             assert (r.format, len(r), r.fields["x"].shape) == ("hdf5", 4, (8, 8, 8))
 
 
+def test_files_stating_one_sample_each_with_one_of_another_length_name_it(tmp_path):
+    """Four files stating ``datastore_layout="per-sample"``, x (8, 4, 4), the third x (7, 4, 4):
+    read as shards, 31 samples of (4, 4), without a word; now the third file is named."""
+    d = tmp_path / "d"
+    d.mkdir()
+    for i in range(4):
+        with h5py.File(d / f"s{i}.h5", "w") as f:
+            f["x"] = np.full((7 if i == 2 else 8, 4, 4), i, np.float32)
+            f.attrs["datastore_layout"] = "per-sample"
+    with pytest.raises(DatasetError) as got:
+        open_dataset(str(d))
+    assert str(got.value) == (
+        f"{d}/s2.h5: holds x <f4 (7, 4, 4), unlike the set's first file {d}/s0.h5: x <f4 (8, 4, "
+        "4); the files say they hold one sample each (datastore_layout='per-sample'), and files "
+        "of one sample each hold identical shapes"
+    )
+
+
 # -- staged with --mode shard: whole files per node ----------------------------------------------
 def test_owners_of_shard_files_split_each_nodes_samples():
     # a: 3 samples, b: 2, c: 4; ranks 0-1 hold a and c, rank 2 holds b

@@ -274,7 +274,8 @@ def set_format(files: list[str], look: int | None = 16, where: str | None = None
     3. Files whose shapes differ are shards: in each file every dataset has one leading sample
        axis of the same length, and the same shape after it in every file (``shard_count``).
        A file that breaks this is named: the set is neither one sample per file nor shards
-       (a one-sample file among shards, a trailing shape that differs).
+       (a one-sample file among shards, a trailing shape that differs); so is the first file
+       unlike the others where the files state ``"per-sample"``.
 
     Judged on ``look`` files spread over the set, first and last included (``None``: every
     file); the readers check the rest (``Hdf5Reader`` when it opens, ``Hdf5PerSampleReader``
@@ -308,6 +309,13 @@ def set_format(files: list[str], look: int | None = 16, where: str | None = None
         return FORMAT_OF_LAYOUT[stated]
     want = {n: (dt, shape[1:]) for n, (dt, shape) in first.items()}
     odd_path, odd = next((path, got) for path, got in layouts if got != first)
+    if _stated_layout(picked) == "per-sample":
+        raise DatasetError(
+            odd_path,
+            f"holds {_describe(odd)}, unlike the set's first file {first_path}: "
+            f"{_describe(first)}; the files say they hold one sample each ({LAYOUT_ATTR}="
+            "'per-sample'), and files of one sample each hold identical shapes",
+        )
     try:
         shard_count(first_path, first, want)
     except DatasetError as exc:  # the first file is no shard: name the first one unlike it
