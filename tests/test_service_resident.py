@@ -979,6 +979,43 @@ def test_a_peers_fetch_by_name_gets_the_copy_a_relinked_path_names_now(tmp_path)
         servicer.residency.close()
 
 
+def test_a_peers_fetch_of_a_sample_that_cannot_be_read_is_data_loss_naming_it(tmp_path):
+    """A sample whose virtual source is gone, fetched by a peer: ``INTERNAL`` with no cause
+    (``node 1: internal error: SourceMissing`` over MPI, "the service's log says why" over
+    gRPC); now ``DATA_LOSS`` naming the file and why, as a client's stream gets it."""
+    d = tmp_path / "d"
+    d.mkdir()
+    with h5py.File(d / "s1-src.h5", "w") as f:
+        f["x"] = np.ones(4, np.float32)
+    for k in (0, 1):
+        with h5py.File(d / f"s{k}.h5", "w") as f:
+            f.attrs["datastore_layout"] = "per-sample"
+            if k == 0:
+                f["x"] = np.zeros(4, np.float32)
+            else:
+                layout = h5py.VirtualLayout((4,), np.float32)
+                layout[:] = h5py.VirtualSource("s1-src.h5", "x", shape=(4,))
+                f.create_virtual_dataset("x", layout)
+    (d / "s1-src.h5").unlink()
+    servicer = Servicer(
+        config=ServeConfig(socket=tmp_path / "s.sock", allowed_roots=(tmp_path,)),
+        listen=[],
+        stop=Stop(),
+        counters=Counters(),
+        log=JsonLog(io.StringIO()),
+    )
+    fetch = {"kind": "fetch", "path": str(d), "pieces": True, "samples": [1], "fields": ["x"]}
+    try:
+        with pytest.raises(ServiceError) as got:
+            servicer.answer(fetch | {"spatial": None, "block": 0})
+        assert got.value.code == "DATA_LOSS"
+        assert str(got.value).startswith(
+            f"{d}/s1.h5: field 'x': its virtual source 's1-src.h5' is in none of the places"
+        ), got.value
+    finally:
+        servicer.residency.close()
+
+
 def test_a_file_that_lands_while_a_dataset_opens_is_read_by_the_next_job(tmp_path, monkeypatch):
     """A staged file renamed into the dataset's directory after its reader listed the files
     but before their state was taken: that state already held it, so no later job saw a

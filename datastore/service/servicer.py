@@ -171,6 +171,8 @@ class Servicer(pb_grpc.DataStoreServicer):
             r = self.residency.acquire(path, request["path"], check=False)
             try:
                 return r.pieces(*_asked(request))
+            except (ValueError, OSError) as exc:  # a sample that cannot be read
+                raise ServiceError("DATA_LOSS", str(exc)) from None
             finally:
                 self.residency.release(r)  # (the reply's views keep what it sends alive)
         raise ServiceError("INVALID_ARGUMENT", f"unknown peer request {kind!r}")
