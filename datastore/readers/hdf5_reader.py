@@ -734,7 +734,7 @@ def _source_places(name: str, own: str) -> list[str]:
     if prefix is not None:
         places += [os.path.join(p, tail) for p in prefix.split(":") if p]
         if prefix.startswith("${ORIGIN}"):
-            places.append(os.path.join(here + prefix.removeprefix("${ORIGIN}"), tail))
+            places.append(os.path.join(_origin_expanded(prefix, own), tail))
     places += [os.path.join(here, tail), os.path.abspath(tail)]
     places.append(os.path.join(os.path.dirname(os.path.realpath(own)), tail))
     for k, place in enumerate(places):
@@ -751,10 +751,14 @@ def _storage_places(name: str, own: str) -> list[str]:
     prefix = os.environ.get("HDF5_EXTFILE_PREFIX", "")
     if os.path.isabs(name) or prefix in ("", "."):
         return _places(name, own)
-    if prefix.startswith("${ORIGIN}"):
-        here = os.path.dirname(os.path.abspath(own))
-        prefix = here + prefix.removeprefix("${ORIGIN}")
-    return [*_places(name, own), os.path.join(prefix, name)]
+    return [*_places(name, own), os.path.join(_origin_expanded(prefix, own), name)]
+
+
+def _origin_expanded(prefix: str, own: str) -> str:
+    """``prefix`` with a leading ``${ORIGIN}`` read as HDF5 reads it: ``own``'s directory."""
+    if not prefix.startswith("${ORIGIN}"):
+        return prefix
+    return os.path.dirname(os.path.abspath(own)) + prefix.removeprefix("${ORIGIN}")
 
 
 def _places(name: str, own: str) -> list[str]:
