@@ -463,7 +463,9 @@ def _link(resident: Any, plan: Plan, slots: list[dict[str, np.ndarray]], depth: 
     def start(i: int) -> Any:
         out, n = slots[i % len(slots)], len(plan.samples[i])
         fetching = resident.start_fetch(plan.samples[i], plan.fields, plan.spatial, plan.block, out)
-        run_copies([c for f in plan.fields for c in batch_pad_copies(f, out[f.name], n)], gather)
+        skip = fetching.positions  # (all of them: the link zeroes their halo)
+        pads = [c for f in plan.fields for c in batch_pad_copies(f, out[f.name], n, skip)]
+        run_copies(pads, gather)
         return fetching
 
     def finish(fetching: Any) -> None:

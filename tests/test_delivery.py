@@ -89,6 +89,14 @@ def test_fetched_parts_and_boxes_fill_as_the_samples_do_zero_halo_once_per_slab(
         for r in rows:
             inner = r[covered(x)[1]]
             assert (inner == 99).all() and (r == 0).sum() == r.size - inner.size
+        skipped = np.full((4, *x.shape), 99, np.float32)
+        some = batch_pad_copies(x, skipped, 4, frozenset({1}))  # position 1: the link's own
+        assert len(some) == 2 * 5  # positions 0 and 2-3: two runs, 5 slabs each
+        Gather(1).run(some)
+        assert (skipped[1] == 99).all()
+        for pos in (0, 2, 3):
+            inner = skipped[pos][covered(x)[1]]
+            assert (inner == 99).all() and (skipped[pos] == 0).sum() == skipped[pos].size - inner.size
 
 
 def test_covered_is_the_part_inside_the_volume():

@@ -169,7 +169,7 @@ def test_whole_samples_and_parts_amid_their_halo_arrive_exactly_over_the_data_co
 ):
     """A whole sample into a flat buffer, and samples into boxes amid a halo (long runs:
     received in place; short runs, cut on the last axis: aside, then copied): the exact bytes,
-    the halo untouched, every fetch answered by the data listener (not the gRPC stream), and
+    the halo of each box zeroed, the other samples' boxes untouched, every fetch answered by the data listener (not the gRPC stream), and
     its legs and run sizes in the peer stats."""
     monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats{node}.jsonl"))
     with (
@@ -185,8 +185,10 @@ def test_whole_samples_and_parts_amid_their_halo_arrive_exactly_over_the_data_co
         long_runs = (slice(1, 5), slice(1, 71), slice(0, 256))  # runs of 70 KiB
         link.fetch(1, _ask([5, 6]), [(slot[0], short_runs), (long_slot[1], long_runs)])
         stored_short = np.full_like(slot, -1.0)
+        stored_short[0] = 0
         stored_short[0][short_runs] = _stored(5)
         stored_long = np.full_like(long_slot, -1.0)
+        stored_long[1] = 0
         stored_long[1][long_runs] = _stored(6)
         assert np.array_equal(slot, stored_short)
         assert np.array_equal(long_slot, stored_long)

@@ -108,7 +108,8 @@ def test_a_fetch_of_pieces_lands_amid_the_halo_straight_from_the_owners_store(
 ):
     """A real ``Peers`` server answering from a stored sample: the asker's ``pieces`` reach
     the owner (which then packs nothing), the part inside the volume lands in place in the
-    batch slot, the halo around it untouched, and the fetch's legs (asked to first chunk, to
+    batch slot, the link zeroes the halo around it (the rest of the sample's box, not the other
+    sample's), and the fetch's legs (asked to first chunk, to
     last byte) are in the peer stats (before: the flag was not sent, so the owner packed whole
     boxes, a part amid its halo was refused as a target, and the legs were zero)."""
     monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats{node}.jsonl"))
@@ -139,5 +140,6 @@ def test_a_fetch_of_pieces_lands_amid_the_halo_straight_from_the_owners_store(
     ((to_first, to_last),) = stats["legs"]
     assert to_first > 0 and to_last >= 0, stats["legs"]
     want = np.full_like(slot, -1.0)
+    want[1] = 0
     want[1][amid] = stored[inside]
     assert np.array_equal(slot, want)

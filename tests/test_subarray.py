@@ -8,7 +8,15 @@ import itertools
 import numpy as np
 import pytest
 
-from datastore.maths.subarray import piece_sizes, pieces, run_bytes, run_layout, runs, view
+from datastore.maths.subarray import (
+    outside,
+    piece_sizes,
+    pieces,
+    run_bytes,
+    run_layout,
+    runs,
+    view,
+)
 
 
 def boxes(shape: tuple[int, ...]):
@@ -66,3 +74,24 @@ def test_a_bad_box_is_named():
         run_layout((3,), (slice(0, 3, 2),))
     with pytest.raises(ValueError, match="a box of 1 axes for an array of shape"):
         run_layout((3, 4), (slice(0, 3),))
+
+
+def test_the_slabs_outside_a_box_cover_the_rest_of_the_array_once():
+    """Every item of the array outside the box in exactly one slab, none inside, for boxes
+    touching each side or none, on every axis (3-d arrays of sides 1 to 3)."""
+    spans = [(a, b) for a in range(4) for b in range(a, 4)]
+    for shape in [(3, 3, 3), (1, 3, 2), (2, 1, 3)]:
+        choices = [[(a, b) for a, b in spans if b <= n] for n in shape]
+        for bounds in itertools.product(*choices):
+            box = tuple(slice(a, b) for a, b in bounds)
+            hits = np.zeros(shape, np.int64)
+            for slab in outside(shape, box):
+                hits[slab] += 1
+            want = np.ones(shape, np.int64)
+            want[box] = 0
+            assert np.array_equal(hits, want), (shape, box)
+    assert outside((4, 5), (slice(None), slice(None))) == []
+    assert outside((4, 5), (slice(1, 3), slice(0, 5))) == [
+        (slice(0, 1), slice(None)),
+        (slice(3, 4), slice(None)),
+    ]

@@ -17,14 +17,14 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from datastore.maths.partition import BOUNDARIES, Grid, full_region
-from datastore.maths.subarray import MIN_RUN, piece_sizes
+from datastore.maths.subarray import MIN_RUN, outside, piece_sizes
 
 __all__ = [
     "Copy",
@@ -116,16 +116,7 @@ def covered_sizes(f: Delivered) -> tuple[int, ...]:
 
 def _pads(f: Delivered) -> list[tuple[slice, ...]]:
     """Disjoint slabs of ``f``'s box outside the volume (empty when nothing is padded)."""
-    _, inner = covered(f)
-    slabs, before = [], []
-    for axis, (s, n) in enumerate(zip(inner, f.shape, strict=True)):
-        rest = (slice(None),) * (len(f.shape) - axis - 1)
-        if s.start > 0:
-            slabs.append((*before, slice(0, s.start), *rest))
-        if s.stop < n:
-            slabs.append((*before, slice(s.stop, n), *rest))
-        before.append(s)
-    return slabs
+    return outside(f.shape, covered(f)[1])
 
 
 def parse_spatial(spatial: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -245,15 +236,29 @@ def pad_copies(f: Delivered, dst: np.ndarray) -> list[Copy]:
     return [(dst[s], None) for s in _pads(f)] if f.blocked else []
 
 
-def batch_pad_copies(f: Delivered, rows: Any, n: int) -> list[Copy]:
+def batch_pad_copies(f: Delivered, rows: Any, n: int, skip: Set[int] = frozenset()) -> list[Copy]:
     """The zero fills of ``f``'s box outside the volume at every position ``< n`` of a batch
-    (``rows[pos, ...]`` a position's box): one fill per slab for them all where ``rows`` is an
-    array (a fill per slab and position touches the same memory, in ``n`` times the calls)."""
+    but those in ``skip`` (``rows[pos, ...]`` a position's box): one fill per slab for each
+    run of consecutive positions where ``rows`` is an array (a fill per slab and position
+    touches the same memory, in more calls)."""
     if not f.blocked:
         return []
     if isinstance(rows, np.ndarray):
-        return [(rows[(slice(0, n), *s)], None) for s in _pads(f)]
-    return [c for pos in range(n) for c in pad_copies(f, rows[pos, ...])]
+        return [(rows[(slice(a, b), *s)], None) for a, b in _runs(n, skip) for s in _pads(f)]
+    return [c for pos in range(n) if pos not in skip for c in pad_copies(f, rows[pos, ...])]
+
+
+def _runs(n: int, skip: Set[int]) -> list[tuple[int, int]]:
+    """The runs ``[a, b)`` of consecutive positions ``< n`` not in ``skip``."""
+    out: list[tuple[int, int]] = []
+    for pos in range(n):
+        if pos in skip:
+            continue
+        if out and out[-1][1] == pos:
+            out[-1] = (out[-1][0], pos + 1)
+        else:
+            out.append((pos, pos + 1))
+    return out
 
 
 def batch_copies(

@@ -17,7 +17,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MIN_RUN", "piece_sizes", "pieces", "run_bytes", "run_layout", "runs", "view"]
+__all__ = [
+    "MIN_RUN",
+    "outside",
+    "piece_sizes",
+    "pieces",
+    "run_bytes",
+    "run_layout",
+    "runs",
+    "view",
+]
 
 MIN_RUN = 64 * 1024  # a part cut into runs shorter than this on average is packed instead
 
@@ -25,6 +34,22 @@ MIN_RUN = 64 * 1024  # a part cut into runs shorter than this on average is pack
 def view(array: np.ndarray, box: tuple[slice, ...]) -> np.ndarray:
     """The view ``array[box]``, a 0-d array's too (``array[()]`` would be a copy, a scalar)."""
     return array[(*box, ...)]
+
+
+def outside(shape: tuple[int, ...], box: tuple[slice, ...]) -> list[tuple[slice, ...]]:
+    """Disjoint slabs covering an array of ``shape`` less its part ``box`` (step-1 slices),
+    few and large: on each axis in turn, what lies before and after ``box`` there, within
+    ``box`` on the axes before it and whole on those after."""
+    slabs, before = [], []
+    for axis, (s, n) in enumerate(zip(box, shape, strict=True)):
+        start, stop, _ = s.indices(n)
+        rest = (slice(None),) * (len(shape) - axis - 1)
+        if start > 0:
+            slabs.append((*before, slice(0, start), *rest))
+        if stop < n:
+            slabs.append((*before, slice(stop, n), *rest))
+        before.append(slice(start, stop))
+    return slabs
 
 
 def run_layout(shape: tuple[int, ...], box: tuple[slice, ...]) -> tuple[int, int]:

@@ -12,8 +12,8 @@ bytes), or, where the owner's data port cannot be reached (a firewall open to th
 only), over the ``FetchBlocks`` stream (chunks of at most :data:`CHUNK` bytes, so that a block
 of any size fits gRPC's message limits). As over MPI, the owner sends each box's part inside the
 volume straight from its store (``pieces``: nothing packed there), and the asker writes the
-bytes straight into the batch slot, a part amid its halo included (one copy; the asker zeroes
-the halo outside the volume).
+bytes straight into the batch slot, a part amid its halo included (one copy), and zeroes the
+halo outside the volume around it.
 
 The services are independent processes: one that stops does not stop the others. Every call
 waits for a peer that is not up yet (a store starting, or a peer restarting) up to
@@ -42,7 +42,7 @@ from datastore.service._pb.v1 import datastore_pb2 as pb
 from datastore.service.auth import bearer
 from datastore.service.data_link import IDLE_S, DataConnection, PeerError, split_address
 from datastore.service.errors import ServiceError
-from datastore.service.peer_link import Box, Listing, Pending, Segments, targets
+from datastore.service.peer_link import Box, Listing, Pending, Segments, targets, zero_rest
 from datastore.service.peer_stats import STATS_ENV, ExchangeStats
 from datastore.service.wire import bytes_field_view, keep_large_blocks
 
@@ -272,12 +272,12 @@ class GrpcPeers:
             pieces=bool(request.get("pieces")),
             index=request.get("index", b""),
         )
-        into = [_as_bytes(t) for t in targets(out)]
+        parts = targets(out)
         conn = None if self._over_grpc(dest) else self._connection(dest, job)
         if conn is None:
-            self._fetch_grpc(dest, message, into, job)
+            self._fetch_grpc(dest, message, parts, job)
         else:
-            self._fetch_data(dest, message, into, job, conn)
+            self._fetch_data(dest, message, parts, job, conn)
 
     def _connection(self, dest: int, job: _Job) -> DataConnection | None:
         """A quiet data connection to node ``dest`` (reused, or opened through ``OpenData``,
@@ -353,17 +353,24 @@ class GrpcPeers:
             )
 
     def _fetch_data(
-        self, dest: int, message: Any, into: list[np.ndarray], job: _Job, conn: DataConnection
+        self,
+        dest: int,
+        message: Any,
+        parts: list[np.ndarray | Box],
+        job: _Job,
+        conn: DataConnection,
     ) -> None:
-        """One fetch over a data connection: received into each target's contiguous runs,
-        or, where they are short (a part amid its halo, cut on the last axis), aside then
-        copied in place (one numpy copy beats a Python view per run)."""
-        buffers, aside = [], []
-        for t in into:
+        """One fetch over a data connection: received into each part's contiguous runs, or,
+        where they are short (a part amid its halo, cut on the last axis), aside then copied
+        in place (one numpy copy beats a Python view per run) and its box's halo zeroed."""
+        buffers, aside, direct = [], [], []
+        for p in parts:
+            t = _as_bytes(p)
             if t.flags.c_contiguous or run_bytes(t) >= MIN_RUN:
-                buffers += runs(t)
+                buffers += runs(t) if t.nbytes else []
+                direct.append(p)
             else:
-                aside.append((t, self._asides.take(t.nbytes)))
+                aside.append((t, self._asides.take(t.nbytes), p))
                 buffers.append(aside[-1][1])
         at, sizes, ok = f"node {dest} ({self.addresses[dest]})", [], False
         self.stats.begin()
@@ -377,8 +384,11 @@ class GrpcPeers:
             if not job.attach(conn.stop):
                 raise self._abandoned(dest)
             sizes, first = conn.fetch(message.SerializeToString(), buffers)
-            for t, got in aside:
+            for t, got, p in aside:
                 t[...] = got.reshape(t.shape)
+                zero_rest(p)
+            for p in direct:
+                zero_rest(p)
             ok = True
         except PeerError as exc:
             raise ServiceError(exc.code, f"{at}: {exc}") from None
@@ -394,7 +404,7 @@ class GrpcPeers:
             raise ServiceError("UNAVAILABLE", f"{at} {why}") from None
         finally:
             job.detach()
-            for _, got in aside:  # (the receive has returned: nothing writes there now)
+            for _, got, _ in aside:  # (the receive has returned: nothing writes there now)
                 self._asides.give(got)
             total = sum(sizes) if ok else 0
             legs = (first - asked, time.monotonic() - first) if ok else (0.0, 0.0)
@@ -412,14 +422,18 @@ class GrpcPeers:
                 c.close()
         self.bytes_received += total
 
-    def _fetch_grpc(self, dest: int, message: Any, into: list[np.ndarray], job: _Job) -> None:
+    def _fetch_grpc(
+        self, dest: int, message: Any, parts: list[np.ndarray | Box], job: _Job
+    ) -> None:
         """One fetch over the ``FetchBlocks`` stream: each chunk copied once, into place."""
+        for p in parts:
+            zero_rest(p)
         call = self._channel(dest).unary_stream(
             f"/{SERVICE}/FetchBlocks",
             request_serializer=pb.FetchBlocksRequest.SerializeToString,
             response_deserializer=chunk_view,
         )
-        filler, sizes = _Filler(into), []
+        filler, sizes = _Filler([_as_bytes(p) for p in parts]), []
         self.stats.begin()
         asked, first = time.monotonic(), None  # the legs: asked -> first chunk -> last byte
         try:

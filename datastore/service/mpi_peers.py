@@ -72,6 +72,7 @@ from datastore.maths.subarray import view
 from datastore.ranks.subarrays import ASIDE_KEPT, Asides, keep_until_exit
 from datastore.service.errors import ServiceError
 from datastore.service.peer_link import (
+    Box,
     Listing,
     Pending,
     Pieces,
@@ -81,6 +82,7 @@ from datastore.service.peer_link import (
     nbytes,
     sizes_of,
     targets,
+    zero_rest,
 )
 from datastore.service.peer_stats import STATS_ENV, ExchangeStats
 
@@ -292,8 +294,10 @@ class MpiPeers:
         if isinstance(reply, dict) and "error" in reply:
             raise ServiceError(reply["code"], f"node {call.dest}: {reply['error']}")
         unpack, call.unpack = call.unpack, []
-        for dst, aside in unpack:
+        for box, aside in unpack:
+            dst = view(*box)
             np.copyto(dst, aside.view(dst.dtype).reshape(dst.shape))
+            zero_rest(box)
             self._asides.give(aside)
         return reply
 
@@ -315,10 +319,15 @@ class MpiPeers:
         envelope before them (a message and a wake-up less per fetch)."""
         into, unpack = [], []
         for t in targets(out):
-            if isinstance(t, tuple):  # received aside, copied in by :meth:`Pending.result`
-                unpack.append((view(*t), self._asides.take(nbytes(t))))
-                t = unpack[-1][1]
-            into.append(t)
+            if not isinstance(t, tuple):
+                into.append(t)
+            elif view(*t).flags.c_contiguous:  # in place, its box's halo zeroed now
+                into.append(view(*t).reshape(-1).view(np.uint8))
+                zero_rest(t)
+            else:  # received aside, copied in by :meth:`Pending.result`, its halo zeroed
+                unpack.append((t, self._asides.take(nbytes(t))))
+                into.append(unpack[-1][1])
+        into = [t for t in into if t.nbytes]
         call = self._start(dest, request, into)
         call.unpack = unpack
         return Pending(
@@ -784,7 +793,7 @@ class _Call:
     error: ServiceError | None = None
     recvs: list[Any] | None = None  # the receives of the raw bytes, once posted
     sizes: list[int] = field(default_factory=list)  # the raw bytes' messages
-    unpack: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (part, aside)
+    unpack: list[tuple[Box, np.ndarray]] = field(default_factory=list)  # (target, aside)
     asked: float = field(default_factory=time.monotonic)
     enveloped: float = 0.0  # when its envelope came (a fetch; posted with it: when asked)
     data_tag: int | None = None  # its receives posted with the request: the tag its bytes use

@@ -37,6 +37,7 @@ from datastore.maths.delivery import (
     covered,
     covered_sizes,
     delivered_fields,
+    pad_copies,
     spatial_grid,
     tensor_dtype_problem,
 )
@@ -95,7 +96,7 @@ class Fetching:
 
     positions: frozenset[int]  # the batch positions that come from other nodes
     pending: list[Pending]  # one request per owner
-    after: list[Copy]  # once they are in: the copies of parts received aside
+    after: list[Copy]  # once they are in: parts received aside, halos the link did not zero
 
     def result(self, stop: threading.Event) -> list[Copy] | None:
         """The copies left to do once every owner answered; ``None`` if ``stop`` was set
@@ -201,9 +202,11 @@ class Resident:
     ) -> Fetching | None:
         """Ask the owners of the ``samples`` other nodes own for them, every owner at once, to
         land straight in the batch ``out`` (``{field: (n, *box)}``: a box's part inside the
-        volume lands in place, amid its halo included; the halo outside the volume is the
-        caller's to zero, :func:`~datastore.maths.delivery.batch_pad_copies`, as for the
-        samples here); returns at once. ``None`` when every sample is here."""
+        volume lands in place, amid its halo, which the link zeroes right after); returns at
+        once. Their boxes are whole once :meth:`Fetching.result`'s copies are done: the
+        caller zeroes the halo of the other positions only
+        (:func:`~datastore.maths.delivery.batch_pad_copies` with ``skip``). ``None`` when
+        every sample is here."""
         if self.owner is None or self.link is None:
             return None
         wanted = np.asarray(samples, dtype=np.int64).reshape(-1).tolist()
@@ -223,15 +226,17 @@ class Resident:
                 inner = covered(f)[1]
                 for pos in at:
                     dst = out[f.name][pos, ...]  # (a view, a 0-d field's too)
+                    if f.blocked and dst.flags.c_contiguous:  # the link zeroes its halo
+                        into.append((dst, inner))
+                        continue
                     part = dst[inner] if f.blocked else dst
                     if part.flags.c_contiguous:
                         into.append(part.reshape(-1).view(np.uint8))
-                    elif dst.flags.c_contiguous:
-                        into.append((dst, inner))
                     else:
                         aside = np.empty(part.shape, part.dtype)
                         into.append(aside.reshape(-1).view(np.uint8))
                         after.append((part, aside))
+                    after += pad_copies(f, dst)
             request = {
                 "kind": "fetch",
                 "path": self.template,

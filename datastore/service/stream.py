@@ -356,8 +356,8 @@ class Stream:
                 if pos not in fetching.positions
                 for f in self._fields
             ]
-            for f in self._fields:  # the zero halo of every position (the fetches' too)
-                copies += batch_pad_copies(f, out[f.name], len(samples))
+            for f in self._fields:  # the zero halo of the positions here (the link's: its own)
+                copies += batch_pad_copies(f, out[f.name], len(samples), fetching.positions)
             run_copies(copies, self._gather)
         except BaseException:
             fetching.abandon()

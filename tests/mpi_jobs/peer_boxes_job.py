@@ -53,9 +53,9 @@ def fetch(peers: MpiPeers, case: str, samples: list[int], dst_box: tuple) -> dic
         inside &= np.array_equal(v[dst_box], STORE[i, "v"][src])
         around = np.ones(v.shape, bool)
         around[dst_box] = False
-        halo &= bool((v[around] == SENTINEL).all())
+        halo &= bool((v[around] == 0).all())
         whole &= np.array_equal(s, STORE[i, "s"])
-    return {"inside": inside, "halo untouched": halo, "whole": whole}
+    return {"inside": inside, "halo zeroed": halo, "whole": whole}
 
 
 def asks(peers: MpiPeers) -> dict:
