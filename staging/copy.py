@@ -33,7 +33,7 @@ from staging.checksum import LEAF_BYTES, combine, leaf_ranges, new_hasher
 from staging.confine import beneath, opened_path
 from staging.directio import ALIGN, IoPolicy, aligned_buffer, read_at, write_at
 from staging.durable import start_writeback, syncfs
-from staging.manifest import META, Journal, meta_dir
+from staging.manifest import Journal, meta_dir, open_meta
 from staging.plan import Group, Item
 from staging.prefetch import Held
 from staging.splice import splice_range
@@ -60,11 +60,6 @@ _local = threading.local()
 
 def tmp_dir(dest: str) -> str:
     return os.path.join(meta_dir(dest), "tmp")
-
-
-def _tmp_rel(sub: str = "") -> str:
-    """DEST's name of its temp directory (``sub``: of that subdirectory of it)."""
-    return os.path.join(META, "tmp", sub)
 
 
 def tmp_subdir(key: str) -> str:
@@ -570,8 +565,12 @@ class Engine:
         on_bytes: Callable[[int], None] = lambda n: None,
         special_bits: bool = False,
         confine: tuple[str, ...] = (),
+        meta: int | None = None,
     ):
         self.dest, self.algo, self.streams, self.policy = dest, algo, streams, policy
+        # DEST's .datastore (the caller's descriptor, else opened here): the journal and the
+        # temp files go there, never through a link swapped in for it
+        self._meta = os.dup(meta) if meta is not None else open_meta(dest)
         self.mode_mask = mode_mask(special_bits)
         self.confine = confine
         self.on_bytes = on_bytes
@@ -666,22 +665,27 @@ class Engine:
 
     def _tmp_dir(self, sub: str = "") -> int:
         """The descriptor of DEST's temp directory (``sub``: that subdirectory of it, made
-        where missing), opened once, beneath DEST (:func:`open_beneath`): its temp files are
-        named through it, so a directory swapped for a link while the stage runs takes none
-        of them (by path, files were written where it led: 16 of 4,000 then failed to place)."""
+        where missing), opened once, beneath DEST's ``.datastore`` (:func:`open_beneath`): its
+        temp files are named through it, so a directory swapped for a link while the stage
+        runs takes none of them (by path, files were written where it led: 16 of 4,000 then
+        failed to place)."""
         with self._lock:
             fd = self._tmp_dirs.get(sub)
             if fd is None:
-                fd = self._tmp_dirs[sub] = open_beneath(self.dest, _tmp_rel(sub), make=True)
+                fd = open_beneath(fd_path(self._meta), os.path.join("tmp", sub), make=True)
+                self._tmp_dirs[sub] = fd
         return fd
 
     def close(self) -> None:
-        """Close the descriptors of the temp directories (:meth:`run` does at its end; one
-        left open keeps a DEST's filesystem busy)."""
+        """Close the descriptors of the temp directories and ``.datastore`` (:meth:`run` does
+        at its end; one left open keeps a DEST's filesystem busy)."""
         with self._lock:
             for fd in self._tmp_dirs.values():
                 os.close(fd)
             self._tmp_dirs.clear()
+            if self._meta >= 0:
+                os.close(self._meta)
+                self._meta = -1
 
     def _fail(self, item: Item, exc: BaseException) -> None:
         msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -1158,7 +1162,7 @@ class Engine:
         """Stage ``groups`` (already filtered to what this rank must write; the members that
         :meth:`settle` kept are placed as they are)."""
         try:
-            self.journal = Journal(self.dest, self.rank)
+            self.journal = Journal(self.dest, self.rank, self._meta)
         except OSError as exc:  # (no inode left for it): nothing is placed without its record
             self.stats.errors.append(f"{self.dest}: cannot write its journal: {exc.strerror}")
             return self.stats

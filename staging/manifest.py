@@ -13,17 +13,19 @@ Layout of ``DEST/.datastore/``:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
-import glob
+import fnmatch
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from staging.checksum import LEAF_BYTES
-from staging.durable import fsync_dir
 
-__all__ = ["META", "Journal", "Manifest", "lock_dest", "meta_dir"]
+__all__ = ["META", "Journal", "Manifest", "lock_dest", "meta_dir", "open_meta", "same_meta"]
 
 META = ".datastore"
 VERSION = 1
@@ -32,6 +34,57 @@ ENTRY_KEYS = {"kind", "source", "ident", "size", "hash"}  # what every entry has
 
 def meta_dir(dest: str) -> str:
     return os.path.join(dest, META)
+
+
+def open_meta(dest: str) -> int:
+    """A descriptor of ``DEST/.datastore``, opened from DEST's and never through a link: one
+    there is ``EPERM``, named (by path, a link to another DEST's had the run empty that one's
+    ``tmp/`` and write its manifest there). The caller closes it."""
+    top = os.open(dest, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return os.open(
+            META, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top
+        )
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(meta_dir(dest)):
+            why = f"refusing to write through a symlink: {meta_dir(dest)}"
+            raise OSError(errno.EPERM, why) from None  # (named in why)
+        raise
+    finally:
+        os.close(top)
+
+
+def same_meta(dest: str, meta: int) -> None:
+    """Raise ``OSError`` naming ``DEST/.datastore`` where it is no longer the directory open
+    as ``meta``: a link now (``EPERM``), or another directory moved there."""
+    fd = open_meta(dest)
+    try:
+        now, held = os.fstat(fd), os.fstat(meta)
+    finally:
+        os.close(fd)
+    if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+        why = f"replaced while the stage ran: {meta_dir(dest)}"
+        raise OSError(errno.ESTALE, why)
+
+
+@contextlib.contextmanager
+def _opened(dest: str, meta: int | None) -> Iterator[int]:
+    """``meta``, or DEST's ``.datastore`` opened (:func:`open_meta`) and closed on leaving."""
+    if meta is not None:
+        yield meta
+        return
+    fd = open_meta(dest)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _at(meta: int) -> Any:
+    """An ``opener`` of the files of the directory ``meta``, never through a link."""
+    return lambda name, flags: os.open(
+        name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=meta
+    )
 
 
 @dataclass
@@ -49,13 +102,22 @@ class Manifest:
     leaf_bytes: int = LEAF_BYTES
 
     @classmethod
-    def load(cls, dest: str) -> Manifest:
-        """Read ``manifest.json`` and apply every journal; a torn last journal line is ignored."""
+    def load(cls, dest: str, meta: int | None = None) -> Manifest:
+        """Read ``manifest.json`` and apply every journal; a torn last journal line is ignored.
+        ``meta``: DEST's ``.datastore`` open (:func:`open_meta`); else opened here, and a DEST
+        without one has an empty manifest."""
+        if meta is None and not os.path.lexists(meta_dir(dest)):
+            return cls()
+        with _opened(dest, meta) as fd:
+            return cls._read(fd, os.path.join(meta_dir(dest), "manifest.json"))
+
+    @classmethod
+    def _read(cls, meta: int, path: str) -> Manifest:
+        """:meth:`load` from the directory ``meta``; ``path`` names its manifest in errors."""
         m = cls()
-        path = os.path.join(meta_dir(dest), "manifest.json")
-        if os.path.exists(path):
+        with contextlib.suppress(FileNotFoundError):
             try:
-                with open(path, encoding="utf-8") as f:
+                with open("manifest.json", encoding="utf-8", opener=_at(meta)) as f:
                     doc = json.load(f)
             except ValueError as exc:  # JSON or UTF-8: a manifest someone else wrote over
                 raise ValueError(f"{path}: corrupt manifest ({exc})") from None
@@ -73,8 +135,8 @@ class Manifest:
                 raise ValueError(f"{path}: corrupt manifest (archives are not archive records)")
             m.shard = doc.get("shard")
             m.leaf_bytes = doc.get("leaf_bytes", LEAF_BYTES)
-        for jpath in sorted(glob.glob(os.path.join(meta_dir(dest), "journal-*.jsonl"))):
-            with open(jpath) as f:
+        for name in sorted(fnmatch.filter(os.listdir(meta), "journal-*.jsonl")):
+            with open(name, opener=_at(meta)) as f:
                 for line in f:
                     try:
                         rec = json.loads(line)
@@ -90,9 +152,13 @@ class Manifest:
         elif "archive" in rec:
             self.archives[rec["archive"]] = {k: v for k, v in rec.items() if k != "archive"}
 
-    def save(self, dest: str) -> None:
-        """Write ``manifest.json`` atomically (temp, fsync, rename) and drop the journals."""
-        meta = meta_dir(dest)
+    def save(self, dest: str, meta: int | None = None) -> None:
+        """Write ``manifest.json`` atomically (temp, fsync, rename) and drop the journals;
+        ``meta`` as for :meth:`load`."""
+        with _opened(dest, meta) as fd:
+            self._write(fd)
+
+    def _write(self, meta: int) -> None:
         doc = {
             "version": VERSION,
             "leaf_bytes": self.leaf_bytes,
@@ -100,24 +166,23 @@ class Manifest:
             "entries": dict(sorted(self.entries.items())),
             "archives": self.archives,
         }
-        tmp = os.path.join(meta, "manifest.json.tmp")
-        with open(tmp, "w") as f:
+        with open("manifest.json.tmp", "w", opener=_at(meta)) as f:
             json.dump(doc, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(meta, "manifest.json"))
-        for jpath in glob.glob(os.path.join(meta, "journal-*.jsonl")):
-            os.unlink(jpath)
-        fsync_dir(meta)
+        os.replace("manifest.json.tmp", "manifest.json", src_dir_fd=meta, dst_dir_fd=meta)
+        for name in fnmatch.filter(os.listdir(meta), "journal-*.jsonl"):
+            os.unlink(name, dir_fd=meta)
+        os.fsync(meta)
 
 
 class Journal:
     """Append-only journal of one rank; ``write`` many records, then ``flush`` them at once:
     all reach the file, or none (a torn line would hide every later record from ``load``)."""
 
-    def __init__(self, dest: str, rank: int):
-        path = os.path.join(meta_dir(dest), f"journal-{rank}.jsonl")
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    def __init__(self, dest: str, rank: int, meta: int | None = None):
+        with _opened(dest, meta) as fd:
+            self._fd = _at(fd)(f"journal-{rank}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         self._lines: list[str] = []
 
     def write(self, rec: dict[str, Any]) -> None:
@@ -139,9 +204,11 @@ class Journal:
         os.close(self._fd)
 
 
-def lock_dest(dest: str) -> int:
-    """Take DEST's exclusive staging lock; ``BlockingIOError`` if another run holds it."""
-    fd = os.open(os.path.join(meta_dir(dest), "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+def lock_dest(dest: str, meta: int | None = None) -> int:
+    """Take DEST's exclusive staging lock; ``BlockingIOError`` if another run holds it;
+    ``meta`` as for :meth:`Manifest.load`."""
+    with _opened(dest, meta) as dir_fd:
+        fd = _at(dir_fd)("lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

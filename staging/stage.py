@@ -30,11 +30,10 @@ from staging.copy import (
     open_beneath,
     opened_beneath,
     settle_dirs,
-    tmp_dir,
 )
 from staging.directio import IoPolicy
 from staging.exitcodes import Agreed, Exit
-from staging.manifest import Manifest, lock_dest, meta_dir
+from staging.manifest import Manifest, lock_dest, meta_dir, open_meta, same_meta
 from staging.plan import Group, Item, Plan, archive_record, assign, build_plan, split_by_bytes
 from staging.progress import MIB, Progress, human_bytes
 from staging.tmpspace import Freed, clean_tmp, drop_partials
@@ -134,7 +133,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     log = _Log(cfg, lay)
 
     # 1. every node's leader prepares its DEST and takes the lock
-    lock_fd, manifest, err, freed = None, Manifest(), None, Freed()
+    lock_fd, meta, manifest, err, freed = None, None, Manifest(), None, Freed()
     made: list[str] = []  # DEST/.datastore and the parents this run creates, deepest first
     code = Exit.FAILED
     if lay.is_leader:
@@ -145,10 +144,12 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                 )
             made = _absent(meta_dir(dest))
             os.makedirs(meta_dir(dest), exist_ok=True)
-            lock_fd = lock_dest(dest)
-            manifest = Manifest.load(dest)
-            freed = clean_tmp(dest)
-            os.makedirs(tmp_dir(dest), exist_ok=True)  # here, where a full DEST is an answer
+            meta = open_meta(dest)  # the lock, manifest, journals and temp space: through it
+            lock_fd = lock_dest(dest, meta)
+            manifest = Manifest.load(dest, meta)
+            freed = clean_tmp(meta)
+            with contextlib.suppress(FileExistsError):  # here, where a full DEST is an answer
+                os.mkdir("tmp", dir_fd=meta)
         except BlockingIOError:  # what is there is the other run's: nothing is removed
             err, made = locked_message(dest, cfg.dest, lay), []
         except (OSError, ValueError) as exc:
@@ -161,8 +162,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         # nothing is staged on any node: what this run made here goes (a failed makedirs or
         # lock left DEST/.datastore, and DEST itself, behind)
         _unmake(dest, made)
-        if lock_fd is not None:
-            os.close(lock_fd)
+        _close(lock_fd, meta)
         log.errors([e for e, _ in failed])
         return Agreed(max(c for _, c in failed))
 
@@ -171,7 +171,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     #    the walk finds them (Engine.ahead); step 3 keeps them once the archive is known good.
     plan = Plan()
     policy = IoPolicy(cfg.io, meta_dir(dest), log=lay.is_leader and not cfg.quiet)
-    engine = _engine(cfg, dest, lay.rank, policy) if lay.size == 1 else None
+    engine = _engine(cfg, dest, lay.rank, policy, meta) if lay.size == 1 else None
     if lay.rank == 0:
         try:
             plan = build_plan(
@@ -231,9 +231,9 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             if engine is not None:
                 engine.settle([])
                 engine.close()
-                clean_tmp(dest)
+                clean_tmp(meta)
             _unmake(dest, made, dirs[::-1])
-            os.close(lock_fd)
+            _close(lock_fd, meta)
         log.errors([e for _, e, *_ in status if e])
         return Agreed(max(code for code, *_ in status))
 
@@ -242,7 +242,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     total = sum(g.nbytes for g in mine)
     with Progress(total, enabled=log.progress, json_lines=log.progress_json) as bar:
         if mine and engine is None:
-            engine = _engine(cfg, dest, lay.rank, policy)
+            engine = _engine(cfg, dest, lay.rank, policy, meta)
         if engine is not None:
             engine.on_bytes = bar.advance
         stats = engine.run(mine) if mine and engine is not None else Stats()
@@ -257,7 +257,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         node_errors = (
             node_comm.allreduce(len(stats.errors)) if lay.local_size > 1 else len(stats.errors)
         )
-        final = Manifest.load(dest)
+        final = Manifest.load(dest, meta)
         final.shard = {"mode": cfg.mode, "node": lay.node, "nodes": lay.nodes}
         if not node_errors:
             for g in groups:
@@ -268,15 +268,16 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         dir_items = [i for g in groups for i in g.items if i.kind == "dir"]  # after the drops
         stats.errors.extend(_settle_modes(dest, work.modes))
         stats.errors.extend(settle_dirs(dest, dir_items, cfg.preserve_special_bits))
-        clean_tmp(dest)  # first: on a DEST out of inodes, the manifest needs one it frees
+        clean_tmp(meta)  # first: on a DEST out of inodes, the manifest needs one it frees
         if planned or not made:
             try:
-                final.save(dest)
+                same_meta(dest, meta)  # (one swapped in: its manifest is not this DEST's)
+                final.save(dest, meta)
             except OSError as exc:  # the journals still hold what was placed
                 stats.errors.append(f"{dest}: cannot save the manifest: {exc.strerror}")
         if not planned:  # every source refused: leave nothing of DEST that this run made
             _unmake(dest, made)
-        os.close(lock_fd)
+        _close(lock_fd, meta)
     elif lay.local_size > 1:
         node_comm.allreduce(len(stats.errors))
     elapsed = time.perf_counter() - t0
@@ -499,11 +500,17 @@ def _freed_note(dest: str, freed: Freed) -> str:
     )
 
 
-def _engine(cfg: StageConfig, dest: str, rank: int, policy: IoPolicy) -> Engine:
+def _engine(cfg: StageConfig, dest: str, rank: int, policy: IoPolicy, meta: int | None) -> Engine:
     return Engine(
         dest, rank, cfg.checksum, cfg.streams, policy,
-        special_bits=cfg.preserve_special_bits, confine=cfg.confine,
+        special_bits=cfg.preserve_special_bits, confine=cfg.confine, meta=meta,
     )  # fmt: skip
+
+
+def _close(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
 
 
 def _absent(path: str) -> list[str]:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from staging.copy import tmp_dir, tmp_subdir
-from staging.manifest import meta_dir
 
 __all__ = ["Freed", "clean_tmp", "drop_partials"]
 
@@ -32,45 +31,41 @@ class Freed:
     bytes: int = 0
 
 
-def clean_tmp(dest: str) -> Freed:
-    """Clear DEST's temp space (its lock held): everything under ``tmp/`` goes but the partial
-    copies a re-run resumes, which move to where this version looks for them
-    (``tmp/K/KEY.part`` and ``.leaves``; older versions left them in ``tmp/`` itself or in
-    ``tmp/KK/``). Links are removed, never followed."""
+def clean_tmp(meta: int) -> Freed:
+    """Clear the temp space of DEST's ``.datastore``, open as ``meta`` (its lock held):
+    everything under ``tmp/`` goes but the partial copies a re-run resumes, which move to where
+    this version looks for them (``tmp/K/KEY.part`` and ``.leaves``; older versions left them
+    in ``tmp/`` itself or in ``tmp/KK/``). Links are removed, never followed."""
     freed = Freed()
-    meta = os.open(meta_dir(dest), os.O_RDONLY | os.O_DIRECTORY)
     try:
-        try:
-            top = _opendir("tmp", meta)
-        except FileNotFoundError:
-            return freed
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-                raise
-            _remove(meta, "tmp", freed)  # a file or a link where tmp/ belongs
-            return freed
-        try:
-            subdirs = [n for n in os.listdir(top) if _is_dir(top, n)]
-            pairs = [("", k) for k in _sweep(top, set(subdirs), freed)]  # (subdirectory, key)
-            for sub in subdirs:
-                fd = _opendir(sub, top)
-                try:
-                    pairs += [(sub, k) for k in _sweep(fd, set(), freed)]
-                finally:
-                    os.close(fd)
-            placed = {k for sub, k in pairs if sub == tmp_subdir(k)}
-            for sub, key in pairs:
-                if sub != tmp_subdir(key):
-                    _move_partial(top, sub, key, placed, freed)
-            for sub in subdirs:
-                with contextlib.suppress(OSError):  # not empty: it holds a partial copy
-                    os.rmdir(sub, dir_fd=top)
-        finally:
-            os.close(top)
-        with contextlib.suppress(OSError):
-            os.rmdir("tmp", dir_fd=meta)
+        top = _opendir("tmp", meta)
+    except FileNotFoundError:
+        return freed
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        _remove(meta, "tmp", freed)  # a file or a link where tmp/ belongs
+        return freed
+    try:
+        subdirs = [n for n in os.listdir(top) if _is_dir(top, n)]
+        pairs = [("", k) for k in _sweep(top, set(subdirs), freed)]  # (subdirectory, key)
+        for sub in subdirs:
+            fd = _opendir(sub, top)
+            try:
+                pairs += [(sub, k) for k in _sweep(fd, set(), freed)]
+            finally:
+                os.close(fd)
+        placed = {k for sub, k in pairs if sub == tmp_subdir(k)}
+        for sub, key in pairs:
+            if sub != tmp_subdir(key):
+                _move_partial(top, sub, key, placed, freed)
+        for sub in subdirs:
+            with contextlib.suppress(OSError):  # not empty: it holds a partial copy
+                os.rmdir(sub, dir_fd=top)
     finally:
-        os.close(meta)
+        os.close(top)
+    with contextlib.suppress(OSError):
+        os.rmdir("tmp", dir_fd=meta)
     return freed
 
 

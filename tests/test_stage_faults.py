@@ -350,3 +350,60 @@ def test_a_refused_run_removes_what_it_made_for_dest_never_through_a_link(
     assert main(["stage", str(tmp_path / "missing"), "--to", str(dest), "--quiet"]) == 2
     assert "source not found" in capsys.readouterr().err
     assert _outside(other) == before
+
+
+def _tree(root) -> dict:
+    """Every entry under ``root``: a file's bytes, a link's target, ``"dir"``."""
+    return {
+        str(p.relative_to(root)): (
+            os.readlink(p) if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
+        )
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _other_dest(root):
+    """Another stage's DEST: its manifest, lock, a partial copy it resumes and a temp file."""
+    meta = root / ".datastore"
+    (meta / "tmp" / "0").mkdir(parents=True)
+    (meta / "manifest.json").write_text('{"version": 1, "entries": {}}')
+    (meta / "lock").write_bytes(b"")
+    (meta / "tmp" / "0" / "0123456789abcdef0123.part").write_bytes(b"another stage's copy")
+    (meta / "tmp" / "0" / "0123456789abcdef0123.leaves").write_bytes(b"/elsewhere/b 1:2 xxh3\n")
+    (meta / "tmp" / "other-file").write_bytes(b"x")
+    return _tree(root)
+
+
+@pytest.mark.parametrize("when", ["before the run", "after the copy"])
+def test_a_link_where_dest_datastore_belongs_is_refused_the_other_dest_unchanged(
+    tmp_path, monkeypatch, capsys, when
+):
+    """``DEST/.datastore`` a link to another DEST's (there before the run, or swapped in once
+    the copy is done): by path, the run emptied that DEST's ``tmp/`` (its partial copies
+    gone) and wrote its manifest there, exit 0; now ``.datastore`` is opened once, never
+    through a link, and the run refuses it in one line, the other DEST unchanged."""
+    from datastore.cli import main
+
+    src, dest, other = tmp_path / "src" / "ds", tmp_path / "dest", tmp_path / "other"
+    src.mkdir(parents=True)
+    (src / "f").write_bytes(b"f")
+    before = _other_dest(other)
+    if when == "before the run":
+        dest.mkdir()
+        (dest / ".datastore").symlink_to(other / ".datastore", target_is_directory=True)
+        message, code = "cannot prepare destination (refusing to write through a symlink", 1
+    else:
+        real = copy.Engine.run
+
+        def run_then_swap(self, groups):
+            stats = real(self, groups)
+            (dest / ".datastore").rename(tmp_path / "moved")
+            (dest / ".datastore").symlink_to(other / ".datastore", target_is_directory=True)
+            return stats
+
+        monkeypatch.setattr(copy.Engine, "run", run_then_swap)
+        message, code = "cannot save the manifest: refusing to write through a symlink", 1
+    assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == code
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"{dest}: {message}: {dest}/.datastore" in err[0]
+    assert _tree(other) == before

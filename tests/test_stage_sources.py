@@ -28,6 +28,7 @@ from staging.plan import Group, build_plan
 def _stage(src: str, dest: str, streams: int) -> copy.Stats:
     plan = build_plan([src])
     os.makedirs(os.path.join(dest, "src"), exist_ok=True)
+    os.makedirs(meta_dir(dest), exist_ok=True)
     groups = [Group(g.source, tuple(i for i in g.items if i.kind != "dir")) for g in plan.groups]
     policy = IoPolicy("auto", meta_dir(dest), log=False)
     return copy.Engine(dest, 0, "xxh3", streams, policy).run(groups)
@@ -121,6 +122,7 @@ def test_small_files_on_a_fuse_filesystem_are_read_direct_and_staged_whole(tmp_p
         dest = str(tmp_path / "dest")
         plan = build_plan([src])
         os.makedirs(os.path.join(dest, os.path.basename(src)))
+        os.makedirs(meta_dir(dest))
         groups = [
             Group(g.source, tuple(i for i in g.items if i.kind != "dir")) for g in plan.groups
         ]
