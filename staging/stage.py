@@ -200,7 +200,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             mask = mode_mask(cfg.preserve_special_bits)
             work = _node_work(groups, manifest, dest, lay.local_size, mask)
             held = engine.settle(work.per_rank[0]) if engine is not None else 0
-            unwanted = drop_partials(dest, _resumable(work, cfg.checksum))
+            unwanted = drop_partials(meta, _resumable(work, cfg.checksum))
             freed.files, freed.bytes = freed.files + unwanted.files, freed.bytes + unwanted.bytes
             usage = shutil.disk_usage(dest)
             if usage.total == 0 and not cfg.quiet:  # ramfs and the like report no capacity
@@ -220,8 +220,9 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                     groups,
                 )
                 _make_dirs(dest, [i.dest for g in groups for i in g.items if i.kind == "dir"], dirs)
-        except OSError as exc:
-            work.code, work.error = Exit.FAILED, f"{dest}: {exc.strerror}: {exc.filename}"
+        except OSError as exc:  # (a DEST name: .datastore/tmp)
+            where = os.path.join(dest, exc.filename or "")
+            work.code, work.error = Exit.FAILED, f"{dest}: {exc.strerror}: {where}"
     work = node_comm.bcast(work, root=0)
     note = _freed_note(dest, freed) if lay.is_leader and freed.files else None
     status = comm.allgather((work.code, work.error, note, freed.bytes))

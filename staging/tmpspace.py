@@ -15,12 +15,14 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from staging.copy import tmp_dir, tmp_subdir
+from staging.copy import tmp_subdir
+from staging.manifest import META
 
 __all__ = ["Freed", "clean_tmp", "drop_partials"]
 
 PARTIAL = re.compile(r"([0-9a-f]{20})\.(part|leaves)")
 """A partial copy of a large file is ``KEY.part`` with its leaf log ``KEY.leaves`` beside it."""
+TMP = os.path.join(META, "tmp")  # DEST's name of its temp space
 
 
 @dataclass
@@ -69,27 +71,34 @@ def clean_tmp(meta: int) -> Freed:
     return freed
 
 
-def drop_partials(dest: str, wanted: set[str]) -> Freed:
+def drop_partials(meta: int, wanted: set[str]) -> Freed:
     """Remove the partial copies whose leaf log's first line (``source ident algo``) is not in
-    ``wanted``: what this run is not going to resume. Touches nothing else under ``tmp/`` (the
-    members written ahead of the plan are there by now)."""
+    ``wanted``: what this run is not going to resume. Touches nothing else under ``tmp/`` of
+    DEST's ``.datastore``, open as ``meta`` (the members written ahead of the plan are there
+    by now); a link there is ``EPERM`` (by path, another DEST's partial copies went)."""
     freed = Freed()
-    tmp = tmp_dir(dest)
-    if not os.path.isdir(tmp):
+    try:
+        tmp = _opendir("tmp", meta)
+    except FileNotFoundError:
         return freed
-    for e in os.scandir(tmp):
-        if not e.is_dir(follow_symlinks=False):
-            continue
-        fd = _opendir(e.path, None)
-        try:
-            for key in _partials(fd):
-                with open(f"{key}.leaves", "rb", opener=_at(fd)) as f:
-                    ident = f.readline().rstrip(b"\n")
-                if os.fsdecode(ident) not in wanted:
-                    _remove(fd, f"{key}.part", freed)
-                    _remove(fd, f"{key}.leaves", freed)
-        finally:
-            os.close(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP) or not _is_link(meta, "tmp"):
+            raise
+        raise OSError(errno.EPERM, "refusing to write through a symlink", TMP) from None
+    try:
+        for sub in [n for n in os.listdir(tmp) if _is_dir(tmp, n)]:
+            fd = _opendir(sub, tmp)
+            try:
+                for key in _partials(fd):
+                    with open(f"{key}.leaves", "rb", opener=_at(fd)) as f:
+                        ident = f.readline().rstrip(b"\n")
+                    if os.fsdecode(ident) not in wanted:
+                        _remove(fd, f"{key}.part", freed)
+                        _remove(fd, f"{key}.leaves", freed)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(tmp)
     return freed
 
 
@@ -146,6 +155,10 @@ def _opendir(name: str, dir_fd: int | None) -> int:
 
 def _is_dir(fd: int, name: str) -> bool:
     return stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+
+
+def _is_link(fd: int, name: str) -> bool:
+    return stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
 
 
 def _at(fd: int) -> Any:

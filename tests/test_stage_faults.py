@@ -407,3 +407,37 @@ def test_a_link_where_dest_datastore_belongs_is_refused_the_other_dest_unchanged
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and f"{dest}: {message}: {dest}/.datastore" in err[0]
     assert _tree(other) == before
+
+
+def test_tmp_swapped_for_a_link_after_the_plan_is_refused_in_one_line_nothing_placed(
+    tmp_path, monkeypatch, capsys
+):
+    """``DEST/.datastore/tmp`` swapped for a link to another DEST's once the plan is made: by
+    path, the scan for partial copies this run does not resume removed that DEST's (and the
+    copy then failed file by file, each named by its source); now the scan opens ``tmp/``
+    beneath ``.datastore``'s descriptor and the run stops there in one line naming it,
+    nothing placed, the other DEST unchanged."""
+    import staging.stage as stage_mod
+    from datastore.cli import main
+
+    src, dest, other = tmp_path / "src" / "ds", tmp_path / "dest", tmp_path / "other"
+    src.mkdir(parents=True)
+    for k in range(3):
+        (src / f"f{k}").write_bytes(bytes([k]) * 100)
+    before = _other_dest(other)
+    real = stage_mod.build_plan
+
+    def plan_then_swap(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        (dest / ".datastore" / "tmp").rename(tmp_path / "moved")
+        (dest / ".datastore" / "tmp").symlink_to(other / ".datastore" / "tmp")
+        return plan
+
+    monkeypatch.setattr(stage_mod, "build_plan", plan_then_swap)
+    assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"datastore stage: error: {dest}: refusing to write through a symlink: "
+        f"{dest}/.datastore/tmp"
+    ]
+    assert _tree(other) == before
+    assert not dest.exists()  # the run made DEST: nothing of it is left
