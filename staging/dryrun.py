@@ -27,10 +27,13 @@ from staging.stage import (
 __all__ = ["dry_run", "space_error"]
 
 
-def _node_plan(cfg: StageConfig, node: int, nodes: int) -> tuple[str, Plan, list[Item], int, list]:
-    """``(dest, plan, items to copy, items skipped, files removed)`` of ``node``."""
+def _node_plan(
+    cfg: StageConfig, node: int, nodes: int
+) -> tuple[str, Plan, list[Item], int, list, str | None]:
+    """``(dest, plan, items to copy, items skipped, files removed, the run's refusal of
+    DEST)`` of ``node``."""
     dest = cfg.dest_for(node)
-    manifest = Manifest.load(dest) if os.path.isdir(meta_dir(dest)) else Manifest()
+    manifest, refused = _manifest(dest)
     plan = build_plan(
         list(cfg.sources), cfg.unpack, whole_archives(manifest), cfg.io, cfg.confine, dest
     )
@@ -43,7 +46,19 @@ def _node_plan(cfg: StageConfig, node: int, nodes: int) -> tuple[str, Plan, list
             skipped += 1
         else:
             copy.append(item)
-    return dest, plan, copy, skipped, removed
+    return dest, plan, copy, skipped, removed, refused
+
+
+def _manifest(dest: str) -> tuple[Manifest, str | None]:
+    """DEST's manifest, or an empty one and the error the run stops at before its plan (a
+    corrupt manifest, a link where ``.datastore`` belongs: it was an internal error here)."""
+    if not os.path.isdir(meta_dir(dest)):
+        return Manifest(), None
+    try:
+        return Manifest.load(dest), None
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        return Manifest(), f"{dest}: cannot prepare destination ({why})"
 
 
 def _shortfall(dest: str, copy: list[Item]) -> str | None:
@@ -54,20 +69,20 @@ def _shortfall(dest: str, copy: list[Item]) -> str | None:
 def space_error(cfg: StageConfig, node: int, nodes: int) -> str | None:
     """What the run would refuse for space on ``node`` (``None``: its share fits): the check an
     MPI dry run makes on every node but node 0, whose plan it prints."""
-    dest, _, copy, _, _ = _node_plan(cfg, node, nodes)
+    dest, _, copy, _, _, _ = _node_plan(cfg, node, nodes)
     return _shortfall(dest, copy)
 
 
 def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1, others: Sequence[str] = ()) -> int:
     """Print the plan of ``node`` (of ``nodes``) against its DEST; writes nothing there.
     ``others``: the other nodes' :func:`space_error` messages, reported with this node's."""
-    dest, plan, copy, skipped, removed = _node_plan(cfg, node, nodes)
+    dest, plan, copy, skipped, removed, refused = _node_plan(cfg, node, nodes)
     nbytes = sum(i.size for i in copy)
     sources = [i.path for i in copy if i.kind == "file" and i.path]
     largest = max(sources, key=os.path.getsize, default=None)
     probe = measure(largest, dest)
     short = _shortfall(dest, copy)  # as the run would refuse
-    errors = plan.errors + ([short] if short else []) + list(others)
+    errors = [e for e in (refused, *plan.errors, short, *others) if e]
     seconds = probe.estimate(nbytes, len(copy), cfg.streams)
     if cfg.json:
         print(
@@ -102,6 +117,8 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1, others: Sequence[st
         )
         for e in errors:
             print(f"datastore stage: error: {e}", file=sys.stderr)
+    if refused:
+        return Exit.FAILED
     return Exit.NO_SPACE if short or others else Exit.BAD_INPUT if plan.errors else Exit.OK
 
 

@@ -732,6 +732,32 @@ def test_a_dry_run_says_what_the_run_would_refuse_for_space(tmp_path, capsys, mo
     assert err == f"datastore stage: error: {cfg.dest}: {want}\n"
 
 
+@pytest.mark.parametrize("what", ["corrupt", "link"])
+def test_a_dry_run_says_what_the_run_would_refuse_in_dest_datastore(tmp_path, capsys, what):
+    """A corrupt manifest, or a link where ``DEST/.datastore`` belongs: ``--dry-run`` ended in
+    'internal error: ValueError' or 'PermissionError' where the run refuses DEST in one line,
+    exit 1. The dry run says what the run would, exit 1, and writes nothing."""
+    src, dest = tmp_path / "ds", tmp_path / "dest"
+    src.mkdir()
+    (src / "f").write_bytes(b"f")
+    (tmp_path / "other" / ".datastore").mkdir(parents=True)
+    dest.mkdir()
+    if what == "corrupt":
+        (dest / ".datastore").mkdir()
+        (dest / ".datastore" / "manifest.json").write_text("garbage")
+        json_error = "Expecting value: line 1 column 1 (char 0)"
+        why = f"{dest}/.datastore/manifest.json: corrupt manifest ({json_error})"
+    else:
+        (dest / ".datastore").symlink_to(tmp_path / "other" / ".datastore")
+        why = f"refusing to write through a symlink: {dest}/.datastore"
+    cfg = StageConfig(dest=str(dest), sources=(str(src),), dry_run=True)
+    assert dry_run(cfg) == Exit.FAILED
+    assert capsys.readouterr().err == (
+        f"datastore stage: error: {dest}: cannot prepare destination ({why})\n"
+    )
+    assert sorted(os.listdir(dest)) == [".datastore"] and not (dest / "ds").exists()
+
+
 class _TwoNodes:
     """Rank ``rank`` of a 2-rank world, one rank a node; ``theirs``: what the other rank
     gathers to rank 0, ``code``: what rank 0 broadcasts."""
