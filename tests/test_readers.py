@@ -1057,6 +1057,71 @@ def test_hdf5_virtual_sources_found_nowhere_are_refused(tmp_path, monkeypatch):
         assert [float(r.read(i, "x")) for i in range(len(r))] == [1] * 4 + [2] * 8
 
 
+def test_hdf5_virtual_sources_lacking_or_unlike_their_dataset_are_refused(tmp_path, monkeypatch):
+    """A virtual dataset whose source file is there but lacks the mapped dataset was read as
+    the fill value (zeros, as h5py reads it), one whose source holds it of another shape as
+    zeros or other elements, of another dtype converted: each is refused when opened, naming
+    the file, the field, the source file and its dataset, each source file opened once."""
+    monkeypatch.chdir(tmp_path)
+    with h5py.File("a.h5", "w") as f:
+        f["x"] = np.arange(1, 13, dtype=np.float32).reshape(4, 3)
+        f["y"] = np.ones((4, 3), np.float32)
+    with h5py.File("b.h5", "w") as f:
+        f["w"] = np.arange(12, dtype=np.float32).reshape(4, 3)
+        f["x"] = np.ones((6, 2), np.float32)  # as many elements as (4, 3)
+        f["z"] = np.ones((2, 3), np.float32)  # rows 2..3 of it mapped
+        f["i"] = np.ones((4, 3), np.int64)
+
+    def virtual(name, dataset, shape=(4, 3), rows=None):
+        layout = h5py.VirtualLayout((8, 3), np.float32)
+        layout[:4] = h5py.VirtualSource("a.h5", "x", shape=(4, 3))
+        source = h5py.VirtualSource("b.h5", dataset, shape=shape)
+        layout[4:] = source if rows is None else source[rows]
+        with h5py.File(name, "w") as f:
+            f.create_virtual_dataset("x", layout, fillvalue=0)
+        return name
+
+    lacks = virtual("lacks.h5", "v")
+    with h5py.File(lacks) as f:
+        assert not f["x"][4:].any()  # HDF5's fill value
+    where = f"its virtual source 'b.h5' ({tmp_path / 'b.h5'})"
+    refused = {
+        lacks: f"{where} has no dataset 'v': HDF5 would read its samples as the fill value",
+        virtual("shape.h5", "x"): (
+            f"{where} holds 'x' as float32 (6, 2), not the (4, 3) the virtual dataset maps from it"
+        ),
+        virtual("rows.h5", "z"): (
+            f"{where} holds 'z' as float32 (2, 3), not the (4, 3) the virtual dataset maps from it"
+        ),
+        virtual("slab.h5", "z", (6, 3), slice(2, 6)): (
+            f"{where} holds 'z' as float32 (2, 3), too small for the selection up to (6, 3) "
+            "mapped from it"
+        ),
+        virtual("dtype.h5", "i"): (
+            f"{where} holds 'i' as int64 (4, 3), which the field's float32 cannot hold exactly"
+        ),
+    }
+    for name, reason in refused.items():
+        with pytest.raises(DatasetError) as err:
+            open_dataset(name)
+        assert str(err.value) == f"{name}: field 'x': {reason}"
+    with pytest.raises(DatasetMissing):  # (NOT_FOUND through the service)
+        open_dataset(lacks)
+    layout = h5py.VirtualLayout((12, 3), np.float32)
+    for k, (source, name) in enumerate([("a.h5", "x"), ("a.h5", "y"), ("b.h5", "w")]):
+        layout[4 * k : 4 * k + 4] = h5py.VirtualSource(source, name, shape=(4, 3))
+    with h5py.File("fine.h5", "w") as f:
+        f.create_virtual_dataset("x", layout)
+    opened, real_file = [], h5py.File
+    monkeypatch.setattr(h5py, "File", lambda p, *a, **k: opened.append(p) or real_file(p, *a, **k))
+    with open_dataset(DatasetSpec("hdf5", ("fine.h5",))) as r:  # (a path: detected, then opened)
+        assert [p for p in opened if p != "fine.h5"] == [
+            str(tmp_path / "a.h5"),
+            str(tmp_path / "b.h5"),
+        ]
+        assert r.read(8, "x").tolist() == [0, 1, 2] and r.read(0, "x").tolist() == [1, 2, 3]
+
+
 def test_hdf5_fields_reaching_a_fifo_are_refused_never_opened(tmp_path):
     """An external link, external storage or a virtual dataset's source naming a FIFO: HDF5
     opened it and blocked the whole process (h5py holds the GIL; a service stopped answering

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
-from h5py import h5t, h5z
+from h5py import h5s, h5t, h5z
 
 from datastore.readers.base import (
     DatasetError,
@@ -647,7 +647,8 @@ def reached_files(ds: h5py.Dataset, path: str, _seen: set | None = None) -> list
     dataset's sources, and what each source's dataset reads in turn (a source in the roots
     that was itself virtual, its own source outside, was served). A relative name is given
     as each place HDF5 may look for it (the file's directory, the working directory; a
-    virtual source's: ``_source_places``)."""
+    virtual source's: ``_source_places``). Each source file found is opened once and its
+    mapped datasets checked (``_check_mapping``)."""
     own = ds.file.filename
     out = [] if _same_file(own, path) else [own]
     for name, _, _ in ds.external or ():
@@ -656,6 +657,7 @@ def reached_files(ds: h5py.Dataset, path: str, _seen: set | None = None) -> list
         return out
     seen = set() if _seen is None else _seen
     found: dict[str, list[str]] = {}  # (one lookup per distinct source file)
+    maps: dict[str, list[Any]] = {}  # {the place HDF5 opens: the mappings onto it}
     for m in ds.virtual_sources():
         if m.file_name == ".":
             places = [own]
@@ -664,10 +666,10 @@ def reached_files(ds: h5py.Dataset, path: str, _seen: set | None = None) -> list
                 found[m.file_name] = _found_source(ds, m.file_name, own)
                 out += found[m.file_name]
             places = found[m.file_name]
-        key = (os.path.realpath(places[-1]), m.dset_name)
-        if key not in seen and os.path.isfile(places[-1]):
-            seen.add(key)
-            out += _source_reaches(places[-1], m.dset_name, path, seen)
+        maps.setdefault(places[-1], []).append(m)
+    for place, mapped in maps.items():
+        if os.path.isfile(place):
+            out += _source_reaches(ds, place, mapped, path, seen)
     return out
 
 
@@ -705,18 +707,97 @@ class SourceMissing(DatasetMissing):
         return (type(self), (self.path, self.reason, self.field, self.places))
 
 
-def _source_reaches(place: str, name: str, path: str, seen: set) -> list[str]:
-    """``reached_files`` of the dataset ``name`` of the virtual source file ``place`` (none
-    when HDF5 could not read one there either; a source of its own in none of its places is
-    :class:`SourceMissing`, as at the first level)."""
+def _source_reaches(
+    ds: h5py.Dataset, place: str, mapped: list[Any], path: str, seen: set
+) -> list[str]:
+    """``reached_files`` of the datasets the mappings ``mapped`` of the virtual dataset ``ds``
+    read in the source file ``place``, each mapping checked first (``_check_mapping``); none
+    when HDF5 could not open the file either (its read fails, naming it)."""
     try:
-        with h5py.File(place, "r") as f:
-            ds = f.get(name)
-            return reached_files(ds, path, seen) if isinstance(ds, h5py.Dataset) else []
-    except SourceMissing:
-        raise
-    except (OSError, ValueError, KeyError):
+        f = h5py.File(place, "r")
+    except (OSError, ValueError):
         return []
+    out: list[str] = []
+    with f:
+        for m in mapped:
+            _check_mapping(ds, m, _source_dataset(f, m.dset_name), place)
+        for name in dict.fromkeys(m.dset_name for m in mapped):
+            key = (os.path.realpath(place), name)
+            if key not in seen:
+                seen.add(key)
+                out += reached_files(f[name], path, seen)
+    return out
+
+
+def _source_dataset(f: h5py.File, name: str) -> h5py.Dataset | None:
+    try:
+        obj = f.get(name)
+    except (OSError, KeyError, ValueError):  # (a link in the source that leads nowhere)
+        return None
+    return obj if isinstance(obj, h5py.Dataset) else None
+
+
+def _check_mapping(ds: h5py.Dataset, m: Any, source: h5py.Dataset | None, place: str) -> None:
+    """Refuse the mapping ``m`` of the virtual dataset ``ds`` when the source file at ``place``
+    lacks its dataset (``source`` None), holds it in a dtype ``ds``'s cannot hold exactly, or of
+    a shape the mapping does not fit (``_misfit``): HDF5 reads the first as the fill
+    value, converts the second and reads the third as the fill value or as other elements,
+    or fails the read, without a word at open.
+
+    Raises:
+        DatasetMissing: naming ``ds``'s file and field, the source file and dataset, when the
+            dataset is not there.
+        DatasetError: so named, when its dtype or shape differ.
+    """
+    own, field = ds.file.filename, ds.name.lstrip("/")
+    where = f"its virtual source {m.file_name!r} ({place})"
+    if source is None:
+        raise DatasetMissing(
+            own,
+            f"{where} has no dataset {m.dset_name!r}: HDF5 would read its samples as the fill "
+            "value",
+            field,
+        )
+    held = f"holds {m.dset_name!r} as {source.dtype} {source.shape}"
+    if not np.can_cast(source.dtype, ds.dtype, "safe"):
+        raise DatasetError(
+            own, f"{where} {held}, which the field's {ds.dtype} cannot hold exactly", field
+        )
+    misfit = _misfit(m, source.shape)
+    if misfit is not None:
+        raise DatasetError(own, f"{where} {held}, {misfit}", field)
+
+
+def _misfit(m: Any, shape: tuple[int, ...]) -> str | None:
+    """How a source dataset of ``shape`` differs from what the virtual mapping ``m`` reads,
+    ``None`` if it does not: for a whole source (HDF5 stores no shape for it), the block it
+    fills (unit axes aside: a sample of a stack) or, for a mapping onto several blocks, as
+    many elements; else a shape holding the source selection. A selection without end (an
+    unlimited mapping) fits any."""
+    src, dst = m.src_space, m.vspace
+    if any(_unlimited(s) for s in (src, dst)) or dst.get_select_type() == h5s.SEL_NONE:
+        return None
+    if src.get_select_type() == h5s.SEL_ALL:
+        lo, hi = dst.get_select_bounds()
+        block = tuple(b - a + 1 for a, b in zip(lo, hi, strict=True))
+        n = dst.get_select_npoints()
+        if int(np.prod(block)) != n:
+            fits = int(np.prod(shape)) == n
+            return None if fits else f"not the {n} elements the virtual dataset maps from it"
+        fits = [k for k in block if k != 1] == [k for k in shape if k != 1]
+        return None if fits else f"not the {block} the virtual dataset maps from it"
+    _, hi = src.get_select_bounds()
+    if len(hi) == len(shape) and all(h < k for h, k in zip(hi, shape, strict=True)):
+        return None
+    return f"too small for the selection up to {tuple(h + 1 for h in hi)} mapped from it"
+
+
+def _unlimited(space: h5s.SpaceID) -> bool:
+    return (
+        space.get_select_type() == h5s.SEL_HYPERSLABS
+        and space.is_regular_hyperslab()
+        and h5s.UNLIMITED in space.get_regular_hyperslab()[2]
+    )
 
 
 def _source_places(name: str, own: str) -> list[str]:
