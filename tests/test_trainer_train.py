@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,9 +23,11 @@ from trainer.checkpoint import (
 )
 from trainer.config import ConfigError, TrainConfig, load_config, parse_override
 from trainer.cosmology import write_split
+from trainer.dense import DistFlattenLinear
+from trainer.metrics import Sums
 from trainer.optim import lr_at
 from trainer.start import schedule_of
-from trainer.train import train
+from trainer.train import Trainer, train
 
 
 @pytest.fixture(scope="module")
@@ -360,6 +363,62 @@ def test_a_checkpoint_of_the_format_before_per_rank_dropout_resumes_exactly(tiny
     save_checkpoint(tmp_path, saved)
     rest = train(TrainConfig(**base, steps=6, checkpoint_dir=str(tmp_path)))
     assert rest["resumed_from"] == 3 and rest["losses"] == whole["losses"][3:]
+
+
+def _peak_mib(fn) -> tuple[float, float]:
+    """``(peak, after)``: this process's RSS while ``fn()`` runs, its highest and at its end,
+    over the RSS before it, in MiB (``VmHWM`` reset first)."""
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # (the peak starts again from here)
+    before = status("VmRSS:")
+    fn()
+    return (status("VmHWM:") - before) / 1024, (status("VmRSS:") - before) / 1024
+
+
+def test_a_data_rank_resuming_its_own_momenta_reads_only_what_it_keeps(tmp_path):
+    """With lion_cub's own momenta a rank read the whole checkpoint, data rank 0's momenta
+    included, and copied its unsplit dense weight and momenta once more by indexing: its peak
+    grew by 4 times the weight (as 258 MiB at width 32). Now the checkpoint is mapped, only
+    the model is read from it (into the parameters), and the momenta it keeps are its own
+    file's: 2 times the weight at the peak, 1 kept (the momenta), the mapping gone."""
+    grid = SimpleNamespace(parts=(1, 1, 1), spatial_rank=0, spatial_size=1, data_rank=1, rank=1)
+    model = DistFlattenLinear(4, (32, 32, 32), 32, grid)  # a (32, 131072) weight: 16 MiB
+    weight_mib = model.weight.numel() * 4 / 2**20
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        opt.state[p]["momentum_buffer"] = torch.ones_like(p)  # (as a step leaves it)
+    state = {"step": 3, "optimizer": opt.state_dict()}
+    torch.save(state, tmp_path / own_optimizer_name(1, 3))
+    targets = {"total": torch.ones(3, dtype=torch.float64), "count": 2}
+    torch.save(
+        {
+            **state, "model": model.state_dict(), "loader": {}, "targets": [targets] * 2,
+            "rng": [torch.get_rng_state()] * 2, "buffers": [{}, {}],
+        },
+        tmp_path / "checkpoint.pt",
+    )  # fmt: skip
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    t = SimpleNamespace(
+        cfg=SimpleNamespace(checkpoint_dir=str(tmp_path), seed=0), grid=grid, model=model,
+        opt=opt, loader=SimpleNamespace(load_state_dict=lambda s: None), gpu=False,
+        target_sums=Sums(3, torch.device("cpu")), _own_optimizer=lambda: True,
+    )  # fmt: skip
+    t._load = lambda saved: Trainer._load(t, saved)
+    peak, kept = _peak_mib(lambda: Trainer.resume(t))
+    assert peak < 2.5 * weight_mib and 0.5 * weight_mib < kept < 1.5 * weight_mib, (peak, kept)
+    assert t.step == 3 and t.target_sums.count == 2
+    for k, v in want.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    momentum = opt.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, torch.ones_like(momentum))
 
 
 def test_log_records_steps_validation_and_checkpoints(tiny, tmp_path):

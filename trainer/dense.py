@@ -153,8 +153,16 @@ class DistFlattenLinear(nn.Module):
         key = prefix + "weight"
         w = state_dict.get(key)
         if isinstance(w, torch.Tensor) and tuple(w.shape) == (self.out_features, self.in_features):
-            state_dict = {**state_dict, key: w[:, self.columns(self.grid.spatial_rank)]}
+            state_dict = {**state_dict, key: self.own_columns(w)}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def own_columns(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of ``whole`` (``(out, in)``, the weight or state shaped like it):
+        ``whole`` itself when the sample is not split (indexing copied all of it, one more
+        whole weight at every resume)."""
+        if self.grid.spatial_size == 1:
+            return whole
+        return whole[:, self.columns(self.grid.spatial_rank)]
 
     def gather_whole(self, t: torch.Tensor) -> torch.Tensor | None:
         """Collective over the spatial group: on its first rank (the one that writes
@@ -249,9 +257,8 @@ def own_optimizer_state(
     cut = dict(state, state=dict(state["state"]))
     for i, m in _sharded(model, opt).items():
         whole = (m.out_features, m.in_features)
-        mine = m.columns(m.grid.spatial_rank)
         cut["state"][i] = {
-            k: v[:, mine] if isinstance(v, torch.Tensor) and tuple(v.shape) == whole else v
+            k: m.own_columns(v) if isinstance(v, torch.Tensor) and tuple(v.shape) == whole else v
             for k, v in cut["state"].get(i, {}).items()
         }
     return cut

@@ -96,5 +96,5 @@ class Sums:
         return {"total": self.total.cpu(), "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.total = state["total"].to(self.device, torch.float64)
+        self.total = state["total"].to(self.device, torch.float64, copy=True)  # (not a map's)
         self.count = int(state["count"])

@@ -411,8 +411,13 @@ class Trainer:
         return every
 
     def resume(self) -> bool:
-        """Load the checkpoint in ``checkpoint_dir`` if there is one."""
-        saved = load_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        """Load the checkpoint in ``checkpoint_dir`` if there is one. With ``lion_cub``'s own
+        momenta it is mapped (``mmap``), so that its optimizer state, data rank 0's momenta,
+        is never read (this rank's own file is) and the model's pages only while they are
+        copied into the parameters: a rank's peak grew by the whole checkpoint and its own
+        momenta (257 MiB at width 32), now by the model and its momenta."""
+        directory = self.cfg.checkpoint_dir
+        saved = load_checkpoint(directory, mmap=self._own_optimizer()) if directory else None
         if saved is None:
             return False
         try:
