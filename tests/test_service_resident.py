@@ -576,6 +576,29 @@ def test_only_the_links_beneath_a_directory_dataset_are_resolved(tmp_path):
     )
 
 
+def test_a_link_to_an_ancestor_does_not_walk_the_whole_root(tmp_path):
+    """A store linking to an ancestor directory in ``--allow`` had the whole root walked: a
+    link out anywhere there (another user's dataset) refused a store that never reads it. An
+    ancestor is not walked again; a link out beneath the store itself is still refused."""
+    import zarr
+
+    root = tmp_path / "root"
+    store = root / "data" / "s.zarr"
+    zarr.open_group(store, mode="w").create_array("x", shape=(8, 4), dtype="f4")[:] = 1
+    (root / "other").mkdir()
+    (root / "other" / "out").symlink_to(tmp_path)
+    (store / "root").symlink_to(root)
+    (store / "x" / "data").symlink_to(root / "data")
+    assert sorted(resident._within([str(store)], (root,))) == [
+        str(store), str(store / "root"), str(store / "x" / "data"),
+    ]  # fmt: skip
+    resident._reader(str(store), (root,)).close()
+    (store / "x" / "out").symlink_to(tmp_path)
+    with pytest.raises(ServiceError) as err:
+        resident._reader(str(store), (root,))
+    assert err.value.code == "PERMISSION_DENIED" and str(store / "x" / "out") in str(err.value)
+
+
 def test_a_zarr_chunk_linked_out_of_the_roots_after_the_check_is_refused(tmp_path):
     """A chunk swapped for a link out of ``--allow`` after the dataset was opened (a session
     under a memory budget reads it again every epoch) was served: 101.0 from outside."""

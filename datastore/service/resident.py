@@ -403,8 +403,10 @@ def _within(files: list[str], roots: tuple[Path, ...]) -> list[str]:
 def _links(top: str, roots: tuple[Path, ...]) -> list[str]:
     """The symbolic links beneath the directory ``top``, and beneath each directory linked
     there that lies in ``roots``, each directory once (an array's directory linked to one in
-    the roots whose ``zarr.json`` linked out: the outside file's shape and dtype were shown).
-    An unreadable directory is skipped, as ``os.walk`` does."""
+    the roots whose ``zarr.json`` linked out: the outside file's shape and dtype were shown),
+    never one holding a directory walked already (a link to an ancestor of ``top`` walked the
+    whole root: a link out anywhere there refused a store that never reads it). An
+    unreadable directory is skipped, as ``os.walk`` does."""
     found, todo, seen = [], [top], {os.path.realpath(top)}
     while todo:
         try:
@@ -413,7 +415,7 @@ def _links(top: str, roots: tuple[Path, ...]) -> list[str]:
                     if e.is_symlink():
                         found.append(e.path)
                         real = os.path.realpath(e.path) if e.is_dir() else None
-                        if real is not None and real not in seen and beneath(real, roots):
+                        if real is not None and beneath(real, roots) and _apart(real, seen):
                             seen.add(real)
                             todo.append(e.path)
                     elif e.is_dir(follow_symlinks=False):
@@ -421,6 +423,11 @@ def _links(top: str, roots: tuple[Path, ...]) -> list[str]:
         except OSError:
             continue
     return found
+
+
+def _apart(real: str, seen: set[str]) -> bool:
+    """Whether the directory ``real`` is none of ``seen`` and holds none of them."""
+    return not any(beneath(s, [real]) for s in seen)
 
 
 def _read_files(reader: Any) -> list[str]:
