@@ -95,8 +95,9 @@ def test_fetched_parts_and_boxes_fill_as_the_samples_do_zero_halo_once_per_slab(
         Gather(1).run(some)
         assert (skipped[1] == 99).all()
         for pos in (0, 2, 3):
-            inner = skipped[pos][covered(x)[1]]
-            assert (inner == 99).all() and (skipped[pos] == 0).sum() == skipped[pos].size - inner.size
+            box = skipped[pos]
+            inner = box[covered(x)[1]]
+            assert (inner == 99).all() and (box == 0).sum() == box.size - inner.size
 
 
 def test_covered_is_the_part_inside_the_volume():

@@ -169,8 +169,8 @@ def test_whole_samples_and_parts_amid_their_halo_arrive_exactly_over_the_data_co
 ):
     """A whole sample into a flat buffer, and samples into boxes amid a halo (long runs:
     received in place; short runs, cut on the last axis: aside, then copied): the exact bytes,
-    the halo of each box zeroed, the other samples' boxes untouched, every fetch answered by the data listener (not the gRPC stream), and
-    its legs and run sizes in the peer stats."""
+    the halo of each box zeroed, the other samples' boxes untouched, every fetch answered by
+    the data listener (not the gRPC stream), and its legs and run sizes in the peer stats."""
     monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats{node}.jsonl"))
     with (
         owner(_pieces, tls=tls) as (address, listener),

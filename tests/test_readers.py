@@ -1070,7 +1070,8 @@ def test_hdf5_virtual_sources_lacking_or_unlike_their_dataset_are_refused(tmp_pa
         f["w"] = np.arange(12, dtype=np.float32).reshape(4, 3)
         f["x"] = np.ones((6, 2), np.float32)  # as many elements as (4, 3)
         f["z"] = np.ones((2, 3), np.float32)  # rows 2..3 of it mapped
-        f["i"] = np.ones((4, 3), np.int64)
+        f["i"] = np.arange(12, dtype=np.int64).reshape(4, 3)  # converted, as h5py reads it
+        f["s"] = np.full((4, 3), b"ab", "S2")
 
     def virtual(name, dataset, shape=(4, 3), rows=None):
         layout = h5py.VirtualLayout((8, 3), np.float32)
@@ -1097,8 +1098,8 @@ def test_hdf5_virtual_sources_lacking_or_unlike_their_dataset_are_refused(tmp_pa
             f"{where} holds 'z' as float32 (2, 3), too small for the selection up to (6, 3) "
             "mapped from it"
         ),
-        virtual("dtype.h5", "i"): (
-            f"{where} holds 'i' as int64 (4, 3), which the field's float32 cannot hold exactly"
+        virtual("dtype.h5", "s"): (
+            f"{where} holds 's' as |S2 (4, 3), which HDF5 cannot convert to the field's float32"
         ),
     }
     for name, reason in refused.items():
@@ -1107,6 +1108,8 @@ def test_hdf5_virtual_sources_lacking_or_unlike_their_dataset_are_refused(tmp_pa
         assert str(err.value) == f"{name}: field 'x': {reason}"
     with pytest.raises(DatasetMissing):  # (NOT_FOUND through the service)
         open_dataset(lacks)
+    with h5py.File(virtual("int64.h5", "i")) as f, open_dataset("int64.h5") as r:
+        assert r.read(5, "x").tolist() == f["x"][5].tolist() == [3.0, 4.0, 5.0]
     layout = h5py.VirtualLayout((12, 3), np.float32)
     for k, (source, name) in enumerate([("a.h5", "x"), ("a.h5", "y"), ("b.h5", "w")]):
         layout[4 * k : 4 * k + 4] = h5py.VirtualSource(source, name, shape=(4, 3))

@@ -759,13 +759,20 @@ def _check_mapping(ds: h5py.Dataset, m: Any, source: h5py.Dataset | None, place:
             field,
         )
     held = f"holds {m.dset_name!r} as {source.dtype} {source.shape}"
-    if not np.can_cast(source.dtype, ds.dtype, "safe"):
+    if not _converts(source.dtype, ds.dtype):
         raise DatasetError(
-            own, f"{where} {held}, which the field's {ds.dtype} cannot hold exactly", field
+            own, f"{where} {held}, which HDF5 cannot convert to the field's {ds.dtype}", field
         )
     misfit = _misfit(m, source.shape)
     if misfit is not None:
         raise DatasetError(own, f"{where} {held}, {misfit}", field)
+
+
+def _converts(source: np.dtype, field: np.dtype) -> bool:
+    """Whether HDF5 reads a virtual source of dtype ``source`` as ``field``: between numbers
+    it converts as h5py reads it (int64 into float32 too); text or records into numbers not."""
+    numbers = "biuf"
+    return (source.kind in numbers and field.kind in numbers) or np.can_cast(source, field)
 
 
 def _misfit(m: Any, shape: tuple[int, ...]) -> str | None:
