@@ -16,7 +16,7 @@ from datastore.plan import plan_cmd
 from datastore.readers import inspect_cmd
 from datastore.service import cli as service_cli
 from staging import cli as stage_cli
-from staging.console import grpc_errors_only, reader_gone, whole_lines
+from staging.console import Parser, grpc_errors_only, reader_gone, whole_lines
 from staging.exitcodes import Agreed, Exit
 from staging.launcher import finalize_mpi
 
@@ -47,8 +47,8 @@ COMMANDS = (
 )
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def parser() -> Parser:
+    p = Parser(
         prog="datastore",
         description="Stage datasets to node-local storage and feed them to distributed trainers.",
     )
@@ -86,12 +86,6 @@ def _command(
 
 def _stage(args: argparse.Namespace) -> int:
     """``datastore stage``: here, or by a running service (``--service``)."""
-    try:
-        args.streams = stage_cli.whole(args.streams, "--streams")
-        args.ranks_per_node = stage_cli.whole(args.ranks_per_node, "--ranks-per-node")
-    except ValueError as exc:
-        print(f"datastore stage: error: {exc}", file=sys.stderr)
-        return Exit.BAD_INPUT
     if args.service is not None:
         from datastore.service.stage_client import run_remote
 
@@ -102,8 +96,7 @@ def _stage(args: argparse.Namespace) -> int:
 def negatives_joined(argv: list[str]) -> list[str]:
     """``argv`` with each ``--option -5G`` as ``--option=-5G``: argparse takes a value that
     starts with ``-`` and is not a plain number for an option, and answered a negative size
-    with its usage and 'expected one argument' where the command names the option in one
-    line."""
+    with 'expected one argument' where the option's type says what is wrong with it."""
     out: list[str] = []
     for arg in argv:
         last = out[-1] if out else ""
@@ -117,7 +110,10 @@ def negatives_joined(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     whole_lines()
     grpc_errors_only()
-    args = parser().parse_args(negatives_joined(sys.argv[1:] if argv is None else argv))
+    try:
+        args = parser().parse_args(negatives_joined(sys.argv[1:] if argv is None else argv))
+    except SystemExit as stop:  # a usage error (2, its line said), --help or --version (0)
+        return int(stop.code or 0)
     try:
         code = args.func(args)
         sys.stdout.flush()  # (a reader gone is seen here, not at the interpreter's exit)

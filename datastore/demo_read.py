@@ -13,10 +13,11 @@ import os
 import time
 
 from datastore import DataStoreLoader
+from staging.console import Parser
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m datastore.demo_read", description=__doc__.splitlines()[0])
     p.add_argument("path")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=4, help="samples per step per data rank")

@@ -33,16 +33,12 @@ examples:
 """
 
 
-def whole(value: Any, option: str) -> Any:
-    """An option's text as a whole number >= 1 (an explicit ``--streams 0`` is not "the
-    default", it is an error); anything else (its default) as it is. Raises ``ValueError``
-    naming ``option``: the command says it in one line (as an argparse type, argparse's usage
-    came above it)."""
-    if not isinstance(value, str):
-        return value
-    if not value.strip().isdecimal() or int(value) < 1:
-        raise ValueError(f"{option} must be a whole number >= 1, got {value!r}")
-    return int(value)
+def whole(text: str) -> int:
+    """``--streams N``, ``--ranks-per-node N``: a whole number >= 1 (an explicit
+    ``--streams 0`` is not "the default", it is an error)."""
+    if not text.strip().isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _default_streams_text() -> str:
@@ -79,6 +75,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--streams",
+        type=whole,
         default=0,
         metavar="N",
         help=f"parallel I/O streams per rank (default here: {_default_streams_text()})",
@@ -119,6 +116,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--ranks-per-node",
+        type=whole,
         default=None,
         metavar="N",
         help="group ranks into nodes by rank // N instead of by shared memory",

@@ -1,14 +1,22 @@
 """What every command's console shares: lines on stderr that stay whole when ranks share one
-terminal, gRPC's info lines kept off it, and a reader of stdout that goes away (``| head``)
-ending the command quietly."""
+terminal, gRPC's info lines kept off it, a reader of stdout that goes away (``| head``)
+ending the command quietly, usage errors in one line, and the options' checks as argparse
+types."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import select
 import sys
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
-__all__ = ["grpc_errors_only", "reader_gone", "whole_lines"]
+from staging.exitcodes import Exit
+
+__all__ = ["Parser", "grpc_errors_only", "option_type", "reader_gone", "whole_lines"]
+
+T = TypeVar("T")
 
 
 def whole_lines() -> None:
@@ -43,3 +51,44 @@ def reader_gone() -> bool:
         os.dup2(null, fd)
         os.close(null)
     return gone
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` (its subcommands' too) whose usage error is one line on stderr,
+    naming the command and the argument at fault, and exit 2: argparse printed its usage
+    block above the error, and an unknown option of a command as the top command's."""
+
+    commands: Any = None  # the subparsers action, once added
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        self.commands = super().add_subparsers(**kwargs)
+        return self.commands
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        known, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self._command_of(known).error(f"unrecognized arguments: {' '.join(extra)}")
+        return known
+
+    def _command_of(self, known: argparse.Namespace) -> argparse.ArgumentParser:
+        """The subcommand's parser ``known`` was parsed by, else this one."""
+        if self.commands is None:
+            return self
+        return self.commands.choices.get(getattr(known, self.commands.dest, None), self)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(Exit.BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def option_type(parse: Callable[[str, str], T], option: str) -> Callable[[str], T]:
+    """``parse(text, option)``, whose ``ValueError`` starts by naming ``option``, as the
+    argparse type of ``option``: the error without the name, which argparse puts first
+    (``argument --nodes: must be a whole number >= 1, got 'x'``)."""
+
+    def typed(text: str) -> T:
+        try:
+            return parse(text, option)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{option} ")) from None
+
+    return typed

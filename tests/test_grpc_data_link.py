@@ -455,7 +455,7 @@ def _serve(tmp_path, *args) -> subprocess.CompletedProcess:
     "args, says",
     [
         (["--peers", "127.0.0.1:7001,127.0.0.1:7002", "--node", "0", "--data-port", "70000"],
-         "--data-port must be 0..65535"),
+         "argument --data-port: must be a whole number 0..65535"),
         (["--data-port", "7003"], "--data-port goes with --peers"),
     ],
     ids=["out-of-range", "without-peers"],

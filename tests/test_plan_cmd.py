@@ -141,28 +141,30 @@ def test_the_text_tables():
     ("args", "message"),
     [
         ((), "missing the dataset: a DATASET path, or --samples"),
-        (("--samples", "-5", "--sample-bytes", "10", *JOB), "--samples must be a whole number"),
+        (("--samples", "-5", "--sample-bytes", "10", *JOB),
+         "argument --samples: must be a whole number"),
         (("--samples", "10", "--sample-bytes", "1M", "--files", "20", *JOB),
          "--files 20 is more than the 10 samples"),
         (("--samples", "10", "--sample-bytes", "10", "--global-batch", "8", "--step-time", "1"),
          "missing --nodes (or nodes = ... in the --machine file)"),
-        (("--samples", "10", "--sample-bytes", "-1", *JOB), "--sample-bytes must be >= 0"),
+        (("--samples", "10", "--sample-bytes", "-1", *JOB),
+         "argument --sample-bytes: must be >= 1, got '-1'"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--memory-per-node=-1G"),
-         "--memory-per-node must be >= 1, got '-1G'"),
+         "argument --memory-per-node: must be >= 1, got '-1G'"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--memory-per-node", "-5G"),
-         "--memory-per-node must be >= 1, got '-5G'"),  # was argparse's usage, 'expected one'
+         "argument --memory-per-node: must be >= 1, got '-5G'"),  # was 'expected one argument'
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--memory-per-node", "0"),
-         "--memory-per-node must be >= 1, got '0'"),  # was planned: serve refuses 0
+         "argument --memory-per-node: must be >= 1, got '0'"),  # was planned: serve refuses 0
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--gpu-memory", "-.5G"),
-         "--gpu-memory must be >= 0, got '-.5G'"),
+         "argument --gpu-memory: must be >= 0, got '-.5G'"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--pfs-read-bw", "-inf"),
-         "--pfs-read-bw must be a number > 0, got -inf"),
+         "argument --pfs-read-bw: must be a number > 0, got -inf"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--network-bw", "0"),
-         "--network-bw must be a number > 0"),
+         "argument --network-bw: must be a number > 0"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--network-bw", "25Gb/s"),
-         "--network-bw takes bytes per second, got '25Gb/s': bits"),  # was read as 25 GiB/s
+         "argument --network-bw: takes bytes per second, got '25Gb/s': bits"),  # was 25 GiB/s
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--network-bw", "100Gbps"),
-         "--network-bw takes bytes per second, got '100Gbps': bits"),
+         "argument --network-bw: takes bytes per second, got '100Gbps': bits"),
         (("--samples", "10", "--shape", "4,2,8,8", *JOB, "--spatial", "3,1,1"),
          "parts[0]=3 > shape[0]=2: cannot split an axis of size 2 into 3 parts"),
         (("--samples", "10", "--shape", "4,8,8,8", *JOB, "--spatial", "2,1"),
@@ -196,7 +198,10 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
 def test_bad_input_in_a_process_has_no_traceback():
     proc = plan("--samples", "10", "--shape", "4,8,8,8", *JOB, "--spatial", "2,1", "--halo", "x")
     assert proc.returncode == 2
-    assert proc.stderr == "datastore plan: error: --halo needs whole numbers, got 'x'\n"
+    assert proc.stderr == (
+        "datastore plan: error: argument --halo: needs whole numbers, got 'x' "
+        "(see datastore plan --help)\n"
+    )
 
 
 def test_bad_machine_files(tmp_path, capsys):
@@ -223,11 +228,14 @@ def test_bad_machine_files(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--samples", "10", "--sample-bytes", "1e400", *JOB), "--sample-bytes must be a finite"),
-        (("--samples", "10", "--sample-bytes", "nan", *JOB), "--sample-bytes must be a finite"),
+        (("--samples", "10", "--sample-bytes", "1e400", *JOB),
+         "argument --sample-bytes: must be a finite"),
+        (("--samples", "10", "--sample-bytes", "nan", *JOB),
+         "argument --sample-bytes: must be a finite"),
         (("--samples", "10", "--sample-bytes", "1M", *JOB, "--pfs-read-bw", "infG"),
-         "--pfs-read-bw must be a finite"),
-        (("--samples", "10", "--shape", "4,,8", *JOB), "--shape needs whole numbers, got '4,,8'"),
+         "argument --pfs-read-bw: must be a finite"),
+        (("--samples", "10", "--shape", "4,,8", *JOB),
+         "argument --shape: needs whole numbers, got '4,,8'"),
     ],
 )  # fmt: skip
 def test_odd_numbers_are_bad_input(args, message, capsys):

@@ -304,14 +304,15 @@ def test_tcp_needs_the_token_on_every_call(start, tmp_path, env):
     ],
 )
 def test_a_bad_memory_budget_is_one_line_naming_it_and_exit_2(tmp_path, capsys, budget, why):
-    """argparse's usage (11 lines) came above the error: a size is checked where serve's other
-    options are, as ``datastore plan --memory-per-node -5G`` does."""
+    """argparse's usage (11 lines) came above the error; one line, as ``datastore plan
+    --memory-per-node -5G`` says."""
     from datastore.cli import main
 
     assert main(["serve", "--socket", str(tmp_path / "s.sock"), "--memory-budget", budget]) == 2
     units = "a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
     assert capsys.readouterr().err == (
-        f"datastore serve: --memory-budget {why} ({units}; leave it out for no limit)\n"
+        f"datastore serve: error: argument --memory-budget: {why} ({units}; leave it out for "
+        "no limit) (see datastore serve --help)\n"
     )
     assert not (tmp_path / "s.sock").exists()
 
@@ -319,25 +320,34 @@ def test_a_bad_memory_budget_is_one_line_naming_it_and_exit_2(tmp_path, capsys, 
 @pytest.mark.parametrize(
     ("option", "value", "why"),
     [
-        ("--workers", "x", "must be a whole number, got 'x'"),
-        ("--workers", "1.5", "must be a whole number, got '1.5'"),
-        ("--node", "x", "must be a whole number, got 'x'"),
-        ("--data-port", "x", "must be a whole number, got 'x'"),
-        ("--grace", "x", "must be a number of seconds, got 'x'"),
-        ("--session-idle", "x", "must be a number of seconds, got 'x'"),
-        ("--peer-timeout", "x", "must be a number of seconds, got 'x'"),
-        ("--grace", "-1", "must be 0..3600 seconds, got -1.0"),
+        ("--workers", "x", "must be a whole number >= 1, got 'x'"),
+        ("--workers", "1.5", "must be a whole number >= 1, got '1.5'"),
+        ("--workers", "0", "must be a whole number >= 1, got '0'"),
+        ("--node", "x", "must be a whole number >= 0, got 'x'"),
+        ("--node", "-1", "must be a whole number >= 0, got '-1'"),
+        ("--data-port", "x", "must be a whole number 0..65535, got 'x'"),
+        ("--data-port", "65536", "must be a whole number 0..65535, got '65536'"),
+        ("--grace", "x", "not a number of seconds: 'x'"),
+        ("--grace", "-1", "must be 0..3600 seconds, got '-1'"),
+        ("--grace", "nan", "must be 0..3600 seconds, got 'nan'"),
+        ("--session-idle", "x", "not a number of seconds: 'x'"),
+        ("--session-idle", "0", "must be a finite number of seconds > 0, got '0'"),
+        ("--peer-timeout", "inf", "must be a finite number of seconds > 0, got 'inf'"),
+        ("--peer-timeout", "1e10", "must be at most 86400 seconds, got '1e10'"),
     ],
 )
 def test_a_bad_number_is_one_line_naming_its_option_and_exit_2(
     tmp_path, capsys, option, value, why
 ):
-    """A value of serve's other numeric options that is not a number: argparse's usage (9
-    lines) came above ``argument --workers: invalid int value: 'x'``."""
+    """A value of serve's numeric options that is not a number, or out of its range: one line
+    naming the option, exit 2 (argparse's usage, 9 lines, came above ``argument --workers:
+    invalid int value: 'x'``)."""
     from datastore.cli import main
 
     assert main(["serve", "--socket", str(tmp_path / "s.sock"), option, value]) == 2
-    assert capsys.readouterr().err == f"datastore serve: {option} {why}\n"
+    assert capsys.readouterr().err == (
+        f"datastore serve: error: argument {option}: {why} (see datastore serve --help)\n"
+    )
     assert not (tmp_path / "s.sock").exists()
 
 

@@ -161,3 +161,19 @@ def test_cli_per_sample_writes_two_directories(tmp_path):
     assert len(os.listdir(tmp_path / "validation")) == 2
     with h5py.File(tmp_path / "validation" / "sample-00001.h5") as f:
         assert np.array_equal(f["x"][...], cosmo.sample(0, 1, 1, 4)[0])
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["out", "--samples", "x"], "argument --samples: invalid int value: 'x'"),
+        (["out", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_a_usage_error_is_one_line(argv, says, capsys):
+    """argparse's usage block came above the error."""
+    with pytest.raises(SystemExit) as stopped:
+        cosmo.main(argv)
+    assert stopped.value.code == 2
+    prog = "python -m trainer.cosmology"
+    assert capsys.readouterr() == ("", f"{prog}: error: {says} (see {prog} --help)\n")

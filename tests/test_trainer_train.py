@@ -553,3 +553,21 @@ def test_data_ranks_draw_dropout_from_streams_of_their_own():
     assert torch.equal(_own_rng(legacy, 0), legacy["rng"]) and _own_rng(legacy, 1) is None
     now = {"rng": [torch.zeros(2, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8)]}
     assert torch.equal(_own_rng(now, 1), now["rng"][1])
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["train", "--bogus"], "unrecognized arguments: --bogus"),
+        (["train", "--config"], "argument --config: expected one argument"),
+        (["tournament", "--set"], "argument --set: expected one argument"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_command(argv, says, capsys):
+    """argparse's usage block came above the error, and an unknown option of ``train`` was
+    said to be the top command's."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    command = f"python -m trainer {argv[0]}"
+    assert capsys.readouterr() == ("", f"{command}: error: {says} (see {command} --help)\n")

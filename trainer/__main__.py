@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from staging.console import grpc_errors_only, reader_gone, whole_lines
+from staging.console import Parser, grpc_errors_only, reader_gone, whole_lines
 from staging.exitcodes import Exit
 from staging.launcher import finalize_mpi
 from trainer.config import ConfigError, load_config, load_tournament
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None, *, last: bool = False) -> int:
     refusal every rank made alike ends MPI cleanly (``python -m trainer``)."""
     whole_lines()  # (the ranks' errors share one terminal)
     grpc_errors_only()  # (a loader of a service)
-    p = argparse.ArgumentParser(prog="python -m trainer", description="Train a 3-D CNN.")
+    p = Parser(prog="python -m trainer", description="Train a 3-D CNN.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train from a TOML config (trainer/config.py lists the keys)")
     k = sub.add_parser(

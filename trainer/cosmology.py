@@ -44,7 +44,6 @@ spreads over nodes and ``datastore serve`` peers serve as one store (set ``train
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -55,6 +54,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from staging.console import Parser
 from staging.exitcodes import Exit
 
 __all__ = [
@@ -315,7 +315,7 @@ def write_split(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.cosmology OUT --samples N --size S --seed K``."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m trainer.cosmology",
         description="Write OUT/train.h5 and OUT/validation.h5 (with --per-sample: OUT/train/ "
         "and OUT/validation/): lognormal density fields (4 growth factors) labelled with their "

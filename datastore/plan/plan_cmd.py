@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from staging.console import option_type
 from staging.exitcodes import Exit
 from staging.progress import human_bytes
 
@@ -103,12 +104,18 @@ def _ints(value: Any, name: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _shape(value: Any, name: str) -> tuple[int, ...]:
+    """``"4,128,128,128"``: sizes of 1 or more."""
+    shape = _ints(value, name)
+    if min(shape) < 1:
+        raise ValueError(f"{name} needs sizes >= 1, got {value!r}")
+    return shape
+
+
 def _splits(value: Any, name: str) -> tuple[tuple[int, ...], ...]:
-    """One split or several: flags repeat (``--spatial 2,1,1 --spatial 2,2,1``), a file gives
-    ``[2, 1, 1]`` or ``[[2, 1, 1], [2, 2, 1]]``."""
+    """One split or several: a file gives ``[2, 1, 1]`` or ``[[2, 1, 1], [2, 2, 1]]`` (the
+    flag repeats, each an ``_ints``)."""
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
-        return tuple(_ints(v, name) for v in value)
-    if isinstance(value, tuple):  # the flag's repeats
         return tuple(_ints(v, name) for v in value)
     return (_ints(value, name),)
 
@@ -195,21 +202,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how a set of HDF5 files of DATASET holds its samples (as inspect's --layout)",
     )
     d = p.add_argument_group("a dataset given by its sizes (instead of DATASET)")
-    d.add_argument("--samples", help="number of samples")
-    d.add_argument("--sample-bytes", help="bytes per sample (no spatial split then)")
-    d.add_argument("--shape", help="per-sample shape, e.g. 4,128,128,128")
+    d.add_argument("--samples", type=option_type(_count(1), "--samples"), help="number of samples")
+    what = "bytes per sample (no spatial split then)"
+    d.add_argument("--sample-bytes", type=option_type(_room, "--sample-bytes"), help=what)
+    what = "per-sample shape, e.g. 4,128,128,128"
+    d.add_argument("--shape", type=option_type(_shape, "--shape"), help=what)
     d.add_argument("--dtype", help="dtype of --shape (default float32)")
-    d.add_argument("--spatial-axes", help="spatial axes of --shape (default: the last 3)")
-    d.add_argument("--files", help="files it is stored in (default: one per sample)")
+    what = "spatial axes of --shape (default: the last 3)"
+    d.add_argument("--spatial-axes", type=option_type(_ints, "--spatial-axes"), help=what)
+    what = "files it is stored in (default: one per sample)"
+    d.add_argument("--files", type=option_type(_count(1), "--files"), help=what)
     p.add_argument("--machine", metavar="FILE", help="a TOML file of the values below")
     m = p.add_argument_group("machine and job (measured values beat the defaults)")
-    for key, (_, default, text) in DEFAULTS.items():
+    for key, (parse, default, text) in DEFAULTS.items():
         shown = "" if default in (None, ()) else f" (default {default})"
         flag = "--" + key.replace("_", "-")
-        if key == "spatial":
-            m.add_argument(flag, action="append", help=text + " (default: a ladder of splits)")
+        if key == "spatial":  # each a split: _ints
+            text += " (default: a ladder of splits)"
+            m.add_argument(flag, type=option_type(_ints, flag), action="append", help=text)
         else:
-            m.add_argument(flag, help=text + shown)
+            m.add_argument(flag, type=option_type(parse, flag), help=text + shown)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -234,8 +246,8 @@ def _read_file(path: str) -> dict[str, Any]:
 
 
 def values_of(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every machine and job value, parsed, and where each came from (``flag``, the file's
-    path, ``default``)."""
+    """Every machine and job value, parsed (the flags' by argparse), and where each came from
+    (``flag``, the file's path, ``default``)."""
     found = _read_file(args.machine) if args.machine else {}
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
@@ -243,8 +255,7 @@ def values_of(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]
         flag = "--" + key.replace("_", "-")
         given = getattr(args, key)
         if given is not None:
-            raw = tuple(given) if key == "spatial" else given
-            values[key], origin[key] = parse(raw, flag), "flag"
+            values[key], origin[key] = tuple(given) if key == "spatial" else given, "flag"
         elif key in found:
             values[key] = parse(found[key], f"{args.machine}: {key}")
             origin[key] = args.machine
@@ -283,8 +294,7 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
     if args.samples is None:
         raise ValueError("missing the dataset: a DATASET path, or --samples with --sample-bytes "
                          "or --shape")  # fmt: skip
-    samples = _count(1)(args.samples, "--samples")
-    files = 0 if args.files is None else _count(1)(args.files, "--files")
+    samples, files = args.samples, args.files or 0
     if files > samples:
         raise ValueError(
             f"--files {files} is more than the {samples} samples (a file holds one or more)"
@@ -294,14 +304,9 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
     if args.sample_bytes is not None:
         if args.dtype is not None or args.spatial_axes is not None:
             raise ValueError("--dtype and --spatial-axes go with --shape, not --sample-bytes")
-        nbytes = _size(args.sample_bytes, "--sample-bytes")
-        if nbytes < 1:
-            raise ValueError(f"--sample-bytes must be >= 1, got {args.sample_bytes!r}")
-        field = FieldInfo("sample", np.dtype(np.uint8), (nbytes,))
+        field = FieldInfo("sample", np.dtype(np.uint8), (args.sample_bytes,))
     else:
-        shape = _ints(args.shape, "--shape")
-        if min(shape) < 1:
-            raise ValueError(f"--shape needs sizes >= 1, got {args.shape!r}")
+        shape = args.shape
         try:
             dtype = np.dtype(args.dtype or "float32")
         except TypeError:
@@ -315,10 +320,10 @@ def dataset_of(args: argparse.Namespace) -> tuple[DatasetSize, str]:
         if args.spatial_axes is None:
             axes = default_spatial_axes(len(shape))
         else:
-            axes = _ints(args.spatial_axes, "--spatial-axes")
+            axes = args.spatial_axes
             if len(set(axes)) != len(axes) or max(axes) >= len(shape):
                 raise ValueError(
-                    f"--spatial-axes {args.spatial_axes!r}: distinct axes of the "
+                    f"--spatial-axes {','.join(map(str, axes))}: distinct axes of the "
                     f"{len(shape)}-axis --shape"
                 )
         field = FieldInfo("x", dtype, shape, axes)

@@ -5,26 +5,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from datastore.service.commands import run_load, run_serve, run_shutdown, run_status, run_unload
-from datastore.service.config import MAX_GRACE_S, ServeConfig
+from datastore.service.config import MAX_GRACE_S, MAX_PEER_TIMEOUT_S, ServeConfig
 from datastore.store.memory import parse_size
+from staging.console import option_type
 
 __all__ = ["add_parser", "parse_bytes"]
 
 # serve's defaults are ServeConfig's; an option of serve is stored under its field's name
 SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
-SERVE_NUMBERS = {  # ServeConfig field: its option and type, taken as text (parse_number)
-    "grace_s": ("--grace", float),
-    "workers": ("--workers", int),
-    "session_idle_s": ("--session-idle", float),
-    "node": ("--node", int),
-    "peer_timeout_s": ("--peer-timeout", float),
-    "data_port": ("--data-port", int),
-}
 
 
 SERVE_EPILOG = """\
@@ -148,15 +143,18 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--tls-cert", type=_path, default=None, help="PEM certificate: TCP over TLS")
     p.add_argument("--tls-key", type=_path, default=None, help="PEM private key of --tls-cert")
-    _seconds_option(p, "--grace", "grace_s", "how long shutdown lets calls in flight finish")
+    what = "how long shutdown lets calls in flight finish"
+    _seconds_option(p, "--grace", "grace_s", what, _grace)
     p.add_argument(
         "--workers",
+        type=_whole(1),
         default=SERVE_DEFAULTS["workers"],
         help="threads serving calls, one per call in flight (each rank's stream holds one for "
         "its life); a call beyond them is refused RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     p.add_argument(
         "--memory-budget",
+        type=option_type(parse_bytes, "--memory-budget"),
         default=None,
         metavar="SIZE",
         help="memory for resident datasets, e.g. 64G (default: no limit); least recently used "
@@ -178,7 +176,7 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
         "(default: under $XDG_STATE_HOME/datastore, one per socket)",
     )
     what = "close a session with no stream for this long: its client died"
-    _seconds_option(p, "--session-idle", "session_idle_s", what)
+    _seconds_option(p, "--session-idle", "session_idle_s", what, _seconds)
     p.add_argument(
         "--metrics",
         metavar="HOST:PORT",
@@ -192,7 +190,7 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
         help="every service of the store, this one included, in node order: the services "
         "peer over gRPC on their --tcp addresses, with the same --token-file (not under mpiexec)",
     )
-    p.add_argument("--node", default=None, help="this service's index in --peers")
+    p.add_argument("--node", type=_whole(0), default=None, help="this service's index in --peers")
     p.add_argument(
         "--peer-ca",
         type=_path,
@@ -200,9 +198,11 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
         help="PEM certificate(s) to check the peers' TLS against (default: --tls-cert)",
     )
     what = "how long a request to a peer waits for it before failing"
-    _seconds_option(p, "--peer-timeout", "peer_timeout_s", what)
+    peer_timeout = functools.partial(_seconds, most=MAX_PEER_TIMEOUT_S)
+    _seconds_option(p, "--peer-timeout", "peer_timeout_s", what, peer_timeout)
     p.add_argument(
         "--data-port",
+        type=_whole(0, 65535),
         default=SERVE_DEFAULTS["data_port"],
         metavar="PORT",
         help="with --peers: the port of the peers' data connections, on the host of --tcp "
@@ -262,12 +262,14 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
     _client_options(sd, default)
 
 
-def _seconds_option(p: Any, flag: str, field: str, what: str) -> None:
-    """Serve's option ``flag SECONDS``, stored as its ServeConfig ``field`` (whose default it
-    takes); ``what`` it sets, for the help."""
+def _seconds_option(
+    p: Any, flag: str, field: str, what: str, seconds: Callable[[str], float]
+) -> None:
+    """Serve's option ``flag SECONDS``, of type ``seconds``, stored as its ServeConfig
+    ``field`` (whose default it takes); ``what`` it sets, for the help."""
     help = f"{what} (default: %(default)g)"
     default = SERVE_DEFAULTS[field]
-    p.add_argument(flag, dest=field, default=default, metavar="SECONDS", help=help)
+    p.add_argument(flag, dest=field, type=seconds, default=default, metavar="SECONDS", help=help)
 
 
 def _client_options(p: Any, default: Path, timeout: float | None = 5.0) -> None:
@@ -322,16 +324,19 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
 
 
-def _seconds(text: str) -> float:
-    """``--timeout``: a finite number of seconds > 0 (0 or NaN would wait for nothing)."""
+def _seconds(text: str, most: float = math.inf) -> float:
+    """``--timeout``, ``--session-idle``, ``--peer-timeout``: a finite number of seconds > 0
+    (0 or NaN would wait for nothing), at most ``most``."""
     value = _number(text)
-    if not 0 < value < float("inf"):
+    if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    if value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most:g} seconds, got {text!r}")
     return value
 
 
 def _grace(text: str) -> float:
-    """``shutdown --grace``: seconds in ``0..MAX_GRACE_S`` (0: the service's own)."""
+    """``--grace``: seconds in ``0..MAX_GRACE_S`` (shutdown's 0: the service's own)."""
     value = _number(text)
     if not 0 <= value <= MAX_GRACE_S:
         raise argparse.ArgumentTypeError(f"must be 0..{MAX_GRACE_S:g} seconds, got {text!r}")
@@ -345,24 +350,26 @@ def _tcp(address: str) -> str:
     return address
 
 
-def parse_number(value: Any, option: str, kind: type) -> Any:
-    """An option's text as ``kind`` (``int``: a whole number; ``float``: seconds); anything
-    else (its default) as it is. Raises ``ValueError`` naming ``option``: ``run_serve`` says it
-    in one line (as an argparse type, argparse's usage came above it)."""
-    if not isinstance(value, str):
+def _whole(least: int, most: float = math.inf) -> Callable[[str], int]:
+    """The type of an option that is a whole number ``least..most``."""
+    bounds = f">= {least}" if most == math.inf else f"{least}..{most}"
+
+    def whole(text: str) -> int:
+        try:
+            value: int | None = int(text)
+        except ValueError:
+            value = None
+        if value is None or not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be a whole number {bounds}, got {text!r}")
         return value
-    try:
-        return kind(value)
-    except ValueError:
-        what = "a whole number" if kind is int else "a number of seconds"
-        raise ValueError(f"{option} must be {what}, got {value!r}") from None
+
+    return whole
 
 
 def parse_bytes(text: str, option: str) -> int:
     """``"64G"`` -> bytes (K, M, G, T: powers of 1024; a plain number: whole bytes), at
     least 1 (``0.5`` was 0 bytes, refused as "got 0"). Raises ``ValueError`` naming
-    ``option``: ``run_serve`` says it in one line (as an argparse type, argparse's usage
-    came above it)."""
+    ``option``."""
     try:
         return parse_size(text, option, least=1)
     except ValueError as exc:  # (what is wrong with it: not a number, a fraction of a byte)

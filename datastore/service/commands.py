@@ -21,7 +21,6 @@ __all__ = ["run_load", "run_serve", "run_shutdown", "run_status", "run_unload"]
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from datastore.service.cli import SERVE_NUMBERS, parse_bytes, parse_number
     from datastore.service.config import ServeConfig
     from datastore.service.grpc_peers import parse_peers
     from datastore.service.paths import default_socket, default_state_file
@@ -36,15 +35,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "state_file": args.state_file or default_state_file(socket),
             "allowed_roots": tuple(args.allow),
             "peers": parse_peers(args.peers) if args.peers else (),
-            "memory_budget": (
-                None if args.memory_budget is None
-                else parse_bytes(args.memory_budget, "--memory-budget")
-            ),
-            **{
-                field: parse_number(getattr(args, field), option, kind)
-                for field, (option, kind) in SERVE_NUMBERS.items()
-            },
-        }  # fmt: skip
+        }
         names = {f.name for f in dataclasses.fields(ServeConfig)} - derived.keys()
         # the other options are stored under their ServeConfig field's name (service.cli)
         config = ServeConfig(**derived, **{k: v for k, v in vars(args).items() if k in names})
