@@ -187,12 +187,15 @@ class Session:
         with self.lock:
             self.streams.discard(s)
             self.last_active = time.monotonic()
-            ring = s.ring
-            unused = ring.segment is None and all(o.ring is not ring for o in self.streams)
-            key = next((k for k, r in self.rings.items() if r is ring), None) if unused else None
-            if key is not None:
+            ring, key = s.ring, (s.rank, False)  # (the key of the rank's inline ring)
+            unused = (
+                ring.segment is None
+                and self.rings.get(key) is ring  # (not a later stream's, after a release)
+                and all(o.ring is not ring for o in self.streams)
+            )
+            if unused:
                 del self.rings[key]
-        if key is not None:
+        if unused:
             self._unbudget(ring.budgeted, False)
 
     def idle_s(self) -> float:
