@@ -105,6 +105,16 @@ def own_optimizer_name(data_rank: int, step: int) -> str:
     return f"optimizer.d{data_rank}.step{step}.pt"
 
 
+def own_optimizer_missing(directory: str | os.PathLike, data_rank: int, step: int) -> str:
+    """Why a ``lion_cub`` run cannot resume: data rank ``data_rank``'s momenta saved at
+    ``step`` are not in ``directory`` (said before a step, and by a rank as it loads)."""
+    return (
+        f"config key 'checkpoint_dir': {directory}/{own_optimizer_name(data_rank, step)}: "
+        f"missing or not from step {step}; lion_cub resumes each data rank's own momenta, so "
+        "the run must resume with the data ranks it was saved with"
+    )
+
+
 def load_own_optimizer(
     directory: str | os.PathLike, data_rank: int, step: int, mmap: bool = False
 ) -> dict[str, Any] | None:

@@ -46,6 +46,7 @@ from trainer.checkpoint import (
     hold_directory,
     load_checkpoint,
     load_own_optimizer,
+    own_optimizer_missing,
     own_optimizer_name,
 )
 from trainer.config import ConfigError, TournamentConfig, TrainConfig, trainer_log
@@ -328,11 +329,7 @@ def check_resume(cfg: TrainConfig, world: int, samples: int, inputs: Field, targ
             except Exception as exc:  # (as above: not a file torch.save wrote)
                 raise ValueError(f"{bad} ({name}: {type(exc).__name__}: {exc}); {fix}") from None
             if own is None:
-                raise ValueError(
-                    f"config key 'checkpoint_dir': {cfg.checkpoint_dir}/{name}: missing or not "
-                    f"from step {saved.get('step')}; lion_cub resumes each data rank's own "
-                    "momenta, so the run must resume with the data ranks it was saved with"
-                )
+                raise ValueError(own_optimizer_missing(cfg.checkpoint_dir, r, saved.get("step")))
 
 
 def check_paths(cfg: TrainConfig, logs: list[str]) -> None:

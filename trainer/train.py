@@ -71,6 +71,7 @@ from datastore.sources.options import ServiceOptions
 from trainer.checkpoint import (
     load_checkpoint,
     load_own_optimizer,
+    own_optimizer_missing,
     own_optimizer_name,
     prune_own_optimizer,
     save_checkpoint,
@@ -439,12 +440,8 @@ class Trainer:
             assert self.grid is not None
             own = load_own_optimizer(self.cfg.checkpoint_dir, self.grid.data_rank, saved["step"])
             if own is None:
-                name = own_optimizer_name(self.grid.data_rank, saved["step"])
-                raise ConfigError(
-                    f"{self.cfg.checkpoint_dir}/{name}: missing or not from step "
-                    f"{saved['step']}; lion_cub resumes each data rank's own momenta, so the "
-                    "run must resume with the data ranks it was saved with"
-                )
+                rank, step = self.grid.data_rank, saved["step"]
+                raise ConfigError(own_optimizer_missing(self.cfg.checkpoint_dir, rank, step))
             optimizer = own["optimizer"]
         self.opt.load_state_dict(own_optimizer_state(self.model, self.opt, optimizer))
         self.loader.load_state_dict(saved["loader"])
