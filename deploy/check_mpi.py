@@ -18,7 +18,6 @@ initializing MPI. Exit status 0 (1 when mpi4py cannot load MPI).
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import os
@@ -27,6 +26,7 @@ import socket
 import sys
 from dataclasses import asdict, dataclass
 
+from staging.console import Parser
 from staging.launcher import launcher_size
 
 __all__ = [
@@ -189,7 +189,7 @@ def report() -> MpiReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Which MPI library mpi4py uses here.")
+    p = Parser(prog="check_mpi.py", description="Which MPI library mpi4py uses here.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
         "--srun-mpi", action="store_true",

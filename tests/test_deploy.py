@@ -507,6 +507,15 @@ def test_check_mpi_names_the_srun_mpi_plugin_of_each_vendor(vendor, plugin):
     assert _check_mpi().srun_mpi(vendor) == plugin
 
 
+def test_check_mpi_says_a_usage_error_in_one_line(capsys):
+    """argparse's usage came above the error, as it did in the ``datastore`` commands."""
+    with pytest.raises(SystemExit) as stopped:
+        _check_mpi().main(["--srun-mpi", "--bogus"])
+    assert stopped.value.code == 2
+    said = "check_mpi.py: error: unrecognized arguments: --bogus (see check_mpi.py --help)\n"
+    assert capsys.readouterr() == ("", said)
+
+
 def _library_version() -> str:
     """``MPI_Get_library_version`` of the library this interpreter's mpi4py loads (a child:
     MPI stays uninitialized here)."""
