@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from staging.config import MODES, StageConfig, default_streams
+from staging.console import path_arg
 from staging.directio import IO_MODES
 from staging.exitcodes import Agreed, Exit
 
@@ -62,12 +63,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "sources",
+        type=path_arg,
         nargs="*",
         metavar="SRC",
         help="files, directories (as DEST/NAME, also written SRC/ or SRC/.) or tar archives",
     )
     p.add_argument(
         "--to",
+        type=path_arg,
         dest="dest",
         required=True,
         metavar="DEST",
@@ -129,6 +132,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--confine",
+        type=path_arg,
         action="append",
         default=[],
         metavar="ROOT",
@@ -155,12 +159,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--token-file",
+        type=path_arg,
         default=None,
         metavar="PATH",
         help="the shared secret of a service reached over TCP (--service HOST:PORT)",
     )
     p.add_argument(
         "--tls-ca",
+        type=path_arg,
         default=None,
         metavar="PEM",
         help="the certificate to check a TLS service against (--service HOST:PORT of a service "

@@ -14,7 +14,7 @@ from typing import Any, NoReturn, TypeVar
 
 from staging.exitcodes import Exit
 
-__all__ = ["Parser", "grpc_errors_only", "option_type", "reader_gone", "whole_lines"]
+__all__ = ["Parser", "grpc_errors_only", "option_type", "path_arg", "reader_gone", "whole_lines"]
 
 T = TypeVar("T")
 
@@ -92,3 +92,11 @@ def option_type(parse: Callable[[str, str], T], option: str) -> Callable[[str], 
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{option} ")) from None
 
     return typed
+
+
+def path_arg(text: str) -> str:
+    """The argparse type of a path: never empty (``""``, an unset variable, is the working
+    directory: ``--confine ""`` started in ``/`` confined nothing)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return text

@@ -63,3 +63,28 @@ def test_help_and_version_still_exit_0(capsys):
     assert out.startswith("usage: datastore serve [-h]") and "--workers WORKERS" in out
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("datastore ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "argument"),
+    [
+        (["stage", "", "--to", "d"], "SRC"),
+        (["stage", "src", "--to", ""], "--to"),
+        (["stage", "src", "--to", "d", "--confine", ""], "--confine"),
+        (["stage", "src", "--to", "d", "--service", "s.sock", "--token-file", ""], "--token-file"),
+        (["stage", "src", "--to", "d", "--service", "s.sock", "--tls-ca", ""], "--tls-ca"),
+        (["inspect", ""], "PATH"),
+        (["plan", ""], "DATASET"),
+        (["plan", "--machine", ""], "--machine"),
+        (["load", ""], "path"),
+        (["unload", ""], "path"),
+    ],
+)
+def test_an_empty_path_is_a_usage_error_naming_it(argv, argument, capsys):
+    """An empty path (an unset variable) was the working directory: ``stage --confine ""``
+    started in ``/`` staged from anywhere, ``plan --machine ""`` planned with the defaults
+    and ``load ""`` asked for the working directory."""
+    assert main(argv) == 2
+    command = f"datastore {argv[0]}"
+    said = f"{command}: error: argument {argument}: an empty path (see {command} --help)\n"
+    assert capsys.readouterr() == ("", said)

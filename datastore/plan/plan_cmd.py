@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from staging.console import option_type
+from staging.console import option_type, path_arg
 from staging.exitcodes import Exit
 from staging.progress import human_bytes
 
@@ -195,7 +195,8 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``datastore plan`` (``datastore.cli`` makes its parser)."""
-    p.add_argument("dataset", nargs="?", metavar="DATASET", help="a dataset (as for inspect)")
+    what = "a dataset (as for inspect)"
+    p.add_argument("dataset", type=path_arg, nargs="?", metavar="DATASET", help=what)
     p.add_argument(
         "--layout",
         choices=("shards", "per-sample"),
@@ -212,7 +213,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--spatial-axes", type=option_type(_ints, "--spatial-axes"), help=what)
     what = "files it is stored in (default: one per sample)"
     d.add_argument("--files", type=option_type(_count(1), "--files"), help=what)
-    p.add_argument("--machine", metavar="FILE", help="a TOML file of the values below")
+    what = "a TOML file of the values below"
+    p.add_argument("--machine", type=path_arg, metavar="FILE", help=what)
     m = p.add_argument_group("machine and job (measured values beat the defaults)")
     for key, (parse, default, text) in DEFAULTS.items():
         shown = "" if default in (None, ()) else f" (default {default})"

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from staging.console import path_arg
 from staging.exitcodes import Exit
 from staging.progress import human_bytes
 
@@ -39,7 +40,8 @@ spec files (.toml or .json; every key, with an example for each format: docs/loa
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``datastore inspect`` (``datastore.cli`` makes its parser)."""
-    p.add_argument("path", metavar="PATH", help="a dataset file, directory or glob, or a spec file")
+    what = "a dataset file, directory or glob, or a spec file"
+    p.add_argument("path", type=path_arg, metavar="PATH", help=what)
     p.add_argument(
         "--layout",
         choices=("shards", "per-sample"),

@@ -14,7 +14,7 @@ from typing import Any
 from datastore.service.commands import run_load, run_serve, run_shutdown, run_status, run_unload
 from datastore.service.config import MAX_GRACE_S, MAX_PEER_TIMEOUT_S, ServeConfig
 from datastore.store.memory import parse_size
-from staging.console import option_type
+from staging.console import option_type, path_arg
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -229,7 +229,8 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
         "the first session on it does otherwise).",
         LOAD_EPILOG,
     )
-    ld.add_argument("path", help="the dataset on the service's node (a relative path is from here)")
+    what = "the dataset on the service's node (a relative path is from here)"
+    ld.add_argument("path", type=path_arg, help=what)
     ld.add_argument("--wait", action="store_true", help="return once every sample is in memory")
     _client_options(ld, default, timeout=None)
 
@@ -240,7 +241,7 @@ def add_parser(command: Callable[..., argparse.ArgumentParser]) -> None:
         "Ask a running `datastore serve` to drop a resident dataset that no open session uses.",
         UNLOAD_EPILOG,
     )
-    un.add_argument("path", help="the dataset, as it was loaded")
+    un.add_argument("path", type=path_arg, help="the dataset, as it was loaded")
     _client_options(un, default)
 
     sd = command(
@@ -312,9 +313,7 @@ def _socket(path: str) -> str:
 def _path(text: str) -> Path:
     """A path option: never empty (``Path("")`` is the working directory, so
     ``--allow ""`` of an unset variable allowed everything under ``/``)."""
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path")
-    return Path(text)
+    return Path(path_arg(text))
 
 
 def _number(text: str) -> float:
