@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from staging.config import StageConfig
 from staging.exitcodes import Exit
-from staging.manifest import Manifest, meta_dir
+from staging.manifest import Manifest
 from staging.plan import Item, Plan, assign, build_plan
 from staging.probe import existing_ancestor, measure
 from staging.progress import MIB, human_bytes
@@ -51,9 +51,8 @@ def _node_plan(
 
 def _manifest(dest: str) -> tuple[Manifest, str | None]:
     """DEST's manifest, or an empty one and the error the run stops at before its plan (a
-    corrupt manifest, a link where ``.datastore`` belongs: it was an internal error here)."""
-    if not os.path.isdir(meta_dir(dest)):
-        return Manifest(), None
+    corrupt manifest, a link where ``.datastore`` belongs, dangling too: it was an internal
+    error here)."""
     try:
         return Manifest.load(dest), None
     except (OSError, ValueError) as exc:

@@ -143,7 +143,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                     f"a link leads it out of the allowed roots ({', '.join(cfg.confine)})"
                 )
             made = _absent(meta_dir(dest))
-            os.makedirs(meta_dir(dest), exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # (a link there, dangling too: named next)
+                os.makedirs(meta_dir(dest))
             meta = open_meta(dest)  # the lock, manifest, journals and temp space: through it
             lock_fd = lock_dest(dest, meta)
             manifest = Manifest.load(dest, meta)

@@ -732,11 +732,12 @@ def test_a_dry_run_says_what_the_run_would_refuse_for_space(tmp_path, capsys, mo
     assert err == f"datastore stage: error: {cfg.dest}: {want}\n"
 
 
-@pytest.mark.parametrize("what", ["corrupt", "link"])
+@pytest.mark.parametrize("what", ["corrupt", "link", "dangling link"])
 def test_a_dry_run_says_what_the_run_would_refuse_in_dest_datastore(tmp_path, capsys, what):
     """A corrupt manifest, or a link where ``DEST/.datastore`` belongs: ``--dry-run`` ended in
     'internal error: ValueError' or 'PermissionError' where the run refuses DEST in one line,
-    exit 1. The dry run says what the run would, exit 1, and writes nothing."""
+    exit 1 (a dangling link: 'would stage', exit 0). The dry run says what the run would, exit
+    1, and writes nothing."""
     src, dest = tmp_path / "ds", tmp_path / "dest"
     src.mkdir()
     (src / "f").write_bytes(b"f")
@@ -748,7 +749,8 @@ def test_a_dry_run_says_what_the_run_would_refuse_in_dest_datastore(tmp_path, ca
         json_error = "Expecting value: line 1 column 1 (char 0)"
         why = f"{dest}/.datastore/manifest.json: corrupt manifest ({json_error})"
     else:
-        (dest / ".datastore").symlink_to(tmp_path / "other" / ".datastore")
+        target = "other/.datastore" if what == "link" else "gone"
+        (dest / ".datastore").symlink_to(tmp_path / target)
         why = f"refusing to write through a symlink: {dest}/.datastore"
     cfg = StageConfig(dest=str(dest), sources=(str(src),), dry_run=True)
     assert dry_run(cfg) == Exit.FAILED

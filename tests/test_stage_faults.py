@@ -374,14 +374,15 @@ def _other_dest(root):
     return _tree(root)
 
 
-@pytest.mark.parametrize("when", ["before the run", "after the copy"])
+@pytest.mark.parametrize("when", ["before the run", "dangling", "after the copy"])
 def test_a_link_where_dest_datastore_belongs_is_refused_the_other_dest_unchanged(
     tmp_path, monkeypatch, capsys, when
 ):
     """``DEST/.datastore`` a link to another DEST's (there before the run, or swapped in once
     the copy is done): by path, the run emptied that DEST's ``tmp/`` (its partial copies
     gone) and wrote its manifest there, exit 0; now ``.datastore`` is opened once, never
-    through a link, and the run refuses it in one line, the other DEST unchanged."""
+    through a link, and the run refuses it in one line, the other DEST unchanged. A dangling
+    link there was 'cannot prepare destination (File exists)', from ``makedirs``."""
     from datastore.cli import main
 
     src, dest, other = tmp_path / "src" / "ds", tmp_path / "dest", tmp_path / "other"
@@ -391,6 +392,10 @@ def test_a_link_where_dest_datastore_belongs_is_refused_the_other_dest_unchanged
     if when == "before the run":
         dest.mkdir()
         (dest / ".datastore").symlink_to(other / ".datastore", target_is_directory=True)
+        message, code = "cannot prepare destination (refusing to write through a symlink", 1
+    elif when == "dangling":
+        dest.mkdir()
+        (dest / ".datastore").symlink_to(tmp_path / "gone", target_is_directory=True)
         message, code = "cannot prepare destination (refusing to write through a symlink", 1
     else:
         real = copy.Engine.run
@@ -406,7 +411,7 @@ def test_a_link_where_dest_datastore_belongs_is_refused_the_other_dest_unchanged
     assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == code
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and f"{dest}: {message}: {dest}/.datastore" in err[0]
-    assert _tree(other) == before
+    assert _tree(other) == before and not (tmp_path / "gone").exists()
 
 
 def test_tmp_swapped_for_a_link_after_the_plan_is_refused_in_one_line_nothing_placed(
