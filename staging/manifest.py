@@ -36,10 +36,11 @@ def meta_dir(dest: str) -> str:
     return os.path.join(dest, META)
 
 
-def open_meta(dest: str) -> int:
+def open_meta(dest: str, doing: str = "write") -> int:
     """A descriptor of ``DEST/.datastore``, opened from DEST's and never through a link: one
-    there is ``EPERM``, named (by path, a link to another DEST's had the run empty that one's
-    ``tmp/`` and write its manifest there). The caller closes it."""
+    there, dangling too, is ``EPERM``, named, refusing to ``doing`` through it (by path, a link
+    to another DEST's had the run empty that one's ``tmp/`` and write its manifest there). The
+    caller closes it."""
     top = os.open(dest, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         return os.open(
@@ -47,7 +48,7 @@ def open_meta(dest: str) -> int:
         )
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(meta_dir(dest)):
-            why = f"refusing to write through a symlink: {meta_dir(dest)}"
+            why = f"refusing to {doing} through a symlink: {meta_dir(dest)}"
             raise OSError(errno.EPERM, why) from None  # (named in why)
         raise
     finally:

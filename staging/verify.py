@@ -11,7 +11,7 @@ from typing import Any
 
 from staging.checksum import combine, leaf_ranges
 from staging.copy import hash_range
-from staging.manifest import Manifest
+from staging.manifest import Manifest, open_meta
 
 __all__ = ["verify_dest"]
 
@@ -55,8 +55,15 @@ REPAIR = (
 
 
 def verify_dest(dest: str, streams: int) -> tuple[int, list[str]]:
-    """``(entries checked, problems)`` for the manifest of ``dest``."""
-    manifest = Manifest.load(dest)
+    """``(entries checked, problems)`` for the manifest of ``dest``, read from its
+    ``.datastore`` opened never through a link (one there is refused, named);
+    ``FileNotFoundError`` where it has none."""
+    meta = open_meta(dest, "read")
+    try:
+        os.stat("manifest.json", dir_fd=meta, follow_symlinks=False)
+        manifest = Manifest.load(dest, meta)
+    finally:
+        os.close(meta)
     entries = sorted(manifest.entries.items())
     with ThreadPoolExecutor(streams) as pool:
         found = pool.map(lambda kv: _check(dest, kv[0], kv[1], manifest.leaf_bytes), entries)
@@ -73,14 +80,13 @@ def verify_command(cfg: Any, comm: Any) -> int:
     checked, problems, err = 0, [], None
     if lay.is_leader:
         dest = cfg.dest_for(lay.node)
-        if not os.path.exists(os.path.join(dest, ".datastore", "manifest.json")):
+        try:
+            checked, problems = verify_dest(dest, cfg.streams)
+        except (FileNotFoundError, NotADirectoryError):
             err = f"{dest}: no manifest (nothing was staged here with datastore stage)"
-        else:
-            try:
-                checked, problems = verify_dest(dest, cfg.streams)
-            except (OSError, ValueError) as exc:  # a manifest that cannot be read
-                err = f"{dest}: {exc}"
-            problems = [f"{dest}: {p}" for p in problems]
+        except (OSError, ValueError) as exc:  # a manifest that cannot be read, a link
+            err = f"{dest}: {getattr(exc, 'strerror', None) or exc}"
+        problems = [f"{dest}: {p}" for p in problems]
     results = comm.gather((checked, problems, err), root=0)
     code = Exit.OK
     if lay.rank == 0:

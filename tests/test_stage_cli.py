@@ -640,6 +640,24 @@ def test_verify_without_manifest(tmp_path, run_stage):
     assert os.listdir(plain) == ["f"]
 
 
+@pytest.mark.parametrize("target", ["other/.datastore", "gone"])
+def test_verify_refuses_a_link_where_dest_datastore_belongs_in_one_line(tmp_path, capsys, target):
+    """A link, live or dangling, where ``DEST/.datastore`` belongs: ``--verify`` said
+    ``DEST: [Errno 1] refusing to write through a symlink`` (a dangling one: ``no manifest``);
+    it reads through nothing and writes nothing, so it says what it refused to read."""
+    from datastore.cli import main
+
+    other, dest = tmp_path / "other" / ".datastore", tmp_path / "dest"
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_text('{"version": 1, "entries": {}}')
+    dest.mkdir()
+    (dest / ".datastore").symlink_to(tmp_path / target)
+    assert main(["stage", "--verify", "--to", str(dest), "--quiet"]) == Exit.FAILED
+    assert capsys.readouterr().err == (
+        f"datastore stage: verify: {dest}: refusing to read through a symlink: {dest}/.datastore\n"
+    )
+
+
 def test_stage_then_verify_in_one_run(tmp_path, run_stage, make_tree):
     src = make_tree(tmp_path / "src")
     dest = tmp_path / "dest"
