@@ -171,6 +171,8 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     #    A stage of one process writes an uncompressed tar's members to hidden temp files as
     #    the walk finds them (Engine.ahead); step 3 keeps them once the archive is known good.
     plan = Plan()
+    if not lay.is_leader:  # its own descriptor, for its Engine: a refusal is said in step 3
+        meta, err = _open_meta(dest)
     policy = IoPolicy(cfg.io, meta_dir(dest), log=lay.is_leader and not cfg.quiet)
     engine = _engine(cfg, dest, lay.rank, policy, meta) if lay.size == 1 else None
     if lay.rank == 0:
@@ -225,8 +227,9 @@ def stage(cfg: StageConfig, comm: Any) -> int:
             where = os.path.join(dest, exc.filename or "")
             work.code, work.error = Exit.FAILED, f"{dest}: {exc.strerror}: {where}"
     work = node_comm.bcast(work, root=0)
+    code, err = (Exit.FAILED, err) if err else (work.code, work.error)
     note = _freed_note(dest, freed) if lay.is_leader and freed.files else None
-    status = comm.allgather((work.code, work.error, note, freed.bytes))
+    status = comm.allgather((code, err, note, freed.bytes))
     log.notes([n for *_, n, _ in status if n])
     if any(code for code, *_ in status):
         if lock_fd is not None:  # refused here or on another node: leave nothing this run made
@@ -235,7 +238,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
                 engine.close()
                 clean_tmp(meta)
             _unmake(dest, made, dirs[::-1])
-            _close(lock_fd, meta)
+        _close(lock_fd, meta)
         log.errors([e for _, e, *_ in status if e])
         return Agreed(max(code for code, *_ in status))
 
@@ -280,8 +283,10 @@ def stage(cfg: StageConfig, comm: Any) -> int:
         if not planned:  # every source refused: leave nothing of DEST that this run made
             _unmake(dest, made)
         _close(lock_fd, meta)
-    elif lay.local_size > 1:
-        node_comm.allreduce(len(stats.errors))
+    else:
+        _close(meta)
+        if lay.local_size > 1:
+            node_comm.allreduce(len(stats.errors))
     elapsed = time.perf_counter() - t0
 
     # 6. summary on rank 0
@@ -507,6 +512,16 @@ def _engine(cfg: StageConfig, dest: str, rank: int, policy: IoPolicy, meta: int 
         dest, rank, cfg.checksum, cfg.streams, policy,
         special_bits=cfg.preserve_special_bits, confine=cfg.confine, meta=meta,
     )  # fmt: skip
+
+
+def _open_meta(dest: str) -> tuple[int | None, str | None]:
+    """DEST's ``.datastore`` open on a rank of its node other than the leader
+    (:func:`~staging.manifest.open_meta`; the leader made it), or the error that refuses it (a
+    link swapped in since the leader opened it raised inside the rank's Engine)."""
+    try:
+        return open_meta(dest), None
+    except OSError as exc:
+        return None, f"{dest}: cannot prepare destination ({exc.strerror})"
 
 
 def _close(*fds: int | None) -> None:

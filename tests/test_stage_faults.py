@@ -446,3 +446,46 @@ def test_tmp_swapped_for_a_link_after_the_plan_is_refused_in_one_line_nothing_pl
     ]
     assert _tree(other) == before
     assert not dest.exists()  # the run made DEST: nothing of it is left
+
+
+class _Rank1:
+    """Rank 1 of a 2-rank world on one node (its own ``node_comm`` too): ``allgather`` gives
+    both ranks this rank's object, ``bcast`` the leader's ``answers`` in turn."""
+
+    def __init__(self, answers):
+        self.answers, self.gathered = list(answers), []
+
+    def allgather(self, obj):
+        self.gathered.append(obj)
+        return [obj, obj]
+
+    def bcast(self, obj, root=0):
+        return self.answers.pop(0)
+
+
+def test_a_link_swapped_in_before_another_rank_opens_dest_datastore_is_refused_on_every_rank(
+    tmp_path, monkeypatch, capsys
+):
+    """``DEST/.datastore`` swapped for a link once the leader opened it: a rank of the node
+    other than the leader opened it by path building its Engine, which raised there (under
+    mpiexec: 'internal error: PermissionError: [Errno 1] ...' and MPI_Abort); now it opens it
+    before the space check and its refusal is in the status every rank agrees on, exit 1."""
+    import staging.stage as stage_mod
+    from staging.cluster import Layout
+    from staging.config import StageConfig
+    from staging.plan import Group, Item
+
+    dest, other = tmp_path / "dest", tmp_path / "other"
+    before = _other_dest(other)
+    dest.mkdir()
+    (dest / ".datastore").symlink_to(other / ".datastore", target_is_directory=True)
+    item = Item("ds/f", "file", str(tmp_path / "f"), "1:1", size=1, path=str(tmp_path / "f"))
+    work = stage_mod.NodeWork(per_rank=[[], [Group(item.source, (item,))]], todo_bytes=1)
+    comm = _Rank1([True, ([], None), work])
+    monkeypatch.setattr(stage_mod, "layout", lambda c, r: (Layout(1, 2, 0, 1, 1, 2), c))
+    monkeypatch.setattr(stage_mod, "_node_groups", lambda *args: [])
+    cfg = StageConfig(dest=str(dest), sources=(str(tmp_path / "f"),), quiet=True)
+    assert stage_mod.stage(cfg, comm) == 1
+    why = f"refusing to write through a symlink: {dest}/.datastore"
+    assert comm.gathered[-1] == (1, f"{dest}: cannot prepare destination ({why})", None, 0)
+    assert _tree(other) == before and capsys.readouterr().err == ""
