@@ -84,12 +84,16 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def _accepts_direct(directory: str) -> bool:
+def _accepts_direct(dir_fd: int) -> bool:
+    """Whether the directory open as ``dir_fd`` takes an ``O_DIRECT`` write: a probe file made
+    through it (never through a link: by path, one swapped in for it had the probe made and
+    removed where it led) and removed."""
     if not _HAS_DIRECT:
         return False
-    probe = os.path.join(directory, f".datastore-direct-probe-{os.getpid()}")
+    probe = f".datastore-direct-probe-{os.getpid()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_NOFOLLOW
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        fd = os.open(probe, flags, 0o600, dir_fd=dir_fd)
     except OSError:
         return False
     try:
@@ -100,7 +104,7 @@ def _accepts_direct(directory: str) -> bool:
         return False
     finally:
         os.close(fd)
-        os.unlink(probe)
+        os.unlink(probe, dir_fd=dir_fd)
 
 
 _read_lock = threading.Lock()
@@ -155,14 +159,15 @@ def cached(fd: int, size: int) -> bool:
 
 class IoPolicy:
     """Decides, once per filesystem, whether reads and writes there go direct (module
-    docstring); logs fallbacks."""
+    docstring); logs fallbacks. ``dir_fd``: ``dest_dir`` open, where ``direct`` probes a
+    write; without it nothing is written direct."""
 
-    def __init__(self, mode: str, dest_dir: str, log: bool = True):
+    def __init__(self, mode: str, dest_dir: str, log: bool = True, dir_fd: int | None = None):
         if mode not in IO_MODES:
             raise ValueError(f"--io must be one of {', '.join(IO_MODES)}, got {mode!r}")
         self.mode, self.log = mode, log
         self._fs_by_dir: dict[str, str] = {}
-        self.write_direct = mode == "direct" and _accepts_direct(dest_dir)
+        self.write_direct = mode == "direct" and dir_fd is not None and _accepts_direct(dir_fd)
         if mode == "direct" and not self.write_direct and log:
             _note(f"{dest_dir}: filesystem refuses O_DIRECT; writing through the page cache")
 

@@ -173,7 +173,7 @@ def stage(cfg: StageConfig, comm: Any) -> int:
     plan = Plan()
     if not lay.is_leader:  # its own descriptor, for its Engine: a refusal is said in step 3
         meta, err = _open_meta(dest)
-    policy = IoPolicy(cfg.io, meta_dir(dest), log=lay.is_leader and not cfg.quiet)
+    policy = IoPolicy(cfg.io, meta_dir(dest), log=lay.is_leader and not cfg.quiet, dir_fd=meta)
     engine = _engine(cfg, dest, lay.rank, policy, meta) if lay.size == 1 else None
     if lay.rank == 0:
         try:

@@ -155,7 +155,7 @@ def test_auto_reads_only_a_cold_archive_direct_and_writes_through_the_page_cache
     path = tmp_path / "f"
     path.write_bytes(os.urandom(1 << 20))
     _cold(path)
-    fd = os.open(path, os.O_RDONLY)
+    fd, fd_dir = os.open(path, os.O_RDONLY), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         auto = IoPolicy("auto", str(tmp_path), log=False)
         assert not auto.writes_direct()
@@ -164,9 +164,33 @@ def test_auto_reads_only_a_cold_archive_direct_and_writes_through_the_page_cache
         assert not buffered.read_direct(str(path), fd, 1 << 20, archive=True)
         assert not buffered.writes_direct()
         if reads_direct(str(path), "direct", log=False):
-            assert IoPolicy("direct", str(tmp_path), log=False).writes_direct()
+            assert IoPolicy("direct", str(tmp_path), log=False, dir_fd=fd_dir).writes_direct()
     finally:
         os.close(fd)
+        os.close(fd_dir)
+
+
+def test_the_direct_write_probe_goes_through_the_directory_open_never_a_link(tmp_path):
+    """``--io direct`` probed a write by path in ``DEST/.datastore`` on every rank: a link
+    swapped in there had the probe file made and removed where it led. It is made through the
+    descriptor the stage holds: here the probe's name taken where the link leads (its create
+    failed there: not direct) changes nothing."""
+    real, other = tmp_path / "real", tmp_path / "other"
+    real.mkdir()
+    (other / f".datastore-direct-probe-{os.getpid()}").mkdir(parents=True)
+    (tmp_path / "meta").symlink_to(other)
+    (real / "f").write_bytes(b"x")
+    if not reads_direct(str(real / "f"), "direct", log=False):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    (real / "f").unlink()
+    fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert IoPolicy("direct", str(tmp_path / "meta"), log=False, dir_fd=fd).writes_direct()
+    finally:
+        os.close(fd)
+    assert os.listdir(real) == [] and os.listdir(other) == [
+        f".datastore-direct-probe-{os.getpid()}"
+    ]
 
 
 def test_a_warm_source_is_staged_exactly(make_tree, tmp_path):
