@@ -220,12 +220,12 @@ def run(args: argparse.Namespace) -> int:
     except LaunchMismatch as exc:
         print(f"datastore stage: error: {exc}", file=sys.stderr)
         return Agreed(Exit.BAD_INPUT)  # (each process in a world of its own)
-    if cfg.dry_run:  # node 0's plan (its share in shard mode), every node's space checked
+    if cfg.dry_run:  # node 0's plan (its share in shard mode), what every node would refuse
         from staging.cluster import layout
-        from staging.dryrun import dry_run, space_error
+        from staging.dryrun import dry_run, node_refusal
 
         lay, _ = layout(comm, cfg.ranks_per_node)
-        mine = space_error(cfg, lay.node, lay.nodes) if lay.is_leader and lay.node else None
+        mine = node_refusal(cfg, lay.node, lay.nodes) if lay.is_leader and lay.node else None
         others = [e for e in comm.gather(mine) or () if e]
         code = dry_run(cfg, lay.node, lay.nodes, others) if lay.rank == 0 else None
         return Agreed(comm.bcast(code))

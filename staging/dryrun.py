@@ -24,7 +24,7 @@ from staging.stage import (
     whole_archives,
 )
 
-__all__ = ["dry_run", "space_error"]
+__all__ = ["dry_run", "node_refusal"]
 
 
 def _node_plan(
@@ -65,23 +65,30 @@ def _shortfall(dest: str, copy: list[Item]) -> str | None:
     return space_shortfall(dest, sum(i.size for i in copy), usage.free, usage.total)
 
 
-def space_error(cfg: StageConfig, node: int, nodes: int) -> str | None:
-    """What the run would refuse for space on ``node`` (``None``: its share fits): the check an
-    MPI dry run makes on every node but node 0, whose plan it prints."""
-    dest, _, copy, _, _, _ = _node_plan(cfg, node, nodes)
-    return _shortfall(dest, copy)
+def node_refusal(cfg: StageConfig, node: int, nodes: int) -> tuple[str, int] | None:
+    """What the run would refuse on ``node``, and its exit code (``None``: nothing): its DEST's
+    ``.datastore``, else its share's space; the check an MPI dry run makes on every node but
+    node 0, whose plan it prints (it checked the space only: a corrupt manifest there was
+    'would stage', exit 0)."""
+    dest, _, copy, _, _, refused = _node_plan(cfg, node, nodes)
+    if refused:
+        return refused, Exit.FAILED
+    short = _shortfall(dest, copy)
+    return (short, Exit.NO_SPACE) if short else None
 
 
-def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1, others: Sequence[str] = ()) -> int:
+def dry_run(
+    cfg: StageConfig, node: int = 0, nodes: int = 1, others: Sequence[tuple[str, int]] = ()
+) -> int:
     """Print the plan of ``node`` (of ``nodes``) against its DEST; writes nothing there.
-    ``others``: the other nodes' :func:`space_error` messages, reported with this node's."""
+    ``others``: the other nodes' :func:`node_refusal`, reported with this node's."""
     dest, plan, copy, skipped, removed, refused = _node_plan(cfg, node, nodes)
     nbytes = sum(i.size for i in copy)
     sources = [i.path for i in copy if i.kind == "file" and i.path]
     largest = max(sources, key=os.path.getsize, default=None)
     probe = measure(largest, dest)
     short = _shortfall(dest, copy)  # as the run would refuse
-    errors = [e for e in (refused, *plan.errors, short, *others) if e]
+    errors = [e for e in (refused, *plan.errors, short, *(e for e, _ in others)) if e]
     seconds = probe.estimate(nbytes, len(copy), cfg.streams)
     if cfg.json:
         print(
@@ -116,7 +123,7 @@ def dry_run(cfg: StageConfig, node: int = 0, nodes: int = 1, others: Sequence[st
         )
         for e in errors:
             print(f"datastore stage: error: {e}", file=sys.stderr)
-    if refused:
+    if refused or Exit.FAILED in (c for _, c in others):  # (the run stops before the space)
         return Exit.FAILED
     return Exit.NO_SPACE if short or others else Exit.BAD_INPUT if plan.errors else Exit.OK
 

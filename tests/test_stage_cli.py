@@ -819,17 +819,50 @@ def test_a_dry_run_under_mpi_checks_every_nodes_space(tmp_path, capsys, monkeypa
     monkeypatch.setattr(shutil, "disk_usage", usage)
     args = ["stage", str(src), "--to", str(tmp_path / "node{node}"), "--mode", "shard"]
     want = f"{tmp_path}/node1: not enough space: need 3.0 MiB, 1.0 MiB available"
-    for rank, theirs in ((1, None), (0, want)):
+    for rank, theirs in ((1, None), (0, (want, Exit.NO_SPACE))):
         comm = _TwoNodes(rank, theirs, code=Exit.NO_SPACE)
         monkeypatch.setattr("staging.cluster.world", lambda comm=comm: comm)
         lay = Layout(rank, 2, rank, 2, 0, 1)
         monkeypatch.setattr("staging.cluster.layout", lambda c, r, lay=lay: (lay, c))
         assert main([*args, "--dry-run"]) == Exit.NO_SPACE
         if rank == 1:  # node 1 checks its share's space, and tells rank 0
-            assert comm.sent == want
+            assert comm.sent == (want, Exit.NO_SPACE)
     out, err = capsys.readouterr()
     assert f"into {tmp_path}/node0 (node 0 of 2)" in out
     assert err == f"datastore stage: error: {want}\n"
+
+
+def test_a_dry_run_under_mpi_says_what_another_node_would_refuse_in_its_dest(
+    tmp_path, capsys, monkeypatch
+):
+    """Node 1's DEST with a corrupt manifest: ``--dry-run`` checked node 1's space only and
+    said ``would stage``, exit 0, where the run refuses node 1's DEST, exit 1. Node 1 says
+    what its run would refuse, rank 0 prints it, exit 1 on every rank."""
+    from datastore.cli import main
+
+    src = tmp_path / "ds"
+    src.mkdir()
+    (src / "f").write_bytes(b"f")
+    (tmp_path / "node1" / ".datastore").mkdir(parents=True)
+    (tmp_path / "node1" / ".datastore" / "manifest.json").write_text("garbage")
+    args = ["stage", str(src), "--to", str(tmp_path / "node{node}"), "--dry-run"]
+    json_error = "Expecting value: line 1 column 1 (char 0)"
+    want = (
+        f"{tmp_path}/node1: cannot prepare destination "
+        f"({tmp_path}/node1/.datastore/manifest.json: corrupt manifest ({json_error}))"
+    )
+    for rank, theirs in ((1, None), (0, (want, Exit.FAILED))):
+        comm = _TwoNodes(rank, theirs, code=Exit.FAILED)
+        monkeypatch.setattr("staging.cluster.world", lambda comm=comm: comm)
+        lay = Layout(rank, 2, rank, 2, 0, 1)
+        monkeypatch.setattr("staging.cluster.layout", lambda c, r, lay=lay: (lay, c))
+        assert main(args) == Exit.FAILED
+        if rank == 1:
+            assert comm.sent == (want, Exit.FAILED)
+    out, err = capsys.readouterr()
+    assert f"into {tmp_path}/node0 (node 0 of 2)" in out
+    assert err == f"datastore stage: error: {want}\n"
+    assert not (tmp_path / "node0").exists()
 
 
 def test_progress_bar_in_binary_units():
