@@ -82,10 +82,19 @@ def _opened(dest: str, meta: int | None) -> Iterator[int]:
 
 
 def _at(meta: int) -> Any:
-    """An ``opener`` of the files of the directory ``meta``, never through a link."""
-    return lambda name, flags: os.open(
-        name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=meta
-    )
+    """An ``opener`` of the files of the directory ``meta``, never through a link: one there
+    is ``EPERM``, named (it was 'Too many levels of symbolic links', naming nothing)."""
+
+    def opener(name: str, flags: int) -> int:
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=meta)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            where = os.path.join(os.readlink(f"/proc/self/fd/{meta}"), name)
+            raise OSError(errno.EPERM, f"refusing to open through a symlink: {where}") from None
+
+    return opener
 
 
 @dataclass

@@ -489,3 +489,23 @@ def test_a_link_swapped_in_before_another_rank_opens_dest_datastore_is_refused_o
     why = f"refusing to write through a symlink: {dest}/.datastore"
     assert comm.gathered[-1] == (1, f"{dest}: cannot prepare destination ({why})", None, 0)
     assert _tree(other) == before and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "lock", "journal-1.jsonl"])
+def test_a_link_among_dest_datastores_files_is_refused_naming_it(tmp_path, capsys, name):
+    """A link where a file of ``DEST/.datastore`` belongs: never followed, but the run said
+    'cannot prepare destination (Too many levels of symbolic links)', naming nothing."""
+    from datastore.cli import main
+
+    src, dest, other = tmp_path / "src" / "ds", tmp_path / "dest", tmp_path / "other"
+    src.mkdir(parents=True)
+    (src / "f").write_bytes(b"f")
+    before = _other_dest(other)
+    (dest / ".datastore").mkdir(parents=True)
+    (dest / ".datastore" / name).symlink_to(other / ".datastore" / "lock")
+    assert main(["stage", str(src), "--to", str(dest), "--quiet"]) == 1
+    why = f"refusing to open through a symlink: {dest}/.datastore/{name}"
+    assert capsys.readouterr().err == (
+        f"datastore stage: error: {dest}: cannot prepare destination ({why})\n"
+    )
+    assert _tree(other) == before and not (dest / "ds").exists()
