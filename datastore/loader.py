@@ -182,6 +182,7 @@ def _raw_fingerprint(kw: dict[str, Any]) -> dict[str, str]:
 
 
 STUCK_WAIT_S = 1.0  # how long a producer that gave nothing within the timeout is waited for
+NAMING_WAIT_S = 5.0  # past the timeout, for the producer's own error (which names the peer)
 CLOSED = "this loader is closed (close(), or the end of its with block): make a new one"
 EXIT_WAIT_S = 5.0  # how long the prefetch threads still running at exit are waited for, in all
 _PREFETCHING: set[tuple[threading.Thread, threading.Event]] = set()  # (thread, its stop)
@@ -699,13 +700,14 @@ class DataStoreLoader(EpochPosition):
                 t0 = time.perf_counter()
                 try:
                     # (more than the producer's own waits: its error names the peer)
-                    step, batch, event = q.get(timeout=self.options.timeout + 5)
+                    step, batch, event = q.get(timeout=self.options.timeout + NAMING_WAIT_S)
                 except queue.Empty:
                     stuck = True
                     raise ExchangeTimeout(
-                        f"no batch within {self.options.timeout:.0f} s (rank {self.world.rank}, "
-                        f"epoch {epoch} step {start}): a peer rank or the service may have "
-                        "failed",
+                        f"no batch within {self.options.timeout + NAMING_WAIT_S:g} s (the "
+                        f"timeout, {self.options.timeout:g} s, and {NAMING_WAIT_S:g} s for the "
+                        f"cause; rank {self.world.rank}, epoch {epoch} step {start}): a peer "
+                        "rank or the service may have failed",
                         start,
                     ) from None
                 self._waited += time.perf_counter() - t0

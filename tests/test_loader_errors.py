@@ -223,3 +223,30 @@ def test_hold_datasets_makes_them_resident_and_names_the_missing_one(allowed):
     assert not held[path].loading and held[path].bytes_resident == held[path].bytes_total == 48
     with pytest.raises(DatasetNotFound, match=r"nope\.h5"):
         hold_datasets([str(root / "nope.h5")], ServiceOptions(str(sock)), timeout=30)
+
+
+def test_no_batch_within_says_the_time_it_waited(tmp_path, monkeypatch):
+    """A producer that gives nothing: the error said "no batch within 10 s" when the loader had
+    waited 15 s (the timeout, and 5 s more for the producer's own error); now the real wait."""
+    import datastore.loader as loader_module
+    from datastore.errors import ExchangeTimeout
+
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["x"] = np.zeros((4, 3), np.float32)
+    monkeypatch.setattr(loader_module, "NAMING_WAIT_S", 0.25, raising=False)
+    loader = DataStoreLoader(str(tmp_path / "d.h5"), batch_size=1, timeout=0.5)
+
+    def stalled(epoch, start, stop, ring):
+        stop.wait()
+        yield from ()
+
+    monkeypatch.setattr(loader._source, "batches", stalled)
+    try:
+        with pytest.raises(ExchangeTimeout) as err:
+            next(iter(loader))
+        assert str(err.value).startswith(
+            "no batch within 0.75 s (the timeout, 0.5 s, and 0.25 s for the cause; rank 0, "
+            "epoch 0 step 0): "
+        ), err.value
+    finally:
+        loader.close()

@@ -683,7 +683,7 @@ def test_a_frozen_service_is_reported_within_the_loaders_timeout(start, tmp_path
     s.proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        with pytest.raises(ExchangeTimeout, match="no batch within 2 s"):
+        with pytest.raises(ExchangeTimeout, match="no batch within 7 s"):
             for _ in range(SAMPLES):
                 next(it)
         assert time.monotonic() - t0 < 2 + 5 + 3  # (was 19 s)
