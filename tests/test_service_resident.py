@@ -1170,3 +1170,36 @@ def test_a_virtual_sources_own_missing_source_is_not_found(tmp_path, monkeypatch
         ), str(err.value)
     finally:
         residency.close()
+
+
+def test_a_node_whose_copy_failed_to_load_refuses_peers_fetches_of_its_other_samples(tmp_path):
+    """A node whose reading-in failed (a truncated sample file) refused its own sessions
+    ``DATA_LOSS``, yet sent its other samples to the peers that asked, as if healthy: a job's
+    ranks on the other nodes streamed on; now such a fetch is ``DATA_LOSS`` naming the file."""
+    d = tmp_path / "d"
+    d.mkdir()
+    for k in (0, 1):
+        np.save(d / f"s{k}.npy", np.full(64, k, np.float32))
+    (d / "s1.npy").write_bytes((d / "s1.npy").read_bytes()[:200])
+    servicer = Servicer(
+        config=ServeConfig(socket=tmp_path / "s.sock", allowed_roots=(tmp_path,)),
+        listen=[],
+        stop=Stop(),
+        counters=Counters(),
+        log=JsonLog(io.StringIO()),
+    )
+    fetch = {"kind": "fetch", "path": str(d), "pieces": True, "samples": [0], "fields": ["data"]}
+    fetch |= {"spatial": None, "block": 0}
+    try:
+        r = servicer.residency.load(str(d))
+        assert r.wait(10) and r.load_error
+        for answer in (servicer.answer, servicer.answer_at_once):
+            with pytest.raises(ServiceError) as got:
+                answer(fetch)
+            assert got.value.code == "DATA_LOSS"
+            assert str(got.value).startswith(
+                f"{d} could not be read into memory: {d}/s1.npy: field 'data': not a valid "
+                ".npy file: truncated"
+            ), got.value
+    finally:
+        servicer.residency.close()

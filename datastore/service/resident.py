@@ -280,8 +280,9 @@ class Resident:
     def _asked(
         self, samples: list[int], names: list[str], spatial: Any, block: int, index: bytes
     ) -> list:
-        """The delivered fields of a peer's request, checked (its samples owned here, its
-        global index this copy's)."""
+        """The delivered fields of a peer's request, checked (this copy read in whole, its
+        samples owned here, its global index this copy's)."""
+        self.check_loaded()  # (a peer's job fails as this node's own sessions are refused)
         if index and index != self.index:  # (its sample i is another sample here)
             raise ServiceError(
                 "ABORTED",
