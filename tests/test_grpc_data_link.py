@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import socket
 import ssl
@@ -977,3 +978,18 @@ def test_a_tls_fetch_stopped_mid_reply_ends_with_the_connections_error(cert):
     finally:
         sys.setswitchinterval(interval)
     assert wrong == []
+
+
+def test_a_jobs_failure_is_told_to_the_other_nodes():
+    """A rank's stream failed on node 0: node 1 is told (``JobFailed``), so that its streams
+    of the job end too; over gRPC the other nodes were never told."""
+    told = queue.Queue()
+
+    def answer(request):
+        told.put(request)
+        return 1
+
+    failed = {"kind": "job_failed", "job": '["j", "/d", 2, 4, 0]', "why": "rank 1 of job 'j'..."}
+    with owner(answer) as (address, _), linked(address) as link:
+        link.tell_all(failed)  # (returns at once)
+        assert told.get(timeout=10) == failed

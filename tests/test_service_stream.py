@@ -522,3 +522,56 @@ def test_a_bad_setting_in_the_environment_stops_the_service_at_start(tmp_path, n
     s = Server(tmp_path / "logs", ["--socket", str(tmp_path / "x.sock")], env)
     assert s.proc.wait(30) == 2
     assert name in s.stderr and value in s.stderr
+
+
+@pytest.mark.filterwarnings("ignore:datastore. 2 ranks")
+def test_a_rank_whose_stream_fails_fails_its_jobs_other_ranks_streams(tmp_path):
+    """Rank 1's stream failed ``DATA_LOSS`` (a sample file truncated, on disk under the memory
+    budget) while rank 0 of the same job streamed on and finished its epoch (to hang in its
+    next collective); now rank 0's open stream and its later ones end ``ABORTED`` naming rank
+    1 and the cause."""
+    from datastore.errors import DataStoreError
+    from tests.helpers import serving
+
+    d = tmp_path / "d"
+    d.mkdir()
+    for i in range(72):  # 128 KiB each: 56 in memory, the rest read from disk at each use
+        np.save(d / f"s{i:03d}.npy", np.full((4, 8192), i, np.float32))
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    with serving(tmp_path, env, "--memory-budget", "8M", log=tmp_path / "log") as sock:
+        with Client(sock) as c:  # (read in before its files are cut)
+            assert c.load(str(d), wait=True).dataset.bytes_resident == 56 * 4 * 8192 * 4
+        kw = {"batch_size": 1, "world": 2, "seed": 3, "timeout": 10, "prefetch": 1}
+        ranks = [
+            DataStoreLoader(str(d), rank=r, **kw, service=ServiceOptions(str(sock), job_id="j"))
+            for r in range(2)
+        ]
+        try:
+            zero = iter(ranks[0])
+            assert next(zero)["data"].shape == (1, 4, 8192)  # rank 0's stream is open
+            ones = [int(i) for s in range(36) for i in ranks[1].schedule.rank_samples(0, s, 1, 2)]
+            assert max(ones) >= 56
+            for i in ones:  # (those in memory are served; the first on disk fails)
+                (d / f"s{i:03d}.npy").write_bytes(b"\x93NUMPY")
+            with pytest.raises(DataStoreError) as failed:
+                for _ in ranks[1]:
+                    pass
+            assert failed.value.grpc_status == grpc.StatusCode.DATA_LOSS
+            why = f"rank 1 of job 'j' failed on node 0: DATA_LOSS: {failed.value.grpc_details}"
+            got = 1
+            with pytest.raises(DataStoreError) as aborted:
+                for _ in zero:
+                    got += 1
+            assert got < 36, got  # (rank 0's epoch: 36 batches; its slots in shared memory)
+            assert "streaming_inline" not in (tmp_path / "log").read_text()
+            assert aborted.value.grpc_status == grpc.StatusCode.ABORTED
+            assert aborted.value.grpc_details.endswith(why), aborted.value.grpc_details
+            with pytest.raises(DataStoreError) as again:  # its next pass too
+                next(iter(ranks[0]))
+            assert (again.value.grpc_status, again.value.grpc_details) == (
+                grpc.StatusCode.ABORTED,
+                why,
+            )
+        finally:
+            for loader in ranks:
+                loader.close()

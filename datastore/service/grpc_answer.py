@@ -1,7 +1,7 @@
 """The answering side of the gRPC peer link: ``datastore.v1.Peers`` on a service's TCP port.
 
-A peer's ``Describe`` and ``FetchBlocks`` are answered by the servicer's ``answer`` (as over
-MPI); ``OpenData`` hands out a one-time ticket for this node's data connection
+A peer's ``Describe``, ``FetchBlocks`` and ``JobFailed`` are answered by the servicer's
+``answer`` (as over MPI); ``OpenData`` hands out a one-time ticket for this node's data connection
 (:mod:`datastore.service.data_link`), whose fetches :meth:`PeersServicer.serve_data` answers.
 :mod:`datastore.service.grpc_peers` is the asking side.
 """
@@ -103,6 +103,11 @@ class PeersServicer:
         ]
         return pb.DescribeResponse(shardable=ok, files=files, fields=fields)
 
+    def JobFailed(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._check(request.header, context)
+        ended = self._call({"kind": "job_failed", "job": request.job, "why": request.why}, context)
+        return pb.JobFailedResponse(streams=ended)
+
     def _fetched(self, request: Any) -> list[np.ndarray]:
         """A ``FetchBlocksRequest`` answered: the reply's bytes as 1-d uint8 runs."""
         reply = self._answered(
@@ -173,6 +178,11 @@ def add_peers_to_server(servicer: PeersServicer, server: grpc.Server) -> None:
             servicer.OpenData,
             request_deserializer=pb.OpenDataRequest.FromString,
             response_serializer=pb.OpenDataResponse.SerializeToString,
+        ),
+        "JobFailed": grpc.unary_unary_rpc_method_handler(
+            servicer.JobFailed,
+            request_deserializer=pb.JobFailedRequest.FromString,
+            response_serializer=pb.JobFailedResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -135,6 +135,7 @@ class GrpcPeers:
         self._channels: dict[int, grpc.Channel] = {}
         self._idle: dict[int, list[DataConnection]] = {}  # data connections to reuse, by node
         self._busy: set[DataConnection] = set()  # data connections of fetches in flight
+        self._telling: set[Any] = set()  # JobFailed calls in flight
         self._closed = False
         self._grpc_only: dict[int, float] = {}  # node -> when its data port was not reached
         self._pool: ThreadPoolExecutor | None = None  # fetches in flight at once
@@ -230,6 +231,33 @@ class GrpcPeers:
             raise self._failed(dest, "Describe", exc) from None
         signature = {f.name: (f.dtype, tuple(f.shape)) for f in r.fields}
         return r.shardable, list(r.files), signature
+
+    def tell_all(self, request: dict) -> None:
+        """Tell every other node that a job failed (``{"kind": "job_failed", "job", "why"}``),
+        expecting no reply: the calls go on their own (a peer down is not waited for)."""
+        for dest in range(self.nodes):
+            if dest == self.node:
+                continue
+            try:
+                channel = self._channel(dest)
+            except ServiceError:
+                return  # (this service is stopping)
+            call = channel.unary_unary(
+                f"/{SERVICE}/JobFailed",
+                request_serializer=pb.JobFailedRequest.SerializeToString,
+                response_deserializer=pb.JobFailedResponse.FromString,
+            )
+            told = pb.JobFailedRequest(
+                header=self._header(dest), job=request["job"], why=request["why"]
+            )
+            future = call.future(told, timeout=self.timeout_s, metadata=self._metadata)
+            with self._lock:  # (a call whose future is collected is cancelled)
+                self._telling.add(future)
+            future.add_done_callback(self._told)
+
+    def _told(self, future: Any) -> None:
+        with self._lock:
+            self._telling.discard(future)
 
     def start(self, dest: int, request: dict, out: Segments) -> Pending:
         """:meth:`fetch` on a thread of the link's pool; returns at once. Its ``abandon``

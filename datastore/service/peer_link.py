@@ -195,6 +195,11 @@ class Peers(Protocol):
         """:meth:`start`, waiting for the blocks."""
         ...
 
+    def tell_all(self, request: dict) -> None:
+        """Send ``request`` (``{"kind": "job_failed", ...}``) to every other node, expecting
+        no reply; returns at once."""
+        ...
+
     def close(self, *, stop_all: bool) -> None:
         """Stop answering; ``stop_all``: this service is stopping on its own account."""
         ...

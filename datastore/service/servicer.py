@@ -29,6 +29,7 @@ from datastore.service.errors import ServiceError
 from datastore.service.grpc_peers import GrpcPeers
 from datastore.service.logs import JsonLog
 from datastore.service.mpi_peers import MpiPeers
+from datastore.service.paths import shown
 from datastore.service.peer_link import Peers, node_path
 from datastore.service.resident import (
     FAILURES,
@@ -150,6 +151,8 @@ class Servicer(pb_grpc.DataStoreServicer):
         if kind == "shutdown":
             self._stop.request(f"node {request['node']} stopped")
             return None
+        if kind == "job_failed":
+            return self.job_failed(request["job"], request["why"])
         if self._stop.event.is_set():  # nothing loaded or sent while this service stops
             raise ServiceError(
                 "UNAVAILABLE", f"node {self.residency.node} is stopping ({self._stop.why})"
@@ -264,13 +267,42 @@ class Servicer(pb_grpc.DataStoreServicer):
                     self._counters.bytes += nbytes
                 yield batch
         except ServiceError as exc:
+            if stream.failed:
+                self._fail_job(session, stream, exc)
             if context.is_active():  # else the client went away: nobody to tell
                 self._refuse(context, "StreamBatches", exc)
         except (ValueError, OSError) as exc:  # a sample that cannot be read
-            self._refuse(context, "StreamBatches", ServiceError("DATA_LOSS", str(exc)))
+            lost = ServiceError("DATA_LOSS", str(exc))
+            self._fail_job(session, stream, lost)
+            self._refuse(context, "StreamBatches", lost)
         finally:
             self._streaming.pop(stream, None)
             session.release(stream)
+
+    def _fail_job(self, session: Any, stream: Stream, exc: ServiceError) -> None:
+        """``stream`` of ``session`` failed with ``exc``: every stream of its job, here and on
+        the other nodes, ends ``ABORTED`` naming the rank and the cause (the job's other ranks
+        streamed on, to hang in their next collective)."""
+        why = (
+            f"rank {stream.rank} of job {shown(session.request.job_id)} failed on node "
+            f"{self.residency.node}: {exc.code}: {exc}"
+        )
+        self.job_failed(session.job, why)
+        if self.link is not None:
+            self.link.tell_all({"kind": "job_failed", "job": session.job, "why": why})
+
+    def job_failed(self, job: str, why: str) -> int:
+        """End every stream of ``job`` here (but those that failed themselves) with
+        ``ABORTED`` giving ``why``, and refuse its sessions' new streams; how many ended."""
+        ended = [(s, st) for s, st in self.sessions.fail_job(job, why) if not st.failed]
+        for _, st in ended:
+            st.close(why)
+            context = self._streaming.get(st)
+            if context is not None:  # (ended now, even if held in gRPC's flow control)
+                _abort_call(context, st.cut())
+        if ended:
+            self._log.warning("job_failed", sessions=len({s.session_id for s, _ in ended}), msg=why)
+        return len(ended)
 
     def _stream(self, session: Any, request: Any, shm: bool) -> tuple[Any, bool]:
         """``session``'s stream for ``request``, and whether over shared memory: a client

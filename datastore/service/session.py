@@ -12,6 +12,8 @@ node (``ClientProcess``) also ends as soon as that process does, however it ends
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import threading
 import time
@@ -34,7 +36,7 @@ from datastore.service.stream import SlotRing, Stream
 from datastore.service.watch import ProcessWatch
 from datastore.store.gather import Gather
 
-__all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions", "spatial_of"]
+__all__ = ["MAX_GLOBAL_BATCH", "MAX_WORLD", "Session", "Sessions", "job_of", "spatial_of"]
 
 MAX_GLOBAL_BATCH = 1_000_000
 MAX_WORLD = 1_000_000
@@ -52,6 +54,12 @@ def spatial_of(layout: Any) -> dict[str, Any] | None:
     if layout.boundary:
         out["boundary"] = layout.boundary
     return out
+
+
+def job_of(r: Any) -> str:
+    """The job an ``OpenSessionRequest`` belongs to, the same for each of its ranks' sessions
+    on every node: its job id, dataset (as clients name it), world, global batch and seed."""
+    return json.dumps([r.job_id, r.dataset_path, r.world_size or 1, r.global_batch, r.seed])
 
 
 @dataclass
@@ -76,6 +84,7 @@ class Session:
     gather: Gather | None = None  # the service's batch copies
     residency: Any = None  # counts the rings (shared memory or inline) in the memory budget
     inline_told: bool = False  # the log said its ring did not fit: streamed inline
+    failed: str = ""  # why its job failed ("": it did not): its streams end ABORTED saying so
 
     @property
     def schedule(self) -> Schedule:
@@ -84,6 +93,10 @@ class Session:
     @property
     def world(self) -> int:
         return self.view.layout.world
+
+    @functools.cached_property
+    def job(self) -> str:
+        return job_of(self.request)
 
     def field_infos(self) -> list[Any]:
         return [
@@ -124,6 +137,8 @@ class Session:
         with self.lock:
             if self.closed:
                 raise ServiceError("NOT_FOUND", f"session {self.session_id} is closed")
+            if self.failed:
+                raise ServiceError("ABORTED", self.failed)
             ring = self.rings.get((int(r.rank), shared_memory))
             if ring is None:
                 # the client holds prefetch + 1 batches (RemoteBatches), the producer fills
@@ -197,6 +212,13 @@ class Session:
                 del self.rings[key]
         if unused:
             self._unbudget(ring.budgeted, False)
+
+    def fail(self, why: str) -> list[Stream]:
+        """Its job failed (``why``): new streams are refused ``ABORTED`` saying so; its streams
+        still open, to be ended the same way."""
+        with self.lock:
+            self.failed = self.failed or why
+            return list(self.streams)
 
     def idle_s(self) -> float:
         with self.lock:
@@ -363,6 +385,11 @@ class Sessions:
         """Close ``s`` (no longer listed) and let its dataset go."""
         s.close(why)
         self.residency.release(s.resident)
+
+    def fail_job(self, job: str, why: str) -> list[tuple[Session, Stream]]:
+        """A stream of ``job`` (:func:`job_of`) failed: fail its sessions here
+        (:meth:`Session.fail`); their streams still open, to be ended."""
+        return [(s, st) for s in self.all() if s.job == job for st in s.fail(why)]
 
     def all(self) -> list[Session]:
         with self._lock:

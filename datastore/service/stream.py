@@ -284,6 +284,7 @@ class Stream:
         self._on_stall = on_stall
         self.stop = threading.Event()
         self.why = ""  # why the stream was stopped from outside (a closed session, a shutdown)
+        self.failed = False  # it ended with its own error (a sample unread, a peer's refusal)
         self._ready: queue.Queue = queue.Queue()
         self.ring = ring
         self._metas = self._tensor_metas()
@@ -399,6 +400,7 @@ class Stream:
                 self._stalled(t0, client)
                 if step is None:
                     if message is not None:
+                        self.failed = not self.stop.is_set()  # (not an error of its stopping)
                         raise message
                     self._until_mapped()
                     return

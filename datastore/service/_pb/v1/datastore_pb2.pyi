@@ -427,3 +427,19 @@ class OpenDataResponse(_message.Message):
     port: int
     ticket: bytes
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class JobFailedRequest(_message.Message):
+    __slots__ = ("header", "job", "why")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    header: PeerHeader
+    job: str
+    why: str
+    def __init__(self, header: _Optional[_Union[PeerHeader, _Mapping]] = ..., job: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
+
+class JobFailedResponse(_message.Message):
+    __slots__ = ("streams",)
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    streams: int
+    def __init__(self, streams: _Optional[int] = ...) -> None: ...

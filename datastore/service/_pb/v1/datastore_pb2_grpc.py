@@ -435,6 +435,11 @@ class PeersStub:
                 request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataRequest.SerializeToString,
                 response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataResponse.FromString,
                 _registered_method=True)
+        self.JobFailed = channel.unary_unary(
+                '/datastore.v1.Peers/JobFailed',
+                request_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.JobFailedRequest.SerializeToString,
+                response_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.JobFailedResponse.FromString,
+                _registered_method=True)
 
 
 class PeersServicer:
@@ -470,6 +475,14 @@ class PeersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JobFailed(self, request, context):
+        """A stream of a job failed on the asking node: every stream of that job here ends with
+        ABORTED giving `why` (the failed rank and the cause), so no rank of the job streams on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeersServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -487,6 +500,11 @@ def add_PeersServicer_to_server(servicer, server):
                     servicer.OpenData,
                     request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataRequest.FromString,
                     response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataResponse.SerializeToString,
+            ),
+            'JobFailed': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobFailed,
+                    request_deserializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.JobFailedRequest.FromString,
+                    response_serializer=datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.JobFailedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +592,33 @@ class Peers:
             '/datastore.v1.Peers/OpenData',
             datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataRequest.SerializeToString,
             datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.OpenDataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobFailed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/datastore.v1.Peers/JobFailed',
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.JobFailedRequest.SerializeToString,
+            datastore_dot_service_dot___pb_dot_v1_dot_datastore__pb2.JobFailedResponse.FromString,
             options,
             channel_credentials,
             insecure,
