@@ -146,6 +146,7 @@ def test_status_shows_the_job_of_each_session(served):
 
 def test_job_identity_reads_the_launchers_in_order():
     assert job_identity({"SLURM_JOB_ID": "12", "FLUX_JOB_ID": "f1"}) == "12"
+    assert job_identity({"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "3"}) == "12.3"  # a sweep's step
     assert job_identity({"FLUX_JOB_ID": "f1", "TORCHELASTIC_RUN_ID": "r"}) == "f1"
     assert job_identity({"PBS_JOBID": "7.pbs"}) == "7.pbs"
     assert job_identity({"TORCHELASTIC_RUN_ID": "r9"}) == "torchrun:r9"

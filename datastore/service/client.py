@@ -70,10 +70,13 @@ JOB_ENV = (
 def job_identity(env: Mapping[str, str] | None = None) -> str:
     """The job a client belongs to, as ``datastore status`` shows it: the first of
     :data:`JOB_ENV` set (``TORCHELASTIC_RUN_ID`` as ``torchrun:ID``; its placeholder ``none``
-    skipped), else ``HOST:PID`` of this process."""
+    skipped; Slurm's as ``JOB.STEP`` inside a step: the steps of a sweep in one allocation are
+    other jobs, one's failure not theirs), else ``HOST:PID`` of this process."""
     env = os.environ if env is None else env
     for name in JOB_ENV:
         value = env.get(name, "").strip()
+        if name == "SLURM_JOB_ID" and value and env.get("SLURM_STEP_ID", "").strip():
+            return f"{value}.{env['SLURM_STEP_ID'].strip()}"
         if name == "TORCHELASTIC_RUN_ID":
             if value and value != "none":
                 return f"torchrun:{value}"
