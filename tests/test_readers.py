@@ -1125,6 +1125,23 @@ def test_hdf5_virtual_sources_lacking_or_unlike_their_dataset_are_refused(tmp_pa
         assert r.read(8, "x").tolist() == [0, 1, 2] and r.read(0, "x").tolist() == [1, 2, 3]
 
 
+def test_open_dataset_of_a_path_builds_one_reader(tmp_path, monkeypatch):
+    """``open_dataset(path)`` built the reader twice (``detect``'s, then one of the spec it
+    found): a virtual dataset's source file was opened twice per open, the file itself three
+    times. Now one reader: the source once, the file twice (its layout attribute read first);
+    the reader's spec is ``detect``'s."""
+    monkeypatch.chdir(tmp_path)
+    with h5py.File("a.h5", "w") as f:
+        f["x"] = np.arange(4, dtype=np.float32)
+    _virtual(tmp_path / "v.h5", ["a.h5", "a.h5"])
+    opened, real_file = [], h5py.File
+    monkeypatch.setattr(h5py, "File", lambda p, *a, **k: opened.append(p) or real_file(p, *a, **k))
+    with open_dataset("v.h5") as r:
+        assert sorted(map(str, opened)) == [str(tmp_path / "a.h5"), "v.h5", "v.h5"]
+        assert r.read(5, "x") == 1.0
+        assert r.spec == DatasetSpec("hdf5", ("v.h5",), (FieldSpec("x", ()),)) == detect("v.h5")
+
+
 def test_hdf5_fields_reaching_a_fifo_are_refused_never_opened(tmp_path):
     """An external link, external storage or a virtual dataset's source naming a FIFO: HDF5
     opened it and blocked the whole process (h5py holds the GIL; a service stopped answering

@@ -270,11 +270,24 @@ def detect(
         fields: the fields to read; the others are neither listed nor checked (e.g. an
             xarray file's coordinate arrays, of other lengths). Default: ``()``, all.
     """
-    path = os.fspath(path)
+    with _detected(os.fspath(path), layout, fields) as reader:
+        return reader.spec
+
+
+def _detected(path: str, layout: str | None, fields: Sequence[str]) -> Reader:
+    """The reader of the dataset at ``path`` as ``detect`` finds it, whose ``spec`` is the one
+    ``detect`` returns. Of every field the data is opened once (each file was opened twice, the
+    second time by a reader of the detected spec); of ``fields`` named, again with the spatial
+    axes found (the first reader's have none)."""
     fmt = detect_format(path, check_layout(layout, path))
-    with open_dataset(DatasetSpec(fmt, (path,), tuple(fields))) as reader:
-        found = tuple(FieldSpec(name, reader.found[name].spatial_axes) for name in reader.fields)
-    return DatasetSpec(fmt, (path,), found)
+    reader = format_named(fmt).reader(DatasetSpec(fmt, (path,), tuple(fields)))
+    found = tuple(FieldSpec(name, reader.found[name].spatial_axes) for name in reader.fields)
+    spec = DatasetSpec(fmt, (path,), found)
+    if fields:
+        reader.close()
+        return format_named(fmt).reader(spec)
+    reader.spec = spec
+    return reader
 
 
 def check_layout(layout: Any, where: str | None) -> str | None:
@@ -318,7 +331,7 @@ def open_dataset(
             spec = DatasetSpec.load(path)
             _no_layout(layout, path, spec.format)
         else:
-            spec = detect(path, layout, fields)
+            return _detected(path, layout, fields)
     else:
         raise DatasetError(None, f"expected a DatasetSpec or a path, got {spec_or_path!r}")
     if not allow_pickle and spec.lmdb is not None and spec.lmdb.value == "pickle":
