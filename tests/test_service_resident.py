@@ -290,6 +290,40 @@ def test_hdf5_files_naming_files_outside_the_allowed_roots_are_refused(tmp_path)
         residency.close()
 
 
+def test_virtual_sources_outside_the_roots_are_refused_unopened(tmp_path, monkeypatch):
+    """The roots were checked once the dataset was open, and the open had opened a virtual
+    dataset's sources: one outside ``--allow`` was opened (3 opens of files outside for 2
+    loads), and one lacking the mapped dataset was ``NOT_FOUND`` naming it. Each is now
+    ``PERMISSION_DENIED`` before anything outside the roots is opened."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    root.mkdir()
+    out.mkdir()
+    with h5py.File(out / "has.h5", "w") as f:
+        f["x"] = np.ones((SAMPLES, 3), np.float32)
+    with h5py.File(out / "lacks.h5", "w") as f:
+        f["w"] = np.ones((SAMPLES, 3), np.float32)
+    for name in ("has.h5", "lacks.h5"):
+        with h5py.File(root / name, "w") as f:
+            layout = h5py.VirtualLayout((SAMPLES, 3), np.float32)
+            layout[:] = h5py.VirtualSource(str(out / name), "x", shape=(SAMPLES, 3))
+            f.create_virtual_dataset("x", layout)
+    opened, real_file = [], h5py.File
+    monkeypatch.setattr(h5py, "File", lambda p, *a, **k: opened.append(p) or real_file(p, *a, **k))
+    residency = Residency(threads=1, roots=(root,))
+    try:
+        for name in ("has.h5", "lacks.h5"):
+            with pytest.raises(ServiceError) as err:
+                residency.load(str(root / name))
+            assert (err.value.code, str(err.value)) == (
+                "PERMISSION_DENIED",
+                f"{str(root / name)!r} reads {str(out / name)!r} (named in its files), "
+                f"outside the allowed roots ({root})",
+            )
+        assert [p for p in map(str, opened) if not p.startswith(str(root))] == []
+    finally:
+        residency.close()
+
+
 def test_virtual_sources_are_looked_for_where_hdf5_looks(tmp_path, monkeypatch):
     """HDF5 looks for a virtual dataset's source in the file's directory, then in the working
     directory (an absolute name that is not there: its last component). A relative source

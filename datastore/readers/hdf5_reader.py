@@ -465,7 +465,7 @@ class _Hdf5Base(Reader):
         seen = self.__dict__.setdefault("_reached", {})  # {(path, field): {file: stamp}}
         stamps = seen.get((path, info.name))
         if stamps is None:
-            reached = reached_files(obj, path)
+            reached = reached_files(obj, path, self.confine)
             for f in reached:
                 _regular(f, path, info.name)
                 if self.confine is not None and os.path.exists(f):  # (none there: HDF5 looks on)
@@ -511,7 +511,9 @@ class Hdf5Reader(_Hdf5Base):
                 got = {n: (ds.dtype, ds.shape) for n, ds in found.items()}
                 want = {n: (fi.dtype, fi.shape) for n, fi in self._as_stored().items()}
                 counts.append(shard_count(path, got, want))
-                self.reached += [r for n in self.fields for r in reached_files(found[n], path)]
+                self.reached += [
+                    r for n in self.fields for r in reached_files(found[n], path, self.confine)
+                ]
         self.offsets = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=self.offsets[1:])
         self._length = int(self.offsets[-1])
@@ -641,14 +643,20 @@ def _plain_layout(ds: h5py.Dataset, path: str) -> tuple[str, Any] | None:
     return ("chunked", tuple(ds.chunks))
 
 
-def reached_files(ds: h5py.Dataset, path: str, _seen: set | None = None) -> list[str]:
+def reached_files(
+    ds: h5py.Dataset,
+    path: str,
+    confine: Callable[[str], None] | None = None,
+    _seen: set | None = None,
+) -> list[str]:
     """The files besides ``path`` that reading ``ds`` (a dataset got from the file at
     ``path``) opens: the file an external link led to, external raw storage, a virtual
     dataset's sources, and what each source's dataset reads in turn (a source in the roots
     that was itself virtual, its own source outside, was served). A relative name is given
     as each place HDF5 may look for it (the file's directory, the working directory; a
-    virtual source's: ``_source_places``). Each source file found is opened once and its
-    mapped datasets checked (``_check_mapping``)."""
+    virtual source's: ``_source_places``). Each source file found is passed to ``confine``
+    (a reader's), then opened once and its mapped datasets checked (``_check_mapping``): one
+    outside ``datastore serve``'s roots is refused before it is opened."""
     own = ds.file.filename
     out = [] if _same_file(own, path) else [own]
     for name, _, _ in ds.external or ():
@@ -669,7 +677,7 @@ def reached_files(ds: h5py.Dataset, path: str, _seen: set | None = None) -> list
         maps.setdefault(places[-1], []).append(m)
     for place, mapped in maps.items():
         if os.path.isfile(place):
-            out += _source_reaches(ds, place, mapped, path, seen)
+            out += _source_reaches(ds, place, mapped, path, seen, confine)
     return out
 
 
@@ -708,11 +716,19 @@ class SourceMissing(DatasetMissing):
 
 
 def _source_reaches(
-    ds: h5py.Dataset, place: str, mapped: list[Any], path: str, seen: set
+    ds: h5py.Dataset,
+    place: str,
+    mapped: list[Any],
+    path: str,
+    seen: set,
+    confine: Callable[[str], None] | None,
 ) -> list[str]:
     """``reached_files`` of the datasets the mappings ``mapped`` of the virtual dataset ``ds``
-    read in the source file ``place``, each mapping checked first (``_check_mapping``); none
-    when HDF5 could not open the file either (its read fails, naming it)."""
+    read in the source file ``place``, which ``confine`` is given first, each mapping checked
+    (``_check_mapping``); none when HDF5 could not open the file either (its read fails,
+    naming it)."""
+    if confine is not None:
+        confine(place)
     try:
         f = h5py.File(place, "r")
     except (OSError, ValueError):
@@ -725,7 +741,7 @@ def _source_reaches(
             key = (os.path.realpath(place), name)
             if key not in seen:
                 seen.add(key)
-                out += reached_files(f[name], path, seen)
+                out += reached_files(f[name], path, confine, seen)
     return out
 
 
@@ -880,7 +896,9 @@ class Hdf5PerSampleReader(_Hdf5Base):
             }
             self._select_fields(available, first)
             _check_filters(found, first, self.fields)
-            self.reached = [r for n in self.fields for r in reached_files(found[n], first)]
+            self.reached = [
+                r for n in self.fields for r in reached_files(found[n], first, self.confine)
+            ]
         self._length = len(self.files)
 
     def _path_of(self, index: int) -> str:

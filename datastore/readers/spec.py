@@ -47,7 +47,7 @@ import operator
 import os
 import stat
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,22 +270,24 @@ def detect(
         fields: the fields to read; the others are neither listed nor checked (e.g. an
             xarray file's coordinate arrays, of other lengths). Default: ``()``, all.
     """
-    with _detected(os.fspath(path), layout, fields) as reader:
+    with _detected(os.fspath(path), layout, fields, None) as reader:
         return reader.spec
 
 
-def _detected(path: str, layout: str | None, fields: Sequence[str]) -> Reader:
+def _detected(
+    path: str, layout: str | None, fields: Sequence[str], confine: Callable[[str], None] | None
+) -> Reader:
     """The reader of the dataset at ``path`` as ``detect`` finds it, whose ``spec`` is the one
     ``detect`` returns. Of every field the data is opened once (each file was opened twice, the
     second time by a reader of the detected spec); of ``fields`` named, again with the spatial
     axes found (the first reader's have none)."""
     fmt = detect_format(path, check_layout(layout, path))
-    reader = format_named(fmt).reader(DatasetSpec(fmt, (path,), tuple(fields)))
+    reader = _built(DatasetSpec(fmt, (path,), tuple(fields)), confine)
     found = tuple(FieldSpec(name, reader.found[name].spatial_axes) for name in reader.fields)
     spec = DatasetSpec(fmt, (path,), found)
     if fields:
         reader.close()
-        return format_named(fmt).reader(spec)
+        return _built(spec, confine)
     reader.spec = spec
     return reader
 
@@ -305,6 +307,7 @@ def open_dataset(
     allow_pickle: bool = True,
     layout: str | None = None,
     fields: Sequence[str] = (),
+    confine: Callable[[str], None] | None = None,
 ) -> Reader:
     """A reader for a ``DatasetSpec``; for a path: a spec file (``.json``/``.toml``) is loaded,
     anything else is detected (``detect``).
@@ -318,6 +321,9 @@ def open_dataset(
             a spec states it in its format. Default: ``None``, decided from the files.
         fields: for a path detected here: read only these fields (``detect``); a spec names
             its own. Default: ``()``, every field.
+        confine: the reader's ``confine``, set before it opens anything (``datastore serve``:
+            a virtual dataset's source outside its roots is refused unopened). Default:
+            ``None``, none.
 
     Raises:
         DatasetError: naming the file (and field) for any input that cannot be read as asked.
@@ -331,7 +337,7 @@ def open_dataset(
             spec = DatasetSpec.load(path)
             _no_layout(layout, path, spec.format)
         else:
-            return _detected(path, layout, fields)
+            return _detected(path, layout, fields, confine)
     else:
         raise DatasetError(None, f"expected a DatasetSpec or a path, got {spec_or_path!r}")
     if not allow_pickle and spec.lmdb is not None and spec.lmdb.value == "pickle":
@@ -342,7 +348,17 @@ def open_dataset(
             "(it would run code that the data chose); read it with the embedded loader, or "
             "convert it once with write_lmdb (docs/loader.md)",
         )
-    return format_named(spec.format).reader(spec)
+    return _built(spec, confine)
+
+
+def _built(spec: DatasetSpec, confine: Callable[[str], None] | None) -> Reader:
+    """The reader of ``spec`` with ``confine`` set before its ``__init__`` runs (which opens
+    the data, and takes the spec alone)."""
+    cls = format_named(spec.format).reader
+    reader = cls.__new__(cls)
+    reader.confine = confine
+    reader.__init__(spec)
+    return reader
 
 
 def _no_layout(layout: str | None, where: str, fmt: str) -> None:

@@ -358,8 +358,9 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
     spec file naming another place, a file an HDF5 field reads: an external link, external
     storage, a virtual dataset's sources; or pickled records), with the status the loader's
     errors map to."""
+    confine = (lambda f: _confined(path, f, roots)) if roots else None
     try:
-        reader = open_dataset(path, allow_pickle=False)
+        reader = open_dataset(path, allow_pickle=False, confine=confine)
     except DatasetNotFound as exc:  # a spec naming a file that is not there
         raise ServiceError("NOT_FOUND", str(exc)) from exc
     except (ValueError, TypeError) as exc:
@@ -376,7 +377,6 @@ def _reader(path: str, roots: tuple[Path, ...] = ()) -> Any:
             raise ServiceError(
                 "PERMISSION_DENIED", f"{path!r} reads {real[f]!r}{via}, {_outside(roots)}"
             )
-        reader.confine = lambda f: _confined(path, f, roots)
         try:  # (an external link's file: its fields were shown, then reading it in failed)
             for f in reader.reached:
                 if os.path.exists(f):  # (a place that holds nothing: HDF5 looks on)
