@@ -1125,6 +1125,21 @@ def test_hdf5_virtual_sources_lacking_or_unlike_their_dataset_are_refused(tmp_pa
         assert r.read(8, "x").tolist() == [0, 1, 2] and r.read(0, "x").tolist() == [1, 2, 3]
 
 
+def test_hdf5_virtual_source_that_is_no_hdf5_file_is_refused_at_open(tmp_path, monkeypatch):
+    """A virtual dataset whose source file is there but no HDF5 file was opened fine, and its
+    first read failed (``OSError: Can't synchronously read data (file signature not
+    found)``). It is refused when opened, naming the file, the field and the source."""
+    monkeypatch.chdir(tmp_path)
+    Path("a.h5").write_bytes(b"not HDF5\n" * 64)
+    _virtual(tmp_path / "v.h5", ["a.h5"])
+    with pytest.raises(DatasetError) as err:
+        open_dataset("v.h5")
+    assert str(err.value) == (
+        f"v.h5: field 'x': its virtual source 'a.h5' ({tmp_path / 'a.h5'}): not a readable "
+        "HDF5 file: Unable to synchronously open file (file signature not found)"
+    )
+
+
 def test_open_dataset_of_a_path_builds_one_reader(tmp_path, monkeypatch):
     """``open_dataset(path)`` built the reader twice (``detect``'s, then one of the spec it
     found): a virtual dataset's source file was opened twice per open, the file itself three

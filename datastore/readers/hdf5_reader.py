@@ -725,14 +725,22 @@ def _source_reaches(
 ) -> list[str]:
     """``reached_files`` of the datasets the mappings ``mapped`` of the virtual dataset ``ds``
     read in the source file ``place``, which ``confine`` is given first, each mapping checked
-    (``_check_mapping``); none when HDF5 could not open the file either (its read fails,
-    naming it)."""
+    (``_check_mapping``).
+
+    Raises:
+        DatasetError: naming ``ds``'s file and field and the source, when the source cannot
+            be opened as HDF5 (not an HDF5 file: the first read failed).
+    """
     if confine is not None:
         confine(place)
     try:
-        f = h5py.File(place, "r")
-    except (OSError, ValueError):
-        return []
+        f = _open_file(place)
+    except DatasetError as exc:
+        raise DatasetError(
+            ds.file.filename,
+            f"its virtual source {mapped[0].file_name!r} ({place}): {exc.reason}",
+            ds.name.lstrip("/"),
+        ) from None
     out: list[str] = []
     with f:
         for m in mapped:
