@@ -462,6 +462,37 @@ def test_a_missing_virtual_source_of_a_later_file_is_found_once_it_is_there(tmp_
         residency.close()
 
 
+def test_a_later_files_virtual_source_fixed_in_place_is_read_again(tmp_path):
+    """A set of one sample per file whose second file's virtual source lacks the mapped
+    dataset fails its reading-in naming it; the source rewritten with the dataset changes the
+    dataset, which is read again (the failure stayed, ``DATA_LOSS``, until the dataset was
+    unloaded: the source, which was there, was not among the files compared)."""
+    for name, source in (("p0.h5", "a.h5"), ("p1.h5", "b.h5")):
+        with h5py.File(tmp_path / name, "w") as f:
+            layout = h5py.VirtualLayout((4,), np.float32)
+            layout[:] = h5py.VirtualSource(source, "x", shape=(4,))
+            f.create_virtual_dataset("x", layout)
+    for name, dataset in (("a.h5", "x"), ("b.h5", "w")):
+        with h5py.File(tmp_path / name, "w") as f:
+            f[dataset] = np.full(4, 1 + (name == "b.h5"), np.float32)
+    spec = tmp_path / "set.json"
+    spec.write_text(json.dumps({"format": "hdf5-per-sample", "paths": ["p0.h5", "p1.h5"]}))
+    residency = Residency(threads=1)
+    try:
+        r = residency.load(str(spec))
+        assert r.wait(30) and r.load_error == (
+            f"{tmp_path / 'p1.h5'}: field 'x': its virtual source 'b.h5' ({tmp_path / 'b.h5'}) "
+            "has no dataset 'x': HDF5 would read its samples as the fill value"
+        )
+        with h5py.File(tmp_path / "b.h5", "a") as f:
+            f["x"] = f["w"][:]
+        r = residency.load(str(spec))
+        assert r.wait(30) and r.load_error == ""
+        assert [r.sample(i, "x").tolist() for i in range(2)] == [[1.0] * 4, [2.0] * 4]
+    finally:
+        residency.close()
+
+
 def test_a_virtual_source_that_is_itself_virtual_is_looked_into(tmp_path):
     """A virtual dataset whose source in ``--allow`` is itself virtual, its own source
     outside: HDF5 reads through both, and only the first level was checked (the outside

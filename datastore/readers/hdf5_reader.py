@@ -49,6 +49,7 @@ __all__ = [
     "AmbiguousLayout",
     "Hdf5PerSampleReader",
     "Hdf5Reader",
+    "SourceError",
     "SourceMissing",
     "reached_files",
     "set_format",
@@ -702,9 +703,10 @@ def _found_source(ds: h5py.Dataset, name: str, own: str) -> list[str]:
     )
 
 
-class SourceMissing(DatasetMissing):
-    """A virtual dataset's source in none of the ``places`` HDF5 looks for it: one put there
-    later changes the dataset (a file of a set of one sample per file is refused when read,
+class SourceError(DatasetError):
+    """A virtual dataset's source that HDF5 cannot read as mapped (no HDF5 file, its dataset
+    of another dtype or shape): a change to the files at ``places`` (one put there, or
+    rewritten) may mend it (a file of a set of one sample per file is refused when read,
     after the files the dataset reads were taken)."""
 
     def __init__(self, path: str, reason: str, field: str | None, places: tuple[str, ...]):
@@ -713,6 +715,11 @@ class SourceMissing(DatasetMissing):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.path, self.reason, self.field, self.places))
+
+
+class SourceMissing(SourceError, DatasetMissing):
+    """A virtual dataset's source in none of the ``places`` HDF5 looks for it, or lacking the
+    mapped dataset there."""
 
 
 def _source_reaches(
@@ -728,7 +735,7 @@ def _source_reaches(
     (``_check_mapping``).
 
     Raises:
-        DatasetError: naming ``ds``'s file and field and the source, when the source cannot
+        SourceError: naming ``ds``'s file and field and the source, when the source cannot
             be opened as HDF5 (not an HDF5 file: the first read failed).
     """
     if confine is not None:
@@ -736,10 +743,11 @@ def _source_reaches(
     try:
         f = _open_file(place)
     except DatasetError as exc:
-        raise DatasetError(
+        raise SourceError(
             ds.file.filename,
             f"its virtual source {mapped[0].file_name!r} ({place}): {exc.reason}",
             ds.name.lstrip("/"),
+            (place,),
         ) from None
     out: list[str] = []
     with f:
@@ -769,27 +777,31 @@ def _check_mapping(ds: h5py.Dataset, m: Any, source: h5py.Dataset | None, place:
     or fails the read, without a word at open.
 
     Raises:
-        DatasetMissing: naming ``ds``'s file and field, the source file and dataset, when the
+        SourceMissing: naming ``ds``'s file and field, the source file and dataset, when the
             dataset is not there.
-        DatasetError: so named, when its dtype or shape differ.
+        SourceError: so named, when its dtype or shape differ.
     """
     own, field = ds.file.filename, ds.name.lstrip("/")
     where = f"its virtual source {m.file_name!r} ({place})"
     if source is None:
-        raise DatasetMissing(
+        raise SourceMissing(
             own,
             f"{where} has no dataset {m.dset_name!r}: HDF5 would read its samples as the fill "
             "value",
             field,
+            (place,),
         )
     held = f"holds {m.dset_name!r} as {source.dtype} {source.shape}"
     if not _converts(source.dtype, ds.dtype):
-        raise DatasetError(
-            own, f"{where} {held}, which HDF5 cannot convert to the field's {ds.dtype}", field
+        raise SourceError(
+            own,
+            f"{where} {held}, which HDF5 cannot convert to the field's {ds.dtype}",
+            field,
+            (place,),
         )
     misfit = _misfit(m, source.shape)
     if misfit is not None:
-        raise DatasetError(own, f"{where} {held}, {misfit}", field)
+        raise SourceError(own, f"{where} {held}, {misfit}", field, (place,))
 
 
 def _converts(source: np.dtype, field: np.dtype) -> bool:

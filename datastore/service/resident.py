@@ -44,7 +44,7 @@ from datastore.maths.delivery import (
 from datastore.maths.ownership import RunOwners
 from datastore.maths.partition import Grid
 from datastore.readers import open_dataset
-from datastore.readers.hdf5_reader import SourceMissing
+from datastore.readers.hdf5_reader import SourceError
 from datastore.readers.identity import identity
 from datastore.service.errors import ServiceError
 from datastore.service.file_state import dataset_paths, files_state, files_stats
@@ -154,7 +154,8 @@ class Resident:
     checking: threading.Lock = field(default_factory=threading.Lock)  # one comparison at once
     retired: bool = False  # its files changed: closed once its last session ends
     load_error: str = ""  # why reading it in failed ("": it did not)
-    missing: tuple[str, ...] = ()  # where a file the reading-in missed may appear: a change
+    blamed: tuple[str, ...] = ()  # files a failed reading-in blamed (a virtual source's)
+    blamed_state: bytes = b""  # their ``files_state`` then: a change (one there, or fixed)
     asked_fields: dict[tuple, list[Delivered]] = field(default_factory=dict)  # peers' asks
 
     @property
@@ -640,7 +641,7 @@ class Residency:
                 return
             local = _read_files(r.reader.local if r.owner is not None else r.reader)
             same = files_state([*dataset_paths(path), *local]) == r.state
-            same = same and not any(map(os.path.exists, r.missing))
+            same = same and (not r.blamed or files_state(r.blamed) == r.blamed_state)
             if same and peers and r.owner is not None:
                 same = _digest(self._describe_others(r.template)) == r.peers_state
             if peers or r.owner is None:
@@ -796,8 +797,9 @@ class Residency:
         try:
             r.store.preload(self._threads, stop=r.stop)
         except Exception as exc:  # a bad sample: loads and new sessions are refused, naming it
+            r.blamed = exc.places if isinstance(exc, SourceError) else ()
+            r.blamed_state = files_state(r.blamed)
             r.load_error = str(exc)
-            r.missing = exc.places if isinstance(exc, SourceMissing) else ()
             self._event("load_failed", dataset=r.path, msg=str(exc))
             return
         if not r.stop.is_set():
