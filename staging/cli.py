@@ -184,7 +184,12 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Stage here (``--service`` is handed to the service by ``datastore.cli``)."""
-    for flag, given in (("--load", args.load), ("--tls-ca", args.tls_ca is not None)):
+    about_the_service = (
+        ("--load", args.load),
+        ("--token-file", args.token_file is not None),
+        ("--tls-ca", args.tls_ca is not None),
+    )
+    for flag, given in about_the_service:
         if given:
             print(
                 f"datastore stage: error: {flag} needs --service (it is about the service)",

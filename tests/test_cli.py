@@ -88,3 +88,18 @@ def test_an_empty_path_is_a_usage_error_naming_it(argv, argument, capsys):
     command = f"datastore {argv[0]}"
     said = f"{command}: error: argument {argument}: an empty path (see {command} --help)\n"
     assert capsys.readouterr() == ("", said)
+
+
+@pytest.mark.parametrize("flag", ["--load", "--token-file", "--tls-ca"])
+def test_a_service_option_without_service_is_refused(flag, tmp_path, capsys):
+    """``--token-file`` without ``--service`` staged here and ignored it, where ``--load`` and
+    ``--tls-ca`` were refused."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"a")
+    (tmp_path / "secret").write_text("s")
+    value = [] if flag == "--load" else [str(tmp_path / "secret")]
+    argv = ["stage", str(tmp_path / "src"), "--to", str(tmp_path / "dst"), flag, *value]
+    assert main(argv) == 2
+    said = f"datastore stage: error: {flag} needs --service (it is about the service)\n"
+    assert capsys.readouterr() == ("", said)
+    assert not (tmp_path / "dst").exists()
