@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from staging.config import MODES, StageConfig, default_streams
-from staging.console import path_arg
+from staging.console import path_arg, whole
 from staging.directio import IO_MODES
 from staging.exitcodes import Agreed, Exit
 
@@ -32,14 +32,6 @@ examples:
   datastore stage --verify --to /l/ssd/cosmo
   datastore stage /lustre/proj/cosmo.tar.zst --to /l/ssd/cosmo --service
 """
-
-
-def whole(text: str) -> int:
-    """``--streams N``, ``--ranks-per-node N``: a whole number >= 1 (an explicit
-    ``--streams 0`` is not "the default", it is an error)."""
-    if not text.strip().isdecimal() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return int(text)
 
 
 def _default_streams_text() -> str:

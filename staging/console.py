@@ -14,7 +14,15 @@ from typing import Any, NoReturn, TypeVar
 
 from staging.exitcodes import Exit
 
-__all__ = ["Parser", "grpc_errors_only", "option_type", "path_arg", "reader_gone", "whole_lines"]
+__all__ = [
+    "Parser",
+    "grpc_errors_only",
+    "option_type",
+    "path_arg",
+    "reader_gone",
+    "whole",
+    "whole_lines",
+]
 
 T = TypeVar("T")
 
@@ -100,3 +108,11 @@ def path_arg(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("an empty path")
     return text
+
+
+def whole(text: str) -> int:
+    """The argparse type of a count: a whole number >= 1 (an explicit ``--streams 0`` is not
+    "the default", it is an error)."""
+    if not text.strip().isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)

@@ -126,10 +126,10 @@ def test_cli_writes_a_split_that_datastore_inspect_reads(tmp_path):
         with h5py.File(out / name) as f:
             assert np.array_equal(f["x"][0], cosmo.sample(1, split, 0, 8)[0])
     bad = subprocess.run(
-        [sys.executable, "-m", "trainer.cosmology", str(out), "--samples", "0"],
+        [sys.executable, "-m", "trainer.cosmology", str(out), "--size", "1"],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
-    assert bad.returncode == 2 and "n_samples" in bad.stderr
+    assert bad.returncode == 2 and "size >= 2" in bad.stderr
 
 
 def test_per_sample_files_hold_the_same_samples_and_read_as_hdf5_per_sample(tmp_path):
@@ -166,7 +166,7 @@ def test_cli_per_sample_writes_two_directories(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["out", "--samples", "x"], "argument --samples: invalid int value: 'x'"),
+        (["out", "--samples", "x"], "argument --samples: must be a whole number >= 1, got 'x'"),
         (["out", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
@@ -177,3 +177,18 @@ def test_a_usage_error_is_one_line(argv, says, capsys):
     assert stopped.value.code == 2
     prog = "python -m trainer.cosmology"
     assert capsys.readouterr() == ("", f"{prog}: error: {says} (see {prog} --help)\n")
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--samples", "0"), ("--samples", "-1"), ("--val-samples", "0")]
+)
+def test_a_count_below_one_is_a_usage_error_writing_nothing(option, value, tmp_path, capsys):
+    """``--samples 0`` got past argparse, made OUT and was refused by ``write_split``."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        cosmo.main([str(out), option, value])
+    assert stopped.value.code == 2
+    prog = "python -m trainer.cosmology"
+    says = f"argument {option}: must be a whole number >= 1, got '{value}'"
+    assert capsys.readouterr() == ("", f"{prog}: error: {says} (see {prog} --help)\n")
+    assert not out.exists()

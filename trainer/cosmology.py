@@ -54,7 +54,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from staging.console import Parser
+from staging.console import Parser, whole
 from staging.exitcodes import Exit
 
 __all__ = [
@@ -322,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         "spectrum parameters in [-1, 1].",
     )
     p.add_argument("out", metavar="OUT", help="directory to write the two splits in")
-    p.add_argument("--samples", type=int, default=512, help="training samples (default 512)")
+    p.add_argument("--samples", type=whole, default=512, help="training samples (default 512)")
     p.add_argument(
-        "--val-samples", type=int, default=None, help="validation samples (default samples/4)"
+        "--val-samples", type=whole, default=None, help="validation samples (default samples/4)"
     )
     p.add_argument("--size", type=int, default=32, help="grid points per axis (default 32)")
     p.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
