@@ -309,10 +309,10 @@ def test_a_bad_memory_budget_is_one_line_naming_it_and_exit_2(tmp_path, capsys, 
     from datastore.cli import main
 
     assert main(["serve", "--socket", str(tmp_path / "s.sock"), "--memory-budget", budget]) == 2
-    units = "a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
+    units = "a plain number is bytes and K, M, G, T are powers of 1024"
     assert capsys.readouterr().err == (
-        f"datastore serve: error: argument --memory-budget: {why} ({units}; leave it out for "
-        "no limit) (see datastore serve --help)\n"
+        f"datastore serve: error: argument --memory-budget: {why}; {units}; leave it out for "
+        "no limit (see datastore serve --help)\n"
     )
     assert not (tmp_path / "s.sock").exists()
 

@@ -1036,14 +1036,14 @@ def test_an_empty_path_option_is_refused(option, capsys, tmp_path):
     )
 
 
-UNITS = "(a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
+UNITS = "; a plain number is bytes and K, M, G, T are powers of 1024"
 
 
 @pytest.mark.parametrize(
     "size, said",
     [
-        ("0.5", f"--memory-budget must be >= 1, got '0.5' {UNITS}; leave it out for no limit)"),
-        ("0", f"--memory-budget must be >= 1, got '0' {UNITS}; leave it out for no limit)"),
+        ("0.5", f"--memory-budget must be >= 1, got '0.5'{UNITS}; leave it out for no limit"),
+        ("0", f"--memory-budget must be >= 1, got '0'{UNITS}; leave it out for no limit"),
         ("0.5K", 512),
         ("2G", 2 << 30),
     ],

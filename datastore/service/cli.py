@@ -372,5 +372,5 @@ def parse_bytes(text: str, option: str) -> int:
     try:
         return parse_size(text, option, least=1)
     except ValueError as exc:  # (what is wrong with it: not a number, a fraction of a byte)
-        units = "a plain number is bytes; K, M, G, T: powers of 1024, e.g. 512M, 64G"
-        raise ValueError(f"{exc} ({units}; leave it out for no limit)") from None
+        units = "a plain number is bytes and K, M, G, T are powers of 1024"
+        raise ValueError(f"{exc}; {units}; leave it out for no limit") from None
