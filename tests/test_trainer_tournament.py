@@ -161,6 +161,7 @@ def test_tournament_config(tmp_path):
         ("", ["data_address="], "'data_address': a tournament's trainers read through one"),
         ("", ["spatial_parts=[2,1,1]"], "'spatial_parts': each trainer of a tournament is one"),
         ("", ["checkpoint_dir=ck"], "'checkpoint_dir': a tournament does not checkpoint"),
+        ("", ["checkpoint_dir=ck", "checkpoint_interval=5"], "empty, and checkpoint_interval=0"),
         ("", ["tournament.lrs=[nan, 1e-3]"], "'tournament.lrs': expected a finite number"),
         ("", ["tournament.seed=-1"], "'tournament.seed': must be between 0 and 2**64 - 1"),
         ("", [f"seed={2**64 - 1}"], "'seed': trainer k takes seed + k, and seed"),

@@ -308,10 +308,11 @@ class TournamentConfig:
                 f"config key 'spatial_parts': each trainer of a tournament is one process, "
                 f"so it cannot split samples; got {list(t.spatial_parts)}"
             )
-        if t.checkpoint_dir:
+        if t.checkpoint_dir:  # (an empty one with an interval is refused as a training's)
+            also = ", and checkpoint_interval=0" if t.checkpoint_interval else ""
             raise ConfigError(
                 "config key 'checkpoint_dir': a tournament does not checkpoint (it cannot "
-                "resume yet); leave it empty"
+                f"resume yet); leave it empty{also}"
             )
 
     def trainer_config(self, k: int) -> TrainConfig:
