@@ -74,12 +74,12 @@ read_jobs() {
 
 # trainer_args I: fill TRAINER_ARGS with the arguments of `python -m trainer` for job I.
 # CONFIG written `tournament:FILE` runs `trainer tournament` (one process per trainer, no
-# checkpoint) instead of `trainer train`.
+# checkpoint: a checkpoint_dir of FILE is emptied) instead of `trainer train`.
 trainer_args() {
     local i=$1 kv sets dir=$OUT/jobs/${JOB_NAME[$1]} config=${JOB_CONFIG[$1]}
     if [[ $config == tournament:* ]]; then
         TRAINER_ARGS=(tournament --config "${config#tournament:}" --set "data=$DATA"
-            --set "log_file=$dir/log.jsonl")
+            --set "log_file=$dir/log.jsonl" --set checkpoint_dir= --set checkpoint_interval=0)
     else
         TRAINER_ARGS=(train --config "$config" --set "data=$DATA"
             --set "log_file=$dir/log.jsonl" --set "checkpoint_dir=$dir")

@@ -242,6 +242,28 @@ def test_a_phase_or_ranks_out_of_range_is_refused_not_wrapped(tmp_path, line, me
         assert (r.returncode, r.stdout) == (0, "2|999999|1|999999|"), r.stderr
 
 
+def test_a_tournament_job_runs_on_a_config_that_checkpoints(tmp_path):
+    """``tournament:trainer/configs/cosmoflow.toml`` (its checkpoint_dir and interval 100)
+    was refused by the trainer, and a jobs line cannot empty a key (KEY=VALUE)."""
+    from trainer.config import load_tournament
+
+    config = ROOT / "trainer" / "configs" / "cosmoflow.toml"
+    jobs = _write_jobs(tmp_path / "t.jobs", [f"1 2 ltfb tournament:{config} tournament.interval=2"])
+    script = 'OUT=/o DATA=/d; source "$1"; read_jobs "$2"; trainer_args 0; '
+    script += 'printf "%s\\n" "${TRAINER_ARGS[@]}"'
+    r = subprocess.run(
+        ["bash", "-c", script, "-", str(DEPLOY / "campaign-lib.sh"), str(jobs)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    args = r.stdout.splitlines()
+    sets = ["data=/d", "log_file=/o/jobs/ltfb/log.jsonl", "checkpoint_dir=",
+            "checkpoint_interval=0", "tournament.interval=2"]  # fmt: skip
+    assert args == ["tournament", "--config", str(config), *(a for s in sets for a in ("--set", s))]
+    cfg = load_tournament(str(config), [*sets, "data_address=/s.sock"])
+    assert (cfg.train.checkpoint_dir, cfg.train.checkpoint_interval) == ("", 0)
+
+
 def test_a_jobs_file_with_crlf_line_endings_and_a_byte_order_mark_is_read(tmp_path):
     jobs = _write_jobs(
         tmp_path / "dos.jobs", ["1 1 a CONFIG", "# a comment", "", "2 1 b CONFIG lr=0.1"]
