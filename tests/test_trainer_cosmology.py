@@ -192,3 +192,14 @@ def test_a_count_below_one_is_a_usage_error_writing_nothing(option, value, tmp_p
     says = f"argument {option}: must be a whole number >= 1, got '{value}'"
     assert capsys.readouterr() == ("", f"{prog}: error: {says} (see {prog} --help)\n")
     assert not out.exists()
+
+
+def test_a_refused_split_writes_nothing(tmp_path, capsys):
+    """``--size 1`` left an empty OUT; a validation count of 0 left ``train.h5`` written
+    beside the error."""
+    with pytest.raises(ValueError, match=r"need n_samples >= 1 and size >= 2, got 0, 8"):
+        cosmo.write_split(tmp_path / "a", 4, 0, 8, 0)
+    assert cosmo.main([str(tmp_path / "b"), "--size", "1"]) == 2
+    said = "trainer.cosmology: need n_samples >= 1 and size >= 2, got 512, 1\n"
+    assert capsys.readouterr() == ("", said)
+    assert sorted(os.listdir(tmp_path)) == []

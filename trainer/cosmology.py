@@ -306,7 +306,9 @@ def write_split(
 ) -> None:
     """``out_dir/train.h5`` (split 0) and ``out_dir/validation.h5`` (split 1); with
     ``per_sample``, the directories ``out_dir/train`` and ``out_dir/validation``
-    (:func:`write_dataset`)."""
+    (:func:`write_dataset`); nothing is written when either split would be refused."""
+    for n in (n_train, n_val):
+        _check_sizes(n, size, noise)
     os.makedirs(out_dir, exist_ok=True)
     for name, n, split in (("train", n_train, 0), ("validation", n_val, 1)):
         path = os.path.join(out_dir, name if per_sample else f"{name}.h5")
