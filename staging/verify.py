@@ -100,6 +100,7 @@ def verify_command(cfg: Any, comm: Any) -> int:
         if cfg.json:
             print(json.dumps({"verified": total, "problems": bad, "errors": errs}))
         elif not cfg.quiet:
-            print(f"verified {total} entries: {len(bad)} problem(s)")
+            failed = f"; {len(errs)} error(s)" if errs else ""  # (a DEST not verified)
+            print(f"verified {total} entries: {len(bad)} problem(s){failed}")
         code = Exit.FAILED if errs else (Exit.MISMATCH if bad else Exit.OK)
     return Agreed(comm.bcast(code, root=0))

@@ -103,3 +103,11 @@ def test_a_service_option_without_service_is_refused(flag, tmp_path, capsys):
     said = f"datastore stage: error: {flag} needs --service (it is about the service)\n"
     assert capsys.readouterr() == ("", said)
     assert not (tmp_path / "dst").exists()
+
+
+def test_verify_without_a_manifest_counts_the_error_in_its_summary(tmp_path, capsys):
+    """The summary said ``verified 0 entries: 0 problem(s)`` beside the error and exit 1."""
+    assert main(["stage", "--verify", "--to", str(tmp_path)]) == 1
+    err = f"datastore stage: verify: {tmp_path}: no manifest (nothing was staged here with "
+    err += "datastore stage)\n"
+    assert capsys.readouterr() == ("verified 0 entries: 0 problem(s); 1 error(s)\n", err)
