@@ -97,7 +97,7 @@ refuse() {
 }
 socket_of() { echo "$SOCKET_DIR/node$1.sock"; }
 bytes=$(socket_of $((NODES - 1)) | tr -d '\n' | wc -c)
-((bytes <= 107)) || refuse "socket path $(socket_of $((NODES - 1))) is $bytes bytes, over the 107-byte limit of a Unix socket (set a shorter SOCKET_DIR or TMPDIR)"
+((bytes <= 105)) || refuse "socket path $(socket_of $((NODES - 1))) is $bytes bytes, over the 105-byte limit of a Unix socket (set a shorter SOCKET_DIR or TMPDIR)"
 mkdir -p "$WORK" || refuse "WORK $WORK: cannot create it"
 if [[ ! -w $WORK ]] || ! mkdir -p "$WORK/logs" "$WORK/state"; then
     refuse "WORK $WORK: cannot write in it"

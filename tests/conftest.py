@@ -67,7 +67,7 @@ def make_tree():
 def short_tmp() -> Iterator[Path]:
     """A fresh directory with a short path (``ds-XXXXXXXX`` in the system's temporary directory,
     ``/tmp`` unless ``TMPDIR`` says otherwise), removed afterwards, for what holds Unix sockets
-    (at most 107 bytes of path): ``tmp_path`` grows with the user's name and pytest-xdist's
+    (at most 105 bytes of path): ``tmp_path`` grows with the user's name and pytest-xdist's
     worker directories."""
     path = Path(tempfile.mkdtemp(prefix="ds-"))
     yield path

@@ -349,7 +349,7 @@ def test_the_same_job_name_twice_and_bad_parameters_are_refused(tmp_path, short_
         ([], {"SOCKET_DIR": str(tmp_path / "a-file")}, "/a-file: cannot create it"),
         (["--work", str(tmp_path / "no-logs")], {}, "/no-logs: cannot write in it"),
         ([], {"TMPDIR": str(tmp_path / "missing")}, "/missing: cannot make the sockets' dir"),
-        ([], {"TMPDIR": str(long_tmp)}, "over the 107-byte limit of a Unix socket"),
+        ([], {"TMPDIR": str(long_tmp)}, "over the 105-byte limit of a Unix socket"),
     ]:
         r = subprocess.run(
             ["bash", str(CAMPAIGN), "--work", str(tmp_path / "work"), *args],

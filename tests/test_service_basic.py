@@ -109,10 +109,10 @@ def stub(target: str) -> tuple[grpc.Channel, pb_grpc.DataStoreStub]:
 
 
 @pytest.fixture
-def env(tmp_path):
+def env(short_tmp):
     e = {k: v for k, v in os.environ.items() if k != "DATASTORE_ADDRESS"}
-    e["XDG_RUNTIME_DIR"] = str(tmp_path / "runtime")  # never the real default directory
-    (tmp_path / "runtime").mkdir()
+    # never the real default directory; a short one: the default socket's path must fit
+    e["XDG_RUNTIME_DIR"] = str(short_tmp)
     # segments of their own: a service another test killed leaves some in /dev/shm, and the
     # first service to start then warns `removed_stale_segments`, a line the tests here count
     shm = tempfile.mkdtemp(prefix="basic-", dir="/dev/shm")

@@ -153,11 +153,10 @@ class Job:
 
 
 @pytest.fixture
-def env(tmp_path):
-    (tmp_path / "runtime").mkdir()
+def env(tmp_path, short_tmp):
     return {
         **os.environ,
-        "XDG_RUNTIME_DIR": str(tmp_path / "runtime"),  # never the real default directory
+        "XDG_RUNTIME_DIR": str(short_tmp),  # never the real default directory; a short path
         "XDG_STATE_HOME": str(tmp_path / "state"),
     }
 

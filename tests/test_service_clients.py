@@ -304,3 +304,17 @@ def test_another_users_socket_is_said_to_be_theirs_not_a_service_to_start():
         "no access to unix:///r/s.sock: permission denied (a socket of another user's service: "
         "start your own, or pass --address)"
     )
+
+
+def test_a_socket_path_grpc_cannot_bind_is_refused_in_one_line(short_tmp):
+    """A socket path of 106 bytes passed the check (107, sun_path's) and grpcio 1.85 then
+    refused to bind it: `datastore serve: internal error: RuntimeError: Failed to bind`."""
+    fits = short_tmp / ("x" * (105 - len(str(short_tmp)) - 1))
+    over = short_tmp / ("y" * (106 - len(str(short_tmp)) - 1))
+    assert (len(str(fits)), len(str(over))) == (105, 106)
+    with pytest.raises(ValueError) as err:
+        claim_socket(over, private=False)
+    assert str(err.value) == (
+        f"socket path is 106 bytes, over the 105-byte limit of a Unix socket: {over}"
+    )
+    claim_socket(fits, private=False).release()

@@ -49,7 +49,7 @@ __all__ = [
 SOCKET_NAME = "datastore.sock"
 ADDRESS_ENV = "DATASTORE_ADDRESS"
 """The environment variable naming the service clients call (a socket path or ``HOST:PORT``)."""
-MAX_UNIX_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
+MAX_UNIX_PATH = 105  # gRPC binds no longer path (sun_path is 108 bytes; 106 refused by grpcio 1.85)
 MAX_PATH = 4096
 """The longest path a request may name, in bytes (Linux's ``PATH_MAX``)."""
 
