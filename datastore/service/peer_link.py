@@ -41,7 +41,6 @@ __all__ = [
     "fitted",
     "nbytes",
     "node_path",
-    "segments",
     "sizes_of",
     "targets",
     "zero_rest",
@@ -124,11 +123,6 @@ the rest zeroed (:func:`zero_rest`): a block's box, its part inside the volume a
 Segments = np.ndarray | Sequence[np.ndarray | Box]
 """Where a fetch's bytes land: one uint8 buffer, or several filled one after the other, and
 :data:`Box` parts."""
-
-
-def segments(out: Segments) -> list[np.ndarray]:
-    """``out`` as a list of its non-empty 1-d uint8 buffers (no :data:`Box` parts)."""
-    return [b for b in ([out] if isinstance(out, np.ndarray) else out) if b.nbytes]
 
 
 def targets(out: Segments) -> list[np.ndarray | Box]:
