@@ -771,10 +771,11 @@ def _source_dataset(f: h5py.File, name: str) -> h5py.Dataset | None:
 
 def _check_mapping(ds: h5py.Dataset, m: Any, source: h5py.Dataset | None, place: str) -> None:
     """Refuse the mapping ``m`` of the virtual dataset ``ds`` when the source file at ``place``
-    lacks its dataset (``source`` None), holds it in a dtype ``ds``'s cannot hold exactly, or of
-    a shape the mapping does not fit (``_misfit``): HDF5 reads the first as the fill
-    value, converts the second and reads the third as the fill value or as other elements,
-    or fails the read, without a word at open.
+    lacks its dataset (``source`` None), holds it in a type HDF5 cannot convert to ``ds``'s
+    (``_converts``: text or records into numbers), or of a shape the mapping does not fit
+    (``_misfit``): HDF5 reads the first as the fill value, fails the second's read, and reads
+    the third as the fill value or as other elements, or fails the read, without a word at
+    open.
 
     Raises:
         SourceMissing: naming ``ds``'s file and field, the source file and dataset, when the
